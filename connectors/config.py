@@ -1,0 +1,105 @@
+"""Typed settings of the connectors: the ``[kafka]`` and ``[buffer]`` sections.
+
+Each field is documented where it is declared; ``pipeline.config`` composes
+these models into the full ``hourglass.toml`` schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaConfig(_Section):
+    """Where traces and feedback come from (any Kafka-compatible cluster)."""
+
+    bootstrap_servers: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:19092"],
+        min_length=1,
+        description="host:port of one or more brokers.",
+    )
+    embedded: bool = Field(
+        default=True,
+        description="`hourglass up` starts a local Tansu broker on the first bootstrap address.",
+    )
+    traces_topic: str = Field(default="hourglass.traces", description="Topic of trace events.")
+    feedback_topic: str = Field(default="hourglass.feedback", description="Topic of feedback events.")
+    group_id: str = Field(default="hourglass-ingest", min_length=1, description="Consumer group of the ingest workers.")
+    partitions: int = Field(default=3, ge=1, le=1024, description="Partitions per topic when Hourglass creates it.")
+    replication_factor: int = Field(default=1, ge=1, le=16, description="Replicas per partition when Hourglass creates a topic.")
+    session_timeout_ms: int = Field(default=6000, ge=1000, description="Consumer-group session timeout (ms).")
+    heartbeat_interval_ms: int = Field(default=1000, ge=100, description="Consumer heartbeat interval (ms).")
+    batch_max_records: int = Field(default=2000, ge=1, description="Records per poll/commit batch at most.")
+    batch_timeout_ms: int = Field(default=500, ge=1, description="Longest wait for a batch to fill (ms).")
+    request_timeout_ms: int = Field(default=30000, ge=1000, description="Client request timeout (ms).")
+    max_record_bytes: int = Field(default=1_048_576, ge=1024, description="Larger records are dead-lettered as oversize.")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port(cls, servers: list[str]) -> list[str]:
+        for server in servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"bootstrap server {server!r} is not host:port with a port in 1..65535")
+        return servers
+
+    @field_validator("traces_topic", "feedback_topic")
+    @classmethod
+    def _topic_name(cls, topic: str) -> str:
+        if not topic or len(topic) > 249 or set(topic) - _TOPIC_CHARS or topic in {".", ".."}:
+            raise ValueError(f"topic {topic!r} is not a legal Kafka topic name ([a-zA-Z0-9._-], 1-249 chars)")
+        return topic
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self) -> "KafkaConfig":
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms={self.heartbeat_interval_ms} must be at most a third of "
+                f"session_timeout_ms={self.session_timeout_ms}"
+            )
+        return self
+
+
+class RewardSpec(_Section):
+    """How feedback signals map to one scalar reward in [-1, 1] (before clipping).
+
+    The first signal present, in ``priority`` order, gives the reward and its
+    source: an explicit ``reward`` is taken as is; ``thumbs`` up/down maps to
+    ``thumbs_up`` / ``thumbs_down``; a ``rating`` r in 1..5 maps linearly to
+    ``(r - 3) / 2``; ``edited`` and ``regenerated`` add their (negative) values.
+    """
+
+    priority: list[Literal["reward", "thumbs", "rating", "edited", "regenerated"]] = Field(
+        default_factory=lambda: ["reward", "thumbs", "rating", "edited", "regenerated"],
+        description="Order in which signals are looked for.",
+    )
+    thumbs_up: float = Field(default=1.0, description="Reward for a thumbs-up.")
+    thumbs_down: float = Field(default=-1.0, description="Reward for a thumbs-down.")
+    edited: float = Field(default=-0.5, description="Reward when the user edited the answer.")
+    regenerated: float = Field(default=-0.5, description="Reward when the user asked for another answer.")
+    clip: float = Field(default=10.0, gt=0, description="Rewards are clipped to [-clip, clip].")
+
+
+class BufferConfig(_Section):
+    """The Arrow reward buffer and the dead-letter store."""
+
+    root: str = Field(
+        default=".hourglass/buffer",
+        min_length=1,
+        description="Local folder or a pyarrow.fs URI (s3://bucket/prefix, gs://...) for segments.",
+    )
+    dead_letter_root: str = Field(default=".hourglass/dead-letter", min_length=1, description="Where dead-lettered records go.")
+    segment_max_rows: int = Field(default=5000, ge=1, description="Rows per segment at most.")
+    feedback_join_window_s: float = Field(
+        default=3600.0, gt=0, description="How long feedback waits for its trace (and a trace for its feedback), seconds."
+    )
+    retention_hours: float = Field(default=24 * 7, gt=0, description="Hourly partitions older than this are deleted.")
+    retention_max_bytes: int = Field(default=10 * 1024**3, ge=1024, description="Oldest partitions go first above this size.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Feedback signal to reward mapping.")

@@ -1,0 +1,2 @@
+"""Control: typed config, local stack, registry, serving control, scheduler,
+ops API, CLI and the always-on service."""

@@ -1,0 +1,181 @@
+"""The whole ``hourglass.toml`` as one typed, validated object.
+
+Sections: ``kafka``, ``buffer`` (connectors), ``model``, ``candidates``,
+``rl`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
+Any field may be overridden by an environment variable named
+``HOURGLASS_<SECTION>__<FIELD>`` (nested with ``__``), for example
+``HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='["broker:9092"]'`` or
+``HOURGLASS_API__TOKEN=...``. Environment values win over the file.
+
+:func:`load_config` validates everything at once and raises
+:class:`~pipeline.errors.ConfigError` whose ``problems`` list names every
+mistake with its field path and the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from connectors.config import BufferConfig, KafkaConfig
+from pipeline.errors import ConfigError
+from trainer.config import CandidateConfig, ModelConfig, RLConfig
+
+ENV_PREFIX = "HOURGLASS_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScheduleConfig(_Section):
+    """When rounds run."""
+
+    cron: str | None = Field(default="0 * * * *", description="Crontab (5 fields, UTC). Hourly by default.")
+    interval_s: float | None = Field(default=None, gt=0, description="Run every N seconds instead of on the cron.")
+    enabled: bool = Field(default=True, description="False: rounds run only when triggered by hand.")
+    misfire_grace_s: int = Field(default=600, ge=1, description="A missed run still starts if this late (coalesced).")
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, cron: str | None) -> str | None:
+        if cron is not None and len(cron.split()) != 5:
+            raise ValueError(f"cron {cron!r} must have 5 fields (minute hour day month weekday)")
+        return cron
+
+
+class RegistryConfig(_Section):
+    """The MLflow tracking server and model registry."""
+
+    tracking_uri: str = Field(default="http://127.0.0.1:15000", description="MLflow tracking URI.")
+    embedded: bool = Field(default=True, description="`hourglass up` starts a local MLflow server at tracking_uri.")
+    experiment: str = Field(default="hourglass", min_length=1, description="MLflow experiment of the rounds.")
+    champion_alias: str = Field(default="champion", pattern=r"^[a-zA-Z][a-zA-Z0-9_-]*$", description="Alias of the served version.")
+
+
+class ServingConfig(_Section):
+    """The vLLM replicas that serve the champion."""
+
+    model_name: str = Field(default="hourglass", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="Public model name clients ask for.")
+    replicas: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:18000"], min_length=1, description="Base URLs of vLLM servers.")
+    embedded: bool = Field(default=True, description="`hourglass up` starts a local vLLM on the first replica's port.")
+    max_lora_rank: int = Field(default=16, ge=1, description="vLLM --max-lora-rank.")
+    max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
+    max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, GiB.")
+    startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
+    reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
+    drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
+    staging_dir: str = Field(default=".hourglass/staging", description="Where adapters are staged before a load.")
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", url):
+                raise ValueError(f"replica {url!r} must be a base URL like http://host:port")
+        return [url.rstrip("/") for url in urls]
+
+
+class ApiConfig(_Section):
+    """The ops HTTP API and the gateway."""
+
+    host: str = Field(default="127.0.0.1", description="Bind address. Loopback by default; change deliberately.")
+    port: int = Field(default=18080, gt=0, lt=65536, description="Ops API port.")
+    gateway_port: int = Field(default=18081, gt=0, lt=65536, description="OpenAI-compatible gateway port.")
+    token: SecretStr | None = Field(default=None, description="Bearer token for state-changing calls (set HOURGLASS_API__TOKEN).")
+
+
+class HourglassConfig(BaseSettings):
+    """Everything in ``hourglass.toml``; see each section's fields."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    )
+
+    state_dir: str = Field(default=".hourglass", description="Local state: logs, pids, job store, round records.")
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    candidates: list[CandidateConfig] = Field(default_factory=lambda: [CandidateConfig(name="default")], min_length=1)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: an env var overrides the same field in the file.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "HourglassConfig":
+        names = [c.name for c in self.candidates]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"candidate names must be unique; repeated: {duplicates}")
+        too_big = [c.name for c in self.candidates if c.lora_rank > self.serving.max_lora_rank]
+        if too_big:
+            raise ValueError(
+                f"candidates {too_big} have lora_rank above serving.max_lora_rank={self.serving.max_lora_rank}"
+            )
+        return self
+
+    def resolve(self, path: str) -> Path:
+        """A config path made absolute: ``~`` expanded, relative to the cwd."""
+        return Path(os.path.expanduser(path)).resolve()
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        return f"{loc}: unknown field (typo?)"
+    value = error.get("input")
+    shown = repr(value) if not isinstance(value, dict) else "{...}"
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    return f"{loc}: {message} (got {shown})"
+
+
+def load_config(path: str | Path | None) -> HourglassConfig:
+    """Read, validate and return the configuration.
+
+    Args:
+        path: a TOML file, or None for the built-in embedded default.
+
+    Raises:
+        ConfigError: the file is missing, is not valid TOML, or fails
+            validation; ``problems`` lists every mistake found.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {str(file)!r} does not exist or is not a file")
+        try:
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{file}: not valid TOML: {err}") from err
+    try:
+        return HourglassConfig(**data)
+    except ValidationError as err:
+        problems = [_describe(e) for e in err.errors()]
+        where = str(path) if path else "defaults"
+        raise ConfigError(f"{where}: {len(problems)} problem(s) in the configuration", problems) from err
+
+

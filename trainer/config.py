@@ -1,0 +1,101 @@
+"""Typed settings of the trainer: the ``[model]``, ``[[candidates]]`` and
+``[rl]`` sections of ``hourglass.toml``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The base model that stays resident."""
+
+    name: str = Field(
+        default="smollm2-135m-instruct",
+        min_length=1,
+        description="A packaged model key (see `hourglass models list-known`) or a local folder with a HF causal LM.",
+    )
+    cache_dir: str = Field(default="~/.cache/hourglass/models", description="Where packaged models are materialised.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Training dtype of the base.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="`auto` picks cuda when available.")
+    max_seq_len: int = Field(default=1024, ge=32, description="Longest prompt + completion, tokens.")
+
+
+class RewardTerm(_Section):
+    """One weighted term of a candidate's reward mix."""
+
+    fn: str = Field(description="A built-in reward name (e.g. `exact_answer`, `logged`, `length_penalty`) or `module:function`.")
+    weight: float = Field(default=1.0, description="Weight of this term in the sum.")
+    kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict, description="Keyword arguments of the function.")
+
+
+class CandidateConfig(_Section):
+    """A named LoRA adapter and its recipe."""
+
+    name: str = Field(description="Unique slug: [a-z0-9][a-z0-9_-]{0,47}.")
+    served_model: str = Field(default="hourglass", description="The public model name (tenant) this candidate competes for.")
+    algorithm: Literal["grpo", "ppo_clip", "offline_is"] = Field(default="grpo", description="Policy-gradient loss.")
+    learning_rate: float = Field(default=1e-4, gt=0, lt=1, description="AdamW learning rate.")
+    kl_coef: float = Field(default=0.02, ge=0, description="Weight of the k3 KL penalty to the reference (base) policy.")
+    lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r.")
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Modules that get LoRA."
+    )
+    reward: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(fn="exact_answer")], min_length=1, description="Weighted reward mix."
+    )
+    data_filter: str | None = Field(default=None, description="Optional substring a prompt must contain to be used.")
+    start: Literal["champion", "fresh", "self"] = Field(default="champion", description="Where the adapter starts each round.")
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(f"candidate name {name!r} must match [a-z0-9][a-z0-9_-]{{0,47}}")
+        return name
+
+    @model_validator(mode="after")
+    def _offline_reward(self) -> "CandidateConfig":
+        if self.algorithm == "offline_is" and not any(term.fn == "logged" for term in self.reward):
+            raise ValueError("algorithm 'offline_is' learns from logged rewards: add a reward term with fn = 'logged'")
+        return self
+
+
+class RLConfig(_Section):
+    """How a round trains, evaluates and gates."""
+
+    steps_per_round: int = Field(default=4, ge=1, description="Optimizer steps S per candidate per round.")
+    prompts_per_step: int = Field(default=4, ge=1, description="Prompts per optimizer step.")
+    group_size: int = Field(default=4, ge=1, description="Rollouts G per prompt (GRPO group).")
+    max_new_tokens: int = Field(default=32, ge=1, description="Longest rollout, tokens.")
+    temperature: float = Field(default=1.0, gt=0, description="Rollout sampling temperature.")
+    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO-clip epsilon.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
+    heldout_fraction: float = Field(default=0.2, gt=0, lt=1, description="Newest fraction of the snapshot kept for evaluation.")
+    gate_margin: float = Field(default=0.0, ge=0, description="Reward margin a challenger must beat the champion by.")
+    gate_confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound.")
+    bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
+    max_kl: float = Field(default=1.0, gt=0, description="Guardrail: mean KL to base above this fails the gate.")
+    max_mean_length: int = Field(default=512, ge=1, description="Guardrail: mean completion length above this fails.")
+    adapter_store: Literal["resident", "offload"] = Field(default="offload", description="Where idle candidates wait.")
+    rollout_engine: Literal["vllm", "hf"] = Field(default="vllm", description="Rollouts from vLLM, or transformers generate.")
+    rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default: the serving one.")
+    window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
+    seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, window: str) -> str:
+        if not re.fullmatch(r"\d+[smhd]", window):
+            raise ValueError(f"window {window!r} must be a number and a unit s/m/h/d, e.g. '6h'")
+        return window
