@@ -68,7 +68,7 @@ class ServingConfig(_Section):
     max_lora_rank: int = Field(default=16, ge=1, description="vLLM --max-lora-rank.")
     max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
     max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
-    kv_cache_gib: float = Field(default=1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, GiB.")
+    kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")

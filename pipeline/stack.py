@@ -251,7 +251,7 @@ def vllm_service(
     max_lora_rank: int = 16,
     max_loras: int = 4,
     max_model_len: int = 1024,
-    kv_cache_gib: float = 1.0,
+    kv_cache_gib: int = 1,
     startup_timeout_s: float = 300.0,
 ) -> Service:
     """The vLLM OpenAI server with runtime LoRA loading enabled.
