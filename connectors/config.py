@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 _TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -103,3 +103,14 @@ class BufferConfig(_Section):
     retention_hours: float = Field(default=24 * 7, gt=0, description="Hourly partitions older than this are deleted.")
     retention_max_bytes: int = Field(default=10 * 1024**3, ge=1024, description="Oldest partitions go first above this size.")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Feedback signal to reward mapping.")
+    user_hash_key: SecretStr = Field(
+        default=SecretStr("hourglass-change-me"),
+        description="HMAC-SHA256 key for user identifiers in metadata (set HOURGLASS_BUFFER__USER_HASH_KEY in production).",
+    )
+    user_id_keys: list[str] = Field(
+        default_factory=lambda: ["user", "user_id", "userid", "email", "username", "user_email"],
+        description="Metadata keys (case-insensitive, at any depth) whose values are replaced by a keyed hash.",
+    )
+    maintenance_interval_s: float = Field(
+        default=60.0, gt=0, description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds."
+    )

@@ -17,3 +17,15 @@ class ConnectorConfigError(ConnectorError, ValueError):
 
 class BrokerUnavailableError(ConnectorError, ConnectionError):
     """The Kafka cluster could not be reached after the configured retries."""
+
+
+class DeliveryError(ConnectorError, ConnectionError):
+    """The broker did not acknowledge a produced record (``acks=all``); it may not be stored."""
+
+
+class BufferStorageError(ConnectorError, OSError):
+    """The reward buffer or dead-letter store could not write or read a file."""
+
+
+class ReplayError(ConnectorError, ValueError):
+    """A replay/backfill file could not be read as trace events."""

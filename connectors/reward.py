@@ -1,0 +1,70 @@
+"""Feedback signals -> one scalar reward and its source, per :class:`~connectors.config.RewardSpec`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from connectors.config import RewardSpec
+
+_ADJUSTMENTS = ("edited", "regenerated")
+
+
+def _value(name: str, signal: Any, spec: RewardSpec) -> float | None:
+    """The reward one present signal stands for, or None when it says nothing (e.g. ``edited=False``)."""
+    if name == "reward":
+        return float(signal)
+    if name == "thumbs":
+        return spec.thumbs_up if signal == "up" else spec.thumbs_down
+    if name == "rating":
+        return (float(signal) - 3.0) / 2.0
+    if name in _ADJUSTMENTS:
+        return getattr(spec, name) if signal else None
+    return None
+
+
+def reward_from_signals(signals: Mapping[str, Any], spec: RewardSpec) -> tuple[float | None, str | None]:
+    """Map feedback signals to ``(reward, reward_source)``.
+
+    The first signal present in ``spec.priority`` gives the base value and the
+    source (``reward`` as is, ``thumbs`` up/down -> ``thumbs_up``/``thumbs_down``,
+    ``rating`` r in 1..5 -> ``(r - 3) / 2``); ``edited`` / ``regenerated``
+    that are true and listed in the priority add their (negative) values, and
+    are named in the source (``"thumbs+edited"``). The sum is clipped to
+    ``[-spec.clip, spec.clip]``.
+
+    Returns:
+        ``(None, None)`` when no listed signal is present.
+    """
+    base: float | None = None
+    parts: list[str] = []
+    adjust = 0.0
+    for name in spec.priority:
+        if name not in signals or signals[name] is None:
+            continue
+        value = _value(name, signals[name], spec)
+        if value is None or not math.isfinite(value):
+            continue
+        if name in _ADJUSTMENTS:
+            adjust += value
+            parts.append(name)
+        elif base is None:
+            base = value
+            parts.insert(0, name)
+    if not parts:
+        return None, None
+    total = (base or 0.0) + adjust
+    return max(-spec.clip, min(spec.clip, total)), "+".join(parts)
+
+
+def merge_signals(inline: Mapping[str, Any], feedback: Iterable[tuple[datetime, Mapping[str, Any]]]) -> dict[str, Any]:
+    """Inline trace signals overridden by feedback events, later feedback (by ts) winning per signal.
+
+    Idempotent under duplicates: a redelivered feedback event changes nothing.
+    """
+    merged = dict(inline)
+    for _, signals in sorted(feedback, key=lambda item: item[0]):
+        merged.update({k: v for k, v in signals.items() if v is not None})
+    return merged

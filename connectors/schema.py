@@ -1,0 +1,245 @@
+"""Wire format of trace and feedback events, and the parser for raw Kafka values.
+
+Contract: DESIGN.md §4. A trace event (topic ``hourglass.traces``, schema tag
+``hourglass.trace/v1``) is one served completion; a feedback event (topic
+``hourglass.feedback``, tag ``hourglass.feedback/v1``) carries user signals
+about a trace, joined later by ``trace_id``.
+
+:func:`parse_record` turns the raw bytes of one Kafka record into an event or
+a :class:`Rejected` value (a dead-letter reason); it never raises on bad
+input, so one bad record cannot stop a consumer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TRACE_SCHEMA = "hourglass.trace/v1"
+FEEDBACK_SCHEMA = "hourglass.feedback/v1"
+KNOWN_SCHEMAS = (TRACE_SCHEMA, FEEDBACK_SCHEMA)
+SIGNAL_FIELDS = ("reward", "thumbs", "rating", "edited", "regenerated")
+
+# Dead-letter reason codes (stable strings; `hourglass dlq list` shows them).
+OVERSIZE = "oversize"
+NOT_UTF8 = "not_utf8"
+INVALID_JSON = "invalid_json"
+NOT_AN_OBJECT = "not_an_object"
+UNKNOWN_SCHEMA = "unknown_schema"
+NON_FINITE_REWARD = "non_finite_reward"
+SCHEMA_VIOLATION = "schema_violation"
+EMPTY_VALUE = "empty_value"
+UNMATCHED_FEEDBACK = "unmatched_feedback"
+
+
+def _to_utc(value: Any) -> Any:
+    """Epoch milliseconds (int) -> aware UTC datetime; strings are left to pydantic."""
+    if isinstance(value, bool):
+        raise ValueError("ts must be an RFC 3339 string or epoch milliseconds, not a boolean")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"ts {value!r} is not a finite epoch-milliseconds number")
+        return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
+    return value
+
+
+def _aware_utc(value: datetime) -> datetime:
+    # A timestamp without an offset is read as UTC (the contract says UTC).
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI-style chat message."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Signals(BaseModel):
+    """Feedback signals, inline on a trace or in a feedback event."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    reward: float | None = Field(default=None, description="Explicit scalar reward (finite).")
+    thumbs: Literal["up", "down"] | None = Field(default=None, description="Thumbs up / down.")
+    rating: int | None = Field(default=None, ge=1, le=5, description="Star rating 1..5.")
+    edited: bool | None = Field(default=None, description="The user edited the answer.")
+    regenerated: bool | None = Field(default=None, description="The user asked for another answer.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed on ingest.")
+
+    def signals(self) -> dict[str, Any]:
+        """The signals that are present (not None), by name."""
+        return {name: getattr(self, name) for name in SIGNAL_FIELDS if getattr(self, name) is not None}
+
+
+class TraceEvent(_Signals):
+    """One served completion (``hourglass.trace/v1``)."""
+
+    schema_: Literal["hourglass.trace/v1"] = Field(default=TRACE_SCHEMA, alias="schema")
+    trace_id: str = Field(min_length=1, max_length=256)
+    ts: datetime = Field(description="When the completion was served (UTC).")
+    model: str = Field(min_length=1, description="Served model name the client asked for.")
+    adapter_version: str | None = Field(default=None, description="Adapter version that answered; None = base.")
+    prompt: list[ChatMessage] | str = Field(description="Chat messages or plain text.")
+    completion: str
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float] | None = Field(default=None, description="Per-token natural-log probabilities.")
+
+    @field_validator("ts", mode="before")
+    @classmethod
+    def _ts_in(cls, value: Any) -> Any:
+        return _to_utc(value)
+
+    @field_validator("ts")
+    @classmethod
+    def _ts_out(cls, value: datetime) -> datetime:
+        return _aware_utc(value)
+
+    @field_validator("completion_logprobs")
+    @classmethod
+    def _finite_logprobs(cls, values: list[float] | None) -> list[float] | None:
+        if values is not None and not all(math.isfinite(v) for v in values):
+            raise ValueError("completion_logprobs must all be finite (got NaN or inf)")
+        return values
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "TraceEvent":
+        ids, lps = self.completion_token_ids, self.completion_logprobs
+        if ids is not None and lps is not None and len(ids) != len(lps):
+            raise ValueError(f"completion_token_ids has {len(ids)} entries but completion_logprobs has {len(lps)}")
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The prompt as chat messages; plain text becomes one user message."""
+        if isinstance(self.prompt, str):
+            return [{"role": "user", "content": self.prompt}]
+        return [m.model_dump(exclude_none=True) for m in self.prompt]
+
+    def to_json_bytes(self) -> bytes:
+        """The event as it goes on the wire (UTF-8 JSON, RFC 3339 ``ts``)."""
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode("utf-8")
+
+
+class FeedbackEvent(_Signals):
+    """User feedback about one trace (``hourglass.feedback/v1``)."""
+
+    schema_: Literal["hourglass.feedback/v1"] = Field(default=FEEDBACK_SCHEMA, alias="schema")
+    trace_id: str = Field(min_length=1, max_length=256)
+    ts: datetime | None = Field(default=None, description="When the feedback was given (UTC); default: ingest time.")
+
+    @field_validator("ts", mode="before")
+    @classmethod
+    def _ts_in(cls, value: Any) -> Any:
+        return None if value is None else _to_utc(value)
+
+    @field_validator("ts")
+    @classmethod
+    def _ts_out(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else _aware_utc(value)
+
+    def to_json_bytes(self) -> bytes:
+        """The event as it goes on the wire (UTF-8 JSON)."""
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode("utf-8")
+
+
+Event = TraceEvent | FeedbackEvent
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Why a record cannot be used: a reason code (see module constants) and a readable detail."""
+
+    reason: str
+    detail: str
+
+
+class UserHasher:
+    """Replaces user identifiers in metadata with ``hmac-sha256:<hex>`` (keyed, so not reversible
+    by a dictionary attack without the key).
+
+    Keys are matched case-insensitively at any depth of nested dicts/lists.
+    Source: RFC 2104 HMAC with SHA-256 (``hmac`` stdlib).
+    """
+
+    def __init__(self, key: bytes | str, id_keys: Iterable[str]) -> None:
+        self._key = key.encode("utf-8") if isinstance(key, str) else key
+        self._id_keys = frozenset(k.lower() for k in id_keys)
+
+    def digest(self, value: Any) -> str:
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return "hmac-sha256:" + hmac.new(self._key, text.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def __call__(self, metadata: Any) -> Any:
+        if isinstance(metadata, dict):
+            return {
+                k: (self.digest(v) if k.lower() in self._id_keys and v is not None else self(v))
+                for k, v in metadata.items()
+            }
+        if isinstance(metadata, list):
+            return [self(v) for v in metadata]
+        return metadata
+
+
+def _first_error(err: ValidationError) -> str:
+    problems = []
+    for e in err.errors()[:5]:
+        loc = ".".join(str(p) for p in e["loc"]) or "(event)"
+        problems.append(f"{loc}: {e['msg']}")
+    more = f" (+{err.error_count() - 5} more)" if err.error_count() > 5 else ""
+    return "; ".join(problems) + more
+
+
+def parse_record(value: bytes | None, *, max_record_bytes: int, hasher: UserHasher) -> Event | Rejected:
+    """Parse one Kafka record value into an event, or say why it is unusable.
+
+    Args:
+        value: the raw record value (None for a tombstone).
+        max_record_bytes: larger values are rejected as ``oversize``.
+        hasher: applied to ``metadata`` of valid events (user ids hashed).
+
+    Returns:
+        A :class:`TraceEvent` / :class:`FeedbackEvent`, or a :class:`Rejected`
+        with one of the reason codes ``empty_value``, ``oversize``,
+        ``not_utf8``, ``invalid_json``, ``not_an_object``, ``unknown_schema``,
+        ``non_finite_reward``, ``schema_violation``. Never raises on bad input.
+    """
+    if not value:
+        return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
+    if len(value) > max_record_bytes:
+        return Rejected(OVERSIZE, f"record is {len(value)} bytes, above kafka.max_record_bytes={max_record_bytes}")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Rejected(NOT_UTF8, f"record is not UTF-8: {err}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        return Rejected(INVALID_JSON, f"record is not valid JSON: {err}")
+    if not isinstance(data, dict):
+        return Rejected(NOT_AN_OBJECT, f"record is a JSON {type(data).__name__}, expected an object with a 'schema' tag")
+    tag = data.get("schema")
+    if tag not in KNOWN_SCHEMAS:
+        return Rejected(UNKNOWN_SCHEMA, f"schema {tag!r} is not one of {list(KNOWN_SCHEMAS)}")
+    reward = data.get("reward")
+    if isinstance(reward, float) and not math.isfinite(reward):
+        return Rejected(NON_FINITE_REWARD, f"reward is {reward!r} (NaN or infinite); rewards must be finite numbers")
+    model = TraceEvent if tag == TRACE_SCHEMA else FeedbackEvent
+    try:
+        event = model.model_validate(data)
+    except ValidationError as err:
+        return Rejected(SCHEMA_VIOLATION, f"{tag}: {_first_error(err)}")
+    if event.metadata:
+        event = event.model_copy(update={"metadata": hasher(event.metadata)})
+    return event

@@ -1,0 +1,181 @@
+"""Arrow schemas, naming and encoding of reward-buffer segments.
+
+Layout under the buffer root::
+
+    traces/dt=YYYY-MM-DD/hour=HH/seg-<ingested_ms>-<writer>-<seq>-n<rows>.arrow
+    feedback/dt=YYYY-MM-DD/hour=HH/seg-...arrow
+    manifest.json
+
+Traces are partitioned by their event ``ts`` hour (UTC), feedback by its
+``ts`` (or ingest time when absent). Each segment is one Arrow IPC file,
+immutable once renamed into place ("sealed").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from connectors.schema import FeedbackEvent, TraceEvent
+
+TS = pa.timestamp("ms", tz="UTC")
+TRACES = "traces"
+FEEDBACK = "feedback"
+
+_LINEAGE = [
+    pa.field("topic", pa.string(), nullable=False),
+    pa.field("partition", pa.int32(), nullable=False),
+    pa.field("offset", pa.int64(), nullable=False),
+    pa.field("ingested_at", TS, nullable=False),
+]
+
+TRACE_SEGMENT_SCHEMA = pa.schema([
+    pa.field("trace_id", pa.string(), nullable=False),
+    pa.field("ts", TS, nullable=False),
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("adapter_version", pa.string()),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("completion", pa.string(), nullable=False),
+    pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    pa.field("signals", pa.string()),  # JSON of inline feedback signals, null when none
+    pa.field("metadata", pa.string(), nullable=False),
+    *_LINEAGE,
+])  # fmt: skip
+
+FEEDBACK_SEGMENT_SCHEMA = pa.schema([
+    pa.field("trace_id", pa.string(), nullable=False),
+    pa.field("ts", TS, nullable=False),
+    pa.field("signals", pa.string(), nullable=False),
+    pa.field("metadata", pa.string(), nullable=False),
+    *_LINEAGE,
+])  # fmt: skip
+
+SNAPSHOT_SCHEMA = pa.schema([
+    pa.field("trace_id", pa.string(), nullable=False),
+    pa.field("ts", TS, nullable=False),
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("adapter_version", pa.string()),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("completion", pa.string(), nullable=False),
+    pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    pa.field("reward", pa.float64()),
+    pa.field("reward_source", pa.string()),
+    pa.field("metadata", pa.string(), nullable=False),
+    *_LINEAGE,
+])  # fmt: skip
+"""Columns a snapshot has (the trainer's contract)."""
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where a record came from in Kafka."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+_PARTITION_RE = re.compile(r"(traces|feedback)/dt=(\d{4}-\d{2}-\d{2})/hour=(\d{2})/")
+_ROWS_RE = re.compile(r"-n(\d+)\.arrow$")
+
+
+def hour_of(ts: datetime) -> datetime:
+    """The UTC hour that holds ``ts`` (aware datetime, minutes and below zeroed)."""
+    return ts.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+def partition_dir(kind: str, hour: datetime) -> str:
+    """``traces/dt=2026-01-31/hour=07`` for a UTC hour."""
+    return f"{kind}/dt={hour:%Y-%m-%d}/hour={hour:%H}"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A sealed segment file as seen in a listing."""
+
+    path: str
+    kind: str
+    hour: datetime  # UTC start of its partition hour
+    rows: int
+    size: int
+
+    @property
+    def partition(self) -> str:
+        return partition_dir(self.kind, self.hour)
+
+
+def segment_info(path: str, size: int) -> SegmentInfo | None:
+    """Parse a segment path; None when it is not a segment of this layout."""
+    match = _PARTITION_RE.search(path)
+    rows = _ROWS_RE.search(path)
+    if match is None or rows is None:
+        return None
+    hour = datetime.strptime(f"{match.group(2)} {match.group(3)}", "%Y-%m-%d %H").replace(tzinfo=timezone.utc)
+    return SegmentInfo(path, match.group(1), hour, int(rows.group(1)), size)
+
+
+def overlaps(seg: SegmentInfo, start: datetime, end: datetime) -> bool:
+    """Whether the segment's hour [h, h+1h) overlaps [start, end)."""
+    return seg.hour < end and seg.hour + timedelta(hours=1) > start
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def trace_table(rows: list[tuple[TraceEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
+    """Trace events + their Kafka coordinates as a table in :data:`TRACE_SEGMENT_SCHEMA`."""
+    cols: dict[str, list[Any]] = {name: [] for name in TRACE_SEGMENT_SCHEMA.names}
+    for event, where in rows:
+        signals = event.signals()
+        cols["trace_id"].append(event.trace_id)
+        cols["ts"].append(event.ts)
+        cols["model"].append(event.model)
+        cols["adapter_version"].append(event.adapter_version)
+        cols["prompt"].append(_json(event.messages()))
+        cols["completion"].append(event.completion)
+        cols["completion_token_ids"].append(event.completion_token_ids)
+        cols["completion_logprobs"].append(event.completion_logprobs)
+        cols["signals"].append(_json(signals) if signals else None)
+        cols["metadata"].append(_json(event.metadata))
+        cols["topic"].append(where.topic)
+        cols["partition"].append(where.partition)
+        cols["offset"].append(where.offset)
+        cols["ingested_at"].append(ingested_at)
+    return pa.Table.from_pydict(cols, schema=TRACE_SEGMENT_SCHEMA)
+
+
+def feedback_table(rows: list[tuple[FeedbackEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
+    """Feedback events as a table in :data:`FEEDBACK_SEGMENT_SCHEMA` (missing ``ts`` = ``ingested_at``)."""
+    cols: dict[str, list[Any]] = {name: [] for name in FEEDBACK_SEGMENT_SCHEMA.names}
+    for event, where in rows:
+        cols["trace_id"].append(event.trace_id)
+        cols["ts"].append(event.ts or ingested_at)
+        cols["signals"].append(_json(event.signals()))
+        cols["metadata"].append(_json(event.metadata))
+        cols["topic"].append(where.topic)
+        cols["partition"].append(where.partition)
+        cols["offset"].append(where.offset)
+        cols["ingested_at"].append(ingested_at)
+    return pa.Table.from_pydict(cols, schema=FEEDBACK_SEGMENT_SCHEMA)
+
+
+def encode(table: pa.Table) -> bytes:
+    """One Arrow IPC file (random-access format) in memory."""
+    sink = pa.BufferOutputStream()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def decode(data: bytes) -> pa.Table:
+    """Inverse of :func:`encode`."""
+    return ipc.open_file(pa.BufferReader(data)).read_all()

@@ -1,0 +1,114 @@
+"""Unit tests of the reward buffer on a temporary folder: durability layout, dedup, join, retention."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow as pa
+
+from connectors.buffer import RewardBuffer
+from connectors.config import BufferConfig
+from connectors.dead_letter import DeadLetterStore
+from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent
+from connectors.segments import SNAPSHOT_SCHEMA, Coordinates
+
+T0 = datetime(2026, 3, 1, 10, 15, tzinfo=timezone.utc)
+
+
+def _cfg(tmp_path: Path, **over: object) -> BufferConfig:
+    return BufferConfig(root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"),
+                        feedback_join_window_s=600, **over)  # fmt: skip
+
+
+def _trace(i: int, ts: datetime = T0, **over: object) -> tuple[TraceEvent, Coordinates]:
+    event = TraceEvent(trace_id=f"t{i}", ts=ts, model="m", prompt=f"q{i}", completion=f"a{i}",
+                       completion_token_ids=[1, 2], completion_logprobs=[-0.5, -0.25],
+                       metadata={"reference_answer": str(i)}, **over)  # fmt: skip
+    return event, Coordinates("traces", 0, i)
+
+
+def _fb(i: int, ts: datetime, offset: int = 0, **signals: object) -> tuple[FeedbackEvent, Coordinates]:
+    return FeedbackEvent(trace_id=f"t{i}", ts=ts, **signals), Coordinates("feedback", 1, offset)
+
+
+def test_segments_are_hour_partitioned_sealed_arrow_files(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    paths = buf.append([_trace(1), _trace(2, T0 + timedelta(hours=1))], [_fb(1, T0, thumbs="up")])
+    assert len(paths) == 3
+    root = tmp_path / "buf"
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*.arrow"))
+    assert [f.rsplit("/", 1)[0] for f in files] == [
+        "feedback/dt=2026-03-01/hour=10", "traces/dt=2026-03-01/hour=10", "traces/dt=2026-03-01/hour=11"]
+    assert not list(root.rglob(".tmp-*"))  # nothing half-written is left behind
+
+
+def test_snapshot_schema_and_values(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(1, adapter_version="v3")], [])
+    snap = buf.snapshot(T0 - timedelta(hours=1), T0 + timedelta(hours=1))
+    assert snap.schema.equals(SNAPSHOT_SCHEMA)
+    row = snap.to_pylist()[0]
+    assert row["trace_id"] == "t1" and row["adapter_version"] == "v3"
+    assert json.loads(row["prompt"]) == [{"role": "user", "content": "q1"}]
+    assert row["completion_token_ids"] == [1, 2] and row["completion_logprobs"] == [-0.5, -0.25]
+    assert json.loads(row["metadata"]) == {"reference_answer": "1"}
+    assert (row["topic"], row["partition"], row["offset"]) == ("traces", 0, 1)
+    assert row["reward"] is None and row["reward_source"] is None
+
+
+def test_redelivered_trace_appears_once(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(1), _trace(2)], [])
+    buf.append([_trace(2), _trace(3)], [])  # redelivery after a crash before the commit
+    snap = buf.snapshot()
+    assert sorted(snap["trace_id"].to_pylist()) == ["t1", "t2", "t3"]
+    assert buf.stats().trace_rows == 4
+
+
+def test_feedback_joins_before_after_and_outside_window(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([], [_fb(1, T0 - timedelta(seconds=30), thumbs="up")])  # feedback before its trace
+    buf.append([_trace(1), _trace(2), _trace(3), _trace(4, reward=0.3)], [])
+    buf.append([], [_fb(2, T0 + timedelta(minutes=5), rating=1),  # after
+                    _fb(3, T0 + timedelta(hours=2), thumbs="up"),  # too late: outside the window
+                    _fb(4, T0 + timedelta(minutes=1), thumbs="down")])  # overrides nothing: reward has priority
+    rows = {r["trace_id"]: (r["reward"], r["reward_source"]) for r in buf.snapshot().to_pylist()}
+    assert rows == {"t1": (1.0, "thumbs"), "t2": (-1.0, "rating"), "t3": (None, None), "t4": (0.3, "reward")}
+
+
+def test_snapshot_window_and_consistency(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(i, T0 + timedelta(minutes=20 * i)) for i in range(6)], [])
+    snap = buf.snapshot(T0 + timedelta(minutes=20), T0 + timedelta(minutes=80))
+    assert snap["trace_id"].to_pylist() == ["t1", "t2", "t3"]
+    assert snap["ts"].type == pa.timestamp("ms", tz="UTC")
+
+
+def test_unmatched_feedback_past_window_is_dead_lettered_once(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    buf, dlq = RewardBuffer(cfg), DeadLetterStore(cfg.dead_letter_root)
+    buf.append([_trace(1)], [_fb(1, T0, 0, thumbs="up"), _fb(9, T0, 7, thumbs="down"),
+                             _fb(8, T0 + timedelta(hours=3), 8, thumbs="up")])  # fmt: skip
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(minutes=5)) == 0  # window not over yet
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=1)) == 1
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=1, minutes=5)) == 0  # not twice
+    letters = dlq.list()
+    assert [(d["reason"], d["topic"], d["offset"]) for d in letters] == [(UNMATCHED_FEEDBACK, "feedback", 7)]
+    assert json.loads(letters[0]["payload"])["trace_id"] == "t9"
+    assert buf.read_manifest()["feedback_swept_until_ms"] == int((T0 + timedelta(minutes=55)).timestamp() * 1000)
+
+
+def test_retention_by_age_then_size(tmp_path: Path) -> None:
+    writer = RewardBuffer(_cfg(tmp_path))
+    for h in range(4):
+        writer.append([_trace(h, T0 + timedelta(hours=h))], [])
+    biggest = max(seg.size for seg in writer.segments())
+    # room for one partition but not two
+    buf = RewardBuffer(_cfg(tmp_path, retention_hours=5, retention_max_bytes=max(1024, int(biggest * 1.5))))
+    now = T0 + timedelta(hours=6, minutes=30)  # cutoff 11:30: hour 10 (ends 11:00) is too old
+    removed = buf.apply_retention(now)
+    assert removed == [f"traces/dt=2026-03-01/hour={h}" for h in (10, 11, 12)]  # 10 by age, 11-12 by size
+    assert buf.snapshot()["trace_id"].to_pylist() == ["t3"]
+    assert buf.apply_retention(now) == []

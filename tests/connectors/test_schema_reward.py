@@ -1,0 +1,128 @@
+"""Unit tests of the pure logic: event parsing, dead-letter reasons, user-id hashing, reward mapping."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from connectors import schema as s
+from connectors.config import RewardSpec
+from connectors.reward import merge_signals, reward_from_signals
+
+HASHER = s.UserHasher("secret", ["user", "user_id", "email"])
+
+
+def _trace(**over: object) -> dict:
+    base = {"schema": s.TRACE_SCHEMA, "trace_id": "t1", "ts": "2026-01-02T03:04:05Z", "model": "m",
+            "adapter_version": None, "prompt": "hello", "completion": "hi"}  # fmt: skip
+    base.update(over)
+    return base
+
+
+def _parse(obj: object, max_bytes: int = 10_000) -> s.Event | s.Rejected:
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return s.parse_record(raw, max_record_bytes=max_bytes, hasher=HASHER)
+
+
+def test_trace_parses_rfc3339_and_epoch_ms_to_same_utc_time() -> None:
+    a = _parse(_trace(ts="2026-01-02T05:04:05+02:00"))
+    b = _parse(_trace(ts=int(datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).timestamp() * 1000)))
+    assert isinstance(a, s.TraceEvent) and isinstance(b, s.TraceEvent)
+    assert a.ts == b.ts == datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert a.ts.tzinfo == timezone.utc
+
+
+def test_plain_text_prompt_becomes_one_user_message() -> None:
+    event = _parse(_trace(prompt="what is 2+2?"))
+    assert isinstance(event, s.TraceEvent)
+    assert event.messages() == [{"role": "user", "content": "what is 2+2?"}]
+    chat = _parse(_trace(prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]))
+    assert isinstance(chat, s.TraceEvent)
+    assert [m["role"] for m in chat.messages()] == ["system", "user"]
+
+
+def test_user_identifiers_are_hashed_with_hmac_at_any_depth() -> None:
+    event = _parse(_trace(metadata={"user": "alice", "session": {"Email": "a@x.org"}, "task": "add"}))
+    assert isinstance(event, s.TraceEvent)
+    md = event.metadata
+    assert md["task"] == "add"
+    assert md["user"].startswith("hmac-sha256:") and "alice" not in md["user"]
+    assert md["session"]["Email"].startswith("hmac-sha256:")
+    # keyed: same input, same key -> same digest; another key -> another digest
+    assert md["user"] == HASHER.digest("alice") != s.UserHasher("other", ["user"]).digest("alice")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"", s.EMPTY_VALUE),
+        (b"{not json", s.INVALID_JSON),
+        (b"\xff\xfe\x00garbage", s.NOT_UTF8),
+        (b"[1, 2]", s.NOT_AN_OBJECT),
+        (json.dumps(_trace(schema="hourglass.trace/v2")).encode(), s.UNKNOWN_SCHEMA),
+        (json.dumps(_trace()).replace('"hi"', '"hi", "reward": NaN').encode(), s.NON_FINITE_REWARD),
+        (json.dumps(_trace()).replace('"hi"', '"hi", "reward": 1e999').encode(), s.NON_FINITE_REWARD),
+        (json.dumps({k: v for k, v in _trace().items() if k != "completion"}).encode(), s.SCHEMA_VIOLATION),
+        (json.dumps(_trace(rating=7)).encode(), s.SCHEMA_VIOLATION),
+        (json.dumps(_trace(completion_token_ids=[1, 2], completion_logprobs=[-0.1])).encode(), s.SCHEMA_VIOLATION),
+        (json.dumps(_trace(completion="x" * 5000)).encode(), s.OVERSIZE),
+    ],
+)
+def test_bad_records_are_rejected_with_reason(raw: bytes, reason: str) -> None:
+    result = s.parse_record(raw, max_record_bytes=4096, hasher=HASHER)
+    assert isinstance(result, s.Rejected)
+    assert result.reason == reason
+    assert result.detail
+
+
+def test_schema_violation_names_the_field() -> None:
+    result = _parse({k: v for k, v in _trace().items() if k != "completion"})
+    assert isinstance(result, s.Rejected) and "completion" in result.detail
+
+
+def test_feedback_event_and_wire_round_trip() -> None:
+    fb = _parse({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", "thumbs": "down", "ts": 1_700_000_000_000})
+    assert isinstance(fb, s.FeedbackEvent) and fb.signals() == {"thumbs": "down"}
+    again = s.parse_record(fb.to_json_bytes(), max_record_bytes=10_000, hasher=HASHER)
+    assert again == fb
+    trace = _parse(_trace(completion_token_ids=[5, 6], completion_logprobs=[-0.5, -1.25], reward=0.5))
+    assert isinstance(trace, s.TraceEvent)
+    assert s.parse_record(trace.to_json_bytes(), max_record_bytes=10_000, hasher=s.UserHasher("k", [])) == trace
+
+
+SPEC = RewardSpec()
+
+
+@pytest.mark.parametrize(
+    ("signals", "expected"),
+    [
+        ({}, (None, None)),
+        ({"reward": 0.25}, (0.25, "reward")),
+        ({"reward": 0.25, "thumbs": "down"}, (0.25, "reward")),
+        ({"thumbs": "up"}, (1.0, "thumbs")),
+        ({"thumbs": "down"}, (-1.0, "thumbs")),
+        ({"rating": 5}, (1.0, "rating")),
+        ({"rating": 1}, (-1.0, "rating")),
+        ({"rating": 3}, (0.0, "rating")),
+        ({"thumbs": "up", "edited": True}, (0.5, "thumbs+edited")),
+        ({"edited": True, "regenerated": True}, (-1.0, "edited+regenerated")),
+        ({"edited": False}, (None, None)),
+        ({"reward": 50.0}, (10.0, "reward")),
+    ],
+)
+def test_reward_spec_mapping(signals: dict, expected: tuple) -> None:
+    assert reward_from_signals(signals, SPEC) == expected
+
+
+def test_reward_spec_priority_is_configurable() -> None:
+    spec = RewardSpec(priority=["rating", "thumbs"], thumbs_up=0.7)
+    assert reward_from_signals({"thumbs": "up", "rating": 2}, spec) == (-0.5, "rating")
+    assert reward_from_signals({"thumbs": "up", "reward": 3.0}, spec) == (0.7, "thumbs")
+
+
+def test_later_feedback_wins_and_duplicates_change_nothing() -> None:
+    t0, t1 = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 2, tzinfo=timezone.utc)
+    merged = merge_signals({"thumbs": "up"}, [(t1, {"thumbs": "down"}), (t0, {"rating": 4}), (t1, {"thumbs": "down"})])
+    assert merged == {"thumbs": "down", "rating": 4}
