@@ -1,0 +1,376 @@
+"""The MLflow side of a round: runs, the winner's model version, and pending
+registrations that wait on local disk while MLflow is unreachable.
+
+Layout in MLflow (source: the MLflow tracking and model-registry APIs,
+``mlflow.tracking.MlflowClient``):
+
+- experiment ``registry.experiment``; one parent run per round, tagged
+  ``hourglass.round_id``, ``hourglass.window_start`` / ``window_end`` (ISO 8601,
+  UTC), ``hourglass.trace_count`` and ``hourglass.base_fingerprint``;
+- one nested run per candidate (``mlflow.parentRunId``): the recipe as params,
+  per-step metrics (``train/loss`` ... with the optimizer step as MLflow step),
+  evaluation metrics, and the adapter folder as the artifact ``adapter``;
+- one registered model per served model name; the gate's winner becomes a
+  model version carrying the same lineage tags plus ``hourglass.sha256`` (JSON
+  ``{file name: sha256 hex}`` of the adapter files) so staging can verify
+  what it downloads.
+
+Registration is write-ahead: the round (and a copy of its adapters) is saved
+under ``<state_dir>/registry/pending/<round_id>/`` first and removed only once
+MLflow holds everything, so nothing is lost when MLflow is down;
+:func:`retry_pending` finishes the job on a later cycle. Every step is
+idempotent by the round id tag, so a retry never registers a version twice.
+Alias moves (promote, rollback) live in :mod:`pipeline.aliases`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+
+from pipeline.config import HourglassConfig
+from pipeline.errors import PipelineError
+from trainer.model_store import sha256_file
+from trainer.types import CandidateResult, GateDecision, RoundResult
+
+log = logging.getLogger(__name__)
+
+TAG_ROUND = "hourglass.round_id"
+TAG_WINDOW_START = "hourglass.window_start"
+TAG_WINDOW_END = "hourglass.window_end"
+TAG_TRACES = "hourglass.trace_count"
+TAG_FINGERPRINT = "hourglass.base_fingerprint"
+TAG_CANDIDATE = "hourglass.candidate"
+TAG_SHA256 = "hourglass.sha256"
+TAG_KIND = "hourglass.run_kind"  # "round" | "candidate"
+ADAPTER_ARTIFACT = "adapter"
+
+
+class RegistryError(PipelineError, RuntimeError):
+    """MLflow refused a registry operation (the message says which and why)."""
+
+
+class RegistryUnavailableError(RegistryError, ConnectionError):
+    """MLflow could not be reached; the round waits in the pending folder."""
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    """A model version created (or found) for a round's winner."""
+
+    model: str
+    version: str
+    round_id: str
+    candidate: str
+    run_id: str
+
+
+def make_client(cfg: HourglassConfig) -> MlflowClient:
+    """An ``MlflowClient`` on ``registry.tracking_uri``.
+
+    MLflow's own HTTP retry defaults (7 retries, exponential backoff) would
+    stall a round for minutes when the server is down; unless the operator set
+    them, they are lowered so our tenacity policy and the pending folder do
+    the waiting instead.
+    """
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    return MlflowClient(tracking_uri=cfg.registry.tracking_uri, registry_uri=cfg.registry.tracking_uri)
+
+
+def mlflow_reachable(tracking_uri: str, timeout_s: float = 2.0) -> bool:
+    """True when ``GET {tracking_uri}/health`` answers 200 (always True for non-HTTP URIs)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return True
+    try:
+        return httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _transient(err: BaseException) -> bool:
+    if isinstance(err, (ConnectionError, httpx.HTTPError)):
+        return True
+    if isinstance(err, MlflowException):
+        text = str(err)
+        return err.error_code == "TEMPORARILY_UNAVAILABLE" or "Max retries exceeded" in text or "Connection" in text
+    return type(err).__module__.startswith(("requests", "urllib3"))
+
+
+# Short retries for a blip; a longer outage is the pending folder's job.
+_short_retry = retry(
+    retry=retry_if_exception(_transient), stop=stop_after_attempt(3), wait=wait_exponential(multiplier=0.5, max=2), reraise=True
+)
+
+
+# --- pending registrations on local disk ------------------------------------------
+
+
+def pending_dir(cfg: HourglassConfig) -> Path:
+    """``<state_dir>/registry/pending``: one folder per round not yet fully registered."""
+    return cfg.resolve(cfg.state_dir) / "registry" / "pending"
+
+
+def _result_to_json(result: RoundResult, adapters_root: Path, promote: bool) -> dict:
+    data = asdict(result)
+    data["window_start"] = result.window_start.isoformat()
+    data["window_end"] = result.window_end.isoformat()
+    for cand in data["candidates"]:
+        cand["adapter_dir"] = str(adapters_root / cand["name"])
+    data["_promote"] = promote
+    return data
+
+
+def _result_from_json(data: dict) -> tuple[RoundResult, bool]:
+    candidates = tuple(
+        CandidateResult(**{**c, "adapter_dir": Path(c["adapter_dir"]), "step_metrics": tuple(c["step_metrics"]),
+                           "eval_rewards": tuple(c["eval_rewards"])})
+        for c in data["candidates"]
+    )  # fmt: skip
+    result = RoundResult(
+        round_id=data["round_id"],
+        base_fingerprint=data["base_fingerprint"],
+        window_start=datetime.fromisoformat(data["window_start"]),
+        window_end=datetime.fromisoformat(data["window_end"]),
+        train_rows=data["train_rows"],
+        heldout_rows=data["heldout_rows"],
+        eval_prompt_ids=tuple(data["eval_prompt_ids"]),
+        candidates=candidates,
+        decisions={k: GateDecision(**v) for k, v in data["decisions"].items()},
+        metrics=data.get("metrics", {}),
+    )
+    return result, bool(data.get("_promote", False))
+
+
+def save_pending(cfg: HourglassConfig, result: RoundResult, promote: bool) -> Path:
+    """Write the round and a copy of its adapters to the pending folder, atomically.
+
+    Returns the round's pending folder. An existing one is kept as is.
+    """
+    root = pending_dir(cfg)
+    final = root / result.round_id
+    if (final / "round.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{result.round_id}.partial-", dir=root))
+    try:
+        for cand in result.candidates:
+            shutil.copytree(cand.adapter_dir, tmp / "adapters" / cand.name, symlinks=False)
+        data = _result_to_json(result, final / "adapters", promote)
+        (tmp / "round.json").write_text(json.dumps(data, indent=2, default=str))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_pending(cfg: HourglassConfig) -> list[str]:
+    """Round ids waiting for registration, oldest first."""
+    root = pending_dir(cfg)
+    if not root.is_dir():
+        return []
+    folders = [p for p in root.iterdir() if (p / "round.json").is_file()]
+    return [p.name for p in sorted(folders, key=lambda p: p.stat().st_mtime)]
+
+
+# --- logging and registration -------------------------------------------------------
+
+
+def _lineage_tags(result: RoundResult) -> dict[str, str]:
+    return {
+        TAG_ROUND: result.round_id,
+        TAG_WINDOW_START: result.window_start.isoformat(),
+        TAG_WINDOW_END: result.window_end.isoformat(),
+        TAG_TRACES: str(result.train_rows + result.heldout_rows),
+        TAG_FINGERPRINT: result.base_fingerprint,
+    }
+
+
+def adapter_checksums(adapter_dir: Path) -> dict[str, str]:
+    """``{file name: sha256 hex}`` of every regular file in an adapter folder (not recursive)."""
+    return {p.name: sha256_file(p) for p in sorted(Path(adapter_dir).iterdir()) if p.is_file() and not p.is_symlink()}
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created concurrently
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def _find_runs(client: MlflowClient, experiment_id: str, round_id: str, kind: str) -> list:
+    query = f"tags.`{TAG_ROUND}` = '{round_id}' and tags.`{TAG_KIND}` = '{kind}' and attributes.status = 'FINISHED'"
+    return client.search_runs([experiment_id], filter_string=query, max_results=1000)
+
+
+def _log_candidate(client: MlflowClient, experiment_id: str, parent_id: str, result: RoundResult, cand: CandidateResult) -> str:
+    tags = {**_lineage_tags(result), TAG_KIND: "candidate", TAG_CANDIDATE: cand.name, "mlflow.parentRunId": parent_id}
+    run = client.create_run(experiment_id, tags=tags, run_name=f"{result.round_id}/{cand.name}")
+    run_id = run.info.run_id
+    params = [Param(k, str(v)[:6000]) for k, v in sorted(cand.recipe.items())]
+    metrics = [
+        Metric(key, float(value), 0, step)
+        for step, row in enumerate(cand.step_metrics)
+        for key, value in row.items()
+    ]  # fmt: skip
+    metrics += [Metric(key, float(value), 0, 0) for key, value in cand.eval_metrics.items()]
+    for start in range(0, max(len(metrics), 1), 900):  # log_batch takes at most 1000 entries
+        client.log_batch(run_id, metrics=metrics[start : start + 900], params=params if start == 0 else [])
+    client.log_artifacts(run_id, str(cand.adapter_dir), artifact_path=ADAPTER_ARTIFACT)
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dict[str, str]:
+    """Log a round as a parent run and one nested run per candidate (idempotent).
+
+    Returns ``{candidate name: run id}``. A candidate already logged as a
+    FINISHED run for this round id is not logged again.
+
+    Raises:
+        MlflowException: MLflow refused or could not be reached.
+    """
+    experiment_id = _experiment_id(client, experiment)
+    done = {r.data.tags.get(TAG_CANDIDATE): r.info.run_id for r in _find_runs(client, experiment_id, result.round_id, "candidate")}
+    parents = _find_runs(client, experiment_id, result.round_id, "round")
+    if parents and all(c.name in done for c in result.candidates):
+        return {c.name: done[c.name] for c in result.candidates}
+    parent = client.create_run(experiment_id, tags={**_lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id)
+    parent_id = parent.info.run_id
+    round_metrics = [Metric(k, float(v), 0, 0) for k, v in result.metrics.items()]
+    decisions = [Param(f"gate/{m}/winner", str(d.winner)) for m, d in sorted(result.decisions.items())]
+    client.log_batch(parent_id, metrics=round_metrics, params=decisions)
+    runs = {}
+    for cand in result.candidates:
+        runs[cand.name] = done.get(cand.name) or _log_candidate(client, experiment_id, parent_id, result, cand)
+    client.set_terminated(parent_id, "FINISHED")
+    return runs
+
+
+def find_round_version(client: MlflowClient, model: str, round_id: str):
+    """The model version registered for ``round_id`` under ``model``, or None."""
+    try:
+        versions = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return versions[0] if versions else None
+
+
+def register_winner(client: MlflowClient, result: RoundResult, decision: GateDecision, run_id: str) -> RegisteredVersion:
+    """Create the model version for a gate winner, or return the one already made.
+
+    The version's tags: the round's lineage, the candidate name, and
+    ``hourglass.sha256`` with the adapter files' checksums.
+    """
+    model = decision.served_model
+    cand = next(c for c in result.candidates if c.name == decision.winner)
+    existing = find_round_version(client, model, result.round_id)
+    if existing is not None:
+        return RegisteredVersion(model, str(existing.version), result.round_id, cand.name, existing.run_id or run_id)
+    try:
+        client.create_registered_model(model, description=f"LoRA adapters served as {model!r} (Hourglass).")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    tags = {**_lineage_tags(result), TAG_CANDIDATE: cand.name, TAG_SHA256: json.dumps(adapter_checksums(cand.adapter_dir))}
+    source = f"{client.get_run(run_id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
+    version = client.create_model_version(model, source, run_id=run_id, tags=tags, description=decision.reason[:5000])
+    return RegisteredVersion(model, str(version.version), result.round_id, cand.name, run_id)
+
+
+def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResult, promote: bool) -> list[RegisteredVersion]:
+    from pipeline.aliases import promote as promote_version  # alias moves live there
+
+    runs = _short_retry(log_round)(client, cfg.registry.experiment, result)
+    registered = []
+    for decision in result.decisions.values():
+        if decision.winner is None:
+            continue
+        version = _short_retry(register_winner)(client, result, decision, runs[decision.winner])
+        registered.append(version)
+        if promote:
+            _short_retry(promote_version)(cfg, version.model, version.version, client=client, reason=f"round {result.round_id}")
+    return registered
+
+
+def register_round(
+    cfg: HourglassConfig, result: RoundResult, *, promote: bool = False, client: MlflowClient | None = None
+) -> list[RegisteredVersion]:
+    """Log a round, register each gate winner, and optionally move ``@champion`` to it.
+
+    Write-ahead: the round is saved to the pending folder first and removed
+    once MLflow holds it, so an outage loses nothing.
+
+    Returns:
+        One :class:`RegisteredVersion` per served model whose gate picked a winner.
+
+    Raises:
+        RegistryUnavailableError: MLflow could not be reached after short
+            retries; the round stays pending for :func:`retry_pending`.
+        RegistryError: MLflow refused an operation; the round stays pending.
+    """
+    folder = save_pending(cfg, result, promote)
+    stored, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
+    return _register_folder(cfg, folder, stored, promote, client or make_client(cfg))
+
+
+def _register_folder(cfg, folder: Path, result: RoundResult, promote: bool, client: MlflowClient) -> list[RegisteredVersion]:
+    try:
+        registered = _register_now(cfg, client, result, promote)
+    except Exception as err:
+        if _transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
+            raise RegistryUnavailableError(
+                f"MLflow at {cfg.registry.tracking_uri} is unreachable ({type(err).__name__}); round "
+                f"{result.round_id!r} is kept in {folder} and will be registered by retry_pending()"
+            ) from err
+        raise RegistryError(
+            f"MLflow refused to register round {result.round_id!r}: {err}; the round is kept in {folder}"
+        ) from err
+    shutil.rmtree(folder, ignore_errors=True)
+    return registered
+
+
+def retry_pending(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RegisteredVersion]:
+    """Register every pending round, oldest first; stops at the first outage.
+
+    Returns the versions registered in this call (already-registered ones
+    included, found by their round id tag). Rounds MLflow refuses stay pending
+    and are logged.
+    """
+    if not list_pending(cfg):
+        return []
+    client = client or make_client(cfg)
+    registered: list[RegisteredVersion] = []
+    for round_id in list_pending(cfg):
+        folder = pending_dir(cfg) / round_id
+        result, promote = _result_from_json(json.loads((folder / "round.json").read_text()))
+        try:
+            registered += _register_folder(cfg, folder, result, promote, client)
+        except RegistryUnavailableError:
+            log.warning("MLflow still unreachable; %d round(s) stay pending", len(list_pending(cfg)))
+            break
+        except RegistryError as err:
+            log.error("%s", err)
+    return registered

@@ -1,0 +1,333 @@
+"""Serving controller: make every vLLM replica serve each model's ``@champion``.
+
+Desired state: the ``@champion`` alias of each served model in MLflow.
+Actual state: each replica's ``GET /v1/models`` and the routes file.
+:meth:`ServingController.reconcile_once` closes the gap; :meth:`start` runs it
+every ``serving.reconcile_interval_s`` on a thread (and at once on
+:meth:`trigger`). It repairs: an alias moved by anyone (CLI, API, MLflow UI),
+a replica restarted (runtime adapters are lost), a replica added.
+
+A hot-load, in order:
+1. stage the version (:mod:`pipeline.staging`: download, checksums,
+   safetensors only, base fingerprint, rank, safe paths);
+2. load it under ``<model>-v<version>`` on every reachable replica (never
+   reloaded in place under an old name);
+3. probe a completion through that name on each replica; only then it counts;
+4. flip the route (``<state_dir>/routes.json``, written atomically; the
+   gateway reads it with :func:`read_routes`);
+5. unload the replaced version after ``serving.drain_s``.
+
+If 1–3 fail for the adapter (not for a replica being down), the previous
+champion keeps serving, the loaded copies are unloaded, the version is tagged
+``hourglass.serve_error`` with the reason, and ``@champion`` moves back to
+what is served. It is not retried until someone promotes it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from prometheus_client import Histogram
+
+from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
+from pipeline.config import HourglassConfig
+from pipeline.registry import make_client
+from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.staging import StagingError, served_name, stage_version
+
+log = logging.getLogger(__name__)
+
+HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
+ROUTES_FILE = "routes.json"
+
+
+# --- routes file -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the public model name goes now."""
+
+    served_name: str  # the vLLM model name, e.g. "hourglass-v3"
+    version: str
+    updated_at: str  # ISO 8601, UTC
+
+
+def read_routes(state_dir: str | Path) -> dict[str, Route]:
+    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent)."""
+    path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {model: Route(**entry) for model, entry in data.items()}
+
+
+def write_route(state_dir: str | Path, model: str, route: Route) -> None:
+    """Set one model's route; the file is replaced atomically (write temp, fsync, rename)."""
+    folder = Path(os.path.expanduser(str(state_dir)))
+    folder.mkdir(parents=True, exist_ok=True)
+    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
+    routes[model] = asdict(route)
+    fd, tmp = tempfile.mkstemp(prefix=".routes.", dir=folder)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(routes, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, folder / ROUTES_FILE)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# --- controller --------------------------------------------------------------------
+
+
+@dataclass
+class ModelStatus:
+    """What the controller knows about one served model (JSON-ready)."""
+
+    model: str
+    desired: str | None = None
+    serving: str | None = None
+    last_error: str | None = None
+    last_error_version: str | None = None
+    last_hotload_s: float | None = None
+    replicas: dict[str, object] = field(default_factory=dict)  # url -> served names, or "unreachable: ..."
+    updated_at: str | None = None
+
+
+class _AdapterFailure(Exception):
+    """Internal: the adapter (not the network) made the hot-load fail."""
+
+
+class ServingController:
+    """Reconciles vLLM replicas to the ``@champion`` alias of each served model.
+
+    Args:
+        cfg: the whole config (``registry``, ``serving``, ``model``, ``state_dir``).
+        models: public model names to serve; default ``[serving.model_name]``.
+        base_fingerprint: the served base's fingerprint; default computed from
+            ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+    """
+
+    def __init__(
+        self, cfg: HourglassConfig, *, models: list[str] | None = None, base_fingerprint: str | None = None,
+        client: MlflowClient | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.models = models or [cfg.serving.model_name]
+        if base_fingerprint is None:
+            from trainer import model_store
+
+            base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
+        self.base_fingerprint = base_fingerprint
+        self.client = client or make_client(cfg)
+        self.state_dir = cfg.resolve(cfg.state_dir)
+        self.staging_dir = cfg.resolve(cfg.serving.staging_dir)
+        self.replicas = [Replica(url) for url in cfg.serving.replicas]
+        self._status = {m: ModelStatus(m) for m in self.models}
+        self._draining: dict[str, float] = {}  # served name -> monotonic deadline for its unload
+        self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- public -------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict]:
+        """``{model: ModelStatus as dict}``: desired and served version, last error, replicas."""
+        return {m: asdict(s) for m, s in self._status.items()}
+
+    def reconcile_once(self) -> dict[str, dict]:
+        """One pass over every served model; returns :meth:`status`. Never raises for
+        MLflow or replica outages (they are reported in the status)."""
+        with self._lock:
+            for model in self.models:
+                try:
+                    self._reconcile_model(model)
+                except Exception as err:  # MLflow down or unexpected: report, keep serving
+                    log.warning("reconcile %s: %s", model, err)
+                    st = self._status[model]
+                    st.last_error, st.updated_at = f"{type(err).__name__}: {err}", _now()
+            self._unload_drained()
+        return self.status()
+
+    def trigger(self) -> None:
+        """Wake the loop now (e.g. right after a promote through the API)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run the reconcile loop on a daemon thread until :meth:`stop`."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="hourglass-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop and wait for the pass in progress to end."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def run(self) -> None:
+        """The loop body: reconcile, then sleep until the interval or the next unload is due."""
+        while not self._stop.is_set():
+            self.reconcile_once()
+            wait_s = self.cfg.serving.reconcile_interval_s
+            if self._draining:
+                wait_s = min(wait_s, max(0.05, min(self._draining.values()) - time.monotonic()))
+            self._wake.wait(wait_s)
+            self._wake.clear()
+
+    def close(self) -> None:
+        self.stop()
+        for replica in self.replicas:
+            replica.close()
+
+    # -- one model ----------------------------------------------------------------
+
+    def _observe(self, st: ModelStatus) -> dict[Replica, set[str]]:
+        seen: dict[Replica, set[str]] = {}
+        for replica in self.replicas:
+            try:
+                names = replica.models()
+            except (ReplicaUnreachableError, ReplicaRefusedError) as err:
+                st.replicas[replica.url] = f"unreachable: {err}"
+                continue
+            seen[replica] = set(names)
+            st.replicas[replica.url] = sorted(names)
+        return seen
+
+    def _reconcile_model(self, model: str) -> None:
+        st = self._status[model]
+        route = read_routes(self.state_dir).get(model)
+        st.serving = route.version if route else None
+        desired = champion_version(self.client, model, self.cfg.registry.champion_alias)
+        st.desired, st.updated_at = desired, _now()
+        seen = self._observe(st)
+        if desired is None or not seen:
+            return
+        name = served_name(model, desired)
+        if desired != st.serving:
+            mv = self.client.get_model_version(model, desired)
+            promoted = mv.tags.get(TAG_PROMOTED_BY)
+            if TAG_SERVE_ERROR in mv.tags or (model, desired) in self._failed and self._failed[(model, desired)] == promoted:
+                reason = mv.tags.get(TAG_SERVE_ERROR, "failed before")
+                revert_failed(self.client, self.cfg, model, desired, reason, st.serving)
+                return
+            self._roll_out(model, desired, seen, promoted)
+        else:
+            missing = [r for r, names in seen.items() if name not in names]
+            if missing:  # a replica restarted or was added
+                try:
+                    self._load_on(model, desired, missing)
+                except _AdapterFailure as err:
+                    st.last_error, st.last_error_version = str(err), desired
+        self._unload_stale(model, seen)
+
+    def _load_on(self, model: str, version: str, replicas: list[Replica]) -> list[Replica]:
+        """Stage, load and probe on ``replicas``; returns those that now serve it.
+
+        Raises:
+            _AdapterFailure: staging refused it, or a replica refused the load or probe.
+        """
+        try:
+            staged = stage_version(
+                self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
+                max_lora_rank=self.cfg.serving.max_lora_rank, tracking_uri=self.cfg.registry.tracking_uri,
+            )  # fmt: skip
+        except StagingError as err:
+            raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
+        done: list[Replica] = []
+        for replica in replicas:
+            try:
+                replica.load(staged.served_name, str(staged.path))
+                done.append(replica)
+                replica.probe(staged.served_name)
+            except ReplicaUnreachableError as err:
+                log.warning("%s; will load %s there on a later pass", err, staged.served_name)
+                if replica in done:
+                    done.remove(replica)
+            except ReplicaRefusedError as err:
+                for loaded in done:
+                    self._try_unload(loaded, staged.served_name)
+                raise _AdapterFailure(str(err)) from err
+        return done
+
+    def _roll_out(self, model: str, version: str, seen: dict[Replica, set[str]], promoted: str | None) -> None:
+        st = self._status[model]
+        started = time.monotonic()
+        name = served_name(model, version)
+        try:
+            need = [r for r, names in seen.items() if name not in names]
+            ready = self._load_on(model, version, need)
+            for replica in [r for r in seen if r not in need]:
+                replica.probe(name)  # already there (e.g. loaded by a previous pass): prove it
+                ready.append(replica)
+        except (_AdapterFailure, ReplicaRefusedError) as err:
+            reason = str(err)
+            log.error("not serving %s v%s: %s", model, version, reason)
+            st.last_error, st.last_error_version = reason, version
+            self._failed[(model, version)] = promoted
+            revert_failed(self.client, self.cfg, model, version, reason, st.serving)
+            return
+        if not ready:
+            return  # every replica went away mid-way: try again on the next pass
+        previous = read_routes(self.state_dir).get(model)
+        write_route(self.state_dir, model, Route(served_name=name, version=version, updated_at=_now()))
+        elapsed = time.monotonic() - started
+        HOTLOAD_S.observe(elapsed)
+        st.serving, st.last_hotload_s = version, elapsed
+        if st.last_error_version == version or st.last_error_version is None:
+            st.last_error, st.last_error_version = None, None
+        if previous is not None and previous.served_name != name:
+            self._draining[previous.served_name] = time.monotonic() + self.cfg.serving.drain_s
+        log.info("serving %s v%s as %s (%.2fs)", model, version, name, elapsed)
+
+    # -- unloads ------------------------------------------------------------------
+
+    def _try_unload(self, replica: Replica, name: str) -> bool:
+        try:
+            replica.unload(name)
+            return True
+        except (ReplicaUnreachableError, ReplicaRefusedError) as err:
+            log.warning("%s", err)
+            return False
+
+    def _unload_drained(self) -> None:
+        now = time.monotonic()
+        routed = {r.served_name for r in read_routes(self.state_dir).values()}
+        for name, deadline in list(self._draining.items()):
+            if deadline > now:
+                continue
+            if name not in routed:
+                for replica in self.replicas:
+                    self._try_unload(replica, name)
+            del self._draining[name]
+
+    def _unload_stale(self, model: str, seen: dict[Replica, set[str]]) -> None:
+        """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
+        st = self._status[model]
+        keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)
+        pattern = re.compile(rf"^{re.escape(model)}-v[0-9]+$")
+        for replica, names in seen.items():
+            for name in names:
+                if pattern.match(name) and name not in keep:
+                    self._try_unload(replica, name)
