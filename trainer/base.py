@@ -1,0 +1,136 @@
+"""The resident base model: loaded once, frozen, wrapped by PEFT so LoRA
+adapters can be attached per candidate.
+
+The reference policy for the KL penalty is this same model with adapters
+disabled (``with base.reference():``), so no second copy of the weights
+exists. Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
+``set_adapter``, ``delete_adapter``, ``disable_adapter``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from trainer import model_store
+from trainer.config import CandidateConfig, ModelConfig
+from trainer.losses import token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BOOT_ADAPTER = "hourglass-boot"  # PEFT needs one adapter to build the wrapper; never trained
+
+
+def lora_config(candidate: CandidateConfig) -> LoraConfig:
+    """The PEFT LoRA config of a candidate (rank r, alpha, target modules; no dropout)."""
+    return LoraConfig(
+        r=candidate.lora_rank,
+        lora_alpha=candidate.lora_alpha,
+        target_modules=list(candidate.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def pick_device(choice: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+@dataclass
+class ResidentBase:
+    """The base model (PEFT-wrapped, base weights frozen), its tokenizer and where it lives."""
+
+    model: PeftModel
+    tokenizer: PreTrainedTokenizerBase
+    path: Path
+    fingerprint: str
+    device: torch.device
+    max_seq_len: int
+
+    def chat_token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt token ids: the tokenizer's chat template with the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference policy: the base with every adapter disabled (no weight copy)."""
+        with self.model.disable_adapter():
+            yield
+
+    def completion_logprobs(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of each completion token under the active adapter (with grad).
+
+        Sequences are right-padded into one batch ``[B, L]``.
+
+        Returns:
+            ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; mask
+            is 1.0 on real completion tokens.
+        """
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+        T = max(1, max(len(c) for c in completion_ids))
+        L = max(lengths)
+        B = len(prompt_ids)
+        input_BL = torch.full((B, L), pad, dtype=torch.long)
+        attn_BL = torch.zeros((B, L), dtype=torch.long)
+        targets_BT = torch.full((B, T), pad, dtype=torch.long)
+        mask_BT = torch.zeros((B, T), dtype=torch.float32)
+        gather_BT = torch.zeros((B, T), dtype=torch.long)  # position whose logits predict token t
+        for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+            seq = list(p) + list(c)
+            input_BL[b, : len(seq)] = torch.tensor(seq)
+            attn_BL[b, : len(seq)] = 1
+            targets_BT[b, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+            mask_BT[b, : len(c)] = 1.0
+            gather_BT[b, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+        input_BL, attn_BL = input_BL.to(self.device), attn_BL.to(self.device)
+        logits_BLV = self.model(input_ids=input_BL, attention_mask=attn_BL).logits
+        index = gather_BT.to(self.device).unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1])
+        logits_BTV = logits_BLV.gather(1, index)  # [B, T, V]
+        return token_logprobs(logits_BTV, targets_BT.to(self.device)), mask_BT.to(self.device)
+
+
+def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -> ResidentBase:
+    """Load the base model once, freeze it and wrap it with PEFT.
+
+    ``cfg.name`` is resolved with :func:`trainer.model_store.resolve` (packaged
+    key or folder). The wrapper is built with an untrained boot adapter
+    (``BOOT_ADAPTER``) because PEFT needs one; the adapter store adds the
+    candidates' adapters.
+
+    Raises:
+        UnknownModelError, ModelStoreError: from ``model_store.resolve``.
+    """
+    path = model_store.resolve(cfg.name, cfg.cache_dir)
+    device = pick_device(cfg.device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(device)
+    model.requires_grad_(False)
+    model.config.use_cache = True
+    boot = boot_candidate or CandidateConfig(name="boot", lora_rank=1, target_modules=["q_proj"])
+    peft_model = get_peft_model(model, lora_config(boot), adapter_name=BOOT_ADAPTER)
+    peft_model.requires_grad_(False)
+    return ResidentBase(
+        model=peft_model,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=model_store.fingerprint_of(path),
+        device=device,
+        max_seq_len=cfg.max_seq_len,
+    )

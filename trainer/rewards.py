@@ -1,0 +1,176 @@
+"""Reward functions and the weighted reward mix of a candidate.
+
+A reward function is any callable ``(prompt_messages, completion, metadata)
+-> float``; ``metadata`` is the row's metadata object (``reference_answer``
+lives there) plus, for logged rows, ``reward`` (the logged scalar).
+
+Built-ins (name -> function): ``exact_answer``, ``json_valid``,
+``length_penalty``, ``format``, ``logged``. Anything else is imported from a
+``module:function`` path. :func:`build_reward` turns a list of
+:class:`~trainer.config.RewardTerm` into one callable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from trainer.config import RewardTerm
+from trainer.errors import RewardError
+
+Messages = list[dict[str, str]]
+
+
+class RewardFn(Protocol):
+    """``(prompt_messages, completion, metadata) -> float`` (higher is better)."""
+
+    def __call__(self, prompt_messages: Messages, completion: str, metadata: dict[str, Any], /) -> float: ...
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip().replace(",", "")
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def exact_answer(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, tol: float = 1e-6) -> float:
+    """1.0 when the last number in the completion equals ``metadata["reference_answer"]``.
+
+    Numbers compare numerically (``4.0`` == ``4``, within ``tol``); a
+    non-numeric reference compares as a stripped string with the completion's
+    last line. 0.0 otherwise.
+
+    Raises:
+        RewardError: the row has no ``reference_answer``.
+    """
+    if "reference_answer" not in metadata:
+        raise RewardError(
+            "exact_answer needs metadata['reference_answer'] on every row; "
+            f"got keys {sorted(metadata)}: use another reward for rows without references"
+        )
+    reference = str(metadata["reference_answer"]).strip()
+    ref_number = _as_number(reference)
+    if ref_number is None:
+        lines = completion.strip().splitlines()
+        return float(bool(lines) and lines[-1].strip() == reference)
+    found = _NUMBER.findall(completion)
+    if not found:
+        return 0.0
+    value = _as_number(found[-1])
+    return float(value is not None and math.isclose(value, ref_number, rel_tol=0.0, abs_tol=tol))
+
+
+def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
+    """1.0 when the completion (stripped, optional ```json fences removed) parses as JSON."""
+    text = completion.strip()
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.S)
+    if fenced:
+        text = fenced.group(1)
+    try:
+        json.loads(text)
+    except ValueError:
+        return 0.0
+    return 1.0
+
+
+def length_penalty(
+    prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, target_chars: int = 0, per_char: float = 0.01
+) -> float:
+    """``-per_char * max(0, len(completion) - target_chars)`` (characters; <= 0)."""
+    return -per_char * max(0, len(completion) - target_chars)
+
+
+def format_reward(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, max_words: int = 3) -> float:
+    """Answer-only brevity: 1.0 for a non-empty completion of at most ``max_words``
+    words that contains a number, 0.5 for a short one without a number, else 0.0."""
+    words = completion.split()
+    if not words or len(words) > max_words:
+        return 0.0
+    return 1.0 if _NUMBER.search(completion) else 0.5
+
+
+def logged(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
+    """The row's logged reward (``metadata["reward"]``); offline rows only.
+
+    Raises:
+        RewardError: no logged reward (a fresh rollout, or a row without feedback).
+    """
+    value = metadata.get("reward")
+    if value is None:
+        raise RewardError(
+            "reward 'logged' needs the row's logged reward; fresh rollouts have none: "
+            "use 'logged' only in offline_is candidates, and filter rows without rewards"
+        )
+    return float(value)
+
+
+BUILTINS: dict[str, Callable[..., float]] = {
+    "exact_answer": exact_answer,
+    "json_valid": json_valid,
+    "length_penalty": length_penalty,
+    "format": format_reward,
+    "logged": logged,
+}
+
+
+def resolve(name: str) -> Callable[..., float]:
+    """A built-in reward by name, or a function imported from ``module:function``.
+
+    Raises:
+        RewardError: unknown name, module not importable, or attribute missing.
+    """
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name:
+        raise RewardError(f"unknown reward {name!r}: use one of {sorted(BUILTINS)} or a 'module:function' path")
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise RewardError(f"reward {name!r} cannot be imported: {err}") from err
+    if not callable(fn):
+        raise RewardError(f"reward {name!r} is not callable")
+    return fn
+
+
+class RewardMix:
+    """The weighted sum ``sum_i w_i * f_i(prompt, completion, metadata)``.
+
+    ``skip_logged=True`` drops ``logged`` terms (used at evaluation, where
+    completions are new and have no logged reward).
+    """
+
+    def __init__(self, terms: Sequence[RewardTerm], *, skip_logged: bool = False) -> None:
+        kept = [t for t in terms if not (skip_logged and t.fn == "logged")]
+        self.terms = tuple(kept)
+        self._fns = [functools.partial(resolve(t.fn), **t.kwargs) for t in kept]
+
+    def __bool__(self) -> bool:
+        return bool(self.terms)
+
+    def __call__(self, prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
+        total = 0.0
+        for term, fn in zip(self.terms, self._fns):
+            value = float(fn(prompt_messages, completion, metadata))
+            if math.isnan(value):
+                raise RewardError(f"reward {term.fn!r} returned NaN for completion {completion[:60]!r}")
+            total += term.weight * value
+        return total
+
+
+def build_reward(terms: Sequence[RewardTerm], *, skip_logged: bool = False) -> RewardMix:
+    """A candidate's reward mix from its ``CandidateConfig.reward`` terms (see :class:`RewardMix`)."""
+    return RewardMix(terms, skip_logged=skip_logged)

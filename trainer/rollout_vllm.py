@@ -1,0 +1,159 @@
+"""Rollouts from a vLLM OpenAI-compatible server with runtime LoRA loading.
+
+Upstream API (vLLM ``entrypoints/openai``):
+- ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
+  ``POST /v1/unload_lora_adapter {"lora_name"}`` (server started with
+  ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``);
+- ``POST /v1/completions`` with ``prompt`` as token ids, ``n`` samples,
+  ``logprobs`` (the sampled token's natural-log probability comes back in
+  ``choices[i].logprobs.token_logprobs``) and ``return_token_ids`` (the
+  completion token ids in ``choices[i].token_ids``).
+
+All requests of a :meth:`VLLMEngine.generate` call are in flight together
+(``asyncio`` + ``httpx.AsyncClient``), so vLLM batches every candidate's
+adapter in one engine step (multi-LoRA batching). Each update is loaded under
+a new name; old names are unloaded, never reloaded in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from trainer.errors import RolloutError
+from trainer.rollout import BASE_VERSION, RolloutRequest
+from trainer.samples import Sample
+
+
+class VLLMEngine:
+    """A vLLM server as a rollout engine.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:8000``.
+        base_name: the server's ``--served-model-name`` of the base model.
+        timeout_s: per-request timeout, seconds.
+        max_in_flight: cap on concurrent HTTP requests.
+    """
+
+    def __init__(self, url: str, *, base_name: str = BASE_VERSION, timeout_s: float = 300.0, max_in_flight: int = 64) -> None:
+        self.url = url.rstrip("/")
+        self.base_name = base_name
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self.versions: dict[str, str] = {}  # version -> candidate
+        self.last_load_s = 0.0
+
+    # -- adapters -------------------------------------------------------------
+    def _post(self, path: str, body: dict) -> httpx.Response:
+        try:
+            response = httpx.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
+        except httpx.HTTPError as err:
+            raise RolloutError(f"vLLM at {self.url} unreachable for {path}: {err}; is the server up?") from err
+        if response.status_code != 200:
+            raise RolloutError(f"vLLM {path} {body} answered {response.status_code}: {response.text[:300]}")
+        return response
+
+    def load(self, candidate: str, version: str, adapter_dir: Path) -> None:
+        """Load a PEFT folder under a new name.
+
+        Raises:
+            RolloutError: the name is already loaded (never reload in place),
+                or vLLM refused the adapter.
+        """
+        if version in self.versions or version == self.base_name:
+            raise RolloutError(f"version {version!r} is already loaded; publish updates under a new name")
+        started = time.perf_counter()
+        self._post("/v1/load_lora_adapter", {"lora_name": version, "lora_path": str(Path(adapter_dir).resolve())})
+        self.last_load_s = time.perf_counter() - started
+        self.versions[version] = candidate
+
+    def unload(self, version: str) -> None:
+        """Unload a version (in-flight requests on it finish first on the server)."""
+        if version not in self.versions:
+            raise RolloutError(f"version {version!r} is not loaded here; loaded: {sorted(self.versions)}")
+        self._post("/v1/unload_lora_adapter", {"lora_name": version})
+        del self.versions[version]
+
+    def served_models(self) -> list[str]:
+        """Model names the server lists at ``GET /v1/models`` (base + loaded adapters)."""
+        try:
+            data = httpx.get(f"{self.url}/v1/models", timeout=self.timeout_s).json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError) as err:
+            raise RolloutError(f"vLLM at {self.url}: GET /v1/models failed: {err}") from err
+        return [m["id"] for m in data]
+
+    # -- sampling -------------------------------------------------------------
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        """Send every request at once; ``n`` samples each, in request order.
+
+        Raises:
+            RolloutError: an unknown version, an HTTP error after retries, or an
+                answer without token ids / log-probs.
+        """
+        for req in requests:
+            if req.version != self.base_name and req.version not in self.versions:
+                raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
+        return asyncio.run(self._generate_all(requests))
+
+    async def _generate_all(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits) as client:
+            return list(await asyncio.gather(*(self._one(client, req) for req in requests)))
+
+    @retry(
+        retry=retry_if_exception_type(httpx.TransportError),
+        stop=stop_after_attempt(3),
+        wait=wait_exponential(multiplier=0.5, max=4),
+        reraise=True,
+    )
+    async def _post_completion(self, client: httpx.AsyncClient, body: dict) -> dict:
+        response = await client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RolloutError(f"vLLM /v1/completions for model {body['model']!r} answered {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+    async def _one(self, client: httpx.AsyncClient, req: RolloutRequest) -> list[Sample]:
+        body = {
+            "model": req.version,
+            "prompt": list(req.prompt_token_ids),
+            "n": req.n,
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": 1.0,
+            "seed": req.seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        try:
+            data = await self._post_completion(client, body)
+        except httpx.HTTPError as err:
+            raise RolloutError(f"vLLM at {self.url}: completion for {req.version!r} failed: {err}") from err
+        samples = []
+        for choice in sorted(data.get("choices", []), key=lambda c: c["index"]):
+            token_ids = choice.get("token_ids")
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+                raise RolloutError(
+                    f"vLLM answer for {req.version!r} lacks matching token_ids/logprobs "
+                    f"({None if token_ids is None else len(token_ids)} ids, {None if logprobs is None else len(logprobs)} logprobs); "
+                    "needs a vLLM with return_token_ids support"
+                )
+            samples.append(
+                Sample(
+                    prompt_id=req.prompt_id,
+                    text=choice["text"],
+                    token_ids=tuple(int(t) for t in token_ids),
+                    logprobs=tuple(float(x) for x in logprobs),
+                    adapter_version=req.version,
+                    finish_reason=choice.get("finish_reason") or "length",
+                )
+            )
+        if len(samples) != req.n:
+            raise RolloutError(f"vLLM returned {len(samples)} choices for {req.version!r}, asked for n={req.n}")
+        return samples
