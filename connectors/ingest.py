@@ -1,0 +1,218 @@
+"""The ingestion loop: Kafka consumer group -> parse -> durable buffer / dead-letter store -> offset commit.
+
+Delivery guarantee: at-least-once. For each polled batch, in this order:
+
+1. parse every record (bad ones become dead letters, nothing is dropped);
+2. write the dead letters durably (fsync) to the dead-letter store;
+3. write traces and feedback durably as buffer segments;
+4. only then commit the batch's offsets (``offset + 1`` per partition).
+
+A crash before step 4 redelivers the batch; the buffer de-duplicates by
+``trace_id`` at snapshot time, so training data sees each trace once.
+
+Broker restarts, timeouts and rebalances do not crash the worker: the
+consumer is closed and re-created with exponential backoff (tenacity). Run
+it in the foreground (``hourglass ingest``) or in a thread::
+
+    worker = IngestWorker(cfg.kafka, cfg.buffer)
+    stop = threading.Event()
+    threading.Thread(target=worker.run, args=(stop,)).start()
+    ...
+    stop.set()   # finishes the current batch, commits, leaves the group
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
+from kafka.structs import OffsetAndMetadata
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+
+from connectors.buffer import RewardBuffer
+from connectors.config import BufferConfig, KafkaConfig
+from connectors.dead_letter import DeadLetter, DeadLetterStore
+from connectors.errors import BrokerUnavailableError
+from connectors.kafka_admin import ensure_topics
+from connectors.schema import FeedbackEvent, Rejected, TraceEvent, UserHasher, parse_record
+from connectors.segments import Coordinates
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    """Counters of one worker since it started (records, not bytes)."""
+
+    traces: int = 0
+    feedback: int = 0
+    dead_letters: int = 0
+    batches: int = 0
+    commits: int = 0
+    commit_failures: int = 0
+    reconnects: int = 0
+    unmatched_feedback: int = 0
+    lag_records: int | None = None  # sum over assigned partitions of high watermark - position
+    last_commit_unix_s: float | None = None
+
+    def as_metrics(self) -> dict[str, float]:
+        """Namespaced metric dict (``ingest/traces``, ``ingest/lag_records``, ...); None values left out."""
+        return {f"ingest/{k}": float(v) for k, v in asdict(self).items() if v is not None}
+
+
+class IngestWorker:
+    """One member of the ingest consumer group (see module doc for the guarantee)."""
+
+    def __init__(self, kafka: KafkaConfig, buffer: BufferConfig, *, writer_id: str | None = None) -> None:
+        self.kafka = kafka
+        self.writer_id = writer_id or uuid.uuid4().hex[:8]
+        self.buffer = RewardBuffer(buffer, self.writer_id)
+        self.dead_letters = DeadLetterStore(buffer.dead_letter_root, self.writer_id)
+        self.maintenance_interval_s = buffer.maintenance_interval_s
+        self._hasher = UserHasher(buffer.user_hash_key.get_secret_value(), buffer.user_id_keys)
+        self._stats = IngestStats()
+        self._lock = threading.Lock()
+        self._positions: dict[TopicPartition, int] = {}
+
+    def stats(self) -> IngestStats:
+        """A copy of the counters (thread-safe)."""
+        with self._lock:
+            return self._stats
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._stats = replace(self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()})
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Consume until ``stop`` is set; reconnects with backoff on broker errors.
+
+        Raises:
+            BufferStorageError: the buffer or dead-letter store cannot be written
+                (offsets stay uncommitted; fix storage and restart).
+        """
+        retrying = Retrying(
+            retry=retry_if_exception_type((KafkaError, ConnectionError, TimeoutError)),  # not storage errors
+            wait=wait_exponential(multiplier=0.5, max=30),
+            stop=lambda _state: stop.is_set(),
+            sleep=stop.wait,
+            before_sleep=self._on_retry,
+            reraise=True,
+        )
+        try:
+            retrying(self._session, stop)
+        except (KafkaError, BrokerUnavailableError) as err:
+            if not stop.is_set():
+                raise
+            log.info("stopping with a broker error pending: %s", err)
+        finally:
+            self.buffer.write_manifest()
+
+    def _on_retry(self, state: RetryCallState) -> None:
+        self._count(reconnects=1)
+        log.warning("ingest session failed (%s); reconnecting in %.1fs", state.outcome.exception(), state.upcoming_sleep)
+
+    def _session(self, stop: threading.Event) -> None:
+        # Shutdown order: 1. stop polling, 2. the batch in hand is already durable and committed,
+        # 3. close the consumer without auto-commit (leaves the group at once).
+        ensure_topics(self.kafka)
+        consumer = self._consumer()
+        try:
+            next_maintenance = time.monotonic() + self.maintenance_interval_s
+            while not stop.is_set():
+                polled = consumer.poll(timeout_ms=self.kafka.batch_timeout_ms, max_records=self.kafka.batch_max_records)
+                if polled:
+                    self._handle(consumer, polled)
+                self._update_lag(consumer)
+                if time.monotonic() >= next_maintenance:
+                    self.maintain()
+                    next_maintenance = time.monotonic() + self.maintenance_interval_s
+        finally:
+            consumer.close(autocommit=False)
+
+    def _consumer(self) -> KafkaConsumer:
+        k = self.kafka
+        consumer = KafkaConsumer(
+            bootstrap_servers=k.bootstrap_servers,
+            group_id=k.group_id,
+            client_id=f"hourglass-ingest-{self.writer_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            request_timeout_ms=max(k.request_timeout_ms, k.session_timeout_ms + 5000),
+            max_poll_records=k.batch_max_records,
+            max_partition_fetch_bytes=max(1_048_576, 2 * k.max_record_bytes),
+            fetch_max_bytes=max(52_428_800, 4 * k.max_record_bytes),
+        )
+        consumer.subscribe([k.traces_topic, k.feedback_topic])
+        return consumer
+
+    # --- one batch -------------------------------------------------------------------
+
+    def _handle(self, consumer: KafkaConsumer, polled: dict[TopicPartition, list[Any]]) -> None:
+        traces: list[tuple[TraceEvent, Coordinates]] = []
+        feedback: list[tuple[FeedbackEvent, Coordinates]] = []
+        letters: list[DeadLetter] = []
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        for tp, records in polled.items():
+            for record in records:
+                where = Coordinates(record.topic, record.partition, record.offset)
+                result = parse_record(record.value, max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher)
+                if isinstance(result, Rejected):
+                    letters.append(DeadLetter(result.reason, result.detail, *_coords(where), record.value, record.key))
+                elif isinstance(result, TraceEvent):
+                    traces.append((result, where))
+                else:
+                    feedback.append((result, where))
+            offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "", -1)
+            self._positions[tp] = records[-1].offset + 1
+        self.dead_letters.write(letters)  # durable before the commit
+        self.buffer.append(traces, feedback)  # durable before the commit
+        self._count(traces=len(traces), feedback=len(feedback), dead_letters=len(letters), batches=1)
+        self._commit(consumer, offsets)
+
+    def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        try:
+            consumer.commit(offsets)
+        except (CommitFailedError, RebalanceInProgressError) as err:
+            # The partitions moved to another member: it re-reads these records, the buffer de-duplicates.
+            self._count(commit_failures=1)
+            log.warning("offset commit lost to a rebalance (records are durable, will be redelivered): %s", err)
+            return
+        self._count(commits=1)
+        with self._lock:
+            self._stats = replace(self._stats, last_commit_unix_s=time.time())
+
+    def _update_lag(self, consumer: KafkaConsumer) -> None:
+        lag = 0
+        known = False
+        for tp in consumer.assignment():
+            high = consumer.highwater(tp)  # from the last fetch response; no extra request
+            if high is None:
+                continue
+            known = True
+            lag += max(0, high - self._positions.get(tp, high))
+        with self._lock:
+            self._stats = replace(self._stats, lag_records=lag if known else self._stats.lag_records)
+
+    def maintain(self, now: datetime | None = None) -> None:
+        """Dead-letter unmatched feedback past its window, then apply retention."""
+        now = now or datetime.now(timezone.utc)
+        unmatched = self.buffer.sweep_unmatched_feedback(self.dead_letters, now)
+        removed = self.buffer.apply_retention(now)
+        self._count(unmatched_feedback=unmatched, dead_letters=unmatched)
+        if removed:
+            log.info("retention removed partitions %s", removed)
+
+
+def _coords(where: Coordinates) -> tuple[str, int, int]:
+    return where.topic, where.partition, where.offset
