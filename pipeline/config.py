@@ -65,6 +65,7 @@ class ServingConfig(_Section):
     model_name: str = Field(default="hourglass", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="Public model name clients ask for.")
     replicas: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:18000"], min_length=1, description="Base URLs of vLLM servers.")
     embedded: bool = Field(default=True, description="`hourglass up` starts a local vLLM on the first replica's port.")
+    base_served_name: str = Field(default="base", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="vLLM --served-model-name of the bare base model.")
     max_lora_rank: int = Field(default=16, ge=1, description="vLLM --max-lora-rank.")
     max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
     max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
@@ -142,7 +143,7 @@ class HourglassConfig(BaseSettings):
 
 def _describe(error: dict[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
-    message = error["msg"]
+    message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return f"{loc}: unknown field (typo?)"
     value = error.get("input")

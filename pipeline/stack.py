@@ -24,7 +24,12 @@ from urllib.parse import urlparse
 
 import httpx
 
+from typing import TYPE_CHECKING
+
 from pipeline.errors import PortInUseError, StackError
+
+if TYPE_CHECKING:
+    from pipeline.config import HourglassConfig
 
 HealthCheck = Callable[[], bool]
 
@@ -296,3 +301,51 @@ def host_port(url_or_addr: str) -> tuple[str, int]:
         return parsed.hostname, parsed.port
     host, _, port = url_or_addr.rpartition(":")
     return host, int(port)
+
+
+# --- the embedded stack of a config ----------------------------------------------
+
+
+def run_dir(state_dir: str | Path) -> Path:
+    """Where pid files and logs of the local stack live."""
+    return Path(state_dir).expanduser().resolve() / "run"
+
+
+def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Service]:
+    """The embedded services a config asks for, in start order.
+
+    ``model_dir`` is the materialised base model (needed only when vLLM is
+    embedded).
+    """
+    logs = run_dir(cfg.state_dir)
+    services: list[Service] = []
+    if cfg.kafka.embedded:
+        host, port = host_port(cfg.kafka.bootstrap_servers[0])
+        services.append(broker_service(host, port, logs))
+    if cfg.registry.embedded:
+        host, port = host_port(cfg.registry.tracking_uri)
+        services.append(mlflow_service(host, port, Path(cfg.state_dir).expanduser().resolve() / "mlflow", logs))
+    if cfg.serving.embedded:
+        if model_dir is None:
+            raise StackError("serving.embedded is true but no base model folder was given")
+        host, port = host_port(cfg.serving.replicas[0])
+        services.append(
+            vllm_service(
+                model_dir, host, port, logs,
+                served_name=cfg.serving.base_served_name,
+                max_lora_rank=cfg.serving.max_lora_rank,
+                max_loras=cfg.serving.max_loras,
+                max_model_len=cfg.serving.max_model_len,
+                kv_cache_gib=cfg.serving.kv_cache_gib,
+                startup_timeout_s=cfg.serving.startup_timeout_s,
+            )
+        )  # fmt: skip
+    return services
+
+
+def running_pid(service: Service) -> int | None:
+    """The pid recorded for a service, if its process group is still alive."""
+    pid = _read_pid(service.pid_path)
+    if pid is not None and _group_alive(pid):
+        return pid
+    return None

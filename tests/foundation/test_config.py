@@ -1,0 +1,97 @@
+"""Typed configuration: every mistake reported at once, env overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+THREE_MISTAKES = """
+[kafka]
+bootstrap_servers = ["localhost"]          # no port
+[rl]
+group_size = 0                              # must be >= 1
+[api]
+prot = 18080                                # typo of `port`
+"""
+
+
+def test_example_config_is_valid_and_is_the_embedded_default() -> None:
+    cfg = load_config(REPO / "deploy" / "hourglass.toml")
+    assert cfg.kafka.embedded and cfg.registry.embedded and cfg.serving.embedded
+    assert cfg.registry.tracking_uri.startswith("http://127.0.0.1")
+    assert cfg.api.host == "127.0.0.1"
+    assert [c.name for c in cfg.candidates] == ["grpo-lr1e4", "grpo-lr3e4"]
+
+
+def test_three_mistakes_are_all_reported_with_path_and_value(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad)
+    problems = caught.value.problems
+    assert len(problems) == 3
+    assert any(p.startswith("kafka.bootstrap_servers:") and "'localhost'" in p for p in problems)
+    assert any(p.startswith("rl.group_size:") and "got 0" in p for p in problems)
+    assert any(p.startswith("api.prot:") and "unknown field" in p for p in problems)
+
+
+def test_cli_config_check_prints_all_three_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    result = CliRunner().invoke(app, ["config", "check", str(bad)])
+    assert result.exit_code == 2
+    out = result.output
+    for path in ("kafka.bootstrap_servers", "rl.group_size", "api.prot"):
+        assert path in out
+    assert "3 problem(s)" in out
+
+
+def test_cli_config_check_json(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    result = CliRunner().invoke(app, ["config", "check", "--json", str(bad)])
+    assert result.exit_code == 2
+    assert '"ok": false' in result.stdout
+
+
+def test_environment_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_API__PORT", "19999")
+    monkeypatch.setenv("HOURGLASS_KAFKA__BOOTSTRAP_SERVERS", '["broker-a:9092", "broker-b:9092"]')
+    cfg = load_config(REPO / "deploy" / "hourglass.toml")
+    assert cfg.api.port == 19999
+    assert cfg.kafka.bootstrap_servers == ["broker-a:9092", "broker-b:9092"]
+
+
+def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_API__PORT", "99999")
+    with pytest.raises(ConfigError) as caught:
+        load_config(None)
+    assert any(p.startswith("api.port:") for p in caught.value.problems)
+
+
+def test_cross_section_rules(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        '[[candidates]]\nname = "a"\nlora_rank = 64\n[[candidates]]\nname = "a"\n[serving]\nmax_lora_rank = 16\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    text = " ".join(caught.value.problems)
+    assert "unique" in text and "'a'" in text
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[kafka\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
