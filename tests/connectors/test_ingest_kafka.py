@@ -110,3 +110,39 @@ def test_sharegpt_replay_through_kafka_loses_nothing(
     first = next(r for r in snap.to_pylist() if r["trace_id"] == events[0].trace_id)
     assert first["completion"] == events[0].completion
     assert json.loads(first["prompt"]) == events[0].messages()
+
+
+class _CrashBeforeCommit(IngestWorker):
+    """Stands for a process that dies after the durable write and before the offset commit."""
+
+    def _commit(self, consumer: object, offsets: object) -> None:
+        return None
+
+
+def test_crash_between_write_and_commit_redelivers_and_snapshot_dedups(
+    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, run_worker: Callable[..., IngestWorker]
+) -> None:
+    import threading
+
+    ensure_topics(kafka_cfg)
+    n = 40
+    with TraceSink(kafka_cfg) as sink:
+        assert produce_events(sink, [_trace(i) for i in range(n)]) == n
+        sink.send_feedback(s.FeedbackEvent(trace_id="good-3", rating=5, ts=NOW))
+        sink.flush()
+    crashed = _CrashBeforeCommit(kafka_cfg, buffer_cfg)
+    stop = threading.Event()
+    thread = threading.Thread(target=crashed.run, args=(stop,), daemon=True)
+    thread.start()
+    wait_for(lambda: crashed.stats().traces >= n and crashed.stats().feedback >= 1, 60, "first pass")
+    stop.set()
+    thread.join(timeout=30)
+    assert crashed.stats().commits == 0
+
+    again = run_worker(kafka_cfg, buffer_cfg)  # same group: nothing was committed, so all is redelivered
+    wait_for(lambda: again.stats().traces >= n and again.stats().feedback >= 1, 60, "redelivery")
+    buffer = RewardBuffer(buffer_cfg)
+    assert buffer.stats().trace_rows == 2 * n
+    snap = buffer.snapshot()
+    assert sorted(snap["trace_id"].to_pylist()) == sorted(f"good-{i}" for i in range(n))
+    assert snap.filter(pc.equal(snap["trace_id"], "good-3"))["reward"].to_pylist() == [1.0]
