@@ -64,35 +64,31 @@ def ensure_topics(cfg: KafkaConfig, topics: list[str] | None = None) -> list[str
 def consumer_group_lag(cfg: KafkaConfig) -> dict[str, int]:
     """Records not yet committed by ``cfg.group_id``, per ``topic:partition`` (end offset - committed offset).
 
-    On Tansu the end offset is the base offset of the last batch + 1 (DESIGN.md §3),
-    so this can under-report there; on Kafka it is exact.
+    Reads committed offsets through a consumer that carries the group id but
+    never subscribes (so it does not join the group or trigger a rebalance).
+    On Tansu the end offset is the base offset of the last batch + 1
+    (DESIGN.md §3), so this can under-report there; on Kafka it is exact.
 
     Raises:
         BrokerUnavailableError: the broker could not be asked.
     """
     from kafka import KafkaConsumer, TopicPartition
 
-    try:
-        admin = _admin(cfg)
-    except (KafkaTimeoutError, OSError) as err:
-        raise BrokerUnavailableError(f"no Kafka broker reachable at {cfg.bootstrap_servers}: {err}") from err
     consumer = None
     try:
-        committed = admin.list_consumer_group_offsets(cfg.group_id)
-        consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, request_timeout_ms=cfg.request_timeout_ms)
+        consumer = KafkaConsumer(
+            bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
+            request_timeout_ms=cfg.request_timeout_ms,
+        )  # fmt: skip
         partitions = [
             TopicPartition(topic, p)
             for topic in (cfg.traces_topic, cfg.feedback_topic)
             for p in sorted(consumer.partitions_for_topic(topic) or ())
         ]
         ends = consumer.end_offsets(partitions)
-        return {
-            f"{tp.topic}:{tp.partition}": max(0, ends[tp] - (committed[tp].offset if tp in committed else 0))
-            for tp in partitions
-        }
+        return {f"{tp.topic}:{tp.partition}": max(0, ends[tp] - (consumer.committed(tp) or 0)) for tp in partitions}
     except KafkaError as err:
-        raise BrokerUnavailableError(f"could not read the lag of group {cfg.group_id!r}: {err}") from err
+        raise BrokerUnavailableError(f"could not read the lag of group {cfg.group_id!r} at {cfg.bootstrap_servers}: {err}") from err
     finally:
-        admin.close()
         if consumer is not None:
-            consumer.close()
+            consumer.close(autocommit=False)

@@ -1,0 +1,63 @@
+"""Unit tests of the replay readers: truncated JSON arrays (ShareGPT), conversation -> trace, JSONL."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from connectors.errors import ReplayError
+from connectors.replay import iter_json_array, iter_sharegpt_traces, read_trace_jsonl, sharegpt_trace
+
+TS = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def _conv(i: int, turns: list[tuple[str, str]]) -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_truncated_array_yields_complete_records_then_stops(tmp_path: Path) -> None:
+    records = [_conv(i, [("human", "x" * (i * 50)), ("gpt", "y")]) for i in range(40)]
+    text = json.dumps(records, indent=2)
+    cut = text.index('"c37"')  # mid-record
+    path = tmp_path / "cut.json"
+    path.write_text(text[:cut])
+    got = list(iter_json_array(path, chunk_chars=256))  # small chunks: records straddle reads
+    assert [r["id"] for r in got] == [f"c{i}" for i in range(37)]
+    path.write_text(text)
+    assert len(list(iter_json_array(path, chunk_chars=256))) == 40  # complete file: all of it
+
+
+def test_not_an_array_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "obj.json"
+    path.write_text('{"a": 1}')
+    with pytest.raises(ReplayError, match="expected a JSON array"):
+        list(iter_json_array(path))
+
+
+def test_conversation_to_trace() -> None:
+    event = sharegpt_trace(_conv(1, [("system", "s"), ("human", "h1"), ("human", "h2"), ("gpt", "g1"), ("human", "h3")]), TS)
+    assert event is not None
+    assert event.trace_id == "sharegpt-c1" and event.completion == "g1"
+    assert event.messages() == [{"role": "system", "content": "s"}, {"role": "user", "content": "h1"},
+                                {"role": "user", "content": "h2"}]  # fmt: skip
+    assert sharegpt_trace(_conv(2, [("gpt", "no question")]), TS) is None
+    assert sharegpt_trace(_conv(3, [("human", "unanswered")]), TS) is None
+
+
+def test_shipped_sharegpt_file_streams_to_its_truncation() -> None:
+    events = list(iter_sharegpt_traces(None))
+    assert len(events) > 5000
+    assert len({e.trace_id for e in events}) == len(events)
+
+
+def test_jsonl_reader_names_the_bad_line(tmp_path: Path) -> None:
+    good = {"schema": "hourglass.trace/v1", "trace_id": "a", "ts": 0, "model": "m", "prompt": "p", "completion": "c"}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "trace_id": "b"}) + "\n{oops\n")
+    reader = read_trace_jsonl(path)
+    assert [next(reader).trace_id, next(reader).trace_id] == ["a", "b"]
+    with pytest.raises(ReplayError, match=r"t.jsonl:4"):
+        next(reader)
