@@ -7,21 +7,20 @@ modules (see the bottom of this file).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline import stack
+from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError, PipelineError, StackError
-from pipeline import stack
 from trainer import model_store
 from trainer.errors import TrainerError
 
@@ -34,34 +33,6 @@ models_app = typer.Typer(help="Base models and registered adapter versions.", no
 app.add_typer(config_app, name="config")
 app.add_typer(models_app, name="models")
 
-console = Console(stderr=True, soft_wrap=True)
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded default).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-
-
-def emit(data: Any, as_json: bool, human: str | Table | None = None) -> None:
-    """Print ``data`` as JSON on stdout, or the human form on the console."""
-    if as_json:
-        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-    elif human is not None:
-        Console().print(human)
-
-
-def fail(message: str, code: int = 1) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}")
-    raise typer.Exit(code)
-
-
-def load(config: Path | None) -> HourglassConfig:
-    """Load the config or exit 2 listing every problem."""
-    try:
-        return load_config(config)
-    except ConfigError as err:
-        console.print(f"[bold red]error:[/] {escape(str(err))}")
-        for problem in err.problems:
-            console.print(f"  - {escape(problem)}")
-        raise typer.Exit(2) from err
 
 
 def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
@@ -217,6 +188,23 @@ def health(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     emit(rows, as_json, _table(rows))
     if not all(row["healthy"] for row in rows):
         raise typer.Exit(1)
+
+
+def _register_command_groups() -> None:
+    """Command groups that live next to the code they drive."""
+    from pipeline import cli_data, cli_ops, cli_registry
+
+    cli_data.register(app)
+    cli_registry.register(app, models_app)
+    cli_ops.register(app, load)
+    try:
+        from pipeline import cli_gateway
+    except ImportError:  # pragma: no cover - built in a later change
+        return
+    cli_gateway.register(app)
+
+
+_register_command_groups()
 
 
 def main() -> None:  # pragma: no cover - console script entry

@@ -14,6 +14,7 @@ from mlflow.exceptions import MlflowException
 from rich.table import Table
 
 from pipeline import aliases
+from pipeline.cli_common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
 from pipeline.registry import make_client
@@ -59,8 +60,6 @@ def list_models(cfg: HourglassConfig, models: list[str] | None = None) -> dict:
 
 def register(app: typer.Typer, models_app: typer.Typer) -> None:
     """Add ``promote`` and ``rollback`` to ``app`` and ``list`` to ``models_app``."""
-    from pipeline.cli import ConfigOpt, JsonOpt, emit, fail, load
-
     def run(fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)

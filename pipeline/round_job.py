@@ -1,0 +1,286 @@
+"""One round, end to end, as named steps over the persisted state machine.
+
+    snapshot → train (+ evaluate, inside the trainer) → gate → register → promote
+
+Each step records its state in :class:`~pipeline.rounds.RoundStore` before it
+starts, so a crash leaves a record that says where it stopped
+(:func:`recover` settles such records at the next start). Registration is
+write-ahead and idempotent by round id (see :mod:`pipeline.registry`), so a
+resumed round is registered and promoted at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prometheus_client import Counter, Gauge, Histogram
+
+from pipeline.config import HourglassConfig
+from pipeline.rounds import RoundLock, RoundRecord, RoundStore
+
+log = logging.getLogger(__name__)
+
+ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a round, seconds.", buckets=(30, 60, 120, 300, 600, 1200, 3600, 7200))
+ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
+CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out reward of each candidate in the last round.", ["candidate"])
+CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out reward of the champion in the last round.", ["served_model"])
+PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
+
+
+class RoundCancelled(Exception):
+    """Raised between steps when a cancel was requested."""
+
+
+def parse_window(window: str) -> timedelta:
+    """``"6h"`` → 6 hours. Units: s, m, h, d.
+
+    Raises:
+        ValueError: not a number followed by one unit.
+    """
+    match = re.fullmatch(r"(\d+)([smhd])", window.strip())
+    if not match:
+        raise ValueError(f"window {window!r} must be a number and a unit s/m/h/d, e.g. '6h'")
+    seconds = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    return timedelta(seconds=int(match.group(1)) * seconds)
+
+
+# --- the steps -------------------------------------------------------------------------
+
+
+def take_snapshot(cfg: HourglassConfig, window: str) -> tuple[pa.Table, dict[str, Any]]:
+    """Sealed buffer rows of the last ``window`` (a consistent snapshot)."""
+    from connectors.buffer import RewardBuffer
+
+    end = datetime.now(timezone.utc)
+    start = end - parse_window(window)
+    table = RewardBuffer(cfg.buffer).snapshot(start, end)
+    return table, {"data/rows": table.num_rows, "data/window_start": start.isoformat(), "data/window_end": end.isoformat()}
+
+
+def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_fingerprint: str) -> dict[str, Path | None]:
+    """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
+    from pipeline.aliases import champion_version
+    from pipeline.registry import make_client
+    from pipeline.staging import stage_version
+
+    client = make_client(cfg)
+    out: dict[str, Path | None] = {}
+    for model in sorted(served_models):
+        version = None
+        try:
+            version = champion_version(client, model, cfg.registry.champion_alias)
+        except Exception as err:  # no registered model yet is the common case
+            log.info("no champion for %s yet (%s)", model, err)
+        if version is None:
+            out[model] = None
+            continue
+        staged = stage_version(
+            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint,
+            max_lora_rank=cfg.serving.max_lora_rank, tracking_uri=cfg.registry.tracking_uri,
+        )  # fmt: skip
+        out[model] = staged.path
+    return out
+
+
+def train_and_evaluate(cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None]):
+    """Split by time, train every selected candidate, evaluate against the champions, gate."""
+    from trainer.round import run_round
+    from trainer.tasks import split_snapshot
+
+    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction)
+    rl = cfg.rl
+    if rl.rollout_engine == "vllm" and rl.rollout_url is None:
+        rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
+    candidates = [c for c in cfg.candidates if c.name in record.candidates]
+    out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
+    return run_round(cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id)
+
+
+# --- the round ------------------------------------------------------------------------
+
+
+class RoundRunner:
+    """Runs rounds one at a time and records them; shared by the scheduler, the API and the CLI."""
+
+    def __init__(self, cfg: HourglassConfig, base_fingerprint: str, store: RoundStore | None = None) -> None:
+        self.cfg = cfg
+        self.base_fingerprint = base_fingerprint
+        self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
+        self.lock = RoundLock(cfg.resolve(cfg.state_dir))
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.current: str | None = None
+        self.on_promoted: list = []  # callbacks(model, version): e.g. wake the reconcile loop
+
+    # public API -----------------------------------------------------------------
+
+    def start(self, trigger: str, candidates: list[str] | None = None, window: str | None = None) -> RoundRecord:
+        """Start a round in a background thread and return its record.
+
+        Raises:
+            RoundInProgressError: a round is running (here or in another process).
+            ValueError: an unknown candidate name or a malformed window.
+        """
+        names = self._select(candidates)
+        window = window or self.cfg.rl.window
+        parse_window(window)
+        record = self.store.create(trigger, names, window)
+        try:
+            self.lock.acquire(record.round_id)
+        except Exception as err:
+            self.store.transition(record, "cancelled", f"refused: {err}")
+            raise
+        self._cancel.clear()
+        self.current = record.round_id
+        self._thread = threading.Thread(target=self._run_locked, args=(record,), name=f"round-{record.round_id}", daemon=True)
+        self._thread.start()
+        return record
+
+    def run(self, trigger: str, candidates: list[str] | None = None, window: str | None = None) -> RoundRecord:
+        """Run a round in the calling thread; returns the final record."""
+        record = self.start(trigger, candidates, window)
+        self.wait()
+        return self.store.get(record.round_id)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the running round; True when none is running any more."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def cancel(self) -> bool:
+        """Ask the running round to stop at its next step boundary."""
+        if self.current is None:
+            return False
+        self._cancel.set()
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # internals -------------------------------------------------------------------
+
+    def _select(self, candidates: list[str] | None) -> list[str]:
+        known = [c.name for c in self.cfg.candidates]
+        if not candidates:
+            return known
+        unknown = sorted(set(candidates) - set(known))
+        if unknown:
+            raise ValueError(f"unknown candidate(s) {unknown}; configured: {known}")
+        return [n for n in known if n in candidates]
+
+    def _step(self, record: RoundRecord, state: str) -> None:
+        if self._cancel.is_set():
+            raise RoundCancelled(f"cancelled before {state}")
+        self.store.transition(record, state)
+        log.info("round %s: %s", record.round_id, state)
+
+    def _run_locked(self, record: RoundRecord) -> None:
+        started = time.monotonic()
+        try:
+            self._run(record)
+        except RoundCancelled as err:
+            self.store.transition(record, "cancelled", str(err))
+        except Exception as err:  # a failed round leaves the champion serving
+            log.exception("round %s failed", record.round_id)
+            self.store.transition(record, "failed", f"{record.state}: {type(err).__name__}: {err}")
+        finally:
+            ROUNDS.labels(record.state).inc()
+            ROUND_SECONDS.observe(time.monotonic() - started)
+            self.current = None
+            self.lock.release()
+
+    def _run(self, record: RoundRecord) -> None:
+        from pipeline.registry import register_round
+
+        self._step(record, "snapshot")
+        table, data_metrics = take_snapshot(self.cfg, record.window)
+        record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
+        if table.num_rows < 2:
+            self.store.transition(record, "no_winner", f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from")
+            return
+
+        self._step(record, "train")
+        served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
+        champions = champion_adapters(self.cfg, served, self.base_fingerprint)
+        result = train_and_evaluate(self.cfg, record, table, champions)
+
+        self._step(record, "evaluate")
+        record.metrics.update(result.metrics)
+        record.decisions = {
+            m: {"winner": d.winner, "reason": d.reason, "champion_reward": d.champion_reward_mean,
+                "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
+            for m, d in result.decisions.items()
+        }  # fmt: skip
+        for cand in result.candidates:
+            CANDIDATE_REWARD.labels(cand.name).set(cand.eval_metrics.get("eval/reward_mean", float("nan")))
+        for model, decision in result.decisions.items():
+            CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
+        self.store.save(record)
+
+        self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on
+        versions = register_round(self.cfg, result, promote=True)
+        record.versions = {v.model: v.version for v in versions}
+
+        self._step(record, "promote")
+        for model, version in record.versions.items():
+            PROMOTIONS.labels(model).inc()
+            for callback in self.on_promoted:
+                callback(model, version)
+        winners = {m: d["winner"] for m, d in record.decisions.items() if d["winner"]}
+        if winners:
+            self.store.transition(record, "done", "promoted " + ", ".join(f"{m} v{v}" for m, v in record.versions.items()))
+        else:
+            reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
+            self.store.transition(record, "no_winner", reasons)
+
+
+def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
+    """Settle rounds a crash left unfinished; call once at service start.
+
+    Before ``register`` nothing left the process: the round is marked failed.
+    From ``register`` on the result is write-ahead in the pending folder:
+    :func:`pipeline.registry.retry_pending` registers and promotes it once
+    (idempotent by round id), and the round is marked done.
+    """
+    from pipeline.registry import RegistryError, find_round_version, list_pending, make_client, retry_pending
+
+    settled = []
+    unfinished = store.unfinished()
+    if not unfinished:
+        return settled
+    registered = {}
+    try:
+        registered = {v.model: v.version for v in retry_pending(cfg)}
+    except RegistryError as err:
+        log.warning("pending registrations not retried yet: %s", err)
+    for record in unfinished:
+        if record.state in ("register", "promote"):
+            if record.round_id in list_pending(cfg):
+                log.warning("round %s stays in %s: its registration is pending (MLflow unreachable)", record.round_id, record.state)
+                continue
+            client = make_client(cfg)
+            versions = {}
+            try:
+                for model in record.decisions or {}:
+                    mv = find_round_version(client, model, record.round_id)
+                    if mv is not None:
+                        versions[model] = str(mv.version)
+            except Exception as err:  # MLflow down: settle it at the next start
+                log.warning("round %s not settled yet: %s", record.round_id, err)
+                continue
+            record.versions = versions or {m: v for m, v in registered.items()}
+            store.transition(record, "done", f"resumed after a restart (process died during {record.state}); registered {record.versions}")
+        else:
+            store.transition(record, "failed", f"interrupted: the process died during {record.state}; nothing was registered")
+        settled.append(record)
+    return settled
