@@ -2,6 +2,7 @@
 # when the venv is current).
 VENV ?= .venv
 CONFIG ?= deploy/hourglass.toml
+DEMO_CONFIG ?= deploy/demo.toml
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -11,7 +12,7 @@ setup:
 	@VENV=$(VENV) bash deploy/setup.sh
 
 demo: setup
-	$(VENV)/bin/python -m pipeline.demo --config $(CONFIG)
+	$(VENV)/bin/python -m pipeline.demo --config $(DEMO_CONFIG)
 
 # Unit + integration + end-to-end tests against real services.
 test: setup

@@ -1,0 +1,74 @@
+"""Simulated users: verifiable questions sent through the gateway with the
+official ``openai`` client, answers checked as a user would, feedback posted.
+
+Prompts come from reasoning-gym (procedural arithmetic); each request carries
+the reference answer in ``metadata`` so the trainer's ``exact_answer``
+verifier can score rollouts later. The user's feedback is a thumbs up when the
+answer is right and a thumbs down otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from openai import OpenAI
+
+from trainer.tasks import reasoning_gym_prompts
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One request through the gateway and what the user made of it."""
+
+    trace_id: str
+    question: str
+    answer: str
+    reference: str
+    correct: bool
+
+
+def is_correct(answer: str, reference: str) -> bool:
+    """The first number in the answer equals the reference (what a user checks)."""
+    match = _NUMBER.search(answer.replace(",", ""))
+    try:
+        return match is not None and abs(float(match.group()) - float(reference)) < 1e-6
+    except ValueError:
+        return False
+
+
+def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:
+    """``n`` (question, reference answer) pairs of one-digit additions."""
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", n, seed, min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",),
+        allow_parentheses=False, allow_negation=False,
+    )  # fmt: skip
+    return [(p.messages[0]["content"], p.metadata["reference_answer"]) for p in prompts]
+
+
+def ask(client: OpenAI, gateway_url: str, model: str, question: str, reference: str, max_tokens: int = 16) -> Exchange:
+    """One chat completion through the gateway, then the user's feedback."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0.7,
+        extra_body={"metadata": {"reference_answer": reference, "task": "basic_arithmetic"}},
+    )
+    trace_id = raw.headers.get("x-hourglass-trace-id", "")
+    answer = raw.parse().choices[0].message.content or ""
+    correct = is_correct(answer, reference)
+    httpx.post(f"{gateway_url}/v1/feedback", json={"trace_id": trace_id, "thumbs": "up" if correct else "down"}, timeout=30).raise_for_status()
+    return Exchange(trace_id, question, answer, reference, correct)
+
+
+def drive(gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4) -> list[Exchange]:
+    """Send ``n`` questions through the gateway, ``concurrency`` at a time."""
+    client = OpenAI(base_url=f"{gateway_url}/v1", api_key="demo", max_retries=2, timeout=120)
+    questions = arithmetic_questions(n, seed)
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda qa: ask(client, gateway_url, model, *qa), questions))
