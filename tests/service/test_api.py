@@ -1,0 +1,93 @@
+"""The ops API: token on every mutation, clear refusals, read-only views."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipeline.api import create_api
+from pipeline.config import load_config
+from pipeline.service import HourglassService
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> HourglassService:
+    cfg = load_config(None).model_copy(update={"state_dir": str(tmp_path)})
+    return HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+
+
+@pytest.fixture
+def client(service: HourglassService) -> Iterator[TestClient]:
+    with TestClient(create_api(service)) as test_client:
+        yield test_client
+
+
+def test_generated_token_is_private_and_stable(service: HourglassService, tmp_path: Path) -> None:
+    token_file = tmp_path / "api-token"
+    assert token_file.read_text() == service.api_token and len(service.api_token) >= 32
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    again = HourglassService(service.cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    assert again.api_token == service.api_token
+
+
+def test_mutations_without_or_with_a_wrong_token_are_refused(client: TestClient, service: HourglassService) -> None:
+    for method, path, body in [
+        ("POST", "/rounds", {}),
+        ("POST", "/rounds/r1/cancel", None),
+        ("POST", "/promote", {"version": "1"}),
+        ("POST", "/rollback", {}),
+    ]:
+        response = client.request(method, path, json=body)
+        assert response.status_code == 401, path
+        assert "Bearer" in response.json()["detail"]
+        response = client.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
+        assert response.status_code == 403, path
+    assert service.store.list() == []  # nothing was started
+
+
+def test_reads_need_no_token(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/rounds").json() == []
+    assert client.get("/rounds/r-nope").status_code == 404
+    metrics = client.get("/metrics").text
+    assert "hourglass_rounds_total" in metrics and "hourglass_buffer_rows" in metrics
+
+
+def test_trigger_while_another_process_runs_a_round_is_refused(client: TestClient, service: HourglassService, tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from pipeline.rounds import RoundLock
+            RoundLock({str(tmp_path)!r}).acquire("r-running")
+            print("held", flush=True); time.sleep(60)
+        """)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        auth = {"Authorization": f"Bearer {service.api_token}"}
+        response = client.post("/rounds", json={"window": "6h"}, headers=auth)
+        assert response.status_code == 409
+        assert "already running" in response.json()["detail"] and "r-running" in response.json()["detail"]
+    finally:
+        holder.kill()
+        holder.wait()
+    refused = service.store.list()
+    assert [r.state for r in refused] == ["cancelled"] and "refused" in refused[0].reason
+
+
+def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, service: HourglassService) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}"}
+    response = client.post("/rounds", json={"candidates": ["nope"]}, headers=auth)
+    assert response.status_code == 422 and "unknown candidate" in response.json()["detail"]
+    assert client.post("/rounds", json={"window": "soon"}, headers=auth).status_code == 422
+    assert client.post("/rounds", json={"surprise": 1}, headers=auth).status_code == 422
+    response = client.post("/rounds/r-x/cancel", headers=auth)
+    assert response.status_code == 409 and "not running" in response.json()["detail"]
