@@ -37,7 +37,14 @@ from starlette.background import BackgroundTask
 
 from connectors.config import BufferConfig, KafkaConfig
 from connectors.gateway_publish import TRACE_ERRORS, EventPublisher
-from connectors.gateway_trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
+from connectors.gateway_trace import (
+    ClientAsked,
+    Completion,
+    Endpoint,
+    build_trace,
+    strip_extras,
+    upstream_body,
+)
 from connectors.schema import FeedbackEvent, UserHasher
 from connectors.sink import TraceSink
 
@@ -63,7 +70,7 @@ class FeedbackIn(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _checks(self) -> "FeedbackIn":
+    def _checks(self) -> FeedbackIn:
         if self.thumbs is not None and self.thumbs not in ("up", "down"):
             raise ValueError(f'thumbs must be "up" or "down", got {self.thumbs!r}')
         if all(getattr(self, k) is None for k in ("thumbs", "rating", "reward", "edited", "regenerated")):
@@ -153,7 +160,7 @@ def create_gateway_app(
         app.state.publisher.publish_feedback(event, on_done)
         try:
             err = await asyncio.wait_for(acked, feedback_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             err = TimeoutError(f"no broker acknowledgement within {feedback_timeout_s}s")
         if err is not None:
             REQUESTS.labels("/v1/feedback", "503").inc()

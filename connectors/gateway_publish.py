@@ -43,16 +43,25 @@ class EventPublisher:
         max_queue: events waiting at most; more are dropped and counted as errors.
         reconnect_s: after a failed sink creation, wait this long (seconds) before trying again;
             events arriving meanwhile fail at once (counted), so the queue does not back up.
+        connect_timeout_s: how long creating the sink may wait for a broker (kafka-python
+            ``bootstrap_timeout_ms``), seconds.
     """
 
     def __init__(
-        self, kafka: KafkaConfig, sink: TraceSink | None = None, *, max_queue: int = 10_000, reconnect_s: float = 5.0
+        self,
+        kafka: KafkaConfig,
+        sink: TraceSink | None = None,
+        *,
+        max_queue: int = 10_000,
+        reconnect_s: float = 5.0,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         self.kafka = kafka
         self._sink = sink
         self._owns_sink = sink is None
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
         self._reconnect_s = reconnect_s
+        self._connect_timeout_ms = int(connect_timeout_s * 1000)
         self._next_connect = 0.0
         self._thread = threading.Thread(target=self._run, name="gateway-publisher", daemon=True)
         self._thread.start()
@@ -101,7 +110,7 @@ class EventPublisher:
         if time.monotonic() < self._next_connect:
             return None
         try:
-            self._sink = TraceSink(self.kafka)
+            self._sink = TraceSink(self.kafka, bootstrap_timeout_ms=self._connect_timeout_ms)
         except Exception as err:  # noqa: BLE001 - BrokerUnavailableError, or anything kafka-python raises
             log.warning("gateway: cannot create the Kafka sink (%s); retrying in %.0f s", err, self._reconnect_s)
             self._next_connect = time.monotonic() + self._reconnect_s

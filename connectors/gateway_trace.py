@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from connectors.schema import TraceEvent
@@ -32,7 +32,7 @@ class ClientAsked:
     token_ids: bool
 
     @classmethod
-    def of(cls, endpoint: Endpoint, body: dict[str, Any]) -> "ClientAsked":
+    def of(cls, endpoint: Endpoint, body: dict[str, Any]) -> ClientAsked:
         # chat: logprobs is a bool; completions: an int where 0 is a real request.
         asked = bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None
         return cls(logprobs=asked, token_ids=bool(body.get("return_token_ids")))
@@ -167,7 +167,7 @@ def build_trace(
     ids, lps = completion.token_fields()
     return TraceEvent(
         trace_id=trace_id,
-        ts=datetime.now(timezone.utc),
+        ts=datetime.now(UTC),
         model=public_name,
         adapter_version=adapter_version,
         prompt=prompt,  # type: ignore[arg-type]

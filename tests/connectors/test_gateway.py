@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,8 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from connectors.config import KafkaConfig
 from connectors.gateway import TRACE_HEADER, create_gateway_app
-from connectors.gateway_trace import ClientAsked, Completion, strip_extras, upstream_body
+from connectors.gateway_trace import (
+    ClientAsked,
+    Completion,
+    strip_extras,
+    upstream_body,
+)
 from connectors.kafka_admin import ensure_topics
+from pipeline.cli_gateway import RouteResolver
+from pipeline.serving import Route, write_route
 from pipeline.stack import free_port
 
 from .conftest import wait_for
@@ -303,3 +311,14 @@ def test_misaligned_or_nonfinite_logprobs_are_dropped_not_published() -> None:
     completion = Completion(token_ids=[1, 2], logprobs=[-0.1])
     assert completion.token_fields() == ([1, 2], None)
     assert Completion(token_ids=[1], logprobs=[float("-inf")]).token_fields() == ([1], None)
+
+
+def test_route_resolver_follows_the_routes_file_and_falls_back_to_base(tmp_path: Path) -> None:
+    resolver = RouteResolver(tmp_path, "hourglass", "base", ttl_s=0.0)
+    assert resolver("hourglass") == ("base", None) and resolver.names() == ["hourglass"]
+    with pytest.raises(KeyError, match="nope"):
+        resolver("nope")
+    write_route(tmp_path, "hourglass", Route(served_name="hourglass-v3", version="3", updated_at="2026-01-01T00:00:00+00:00"))
+    write_route(tmp_path, "other", Route(served_name="other-v1", version="1", updated_at="2026-01-01T00:00:00+00:00"))
+    assert resolver("hourglass") == ("hourglass-v3", "3") and resolver("other") == ("other-v1", "1")
+    assert resolver.names() == ["hourglass", "other"]

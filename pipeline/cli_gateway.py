@@ -1,0 +1,110 @@
+"""``hourglass gateway``: serve the OpenAI-compatible gateway that emits traces.
+
+``pipeline.cli`` calls :func:`register` to add the command. Run standalone with
+``python -m pipeline.cli_gateway gateway --config FILE``.
+
+The gateway itself lives in :mod:`connectors.gateway` (which never imports
+``pipeline``); this module injects the route lookup: the routes file the
+serving controller writes (:func:`pipeline.serving.read_routes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from fastapi import FastAPI
+from rich.console import Console
+
+from connectors.errors import ConnectorError
+from connectors.gateway import create_gateway_app, serve_gateway
+from connectors.kafka_admin import ensure_topics
+from connectors.schema import UserHasher
+from pipeline.config import HourglassConfig, load_config
+from pipeline.errors import ConfigError
+from pipeline.serving import read_routes
+
+console = Console(stderr=True)
+
+
+class RouteResolver:
+    """Public model name -> ``(vLLM served name, adapter version)`` from ``<state_dir>/routes.json``.
+
+    A public name with a route goes to its versioned served name; the configured
+    public name without a route goes to the base (``base_served_name``, version
+    None); any other name raises ``KeyError``. The file is re-read at most every
+    ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``.
+    """
+
+    def __init__(self, state_dir: str | Path, public_name: str, base_served_name: str, ttl_s: float = 1.0) -> None:
+        self.state_dir = state_dir
+        self.public_name = public_name
+        self.base_served_name = base_served_name
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._routes: dict[str, tuple[str, str | None]] = {}
+        self._read_at = float("-inf")
+
+    def _current(self) -> dict[str, tuple[str, str | None]]:
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.ttl_s:
+                routes = {name: (r.served_name, r.version) for name, r in read_routes(self.state_dir).items()}
+                routes.setdefault(self.public_name, (self.base_served_name, None))
+                self._routes, self._read_at = routes, time.monotonic()
+            return self._routes
+
+    def __call__(self, public_name: str) -> tuple[str, str | None]:
+        """Raises KeyError for a name that is neither routed nor the configured public name."""
+        try:
+            return self._current()[public_name]
+        except KeyError:
+            raise KeyError(f"unknown model {public_name!r}") from None
+
+    def names(self) -> list[str]:
+        """The public model names, sorted."""
+        return sorted(self._current())
+
+
+def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
+    """The gateway app for ``cfg``: upstream = first replica, routes from ``cfg.state_dir``, configured user hashing."""
+    resolver = RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
+    return create_gateway_app(cfg.kafka, cfg.serving.replicas[0], resolver, list_models=resolver.names, user_hasher=hasher)
+
+
+def gateway(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")] = None,
+) -> None:
+    """Serve the OpenAI-compatible gateway on api.host:api.gateway_port (traces go to Kafka)."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        for problem in getattr(err, "problems", None) or []:
+            console.print(f"  - {problem}")
+        raise typer.Exit(2) from err
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        ensure_topics(cfg.kafka)
+    except ConnectorError as err:  # the gateway still serves; traces are counted as errors until Kafka is back
+        console.print(f"[yellow]warning:[/yellow] {err}")
+    console.print(
+        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {cfg.serving.replicas[0]} "
+        f"(model {cfg.serving.model_name!r}, traces -> {cfg.kafka.traces_topic})"
+    )
+    serve_gateway(build_gateway(cfg), cfg.api.host, cfg.api.gateway_port)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``gateway`` command to ``app``."""
+    app.command("gateway")(gateway)
+
+
+if __name__ == "__main__":
+    _app = typer.Typer(no_args_is_help=True)
+    register(_app)
+    _app()
