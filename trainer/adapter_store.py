@@ -28,7 +28,7 @@ from typing import Protocol
 import safetensors.torch
 import torch
 
-from trainer.base import ResidentBase, lora_config
+from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
 from trainer.config import CandidateConfig
 from trainer.errors import AdapterStoreError, TrainerConfigError
 
@@ -44,6 +44,8 @@ class AdapterStore(Protocol):
     def activate(self, name: str) -> torch.optim.Optimizer: ...
     def save(self, name: str, out_dir: Path) -> Path: ...
     def snapshot(self, name: str) -> dict[str, torch.Tensor]: ...
+    def names(self) -> list[str]: ...
+    def close(self) -> None: ...
 
 
 def adapter_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
@@ -160,6 +162,12 @@ class ResidentStore:
         self.live = name
         self.last_swap_s = time.perf_counter() - started
         return self.optimizers[name]
+
+    def close(self) -> None:
+        """Remove every candidate's adapter from the base (it stays resident, clean)."""
+        for name in list(self.candidates):
+            self.delete(name)
+        self.base.model.set_adapter(BOOT_ADAPTER)
 
     def save(self, name: str, out_dir: Path) -> Path:
         self._check(name)
@@ -317,6 +325,15 @@ class OffloadStore:
                     state.exp_avg[key].copy_(slot_state["exp_avg"], non_blocking=nb)
                     state.exp_avg_sq[key].copy_(slot_state["exp_avg_sq"], non_blocking=nb)
                     state.step[key] = torch.as_tensor(slot_state["step"]).detach().clone()
+
+    def close(self) -> None:
+        """Drop every waiting candidate and the device slot (the base stays resident, clean)."""
+        self.host.clear()
+        self.live = None
+        if self.slot_shape is not None:
+            self.base.model.set_adapter(BOOT_ADAPTER)
+            self.base.model.delete_adapter(SLOT)
+        self.slot_shape, self.slot_params, self.optimizer = None, {}, None
 
     def _live_or_host_weights(self, name: str) -> dict[str, torch.Tensor]:
         if self.live == name:

@@ -74,34 +74,44 @@ class ResidentBase:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of each completion token under the active adapter (with grad).
 
-        Sequences are right-padded into one batch ``[B, L]``.
+        Sequences are left-padded into one batch ``[B, L]`` (position ids
+        from the attention mask, as ``generate`` does).
 
         Returns:
             ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; mask
             is 1.0 on real completion tokens.
         """
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-        T = max(1, max(len(c) for c in completion_ids))
-        L = max(lengths)
         B = len(prompt_ids)
+        lens_c = [len(c) for c in completion_ids]
+        T = max(1, max(lens_c))
+        L = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+        # Left padding: every sequence ends at column L-1, so the logits that
+        # predict completion tokens are among the last T+1 positions and the
+        # LM head runs only there (logits_to_keep), not over the prompts.
         input_BL = torch.full((B, L), pad, dtype=torch.long)
         attn_BL = torch.zeros((B, L), dtype=torch.long)
-        targets_BT = torch.full((B, T), pad, dtype=torch.long)
-        mask_BT = torch.zeros((B, T), dtype=torch.float32)
-        gather_BT = torch.zeros((B, T), dtype=torch.long)  # position whose logits predict token t
+        targets_BT = torch.full((B, T), pad, dtype=torch.long)  # right-aligned completion tokens
         for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
             seq = list(p) + list(c)
-            input_BL[b, : len(seq)] = torch.tensor(seq)
-            attn_BL[b, : len(seq)] = 1
-            targets_BT[b, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-            mask_BT[b, : len(c)] = 1.0
-            gather_BT[b, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        input_BL, attn_BL = input_BL.to(self.device), attn_BL.to(self.device)
-        logits_BLV = self.model(input_ids=input_BL, attention_mask=attn_BL).logits
-        index = gather_BT.to(self.device).unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1])
-        logits_BTV = logits_BLV.gather(1, index)  # [B, T, V]
-        return token_logprobs(logits_BTV, targets_BT.to(self.device)), mask_BT.to(self.device)
+            input_BL[b, L - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attn_BL[b, L - len(seq) :] = 1
+            if c:
+                targets_BT[b, T - len(c) :] = torch.tensor(list(c), dtype=torch.long)
+        position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)  # positions as in generate() with left padding
+        out = self.model(
+            input_ids=input_BL.to(self.device), attention_mask=attn_BL.to(self.device),
+            position_ids=position_BL.to(self.device), logits_to_keep=T + 1,
+        )  # fmt: skip
+        logits_BTV = out.logits[:, :T]  # position j predicts token j+1
+        right_BT = token_logprobs(logits_BTV, targets_BT.to(self.device))
+        # back to left-aligned: column t of row b is completion token t
+        lens_B1 = torch.tensor(lens_c, dtype=torch.long).unsqueeze(1)
+        cols_BT = torch.arange(T).unsqueeze(0)
+        mask_BT = (cols_BT < lens_B1).float()
+        index_BT = (T - lens_B1 + cols_BT).clamp(max=T - 1)
+        logprobs_BT = right_BT.gather(1, index_BT.to(self.device)) * mask_BT.to(self.device)
+        return logprobs_BT, mask_BT.to(self.device)
 
 
 def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -> ResidentBase:

@@ -126,6 +126,17 @@ BUILTINS: dict[str, Callable[..., float]] = {
 }
 
 
+def register(name: str, fn: Callable[..., float]) -> None:
+    """Make ``fn`` available under ``name`` (plugins and tests).
+
+    Raises:
+        RewardError: ``name`` is already taken, or holds ':' (reserved for import paths).
+    """
+    if name in BUILTINS or ":" in name:
+        raise RewardError(f"reward name {name!r} is taken or contains ':'; pick another")
+    BUILTINS[name] = fn
+
+
 def resolve(name: str) -> Callable[..., float]:
     """A built-in reward by name, or a function imported from ``module:function``.
 

@@ -1,7 +1,29 @@
-"""Shared helpers of the trainer tests (tiny model, small threads)."""
+"""Fixtures of the trainer tests: small thread counts and a 'peaked' tiny model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def peaked_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with its final RMSNorm gain raised to 8.
+
+    A random model's next-token distribution is nearly uniform over 49k
+    tokens, so no reward has signal. Scaling the final norm sharpens it (like
+    a trained LM, a few tokens carry real probability) while staying random.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("peaked") / "model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(8.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out

@@ -1,0 +1,317 @@
+"""The multi-LoRA round: one resident base, K candidate adapters, one rollout engine.
+
+:func:`run_round` reads top to bottom; every step is a named function that
+returns its result and a metrics dict.
+
+Folder layout under ``out_dir`` (one round)::
+
+    <name>/versions/s<k>/   adapter after k optimizer steps (s0 = start point)
+    <name>/adapter/         the final adapter (PEFT folder) -> CandidateResult.adapter_dir
+
+and ``out_dir.parent / "last" / <name>`` holds every candidate's newest final
+adapter across rounds; a candidate with ``start = "self"`` starts from there
+(fresh when it does not exist yet). ``start = "champion"`` starts from
+``champions[served_model]`` (fresh when None).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.progress import Progress
+
+from trainer.adapter_store import make_store
+from trainer.base import ResidentBase, load_base
+from trainer.config import CandidateConfig, ModelConfig, RLConfig
+from trainer.errors import DataError, TrainerConfigError
+from trainer.evaluate import EvalResult, eval_mix, gate, greedy_answers, kl_to_base, score
+from trainer.rewards import build_reward
+from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
+from trainer.samples import Prompt
+from trainer.tasks import prompts_from_table, split_snapshot
+from trainer.types import CandidateResult, RoundResult
+from trainer.update import offline_batch, rollout_batch, update_step
+
+__all__ = ["run_round", "split_snapshot", "make_engine"]
+
+
+def make_engine(rl: RLConfig, base: ResidentBase, store: object) -> RolloutEngine:
+    """The rollout engine the config asks for (``rl.rollout_engine``).
+
+    Raises:
+        TrainerConfigError: ``vllm`` without ``rl.rollout_url``.
+    """
+    if rl.rollout_engine == "hf":
+        return HFEngine(base, store)
+    if not rl.rollout_url:
+        raise TrainerConfigError("rollout_engine 'vllm' needs rl.rollout_url (the vLLM server's base URL), or pass engine=")
+    from trainer.rollout_vllm import VLLMEngine
+
+    return VLLMEngine(rl.rollout_url)
+
+
+def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
+    """Raises TrainerConfigError listing every problem: none given, duplicate names."""
+    problems = []
+    if not candidates:
+        problems.append("no candidates given")
+    names = [c.name for c in candidates]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        problems.append(f"duplicate candidate names {dupes}")
+    if problems:
+        raise TrainerConfigError("; ".join(problems))
+
+
+def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out_dir: Path) -> Path | None:
+    """Where a candidate starts (see the module docstring); None = fresh."""
+    if candidate.start == "champion":
+        champion = champions.get(candidate.served_model)
+        return Path(champion) if champion else None
+    if candidate.start == "self":
+        last = out_dir.parent / "last" / candidate.name
+        return last if (last / "adapter_model.safetensors").is_file() else None
+    return None
+
+
+def _filtered(prompts: Sequence[Prompt], candidate: CandidateConfig) -> list[Prompt]:
+    if candidate.data_filter is None:
+        return list(prompts)
+    return [p for p in prompts if any(candidate.data_filter in m["content"] for m in p.messages)]
+
+
+def draw_prompts(pool: Sequence[Prompt], k: int, seed: int) -> list[Prompt]:
+    """``k`` prompts from ``pool`` (with replacement only when the pool is smaller)."""
+    rng = random.Random(seed)
+    return rng.sample(list(pool), k) if len(pool) >= k else [rng.choice(list(pool)) for _ in range(k)]
+
+
+def publish(base_engine: RolloutEngine, store: object, candidate: str, step: int, out_dir: Path, previous: str | None) -> tuple[str, dict[str, float]]:
+    """Save the live weights as ``<name>-s<step>``, load that new name, unload the previous one."""
+    started = time.perf_counter()
+    version = f"{candidate}-s{step}"
+    folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")  # type: ignore[attr-defined]
+    base_engine.load(candidate, version, folder)
+    if previous is not None:
+        base_engine.unload(previous)
+    return version, {"train/publish_s": time.perf_counter() - started}
+
+
+def _prompt_ids(base: ResidentBase, prompt: Prompt, rl: RLConfig) -> list[int]:
+    ids = base.chat_token_ids(prompt.messages)
+    keep = max(1, base.max_seq_len - rl.max_new_tokens)
+    return ids[-keep:]
+
+
+def train_candidates(
+    base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig],
+    train_prompts: Sequence[Prompt], rl: RLConfig, out_dir: Path, progress: bool,
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
+    """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
+
+    Returns per-candidate step metrics, the final published version of each
+    candidate, and round-level rollout metrics.
+    """
+    versions: dict[str, str] = {}
+    for c in candidates:
+        versions[c.name], _ = publish(engine, store, c.name, 0, out_dir, None)
+    pools = {c.name: _filtered(train_prompts, c) for c in candidates}
+    empty = [n for n, pool in pools.items() if not pool]
+    if empty:
+        raise DataError(f"candidates {empty} have no training prompts after their data_filter; loosen the filter or widen the window")
+    offline_pools = {c.name: [p for p in pools[c.name] if p.logged_completion is not None and p.logged_reward is not None] for c in candidates if c.algorithm == "offline_is"}
+    starved = [n for n, pool in offline_pools.items() if not pool]
+    if starved:
+        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward in the training window")
+    mixes = {c.name: build_reward(c.reward) for c in candidates}
+    history: dict[str, list[dict[str, float]]] = {c.name: [] for c in candidates}
+    rollout_totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
+    online = [c for c in candidates if c.algorithm != "offline_is"]
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
+        for step in range(rl.steps_per_round):
+            # 1. prompts: the same draw for every online candidate (a fair race)
+            step_prompts = {c.name: draw_prompts(pools[c.name], rl.prompts_per_step, rl.seed * 7919 + step) for c in online}
+            groups: dict[str, list] = {}
+            rollout_metrics: dict[str, float] = {}
+            if online:
+                # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
+                groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
+                rollout_totals["rollout/s"] += rollout_metrics["rollout/s"]
+                rollout_totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
+            for c in candidates:
+                # 3. score + update, one candidate at a time on the resident base
+                optimizer = store.activate(c.name)  # type: ignore[attr-defined]
+                metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}  # type: ignore[attr-defined]
+                if c.algorithm == "offline_is":
+                    rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
+                    batch, m = offline_batch(rows, [_prompt_ids(base, p, rl) for p in rows], base, mixes[c.name])
+                else:
+                    prompts = step_prompts[c.name]
+                    batch, m = rollout_batch(c, prompts, [_prompt_ids(base, p, rl) for p in prompts], groups[c.name], mixes[c.name])
+                metrics |= m | rollout_metrics
+                metrics |= update_step(base, optimizer, c, rl, batch)
+                # 4. publish under a new name; the old one is unloaded
+                versions[c.name], m = publish(engine, store, c.name, step + 1, out_dir, versions[c.name])
+                metrics |= m
+                history[c.name].append(metrics)
+                bar.update(task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}")
+    rollout_totals["rollout/tokens_per_s"] = rollout_totals["rollout/tokens"] / max(rollout_totals["rollout/s"], 1e-9)
+    return history, versions, rollout_totals
+
+
+def rollout_step(
+    engine: RolloutEngine, base: ResidentBase, versions: dict[str, str], prompts_by_name: dict[str, list[Prompt]], rl: RLConfig, step: int
+) -> tuple[dict[str, list], dict[str, float]]:
+    """G samples per prompt for every online candidate, all in one engine call (vLLM batches them together)."""
+    started = time.perf_counter()
+    requests, owners = [], []
+    for name, version in versions.items():
+        for p in prompts_by_name[name]:
+            ids = _prompt_ids(base, p, rl)
+            requests.append(RolloutRequest(version=version, prompt_id=p.prompt_id, prompt_token_ids=tuple(ids), n=rl.group_size,
+                                           max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=rl.seed * 1000 + step))  # fmt: skip
+            owners.append(name)
+    groups = engine.generate(requests)
+    by_candidate: dict[str, list] = {name: [] for name in versions}
+    for owner, group in zip(owners, groups):
+        by_candidate[owner].append(group)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(s.token_ids) for g in groups for s in g)
+    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(elapsed, 1e-9)}
+
+
+def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    targets = cfg["target_modules"]
+    return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
+
+
+def evaluate_and_gate(
+    base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
+    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
+) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
+    """Greedy answers of all candidates and champions on the same held-out prompts, then one gate per tenant."""
+    prompts = list(heldout)[: rl.eval_prompts]
+    ids = [_prompt_ids(base, p, rl) for p in prompts]
+    tenants = sorted({c.served_model for c in candidates})
+    champion_versions: dict[str, str] = {}
+    champion_names: list[str] = []
+    for i, tenant in enumerate(tenants):
+        folder = champions.get(tenant)
+        if folder is None:
+            champion_versions[tenant] = BASE_VERSION
+            continue
+        name = f"champion-{i}"
+        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
+        champion_names.append(name)
+        champion_versions[tenant] = f"{name}-{round_id}"
+        engine.load(name, champion_versions[tenant], Path(folder))
+    answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl)
+    results: dict[str, EvalResult] = {}
+    for c in candidates:
+        samples = answers[versions[c.name]]
+        store.activate(c.name)  # type: ignore[attr-defined]
+        results[c.name] = EvalResult(
+            version=versions[c.name], samples=tuple(samples), rewards=score(samples, prompts, eval_mix(c)),
+            mean_kl=kl_to_base(base, ids, samples), mean_length=sum(len(s.token_ids) for s in samples) / max(1, len(samples)),
+        )  # fmt: skip
+    decisions = {}
+    for tenant in tenants:
+        members = [c for c in candidates if c.served_model == tenant]
+        champ = answers[champion_versions[tenant]]
+        champ_rewards = {c.name: score(champ, prompts, eval_mix(c)) for c in members}
+        label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
+        decisions[tenant] = gate(tenant, members, results, champ_rewards, label, rl)
+    for version in champion_versions.values():
+        if version != BASE_VERSION:
+            engine.unload(version)
+    for name in champion_names:
+        store.delete(name)  # type: ignore[attr-defined]
+    return results, decisions, {"eval/prompts": float(len(prompts))}
+
+
+def run_round(
+    model_cfg: ModelConfig,
+    candidates: list[CandidateConfig],
+    rl: RLConfig,
+    train: pa.Table,
+    heldout: pa.Table,
+    champions: dict[str, Path | None],
+    out_dir: Path,
+    *,
+    engine: RolloutEngine | None = None,
+    progress: bool = True,
+    round_id: str | None = None,
+    base: ResidentBase | None = None,
+) -> RoundResult:
+    """Train K candidates on one resident base, evaluate them against their champions, gate.
+
+    Args:
+        train, heldout: buffer snapshot tables (see :mod:`trainer.tasks`), e.g.
+            from :func:`split_snapshot`.
+        champions: served model -> champion adapter folder (None: the base is champion).
+        engine: a rollout engine (e.g. a :class:`~trainer.rollout_vllm.VLLMEngine`);
+            default from ``rl.rollout_engine`` / ``rl.rollout_url``.
+        base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
+            its adapters are removed again at the end.
+
+    Raises:
+        TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
+        DataError: unreadable tables, or no prompts for a candidate.
+    """
+    started = time.perf_counter()
+    check_candidates(candidates)
+    round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
+    out_dir = Path(out_dir)
+    train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
+    if not heldout_prompts:
+        raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
+    base = base or load_base(model_cfg)  # 1. the resident base, loaded once
+    store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
+    engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
+    try:
+        for c in candidates:  # 4. start points
+            store.create(c.name, c, start_dir(c, champions, out_dir))
+        history, versions, rollout_metrics = train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress)
+        results, decisions, eval_metrics = evaluate_and_gate(base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id)
+        out = []
+        for c in candidates:  # 5. final adapters, also kept as the candidate's "last"
+            folder = store.save(c.name, out_dir / c.name / "adapter")
+            last = out_dir.parent / "last" / c.name
+            shutil.rmtree(last, ignore_errors=True)
+            shutil.copytree(folder, last)
+            r = results[c.name]
+            out.append(
+                CandidateResult(
+                    name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
+                    step_metrics=tuple(history[c.name]), eval_rewards=r.rewards,
+                    eval_metrics={"eval/reward_mean": r.reward_mean, "eval/kl": r.mean_kl, "eval/mean_length": r.mean_length},
+                )
+            )  # fmt: skip
+        for version in versions.values():
+            engine.unload(version)
+    finally:
+        # Shutdown order: 1. drop candidates from the store, 2. remove the store's adapters from the base.
+        for name in list(store.names()):
+            store.delete(name)
+        store.close()
+    ts = train.column("ts") if "ts" in train.column_names and train.num_rows else None
+    all_ts = pa.chunked_array([*(train.column("ts").chunks if ts is not None else []), *heldout.column("ts").chunks]) if "ts" in heldout.column_names else ts
+    window_start = pc.min(all_ts).as_py() if all_ts is not None else datetime.now(timezone.utc)
+    window_end = pc.max(all_ts).as_py() if all_ts is not None else datetime.now(timezone.utc)
+    return RoundResult(
+        round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
+        train_rows=train.num_rows, heldout_rows=heldout.num_rows,
+        eval_prompt_ids=tuple(p.prompt_id for p in heldout_prompts[: rl.eval_prompts]),
+        candidates=tuple(out), decisions=decisions,
+        metrics={**rollout_metrics, **eval_metrics, "round/wall_s": time.perf_counter() - started},
+    )  # fmt: skip
