@@ -27,6 +27,8 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -60,6 +62,7 @@ class IngestStats:
     reconnects: int = 0
     unmatched_feedback: int = 0
     lag_records: int | None = None  # sum over assigned partitions of high watermark - position
+    first_record_unix_s: float | None = None  # wall time the first batch arrived (throughput baselines)
     last_commit_unix_s: float | None = None
 
     def as_metrics(self) -> dict[str, float]:
@@ -121,22 +124,55 @@ class IngestWorker:
         log.warning("ingest session failed (%s); reconnecting in %.1fs", state.outcome.exception(), state.upcoming_sleep)
 
     def _session(self, stop: threading.Event) -> None:
-        # Shutdown order: 1. stop polling, 2. the batch in hand is already durable and committed,
-        # 3. close the consumer without auto-commit (leaves the group at once).
+        # The consumer thread (this one) polls and commits; one store thread parses and writes
+        # batches durably, so storage overlaps the next fetches. Commits happen here, in batch
+        # order, only after the batch's store future has succeeded.
+        # Shutdown order: 1. stop polling, 2. hand over the records in hand, 3. wait for every
+        # store to finish and commit it, 4. close the consumer without auto-commit (leaves the group).
+        # On a broker error, batches not yet committed are redelivered later (the buffer de-duplicates).
         ensure_topics(self.kafka)
         consumer = self._consumer()
+        k = self.kafka
+        inflight: deque[tuple[Future[None], dict[TopicPartition, OffsetAndMetadata]]] = deque()
+        store = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-store")
         try:
             next_maintenance = time.monotonic() + self.maintenance_interval_s
+            pending: dict[TopicPartition, list[Any]] = {}
+            count, deadline = 0, 0.0
             while not stop.is_set():
-                polled = consumer.poll(timeout_ms=self.kafka.batch_timeout_ms, max_records=self.kafka.batch_max_records)
-                if polled:
-                    self._handle(consumer, polled)
+                # Fill a batch over several polls, up to batch_max_records or batch_timeout_ms
+                # after its first record: one fsync'd segment and one offset commit per batch.
+                wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if count else k.batch_timeout_ms
+                polled = consumer.poll(timeout_ms=wait_ms, max_records=k.batch_max_records - count)
+                for tp, records in polled.items():
+                    if not count:
+                        deadline = time.monotonic() + k.batch_timeout_ms / 1000
+                    pending.setdefault(tp, []).extend(records)
+                    count += len(records)
+                    self._positions[tp] = records[-1].offset + 1
+                if count and (count >= k.batch_max_records or time.monotonic() >= deadline):
+                    inflight.append((store.submit(self._store, pending), _next_offsets(pending)))
+                    pending, count = {}, 0
+                self._commit_done(consumer, inflight, block=len(inflight) > 1)  # at most 2 batches in flight
                 self._update_lag(consumer)
                 if time.monotonic() >= next_maintenance:
                     self.maintain()
                     next_maintenance = time.monotonic() + self.maintenance_interval_s
+            if pending:
+                inflight.append((store.submit(self._store, pending), _next_offsets(pending)))
+            while inflight:
+                self._commit_done(consumer, inflight, block=True)
         finally:
+            store.shutdown(wait=True)
             consumer.close(autocommit=False)
+
+    def _commit_done(self, consumer: KafkaConsumer, inflight: deque[Any], block: bool) -> None:
+        """Commit the offsets of stored batches, oldest first; re-raises a store's storage error."""
+        while inflight and (inflight[0][0].done() or block):
+            future, offsets = inflight.popleft()
+            future.result()  # BufferStorageError propagates: nothing of this batch is committed
+            self._commit(consumer, offsets)
+            block = False
 
     def _consumer(self) -> KafkaConsumer:
         k = self.kafka
@@ -158,12 +194,15 @@ class IngestWorker:
 
     # --- one batch -------------------------------------------------------------------
 
-    def _handle(self, consumer: KafkaConsumer, polled: dict[TopicPartition, list[Any]]) -> None:
+    def _store(self, polled: dict[TopicPartition, list[Any]]) -> None:
+        """Parse one batch and write it durably: dead letters, then buffer segments (store thread)."""
+        if self._stats.first_record_unix_s is None:
+            with self._lock:
+                self._stats = replace(self._stats, first_record_unix_s=time.time())
         traces: list[tuple[TraceEvent, Coordinates]] = []
         feedback: list[tuple[FeedbackEvent, Coordinates]] = []
         letters: list[DeadLetter] = []
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
-        for tp, records in polled.items():
+        for records in polled.values():
             for record in records:
                 where = Coordinates(record.topic, record.partition, record.offset)
                 result = parse_record(record.value, max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher)
@@ -173,12 +212,9 @@ class IngestWorker:
                     traces.append((result, where))
                 else:
                     feedback.append((result, where))
-            offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "", -1)
-            self._positions[tp] = records[-1].offset + 1
         self.dead_letters.write(letters)  # durable before the commit
         self.buffer.append(traces, feedback)  # durable before the commit
         self._count(traces=len(traces), feedback=len(feedback), dead_letters=len(letters), batches=1)
-        self._commit(consumer, offsets)
 
     def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         try:
@@ -212,6 +248,11 @@ class IngestWorker:
         self._count(unmatched_feedback=unmatched, dead_letters=unmatched)
         if removed:
             log.info("retention removed partitions %s", removed)
+
+
+def _next_offsets(polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, OffsetAndMetadata]:
+    """The offsets to commit once a batch is stored: last offset + 1 per partition."""
+    return {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1) for tp, records in polled.items()}
 
 
 def _coords(where: Coordinates) -> tuple[str, int, int]:

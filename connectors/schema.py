@@ -19,9 +19,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
 
 TRACE_SCHEMA = "hourglass.trace/v1"
 FEEDBACK_SCHEMA = "hourglass.feedback/v1"
@@ -78,6 +78,12 @@ class _Signals(BaseModel):
     edited: bool | None = Field(default=None, description="The user edited the answer.")
     regenerated: bool | None = Field(default=None, description="The user asked for another answer.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed on ingest.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _hash_user_ids(cls, metadata: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        hasher = (info.context or {}).get("hasher")
+        return hasher(metadata) if hasher is not None and metadata else metadata
 
     def signals(self) -> dict[str, Any]:
         """The signals that are present (not None), by name."""
@@ -155,6 +161,7 @@ class FeedbackEvent(_Signals):
 
 
 Event = TraceEvent | FeedbackEvent
+_ANY_EVENT: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="schema_")])
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,17 @@ def parse_record(value: bytes | None, *, max_record_bytes: int, hasher: UserHash
         return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
     if len(value) > max_record_bytes:
         return Rejected(OVERSIZE, f"record is {len(value)} bytes, above kafka.max_record_bytes={max_record_bytes}")
+    try:  # fast path: one pass of pydantic-core's JSON parser for the (usual) valid record
+        event: Event = _ANY_EVENT.validate_json(value, context={"hasher": hasher})  # hashes user ids
+    except ValidationError:
+        return _diagnose(value)  # slow path: say precisely what is wrong
+    if event.reward is not None and not math.isfinite(event.reward):
+        return Rejected(NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers")
+    return event
+
+
+def _diagnose(value: bytes) -> Rejected:
+    """Why a record that failed validation is unusable (checks in order, first problem wins)."""
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -237,9 +255,7 @@ def parse_record(value: bytes | None, *, max_record_bytes: int, hasher: UserHash
         return Rejected(NON_FINITE_REWARD, f"reward is {reward!r} (NaN or infinite); rewards must be finite numbers")
     model = TraceEvent if tag == TRACE_SCHEMA else FeedbackEvent
     try:
-        event = model.model_validate(data)
+        model.model_validate(data)
     except ValidationError as err:
         return Rejected(SCHEMA_VIOLATION, f"{tag}: {_first_error(err)}")
-    if event.metadata:
-        event = event.model_copy(update={"metadata": hasher(event.metadata)})
-    return event
+    return Rejected(SCHEMA_VIOLATION, f"{tag}: the record does not validate as JSON (duplicate keys or non-standard numbers?)")

@@ -1,0 +1,117 @@
+"""Ingest throughput: durable traces/s into the reward buffer vs raw kafka-python consume-only traces/s.
+
+Same broker (a fresh Tansu started here unless --bootstrap is given), same
+messages, measured side by side in one run. Both sides use a consumer group
+and are timed from the first record received to the last one handled
+(durable: written, fsynced, renamed and offset-committed). Last line: the
+ratio durable / raw (target >= 0.8).
+
+    python bench/ingest.py [--traces 20000] [--bootstrap HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from kafka import KafkaConsumer
+
+from connectors.config import BufferConfig, KafkaConfig
+from connectors.ingest import IngestWorker
+from connectors.kafka_admin import ensure_topics
+from connectors.schema import TraceEvent
+from connectors.sink import TraceSink
+
+
+def _events(n: int) -> list[TraceEvent]:
+    t0 = datetime.now(timezone.utc)
+    return [
+        TraceEvent(
+            trace_id=f"bench-{i}", ts=t0 + timedelta(milliseconds=i), model="base", adapter_version="v1",
+            prompt=[{"role": "user", "content": f"What is {i} + {i % 7}? Answer with a number."}],
+            completion=f"The answer is {i + i % 7}. " * 8,
+            completion_token_ids=list(range(40)), completion_logprobs=[-0.25] * 40,
+            thumbs="up" if i % 2 else None, metadata={"user_id": f"user-{i % 100}", "reference_answer": str(i + i % 7)},
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def raw_consume(cfg: KafkaConfig, n: int) -> float:
+    """kafka-python consume-only (group member, no parsing, no storage): records/s."""
+    consumer = KafkaConsumer(
+        cfg.traces_topic, bootstrap_servers=cfg.bootstrap_servers, group_id=f"raw-{uuid.uuid4().hex[:6]}",
+        enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=cfg.session_timeout_ms,
+        heartbeat_interval_ms=cfg.heartbeat_interval_ms, max_poll_records=cfg.batch_max_records,
+    )  # fmt: skip
+    seen, first = 0, None
+    while seen < n:
+        for records in consumer.poll(timeout_ms=cfg.batch_timeout_ms, max_records=cfg.batch_max_records).values():
+            first = first or time.time()
+            seen += len(records)
+    last = time.time()
+    consumer.close(autocommit=False)
+    return n / (last - first)
+
+
+def durable_ingest(cfg: KafkaConfig, buffer: BufferConfig, n: int) -> float:
+    """IngestWorker: parse, hash, durable Arrow segments, offset commit: records/s."""
+    worker = IngestWorker(cfg.model_copy(update={"group_id": f"durable-{uuid.uuid4().hex[:6]}"}), buffer)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    while worker.stats().traces < n or worker.stats().commits < worker.stats().batches:
+        time.sleep(0.01)
+    stats = worker.stats()
+    stop.set()
+    thread.join()
+    return n / (stats.last_commit_unix_s - stats.first_record_unix_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=int, default=20000)
+    parser.add_argument("--bootstrap", default=None, help="Use this broker instead of starting Tansu.")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        service = None
+        bootstrap = args.bootstrap
+        if bootstrap is None:
+            from pipeline.stack import broker_service, free_port  # bench may use the launcher; connectors do not
+
+            service = broker_service("127.0.0.1", free_port(), Path(tmp) / "logs")
+            service.start()
+            bootstrap = f"127.0.0.1:{service.port}"
+        try:
+            tag = uuid.uuid4().hex[:6]
+            cfg = KafkaConfig(bootstrap_servers=[bootstrap], traces_topic=f"bench-traces-{tag}",
+                              feedback_topic=f"bench-feedback-{tag}", partitions=3)  # fmt: skip
+            ensure_topics(cfg)
+            events = _events(args.traces)
+            with TraceSink(cfg) as sink:
+                for event in events:
+                    sink.send_trace(event)
+                acked = sink.flush()
+            size = sum(len(e.to_json_bytes()) for e in events) / len(events)
+            print(f"produced {acked} traces ({size:.0f} B each) to {cfg.traces_topic} on {bootstrap}")
+            buffer = BufferConfig(root=str(Path(tmp) / "buffer"), dead_letter_root=str(Path(tmp) / "dlq"))
+            raw = raw_consume(cfg, acked)
+            durable = durable_ingest(cfg, buffer, acked)
+            print(json.dumps({"bench/raw_consume_traces_per_s": round(raw), "bench/durable_traces_per_s": round(durable),
+                              "batch_max_records": cfg.batch_max_records}))  # fmt: skip
+            print(f"raw kafka-python consume-only: {raw:10.0f} traces/s")
+            print(f"durable ingest into buffer:    {durable:10.0f} traces/s")
+            print(f"durable/raw ratio: {durable / raw:.3f}")
+        finally:
+            if service is not None:
+                service.stop()
+
+
+if __name__ == "__main__":
+    main()
