@@ -6,6 +6,9 @@ to the served one (``resolve_model``); ``GET /v1/models`` lists the public
 names; ``POST /v1/feedback`` publishes a feedback event; ``GET /healthz`` and
 ``GET /metrics`` (Prometheus) serve operations.
 
+Only the first choice (index 0) of a response is traced (``n > 1`` traces choice 0),
+and completions with a batch of prompts or token-id prompts are served but not traced.
+
 Every proxied response carries the header ``x-hourglass-trace-id`` (uuid4 hex).
 The trace event (DESIGN.md §4) is published after the response body is
 produced, through :class:`~connectors.gateway_publish.EventPublisher`, so Kafka
@@ -31,7 +34,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import Counter, make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
@@ -128,7 +131,6 @@ def create_gateway_app(
             await asyncio.to_thread(app.state.publisher.close)
 
     app = FastAPI(title="Hourglass gateway", lifespan=lifespan)
-    app.mount("/metrics", make_asgi_app())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -139,6 +141,10 @@ def create_gateway_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

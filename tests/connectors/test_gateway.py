@@ -121,7 +121,7 @@ def client(gateway: str) -> openai.OpenAI:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Current value of one Prometheus sample served at ``url/metrics`` (0 when absent)."""
-    text = httpx.get(f"{url}/metrics/").text
+    text = httpx.get(f"{url}/metrics").text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
