@@ -106,5 +106,6 @@ def register(app: typer.Typer) -> None:
 
 if __name__ == "__main__":
     _app = typer.Typer(no_args_is_help=True)
+    _app.callback()(lambda: None)  # keep `gateway` as a subcommand (typer collapses a single command)
     register(_app)
     _app()
