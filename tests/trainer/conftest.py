@@ -12,7 +12,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def peaked_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Llama with its final RMSNorm gain raised to 8.
+    """The tiny random Llama with its final RMSNorm gain raised to 10.
 
     A random model's next-token distribution is nearly uniform over 49k
     tokens, so no reward has signal. Scaling the final norm sharpens it (like
@@ -23,7 +23,7 @@ def peaked_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     out = tmp_path_factory.mktemp("peaked") / "model"
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     with torch.no_grad():
-        model.model.norm.weight.fill_(8.0)
+        model.model.norm.weight.fill_(10.0)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
     return out

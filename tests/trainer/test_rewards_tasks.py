@@ -1,0 +1,83 @@
+"""Reward functions, the reward mix, prompts from snapshots and the time split."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from trainer.config import RewardTerm
+from trainer.errors import DataError, RewardError
+from trainer.rewards import build_reward, exact_answer, format_reward, json_valid, length_penalty
+from trainer.samples import Prompt
+from trainer.tasks import prompts_from_table, reasoning_gym_prompts, snapshot_table, split_snapshot
+
+MSG = [{"role": "user", "content": "2+2?"}]
+
+
+def test_builtin_rewards() -> None:
+    assert exact_answer(MSG, "The answer is 4.", {"reference_answer": "4"}) == 1.0
+    assert exact_answer(MSG, "4.0", {"reference_answer": "4"}) == 1.0
+    assert exact_answer(MSG, "I think 5", {"reference_answer": "4"}) == 0.0
+    assert exact_answer(MSG, "-3", {"reference_answer": "-3"}) == 1.0
+    with pytest.raises(RewardError, match="reference_answer"):
+        exact_answer(MSG, "4", {})
+    assert json_valid(MSG, '```json\n{"a": 1}\n```', {}) == 1.0 and json_valid(MSG, "{a: 1}", {}) == 0.0
+    assert length_penalty(MSG, "x" * 30, {}, target_chars=10, per_char=0.1) == pytest.approx(-2.0)
+    assert format_reward(MSG, "4", {}) == 1.0 and format_reward(MSG, "four", {}) == 0.5
+    assert format_reward(MSG, "well the answer is 4", {}) == 0.0
+
+
+def test_weighted_mix_import_paths_and_logged() -> None:
+    mix = build_reward(
+        [RewardTerm(fn="exact_answer", weight=2.0), RewardTerm(fn="trainer.rewards:json_valid", weight=0.5),
+         RewardTerm(fn="logged", weight=1.0)]
+    )  # fmt: skip
+    assert mix(MSG, "4", {"reference_answer": "4", "reward": -1.0}) == pytest.approx(2.0 + 0.5 - 1.0)
+    with pytest.raises(RewardError, match="fresh rollouts have none"):
+        mix(MSG, "4", {"reference_answer": "4"})
+    eval_mix = build_reward([RewardTerm(fn="logged")], skip_logged=True)
+    assert not eval_mix
+    with pytest.raises(RewardError, match="unknown reward 'nope'"):
+        build_reward([RewardTerm(fn="nope")])
+    with pytest.raises(RewardError, match="cannot be imported"):
+        build_reward([RewardTerm(fn="trainer.rewards:missing")])
+
+
+def test_reasoning_gym_prompts_are_verifiable() -> None:
+    prompts = reasoning_gym_prompts("basic_arithmetic", 5, seed=3, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    assert len(prompts) == 5 and len({p.prompt_id for p in prompts}) == 5
+    for p in prompts:
+        assert p.messages[0]["role"] == "user"
+        assert exact_answer(p.messages, f"= {p.metadata['reference_answer']}", p.metadata) == 1.0
+
+
+def test_snapshot_round_trip_and_time_split() -> None:
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    prompts = [
+        Prompt(prompt_id=f"t{i}", messages=[{"role": "user", "content": f"q{i}"}], metadata={"reference_answer": str(i)},
+               logged_completion=str(i), logged_token_ids=[5, 6], logged_logprobs=[-0.5, -0.25], logged_reward=float(i))
+        for i in range(10)
+    ]  # fmt: skip
+    table = snapshot_table(prompts[::-1], start=start)  # newest row first in the table: t0 is newest
+    train, heldout = split_snapshot(table, 0.2)
+    assert (train.num_rows, heldout.num_rows) == (8, 2)
+    assert max(train.column("ts").to_pylist()) < min(heldout.column("ts").to_pylist())
+    assert set(heldout.column("trace_id").to_pylist()) == {"t1", "t0"}
+    back = {p.prompt_id: p for p in prompts_from_table(table)}
+    assert back["t3"].logged_logprobs == pytest.approx([-0.5, -0.25]) and back["t3"].logged_reward == 3.0
+    assert back["t3"].metadata == {"reference_answer": "3"}
+    with pytest.raises(DataError, match="at least 2"):
+        split_snapshot(table.slice(0, 1), 0.5)
+
+
+def test_bad_rows_are_reported_with_their_trace_id() -> None:
+    table = snapshot_table([Prompt(prompt_id="ok", messages=MSG)])
+    bad = table.set_column(table.column_names.index("metadata"), "metadata", [["[1, 2]"]])
+    with pytest.raises(DataError, match="row 'ok': metadata must be a JSON object"):
+        prompts_from_table(bad)
+    plain = table.set_column(table.column_names.index("prompt"), "prompt", [[json.dumps("just text")]])
+    assert prompts_from_table(plain)[0].messages == [{"role": "user", "content": "just text"}]
+    with pytest.raises(DataError, match="lacks columns"):
+        prompts_from_table(table.drop_columns(["prompt"]))
