@@ -181,21 +181,26 @@ class UserHasher:
     """
 
     def __init__(self, key: bytes | str, id_keys: Iterable[str]) -> None:
-        self._key = key.encode("utf-8") if isinstance(key, str) else key
+        self._keyed = hmac.new(key.encode("utf-8") if isinstance(key, str) else key, digestmod=hashlib.sha256)
         self._id_keys = frozenset(k.lower() for k in id_keys)
 
     def digest(self, value: Any) -> str:
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        return "hmac-sha256:" + hmac.new(self._key, text.encode("utf-8"), hashlib.sha256).hexdigest()
+        mac = self._keyed.copy()  # cheaper than re-keying per value
+        mac.update(text.encode("utf-8"))
+        return "hmac-sha256:" + mac.hexdigest()
 
     def __call__(self, metadata: Any) -> Any:
         if isinstance(metadata, dict):
-            return {
-                k: (self.digest(v) if k.lower() in self._id_keys and v is not None else self(v))
-                for k, v in metadata.items()
-            }
+            out = {}
+            for k, v in metadata.items():
+                if k.lower() in self._id_keys and v is not None:
+                    out[k] = self.digest(v)
+                else:
+                    out[k] = self(v) if isinstance(v, (dict, list)) else v
+            return out
         if isinstance(metadata, list):
-            return [self(v) for v in metadata]
+            return [self(v) if isinstance(v, (dict, list)) else v for v in metadata]
         return metadata
 
 
