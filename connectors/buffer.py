@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
 from connectors.config import BufferConfig
 from connectors.dead_letter import DeadLetter, DeadLetterStore
@@ -265,7 +266,16 @@ class RewardBuffer:
                 total -= size
         for part in doomed:
             self.loc.fs.delete_dir(self.loc.path(part))
+        self._remove_stale_temp_files()
         return sorted(doomed)
+
+    def _remove_stale_temp_files(self, age: timedelta = timedelta(hours=1)) -> None:
+        """Delete ``.tmp-*`` files a crash left mid-write (never read; older than ``age`` by the wall clock)."""
+        now = datetime.now(timezone.utc)
+        selector = pafs.FileSelector(self.loc.base, recursive=True, allow_not_found=True)
+        for info in self.loc.fs.get_file_info(selector):
+            if info.base_name.startswith(".tmp-") and info.mtime is not None and info.mtime < now - age:
+                self.loc.fs.delete_file(info.path)
 
 
 def _first_per_trace_id(table: pa.Table) -> pa.Table:

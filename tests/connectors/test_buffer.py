@@ -112,3 +112,19 @@ def test_retention_by_age_then_size(tmp_path: Path) -> None:
     assert removed == [f"traces/dt=2026-03-01/hour={h}" for h in (10, 11, 12)]  # 10 by age, 11-12 by size
     assert buf.snapshot()["trace_id"].to_pylist() == ["t3"]
     assert buf.apply_retention(now) == []
+
+
+def test_retention_removes_stale_temp_files_of_a_crashed_write(tmp_path: Path) -> None:
+    import os
+
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(1)], [])
+    part = next((tmp_path / "buf").rglob("*.arrow")).parent
+    stale, fresh = part / ".tmp-dead", part / ".tmp-inflight"
+    stale.write_bytes(b"half a segment")
+    fresh.write_bytes(b"being written")
+    old = (datetime.now(timezone.utc) - timedelta(hours=2)).timestamp()
+    os.utime(stale, (old, old))
+    assert buf.snapshot()["trace_id"].to_pylist() == ["t1"]  # temp files are never read
+    assert buf.apply_retention(T0 + timedelta(minutes=1)) == []
+    assert not stale.exists() and fresh.exists()
