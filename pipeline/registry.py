@@ -88,6 +88,7 @@ def make_client(cfg: HourglassConfig) -> MlflowClient:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     return MlflowClient(tracking_uri=cfg.registry.tracking_uri, registry_uri=cfg.registry.tracking_uri)
 
 
