@@ -230,6 +230,8 @@ class ServingController:
             promoted = mv.tags.get(TAG_PROMOTED_BY)
             if TAG_SERVE_ERROR in mv.tags or (model, desired) in self._failed and self._failed[(model, desired)] == promoted:
                 reason = mv.tags.get(TAG_SERVE_ERROR, "failed before")
+                st.last_error = f"not retrying v{desired} (promote it again to retry): {reason}"
+                st.last_error_version = desired
                 revert_failed(self.client, self.cfg, model, desired, reason, st.serving)
                 return
             self._roll_out(model, desired, seen, promoted)
