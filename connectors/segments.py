@@ -128,7 +128,7 @@ def overlaps(seg: SegmentInfo, start: datetime, end: datetime) -> bool:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def trace_table(rows: list[tuple[TraceEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
