@@ -34,8 +34,21 @@ from connectors.dead_letter import DeadLetter, DeadLetterStore
 from connectors.reward import merge_signals, reward_from_signals
 from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent
 from connectors.segments import (
-    FEEDBACK, FEEDBACK_SEGMENT_SCHEMA, SNAPSHOT_SCHEMA, TRACE_SEGMENT_SCHEMA, TRACES, Coordinates, SegmentInfo,
-    decode, encode, feedback_table, hour_of, overlaps, partition_dir, segment_info, trace_table,
+    FEEDBACK,
+    FEEDBACK_SEGMENT_SCHEMA,
+    SNAPSHOT_SCHEMA,
+    TRACE_SEGMENT_SCHEMA,
+    TRACES,
+    Coordinates,
+    SegmentInfo,
+    decode,
+    encode,
+    feedback_table,
+    hour_of,
+    overlaps,
+    partition_dir,
+    segment_info,
+    trace_table,
 )  # fmt: skip
 from connectors.storage import list_files, open_location, read_bytes, write_durable
 
