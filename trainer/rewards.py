@@ -76,7 +76,7 @@ def exact_answer(prompt_messages: Messages, completion: str, metadata: dict[str,
 def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
     """1.0 when the completion (stripped, optional ```json fences removed) parses as JSON."""
     text = completion.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.S)
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.DOTALL)
     if fenced:
         text = fenced.group(1)
     try:

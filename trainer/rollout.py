@@ -79,6 +79,15 @@ class HFEngine:
             raise RolloutError(f"version {version!r} is not loaded; loaded: {sorted(self.versions)}")
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        """``n`` samples per request, in request order.
+
+        Requests of one version run as left-padded batches (about
+        ``batch_size`` sequences); a batch uses the sampling settings
+        (temperature, max_new_tokens, seed) of its first request.
+
+        Raises:
+            RolloutError: a version that was never loaded.
+        """
         out: list[list[Sample] | None] = [None] * len(requests)
         by_version: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
@@ -106,7 +115,7 @@ class HFEngine:
             input_BP[b, P - len(ids) :] = torch.tensor(ids)
             attn_BP[b, P - len(ids) :] = 1
         greedy = requests[0].temperature == 0
-        kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=requests[0].temperature, top_k=0, top_p=1.0)
+        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": requests[0].temperature, "top_k": 0, "top_p": 1.0}
         torch.manual_seed(requests[0].seed)
         was_training = model.training
         model.eval()

@@ -40,7 +40,7 @@ from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RoundResult
 from trainer.update import offline_batch, rollout_batch, update_step
 
-__all__ = ["run_round", "split_snapshot", "make_engine"]
+__all__ = ["make_engine", "run_round", "split_snapshot"]
 
 
 def make_engine(rl: RLConfig, base: ResidentBase, store: object) -> RolloutEngine:
@@ -239,6 +239,16 @@ def evaluate_and_gate(
     return results, decisions, {"eval/prompts": float(len(prompts))}
 
 
+def _window(train: pa.Table, heldout: pa.Table) -> tuple[datetime, datetime]:
+    """Oldest and newest ``ts`` over both tables."""
+    chunks = [chunk for t in (train, heldout) if "ts" in t.column_names for chunk in t.column("ts").chunks]
+    stamps = pa.chunked_array(chunks, type=chunks[0].type) if chunks else None
+    if stamps is None or len(stamps) == 0:
+        now = datetime.now(timezone.utc)
+        return now, now
+    return pc.min(stamps).as_py(), pc.max(stamps).as_py()
+
+
 def run_round(
     model_cfg: ModelConfig,
     candidates: list[CandidateConfig],
@@ -304,10 +314,7 @@ def run_round(
         for name in list(store.names()):
             store.delete(name)
         store.close()
-    ts = train.column("ts") if "ts" in train.column_names and train.num_rows else None
-    all_ts = pa.chunked_array([*(train.column("ts").chunks if ts is not None else []), *heldout.column("ts").chunks]) if "ts" in heldout.column_names else ts
-    window_start = pc.min(all_ts).as_py() if all_ts is not None else datetime.now(timezone.utc)
-    window_end = pc.max(all_ts).as_py() if all_ts is not None else datetime.now(timezone.utc)
+    window_start, window_end = _window(train, heldout)
     return RoundResult(
         round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,

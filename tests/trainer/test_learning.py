@@ -17,7 +17,7 @@ from trainer.samples import Prompt
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 
-def _newline_share(prompt_messages, completion: str, metadata) -> float:  # noqa: ANN001
+def _newline_share(prompt_messages, completion: str, metadata) -> float:
     """Toy verifiable reward: newlines per completion token slot (4 tokens)."""
     return completion.count("\n") / 4
 
@@ -45,7 +45,7 @@ def test_grpo_raises_reward_on_a_toy_task(peaked_model: Path, tmp_path: Path, mo
 
 
 @torch.no_grad()
-def _logprob_of(base, prompts: list[Prompt], text: str) -> float:  # noqa: ANN001
+def _logprob_of(base, prompts: list[Prompt], text: str) -> float:
     completion = base.tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = [base.chat_token_ids(p.messages) for p in prompts]
     lp_BT, mask_BT = base.completion_logprobs(ids, [completion] * len(ids))

@@ -33,7 +33,7 @@ class RecordingEngine(VLLMEngine):
             self.events.append(f"end:{body['model']}")
 
 
-def _perturb(store, name: str, seed: int) -> None:  # noqa: ANN001
+def _perturb(store, name: str, seed: int) -> None:
     store.activate(name)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_two_adapters_in_flight_logprobs_and_versioned_push(vllm_tiny: str, tiny
         for name, group in (("a", groups[0]), ("b", groups[1])):
             store.activate(name)
             with torch.no_grad():
-                lp_BT, mask_BT = base.completion_logprobs([list(prompt)] * 3, [list(s.token_ids) for s in group])
+                lp_BT, _ = base.completion_logprobs([list(prompt)] * 3, [list(s.token_ids) for s in group])
             for row, s in enumerate(group):
                 torch.testing.assert_close(lp_BT[row, : len(s.logprobs)], torch.tensor(s.logprobs), atol=2e-2, rtol=0)
 
