@@ -147,6 +147,9 @@ class IngestWorker:
                 for tp, records in polled.items():
                     if not count:
                         deadline = time.monotonic() + k.batch_timeout_ms / 1000
+                        if self._stats.first_record_unix_s is None:
+                            with self._lock:
+                                self._stats = replace(self._stats, first_record_unix_s=time.time())
                     pending.setdefault(tp, []).extend(records)
                     count += len(records)
                     self._positions[tp] = records[-1].offset + 1
@@ -196,9 +199,6 @@ class IngestWorker:
 
     def _store(self, polled: dict[TopicPartition, list[Any]]) -> None:
         """Parse one batch and write it durably: dead letters, then buffer segments (store thread)."""
-        if self._stats.first_record_unix_s is None:
-            with self._lock:
-                self._stats = replace(self._stats, first_record_unix_s=time.time())
         traces: list[tuple[TraceEvent, Coordinates]] = []
         feedback: list[tuple[FeedbackEvent, Coordinates]] = []
         letters: list[DeadLetter] = []
