@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -156,6 +157,7 @@ def create_gateway_app(
     async def feedback(body: FeedbackIn) -> JSONResponse:
         data = body.model_dump(exclude_none=True)
         data["metadata"] = hasher(data.get("metadata") or {})
+        data["ts"] = datetime.now(UTC)  # when the feedback was given
         event = FeedbackEvent.model_validate(data)
         loop = asyncio.get_running_loop()
         acked: asyncio.Future[Exception | None] = loop.create_future()

@@ -232,7 +232,7 @@ def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gate
         event = reader.get(trace_id)
     finally:
         reader.consumer.close()
-    assert event["schema"] == "hourglass.feedback/v1"
+    assert event["schema"] == "hourglass.feedback/v1" and event["ts"]
     assert (event["thumbs"], event["rating"], event["reward"], event["edited"]) == ("up", 5, 0.5, False)
     assert event["metadata"]["surface"] == "chat" and event["metadata"]["user_id"].startswith("hmac-sha256:")
 
