@@ -1,0 +1,56 @@
+"""Start points across rounds (champion / self / fresh), tenants, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.errors import TrainerConfigError
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+
+RL = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=2, max_kl=100.0)
+MIX = [RewardTerm(fn="format")]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path: Path) -> None:
+    prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
+    model = ModelConfig(name=str(tiny_model))
+    first = run_round(model, [CandidateConfig(name="x", reward=MIX, start="fresh", learning_rate=1e-2)], RL, train, heldout, {}, tmp_path / "r1", progress=False)
+    champion = first.candidates[0].adapter_dir
+
+    candidates = [
+        CandidateConfig(name="from-champ", reward=MIX, start="champion", served_model="t1"),
+        CandidateConfig(name="x", reward=MIX, start="self", served_model="t2"),
+        CandidateConfig(name="new", reward=MIX, start="fresh", served_model="t2", lora_rank=4),
+    ]
+    second = run_round(model, candidates, RL, train, heldout, {"t1": champion, "t2": None}, tmp_path / "r2", progress=False)
+    start_champ = _weights(tmp_path / "r2" / "from-champ" / "versions" / "s0")
+    start_self = _weights(tmp_path / "r2" / "x" / "versions" / "s0")
+    for key, value in _weights(champion).items():
+        assert torch.equal(start_champ[key], value) and torch.equal(start_self[key], value)
+    start_new = _weights(tmp_path / "r2" / "new" / "versions" / "s0")
+    assert all(v.abs().sum() == 0 for k, v in start_new.items() if "lora_B" in k)  # fresh: B = 0
+    assert set(second.decisions) == {"t1", "t2"}
+    assert "champion" in second.decisions["t1"].reason and "base" in second.decisions["t2"].reason
+    assert set(second.decisions["t2"].candidate_reward_means) == {"x", "new"}
+    assert len(second.eval_prompt_ids) == 2 and second.train_rows == 6 and second.heldout_rows == 2
+
+
+def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path: Path) -> None:
+    prompts = reasoning_gym_prompts("basic_arithmetic", 4, seed=2)
+    train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
+    twice = [CandidateConfig(name="a", reward=MIX), CandidateConfig(name="a", reward=MIX)]
+    with pytest.raises(TrainerConfigError, match=r"duplicate candidate names \['a'\]"):
+        run_round(ModelConfig(name=str(tiny_model)), twice, RL, train, heldout, {}, tmp_path, progress=False)
+    with pytest.raises(TrainerConfigError, match="rollout_url"):
+        run_round(ModelConfig(name=str(tiny_model)), twice[:1], RL.model_copy(update={"rollout_engine": "vllm"}), train, heldout, {}, tmp_path, progress=False)
