@@ -1,0 +1,225 @@
+"""Production deployment files in ``deploy/``: they parse, name the right
+services and flags, and agree with ``deploy/production.toml``.
+
+Docker is not available on the dev machine, so ``deploy/compose.yaml`` is
+checked structurally here (and cross-checked against the config it mounts),
+never run. The systemd units are read as INI files and, where
+``systemd-analyze`` exists, verified by systemd itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import HourglassConfig, load_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CONFIG_IN_CONTAINER = "/etc/hourglass/hourglass.toml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def prod() -> HourglassConfig:
+    return load_config(DEPLOY / "production.toml")
+
+
+def _flag(argv: list[str], name: str) -> str:
+    """The value after ``name`` in an argv list."""
+    assert name in argv, f"{name} missing from {argv}"
+    return str(argv[argv.index(name) + 1])
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> 'source[:mode]' of a compose service's short-syntax volumes."""
+    out = {}
+    for spec in service.get("volumes", []):
+        source, target, *mode = spec.split(":")
+        out[target] = ":".join([source, *mode])
+    return out
+
+
+# --- configs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["production.toml", "hourglass.toml"])
+def test_shipped_configs_pass_config_check(name: str) -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / name), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"ok": true' in result.output
+
+
+def test_production_config_uses_only_external_services(prod: HourglassConfig) -> None:
+    assert not (prod.kafka.embedded or prod.registry.embedded or prod.serving.embedded)
+    assert prod.kafka.bootstrap_servers == ["kafka:9092"]
+    assert prod.registry.tracking_uri == "http://mlflow:5000"
+    assert prod.serving.replicas == ["http://vllm:8000"]
+    assert (prod.model.dtype, prod.model.device) == ("bfloat16", "cuda")
+    assert prod.schedule.cron == "0 * * * *" and prod.schedule.enabled
+    assert prod.api.host == "0.0.0.0"
+    assert prod.api.token is None, "the token comes from HOURGLASS_API__TOKEN, never from the file"
+    # Everything the service writes lives under the one state volume.
+    for path in (prod.buffer.root, prod.buffer.dead_letter_root, prod.serving.staging_dir):
+        assert Path(path).is_relative_to(prod.state_dir), path
+
+
+def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    pairs = [line.split("=", 1) for line in (DEPLOY / "hourglass.env.example").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    for key, value in pairs:
+        monkeypatch.setenv(key, value + "-test")
+    cfg = load_config(DEPLOY / "production.toml")
+    assert cfg.api.token is not None and cfg.api.token.get_secret_value() == "change-me-test"
+    assert cfg.buffer.user_hash_key.get_secret_value() == "change-me-test"
+
+
+# --- compose ------------------------------------------------------------------------
+
+
+def test_compose_has_every_service_with_a_restart_policy(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"kafka", "postgres", "mlflow", "vllm", "service", "gateway"} <= set(services)
+    for name in ("kafka", "postgres", "mlflow", "vllm", "service", "gateway"):
+        assert services[name]["restart"] == "unless-stopped", name
+        assert "healthcheck" in services[name], name
+    # Named volumes that services use are declared.
+    used = {spec.split(":")[0] for s in services.values() for spec in s.get("volumes", []) if not spec.startswith(".")}
+    assert used <= set(compose["volumes"]), used - set(compose["volumes"])
+
+
+def test_ops_api_is_published_on_loopback_only(compose: dict[str, Any], prod: HourglassConfig) -> None:
+    ports = compose["services"]["service"]["ports"]
+    assert ports == [f"127.0.0.1:{prod.api.port}:{prod.api.port}"]
+    gateway_ports = compose["services"]["gateway"]["ports"]
+    assert gateway_ports == [f"${{HOURGLASS_GATEWAY_BIND:-127.0.0.1}}:{prod.api.gateway_port}:{prod.api.gateway_port}"]
+    for name, service in compose["services"].items():
+        if name not in ("service", "gateway"):
+            assert "ports" not in service, f"{name} must not be published on the host"
+
+
+def test_vllm_serves_what_the_config_expects(compose: dict[str, Any], prod: HourglassConfig) -> None:
+    vllm = compose["services"]["vllm"]
+    argv = [str(a) for a in vllm["command"]]
+    assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" in argv
+    assert int(_flag(argv, "--max-lora-rank")) == prod.serving.max_lora_rank == 16
+    assert int(_flag(argv, "--max-loras")) == prod.serving.max_loras == 4
+    assert int(_flag(argv, "--max-model-len")) == prod.serving.max_model_len
+    assert _flag(argv, "--served-model-name") == prod.serving.base_served_name
+    assert f"http://vllm:{_flag(argv, '--port')}" == prod.serving.replicas[0]
+    assert _flag(argv, "--dtype") == prod.model.dtype
+    # The base it serves is the one the trainer resolves from model.cache_dir.
+    assert _flag(argv, "--model") == f"{prod.model.cache_dir}/{prod.model.name}"
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_adapter_paths_are_shared_between_service_and_vllm(compose: dict[str, Any], prod: HourglassConfig) -> None:
+    # vLLM loads adapters by path: it must mount the service's state at the same place.
+    services = compose["services"]
+    state = _mounts(services["service"])[prod.state_dir]
+    assert _mounts(services["vllm"])[prod.state_dir] == f"{state}:ro"
+    assert _mounts(services["gateway"])[prod.state_dir] == f"{state}:ro"  # routes.json
+    models = _mounts(services["service"])[prod.model.cache_dir].split(":")[0]
+    assert _mounts(services["vllm"])[prod.model.cache_dir] == f"{models}:ro"
+    assert _flag(services["model-init"]["command"], "--cache-dir") == prod.model.cache_dir
+
+
+def test_service_and_gateway_run_the_cli_on_the_mounted_production_config(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, verb in (("service", "service"), ("gateway", "gateway")):
+        svc = services[name]
+        assert svc["command"] == [verb, "--config", CONFIG_IN_CONTAINER]
+        assert _mounts(svc)[CONFIG_IN_CONTAINER] == "./production.toml:ro"
+        assert svc["env_file"][0]["path"] == "hourglass.env"
+        assert svc["stop_signal"] == "SIGTERM"
+        assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+    assert services["service"]["stop_grace_period"] == "120s"
+    for dependency in ("kafka", "mlflow", "vllm"):
+        assert services["service"]["depends_on"][dependency]["condition"] == "service_healthy"
+
+
+def test_mlflow_uses_postgres_and_an_artifact_volume(compose: dict[str, Any]) -> None:
+    mlflow = compose["services"]["mlflow"]
+    command = " ".join(mlflow["command"])
+    assert '--backend-store-uri "postgresql://mlflow:' in command and "@postgres:5432/mlflow" in command
+    destination = command.split("--artifacts-destination ")[1].split()[0]
+    assert destination in _mounts(mlflow)
+    assert "mlflow:5000" in command.split("--allowed-hosts ")[1]  # MLflow 3 rejects unknown Host headers
+    assert mlflow["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+def test_kafka_is_single_node_kraft_on_the_configured_address(compose: dict[str, Any], prod: HourglassConfig) -> None:
+    env = compose["services"]["kafka"]["environment"]
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{prod.kafka.bootstrap_servers[0]}"
+    assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"  # the service creates its topics
+    assert _mounts(compose["services"]["kafka"])[env["KAFKA_LOG_DIRS"]].startswith("kafka-data")
+
+
+# --- systemd ------------------------------------------------------------------------
+
+
+def _unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values in order]}} (keys may repeat, e.g. Environment)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for raw in (DEPLOY / name).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{name}: {raw!r} is not key=value"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+@pytest.mark.parametrize(("unit", "verb"), [("hourglass.service", "service"), ("hourglass-gateway.service", "gateway")])
+def test_systemd_unit_runs_the_cli_and_stops_cleanly(unit: str, verb: str) -> None:
+    sections = _unit(unit)
+    service = sections["Service"]
+    [exec_start] = service["ExecStart"]
+    assert exec_start.split()[0].endswith("/bin/hourglass")
+    assert exec_start.split()[1:] == [verb, "--config", CONFIG_IN_CONTAINER]
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert service["Restart"] == ["on-failure"]
+    assert service["EnvironmentFile"] == ["/etc/hourglass/env"]
+    assert {"HF_HUB_OFFLINE=1", "HOME=/var/lib/hourglass"} <= set(service["Environment"])
+    assert service["User"] == ["hourglass"]
+    for key, value in (("NoNewPrivileges", "true"), ("ProtectSystem", "strict"), ("PrivateTmp", "true")):
+        assert service[key] == [value], key
+    assert sections["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_service_unit_may_write_only_its_state_and_waits_for_shutdown(prod: HourglassConfig) -> None:
+    service = _unit("hourglass.service")["Service"]
+    assert service["ReadWritePaths"] == [prod.state_dir]
+    assert service["WorkingDirectory"] == [prod.state_dir]
+    assert int(service["TimeoutStopSec"][0]) >= 120
+    assert "ReadWritePaths" not in _unit("hourglass-gateway.service")["Service"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.parametrize("unit", ["hourglass.service", "hourglass-gateway.service"])
+def test_systemd_accepts_every_directive(unit: str, tmp_path: Path) -> None:
+    copy = tmp_path / unit
+    copy.write_text((DEPLOY / unit).read_text())
+    result = subprocess.run(["systemd-analyze", "verify", str(copy)], check=False, capture_output=True, text=True, timeout=60)
+    # The venv binary does not exist on this machine; any other complaint is a defect.
+    problems = [line for line in (result.stdout + result.stderr).splitlines()
+                if line.strip() and "is not executable" not in line]
+    assert problems == []
