@@ -223,3 +223,50 @@ def test_systemd_accepts_every_directive(unit: str, tmp_path: Path) -> None:
     problems = [line for line in (result.stdout + result.stderr).splitlines()
                 if line.strip() and "is not executable" not in line]
     assert problems == []
+
+
+# --- kubernetes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / "hourglass.yaml").read_text())
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+
+
+def test_k8s_configmap_is_the_production_config(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    data = k8s[("ConfigMap", "hourglass-config")]["data"]
+    assert data == {"hourglass.toml": (DEPLOY / "production.toml").read_text()}
+
+
+@pytest.mark.parametrize(("name", "verb"), [("hourglass-service", "service"), ("hourglass-gateway", "gateway")])
+def test_k8s_deployments_run_the_cli_with_the_secret_and_shared_state(
+    k8s: dict[tuple[str, str], dict[str, Any]], prod: HourglassConfig, name: str, verb: str
+) -> None:
+    pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["args"] == [verb, "--config", CONFIG_IN_CONTAINER]
+    assert container["envFrom"] == [{"secretRef": {"name": "hourglass-secrets"}}]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert Path(CONFIG_IN_CONTAINER).parent.as_posix() in mounts
+    state = mounts[prod.state_dir]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[state["name"]]["persistentVolumeClaim"]["claimName"] == "hourglass-state"
+    assert volumes["config"]["configMap"]["name"] == "hourglass-config"
+    assert state.get("readOnly", False) is (verb == "gateway")
+
+
+def test_k8s_service_is_a_single_gpu_pod_with_a_long_grace_period(
+    k8s: dict[tuple[str, str], dict[str, Any]], prod: HourglassConfig
+) -> None:
+    deployment = k8s[("Deployment", "hourglass-service")]["spec"]
+    assert deployment["replicas"] == 1 and deployment["strategy"]["type"] == "Recreate"
+    pod = deployment["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 120
+    [container] = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["ports"] == [{"name": "ops-api", "containerPort": prod.api.port}]
+    ops = k8s[("Service", "hourglass-ops")]["spec"]
+    assert ops["type"] == "ClusterIP" and ops["ports"][0]["port"] == prod.api.port
+    gateway = k8s[("Service", "hourglass-gateway")]["spec"]
+    assert gateway["ports"][0]["port"] == prod.api.gateway_port
