@@ -41,6 +41,7 @@ class ScheduleConfig(_Section):
     interval_s: float | None = Field(default=None, gt=0, description="Run every N seconds instead of on the cron.")
     enabled: bool = Field(default=True, description="False: rounds run only when triggered by hand.")
     misfire_grace_s: int = Field(default=600, ge=1, description="A missed run still starts if this late (coalesced).")
+    min_new_traces: int = Field(default=1, ge=0, description="A scheduled round is skipped until this many traces arrived since the last round.")
 
     @field_validator("cron")
     @classmethod

@@ -103,6 +103,12 @@ def train_and_evaluate(cfg: HourglassConfig, record: RoundRecord, table: pa.Tabl
     return run_round(cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id)
 
 
+def _buffer_trace_rows(cfg: HourglassConfig) -> int:
+    from connectors.buffer import RewardBuffer
+
+    return RewardBuffer(cfg.buffer).stats().trace_rows
+
+
 # --- the round ------------------------------------------------------------------------
 
 
@@ -203,6 +209,7 @@ class RoundRunner:
         from pipeline.registry import register_round
 
         self._step(record, "snapshot")
+        record.metrics["data/buffer_trace_rows"] = _buffer_trace_rows(self.cfg)  # for schedule.min_new_traces
         table, data_metrics = take_snapshot(self.cfg, record.window)
         record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
         if table.num_rows < 2:

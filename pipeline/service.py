@@ -41,8 +41,15 @@ def scheduled_round() -> None:
     if _CURRENT is None:
         log.warning("scheduled round fired with no running service; skipped")
         return
+    service = _CURRENT
+    rows = service.buffer_stats().get("trace_rows", 0)
+    last = [r for r in service.store.list(limit=20) if "data/buffer_trace_rows" in r.metrics]
+    since = rows - int(last[0].metrics["data/buffer_trace_rows"]) if last else rows
+    if since < service.cfg.schedule.min_new_traces:
+        log.info("scheduled round skipped: %d new trace(s) since the last round, need %d", since, service.cfg.schedule.min_new_traces)
+        return
     try:
-        _CURRENT.runner.start("schedule")
+        service.runner.start("schedule")
     except RoundInProgressError as err:
         log.info("scheduled round skipped: %s", err)
 
@@ -234,6 +241,8 @@ class HourglassService:
 def run_service(cfg: HourglassConfig) -> None:
     """Start the service and serve the API until SIGINT/SIGTERM, then shut down in order."""
     import uvicorn
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the reconcile loop polls every few seconds
 
     from pipeline.api import create_api
 
