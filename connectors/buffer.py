@@ -96,15 +96,23 @@ class RewardBuffer:
             BufferStorageError: a segment could not be written durably (commit nothing then).
         """
         now = ingested_at or datetime.now(timezone.utc)
+        return self.write_tables(trace_table(traces, now), feedback_table(feedback, now), now)
+
+    def write_tables(self, traces: pa.Table, feedback: pa.Table, ingested_at: datetime) -> list[str]:
+        """Write prebuilt tables (in :data:`TRACE_SEGMENT_SCHEMA` / :data:`FEEDBACK_SEGMENT_SCHEMA`) durably,
+        split by the UTC hour of ``ts`` and into chunks of ``segment_max_rows``; returns the segment paths.
+
+        Row order within an hour is kept. When it returns, offsets may be committed.
+
+        Raises:
+            BufferStorageError: a segment could not be written durably (commit nothing then).
+        """
         written: list[str] = []
-        for kind, rows, to_table in ((TRACES, traces, trace_table), (FEEDBACK, feedback, feedback_table)):
-            by_hour: dict[datetime, list[Any]] = defaultdict(list)
-            for event, where in rows:
-                by_hour[hour_of(event.ts or now)].append((event, where))
-            for hour, hour_rows in sorted(by_hour.items()):
-                for start in range(0, len(hour_rows), self.cfg.segment_max_rows):
-                    chunk = hour_rows[start : start + self.cfg.segment_max_rows]
-                    written.append(self._write_segment(kind, hour, to_table(chunk, now), now))
+        for kind, table in ((TRACES, traces), (FEEDBACK, feedback)):
+            for hour, hour_rows in _split_by_hour(table):
+                for start in range(0, hour_rows.num_rows, self.cfg.segment_max_rows):
+                    chunk = hour_rows.slice(start, self.cfg.segment_max_rows)
+                    written.append(self._write_segment(kind, hour, chunk, ingested_at))
         return written
 
     def _write_segment(self, kind: str, hour: datetime, table: pa.Table, now: datetime) -> str:
@@ -289,6 +297,17 @@ class RewardBuffer:
         for info in self.loc.fs.get_file_info(selector):
             if info.base_name.startswith(".tmp-") and info.mtime is not None and info.mtime < now - age:
                 self.loc.fs.delete_file(info.path)
+
+
+def _split_by_hour(table: pa.Table) -> list[tuple[datetime, pa.Table]]:
+    """(UTC hour, rows of that hour in their original order), hours ascending; column-wise."""
+    if table.num_rows == 0:
+        return []
+    hours = pc.floor_temporal(table["ts"], unit="hour")
+    distinct = sorted(pc.unique(hours).to_pylist())
+    if len(distinct) == 1:  # the usual batch: all in one hour, no copy
+        return [(hour_of(distinct[0]), table)]
+    return [(hour_of(h), table.filter(pc.equal(hours, pa.scalar(h, hours.type)))) for h in distinct]
 
 
 def _first_per_trace_id(table: pa.Table) -> pa.Table:

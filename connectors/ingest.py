@@ -2,7 +2,8 @@
 
 Delivery guarantee: at-least-once. For each polled batch, in this order:
 
-1. parse every record (bad ones become dead letters, nothing is dropped);
+1. parse every record (bad ones become dead letters, nothing is dropped) with
+   :func:`connectors.fast_parse.parse_batch`: msgspec for the usual record, pydantic for the rest;
 2. write the dead letters durably (fsync) to the dead-letter store;
 3. write traces and feedback durably as buffer segments;
 4. only then commit the batch's offsets (``offset + 1`` per partition).
@@ -23,6 +24,7 @@ it in the foreground (``hourglass ingest``) or in a thread::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,11 +42,11 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exp
 
 from connectors.buffer import RewardBuffer
 from connectors.config import BufferConfig, KafkaConfig
-from connectors.dead_letter import DeadLetter, DeadLetterStore
+from connectors.dead_letter import DeadLetterStore
 from connectors.errors import BrokerUnavailableError
 from connectors.kafka_admin import ensure_topics
-from connectors.schema import FeedbackEvent, Rejected, TraceEvent, UserHasher, parse_record
-from connectors.segments import Coordinates
+from connectors.fast_parse import parse_batch
+from connectors.schema import UserHasher
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class IngestStats:
     traces: int = 0
     feedback: int = 0
     dead_letters: int = 0
+    fast_parsed: int = 0  # records the msgspec fast path accepted (the rest went through pydantic)
     batches: int = 0
     commits: int = 0
     commit_failures: int = 0
@@ -188,9 +191,7 @@ class IngestWorker:
             session_timeout_ms=k.session_timeout_ms,
             heartbeat_interval_ms=k.heartbeat_interval_ms,
             request_timeout_ms=max(k.request_timeout_ms, k.session_timeout_ms + 5000),
-            max_poll_records=k.batch_max_records,
-            max_partition_fetch_bytes=max(1_048_576, 2 * k.max_record_bytes),
-            fetch_max_bytes=max(52_428_800, 4 * k.max_record_bytes),
+            **fetch_settings(k),
         )
         consumer.subscribe([k.traces_topic, k.feedback_topic])
         return consumer
@@ -199,22 +200,14 @@ class IngestWorker:
 
     def _store(self, polled: dict[TopicPartition, list[Any]]) -> None:
         """Parse one batch and write it durably: dead letters, then buffer segments (store thread)."""
-        traces: list[tuple[TraceEvent, Coordinates]] = []
-        feedback: list[tuple[FeedbackEvent, Coordinates]] = []
-        letters: list[DeadLetter] = []
-        for records in polled.values():
-            for record in records:
-                where = Coordinates(record.topic, record.partition, record.offset)
-                result = parse_record(record.value, max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher)
-                if isinstance(result, Rejected):
-                    letters.append(DeadLetter(result.reason, result.detail, *_coords(where), record.value, record.key))
-                elif isinstance(result, TraceEvent):
-                    traces.append((result, where))
-                else:
-                    feedback.append((result, where))
-        self.dead_letters.write(letters)  # durable before the commit
-        self.buffer.append(traces, feedback)  # durable before the commit
-        self._count(traces=len(traces), feedback=len(feedback), dead_letters=len(letters), batches=1)
+        batch = parse_batch(
+            itertools.chain.from_iterable(polled.values()), max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher
+        )
+        now = datetime.now(timezone.utc)
+        self.dead_letters.write(batch.dead_letters, now)  # durable before the commit
+        self.buffer.write_tables(batch.trace_table(now), batch.feedback_table(now), now)  # durable before the commit
+        self._count(traces=len(batch.traces), feedback=len(batch.feedback), dead_letters=len(batch.dead_letters),
+                    batches=1, fast_parsed=batch.fast)  # fmt: skip
 
     def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         try:
@@ -250,10 +243,19 @@ class IngestWorker:
             log.info("retention removed partitions %s", removed)
 
 
+def fetch_settings(k: KafkaConfig) -> dict[str, int]:
+    """Throughput settings of the ingest consumer (kafka-python ``KafkaConsumer`` keyword arguments).
+
+    Exposed so a baseline consumer (``bench/ingest.py``) can fetch exactly the same way.
+    """
+    return {
+        "max_poll_records": k.batch_max_records,
+        "max_partition_fetch_bytes": max(1_048_576, 2 * k.max_record_bytes),  # a max-size record always fits
+        "fetch_max_bytes": max(52_428_800, 4 * k.max_record_bytes),
+    }
+
+
 def _next_offsets(polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, OffsetAndMetadata]:
     """The offsets to commit once a batch is stored: last offset + 1 per partition."""
     return {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1) for tp, records in polled.items()}
 
-
-def _coords(where: Coordinates) -> tuple[str, int, int]:
-    return where.topic, where.partition, where.offset

@@ -12,6 +12,7 @@ input, so one bad record cannot stop a consumer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -47,6 +48,8 @@ NON_FINITE_REWARD = "non_finite_reward"
 SCHEMA_VIOLATION = "schema_violation"
 EMPTY_VALUE = "empty_value"
 UNMATCHED_FEEDBACK = "unmatched_feedback"
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
 
 
 def _to_utc(value: Any) -> Any:
@@ -109,7 +112,9 @@ class TraceEvent(_Signals):
     adapter_version: str | None = Field(default=None, description="Adapter version that answered; None = base.")
     prompt: list[ChatMessage] | str = Field(description="Chat messages or plain text.")
     completion: str
-    completion_token_ids: list[int] | None = None
+    completion_token_ids: list[Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] | None = Field(
+        default=None, description="Token ids of the completion (stored as int32)."
+    )
     completion_logprobs: list[float] | None = Field(default=None, description="Per-token natural-log probabilities.")
 
     @field_validator("ts", mode="before")
@@ -192,9 +197,15 @@ class UserHasher:
     def __init__(self, key: bytes | str, id_keys: Iterable[str]) -> None:
         self._keyed = hmac.new(key.encode("utf-8") if isinstance(key, str) else key, digestmod=hashlib.sha256)
         self._id_keys = frozenset(k.lower() for k in id_keys)
+        # The same users come back batch after batch: remember recent digests (bounded, per hasher).
+        self._digest_text = functools.lru_cache(maxsize=4096)(self._digest_text)  # type: ignore[method-assign]
 
     def digest(self, value: Any) -> str:
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if isinstance(value, str):
+            return self._digest_text(value)
+        return self._digest_text(json.dumps(value, sort_keys=True))
+
+    def _digest_text(self, text: str) -> str:
         mac = self._keyed.copy()  # cheaper than re-keying per value
         mac.update(text.encode("utf-8"))
         return "hmac-sha256:" + mac.hexdigest()

@@ -127,45 +127,69 @@ def overlaps(seg: SegmentInfo, start: datetime, end: datetime) -> bool:
     return seg.hour < end and seg.hour + timedelta(hours=1) > start
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: json.dumps with options builds one per call
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON text of a stored JSON column (``prompt``, ``signals``, ``metadata``); same bytes as
+    ``json.dumps(value, ensure_ascii=False, separators=(",", ":"))``."""
+    return _ENCODER.encode(value)
+
+
+TraceRow = tuple[Any, ...]
+"""One trace row in :data:`TRACE_SEGMENT_SCHEMA` column order, without ``ingested_at``:
+(trace_id, ts, model, adapter_version, prompt JSON, completion, token ids, logprobs, signals JSON or None,
+metadata JSON, topic, partition, offset)."""
+
+FeedbackRow = tuple[Any, ...]
+"""One feedback row in :data:`FEEDBACK_SEGMENT_SCHEMA` order without ``ingested_at``; ``ts`` may be None
+(filled with ``ingested_at`` when the table is built)."""
+
+
+def trace_row(event: TraceEvent, topic: str, partition: int, offset: int) -> TraceRow:
+    """The stored row of a validated trace event (the reference every faster path must match)."""
+    signals = event.signals()
+    return (
+        event.trace_id, event.ts, event.model, event.adapter_version, to_json(event.messages()), event.completion,
+        event.completion_token_ids, event.completion_logprobs, to_json(signals) if signals else None,
+        to_json(event.metadata), topic, partition, offset,
+    )  # fmt: skip
+
+
+def feedback_row(event: FeedbackEvent, topic: str, partition: int, offset: int) -> FeedbackRow:
+    """The stored row of a validated feedback event."""
+    return (event.trace_id, event.ts, to_json(event.signals()), to_json(event.metadata), topic, partition, offset)
+
+
+def trace_rows_table(rows: list[TraceRow], ingested_at: datetime) -> pa.Table:
+    """Rows from :func:`trace_row` (or an equivalent fast path) as a table in :data:`TRACE_SEGMENT_SCHEMA`,
+    built column-wise (one ``pa.array`` per column)."""
+    return _table(rows, TRACE_SEGMENT_SCHEMA, ingested_at)
+
+
+def feedback_rows_table(rows: list[FeedbackRow], ingested_at: datetime) -> pa.Table:
+    """Rows from :func:`feedback_row` as a table in :data:`FEEDBACK_SEGMENT_SCHEMA` (missing ``ts`` = ``ingested_at``)."""
+    rows = [row if row[1] is not None else (row[0], ingested_at, *row[2:]) for row in rows]
+    return _table(rows, FEEDBACK_SEGMENT_SCHEMA, ingested_at)
+
+
+def _table(rows: list[tuple[Any, ...]], schema: pa.Schema, ingested_at: datetime) -> pa.Table:
+    if not rows:
+        return schema.empty_table()
+    columns = list(zip(*rows))  # row tuples -> one tuple per column
+    arrays = [pa.array(values, type=field.type) for values, field in zip(columns, schema)]
+    arrays.append(pa.array([ingested_at] * len(rows), type=schema.field("ingested_at").type))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def trace_table(rows: list[tuple[TraceEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
     """Trace events + their Kafka coordinates as a table in :data:`TRACE_SEGMENT_SCHEMA`."""
-    cols: dict[str, list[Any]] = {name: [] for name in TRACE_SEGMENT_SCHEMA.names}
-    for event, where in rows:
-        signals = event.signals()
-        cols["trace_id"].append(event.trace_id)
-        cols["ts"].append(event.ts)
-        cols["model"].append(event.model)
-        cols["adapter_version"].append(event.adapter_version)
-        cols["prompt"].append(_json(event.messages()))
-        cols["completion"].append(event.completion)
-        cols["completion_token_ids"].append(event.completion_token_ids)
-        cols["completion_logprobs"].append(event.completion_logprobs)
-        cols["signals"].append(_json(signals) if signals else None)
-        cols["metadata"].append(_json(event.metadata))
-        cols["topic"].append(where.topic)
-        cols["partition"].append(where.partition)
-        cols["offset"].append(where.offset)
-        cols["ingested_at"].append(ingested_at)
-    return pa.Table.from_pydict(cols, schema=TRACE_SEGMENT_SCHEMA)
+    return trace_rows_table([trace_row(e, w.topic, w.partition, w.offset) for e, w in rows], ingested_at)
 
 
 def feedback_table(rows: list[tuple[FeedbackEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
     """Feedback events as a table in :data:`FEEDBACK_SEGMENT_SCHEMA` (missing ``ts`` = ``ingested_at``)."""
-    cols: dict[str, list[Any]] = {name: [] for name in FEEDBACK_SEGMENT_SCHEMA.names}
-    for event, where in rows:
-        cols["trace_id"].append(event.trace_id)
-        cols["ts"].append(event.ts or ingested_at)
-        cols["signals"].append(_json(event.signals()))
-        cols["metadata"].append(_json(event.metadata))
-        cols["topic"].append(where.topic)
-        cols["partition"].append(where.partition)
-        cols["offset"].append(where.offset)
-        cols["ingested_at"].append(ingested_at)
-    return pa.Table.from_pydict(cols, schema=FEEDBACK_SEGMENT_SCHEMA)
+    return feedback_rows_table([feedback_row(e, w.topic, w.partition, w.offset) for e, w in rows], ingested_at)
 
 
 def encode(table: pa.Table) -> bytes:

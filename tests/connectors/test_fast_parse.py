@@ -1,0 +1,144 @@
+"""Unit tests of the batch parser: the msgspec fast path must store exactly what the pydantic reference stores."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import pytest
+
+from connectors import schema as s
+from connectors.fast_parse import parse_batch
+from connectors.segments import to_json
+
+HASHER = s.UserHasher("secret", ["user", "user_id", "email"])
+MAX_BYTES = 4096
+INGESTED = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+def _trace(i: int, **over: object) -> dict:
+    event = {"schema": s.TRACE_SCHEMA, "trace_id": f"t{i}", "ts": "2026-01-02T03:04:05.123456Z", "model": "base",
+             "adapter_version": "v1", "prompt": [{"role": "user", "content": f"what is {i}+1?"}],
+             "completion": f"{i + 1}", "completion_token_ids": [5, 6, i], "completion_logprobs": [-0.25, -1.5, -3e-05],
+             "metadata": {"user_id": f"u{i % 3}", "task": "add"}}  # fmt: skip
+    event.update(over)
+    return event
+
+
+def _feedback(i: int, **over: object) -> dict:
+    event = {"schema": s.FEEDBACK_SCHEMA, "trace_id": f"t{i}", "ts": 1767323045123, "thumbs": "up"}
+    event.update(over)
+    return event
+
+
+def _enc(obj: object) -> bytes:
+    return obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
+
+
+# Records the fast path must take (canonical forms), then valid records it must leave to pydantic
+# (lax or unusual forms), then one record per dead-letter reason and a few subtle invalid ones.
+FAST = [
+    _trace(0),
+    _trace(1, ts="2026-01-02T05:04:05+02:00", reward=0.5, rating=4, edited=False, regenerated=True, thumbs="down"),
+    _trace(2, ts=1767323045999, prompt="plain text é ✓ \u2028 \x01", adapter_version=None),
+    _trace(3, metadata={"Email": "a@x.org", "nested": [{"user": "bob"}, 1, None, True], "score": 5e-05, "big": 2**70}),
+    _trace(4, completion_token_ids=None, completion_logprobs=None, metadata={}, reward=-1),
+    _trace(5, metadata={"note": "v1.2 release", "user": {"id": 7}}),
+    _feedback(0),
+    _feedback(1, ts=None, rating=2, reward=1, metadata={"user": "carol"}),
+    _feedback(2, ts="2026-01-02T03:04:05Z", edited=True),
+    _feedback(3, ts="2026-01-02T03:04:05Z", trace_id="x" * 256),
+]
+SLOW_VALID = [
+    _trace(10, ts="2026-01-02 03:04:05"),  # naive, space separator
+    _trace(11, ts="2026-01-02T03:04:05.1234567Z"),  # more than microseconds
+    _trace(12, ts=1767323045999.5),  # float epoch ms
+    _trace(13, rating=5.0, completion_token_ids=[1.0, 2, 3]),  # lax numbers
+    _trace(14, prompt=[{"role": "user", "content": "x", "name": "n"}, {"role": "system", "content": None}]),
+    _trace(15, prompt=[{"content": "reordered", "role": "user"}, {"role": "user", "content": [{"type": "text"}]}]),
+    _trace(16, edited="true"),
+    _feedback(11, ts="1767323045"),
+]
+BAD = [
+    (s.EMPTY_VALUE, b""),
+    (s.EMPTY_VALUE, None),
+    (s.OVERSIZE, _enc(_trace(20, completion="x" * MAX_BYTES))),
+    (s.NOT_UTF8, b'{"schema": "\xff\xfe"}'),
+    (s.INVALID_JSON, b'{"schema": "hourglass.trace/v1", "trace_id": '),
+    (s.NOT_AN_OBJECT, b'["a list"]'),
+    (s.UNKNOWN_SCHEMA, _enc(_trace(21, schema="hourglass.trace/v9"))),
+    (s.UNKNOWN_SCHEMA, _enc({k: v for k, v in _trace(22).items() if k != "schema"})),
+    (s.NON_FINITE_REWARD, _enc(_trace(23, reward=float("nan")))),
+    (s.NON_FINITE_REWARD, _enc(_feedback(24, reward=float("inf")))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(25, completion=None))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(26, completion_token_ids=[1, 2]))),  # not aligned with logprobs
+    (s.SCHEMA_VIOLATION, _enc(_trace(27, completion_token_ids=[2**31, 1, 2]))),  # beyond the int32 column
+    (s.SCHEMA_VIOLATION, _enc(_trace(28, trace_id="x" * 257))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(29, extra_field=1))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(30, thumbs="sideways", rating=9))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(31, metadata=["not", "a", "dict"]))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(32, ts="2026-13-02T03:04:05Z"))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(33, prompt=[{"role": "", "content": "x"}]))),
+    (s.SCHEMA_VIOLATION, b'{"schema":"hourglass.trace/v1","trace_id":"t34","ts":"2026-01-02T03:04:05Z","model":"m",'
+                         b'"prompt":"p","completion":"c","completion_logprobs":[1e999]}'),
+]
+
+
+def _batch() -> list[Record]:
+    values = [_enc(v) for v in FAST + SLOW_VALID] + [raw for _, raw in BAD]
+    order = sorted(range(len(values)), key=lambda i: (i * 7) % len(values))  # interleave good and bad
+    return [Record("traces", i % 2, 100 + n, f"k{i}".encode(), values[i]) for n, i in enumerate(order)]
+
+
+def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None:
+    records = _batch()
+    fast = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    slow = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=False)
+
+    assert fast.fast == len(FAST) and slow.fast == 0  # the fast path really ran, and only on canonical records
+    assert fast.traces == slow.traces and fast.feedback == slow.feedback
+    assert fast.trace_table(INGESTED).equals(slow.trace_table(INGESTED))
+    assert fast.feedback_table(INGESTED).equals(slow.feedback_table(INGESTED))
+    assert fast.dead_letters == slow.dead_letters
+
+    assert len(fast.traces) + len(fast.feedback) == len(FAST) + len(SLOW_VALID)
+    expected = {raw: reason for reason, raw in BAD}
+    got = {letter.payload: letter.reason for letter in fast.dead_letters}
+    assert got == expected
+    assert set(got.values()) == {s.EMPTY_VALUE, s.OVERSIZE, s.NOT_UTF8, s.INVALID_JSON, s.NOT_AN_OBJECT,
+                                 s.UNKNOWN_SCHEMA, s.NON_FINITE_REWARD, s.SCHEMA_VIOLATION}  # fmt: skip
+    by_payload = {r.value: r for r in records}
+    for letter in fast.dead_letters:  # Kafka coordinates and key travel with the dead letter
+        record = by_payload[letter.payload]
+        assert (letter.topic, letter.partition, letter.offset, letter.key) == (
+            record.topic, record.partition, record.offset, record.key)  # fmt: skip
+
+
+def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
+    records = [Record("traces", 0, n, None, _enc(v)) for n, v in enumerate(FAST)]
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    assert batch.fallback == 0
+    assert [row[0] for row in batch.traces] == [f"t{i}" for i in range(6)]
+    assert [row[-1] for row in batch.traces] == list(range(6))  # offsets, in record order
+    md = json.loads(batch.traces[3][9])
+    assert md["Email"] == HASHER.digest("a@x.org") and md["nested"][0]["user"] == HASHER.digest("bob")
+    assert md["score"] == 5e-05 and md["big"] == 2**70
+    assert json.loads(batch.traces[5][9])["user"] == HASHER.digest({"id": 7})
+    assert batch.traces[1][1] == datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert batch.feedback[1][1] is None  # no ts: the table fills in the ingest time
+    assert batch.feedback_table(INGESTED)["ts"][1].as_py() == INGESTED
+
+
+@pytest.mark.parametrize("value", [1e16, 1e-07, 5e-05, 0.1, -0.0, 123456789012345.6, 2**64, "é\u2028\x00\"\\"])
+def test_to_json_matches_json_dumps(value: object) -> None:
+    assert to_json({"v": [value]}) == json.dumps({"v": [value]}, ensure_ascii=False, separators=(",", ":"))
