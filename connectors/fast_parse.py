@@ -232,7 +232,7 @@ def _utc(ts: str | int) -> datetime | None:
         return None
     try:
         return datetime.fromisoformat(ts).astimezone(timezone.utc)
-    except ValueError:
+    except (OverflowError, ValueError):
         return None
 
 

@@ -59,7 +59,10 @@ def _to_utc(value: Any) -> Any:
     if isinstance(value, (int, float)):
         if not math.isfinite(value):
             raise ValueError(f"ts {value!r} is not a finite epoch-milliseconds number")
-        return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
+        try:
+            return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
+        except (OverflowError, OSError, ValueError) as err:  # pydantic reports only ValueError as invalid input
+            raise ValueError(f"ts {value!r} epoch milliseconds is out of the supported date range: {err}") from err
     return value
 
 
@@ -67,7 +70,10 @@ def _aware_utc(value: datetime) -> datetime:
     # A timestamp without an offset is read as UTC (the contract says UTC).
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError as err:  # e.g. 9999-12-31T23:59:59-01:00; pydantic reports only ValueError as invalid input
+        raise ValueError(f"ts {value.isoformat()} is out of the supported date range in UTC") from err
 
 
 class ChatMessage(BaseModel):

@@ -68,6 +68,8 @@ SLOW_VALID = [
     _trace(15, prompt=[{"content": "reordered", "role": "user"}, {"role": "user", "content": [{"type": "text"}]}]),
     _trace(16, edited="true"),
     _feedback(11, ts="1767323045"),
+    b'{"schema":"hourglass.feedback/v1","trace_id":"t12","schema":"hourglass.trace/v1","ts":0,"model":"m",'
+    b'"prompt":"p","completion":"c"}',  # duplicate tag: the last one wins, as in pydantic
 ]
 BAD = [
     (s.EMPTY_VALUE, b""),
@@ -89,6 +91,8 @@ BAD = [
     (s.SCHEMA_VIOLATION, _enc(_trace(31, metadata=["not", "a", "dict"]))),
     (s.SCHEMA_VIOLATION, _enc(_trace(32, ts="2026-13-02T03:04:05Z"))),
     (s.SCHEMA_VIOLATION, _enc(_trace(33, prompt=[{"role": "", "content": "x"}]))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(35, ts="9999-12-31T23:59:59-01:00"))),  # past datetime.max in UTC
+    (s.SCHEMA_VIOLATION, _enc(_trace(36, ts=10**20))),  # epoch ms past datetime.max
     (s.SCHEMA_VIOLATION, b'{"schema":"hourglass.trace/v1","trace_id":"t34","ts":"2026-01-02T03:04:05Z","model":"m",'
                          b'"prompt":"p","completion":"c","completion_logprobs":[1e999]}'),
 ]
