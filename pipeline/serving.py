@@ -234,7 +234,7 @@ class ServingController:
                 st.last_error_version = desired
                 revert_failed(self.client, self.cfg, model, desired, reason, st.serving)
                 return
-            self._roll_out(model, desired, seen, promoted)
+            self._roll_out(model, desired, seen, promoted, mv)
         else:
             missing = [r for r, names in seen.items() if name not in names]
             if missing:  # a replica restarted or was added
@@ -244,7 +244,7 @@ class ServingController:
                     st.last_error, st.last_error_version = str(err), desired
         self._unload_stale(model, seen)
 
-    def _load_on(self, model: str, version: str, replicas: list[Replica]) -> list[Replica]:
+    def _load_on(self, model: str, version: str, replicas: list[Replica], mv=None) -> list[Replica]:
         """Stage, load and probe on ``replicas``; returns those that now serve it.
 
         Raises:
@@ -254,6 +254,7 @@ class ServingController:
             staged = stage_version(
                 self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
                 max_lora_rank=self.cfg.serving.max_lora_rank, tracking_uri=self.cfg.registry.tracking_uri,
+                model_version=mv,
             )  # fmt: skip
         except StagingError as err:
             raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
@@ -273,13 +274,13 @@ class ServingController:
                 raise _AdapterFailure(str(err)) from err
         return done
 
-    def _roll_out(self, model: str, version: str, seen: dict[Replica, set[str]], promoted: str | None) -> None:
+    def _roll_out(self, model: str, version: str, seen: dict[Replica, set[str]], promoted: str | None, mv) -> None:
         st = self._status[model]
         started = time.monotonic()
         name = served_name(model, version)
         try:
             need = [r for r, names in seen.items() if name not in names]
-            ready = self._load_on(model, version, need)
+            ready = self._load_on(model, version, need, mv)
             for replica in [r for r in seen if r not in need]:
                 replica.probe(name)  # already there (e.g. loaded by a previous pass): prove it
                 ready.append(replica)

@@ -140,9 +140,12 @@ def verify_folder(
 
 def stage_version(
     client: MlflowClient, model: str, version: str, staging_dir: Path, *, base_fingerprint: str, max_lora_rank: int,
-    tracking_uri: str,
+    tracking_uri: str, model_version=None,
 ) -> StagedAdapter:
     """Download and verify a model version (idempotent: a verified folder is reused).
+
+    ``model_version``: the ``ModelVersion`` entity when the caller already
+    fetched it (saves a registry round trip).
 
     Raises:
         StagingError: a check failed (the folder is removed).
@@ -155,7 +158,7 @@ def stage_version(
     target = root / model / f"v{version}"
     if not target.resolve().is_relative_to(root):
         raise StagingError(f"unsafe path {target}: model name {model!r} escapes the staging dir {root}")
-    mv = client.get_model_version(model, version)
+    mv = model_version if model_version is not None else client.get_model_version(model, version)
     try:
         checksums = json.loads(mv.tags.get(TAG_SHA256, "{}"))
     except ValueError as err:
