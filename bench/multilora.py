@@ -140,7 +140,7 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:  # noq
     train, _ = tables(args)
 
     prompts = prompts_from_table(train)[: args.prompts]
-    ids = [tuple(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)) for p in prompts]
+    ids = [tuple(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
     versions = []
     for c in result.candidates:
         engine.load(c.name, f"bench-{c.name}", c.adapter_dir)
@@ -202,7 +202,7 @@ def main() -> None:
         argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path), "--model-dir", args.model_dir,
                 "--k", str(args.k), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
                 "--max-new-tokens", str(args.max_new_tokens), "--eval-prompts", str(args.eval_prompts), "--out", str(out)]  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(out / f"a-{i}.log", "wb"))
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
         with PeakRSS(proc.pid) as mem:
             if proc.wait() != 0:
                 raise SystemExit(f"experiment {i} failed; see {out / f'a-{i}.log'}")

@@ -96,6 +96,8 @@ class VLLMEngine:
                 answer without token ids / log-probs.
         """
         for req in requests:
+            if not all(isinstance(t, int) for t in req.prompt_token_ids):
+                raise RolloutError(f"request {req.prompt_id!r}: prompt_token_ids must be ints, got {list(req.prompt_token_ids)[:4]}")
             if req.version != self.base_name and req.version not in self.versions:
                 raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
         return asyncio.run(self._generate_all(requests))
