@@ -5,16 +5,18 @@ messages, measured side by side in one run. Both sides use a consumer group
 with the same fetch settings (``connectors.ingest.fetch_settings``; the raw
 side deserialises nothing) and are timed from the first record received to
 the last one handled (durable: parsed, written, fsynced, renamed and
-offset-committed). Last line: the
-ratio durable / raw (target >= 0.8).
+offset-committed). Each round measures raw then durable, on fresh consumer
+groups. Last line: the ratio durable / raw (target >= 0.8), the median of the
+per-round ratios over ``--rounds`` rounds.
 
-    python bench/ingest.py [--traces 20000] [--bootstrap HOST:PORT]
+    python bench/ingest.py [--traces 20000] [--rounds 3] [--bootstrap HOST:PORT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import threading
 import time
@@ -79,6 +81,7 @@ def durable_ingest(cfg: KafkaConfig, buffer: BufferConfig, n: int) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=3, help="Alternating raw/durable measurements (odd: a true median).")
     parser.add_argument("--bootstrap", default=None, help="Use this broker instead of starting Tansu.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,13 +106,22 @@ def main() -> None:
             size = sum(len(e.to_json_bytes()) for e in events) / len(events)
             print(f"produced {acked} traces ({size:.0f} B each) to {cfg.traces_topic} on {bootstrap}")
             buffer = BufferConfig(root=str(Path(tmp) / "buffer"), dead_letter_root=str(Path(tmp) / "dlq"))
-            raw = raw_consume(cfg, acked)
-            durable, fast = durable_ingest(cfg, buffer, acked)
+            raws, durables = [], []
+            for i in range(args.rounds):  # alternate, so drifting load on a shared machine hits both sides alike
+                raws.append(raw_consume(cfg, acked))
+                durable, fast = durable_ingest(
+                    cfg, buffer.model_copy(update={"root": str(Path(tmp) / f"buffer-{i}")}), acked
+                )
+                durables.append(durable)
+                print(f"round {i}: raw {raws[-1]:.0f} traces/s, durable {durable:.0f} traces/s "
+                      f"({fast} on the fast path), ratio {durable / raws[-1]:.3f}")  # fmt: skip
+            raw, durable = statistics.median(raws), statistics.median(durables)
+            ratio = statistics.median(d / r for d, r in zip(durables, raws))
             print(json.dumps({"bench/raw_consume_traces_per_s": round(raw), "bench/durable_traces_per_s": round(durable),
-                              "bench/fast_parsed": fast, **fetch_settings(cfg)}))  # fmt: skip
-            print(f"raw kafka-python consume-only: {raw:10.0f} traces/s")
-            print(f"durable ingest into buffer:    {durable:10.0f} traces/s")
-            print(f"durable/raw ratio: {durable / raw:.3f}")
+                              "bench/rounds": args.rounds, **fetch_settings(cfg)}))  # fmt: skip
+            print(f"raw kafka-python consume-only: {raw:10.0f} traces/s (median of {args.rounds})")
+            print(f"durable ingest into buffer:    {durable:10.0f} traces/s (median of {args.rounds})")
+            print(f"durable/raw ratio (median of per-round ratios): {ratio:.3f}")
         finally:
             if service is not None:
                 service.stop()

@@ -178,7 +178,7 @@ def _table(rows: list[tuple[Any, ...]], schema: pa.Schema, ingested_at: datetime
         return schema.empty_table()
     columns = list(zip(*rows))  # row tuples -> one tuple per column
     arrays = [pa.array(values, type=field.type) for values, field in zip(columns, schema)]
-    arrays.append(pa.array([ingested_at] * len(rows), type=schema.field("ingested_at").type))
+    arrays.append(pa.repeat(pa.scalar(ingested_at, type=schema.field("ingested_at").type), len(rows)))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
