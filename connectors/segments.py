@@ -177,8 +177,9 @@ def _table(rows: list[tuple[Any, ...]], schema: pa.Schema, ingested_at: datetime
     if not rows:
         return schema.empty_table()
     columns = list(zip(*rows))  # row tuples -> one tuple per column
-    arrays = [pa.array(values, type=field.type) for values, field in zip(columns, schema)]
-    arrays.append(pa.repeat(pa.scalar(ingested_at, type=schema.field("ingested_at").type), len(rows)))
+    *row_fields, ingested_field = schema  # rows hold every column but the last, ingested_at
+    arrays = [pa.array(values, type=f.type) for values, f in zip(columns, row_fields, strict=True)]
+    arrays.append(pa.repeat(pa.scalar(ingested_at, type=ingested_field.type), len(rows)))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
