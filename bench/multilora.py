@@ -36,9 +36,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.stack import free_port, vllm_service  # noqa: E402
-from trainer import model_store  # noqa: E402
-from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
+from pipeline.stack import free_port, vllm_service
+from trainer import model_store
+from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 
 
 class PeakRSS:
@@ -69,7 +69,7 @@ class PeakRSS:
             self.peak = max(self.peak, self._sample())
             time.sleep(self.every_s)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -90,23 +90,23 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
     )  # fmt: skip
 
 
-def tables(args: argparse.Namespace):  # noqa: ANN201
+def tables(args: argparse.Namespace):
     from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
     prompts = reasoning_gym_prompts("basic_arithmetic", 48, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
-def start_vllm(model: Path, logs: Path, max_loras: int):  # noqa: ANN201
+def start_vllm(model: Path, logs: Path, max_loras: int):
     service = vllm_service(model, "127.0.0.1", free_port(), logs, max_model_len=512, kv_cache_gib=1, max_lora_rank=16, max_loras=max_loras)
     service.start()
     return service
 
 
-def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, out: Path, extra=None) -> dict:  # noqa: ANN001
+def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, out: Path, extra=None) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
-    from trainer.round import run_round
     from trainer.rollout_vllm import VLLMEngine
+    from trainer.round import run_round
 
     train, heldout = tables(args)
     started = time.perf_counter()
@@ -129,11 +129,11 @@ def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argpars
         service.stop()
 
 
-def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:  # noqa: ANN001
+def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     """Tokens/s sampling K adapters in one engine call vs one adapter per call (same requests)."""
-    from trainer.rollout import RolloutRequest
     from transformers import AutoTokenizer
 
+    from trainer.rollout import RolloutRequest
     from trainer.tasks import prompts_from_table
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
