@@ -45,7 +45,7 @@ from connectors.config import BufferConfig, KafkaConfig
 from connectors.dead_letter import DeadLetterStore
 from connectors.errors import BrokerUnavailableError
 from connectors.kafka_admin import ensure_topics
-from connectors.fast_parse import parse_batch
+from connectors.fast_parse import ParsedBatch, parse_batch
 from connectors.schema import UserHasher
 
 log = logging.getLogger(__name__)
@@ -127,9 +127,9 @@ class IngestWorker:
         log.warning("ingest session failed (%s); reconnecting in %.1fs", state.outcome.exception(), state.upcoming_sleep)
 
     def _session(self, stop: threading.Event) -> None:
-        # The consumer thread (this one) polls and commits; one store thread parses and writes
-        # batches durably, so storage overlaps the next fetches. Commits happen here, in batch
-        # order, only after the batch's store future has succeeded.
+        # The consumer thread (this one) polls, parses and commits; one store thread writes
+        # batches durably, so storage (fsync) overlaps the next fetches. Commits happen here, in
+        # batch order, only after the batch's store future has succeeded.
         # Shutdown order: 1. stop polling, 2. hand over the records in hand, 3. wait for every
         # store to finish and commit it, 4. close the consumer without auto-commit (leaves the group).
         # On a broker error, batches not yet committed are redelivered later (the buffer de-duplicates).
@@ -145,8 +145,10 @@ class IngestWorker:
             while not stop.is_set():
                 # Fill a batch over several polls, up to batch_max_records or batch_timeout_ms
                 # after its first record: one fsync'd segment and one offset commit per batch.
+                # Every poll asks for a full batch (small polls cost kafka-python more per record);
+                # records past batch_max_records wait in `pending` for the next batch.
                 wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if count else k.batch_timeout_ms
-                polled = consumer.poll(timeout_ms=wait_ms, max_records=k.batch_max_records - count)
+                polled = consumer.poll(timeout_ms=wait_ms, max_records=k.batch_max_records)
                 for tp, records in polled.items():
                     if not count:
                         deadline = time.monotonic() + k.batch_timeout_ms / 1000
@@ -157,15 +159,17 @@ class IngestWorker:
                     count += len(records)
                     self._positions[tp] = records[-1].offset + 1
                 if count and (count >= k.batch_max_records or time.monotonic() >= deadline):
-                    inflight.append((store.submit(self._store, pending), _next_offsets(pending)))
-                    pending, count = {}, 0
+                    batch, pending = _split_batch(pending, k.batch_max_records)
+                    inflight.append((store.submit(self._store, self._parse(batch)), _next_offsets(batch)))
+                    count = sum(len(records) for records in pending.values())
+                    deadline = time.monotonic() + k.batch_timeout_ms / 1000  # for the records left over
                 self._commit_done(consumer, inflight, block=len(inflight) > 1)  # at most 2 batches in flight
                 self._update_lag(consumer)
                 if time.monotonic() >= next_maintenance:
                     self.maintain()
                     next_maintenance = time.monotonic() + self.maintenance_interval_s
             if pending:
-                inflight.append((store.submit(self._store, pending), _next_offsets(pending)))
+                inflight.append((store.submit(self._store, self._parse(pending)), _next_offsets(pending)))
             while inflight:
                 self._commit_done(consumer, inflight, block=True)
         finally:
@@ -198,11 +202,15 @@ class IngestWorker:
 
     # --- one batch -------------------------------------------------------------------
 
-    def _store(self, polled: dict[TopicPartition, list[Any]]) -> None:
-        """Parse one batch and write it durably: dead letters, then buffer segments (store thread)."""
-        batch = parse_batch(
+    def _parse(self, polled: dict[TopicPartition, list[Any]]) -> ParsedBatch:
+        """Parse one batch (consumer thread: pure-Python CPU work gains nothing from another thread
+        under the GIL, and a CPU-bound store thread would delay this thread's socket wake-ups)."""
+        return parse_batch(
             itertools.chain.from_iterable(polled.values()), max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher
         )
+
+    def _store(self, batch: ParsedBatch) -> None:
+        """Write one parsed batch durably: dead letters, then buffer segments (store thread; fsync releases the GIL)."""
         now = datetime.now(timezone.utc)
         self.dead_letters.write(batch.dead_letters, now)  # durable before the commit
         self.buffer.write_tables(batch.trace_table(now), batch.feedback_table(now), now)  # durable before the commit
@@ -253,6 +261,27 @@ def fetch_settings(k: KafkaConfig) -> dict[str, int]:
         "max_partition_fetch_bytes": max(1_048_576, 2 * k.max_record_bytes),  # a max-size record always fits
         "fetch_max_bytes": max(52_428_800, 4 * k.max_record_bytes),
     }
+
+
+def _split_batch(
+    pending: dict[TopicPartition, list[Any]], max_records: int
+) -> tuple[dict[TopicPartition, list[Any]], dict[TopicPartition, list[Any]]]:
+    """(the first ``max_records`` records, the rest), in arrival order per partition.
+
+    The rest of a partition always has later offsets than its part in the batch, so committing
+    batches in order never moves a partition's committed offset past a record not yet stored.
+    """
+    batch: dict[TopicPartition, list[Any]] = {}
+    rest: dict[TopicPartition, list[Any]] = {}
+    room = max_records
+    for tp, records in pending.items():
+        take = records[:room]
+        if take:
+            batch[tp] = take
+        if len(take) < len(records):
+            rest[tp] = records[len(take):]
+        room -= len(take)
+    return batch, rest
 
 
 def _next_offsets(polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, OffsetAndMetadata]:
