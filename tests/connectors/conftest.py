@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from connectors.config import BufferConfig, KafkaConfig
 from connectors.ingest import IngestWorker
+from connector_helpers import wait_for  # noqa: F401  (re-exported for older imports)
 
 
 @pytest.fixture
@@ -25,16 +25,6 @@ def kafka_cfg(broker: str) -> KafkaConfig:
 @pytest.fixture
 def buffer_cfg(tmp_path: Path) -> BufferConfig:
     return BufferConfig(root=str(tmp_path / "buffer"), dead_letter_root=str(tmp_path / "dead-letter"))
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``condition`` until true; fail the test naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
 
 
 @pytest.fixture

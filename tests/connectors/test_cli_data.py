@@ -15,7 +15,7 @@ from connectors.ingest import IngestWorker
 from pipeline.cli_data import register
 from pipeline.config import load_config
 
-from .conftest import wait_for
+from connector_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 

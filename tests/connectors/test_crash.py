@@ -24,7 +24,7 @@ from connectors.kafka_admin import ensure_topics
 from connectors.schema import FeedbackEvent, TraceEvent
 from connectors.sink import TraceSink
 
-from .conftest import wait_for
+from connector_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 

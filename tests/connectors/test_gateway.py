@@ -37,7 +37,7 @@ from pipeline.cli_gateway import RouteResolver
 from pipeline.serving import Route, write_route
 from pipeline.stack import free_port
 
-from .conftest import wait_for
+from connector_helpers import wait_for
 
 ROUTES = {"hourglass": ("base", None), "tagged": ("base", "7")}
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
