@@ -35,7 +35,8 @@ _LINEAGE = [
     pa.field("ingested_at", TS, nullable=False),
 ]
 
-TRACE_SEGMENT_SCHEMA = pa.schema([
+# The trace columns shared by the stored segments and the snapshot.
+_TRACE_COLUMNS = [
     pa.field("trace_id", pa.string(), nullable=False),
     pa.field("ts", TS, nullable=False),
     pa.field("model", pa.string(), nullable=False),
@@ -44,6 +45,10 @@ TRACE_SEGMENT_SCHEMA = pa.schema([
     pa.field("completion", pa.string(), nullable=False),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
     pa.field("completion_logprobs", pa.list_(pa.float32())),
+]
+
+TRACE_SEGMENT_SCHEMA = pa.schema([
+    *_TRACE_COLUMNS,
     pa.field("signals", pa.string()),  # JSON of inline feedback signals, null when none
     pa.field("metadata", pa.string(), nullable=False),
     *_LINEAGE,
@@ -58,14 +63,7 @@ FEEDBACK_SEGMENT_SCHEMA = pa.schema([
 ])  # fmt: skip
 
 SNAPSHOT_SCHEMA = pa.schema([
-    pa.field("trace_id", pa.string(), nullable=False),
-    pa.field("ts", TS, nullable=False),
-    pa.field("model", pa.string(), nullable=False),
-    pa.field("adapter_version", pa.string()),
-    pa.field("prompt", pa.string(), nullable=False),
-    pa.field("completion", pa.string(), nullable=False),
-    pa.field("completion_token_ids", pa.list_(pa.int32())),
-    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    *_TRACE_COLUMNS,
     pa.field("reward", pa.float64()),
     pa.field("reward_source", pa.string()),
     pa.field("metadata", pa.string(), nullable=False),
