@@ -126,6 +126,12 @@ class HourglassConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "HourglassConfig":
+        # A candidate without a tenant competes for the public model name.
+        filled = [
+            c if "served_model" in c.model_fields_set else c.model_copy(update={"served_model": self.serving.model_name})
+            for c in self.candidates
+        ]
+        object.__setattr__(self, "candidates", filled)  # frozen model: set once, during validation
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

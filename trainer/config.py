@@ -41,7 +41,10 @@ class CandidateConfig(_Section):
     """A named LoRA adapter and its recipe."""
 
     name: str = Field(description="Unique slug: [a-z0-9][a-z0-9_-]{0,47}.")
-    served_model: str = Field(default="hourglass", description="The public model name (tenant) this candidate competes for.")
+    served_model: str = Field(
+        default="hourglass",
+        description="The public model name (tenant) this candidate competes for; in hourglass.toml it defaults to serving.model_name.",
+    )
     algorithm: Literal["grpo", "ppo_clip", "offline_is"] = Field(default="grpo", description="Policy-gradient loss.")
     learning_rate: float = Field(default=1e-4, gt=0, lt=1, description="AdamW learning rate.")
     kl_coef: float = Field(default=0.02, ge=0, description="Weight of the k3 KL penalty to the reference (base) policy.")

@@ -95,3 +95,10 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     broken.write_text("[kafka\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(broken)
+
+
+def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('[serving]\nmodel_name = "support-bot"\n[[candidates]]\nname = "a"\n[[candidates]]\nname = "b"\nserved_model = "other"\n')
+    cfg = load_config(conf)
+    assert [c.served_model for c in cfg.candidates] == ["support-bot", "other"]
