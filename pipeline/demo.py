@@ -74,17 +74,21 @@ def _wait_round(api: str, seen: set[str], timeout_s: float) -> dict[str, Any]:
     raise SystemExit(f"no round ended within {timeout_s:.0f}s")
 
 
-def _greedy_accuracy(vllm_url: str, model: str, questions: list[tuple[str, str]]) -> float:
-    right = 0
+def _greedy_scores(vllm_url: str, model: str, questions: list[tuple[str, str]], reward) -> tuple[float, float]:
+    """(mean reward under ``reward``, accuracy) of greedy answers from ``model`` on ``questions``."""
+    rewards, right = [], 0
     for question, reference in questions:
+        messages = [{"role": "user", "content": question}]
         response = httpx.post(
             f"{vllm_url}/v1/chat/completions",
-            json={"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0.0},
+            json={"model": model, "messages": messages, "max_tokens": 16, "temperature": 0.0},
             timeout=120,
         )
         response.raise_for_status()
-        right += is_correct(response.json()["choices"][0]["message"]["content"] or "", reference)
-    return right / len(questions)
+        answer = response.json()["choices"][0]["message"]["content"] or ""
+        rewards.append(reward(messages, answer, {"reference_answer": reference}))
+        right += is_correct(answer, reference)
+    return sum(rewards) / len(rewards), right / len(questions)
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -169,12 +173,15 @@ def main(
         time.sleep(cfg.serving.reconcile_interval_s)  # let the reconcile loop settle the last promotion
         routes = json.loads((cfg.resolve(cfg.state_dir) / "routes.json").read_text()) if (cfg.resolve(cfg.state_dir) / "routes.json").exists() else {}
         champion = routes.get(cfg.serving.model_name, {}).get("served_name")
+        from trainer.rewards import build_reward
+
+        reward = build_reward(cfg.candidates[0].reward, skip_logged=True)  # the candidates' reward mix
         questions = arithmetic_questions(48, seed=999)  # fresh prompts, never seen in training
-        base_acc = _greedy_accuracy(vllm_url, cfg.serving.base_served_name, questions)
-        final = Table("model", "greedy accuracy on 48 fresh prompts")
-        final.add_row(f"base ({cfg.serving.base_served_name})", f"{base_acc:.3f}")
-        if champion:
-            final.add_row(f"champion ({champion})", f"{_greedy_accuracy(vllm_url, champion, questions):.3f}")
+        final = Table("model", "held-out reward (greedy, 48 fresh prompts)", "accuracy")
+        for label, name in [("base", cfg.serving.base_served_name), ("champion", champion)]:
+            if name:
+                mean_reward, accuracy = _greedy_scores(vllm_url, name, questions, reward)
+                final.add_row(f"{label} ({name})", f"{mean_reward:.3f}", f"{accuracy:.3f}")
         console.print(final)
         for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1):
             console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
