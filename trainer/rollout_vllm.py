@@ -38,10 +38,20 @@ class VLLMEngine:
         base_name: the server's ``--served-model-name`` of the base model.
         timeout_s: per-request timeout, seconds.
         max_in_flight: cap on concurrent HTTP requests.
+        per_request_seed: send each request's ``seed`` (reproducible sampling);
+            off by default because the vLLM CPU engine crashes on seeded
+            requests under chunked prefill.
     """
 
-    def __init__(self, url: str, *, base_name: str = BASE_VERSION, timeout_s: float = 300.0, max_in_flight: int = 64) -> None:
+    def __init__(
+        self, url: str, *, base_name: str = BASE_VERSION, timeout_s: float = 300.0, max_in_flight: int = 64,
+        per_request_seed: bool = False,
+    ) -> None:  # fmt: skip
         self.url = url.rstrip("/")
+        # Per-request seeds crash the vLLM 0.32 CPU engine when a seeded request
+        # is chunk-prefilled ("CPU Generator does not use offset", EngineDeadError),
+        # taking serving down with it; send them only where the engine supports it.
+        self.per_request_seed = per_request_seed
         self.base_name = base_name
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
@@ -127,11 +137,12 @@ class VLLMEngine:
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
             "top_p": 1.0,
-            "seed": req.seed,
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": True,
         }
+        if self.per_request_seed and req.temperature > 0:
+            body["seed"] = req.seed
         try:
             data = await self._post_completion(client, body)
         except httpx.HTTPError as err:
