@@ -6,7 +6,7 @@ DEMO_CONFIG ?= deploy/demo.toml
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast up down clean
+.PHONY: setup demo test test-e2e test-all up down clean
 
 setup:
 	@VENV=$(VENV) bash deploy/setup.sh
@@ -14,13 +14,16 @@ setup:
 demo: setup
 	$(VENV)/bin/python -m pipeline.demo --config $(DEMO_CONFIG)
 
-# Unit + integration + end-to-end tests against real services.
+# Unit + integration tests against real services (broker, MLflow, vLLM on a tiny model).
 test: setup
-	$(VENV)/bin/python -m pytest -q
-
-# Without the SmolLM2 end-to-end tests.
-test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not e2e"
+
+# The SmolLM2 end-to-end rounds (slow on CPU: about 25 min on 2 cores).
+test-e2e: setup
+	$(VENV)/bin/python -m pytest -q -m e2e
+
+test-all: setup
+	$(VENV)/bin/python -m pytest -q
 
 up: setup
 	$(VENV)/bin/hourglass up --config $(CONFIG)
