@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,6 +120,7 @@ def main(
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below on SIGTERM too
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console.rule("1. local stack")
