@@ -51,8 +51,10 @@ def test_lock_refuses_a_second_holder_in_another_process(tmp_path: Path) -> None
     time.sleep(0.1)
     lock = RoundLock(tmp_path)  # the kernel released the dead holder's lock
     lock.acquire("r-mine")
-    assert lock.held
+    with pytest.raises(RoundInProgressError, match="r-mine"):  # and now we hold it
+        RoundLock(tmp_path).acquire("r-third")
     lock.release()
+    RoundLock(tmp_path).acquire("r-after-release")
 
 
 def test_recover_marks_rounds_interrupted_before_register_as_failed(tmp_path: Path) -> None:
