@@ -55,7 +55,18 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True):
     content: str  # None, content parts and extra keys go to the reference parser
 
 
-class _Trace(msgspec.Struct, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True):
+class _Signals(msgspec.Struct, kw_only=True):
+    """Fields every event may carry: inline feedback signals and metadata."""
+
+    reward: float | None = None
+    thumbs: Literal["up", "down"] | None = None
+    rating: _Rating | None = None
+    edited: bool | None = None
+    regenerated: bool | None = None
+    metadata: msgspec.Raw = msgspec.Raw(b"{}")  # decoded below; its bytes tell whether floats are inside
+
+
+class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int
     model: _NonEmpty
@@ -64,23 +75,11 @@ class _Trace(msgspec.Struct, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknow
     adapter_version: str | None = None
     completion_token_ids: list[_TokenId] | None = None
     completion_logprobs: list[float] | None = None  # JSON has no NaN/inf; out-of-range numbers are decode errors
-    reward: float | None = None
-    thumbs: Literal["up", "down"] | None = None
-    rating: _Rating | None = None
-    edited: bool | None = None
-    regenerated: bool | None = None
-    metadata: msgspec.Raw = msgspec.Raw(b"{}")  # decoded below; its bytes tell whether floats are inside
 
 
-class _Feedback(msgspec.Struct, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True):
+class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int | None = None
-    reward: float | None = None
-    thumbs: Literal["up", "down"] | None = None
-    rating: _Rating | None = None
-    edited: bool | None = None
-    regenerated: bool | None = None
-    metadata: msgspec.Raw = msgspec.Raw(b"{}")  # decoded below; its bytes tell whether floats are inside
 
 
 _DECODER = msgspec.json.Decoder(_Trace | _Feedback)
