@@ -71,6 +71,16 @@ class ServingConfig(_Section):
     max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
     max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
+    block_size: int = Field(
+        default=32, ge=16, multiple_of=16,
+        description="vLLM --block-size (KV tokens per block). Prefix caching shares whole blocks only, so the n samples "
+        "of one prompt share its prefill only for prompts longer than one block; vLLM's CPU default of 128 shares none of ours.",
+    )  # fmt: skip
+    cpu_threads: str = Field(
+        default="all", pattern=r"^(all|auto|[0-9][0-9,-]*)$",
+        description="CPU hosts: cores the vLLM worker binds to. 'all' = every core (vLLM's 'auto' keeps one core for its "
+        "API server, half the compute on a 2-core host), 'auto' = vLLM's default, or a list such as '0-3'.",
+    )  # fmt: skip
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")

@@ -257,12 +257,17 @@ def vllm_service(
     max_loras: int = 4,
     max_model_len: int = 1024,
     kv_cache_gib: int = 1,
+    block_size: int = 32,
+    cpu_threads: str = "all",
     startup_timeout_s: float = 300.0,
 ) -> Service:
     """The vLLM OpenAI server with runtime LoRA loading enabled.
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
     console script of the CPU wheel looks for a distribution named ``vllm``).
+    ``block_size`` and ``cpu_threads`` are described in
+    :class:`pipeline.config.ServingConfig`; the grouped CPU LoRA kernels come in
+    through the plugin in :mod:`trainer.vllm_cpu_lora`.
     """
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -271,6 +276,7 @@ def vllm_service(
         "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
         "--max-model-len", str(max_model_len), "--max-num-seqs", "64",
         "--dtype", "float32" if not _has_cuda() else "auto",
+        "--block-size", str(block_size),
         "--disable-log-stats",
     ]  # fmt: skip
     env = {
@@ -279,8 +285,17 @@ def vllm_service(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        **_cpu_thread_env(cpu_threads),
     }
     return Service("vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s)
+
+
+def _cpu_thread_env(cpu_threads: str) -> dict[str, str]:
+    """vLLM CPU env for ``cpu_threads`` ('all', 'auto' or a core list like '0-3')."""
+    if cpu_threads == "auto":
+        return {}
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))) if cpu_threads == "all" else cpu_threads
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _has_cuda() -> bool:
@@ -337,6 +352,8 @@ def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Servi
                 max_loras=cfg.serving.max_loras,
                 max_model_len=cfg.serving.max_model_len,
                 kv_cache_gib=cfg.serving.kv_cache_gib,
+                block_size=cfg.serving.block_size,
+                cpu_threads=cfg.serving.cpu_threads,
                 startup_timeout_s=cfg.serving.startup_timeout_s,
             )
         )  # fmt: skip
