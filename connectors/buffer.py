@@ -48,6 +48,7 @@ from connectors.segments import (
     overlaps,
     partition_dir,
     segment_info,
+    trace_rows_table,
     trace_table,
 )  # fmt: skip
 from connectors.storage import list_files, open_location, read_bytes, write_durable
@@ -114,6 +115,15 @@ class RewardBuffer:
                     chunk = hour_rows.slice(start, self.cfg.segment_max_rows)
                     written.append(self._write_segment(kind, hour, chunk, ingested_at))
         return written
+
+    def warm_up(self) -> None:
+        """Build, split and encode one synthetic trace row without writing anything, so that pyarrow's lazy
+        imports (its pandas shim, loaded by the first ``pa.array``: about 0.5 s on an idle 2-core host, seconds
+        on a loaded one; the temporal compute kernels) happen at start-up instead of inside the first batch."""
+        now = datetime.now(timezone.utc)
+        row = ("warm-up", now, "m", None, "[]", "", [0], [0.0], None, "{}", "warm-up", 0, 0)
+        for _, table in _split_by_hour(trace_rows_table([row], now)):
+            encode(table)
 
     def _write_segment(self, kind: str, hour: datetime, table: pa.Table, now: datetime) -> str:
         name = f"seg-{int(now.timestamp() * 1000):013d}-{self.writer_id}-{next(self._seq):06d}-n{table.num_rows}.arrow"

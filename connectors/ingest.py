@@ -6,7 +6,9 @@ Delivery guarantee: at-least-once. For each polled batch, in this order:
    :func:`connectors.fast_parse.parse_batch`: msgspec for the usual record, pydantic for the rest;
 2. write the dead letters durably (fsync) to the dead-letter store;
 3. write traces and feedback durably as buffer segments;
-4. only then commit the batch's offsets (``offset + 1`` per partition).
+4. only then commit the batch's offsets (``offset + 1`` per partition). The commit is sent
+   asynchronously, in batch order, so the consumer keeps polling while the broker acknowledges;
+   a graceful stop waits for every acknowledgement.
 
 A crash before step 4 redelivers the batch; the buffer de-duplicates by
 ``trace_id`` at snapshot time, so training data sees each trace once.
@@ -50,6 +52,8 @@ from connectors.schema import UserHasher
 
 log = logging.getLogger(__name__)
 
+_INFLIGHT_POLL_MS = 10  # longest poll wait while a batch is being stored or its commit is unanswered
+
 
 @dataclass(frozen=True)
 class IngestStats:
@@ -80,12 +84,18 @@ class IngestWorker:
         self.kafka = kafka
         self.writer_id = writer_id or uuid.uuid4().hex[:8]
         self.buffer = RewardBuffer(buffer, self.writer_id)
+        self.buffer.warm_up()  # pyarrow's lazy imports now, not in the first batch's commit latency
         self.dead_letters = DeadLetterStore(buffer.dead_letter_root, self.writer_id)
         self.maintenance_interval_s = buffer.maintenance_interval_s
         self._hasher = UserHasher(buffer.user_hash_key.get_secret_value(), buffer.user_id_keys)
         self._stats = IngestStats()
         self._lock = threading.Lock()
         self._positions: dict[TopicPartition, int] = {}
+        # Commit state of the current session (reset by _session; consumer thread only).
+        self._sent: dict[TopicPartition, int] = {}  # newest offset sent for commit, per partition
+        self._retry: dict[TopicPartition, OffsetAndMetadata] = {}  # commits that failed retriably
+        self._commits_unacked = 0
+        self._commit_error: Exception | None = None
 
     def stats(self) -> IngestStats:
         """A copy of the counters (thread-safe)."""
@@ -128,13 +138,16 @@ class IngestWorker:
 
     def _session(self, stop: threading.Event) -> None:
         # The consumer thread (this one) polls, parses and commits; one store thread writes
-        # batches durably, so storage (fsync) overlaps the next fetches. Commits happen here, in
-        # batch order, only after the batch's store future has succeeded.
+        # batches durably, so storage (fsync) overlaps the next fetches. Commits are sent from here,
+        # in batch order, only after the batch's store future has succeeded; their acknowledgements
+        # come back as callbacks inside later polls.
         # Shutdown order: 1. stop polling, 2. hand over the records in hand, 3. wait for every
-        # store to finish and commit it, 4. close the consumer without auto-commit (leaves the group).
+        # store to finish and commit it, 4. wait for the broker to acknowledge every commit,
+        # 5. close the consumer without auto-commit (leaves the group).
         # On a broker error, batches not yet committed are redelivered later (the buffer de-duplicates).
         ensure_topics(self.kafka)
         consumer = self._consumer()
+        self._sent, self._retry, self._commits_unacked, self._commit_error = {}, {}, 0, None
         k = self.kafka
         inflight: deque[tuple[Future[None], dict[TopicPartition, OffsetAndMetadata]]] = deque()
         store = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-store")
@@ -148,6 +161,8 @@ class IngestWorker:
                 # Every poll asks for a full batch (small polls cost kafka-python more per record);
                 # records past batch_max_records wait in `pending` for the next batch.
                 wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if count else k.batch_timeout_ms
+                if inflight or self._commits_unacked:  # commit / see its ack soon, not a silent batch_timeout_ms later
+                    wait_ms = min(wait_ms, _INFLIGHT_POLL_MS)
                 polled = consumer.poll(timeout_ms=wait_ms, max_records=k.batch_max_records)
                 for tp, records in polled.items():
                     if not count:
@@ -172,12 +187,24 @@ class IngestWorker:
                 inflight.append((store.submit(self._store, self._parse(pending)), _next_offsets(pending)))
             while inflight:
                 self._commit_done(consumer, inflight, block=True)
+            self._settle_commits(consumer)
         finally:
             store.shutdown(wait=True)
             consumer.close(autocommit=False)
 
     def _commit_done(self, consumer: KafkaConsumer, inflight: deque[Any], block: bool) -> None:
-        """Commit the offsets of stored batches, oldest first; re-raises a store's storage error."""
+        """Commit the offsets of stored batches, oldest first; re-raises a store's storage error and a
+        commit's non-retriable error; retries a retriable failed commit (synchronously)."""
+        if self._commit_error is not None:
+            err, self._commit_error = self._commit_error, None
+            raise err
+        if self._retry:
+            # Only partitions that no newer commit has been sent for: sending an older offset after a
+            # newer one would move the group's position back.
+            retry = {tp: meta for tp, meta in self._retry.items() if self._sent.get(tp) == meta.offset}
+            self._retry = {}
+            if retry:
+                self._commit_sync(consumer, retry)
         while inflight and (inflight[0][0].done() or block):
             future, offsets = inflight.popleft()
             future.result()  # BufferStorageError propagates: nothing of this batch is committed
@@ -218,16 +245,55 @@ class IngestWorker:
                     batches=1, fast_parsed=batch.fast)  # fmt: skip
 
     def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        """Send the commit of a stored batch's offsets; the broker's answer comes to :meth:`_on_commit`."""
+        consumer.commit_async(offsets, callback=self._on_commit)  # the callback runs in a later poll, never in here
+        self._sent.update((tp, meta.offset) for tp, meta in offsets.items())
+        self._commits_unacked += 1
+
+    def _on_commit(self, offsets: dict[TopicPartition, OffsetAndMetadata], response: Any) -> None:
+        """kafka-python's commit callback: runs on the consumer thread, inside a later poll or commit."""
+        self._commits_unacked -= 1
+        if not isinstance(response, Exception):
+            self._committed()
+        elif isinstance(response, (CommitFailedError, RebalanceInProgressError)):
+            self._lost_to_rebalance(response)
+        elif getattr(response, "retriable", False):  # coordinator moved, timeout: try again (synchronously)
+            log.info("offset commit failed (%s); retrying", response)
+            self._retry.update(offsets)
+        else:
+            self._commit_error = response  # raised on the consumer thread: the session restarts
+
+    def _commit_sync(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        """Commit and wait for the broker (kafka-python retries retriable errors until its request timeout)."""
         try:
             consumer.commit(offsets)
         except (CommitFailedError, RebalanceInProgressError) as err:
-            # The partitions moved to another member: it re-reads these records, the buffer de-duplicates.
-            self._count(commit_failures=1)
-            log.warning("offset commit lost to a rebalance (records are durable, will be redelivered): %s", err)
+            self._lost_to_rebalance(err)
             return
+        self._committed()
+
+    def _settle_commits(self, consumer: KafkaConsumer) -> None:
+        """Wait until every commit sent is acknowledged: commit the newest sent offsets of the assigned
+        partitions once more, synchronously (same values; the coordinator answers requests in order)."""
+        if self._commit_error is not None:
+            err, self._commit_error = self._commit_error, None
+            raise err
+        if self._commits_unacked or self._retry:
+            self._retry = {}
+            assigned = consumer.assignment()
+            newest = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._sent.items() if tp in assigned}
+            if newest:
+                self._commit_sync(consumer, newest)
+
+    def _committed(self) -> None:
         self._count(commits=1)
         with self._lock:
             self._stats = replace(self._stats, last_commit_unix_s=time.time())
+
+    def _lost_to_rebalance(self, err: Exception) -> None:
+        # The partitions moved to another member: it re-reads these records, the buffer de-duplicates.
+        self._count(commit_failures=1)
+        log.warning("offset commit lost to a rebalance (records are durable, will be redelivered): %s", err)
 
     def _update_lag(self, consumer: KafkaConsumer) -> None:
         lag = 0

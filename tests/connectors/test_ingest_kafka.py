@@ -146,3 +146,49 @@ def test_crash_between_write_and_commit_redelivers_and_snapshot_dedups(
     snap = buffer.snapshot()
     assert sorted(snap["trace_id"].to_pylist()) == sorted(f"good-{i}" for i in range(n))
     assert snap.filter(pc.equal(snap["trace_id"], "good-3"))["reward"].to_pylist() == [1.0]
+
+
+class _StopOnLastRecord(IngestWorker):
+    """Asks itself to stop the moment it has parsed ``n`` records: the last batch is then stored and
+    committed by the shutdown path alone."""
+
+    def __init__(self, *args: object, n: int, stop: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.n, self.stop, self.parsed = n, stop, 0
+
+    def _parse(self, polled: dict) -> object:  # type: ignore[override]
+        batch = super()._parse(polled)
+        self.parsed += len(batch.traces)
+        if self.parsed >= self.n:
+            self.stop.set()  # type: ignore[attr-defined]
+        return batch
+
+
+def test_graceful_stop_leaves_every_stored_record_committed(kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig) -> None:
+    import threading
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    kafka = kafka_cfg.model_copy(update={"batch_max_records": 50})  # several batches, so several async commits
+    ensure_topics(kafka)
+    n = 400
+    with TraceSink(kafka) as sink:
+        assert produce_events(sink, [_trace(i) for i in range(n)]) == n
+    stop = threading.Event()
+    worker = _StopOnLastRecord(kafka, buffer_cfg, n=n, stop=stop)
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and worker.stats().traces == n
+    stats = worker.stats()
+    assert stats.commit_failures == 0 and stats.commits >= 1
+
+    snap = RewardBuffer(buffer_cfg).snapshot()
+    stored_next = {p: max(o for q, o in zip(snap["partition"].to_pylist(), snap["offset"].to_pylist()) if q == p) + 1
+                   for p in set(snap["partition"].to_pylist())}  # fmt: skip
+    probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id, enable_auto_commit=False)
+    try:
+        committed = {p: probe.committed(TopicPartition(kafka.traces_topic, p)) for p in range(kafka.partitions)}
+    finally:
+        probe.close(autocommit=False)
+    assert {p: o for p, o in committed.items() if o is not None} == stored_next
