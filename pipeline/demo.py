@@ -159,10 +159,11 @@ def main(
             console.print(table)
             serving = status.get("serving", {}).get(cfg.serving.model_name, {})
             winner = decision.get("winner")
+            hotload = serving.get("last_hotload_s")
             console.print(
                 f"winner: {winner or 'none'} — {record['reason']}\n"
                 f"promoted: {record['versions'] or '-'}   serving now: {serving.get('serving')}   "
-                f"hot-load: {serving.get('last_hotload_s') or '-'} s"
+                f"hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
             rewards = decision.get("candidate_rewards", {}) or {"-": float("nan")}
             rows.append({"round": i, "champion": decision.get("champion_reward", float("nan")), "best": max(rewards.values()), "state": record["state"]})

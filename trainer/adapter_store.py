@@ -19,6 +19,8 @@ saved folder loads in PEFT and in vLLM.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ import torch
 from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
 from trainer.config import CandidateConfig
 from trainer.errors import AdapterStoreError, TrainerConfigError
+
+log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SLOT = "hourglass-slot"
@@ -61,13 +65,15 @@ def _seed_of(name: str, seed: int) -> int:
 def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, init_dir: Path | None, seed: int) -> dict[str, torch.Tensor]:
     """A candidate's starting LoRA weights on the CPU.
 
-    From ``init_dir/adapter_model.safetensors`` when given, else PEFT's fresh
-    init (A: Kaiming-uniform, B: zeros) seeded by ``(name, seed)`` so the same
-    candidate starts identically whoever else is in the store.
+    From ``init_dir`` (a PEFT folder, e.g. the champion) when given, else PEFT's
+    fresh init (A: Kaiming-uniform, B: zeros) seeded by ``(name, seed)`` so the
+    same candidate starts identically whoever else is in the store. A saved
+    adapter of another rank or alpha is converted by :func:`fit_adapter`, so a
+    rank-16 challenger can start from a rank-8 champion and the other way round.
 
     Raises:
-        TrainerConfigError: the saved adapter's tensors do not match the
-            candidate's rank / target modules.
+        TrainerConfigError: the folder is missing, or the saved adapter adapts
+            modules the candidate does not target.
     """
     probe = f"hourglass-init-{zlib.crc32(name.encode())}"
     with torch.random.fork_rng(devices=[]):
@@ -83,15 +89,68 @@ def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, i
     if not path.is_file():
         raise TrainerConfigError(f"candidate {name!r}: start adapter {path} does not exist; use start='fresh' or fix the path")
     loaded = safetensors.torch.load_file(str(path))
-    shapes = {k: tuple(v.shape) for k, v in loaded.items()}
-    wanted = {k: tuple(v.shape) for k, v in fresh.items()}
-    if shapes != wanted:
-        diff = sorted(set(shapes.items()) ^ set(wanted.items()))[:4]
+    unknown = sorted(set(loaded) - set(fresh))
+    if unknown:
         raise TrainerConfigError(
-            f"candidate {name!r}: adapter {path} does not fit rank {candidate.lora_rank} on {candidate.target_modules} "
-            f"(first differences: {diff}); give the candidate the same LoRA shape or start='fresh'"
+            f"candidate {name!r}: adapter {path} adapts modules the candidate does not target ({unknown[:3]}...); "
+            f"its target_modules {candidate.target_modules} must include the start adapter's, or use start='fresh'"
         )
-    return {k: loaded[k].to(fresh[k].dtype) for k in fresh}
+    saved_scale = _lora_scale(Path(init_dir) / "adapter_config.json")
+    return fit_adapter(loaded, fresh, saved_scale, candidate.lora_alpha / candidate.lora_rank, name)
+
+
+def _lora_scale(config_path: Path) -> float:
+    """PEFT's LoRA scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) of a saved adapter."""
+    try:
+        cfg = json.loads(config_path.read_text())
+        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TrainerConfigError(f"start adapter config {config_path} is missing or has no r / lora_alpha: {err}") from err
+    return alpha / (rank**0.5 if cfg.get("use_rslora") else rank)
+
+
+def fit_adapter(
+    saved: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], saved_scale: float, scale: float, name: str = "?"
+) -> dict[str, torch.Tensor]:
+    """Start weights of a new rank/alpha that reproduce a saved adapter's update.
+
+    LoRA adds ``dW = s * B @ A`` per module (``A [r, in]``, ``B [out, r]``,
+    ``s = alpha / r``; Hu et al. 2021, arXiv:2106.09685). For each module in
+    ``saved``:
+
+    - same rank: ``A`` kept, ``B`` rescaled by ``saved_scale / scale``; exact.
+    - higher rank: the saved ``A`` fills the first rows and the remaining rows
+      keep their fresh Kaiming init, ``B`` is zero in the new columns; the update
+      is exact and the new directions still get gradients.
+    - lower rank: the best rank-``r`` approximation of ``dW`` (truncated SVD,
+      Eckart-Young), split evenly as ``A = sqrt(S) Vh``, ``B = U sqrt(S) / s``;
+      lossy, and the relative error is logged.
+
+    Modules only in ``fresh`` keep their fresh init (``B = 0``: no update).
+
+    Args:
+        saved: PEFT-keyed tensors of the saved adapter.
+        fresh: the candidate's fresh tensors (defines the target shapes and dtype).
+        saved_scale, scale: LoRA scaling of the saved adapter and of the candidate.
+    """
+    out = {k: v.clone() for k, v in fresh.items()}
+    for key_a in [k for k in saved if ".lora_A." in k]:
+        key_b = key_a.replace(".lora_A.", ".lora_B.")
+        a, b = saved[key_a].float(), saved[key_b].float()
+        r_saved, r_new = a.shape[0], out[key_a].shape[0]
+        if r_new >= r_saved:
+            out[key_a][:r_saved] = a.to(out[key_a].dtype)
+            out[key_b].zero_()
+            out[key_b][:, :r_saved] = (b * (saved_scale / scale)).to(out[key_b].dtype)
+            continue
+        delta = saved_scale * (b @ a)
+        u, sing, vh = torch.linalg.svd(delta, full_matrices=False)
+        root = sing[:r_new].sqrt()
+        out[key_a] = (root[:, None] * vh[:r_new]).to(fresh[key_a].dtype)
+        out[key_b] = (u[:, :r_new] * root[None, :] / scale).to(fresh[key_b].dtype)
+        lost = float(sing[r_new:].square().sum().sqrt() / sing.square().sum().sqrt().clamp_min(1e-12))
+        log.info("candidate %r: %s truncated from rank %d to %d (relative Frobenius error %.3f)", name, key_a, r_saved, r_new, lost)
+    return out
 
 
 def write_adapter(weights: dict[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path) -> Path:

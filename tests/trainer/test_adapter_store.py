@@ -128,5 +128,46 @@ def test_saved_adapter_is_a_peft_folder_that_restarts_training(fresh_base, tmp_p
     store.create("a2", A, init_dir=folder)
     restored = {k: v for k, v in store.snapshot("a2").items() if k.startswith("weight/")}
     assert all(torch.equal(restored[k], store.snapshot("a")[k]) for k in restored)
-    with pytest.raises(ValueError, match="does not fit rank 8"):
-        store.create("b2", B, init_dir=folder)
+    with pytest.raises(ValueError, match="adapts modules the candidate does not target"):
+        store.create("b2", B, init_dir=folder)  # a adapts k_proj/o_proj, b only q/v
+
+
+def _deltas(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    return {a: scale * weights[a.replace(".lora_A.", ".lora_B.")] @ weights[a] for a in weights if ".lora_A." in a}
+
+
+@pytest.mark.parametrize("new_rank,new_alpha", [(4, 16), (8, 8), (16, 32)], ids=["same-rank-new-alpha", "higher-rank", "higher-rank-same-scale"])
+def test_start_from_an_adapter_of_another_shape_keeps_its_update(fresh_base, tmp_path: Path, new_rank: int, new_alpha: int) -> None:
+    """A challenger of rank >= the champion's starts exactly where the champion is (same dW = s B A)."""
+    base = fresh_base()
+    store = make_store("offload", base)
+    store.create("a", A)  # rank 4, alpha 16 (scale 4)
+    _train(base, store, "a", 0)
+    folder = store.save("a", tmp_path / "a")
+    saved = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+    wide = CandidateConfig(name="w", lora_rank=new_rank, lora_alpha=new_alpha)
+    store.create("w", wide, init_dir=folder)
+    got = {k.removeprefix("weight/"): v for k, v in store.snapshot("w").items() if k.startswith("weight/")}
+    want, have = _deltas(saved, A.lora_alpha / A.lora_rank), _deltas(got, new_alpha / new_rank)
+    assert set(want) == set(have)
+    assert max((want[k] - have[k]).abs().max().item() for k in want) < 1e-6
+    assert any(want[k].abs().max() > 0 for k in want)
+    if new_rank > A.lora_rank:  # the extra directions stay trainable: fresh A rows, zero B columns
+        a_key = next(k for k in got if ".lora_A." in k)
+        assert got[a_key][A.lora_rank :].abs().sum() > 0
+        assert got[a_key.replace(".lora_A.", ".lora_B.")][:, A.lora_rank :].abs().sum() == 0
+
+
+def test_lower_rank_start_is_the_best_low_rank_approximation() -> None:
+    from trainer.adapter_store import fit_adapter
+
+    g = torch.Generator().manual_seed(0)
+    saved = {"m.lora_A.weight": torch.randn(8, 20, generator=g), "m.lora_B.weight": torch.randn(12, 8, generator=g)}
+    fresh = {"m.lora_A.weight": torch.zeros(3, 20), "m.lora_B.weight": torch.zeros(12, 3)}
+    got = fit_adapter(saved, fresh, saved_scale=2.0, scale=0.5)
+    assert got["m.lora_A.weight"].shape == (3, 20) and got["m.lora_B.weight"].shape == (12, 3)
+    delta = 2.0 * saved["m.lora_B.weight"] @ saved["m.lora_A.weight"]
+    approx = 0.5 * got["m.lora_B.weight"] @ got["m.lora_A.weight"]
+    sing = torch.linalg.svdvals(delta)
+    # Eckart-Young: the error of the best rank-3 approximation is the norm of the dropped singular values
+    torch.testing.assert_close(torch.linalg.matrix_norm(delta - approx), sing[3:].square().sum().sqrt(), rtol=1e-4, atol=1e-4)
