@@ -13,7 +13,7 @@ service binds to loopback by default (``api.host``).
 | GET | /status | rounds, champions, ingest, buffer, next scheduled round |
 | GET | /rounds, /rounds/{id} | round records |
 | POST | /rounds | trigger a retrain: ``{"candidates": [...], "window": "6h"}`` → 202; 409 while one runs |
-| POST | /rounds/{id}/cancel | stop the running round at its next step |
+| POST | /rounds/{id}/cancel | stop the running round at its next boundary (between training steps or phases) |
 | POST | /promote | ``{"model": ..., "version": "3"}`` move ``@champion`` |
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |

@@ -15,6 +15,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,13 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
     return out
 
 
-def train_and_evaluate(cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None]):
-    """Split by time, train every selected candidate, evaluate against the champions, gate."""
+def train_and_evaluate(
+    cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None
+):
+    """Split by time, train every selected candidate, evaluate against the champions, gate.
+
+    ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel).
+    """
     from trainer.round import run_round
     from trainer.tasks import split_snapshot
 
@@ -100,7 +106,7 @@ def train_and_evaluate(cfg: HourglassConfig, record: RoundRecord, table: pa.Tabl
         rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-    return run_round(cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id)
+    return run_round(cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint)
 
 
 def _buffer_trace_rows(cfg: HourglassConfig) -> int:
@@ -163,7 +169,7 @@ class RoundRunner:
         return True
 
     def cancel(self) -> bool:
-        """Ask the running round to stop at its next step boundary."""
+        """Ask the running round to stop at its next boundary: between training steps, or between phases."""
         if self.current is None:
             return False
         self._cancel.set()
@@ -189,6 +195,13 @@ class RoundRunner:
             raise RoundCancelled(f"cancelled before {state}")
         self.store.transition(record, state)
         log.info("round %s: %s", record.round_id, state)
+
+    def _checkpoint(self, record: RoundRecord, phase: str) -> None:
+        """Called by the trainer between training steps and before evaluation: a cancel takes effect here."""
+        if phase == "evaluate":
+            self._step(record, "evaluate")
+        elif self._cancel.is_set():
+            raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")
 
     def _run_locked(self, record: RoundRecord) -> None:
         started = time.monotonic()
@@ -219,9 +232,8 @@ class RoundRunner:
         self._step(record, "train")
         served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
         champions = champion_adapters(self.cfg, served, self.base_fingerprint)
-        result = train_and_evaluate(self.cfg, record, table, champions)
+        result = train_and_evaluate(self.cfg, record, table, champions, checkpoint=lambda phase: self._checkpoint(record, phase))
 
-        self._step(record, "evaluate")
         record.metrics.update(result.metrics)
         record.decisions = {
             m: {"winner": d.winner, "reason": d.reason, "champion_reward": d.champion_reward_mean,

@@ -17,10 +17,11 @@ adapter across rounds; a candidate with ``start = "self"`` starts from there
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from rich.progress import Progress
 from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
-from trainer.errors import DataError, TrainerConfigError
+from trainer.errors import DataError, RolloutError, TrainerConfigError
 from trainer.evaluate import EvalResult, eval_mix, gate, greedy_answers, kl_to_base, score
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
@@ -39,6 +40,8 @@ from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RoundResult
 from trainer.update import offline_batch, rollout_batch, update_step
+
+log = logging.getLogger(__name__)
 
 __all__ = ["make_engine", "run_round", "split_snapshot"]
 
@@ -114,6 +117,7 @@ def _prompt_ids(base: ResidentBase, prompt: Prompt, rl: RLConfig) -> list[int]:
 def train_candidates(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig],
     train_prompts: Sequence[Prompt], rl: RLConfig, out_dir: Path, progress: bool,
+    checkpoint: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
     """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
 
@@ -138,6 +142,8 @@ def train_candidates(
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
         for step in range(rl.steps_per_round):
+            if checkpoint is not None:
+                checkpoint(f"train:{step}")
             # 1. prompts: the same draw for every online candidate (a fair race)
             step_prompts = {c.name: draw_prompts(pools[c.name], rl.prompts_per_step, rl.seed * 7919 + step) for c in online}
             groups: dict[str, list] = {}
@@ -249,6 +255,16 @@ def _window(train: pa.Table, heldout: pa.Table) -> tuple[datetime, datetime]:
     return pc.min(stamps).as_py(), pc.max(stamps).as_py()
 
 
+def _unload_leftovers(engine: RolloutEngine, names: set[str]) -> None:
+    """Unload every version of these candidates the engine still has (after an error or a cancel)."""
+    loaded = getattr(engine, "versions", {})
+    for version in [v for v, candidate in list(loaded.items()) if candidate in names]:
+        try:
+            engine.unload(version)
+        except RolloutError as err:  # cleanup must not hide the round's own error
+            log.warning("could not unload %s after the round: %s", version, err)
+
+
 def run_round(
     model_cfg: ModelConfig,
     candidates: list[CandidateConfig],
@@ -262,6 +278,7 @@ def run_round(
     progress: bool = True,
     round_id: str | None = None,
     base: ResidentBase | None = None,
+    checkpoint: Callable[[str], None] | None = None,
 ) -> RoundResult:
     """Train K candidates on one resident base, evaluate them against their champions, gate.
 
@@ -273,6 +290,9 @@ def run_round(
             default from ``rl.rollout_engine`` / ``rl.rollout_url``.
         base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
             its adapters are removed again at the end.
+        checkpoint: called at each phase boundary, with ``"train:<step>"`` before
+            every training step and ``"evaluate"`` before evaluation. It may raise
+            (e.g. to cancel): the round stops there and its adapters are cleaned up.
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
@@ -291,7 +311,9 @@ def run_round(
     try:
         for c in candidates:  # 4. start points
             store.create(c.name, c, start_dir(c, champions, out_dir))
-        history, versions, rollout_metrics = train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress)
+        history, versions, rollout_metrics = train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint)
+        if checkpoint is not None:
+            checkpoint("evaluate")
         results, decisions, eval_metrics = evaluate_and_gate(base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id)
         out = []
         for c in candidates:  # 5. final adapters, also kept as the candidate's "last"
@@ -310,7 +332,9 @@ def run_round(
         for version in versions.values():
             engine.unload(version)
     finally:
-        # Shutdown order: 1. drop candidates from the store, 2. remove the store's adapters from the base.
+        # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
+        # 1. drop candidates from the store, 2. remove the store's adapters from the base.
+        _unload_leftovers(engine, {c.name for c in candidates})
         for name in list(store.names()):
             store.delete(name)
         store.close()

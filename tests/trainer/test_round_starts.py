@@ -54,3 +54,49 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
         run_round(ModelConfig(name=str(tiny_model)), twice, RL, train, heldout, {}, tmp_path, progress=False)
     with pytest.raises(TrainerConfigError, match="rollout_url"):
         run_round(ModelConfig(name=str(tiny_model)), twice[:1], RL.model_copy(update={"rollout_engine": "vllm"}), train, heldout, {}, tmp_path, progress=False)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tmp_path: Path) -> None:
+    """The service cancels through this hook: a raise mid-training ends the round cleanly."""
+    from trainer.base import load_base
+    from trainer.rollout import HFEngine
+
+    prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
+    model, rl = ModelConfig(name=str(tiny_model)), RL.model_copy(update={"steps_per_round": 3})
+    cands = [CandidateConfig(name="a", reward=MIX, start="fresh"), CandidateConfig(name="b", reward=MIX, start="fresh", lora_rank=4)]
+
+    phases: list[str] = []
+    run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, checkpoint=phases.append)
+    assert phases == ["train:0", "train:1", "train:2", "evaluate"]
+
+    base = load_base(model)
+    adapters_before = set(getattr(base.model, "peft_config", {}))
+    engines: list[HFEngine] = []
+
+    def stop_at_step_1(phase: str) -> None:
+        phases.append(phase)
+        if phase == "train:1":
+            raise _Stop
+
+    import trainer.round as round_module
+
+    real_make_engine = round_module.make_engine
+
+    def spy_engine(*args):
+        engines.append(real_make_engine(*args))
+        return engines[-1]
+
+    phases.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(round_module, "make_engine", spy_engine)
+        with pytest.raises(_Stop):
+            run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, base=base, checkpoint=stop_at_step_1)
+    assert phases == ["train:0", "train:1"]
+    assert engines and engines[0].versions == {}, "versions published before the stop are unloaded"
+    assert set(getattr(base.model, "peft_config", {})) == adapters_before, "the candidates' adapters are removed from the base"
+    assert not (tmp_path / "r2" / "a" / "adapter").exists()
