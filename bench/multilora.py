@@ -194,6 +194,7 @@ def main() -> None:
     args.model_dir = str(model_store.resolve(args.model, ModelConfig().cache_dir) if args.model in model_store.KNOWN_MODELS else Path(args.model))
     args.out = args.out or tempfile.mkdtemp(prefix="bench-multilora-")
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     print(f"K={args.k} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} model={args.model_dir}")
 
     # (a) traditional: K fresh processes, each with its own base and vLLM server
