@@ -10,10 +10,19 @@ parser, which accepts it or gives the dead-letter reason. The fast path is
 strictly narrower than the reference: everything it accepts the reference
 accepts too, and it produces the same row (``tests/connectors/test_fast_parse.py``
 checks both on mixed batches).
+
+Token ids and logprobs (the bulk of a trace: tens to thousands of numbers) are
+not turned into Python numbers: msgspec checks their JSON syntax and keeps the
+text, and the whole batch's lists become two Arrow columns in one split and one
+cast (C++, correctly rounded like Python's ``float()``). If any list is not
+plain numbers that fit the column (``1.0`` for an int, an int32 overflow,
+``1e999``, nested lists), the batch is decoded again with the lists typed per
+record, so that record gets the reference parser's verdict.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable
@@ -23,6 +32,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from connectors.dead_letter import DeadLetter
 from connectors.schema import (
@@ -36,6 +46,7 @@ from connectors.schema import (
     parse_record,
 )  # fmt: skip
 from connectors.segments import (
+    TRACE_SEGMENT_SCHEMA,
     FeedbackRow,
     TraceRow,
     feedback_row,
@@ -45,17 +56,20 @@ from connectors.segments import (
     trace_rows_table,
 )  # fmt: skip
 
+_NULL = msgspec.Raw(b"null")
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 _TokenId = Annotated[int, msgspec.Meta(ge=INT32_MIN, le=INT32_MAX)]
 _Rating = Annotated[int, msgspec.Meta(ge=1, le=5)]
 
 
-class _Message(msgspec.Struct, forbid_unknown_fields=True):
+# gc=False: decoded JSON is a tree (no reference cycles), so these structs need no GC tracking; fewer
+# tracked objects per record means fewer and shorter collections in the ingest process.
+class _Message(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     role: _NonEmpty
     content: str  # None, content parts and extra keys go to the reference parser
 
 
-class _Signals(msgspec.Struct, kw_only=True):
+class _Signals(msgspec.Struct, kw_only=True, gc=False):
     """Fields every event may carry: inline feedback signals and metadata."""
 
     reward: float | None = None
@@ -66,23 +80,31 @@ class _Signals(msgspec.Struct, kw_only=True):
     metadata: msgspec.Raw = msgspec.Raw(b"{}")  # decoded below; its bytes tell whether floats are inside
 
 
-class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True):
+class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int
     model: _NonEmpty
     prompt: str | list[_Message]
     completion: str
     adapter_version: str | None = None
-    completion_token_ids: list[_TokenId] | None = None
-    completion_logprobs: list[float] | None = None  # JSON has no NaN/inf; out-of-range numbers are decode errors
+    # The JSON text (syntax checked by msgspec): the whole batch's lists become Arrow columns in one go
+    # (_number_lists), with no Python number objects; a batch where that fails is decoded with _TypedTrace.
+    completion_token_ids: msgspec.Raw = _NULL
+    completion_logprobs: msgspec.Raw = _NULL
 
 
-class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True):
+class _TypedTrace(_Trace, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
+    completion_token_ids: list[_TokenId] | None = None  # type: ignore[assignment]
+    completion_logprobs: list[float] | None = None  # type: ignore[assignment]  # JSON has no NaN/inf; 1e999 fails
+
+
+class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True, gc=False):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Trace | _Feedback)
+_TYPED_DECODER = msgspec.json.Decoder(_TypedTrace | _Feedback)
 _METADATA = msgspec.json.Decoder(dict[str, Any])
 _ENCODER = msgspec.json.Encoder()
 # Every JSON number that decodes to a float has a digit right before '.', 'e' or 'E'. Without such a pair
@@ -106,17 +128,30 @@ class KafkaRecord(Protocol):
 
 @dataclass
 class ParsedBatch:
-    """One batch, parsed: rows for the buffer and the dead letters, each in record order."""
+    """One batch, parsed: rows for the buffer and the dead letters, each in record order.
+
+    When ``token_ids`` / ``logprobs`` are set they are the ``completion_token_ids`` /
+    ``completion_logprobs`` columns of ``traces`` (one entry per row, in row order), and the rows
+    hold None in those two places.
+    """
 
     traces: list[TraceRow] = field(default_factory=list)
     feedback: list[FeedbackRow] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     fast: int = 0  # records accepted by the fast path
     fallback: int = 0  # records handed to the reference parser
+    token_ids: pa.Array | None = None  # list<int32>, [len(traces)]
+    logprobs: pa.Array | None = None  # list<float32>, [len(traces)]
+    # While parsing with _DECODER: the JSON text of each trace row's lists (None = null), in row order.
+    _ids_json: list[bytes | None] = field(default_factory=list, repr=False)
+    _lps_json: list[bytes | None] = field(default_factory=list, repr=False)
 
     def trace_table(self, ingested_at: datetime) -> pa.Table:
         """Traces in :data:`~connectors.segments.TRACE_SEGMENT_SCHEMA`."""
-        return trace_rows_table(self.traces, ingested_at)
+        if self.token_ids is None or self.logprobs is None:
+            return trace_rows_table(self.traces, ingested_at)
+        columns = {"completion_token_ids": self.token_ids, "completion_logprobs": self.logprobs}
+        return trace_rows_table(self.traces, ingested_at, columns=columns)
 
     def feedback_table(self, ingested_at: datetime) -> pa.Table:
         """Feedback in :data:`~connectors.segments.FEEDBACK_SEGMENT_SCHEMA`."""
@@ -136,21 +171,36 @@ def parse_batch(
 
     Returns:
         A :class:`ParsedBatch`. Rows equal :func:`~connectors.segments.trace_row` /
-        :func:`~connectors.segments.feedback_row` of the reference parser's events;
-        dead letters carry the reference parser's reason and detail.
+        :func:`~connectors.segments.feedback_row` of the reference parser's events (with the token
+        ids and logprobs moved to the batch's columns when those are set, see :class:`ParsedBatch`);
+        its tables equal the reference parser's; dead letters carry the reference parser's reason
+        and detail.
     """
+    records = records if isinstance(records, list) else list(records)
+    if not fast:
+        return _parse(records, max_record_bytes, hasher, None)
+    out = _parse(records, max_record_bytes, hasher, _DECODER)
+    if _lists_to_columns(out):
+        return out
+    # Some list is not plain JSON numbers in range (1.0 for an int, 1e999, nested lists...): decode the
+    # lists record by record, so that each such record gets the reference parser's verdict.
+    return _parse(records, max_record_bytes, hasher, _TYPED_DECODER)
+
+
+def _parse(
+    records: list[KafkaRecord], max_record_bytes: int, hasher: UserHasher, decoder: msgspec.json.Decoder | None
+) -> ParsedBatch:
+    """One pass over the records; ``decoder`` None sends every record to the reference parser."""
     out = ParsedBatch()
     for record in records:
         value = record.value
-        if fast and value and len(value) <= max_record_bytes:
+        if decoder is not None and value and len(value) <= max_record_bytes:
             try:
-                event = _DECODER.decode(value)
+                event = decoder.decode(value)
             except msgspec.MsgspecError:
                 event = None  # the reference parser says why
             if isinstance(event, _Trace):
-                row = _trace_row(event, record, hasher)
-                if row is not None:
-                    out.traces.append(row)
+                if _add_trace(out, event, record, hasher):
                     out.fast += 1
                     continue
             elif isinstance(event, _Feedback):
@@ -166,30 +216,101 @@ def parse_batch(
                 DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, value, record.key)
             )
         elif isinstance(result, TraceEvent):
-            out.traces.append(trace_row(result, record.topic, record.partition, record.offset))
+            row = trace_row(result, record.topic, record.partition, record.offset)
+            if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
+                out._ids_json.append(None if row[6] is None else _ENCODER.encode(row[6]))
+                out._lps_json.append(None if row[7] is None else _ENCODER.encode(row[7]))
+                row = (*row[:6], None, None, *row[8:])
+            out.traces.append(row)
         else:
             out.feedback.append(feedback_row(result, record.topic, record.partition, record.offset))
     return out
 
 
-def _trace_row(event: _Trace, record: KafkaRecord, hasher: UserHasher) -> TraceRow | None:
-    """The stored row (as :func:`~connectors.segments.trace_row`), or None when the reference parser must decide."""
+def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, hasher: UserHasher) -> bool:
+    """Append the stored row (as :func:`~connectors.segments.trace_row`) to ``out``; False when the
+    reference parser must decide."""
     ts = _utc(event.ts)
     signals = _signals(event)
+    if ts is None or signals is None:
+        return False
     ids, lps = event.completion_token_ids, event.completion_logprobs
-    if ts is None or signals is None or (ids is not None and lps is not None and len(ids) != len(lps)):
-        return None
-    if isinstance(event.prompt, str):
-        messages = [{"role": "user", "content": event.prompt}]
-    else:
-        messages = [{"role": m.role, "content": m.content} for m in event.prompt]
+    ids_json = lps_json = None
+    if isinstance(ids, msgspec.Raw):  # _DECODER: JSON text, made into columns for the whole batch
+        ids_json, lps_json = _array_json(ids), _array_json(lps)
+        if ids_json is False or lps_json is False:
+            return False
+        if ids_json is not None and lps_json is not None and _array_len(ids_json) != _array_len(lps_json):
+            return False
+        ids = lps = None
+    elif ids is not None and lps is not None and len(ids) != len(lps):
+        return False
+    # A _Message encodes as {"role": ..., "content": ...}, the same bytes as the reference's dicts.
+    messages = [_Message("user", event.prompt)] if isinstance(event.prompt, str) else event.prompt
     metadata = _metadata_json(event.metadata, hasher)
     if metadata is None:
-        return None
-    return (
+        return False
+    out.traces.append((
         event.trace_id, ts, event.model, event.adapter_version, _ENCODER.encode(messages).decode(), event.completion,
         ids, lps, _signals_json(signals) if signals else None, metadata, record.topic, record.partition, record.offset,
-    )  # fmt: skip
+    ))  # fmt: skip
+    if isinstance(event.completion_token_ids, msgspec.Raw):
+        out._ids_json.append(ids_json)
+        out._lps_json.append(lps_json)
+    return True
+
+
+def _array_json(raw: msgspec.Raw) -> bytes | None | Literal[False]:
+    """The JSON text of an array, None for null, False for any other JSON value (the reference parser decides)."""
+    text = bytes(raw)
+    if text[:1] == b"[":
+        return text
+    return None if text == b"null" else False
+
+
+def _array_len(text: bytes) -> int:
+    """Elements of a JSON array of numbers (``[1,2]`` -> 2; a miscount for other content is caught when
+    the batch's columns are built: the element total must match)."""
+    return 0 if text == b"[]" else text.count(b",") + 1
+
+
+_JSON_SPACE = b" \t\n\r"
+
+
+def _number_lists(texts: list[bytes | None], value_type: pa.DataType) -> pa.Array | None:
+    """JSON arrays of numbers (syntax already checked by msgspec), one per row, None for a null list ->
+    one ``list<value_type>`` array, the numbers parsed by Arrow's C++ casts (correctly rounded, the same
+    values as Python's float()/int()). None when any element is not a plain number that fits
+    ``value_type`` (an int written 1.0 or 1e2, an int32 overflow, a double overflow like 1e999,
+    nested lists or strings): then the caller decodes record by record."""
+    lengths = [0 if text is None else _array_len(text) for text in texts]
+    # "[1,2]" "[3]" -> "1,2,3": one string, split once; JSON whitespace between numbers is dropped.
+    body = b"".join(text for text, n in zip(texts, lengths) if n).translate(None, _JSON_SPACE).replace(b"][", b",")
+    try:
+        text = pa.array([body[1:-1].decode("ascii")], pa.large_string())
+        values = pc.cast(pc.split_pattern(text, ",").values, value_type) if body else pa.array([], value_type)
+    except (UnicodeDecodeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if len(values) != sum(lengths):
+        return None
+    if pa.types.is_floating(value_type) and len(values) and not pc.all(pc.is_finite(values)).as_py():
+        return None  # 1e999 parses as inf here; msgspec and the reference parser reject it
+    offsets = pa.array([0, *itertools.accumulate(lengths)], pa.int32())
+    return pa.ListArray.from_arrays(offsets, values, mask=pa.array([text is None for text in texts], pa.bool_()))
+
+
+def _lists_to_columns(out: ParsedBatch) -> bool:
+    """Set ``out.token_ids`` / ``out.logprobs`` from the JSON text gathered while parsing; False when
+    some list needs record-by-record decoding."""
+    ids_type = TRACE_SEGMENT_SCHEMA.field("completion_token_ids").type
+    lps_type = TRACE_SEGMENT_SCHEMA.field("completion_logprobs").type
+    ids = _number_lists(out._ids_json, ids_type.value_type)
+    lps = _number_lists(out._lps_json, pa.float64())  # as msgspec/pydantic read it, then float32 like pa.array
+    if ids is None or lps is None:
+        return False
+    out.token_ids, out.logprobs = ids, lps.cast(lps_type)
+    out._ids_json, out._lps_json = [], []
+    return True
 
 
 def _feedback_row(event: _Feedback, record: KafkaRecord, hasher: UserHasher) -> FeedbackRow | None:

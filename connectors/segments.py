@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -159,24 +160,32 @@ def feedback_row(event: FeedbackEvent, topic: str, partition: int, offset: int) 
     return (event.trace_id, event.ts, to_json(event.signals()), to_json(event.metadata), topic, partition, offset)
 
 
-def trace_rows_table(rows: list[TraceRow], ingested_at: datetime) -> pa.Table:
+def trace_rows_table(
+    rows: list[TraceRow], ingested_at: datetime, columns: Mapping[str, pa.Array] | None = None
+) -> pa.Table:
     """Rows from :func:`trace_row` (or an equivalent fast path) as a table in :data:`TRACE_SEGMENT_SCHEMA`,
-    built column-wise (one ``pa.array`` per column)."""
-    return _table(rows, TRACE_SEGMENT_SCHEMA, ingested_at)
+    built column-wise (one ``pa.array`` per column). ``columns`` (by field name, one entry per row, of the
+    field's type) are taken as they are instead of the rows' values there."""
+    return _table(rows, TRACE_SEGMENT_SCHEMA, ingested_at, columns or {})
 
 
 def feedback_rows_table(rows: list[FeedbackRow], ingested_at: datetime) -> pa.Table:
     """Rows from :func:`feedback_row` as a table in :data:`FEEDBACK_SEGMENT_SCHEMA` (missing ``ts`` = ``ingested_at``)."""
     rows = [row if row[1] is not None else (row[0], ingested_at, *row[2:]) for row in rows]
-    return _table(rows, FEEDBACK_SEGMENT_SCHEMA, ingested_at)
+    return _table(rows, FEEDBACK_SEGMENT_SCHEMA, ingested_at, {})
 
 
-def _table(rows: list[tuple[Any, ...]], schema: pa.Schema, ingested_at: datetime) -> pa.Table:
+def _table(
+    rows: list[tuple[Any, ...]], schema: pa.Schema, ingested_at: datetime, given: Mapping[str, pa.Array]
+) -> pa.Table:
     if not rows:
         return schema.empty_table()
     columns = list(zip(*rows))  # row tuples -> one tuple per column
     *row_fields, ingested_field = schema  # rows hold every column but the last, ingested_at
-    arrays = [pa.array(values, type=f.type) for values, f in zip(columns, row_fields, strict=True)]
+    arrays = [
+        given[f.name] if f.name in given else pa.array(values, type=f.type)
+        for values, f in zip(columns, row_fields, strict=True)
+    ]
     arrays.append(pa.repeat(pa.scalar(ingested_at, type=ingested_field.type), len(rows)))
     return pa.Table.from_arrays(arrays, schema=schema)
 

@@ -146,3 +146,59 @@ def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
 @pytest.mark.parametrize("value", [1e16, 1e-07, 5e-05, 0.1, -0.0, 123456789012345.6, 2**64, "é\u2028\x00\"\\"])
 def test_to_json_matches_json_dumps(value: object) -> None:
     assert to_json({"v": [value]}) == json.dumps({"v": [value]}, ensure_ascii=False, separators=(",", ":"))
+
+
+def _tables_equal(records: list[Record]) -> tuple[object, object]:
+    fast = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    slow = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=False)
+    assert fast.trace_table(INGESTED).equals(slow.trace_table(INGESTED))
+    assert fast.dead_letters == slow.dead_letters
+    return fast, slow
+
+
+def test_canonical_batch_carries_lists_as_arrow_columns_equal_to_the_reference() -> None:
+    values = [_enc(v) for v in FAST]
+    values.append(json.dumps(_trace(40, completion_token_ids=[], completion_logprobs=[])).encode())  # ", " separators
+    values.append(_enc(_trace(41, completion_logprobs=None)))  # one list null, the other not
+    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -1e300]}
+    values.append(_enc(_trace(42, **extremes)))
+    fast, slow = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
+    assert fast.token_ids is not None and fast.logprobs is not None and slow.token_ids is None
+    assert fast.fallback == 0
+    assert [row[:6] + row[8:] for row in fast.traces] == [row[:6] + row[8:] for row in slow.traces]
+    assert fast.token_ids.to_pylist() == [row[6] for row in slow.traces]
+    assert fast.token_ids.to_pylist()[-3:] == [[], [5, 6, 41], [0, 2**31 - 1, -(2**31)]]
+    assert fast.logprobs.to_pylist()[-2] is None
+
+
+def test_random_logprobs_read_by_arrow_equal_the_reference_float32_values() -> None:
+    import random
+
+    rng = random.Random(7)
+    values = []
+    for i in range(300):
+        lps = [rng.choice([-rng.expovariate(0.3), -rng.random() * 10.0 ** rng.randint(-30, 30), -0.0])
+               for _ in range(5)]  # fmt: skip
+        values.append(_enc(_trace(i, completion_token_ids=[rng.randrange(-(2**31), 2**31) for _ in range(5)],
+                                  completion_logprobs=lps)))  # fmt: skip
+    fast, _ = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
+    assert fast.logprobs is not None and fast.fallback == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "columns_kept"),
+    [
+        ("completion_token_ids", b"[1.0,2,3]", False),  # lax int: the reference accepts it as 1
+        ("completion_token_ids", b"[2147483648,1,2]", False),  # int32 overflow: dead letter
+        ("completion_logprobs", b"[1e999,0,0]", False),  # double overflow: dead letter
+        ("completion_token_ids", b"[[1],[2],[3]]", False),
+        ("completion_logprobs", b'["-1","-2","-3"]', False),
+        ("completion_token_ids", b'"123"', True),  # not a list at all: that record alone goes to the reference
+    ],
+)
+def test_an_odd_list_gets_the_reference_verdict(name: str, text: bytes, columns_kept: bool) -> None:
+    value = _enc(_trace(9, **{name: "@"})).replace(b'"@"', text)
+    records = [Record("traces", 0, n, None, _enc(_trace(n))) for n in range(5)] + [Record("traces", 0, 5, None, value)]
+    fast, slow = _tables_equal(records)
+    assert (fast.token_ids is not None) is columns_kept  # else: lists decoded record by record
+    assert fast.fast == 5 and len(fast.traces) == len(slow.traces)
