@@ -62,15 +62,17 @@ def _wait_round(api: str, seen: set[str], timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     shown = None
     while time.monotonic() < deadline:
-        for record in httpx.get(f"{api}/rounds", params={"limit": 5}, timeout=10).json():
-            if record["round_id"] in seen or record["state"] == "cancelled":
-                continue
-            if record["state"] != shown:
+        records = httpx.get(f"{api}/rounds", params={"limit": 5}, timeout=10).json()
+        # Oldest unseen first (ids start with their UTC start time): a round that ended while the
+        # scheduler already started the next one is still shown, in order.
+        unseen = sorted((r for r in records if r["round_id"] not in seen and r["state"] != "cancelled"), key=lambda r: r["round_id"])
+        if unseen:
+            record = unseen[0]
+            if (record["round_id"], record["state"]) != shown:
                 console.print(f"  [dim]{time.strftime('%H:%M:%S')} round {record['round_id']}: {record['state']}[/]")
-                shown = record["state"]
+                shown = (record["round_id"], record["state"])
             if record["state"] in ("done", "no_winner", "failed"):
                 return record
-            break
         time.sleep(3)
     raise SystemExit(f"no round ended within {timeout_s:.0f}s")
 
