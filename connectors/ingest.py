@@ -64,7 +64,7 @@ class IngestStats:
     dead_letters: int = 0
     fast_parsed: int = 0  # records the msgspec fast path accepted (the rest went through pydantic)
     batches: int = 0
-    commits: int = 0
+    commits: int = 0  # offset commits the broker acknowledged
     commit_failures: int = 0
     reconnects: int = 0
     unmatched_feedback: int = 0
