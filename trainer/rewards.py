@@ -73,6 +73,11 @@ def exact_answer(prompt_messages: Messages, completion: str, metadata: dict[str,
     return float(value is not None and math.isclose(value, ref_number, rel_tol=0.0, abs_tol=tol))
 
 
+# Metadata keys a reward needs on a row; rounds leave rows without them out of that
+# candidate's prompts instead of failing (traffic without references is normal).
+exact_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defined]
+
+
 def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
     """1.0 when the completion (stripped, optional ```json fences removed) parses as JSON."""
     text = completion.strip()
@@ -171,6 +176,15 @@ class RewardMix:
 
     def __bool__(self) -> bool:
         return bool(self.terms)
+
+    @property
+    def required_metadata(self) -> frozenset[str]:
+        """Metadata keys every row must carry for this mix (union of the functions' ``required_metadata``)."""
+        return frozenset(k for fn in self._fns for k in getattr(fn.func, "required_metadata", ()))
+
+    def accepts(self, metadata: dict[str, Any]) -> bool:
+        """Whether a row with this metadata can be scored by the mix."""
+        return self.required_metadata.issubset(metadata)
 
     def __call__(self, prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
         total = 0.0

@@ -86,9 +86,13 @@ def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out
 
 
 def _filtered(prompts: Sequence[Prompt], candidate: CandidateConfig) -> list[Prompt]:
+    """The candidate's prompts: its ``data_filter``, and only rows its reward mix can score
+    (e.g. ``exact_answer`` needs ``metadata["reference_answer"]``)."""
+    mix = build_reward(candidate.reward)
+    kept = [p for p in prompts if mix.accepts(p.metadata)]
     if candidate.data_filter is None:
-        return list(prompts)
-    return [p for p in prompts if any(candidate.data_filter in m["content"] for m in p.messages)]
+        return kept
+    return [p for p in kept if any(candidate.data_filter in m["content"] for m in p.messages)]
 
 
 def draw_prompts(pool: Sequence[Prompt], k: int, seed: int) -> list[Prompt]:
@@ -130,7 +134,10 @@ def train_candidates(
     pools = {c.name: _filtered(train_prompts, c) for c in candidates}
     empty = [n for n, pool in pools.items() if not pool]
     if empty:
-        raise DataError(f"candidates {empty} have no training prompts after their data_filter; loosen the filter or widen the window")
+        raise DataError(
+            f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
+            "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
+        )
     offline_pools = {c.name: [p for p in pools[c.name] if p.logged_completion is not None and p.logged_reward is not None] for c in candidates if c.algorithm == "offline_is"}
     starved = [n for n, pool in offline_pools.items() if not pool]
     if starved:
@@ -201,12 +208,32 @@ def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
     return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
 
 
+def eval_prompts(heldout: Sequence[Prompt], candidates: Sequence[CandidateConfig], rl: RLConfig) -> list[Prompt]:
+    """The first ``rl.eval_prompts`` held-out rows that every candidate's evaluation mix can score.
+
+    Raises:
+        DataError: no held-out row carries the metadata the evaluation rewards need.
+    """
+    mixes = [eval_mix(c) for c in candidates]
+    prompts = [p for p in heldout if all(m.accepts(p.metadata) for m in mixes)][: rl.eval_prompts]
+    if not prompts:
+        needs = sorted(set().union(*(m.required_metadata for m in mixes)))
+        raise DataError(f"none of the {len(heldout)} held-out rows carries the metadata {needs} the evaluation rewards need")
+    return prompts
+
+
 def evaluate_and_gate(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
     heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
 ) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
-    """Greedy answers of all candidates and champions on the same held-out prompts, then one gate per tenant."""
-    prompts = list(heldout)[: rl.eval_prompts]
+    """Greedy answers of all candidates and champions on the same held-out prompts, then one gate per tenant.
+
+    Only held-out rows every candidate's evaluation mix can score are used.
+
+    Raises:
+        DataError: no held-out row carries the metadata the evaluation rewards need.
+    """
+    prompts = eval_prompts(heldout, candidates, rl)
     ids = [_prompt_ids(base, p, rl) for p in prompts]
     tenants = sorted({c.served_model for c in candidates})
     champion_versions: dict[str, str] = {}
@@ -305,6 +332,7 @@ def run_round(
     train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
     if not heldout_prompts:
         raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
+    eval_prompts(heldout_prompts, candidates, rl)  # fails before any work if no held-out row can be scored
     base = base or load_base(model_cfg)  # 1. the resident base, loaded once
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
@@ -342,7 +370,7 @@ def run_round(
     return RoundResult(
         round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,
-        eval_prompt_ids=tuple(p.prompt_id for p in heldout_prompts[: rl.eval_prompts]),
+        eval_prompt_ids=tuple(p.prompt_id for p in eval_prompts(heldout_prompts, candidates, rl)),
         candidates=tuple(out), decisions=decisions,
         metrics={**rollout_metrics, **eval_metrics, "round/wall_s": time.perf_counter() - started},
     )  # fmt: skip

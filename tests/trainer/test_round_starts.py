@@ -100,3 +100,22 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
     assert engines and engines[0].versions == {}, "versions published before the stop are unloaded"
     assert set(getattr(base.model, "peft_config", {})) == adapters_before, "the candidates' adapters are removed from the base"
     assert not (tmp_path / "r2" / "a" / "adapter").exists()
+
+
+def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_model: Path, tmp_path: Path) -> None:
+    """Gateway traffic carries no reference answer: such rows are skipped, not fatal."""
+    from trainer.errors import DataError
+    from trainer.samples import Prompt
+
+    graded = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    plain = [Prompt(prompt_id=f"chat-{i}", messages=[{"role": "user", "content": f"hello {i}"}], metadata={"endpoint": "chat"}) for i in range(8)]
+    mixed = [x for pair in zip(graded, plain) for x in pair]
+    train, heldout = split_snapshot(snapshot_table(mixed), 0.5)
+    exact = [CandidateConfig(name="exact", reward=[RewardTerm(fn="exact_answer")], start="fresh")]
+    result = run_round(ModelConfig(name=str(tiny_model)), exact, RL, train, heldout, {}, tmp_path / "r1", progress=False)
+    assert result.eval_prompt_ids and all(not pid.startswith("chat-") for pid in result.eval_prompt_ids)
+    assert len(result.candidates[0].step_metrics) == 1
+
+    only_plain_train, only_plain_heldout = split_snapshot(snapshot_table(plain), 0.5)
+    with pytest.raises(DataError, match="reference_answer"):
+        run_round(ModelConfig(name=str(tiny_model)), exact, RL, only_plain_train, only_plain_heldout, {}, tmp_path / "r2", progress=False)
