@@ -154,8 +154,13 @@ def produce_jsonl(cfg: KafkaConfig, topic: str, path: str | Path) -> int:
 
 
 def _key_of(line: bytes) -> bytes | None:
+    """The record key (its ``trace_id``), or None when the line has no usable one.
+
+    A line that is not JSON, or whose ``trace_id`` cannot be encoded (a lone
+    surrogate), is still sent, keyless: the consumer dead-letters it with the reason.
+    """
     try:
         trace_id = json.loads(line).get("trace_id")
-    except (ValueError, AttributeError):
+        return trace_id.encode() if isinstance(trace_id, str) else None
+    except (ValueError, AttributeError):  # UnicodeEncodeError is a ValueError
         return None
-    return trace_id.encode() if isinstance(trace_id, str) else None

@@ -135,9 +135,19 @@ def create_api(service: "HourglassService") -> FastAPI:
 def _registry_call(call) -> dict[str, Any]:
     from pipeline.aliases import UnknownVersionError
 
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.registry import RegistryError
+
     try:
         return call()
     except UnknownVersionError as err:
         raise HTTPException(404, str(err)) from err
     except LookupError as err:
         raise HTTPException(404, str(err)) from err
+    except RegistryError as err:  # e.g. no earlier champion to roll back to
+        raise HTTPException(409, str(err)) from err
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
+            raise HTTPException(404, err.message) from err
+        raise HTTPException(502, f"MLflow: {err.message}") from err

@@ -46,8 +46,15 @@ class ScheduleConfig(_Section):
     @field_validator("cron")
     @classmethod
     def _cron(cls, cron: str | None) -> str | None:
-        if cron is not None and len(cron.split()) != 5:
-            raise ValueError(f"cron {cron!r} must have 5 fields (minute hour day month weekday)")
+        if cron is not None:
+            if len(cron.split()) != 5:
+                raise ValueError(f"cron {cron!r} must have 5 fields (minute hour day month weekday)")
+            from apscheduler.triggers.cron import CronTrigger
+
+            try:  # the trigger the scheduler will build: values and ranges checked here, not at start-up
+                CronTrigger.from_crontab(cron, timezone="UTC")
+            except ValueError as err:
+                raise ValueError(f"cron {cron!r}: {err}") from err
         return cron
 
 
@@ -84,7 +91,7 @@ class ServingConfig(_Section):
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
-    staging_dir: str = Field(default=".hourglass/staging", description="Where adapters are staged before a load.")
+    staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
 
     @field_validator("replicas")
     @classmethod
@@ -102,6 +109,21 @@ class ApiConfig(_Section):
     port: int = Field(default=18080, gt=0, lt=65536, description="Ops API port.")
     gateway_port: int = Field(default=18081, gt=0, lt=65536, description="OpenAI-compatible gateway port.")
     token: SecretStr | None = Field(default=None, description="Bearer token for state-changing calls (set HOURGLASS_API__TOKEN).")
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token(cls, token: Any) -> Any:
+        if isinstance(token, str) and not token.strip():
+            return None  # an empty HOURGLASS_API__TOKEN means "not set": the service generates one
+        if isinstance(token, str) and (len(token) < 16 or token != token.strip()):
+            raise ValueError("the API token must be at least 16 characters with no surrounding spaces")
+        return token
+
+    @model_validator(mode="after")
+    def _ports(self) -> "ApiConfig":
+        if self.port == self.gateway_port:
+            raise ValueError(f"api.port and api.gateway_port must differ (both {self.port})")
+        return self
 
 
 class HourglassConfig(BaseSettings):
@@ -142,6 +164,9 @@ class HourglassConfig(BaseSettings):
             for c in self.candidates
         ]
         object.__setattr__(self, "candidates", filled)  # frozen model: set once, during validation
+        if self.serving.staging_dir is None:  # follows state_dir, so two instances never share it
+            staged = self.serving.model_copy(update={"staging_dir": str(Path(self.state_dir) / "staging")})
+            object.__setattr__(self, "serving", staged)
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -158,6 +183,9 @@ class HourglassConfig(BaseSettings):
         return Path(os.path.expanduser(path)).resolve()
 
 
+_SECRET_FIELDS = {"token", "user_hash_key"}
+
+
 def _describe(error: dict[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")
@@ -165,6 +193,8 @@ def _describe(error: dict[str, Any]) -> str:
         return f"{loc}: unknown field (typo?)"
     value = error.get("input")
     shown = repr(value) if not isinstance(value, dict) else "{...}"
+    if str(error["loc"][-1] if error["loc"] else "") in _SECRET_FIELDS:
+        shown = "<secret>"  # never echo a token or key
     if len(shown) > 120:
         shown = shown[:117] + "..."
     return f"{loc}: {message} (got {shown})"

@@ -40,16 +40,14 @@ class RoundCancelled(Exception):
 
 
 def parse_window(window: str) -> timedelta:
-    """``"6h"`` → 6 hours. Units: s, m, h, d.
+    """``"6h"`` → 6 hours. Units: s, m, h, d; 1 s to ten years.
 
     Raises:
-        ValueError: not a number followed by one unit.
+        ValueError: not a number followed by one unit, or out of range.
     """
-    match = re.fullmatch(r"(\d+)([smhd])", window.strip())
-    if not match:
-        raise ValueError(f"window {window!r} must be a number and a unit s/m/h/d, e.g. '6h'")
-    seconds = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-    return timedelta(seconds=int(match.group(1)) * seconds)
+    from trainer.config import window_seconds
+
+    return timedelta(seconds=window_seconds(window))
 
 
 # --- the steps -------------------------------------------------------------------------

@@ -73,6 +73,24 @@ class CandidateConfig(_Section):
         return self
 
 
+MAX_WINDOW_S = 3650 * 86400  # ten years
+
+
+def window_seconds(window: str) -> int:
+    """``"6h"`` → 21600. Units: s, m, h, d; between 1 s and ten years.
+
+    Raises:
+        ValueError: not a number followed by one unit, zero, or longer than ten years.
+    """
+    match = re.fullmatch(r"(\d{1,12})([smhd])", window.strip())
+    if not match:
+        raise ValueError(f"window {window!r} must be a number and a unit s/m/h/d, e.g. '6h'")
+    seconds = int(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise ValueError(f"window {window!r} must be between 1s and 3650d")
+    return seconds
+
+
 class RLConfig(_Section):
     """How a round trains, evaluates and gates."""
 
@@ -99,6 +117,5 @@ class RLConfig(_Section):
     @field_validator("window")
     @classmethod
     def _window(cls, window: str) -> str:
-        if not re.fullmatch(r"\d+[smhd]", window):
-            raise ValueError(f"window {window!r} must be a number and a unit s/m/h/d, e.g. '6h'")
+        window_seconds(window)
         return window

@@ -102,3 +102,30 @@ def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path)
     conf.write_text('[serving]\nmodel_name = "support-bot"\n[[candidates]]\nname = "a"\n[[candidates]]\nname = "b"\nserved_model = "other"\n')
     cfg = load_config(conf)
     assert [c.served_model for c in cfg.candidates] == ["support-bot", "other"]
+
+
+@pytest.mark.parametrize(
+    "env,problem",
+    [
+        ({"HOURGLASS_SCHEDULE__CRON": "61 * * * *"}, "schedule.cron: cron '61 * * * *'"),
+        ({"HOURGLASS_RL__WINDOW": "99999999999d"}, "rl.window: window '99999999999d' must be between"),
+        ({"HOURGLASS_RL__WINDOW": "0s"}, "rl.window: window '0s' must be between"),
+        ({"HOURGLASS_API__TOKEN": "short"}, "api.token: Value error, the API token must be at least 16"),
+        ({"HOURGLASS_API__PORT": "18500", "HOURGLASS_API__GATEWAY_PORT": "18500"}, "api: Value error, api.port and api.gateway_port must differ"),
+    ],
+    ids=["cron-value", "window-huge", "window-zero", "token-short", "same-ports"],
+)
+def test_values_that_would_fail_at_run_time_are_caught_by_config_check(monkeypatch: pytest.MonkeyPatch, env: dict, problem: str) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None)
+    assert any(p.startswith(problem.replace("Value error, ", "")) for p in caught.value.problems), caught.value.problems
+
+
+def test_empty_token_means_unset_and_staging_follows_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOURGLASS_API__TOKEN", "")
+    monkeypatch.setenv("HOURGLASS_STATE_DIR", str(tmp_path / "s"))
+    cfg = load_config(None)
+    assert cfg.api.token is None
+    assert cfg.serving.staging_dir == str(tmp_path / "s" / "staging")

@@ -79,9 +79,10 @@ def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.Monke
              if line.strip() and not line.startswith("#")]
     for key, value in pairs:
         monkeypatch.setenv(key, value + "-test")
+    values = dict(pairs)
     cfg = load_config(DEPLOY / "production.toml")
-    assert cfg.api.token is not None and cfg.api.token.get_secret_value() == "change-me-test"
-    assert cfg.buffer.user_hash_key.get_secret_value() == "change-me-test"
+    assert cfg.api.token is not None and cfg.api.token.get_secret_value() == values["HOURGLASS_API__TOKEN"] + "-test"
+    assert cfg.buffer.user_hash_key.get_secret_value() == values["HOURGLASS_BUFFER__USER_HASH_KEY"] + "-test"
 
 
 # --- compose ------------------------------------------------------------------------
