@@ -23,6 +23,7 @@ record, so that record gets the reference parser's verdict.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -158,6 +159,24 @@ class ParsedBatch:
         return feedback_rows_table(self.feedback, ingested_at)
 
 
+def _scrubbed(value: bytes | None, hasher: UserHasher | None) -> bytes | None:
+    """A rejected payload as it may be stored: user identifiers hashed like in the buffer.
+
+    Payloads that are not a JSON object are kept as they came (nothing to find
+    identifiers in reliably); a JSON object with no identifier keeps its bytes.
+    """
+    if value is None or hasher is None:
+        return value
+    try:
+        obj = json.loads(value)
+    except ValueError:  # not JSON, not UTF-8 (UnicodeDecodeError), bad surrogates
+        return value
+    if not isinstance(obj, (dict, list)):
+        return value
+    hashed = hasher(obj)
+    return value if hashed == obj else json.dumps(hashed, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
 def parse_batch(
     records: Iterable[KafkaRecord], *, max_record_bytes: int, hasher: UserHasher, fast: bool = True
 ) -> ParsedBatch:
@@ -213,7 +232,7 @@ def _parse(
         result = parse_record(value, max_record_bytes=max_record_bytes, hasher=hasher)
         if isinstance(result, Rejected):
             out.dead_letters.append(
-                DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, value, record.key)
+                DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, _scrubbed(value, hasher), record.key)
             )
         elif isinstance(result, TraceEvent):
             row = trace_row(result, record.topic, record.partition, record.offset)

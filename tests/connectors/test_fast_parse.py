@@ -117,15 +117,15 @@ def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None
 
     assert len(fast.traces) + len(fast.feedback) == len(FAST) + len(SLOW_VALID)
     expected = {raw: reason for reason, raw in BAD}
-    got = {letter.payload: letter.reason for letter in fast.dead_letters}
+    by_coordinates = {(r.partition, r.offset): r for r in records}
+    got = {by_coordinates[(letter.partition, letter.offset)].value: letter.reason for letter in fast.dead_letters}
     assert got == expected
     assert set(got.values()) == {s.EMPTY_VALUE, s.OVERSIZE, s.NOT_UTF8, s.INVALID_JSON, s.NOT_AN_OBJECT,
                                  s.UNKNOWN_SCHEMA, s.NON_FINITE_REWARD, s.SCHEMA_VIOLATION}  # fmt: skip
-    by_payload = {r.value: r for r in records}
     for letter in fast.dead_letters:  # Kafka coordinates and key travel with the dead letter
-        record = by_payload[letter.payload]
-        assert (letter.topic, letter.partition, letter.offset, letter.key) == (
-            record.topic, record.partition, record.offset, record.key)  # fmt: skip
+        record = by_coordinates[(letter.partition, letter.offset)]
+        assert (letter.topic, letter.key) == (record.topic, record.key)
+        assert b'"user_id": "u' not in (letter.payload or b"")  # identifiers are hashed in stored payloads
 
 
 def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
@@ -202,3 +202,18 @@ def test_an_odd_list_gets_the_reference_verdict(name: str, text: bytes, columns_
     fast, slow = _tables_equal(records)
     assert (fast.token_ids is not None) is columns_kept  # else: lists decoded record by record
     assert fast.fast == 5 and len(fast.traces) == len(slow.traces)
+
+
+def test_dead_letters_keep_no_raw_user_ids() -> None:
+    """A rejected record is stored with its user identifiers hashed, like the buffer's rows."""
+    bad_schema = _trace(1, schema="hourglass.trace/v9", metadata={"user_id": "carol@example.com", "nested": {"email": "c@x.org"}})
+    no_ids = _trace(2, schema="hourglass.trace/v9", metadata={"task": "add"})
+    records = [Record("traces", 0, 0, None, _enc(bad_schema)), Record("traces", 0, 1, None, _enc(no_ids)), Record("traces", 0, 2, None, b"\xff{user_id")]
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    assert len(batch.dead_letters) == 3
+    stored = json.loads(batch.dead_letters[0].payload)
+    assert b"carol@example.com" not in batch.dead_letters[0].payload and b"c@x.org" not in batch.dead_letters[0].payload
+    assert stored["metadata"] == {"user_id": HASHER.digest("carol@example.com"), "nested": {"email": HASHER.digest("c@x.org")}}
+    assert batch.dead_letters[0].reason == s.UNKNOWN_SCHEMA
+    assert batch.dead_letters[1].payload == _enc(no_ids)  # nothing to hash: the exact bytes are kept
+    assert batch.dead_letters[2].payload == b"\xff{user_id"  # not JSON: kept for diagnosis

@@ -71,9 +71,15 @@ def test_bad_records_are_dead_lettered_and_good_ones_kept(
     for letter in letters:
         by_reason.setdefault(letter["reason"], []).append(letter)
     assert set(by_reason) == set(bad)
+    from connectors.fast_parse import _scrubbed
+
+    hasher = s.UserHasher(buffer_cfg.user_hash_key.get_secret_value(), buffer_cfg.user_id_keys)
     for reason, raw in bad.items():
-        found = [d for d in by_reason[reason] if d.get("payload", "").encode() == raw
-                 or base64.b64decode(d.get("payload_b64") or "") == raw]  # fmt: skip
+        stored = _scrubbed(raw, hasher)  # user ids hashed, as in the buffer
+        assert (b'"user_id": "u0"' in raw) == (reason in (s.SCHEMA_VIOLATION, s.OVERSIZE, s.NON_FINITE_REWARD, s.UNKNOWN_SCHEMA))
+        assert b'"user_id": "u0"' not in stored
+        found = [d for d in by_reason[reason] if d.get("payload", "").encode() == stored
+                 or base64.b64decode(d.get("payload_b64") or "") == stored]  # fmt: skip
         assert len(found) == 1, f"{reason}: {by_reason[reason]}"
         letter = found[0]
         assert letter["topic"] == kafka.traces_topic and letter["offset"] >= 0 and letter["partition"] in (0, 1)
