@@ -219,7 +219,11 @@ def create_gateway_app(
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         client: httpx.AsyncClient = app.state.client
-        upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=headers)
+        try:
+            upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=headers)
+        except UnicodeEncodeError as err:  # e.g. a lone surrogate ("\ud800") in a message: not encodable as UTF-8
+            return openai_error(400, f"request body has text that is not valid Unicode: {err.reason} at position {err.start}",
+                                type_="invalid_request_error")  # fmt: skip
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as err:

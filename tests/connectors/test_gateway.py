@@ -214,6 +214,17 @@ def test_upstream_error_passes_through_with_its_status(client: openai.OpenAI) ->
     assert err.value.status_code == 400 and "512" in str(err.value.message)
 
 
+@pytest.mark.integration
+def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: str) -> None:
+    body = b'{"model": "hourglass", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    with httpx.Client(base_url=gateway, timeout=60) as http:  # one keep-alive connection for both requests
+        bad = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert "Unicode" in bad.json()["error"]["message"]
+        good = http.post("/v1/chat/completions", json={"model": "hourglass", "max_tokens": 2, "messages": MESSAGES})
+        assert good.status_code == 200
+
+
 # --- feedback ----------------------------------------------------------------------------
 
 
