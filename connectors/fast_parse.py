@@ -143,9 +143,17 @@ class ParsedBatch:
     fallback: int = 0  # records handed to the reference parser
     token_ids: pa.Array | None = None  # list<int32>, [len(traces)]
     logprobs: pa.Array | None = None  # list<float32>, [len(traces)]
-    # While parsing with _DECODER: the JSON text of each trace row's lists (None = null), in row order.
+    # While parsing with _DECODER: each trace row's lists as JSON text (None = null) and element counts.
     _ids_json: list[bytes | None] = field(default_factory=list, repr=False)
     _lps_json: list[bytes | None] = field(default_factory=list, repr=False)
+    _ids_len: list[int] = field(default_factory=list, repr=False)
+    _lps_len: list[int] = field(default_factory=list, repr=False)
+
+    def _add_lists(self, ids_json: bytes | None, n_ids: int, lps_json: bytes | None, n_lps: int) -> None:
+        self._ids_json.append(ids_json)
+        self._ids_len.append(n_ids)
+        self._lps_json.append(lps_json)
+        self._lps_len.append(n_lps)
 
     def trace_table(self, ingested_at: datetime) -> pa.Table:
         """Traces in :data:`~connectors.segments.TRACE_SEGMENT_SCHEMA`."""
@@ -237,8 +245,9 @@ def _parse(
         elif isinstance(result, TraceEvent):
             row = trace_row(result, record.topic, record.partition, record.offset)
             if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
-                out._ids_json.append(None if row[6] is None else _ENCODER.encode(row[6]))
-                out._lps_json.append(None if row[7] is None else _ENCODER.encode(row[7]))
+                ids, lps = row[6] or [], row[7] or []
+                out._add_lists(_ENCODER.encode(ids) if row[6] is not None else None, len(ids),
+                               _ENCODER.encode(lps) if row[7] is not None else None, len(lps))  # fmt: skip
                 row = (*row[:6], None, None, *row[8:])
             out.traces.append(row)
         else:
@@ -256,10 +265,12 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, hasher: Use
     ids, lps = event.completion_token_ids, event.completion_logprobs
     ids_json = lps_json = None
     if isinstance(ids, msgspec.Raw):  # _DECODER: JSON text, made into columns for the whole batch
-        ids_json, lps_json = _array_json(ids), _array_json(lps)
-        if ids_json is False or lps_json is False:
-            return False
-        if ids_json is not None and lps_json is not None and _array_len(ids_json) != _array_len(lps_json):
+        ids_json = None if ids == _NULL else bytes(ids)
+        lps_json = None if lps == _NULL else bytes(lps)
+        if (ids_json is not None and ids_json[0] != _OPEN) or (lps_json is not None and lps_json[0] != _OPEN):
+            return False  # not a list at all
+        n_ids, n_lps = _array_len(ids_json), _array_len(lps_json)
+        if ids_json is not None and lps_json is not None and n_ids != n_lps:
             return False
         ids = lps = None
     elif ids is not None and lps is not None and len(ids) != len(lps):
@@ -274,40 +285,35 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, hasher: Use
         ids, lps, _signals_json(signals) if signals else None, metadata, record.topic, record.partition, record.offset,
     ))  # fmt: skip
     if isinstance(event.completion_token_ids, msgspec.Raw):
-        out._ids_json.append(ids_json)
-        out._lps_json.append(lps_json)
+        out._add_lists(ids_json, n_ids, lps_json, n_lps)
     return True
 
 
-def _array_json(raw: msgspec.Raw) -> bytes | None | Literal[False]:
-    """The JSON text of an array, None for null, False for any other JSON value (the reference parser decides)."""
-    text = bytes(raw)
-    if text[:1] == b"[":
-        return text
-    return None if text == b"null" else False
+_OPEN = ord("[")
 
 
-def _array_len(text: bytes) -> int:
-    """Elements of a JSON array of numbers (``[1,2]`` -> 2; a miscount for other content is caught when
-    the batch's columns are built: the element total must match)."""
-    return 0 if text == b"[]" else text.count(b",") + 1
+def _array_len(text: bytes | None) -> int:
+    """Elements of a JSON array of numbers (``[1,2]`` -> 2, null -> 0; a miscount for other content is
+    caught when the batch's columns are built: the element total must match)."""
+    return 0 if text is None or text == b"[]" else text.count(b",") + 1
 
 
 _JSON_SPACE = b" \t\n\r"
 
 
-def _number_lists(texts: list[bytes | None], value_type: pa.DataType) -> pa.Array | None:
-    """JSON arrays of numbers (syntax already checked by msgspec), one per row, None for a null list ->
-    one ``list<value_type>`` array, the numbers parsed by Arrow's C++ casts (correctly rounded, the same
-    values as Python's float()/int()). None when any element is not a plain number that fits
-    ``value_type`` (an int written 1.0 or 1e2, an int32 overflow, a double overflow like 1e999,
-    nested lists or strings): then the caller decodes record by record."""
-    lengths = [0 if text is None else _array_len(text) for text in texts]
+def _number_lists(texts: list[bytes | None], lengths: list[int], value_type: pa.DataType) -> pa.Array | None:
+    """JSON arrays of numbers (syntax already checked by msgspec), one per row (None for a null list),
+    with their element counts from :func:`_array_len` -> one ``list<value_type>`` array. The numbers are
+    parsed by Arrow's C++ casts: correctly rounded, the same values as Python's float() and int(). None
+    when any element is not a plain number that fits ``value_type`` (an int written 1.0 or 1e2, an int32
+    overflow, a double overflow like 1e999, nested lists, strings): then the caller decodes record by
+    record."""
     # "[1,2]" "[3]" -> "1,2,3": one string, split once; JSON whitespace between numbers is dropped.
-    body = b"".join(text for text, n in zip(texts, lengths) if n).translate(None, _JSON_SPACE).replace(b"][", b",")
+    body = b"".join(text for text, n in zip(texts, lengths) if n)
+    body = body.translate(None, _JSON_SPACE).replace(b"][", b",")
     try:
-        text = pa.array([body[1:-1].decode("ascii")], pa.large_string())
-        values = pc.cast(pc.split_pattern(text, ",").values, value_type) if body else pa.array([], value_type)
+        joined = pa.array([body[1:-1].decode("ascii")], pa.large_string())
+        values = pc.cast(pc.split_pattern(joined, ",").values, value_type) if body else pa.array([], value_type)
     except (UnicodeDecodeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     if len(values) != sum(lengths):
@@ -323,12 +329,12 @@ def _lists_to_columns(out: ParsedBatch) -> bool:
     some list needs record-by-record decoding."""
     ids_type = TRACE_SEGMENT_SCHEMA.field("completion_token_ids").type
     lps_type = TRACE_SEGMENT_SCHEMA.field("completion_logprobs").type
-    ids = _number_lists(out._ids_json, ids_type.value_type)
-    lps = _number_lists(out._lps_json, pa.float64())  # as msgspec/pydantic read it, then float32 like pa.array
+    ids = _number_lists(out._ids_json, out._ids_len, ids_type.value_type)
+    lps = _number_lists(out._lps_json, out._lps_len, pa.float64())  # read as msgspec/pydantic do, float32 as pa.array
     if ids is None or lps is None:
         return False
     out.token_ids, out.logprobs = ids, lps.cast(lps_type)
-    out._ids_json, out._lps_json = [], []
+    out._ids_json, out._lps_json, out._ids_len, out._lps_len = [], [], [], []
     return True
 
 
@@ -370,7 +376,8 @@ def _utc(ts: str | int) -> datetime | None:
     if _RFC3339.fullmatch(ts) is None:
         return None
     try:
-        return datetime.fromisoformat(ts).astimezone(timezone.utc)
+        parsed = datetime.fromisoformat(ts)
+        return parsed if parsed.tzinfo is timezone.utc else parsed.astimezone(timezone.utc)  # "Z" is already UTC
     except (OverflowError, ValueError):
         return None
 
