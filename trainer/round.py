@@ -332,7 +332,7 @@ def run_round(
     train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
     if not heldout_prompts:
         raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
-    eval_prompts(heldout_prompts, candidates, rl)  # fails before any work if no held-out row can be scored
+    eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, candidates, rl))  # fails before any work
     base = base or load_base(model_cfg)  # 1. the resident base, loaded once
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
@@ -370,7 +370,7 @@ def run_round(
     return RoundResult(
         round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,
-        eval_prompt_ids=tuple(p.prompt_id for p in eval_prompts(heldout_prompts, candidates, rl)),
+        eval_prompt_ids=eval_ids,
         candidates=tuple(out), decisions=decisions,
         metrics={**rollout_metrics, **eval_metrics, "round/wall_s": time.perf_counter() - started},
     )  # fmt: skip

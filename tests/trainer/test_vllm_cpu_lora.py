@@ -49,7 +49,7 @@ def test_bgmv_ops_match_upstream(upstream, one_slot):
     grouped.bgmv_expand(h_ref, b, y_new, idx, add_inputs=True)
     torch.testing.assert_close(y_new, y_ref)
 
-    wide_ref, wide_new = torch.randn(len(x), 100), None
+    wide_ref = torch.randn(len(x), 100)
     wide_new = wide_ref.clone()
     upstream.bgmv_expand_slice(h_ref, b, wide_ref, idx, 30, 40, add_inputs=False)
     grouped.bgmv_expand_slice(h_ref, b, wide_new, idx, 30, 40, add_inputs=False)
