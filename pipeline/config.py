@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from connectors.config import BufferConfig, KafkaConfig
 from pipeline.errors import ConfigError
@@ -225,5 +225,9 @@ def load_config(path: str | Path | None) -> HourglassConfig:
         problems = [_describe(e) for e in err.errors()]
         where = str(path) if path else "defaults"
         raise ConfigError(f"{where}: {len(problems)} problem(s) in the configuration", problems) from err
+    except SettingsError as err:  # an HOURGLASS_* variable that is not valid JSON for a list/dict field
+        raise ConfigError(
+            f"environment: {err} (list and table fields take JSON, e.g. HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='[\"host:9092\"]')"
+        ) from err
 
 

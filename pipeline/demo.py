@@ -62,7 +62,7 @@ def _wait_round(api: str, seen: set[str], timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     shown = None
     while time.monotonic() < deadline:
-        records = httpx.get(f"{api}/rounds", params={"limit": 5}, timeout=10).json()
+        records = httpx.get(f"{api}/rounds", params={"limit": 50}, timeout=10).json()
         # Oldest unseen first (ids start with their UTC start time): a round that ended while the
         # scheduler already started the next one is still shown, in order.
         unseen = sorted((r for r in records if r["round_id"] not in seen and r["state"] != "cancelled"), key=lambda r: r["round_id"])

@@ -141,11 +141,12 @@ class RoundRunner:
         names = self._select(candidates)
         window = window or self.cfg.rl.window
         parse_window(window)
-        record = self.store.create(trigger, names, window)
+        round_id = self.store.new_round_id()
+        self.lock.acquire(round_id)  # refused (RoundInProgressError) before any record is written
         try:
-            self.lock.acquire(record.round_id)
-        except Exception as err:
-            self.store.transition(record, "cancelled", f"refused: {err}")
+            record = self.store.create(trigger, names, window, round_id=round_id)
+        except BaseException:
+            self.lock.release()
             raise
         self._cancel.clear()
         self.current = record.round_id

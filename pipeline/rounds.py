@@ -90,10 +90,15 @@ class RoundStore:
         self.engine = sa.create_engine(f"sqlite:///{self.state_dir / 'rounds.sqlite'}", connect_args={"timeout": 30})
         _meta.create_all(self.engine)
 
-    def create(self, trigger: str, candidates: list[str], window: str) -> RoundRecord:
+    @staticmethod
+    def new_round_id() -> str:
+        """``r<UTC time>-<6 hex>``: sorts by start time, unique across processes."""
+        return f"r{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+    def create(self, trigger: str, candidates: list[str], window: str, round_id: str | None = None) -> RoundRecord:
+        """Persist a new ``pending`` round (``round_id`` defaults to :meth:`new_round_id`)."""
         now = _now()
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        record = RoundRecord(f"r{stamp}-{uuid.uuid4().hex[:6]}", "pending", trigger, candidates, window, now, now)
+        record = RoundRecord(round_id or self.new_round_id(), "pending", trigger, candidates, window, now, now)
         with self.engine.begin() as conn:
             conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state, created_at=now, body=json.dumps(record.as_dict())))
         return record

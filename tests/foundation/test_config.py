@@ -77,6 +77,12 @@ def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> N
     assert any(p.startswith("api.port:") for p in caught.value.problems)
 
 
+def test_environment_value_that_is_not_json_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_KAFKA__BOOTSTRAP_SERVERS", "broker:9092")  # a list field needs JSON
+    with pytest.raises(ConfigError, match=r"kafka.*JSON"):
+        load_config(None)
+
+
 def test_cross_section_rules(tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
     conf.write_text(

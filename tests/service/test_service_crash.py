@@ -166,6 +166,7 @@ def test_sigkill_mid_round_then_restart(tmp_path: Path, broker: str, mlflow_uri:
         round_id = json.loads(started.stdout)["round_id"]
         again = _hourglass(conf, "retrain")
         assert again.returncode == 1 and "already running" in again.stderr
+        assert [r["round_id"] for r in httpx.get(f"{api}/rounds", timeout=10).json()] == [round_id]  # the refusal left no record
         service.wait_for(lambda: _round(api, round_id)["state"] == "train", "the round to reach train")
         time.sleep(2)
         service.kill()  # SIGKILL mid-round: no shutdown code runs
