@@ -4,12 +4,12 @@ Two stores behind one :class:`AdapterStore` Protocol:
 
 - :class:`ResidentStore`: every candidate is its own PEFT adapter on the
   device, with its own AdamW; switching is ``set_adapter(name)``.
-- :class:`OffloadStore`: one live adapter slot on the device. Every other
-  candidate's LoRA weights, accumulated gradients and AdamW state (``exp_avg``,
-  ``exp_avg_sq``, ``step``) wait in host memory (pinned when CUDA is
-  available) and are copied into the slot for that candidate's turn
-  (``non_blocking`` copies on CUDA). Device memory for adapters is one
-  candidate's worth whatever K is.
+- :class:`trainer.offload_store.OffloadStore`: one live adapter slot on the
+  device. Every other candidate's LoRA weights, accumulated gradients and
+  AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) wait in host memory
+  (pinned when CUDA is available) as flat buffers and are copied into the
+  slot for that candidate's turn (``non_blocking`` copies on CUDA). Device
+  memory for adapters is one candidate's worth whatever K is.
 
 Candidates never share optimizer state, step counts or gradients. They may
 be created and deleted between steps. Adapter tensors are keyed by PEFT's
@@ -23,7 +23,6 @@ import json
 import logging
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -169,14 +168,21 @@ def _peft_name(name: str) -> str:
     return f"cand-{name}"  # PEFT warns about adapter names that are substrings of 'lora_'
 
 
-def _set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
+def set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
     for n, p in model.named_parameters():
         p.requires_grad_(adapter is not None and f".{adapter}." in n)
 
 
-def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    # foreach=False: the same per-tensor arithmetic whichever store runs it.
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+def _requires_grad(optimizer: torch.optim.Optimizer, flag: bool) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.requires_grad_(flag)
+
+
+def make_adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    # foreach=None: PyTorch's choice, multi-tensor kernels on CUDA (one launch per
+    # op for all LoRA tensors instead of one per tensor) and per-tensor on CPU.
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 class ResidentStore:
@@ -203,8 +209,8 @@ class ResidentStore:
             for key, p in params.items():
                 p.copy_(weights[key])
         self.candidates[name] = candidate
-        self.optimizers[name] = _adamw(list(params.values()), candidate.learning_rate)
-        _set_trainable(self.base.model, _peft_name(self.live) if self.live else None)
+        self.optimizers[name] = make_adamw(list(params.values()), candidate.learning_rate)
+        set_trainable(self.base.model, _peft_name(self.live) if self.live else None)
 
     def delete(self, name: str) -> None:
         self._check(name)
@@ -216,8 +222,12 @@ class ResidentStore:
     def activate(self, name: str) -> torch.optim.Optimizer:
         self._check(name)
         started = time.perf_counter()
-        self.base.model.set_adapter(_peft_name(name))
-        _set_trainable(self.base.model, _peft_name(name))
+        self.base.model.set_adapter(_peft_name(name))  # walks every LoRA layer (PEFT)
+        # Only the live adapter trains. PEFT's set_adapter does this too; made explicit
+        # here on the two optimizers' parameters instead of a sweep over the whole model.
+        if self.live is not None and self.live != name:
+            _requires_grad(self.optimizers[self.live], False)
+        _requires_grad(self.optimizers[name], True)
         self.live = name
         self.last_swap_s = time.perf_counter() - started
         return self.optimizers[name]
@@ -235,14 +245,14 @@ class ResidentStore:
     def snapshot(self, name: str) -> dict[str, torch.Tensor]:
         self._check(name)
         params = adapter_params(self.base.model, _peft_name(name))
-        return _snapshot(params, self.optimizers[name])
+        return snapshot_state(params, self.optimizers[name])
 
     def _check(self, name: str) -> None:
         if name not in self.candidates:
             raise AdapterStoreError(f"unknown candidate {name!r}; the store holds {sorted(self.candidates)}")
 
 
-def _snapshot(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def snapshot_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {f"weight/{k}": p.detach().to("cpu", copy=True) for k, p in params.items()}
     for k, p in params.items():
         state = optimizer.state.get(p, {})
@@ -252,179 +262,7 @@ def _snapshot(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Opti
     return out
 
 
-@dataclass
-class _HostState:
-    """One waiting candidate in host memory (pinned on CUDA hosts)."""
-
-    candidate: CandidateConfig
-    weights: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor] | None = None
-    exp_avg: dict[str, torch.Tensor] | None = None
-    exp_avg_sq: dict[str, torch.Tensor] | None = None
-    step: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class OffloadStore:
-    """One live LoRA slot on the device; everyone else waits in host memory.
-
-    The slot is a PEFT adapter (``SLOT``) rebuilt only when the next
-    candidate's LoRA shape (rank, alpha, target modules) differs. One AdamW
-    runs over the slot; each candidate's moments and step count are copied
-    in and out with its weights, so candidates never share state.
-    ``last_swap_s`` is the wall time of the last activation (copy out + copy in).
-    """
-
-    def __init__(self, base: ResidentBase, seed: int = 0) -> None:
-        self.base = base
-        self.seed = seed
-        self.pin = torch.cuda.is_available() and base.device.type == "cuda"
-        self.host: dict[str, _HostState] = {}
-        self.live: str | None = None
-        self.slot_shape: tuple | None = None
-        self.slot_params: dict[str, torch.nn.Parameter] = {}
-        self.optimizer: torch.optim.AdamW | None = None
-        self.last_swap_s = 0.0
-
-    def names(self) -> list[str]:
-        return list(self.host)
-
-    # -- host buffers -------------------------------------------------------
-    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-        out.copy_(t)
-        return out
-
-    def _sync(self) -> None:
-        if self.base.device.type == "cuda":
-            torch.cuda.synchronize(self.base.device)  # CPU-GPU sync point: host buffers readable after this
-
-    def create(self, name: str, candidate: CandidateConfig, init_dir: Path | None = None) -> None:
-        if name in self.host:
-            raise AdapterStoreError(f"candidate {name!r} already exists in the store; delete it first")
-        weights = initial_weights(self.base, name, candidate, init_dir, self.seed)
-        self.host[name] = _HostState(candidate=candidate, weights={k: self._host_like(v) for k, v in weights.items()})
-
-    def delete(self, name: str) -> None:
-        self._check(name)
-        if self.live == name:
-            self.live = None  # its slot contents are simply dropped
-        del self.host[name]
-
-    def activate(self, name: str) -> torch.optim.Optimizer:
-        self._check(name)
-        if self.live == name and self.optimizer is not None:
-            self.last_swap_s = 0.0
-            return self.optimizer
-        started = time.perf_counter()
-        if self.live is not None:
-            self._copy_out(self.live)
-        state = self.host[name]
-        self._ensure_slot(state.candidate)
-        self._copy_in(state)
-        self.live = name
-        self._sync()
-        self.last_swap_s = time.perf_counter() - started
-        assert self.optimizer is not None
-        return self.optimizer
-
-    def _ensure_slot(self, candidate: CandidateConfig) -> None:
-        shape = (candidate.lora_rank, candidate.lora_alpha, tuple(sorted(candidate.target_modules)))
-        if shape != self.slot_shape:
-            if self.slot_shape is not None:
-                self.base.model.delete_adapter(SLOT)
-            self.base.model.add_adapter(SLOT, lora_config(candidate))
-            self.slot_params = adapter_params(self.base.model, SLOT)
-            self.slot_shape = shape
-            self.optimizer = _adamw(list(self.slot_params.values()), candidate.learning_rate)
-        self.base.model.set_adapter(SLOT)
-        _set_trainable(self.base.model, SLOT)
-
-    def _copy_in(self, state: _HostState) -> None:
-        assert self.optimizer is not None
-        self.optimizer.param_groups[0]["lr"] = state.candidate.learning_rate
-        nb = self.pin
-        with torch.no_grad():
-            for key, p in self.slot_params.items():
-                p.copy_(state.weights[key], non_blocking=nb)
-                if state.grads is not None:
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(state.grads[key], non_blocking=nb)
-                else:
-                    p.grad = None
-                if state.exp_avg is None or state.exp_avg_sq is None:
-                    self.optimizer.state.pop(p, None)  # never stepped: AdamW starts from zeros
-                    continue
-                slot_state = self.optimizer.state.get(p)
-                if not slot_state or "exp_avg" not in slot_state:
-                    slot_state = {"exp_avg": torch.empty_like(p), "exp_avg_sq": torch.empty_like(p)}
-                    self.optimizer.state[p] = slot_state
-                slot_state["exp_avg"].copy_(state.exp_avg[key], non_blocking=nb)
-                slot_state["exp_avg_sq"].copy_(state.exp_avg_sq[key], non_blocking=nb)
-                slot_state["step"] = state.step[key].clone()  # AdamW keeps step as a CPU tensor
-
-    def _copy_out(self, name: str) -> None:
-        assert self.optimizer is not None
-        state = self.host[name]
-        nb = self.pin
-        with torch.no_grad():
-            for key, p in self.slot_params.items():
-                state.weights[key].copy_(p, non_blocking=nb)
-                if p.grad is not None:
-                    if state.grads is None:
-                        state.grads = {k: self._host_like(q) for k, q in self.slot_params.items()}
-                    state.grads[key].copy_(p.grad, non_blocking=nb)
-                else:
-                    state.grads = None
-                slot_state = self.optimizer.state.get(p)
-                if slot_state and "exp_avg" in slot_state:
-                    if state.exp_avg is None or state.exp_avg_sq is None:
-                        state.exp_avg = {k: self._host_like(q.detach()) for k, q in self.slot_params.items()}
-                        state.exp_avg_sq = {k: self._host_like(q.detach()) for k, q in self.slot_params.items()}
-                    state.exp_avg[key].copy_(slot_state["exp_avg"], non_blocking=nb)
-                    state.exp_avg_sq[key].copy_(slot_state["exp_avg_sq"], non_blocking=nb)
-                    state.step[key] = torch.as_tensor(slot_state["step"]).detach().clone()
-
-    def close(self) -> None:
-        """Drop every waiting candidate and the device slot (the base stays resident, clean)."""
-        self.host.clear()
-        self.live = None
-        if self.slot_shape is not None:
-            self.base.model.set_adapter(BOOT_ADAPTER)
-            self.base.model.delete_adapter(SLOT)
-        self.slot_shape, self.slot_params, self.optimizer = None, {}, None
-
-    def _live_or_host_weights(self, name: str) -> dict[str, torch.Tensor]:
-        if self.live == name:
-            return {k: p.detach() for k, p in self.slot_params.items()}
-        self._sync()
-        return self.host[name].weights
-
-    def save(self, name: str, out_dir: Path) -> Path:
-        self._check(name)
-        return write_adapter(self._live_or_host_weights(name), self.host[name].candidate, self.base, out_dir)
-
-    def snapshot(self, name: str) -> dict[str, torch.Tensor]:
-        self._check(name)
-        if self.live == name:
-            assert self.optimizer is not None
-            return _snapshot(self.slot_params, self.optimizer)
-        self._sync()
-        state = self.host[name]
-        out = {f"weight/{k}": v.clone() for k, v in state.weights.items()}
-        if state.exp_avg is not None and state.exp_avg_sq is not None:
-            for k in state.weights:
-                out[f"exp_avg/{k}"] = state.exp_avg[k].clone()
-                out[f"exp_avg_sq/{k}"] = state.exp_avg_sq[k].clone()
-                out[f"step/{k}"] = state.step[k].clone()
-        return out
-
-    def _check(self, name: str) -> None:
-        if name not in self.host:
-            raise AdapterStoreError(f"unknown candidate {name!r}; the store holds {sorted(self.host)}")
-
-
-def make_store(kind: str, base: ResidentBase, seed: int = 0) -> ResidentStore | OffloadStore:
+def make_store(kind: str, base: ResidentBase, seed: int = 0) -> AdapterStore:
     """``resident`` or ``offload`` (``RLConfig.adapter_store``).
 
     Raises:
@@ -433,5 +271,9 @@ def make_store(kind: str, base: ResidentBase, seed: int = 0) -> ResidentStore | 
     if kind == "resident":
         return ResidentStore(base, seed)
     if kind == "offload":
+        from trainer.offload_store import (
+            OffloadStore,  # it builds on this module's helpers
+        )
+
         return OffloadStore(base, seed)
     raise TrainerConfigError(f"adapter_store {kind!r} must be 'resident' or 'offload'")

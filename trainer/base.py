@@ -126,11 +126,27 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
         UnknownModelError, ModelStoreError: from ``model_store.resolve``.
     """
     path = model_store.resolve(cfg.name, cfg.cache_dir)
-    device = pick_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(pick_device(cfg.device))
+    return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)
+
+
+def wrap_base(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    fingerprint: str,
+    max_seq_len: int,
+    boot_candidate: CandidateConfig | None = None,
+) -> ResidentBase:
+    """Freeze a loaded causal LM (already on its device) and wrap it with PEFT.
+
+    :func:`load_base` calls this on a model from disk; benchmarks call it on a
+    randomly initialised model of a given shape. The tokenizer gets its EOS
+    token as pad token when it has none.
+    """
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(device)
     model.requires_grad_(False)
     model.config.use_cache = True
     boot = boot_candidate or CandidateConfig(name="boot", lora_rank=1, target_modules=["q_proj"])
@@ -140,7 +156,7 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
         model=peft_model,
         tokenizer=tokenizer,
         path=path,
-        fingerprint=model_store.fingerprint_of(path),
-        device=device,
-        max_seq_len=cfg.max_seq_len,
+        fingerprint=fingerprint,
+        device=next(model.parameters()).device,
+        max_seq_len=max_seq_len,
     )
