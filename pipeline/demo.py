@@ -21,12 +21,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipeline import stack
@@ -78,20 +80,35 @@ def _wait_round(api: str, seen: set[str], timeout_s: float) -> dict[str, Any]:
 
 
 def _greedy_scores(vllm_url: str, model: str, questions: list[tuple[str, str]], reward) -> tuple[float, float]:
-    """(mean reward under ``reward``, accuracy) of greedy answers from ``model`` on ``questions``."""
-    rewards, right = [], 0
-    for question, reference in questions:
+    """(mean reward under ``reward``, accuracy) of greedy answers from ``model`` on ``questions``.
+
+    The requests go out 8 at a time so vLLM batches them."""
+
+    def score(item: tuple[str, str]) -> tuple[float, bool]:
+        question, reference = item
         messages = [{"role": "user", "content": question}]
         response = httpx.post(
             f"{vllm_url}/v1/chat/completions",
             json={"model": model, "messages": messages, "max_tokens": 16, "temperature": 0.0},
-            timeout=120,
+            timeout=300,
         )
         response.raise_for_status()
         answer = response.json()["choices"][0]["message"]["content"] or ""
-        rewards.append(reward(messages, answer, {"reference_answer": reference}))
-        right += is_correct(answer, reference)
-    return sum(rewards) / len(rewards), right / len(questions)
+        return reward(messages, answer, {"reference_answer": reference}), is_correct(answer, reference)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(score, questions))
+    return sum(r for r, _ in results) / len(results), sum(ok for _, ok in results) / len(results)
+
+
+def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The service's serving status for ``model`` once it serves ``version`` (hot-loads run after the round ends)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        serving = httpx.get(f"{api}/status", timeout=10).json().get("serving", {}).get(model, {})
+        if version is None or str(serving.get("serving")) == version or time.monotonic() > deadline:
+            return serving
+        time.sleep(0.5)
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -151,7 +168,6 @@ def main(
             record = _wait_round(api, seen, timeout_s=900)
             seen.add(record["round_id"])
             buffer = httpx.get(f"{api}/buffer/stats", timeout=10).json()
-            status = httpx.get(f"{api}/status", timeout=10).json()
             decision = next(iter(record["decisions"].values()), {})
             table = Table("candidate", "held-out reward", "lower bound vs champion")
             table.add_row("champion", f"{decision.get('champion_reward', float('nan')):.3f}", "")
@@ -159,11 +175,12 @@ def main(
                 table.add_row(name, f"{reward:.3f}", f"{decision.get('lower_bounds', {}).get(name, float('nan')):+.3f}")
             console.print(f"traces sent {sent}, in the buffer {buffer.get('trace_rows')}; round state [bold]{record['state']}[/]")
             console.print(table)
-            serving = status.get("serving", {}).get(cfg.serving.model_name, {})
+            serving = _wait_serving(api, cfg.serving.model_name, (record.get("versions") or {}).get(cfg.serving.model_name))
             winner = decision.get("winner")
             hotload = serving.get("last_hotload_s")
             console.print(
                 f"winner: {winner or 'none'} — {record['reason']}\n"
+                f"gate: {escape(decision.get('reason', '-'))}\n"
                 f"promoted: {record['versions'] or '-'}   serving now: {serving.get('serving')}   "
                 f"hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
