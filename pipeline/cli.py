@@ -49,6 +49,8 @@ def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:  # one INFO line per HTTP request would bury the commands' own output
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # --- config -----------------------------------------------------------------------

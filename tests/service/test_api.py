@@ -79,8 +79,7 @@ def test_trigger_while_another_process_runs_a_round_is_refused(client: TestClien
     finally:
         holder.kill()
         holder.wait()
-    refused = service.store.list()
-    assert [r.state for r in refused] == ["cancelled"] and "refused" in refused[0].reason
+    assert service.store.list() == []  # a refused trigger leaves no round record behind
 
 
 def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, service: HourglassService) -> None:
