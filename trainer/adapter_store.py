@@ -52,9 +52,19 @@ class AdapterStore(Protocol):
 
 
 def adapter_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
-    """The parameters of one PEFT adapter, keyed by PEFT's saved (adapter-free) names."""
-    marker = f".{adapter}."
-    return {n.replace(marker, "."): p for n, p in model.named_parameters() if marker in n}
+    """The parameters of one PEFT adapter, keyed by PEFT's saved (adapter-free) names.
+
+    Linear LoRA tensors are named ``...q_proj.lora_A.<adapter>.weight``;
+    embedding LoRA tensors ``...embed_tokens.lora_embedding_A.<adapter>``.
+    """
+    marker, suffix = f".{adapter}.", f".{adapter}"
+    out = {}
+    for n, p in model.named_parameters():
+        if marker in n:
+            out[n.replace(marker, ".")] = p
+        elif n.endswith(suffix):
+            out[n[: -len(suffix)]] = p
+    return out
 
 
 def _seed_of(name: str, seed: int) -> int:
@@ -94,8 +104,34 @@ def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, i
             f"candidate {name!r}: adapter {path} adapts modules the candidate does not target ({unknown[:3]}...); "
             f"its target_modules {candidate.target_modules} must include the start adapter's, or use start='fresh'"
         )
+    for key_a, key_b in lora_pairs(loaded):
+        # A is [r, in], B is [out, r]: the rank may differ, the module's in/out sizes may not
+        if loaded[key_a].shape[1] != fresh[key_a].shape[1] or loaded[key_b].shape[0] != fresh[key_b].shape[0]:
+            raise TrainerConfigError(
+                f"candidate {name!r}: start adapter {path} was not trained on this base model: {key_a} is "
+                f"{tuple(loaded[key_a].shape)} / {key_b} is {tuple(loaded[key_b].shape)}, the base needs "
+                f"[r, {fresh[key_a].shape[1]}] / [{fresh[key_b].shape[0]}, r]"
+            )
     saved_scale = _lora_scale(Path(init_dir) / "adapter_config.json")
     return fit_adapter(loaded, fresh, saved_scale, candidate.lora_alpha / candidate.lora_rank, name)
+
+
+def lora_pairs(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """``(A key, B key)`` of every LoRA module in ``tensors`` (linear ``lora_A``/``lora_B``,
+    embedding ``lora_embedding_A``/``lora_embedding_B``; PEFT's saved names).
+
+    Raises:
+        TrainerConfigError: an A without its B.
+    """
+    pairs = []
+    for key_a in sorted(tensors):
+        for a, b in ((".lora_A.", ".lora_B."), (".lora_embedding_A", ".lora_embedding_B")):
+            if a in key_a:
+                key_b = key_a.replace(a, b)
+                if key_b not in tensors:
+                    raise TrainerConfigError(f"adapter has {key_a} but no {key_b}")
+                pairs.append((key_a, key_b))
+    return pairs
 
 
 def _lora_scale(config_path: Path) -> float:
@@ -133,8 +169,7 @@ def fit_adapter(
         saved_scale, scale: LoRA scaling of the saved adapter and of the candidate.
     """
     out = {k: v.clone() for k, v in fresh.items()}
-    for key_a in [k for k in saved if ".lora_A." in k]:
-        key_b = key_a.replace(".lora_A.", ".lora_B.")
+    for key_a, key_b in lora_pairs(saved):
         a, b = saved[key_a].float(), saved[key_b].float()
         r_saved, r_new = a.shape[0], out[key_a].shape[0]
         if r_new >= r_saved:
@@ -170,7 +205,7 @@ def _peft_name(name: str) -> str:
 
 def set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
     for n, p in model.named_parameters():
-        p.requires_grad_(adapter is not None and f".{adapter}." in n)
+        p.requires_grad_(adapter is not None and (f".{adapter}." in n or n.endswith(f".{adapter}")))  # as adapter_params
 
 
 def _requires_grad(optimizer: torch.optim.Optimizer, flag: bool) -> None:
@@ -237,6 +272,7 @@ class ResidentStore:
         for name in list(self.candidates):
             self.delete(name)
         self.base.model.set_adapter(BOOT_ADAPTER)
+        set_trainable(self.base.model, None)  # set_adapter made the boot adapter trainable
 
     def save(self, name: str, out_dir: Path) -> Path:
         self._check(name)

@@ -152,12 +152,13 @@ class OffloadStore:
 
     def activate(self, name: str) -> torch.optim.Optimizer:
         self._check(name)
-        if self.live == name and self.optimizer is not None:
+        if self.live == name and self.optimizer is not None and self.base.model.active_adapter == SLOT:
             self.last_swap_s = 0.0
             return self.optimizer
         started = time.perf_counter()
         if self.live is not None:
             self._copy_out(self.host[self.live])
+            self.live = None  # its state is safe in host memory; if the rest fails, nobody is live
         state = self.host[name]
         self._ensure_slot(state.candidate)
         self._copy_in(state)
@@ -170,7 +171,9 @@ class OffloadStore:
     def _ensure_slot(self, candidate: CandidateConfig) -> None:
         shape = (candidate.lora_rank, candidate.lora_alpha, tuple(sorted(candidate.target_modules)))
         if shape != self.slot_shape:
-            if self.slot_shape is not None:
+            had_slot = self.slot_shape is not None
+            self.slot_shape, self.slot_layout, self.optimizer = None, None, None  # no slot until the new one is built
+            if had_slot:
                 self.base.model.delete_adapter(SLOT)
             self.base.model.add_adapter(SLOT, lora_config(candidate))
             self.slot_params = adapter_params(self.base.model, SLOT)
@@ -247,8 +250,9 @@ class OffloadStore:
         """Drop every waiting candidate and the device slot (the base stays resident, clean)."""
         self.host.clear()
         self.live = None
-        if self.slot_shape is not None:
+        if SLOT in self.base.model.peft_config:  # absent when a rebuild failed half-way
             self.base.model.set_adapter(BOOT_ADAPTER)
+            set_trainable(self.base.model, None)  # set_adapter made the boot adapter trainable
             self.base.model.delete_adapter(SLOT)
         self.slot_shape, self.slot_layout, self.slot_params, self.optimizer = None, None, {}, None
         self.flat, self.views = {}, {}

@@ -10,10 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.adapter_store import make_store
+from trainer.adapter_store import ADAPTER_WEIGHTS, make_store
 from trainer.base import load_base
 from trainer.config import CandidateConfig, ModelConfig
-from trainer.errors import AdapterStoreError
+from trainer.errors import AdapterStoreError, TrainerConfigError
 
 A = CandidateConfig(name="a", lora_rank=4, learning_rate=1e-2)
 B = CandidateConfig(name="b", lora_rank=8, learning_rate=5e-3, target_modules=["q_proj", "v_proj"])
@@ -130,6 +130,59 @@ def test_saved_adapter_is_a_peft_folder_that_restarts_training(fresh_base, tmp_p
     assert all(torch.equal(restored[k], store.snapshot("a")[k]) for k in restored)
     with pytest.raises(ValueError, match="adapts modules the candidate does not target"):
         store.create("b2", B, init_dir=folder)  # a adapts k_proj/o_proj, b only q/v
+
+
+@pytest.mark.parametrize("kind", ["offload", "resident"])
+def test_start_adapter_of_another_base_is_refused_at_create(fresh_base, tmp_path: Path, kind: str) -> None:
+    base = fresh_base()
+    store = make_store(kind, base)
+    store.create("a", A)
+    folder = store.save("a", tmp_path / "a")
+    tensors = safetensors.torch.load_file(str(folder / ADAPTER_WEIGHTS))
+    key = next(k for k in sorted(tensors) if ".lora_A." in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] * 2)  # another base's hidden size
+    safetensors.torch.save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    with pytest.raises(TrainerConfigError, match="not trained on this base model"):
+        store.create("b", A, init_dir=folder)
+    assert store.names() == ["a"]
+
+
+def test_a_swap_that_fails_half_way_loses_nobody(fresh_base, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = fresh_base()
+    store = make_store("offload", base)
+    store.create("a", A)
+    store.create("c", C)
+    _train(base, store, "a", 0)
+    before = store.snapshot("a")
+
+    def half_copied(state) -> None:  # e.g. out of device memory after part of the copy-in
+        store.flat["weights"].zero_()
+        raise RuntimeError("simulated failure during copy-in")
+
+    monkeypatch.setattr(store, "_copy_in", half_copied)
+    with pytest.raises(RuntimeError, match="simulated"):
+        store.activate("c")
+    monkeypatch.undo()
+    store.activate("a")  # a was copied out before the failure: it comes back whole
+    _assert_same(store.snapshot("a"), before)
+    _train(base, store, "c", 0)  # and the store goes on working
+    store.close()
+
+
+def test_embedding_lora_is_trained_swapped_and_saved(fresh_base, tmp_path: Path) -> None:
+    E = CandidateConfig(name="e", lora_rank=4, learning_rate=1e-2, target_modules=["embed_tokens", "q_proj"])
+    base = fresh_base()
+    store = make_store("offload", base)
+    store.create("e", E)
+    store.create("a", A)
+    _train(base, store, "e", 0)
+    store.activate("a")  # e now waits in host memory
+    weights = {k: v for k, v in store.snapshot("e").items() if k.startswith("weight/") and "lora_embedding_A" in k}
+    assert weights and all(v.abs().sum() > 0 for v in weights.values())  # PEFT starts embedding A at zero: it was trained
+    saved = safetensors.torch.load_file(str(store.save("e", tmp_path / "e") / ADAPTER_WEIGHTS))
+    assert {k for k in saved if "lora_embedding" in k} == {k.removeprefix("weight/") for k in weights} | {
+        k.removeprefix("weight/").replace("lora_embedding_A", "lora_embedding_B") for k in weights
+    }
 
 
 def _deltas(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
