@@ -14,7 +14,7 @@ _TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class KafkaConfig(_Section):
@@ -56,6 +56,12 @@ class KafkaConfig(_Section):
         if not topic or len(topic) > 249 or set(topic) - _TOPIC_CHARS or topic in {".", ".."}:
             raise ValueError(f"topic {topic!r} is not a legal Kafka topic name ([a-zA-Z0-9._-], 1-249 chars)")
         return topic
+
+    @model_validator(mode="after")
+    def _distinct_topics(self) -> "KafkaConfig":
+        if self.traces_topic == self.feedback_topic:
+            raise ValueError(f"traces_topic and feedback_topic are both {self.traces_topic!r}; they must differ")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_below_session(self) -> "KafkaConfig":
@@ -114,3 +120,10 @@ class BufferConfig(_Section):
     maintenance_interval_s: float = Field(
         default=60.0, gt=0, description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds."
     )
+
+    @field_validator("user_hash_key")
+    @classmethod
+    def _hash_key_long_enough(cls, key: SecretStr) -> SecretStr:
+        if len(key.get_secret_value()) < 16:  # never echo the key itself
+            raise ValueError("user_hash_key must be at least 16 characters (an HMAC key; an empty one hides nothing)")
+        return key

@@ -8,8 +8,8 @@ modules (see the bottom of this file).
 from __future__ import annotations
 
 import logging
-import sys
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,8 +17,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from connectors.errors import ConnectorError
 from pipeline import stack
-from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load
+from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, redact
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError, PipelineError, StackError
 from trainer import model_store
@@ -75,7 +76,7 @@ def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to val
 def config_show(config: ConfigOpt = None) -> None:
     """Print the effective configuration (file + environment + defaults) as JSON."""
     cfg = load(config)
-    sys.stdout.write(cfg.model_dump_json(indent=2) + "\n")
+    sys.stdout.write(redact(cfg.model_dump_json(indent=2)) + "\n")  # secrets are SecretStr; URIs lose their user:password
 
 
 # --- models -----------------------------------------------------------------------
@@ -212,8 +213,16 @@ _register_command_groups()
 def main() -> None:  # pragma: no cover - console script entry
     try:
         app()
-    except PipelineError as err:
-        fail(str(err))
+    except (PipelineError, ConnectorError, TrainerError) as err:
+        _exit(str(err))
+    except OSError as err:  # a path from the config that is not a folder, a read-only state dir, ...
+        _exit(f"{type(err).__name__}: {err}")
+
+
+def _exit(message: str) -> None:
+    """Outside typer's own handling: print like ``fail`` and exit 1 (no traceback)."""
+    console.print(f"[bold red]error:[/] {escape(redact(message))}")
+    sys.exit(1)
 
 
 if __name__ == "__main__":

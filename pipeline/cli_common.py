@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,9 +30,17 @@ def emit(data: Any, as_json: bool, human: str | Table | None = None) -> None:
         Console(soft_wrap=True).print(human)
 
 
+_URI_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://***@host`` anywhere in ``text``."""
+    return _URI_CREDENTIALS.sub(r"\1***@", text)
+
+
 def fail(message: str, code: int = 1) -> None:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    console.print(f"[bold red]error:[/] {escape(message)}")
+    """Print ``error: message`` on stderr (credentials in URIs masked) and exit with ``code``."""
+    console.print(f"[bold red]error:[/] {escape(redact(message))}")
     raise typer.Exit(code)
 
 

@@ -26,6 +26,7 @@ from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
 from connectors.replay import iter_sharegpt_traces, read_trace_jsonl
 from connectors.sink import TraceSink, produce_events, produce_jsonl
+from pipeline.cli_common import fail, redact
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 
@@ -57,7 +58,7 @@ def _emit(as_json: bool, data: dict[str, Any], title: str) -> None:
 
 
 def _fail(err: ConnectorError) -> typer.Exit:
-    console.print(f"[red]error:[/red] {err}")
+    console.print(f"[red]error:[/red] {redact(str(err))}")
     return typer.Exit(1)
 
 
@@ -79,6 +80,16 @@ def ingest(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     _emit(as_json, worker.stats().as_metrics(), "ingest")
 
 
+def _readable_file(path: Path) -> None:
+    """Exit with a clear message unless ``path`` is a readable regular file (checked before any broker call)."""
+    if not path.is_file():
+        fail(f"{path}: no such file" if not path.exists() else f"{path}: not a regular file")
+    try:
+        path.open("rb").close()
+    except OSError as err:
+        fail(f"{path}: cannot be read: {err.strerror}")
+
+
 def produce(
     file: Annotated[Path, typer.Argument(help="JSON-lines file, one event per line (sent verbatim).")],
     topic: Annotated[str | None, typer.Option("--topic", "-t", help="Target topic (default: the traces topic).")] = None,
@@ -87,6 +98,9 @@ def produce(
 ) -> None:
     """Backfill: send a JSON-lines file to a topic and wait for every acknowledgement."""
     cfg = _config(config)
+    _readable_file(file)
+    if topic is not None and not topic.strip():
+        fail("--topic must not be empty")
     try:
         ensure_topics(cfg.kafka)
         acked = produce_jsonl(cfg.kafka, topic or cfg.kafka.traces_topic, file)
@@ -106,6 +120,10 @@ def replay(
     if (sharegpt is None) == (jsonl is None):
         console.print("[red]error:[/red] give exactly one of --sharegpt N or --jsonl FILE")
         raise typer.Exit(2)
+    if sharegpt is not None and sharegpt < 1:
+        fail(f"--sharegpt must be at least 1, got {sharegpt}")
+    if jsonl is not None:
+        _readable_file(jsonl)
     try:
         ensure_topics(cfg.kafka)
         events = iter_sharegpt_traces(sharegpt) if sharegpt is not None else read_trace_jsonl(jsonl)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import httpx
 import typer
 from mlflow.exceptions import MlflowException
 from rich.table import Table
@@ -58,6 +59,18 @@ def list_models(cfg: HourglassConfig, models: list[str] | None = None) -> dict:
     return {"models": out, "replicas": replica_state(cfg)}
 
 
+def require_mlflow(cfg: HourglassConfig) -> None:
+    """Exit with a clear message when an HTTP tracking server does not answer within 5 s
+    (MLflow's own client would retry for minutes, printing urllib3 warnings)."""
+    uri = cfg.registry.tracking_uri
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        httpx.get(f"{uri.rstrip('/')}/health", timeout=5.0)  # any HTTP answer means a server is there
+    except httpx.TransportError as err:
+        fail(f"no MLflow tracking server answers at {uri} ({type(err).__name__}); start it with `hourglass up` or set registry.tracking_uri")
+
+
 def register(app: typer.Typer, models_app: typer.Typer) -> None:
     """Add ``promote`` and ``rollback`` to ``app`` and ``list`` to ``models_app``."""
     def run(fn, *args, **kwargs):
@@ -75,6 +88,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
     ) -> None:
         """Move @champion to VERSION; the serving controller hot-loads it."""
         cfg = load(config)
+        require_mlflow(cfg)
         result = run(aliases.promote, cfg, model or cfg.serving.model_name, version, reason="cli promote")
         emit(result, as_json, f"[green]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
                               f"(was {result['previous']})")  # fmt: skip
@@ -88,6 +102,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
     ) -> None:
         """Move @champion back to the previous champion (or --to VERSION)."""
         cfg = load(config)
+        require_mlflow(cfg)
         result = run(aliases.rollback, cfg, model or cfg.serving.model_name, to)
         emit(result, as_json, f"[yellow]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
                               f"(was {result['previous']})")  # fmt: skip
@@ -100,6 +115,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
     ) -> None:
         """Registered versions, aliases, lineage, and what each replica serves."""
         cfg = load(config)
+        require_mlflow(cfg)
         data = run(list_models, cfg, [model] if model else None)
         emit(data, as_json, _table(data))
 

@@ -31,7 +31,7 @@ ENV_PREFIX = "HOURGLASS_"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ScheduleConfig(_Section):

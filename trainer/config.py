@@ -12,7 +12,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -35,6 +35,15 @@ class RewardTerm(_Section):
     fn: str = Field(description="A built-in reward name (e.g. `exact_answer`, `logged`, `length_penalty`) or `module:function`.")
     weight: float = Field(default=1.0, description="Weight of this term in the sum.")
     kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict, description="Keyword arguments of the function.")
+
+    @field_validator("fn")
+    @classmethod
+    def _known(cls, fn: str) -> str:
+        if ":" not in fn:  # a built-in: check the name now (a module:function is imported when the round builds it)
+            from trainer.rewards import resolve  # rewards imports this module
+
+            resolve(fn)
+        return fn
 
 
 class CandidateConfig(_Section):

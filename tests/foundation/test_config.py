@@ -118,8 +118,15 @@ def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path)
         ({"HOURGLASS_RL__WINDOW": "0s"}, "rl.window: window '0s' must be between"),
         ({"HOURGLASS_API__TOKEN": "short"}, "api.token: Value error, the API token must be at least 16"),
         ({"HOURGLASS_API__PORT": "18500", "HOURGLASS_API__GATEWAY_PORT": "18500"}, "api: Value error, api.port and api.gateway_port must differ"),
+        ({"HOURGLASS_KAFKA__TRACES_TOPIC": "hourglass.feedback"}, "kafka: Value error, traces_topic and feedback_topic are both"),
+        ({"HOURGLASS_RL__TEMPERATURE": "inf"}, "rl.temperature: Input should be a finite number"),
+        ({"HOURGLASS_BUFFER__USER_HASH_KEY": "short"}, "buffer.user_hash_key: Value error, user_hash_key must be at least 16"),
+        (
+            {"HOURGLASS_CANDIDATES": '[{"name": "a", "reward": [{"fn": "nosuchfn"}]}]'},
+            "candidates.0.reward.0.fn: Value error, unknown reward 'nosuchfn'",
+        ),
     ],
-    ids=["cron-value", "window-huge", "window-zero", "token-short", "same-ports"],
+    ids=["cron-value", "window-huge", "window-zero", "token-short", "same-ports", "same-topics", "inf", "hash-key-short", "unknown-reward"],
 )
 def test_values_that_would_fail_at_run_time_are_caught_by_config_check(monkeypatch: pytest.MonkeyPatch, env: dict, problem: str) -> None:
     for key, value in env.items():
