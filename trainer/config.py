@@ -52,6 +52,7 @@ class CandidateConfig(_Section):
     name: str = Field(description="Unique slug: [a-z0-9][a-z0-9_-]{0,47}.")
     served_model: str = Field(
         default="hourglass",
+        pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$",  # as serving.model_name: it names registry models and staging folders
         description="The public model name (tenant) this candidate competes for; in hourglass.toml it defaults to serving.model_name.",
     )
     algorithm: Literal["grpo", "ppo_clip", "offline_is"] = Field(default="grpo", description="Policy-gradient loss.")

@@ -125,8 +125,12 @@ def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path)
             {"HOURGLASS_CANDIDATES": '[{"name": "a", "reward": [{"fn": "nosuchfn"}]}]'},
             "candidates.0.reward.0.fn: Value error, unknown reward 'nosuchfn'",
         ),
+        ({"HOURGLASS_CANDIDATES": '[{"name": "a", "served_model": "../evil"}]'}, "candidates.0.served_model: String should match pattern"),
     ],
-    ids=["cron-value", "window-huge", "window-zero", "token-short", "same-ports", "same-topics", "inf", "hash-key-short", "unknown-reward"],
+    ids=[
+        "cron-value", "window-huge", "window-zero", "token-short", "same-ports", "same-topics", "inf", "hash-key-short",
+        "unknown-reward", "served-model-path",
+    ],  # fmt: skip
 )
 def test_values_that_would_fail_at_run_time_are_caught_by_config_check(monkeypatch: pytest.MonkeyPatch, env: dict, problem: str) -> None:
     for key, value in env.items():
