@@ -261,15 +261,22 @@ def create_gateway_app(
         app: FastAPI, upstream: httpx.Response, asked: ClientAsked, trace_id: str, endpoint: Endpoint,
         body: dict[str, Any], public: str, served: str, version: str | None, started: float,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        """Pass SSE lines through (extras stripped) while assembling the completion; publish at the end."""
+        """Pass SSE lines through (extras stripped) while assembling the completion.
+
+        The trace is published when ``[DONE]`` arrives, before that line is passed on:
+        a client that hangs up as soon as it reads ``[DONE]`` (the openai client does)
+        makes the server cancel this generator, and nothing after the last ``yield``
+        would run.
+        """
         completion = Completion()
-        finished = errored = False
+        errored = False
         try:
             async for line in upstream.aiter_lines():
                 if line.startswith("data:"):
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        finished = True
+                        if not errored:
+                            publish(app, trace_id, endpoint, body, public, served, version, completion, True, started)
                     else:
                         try:
                             chunk = json.loads(data)
@@ -286,8 +293,6 @@ def create_gateway_app(
             log.warning("gateway: upstream stream for trace %s broke: %s", trace_id, err)
         finally:
             await upstream.aclose()
-        if finished and not errored:
-            publish(app, trace_id, endpoint, body, public, served, version, completion, True, started)
 
     def publish(
         app: FastAPI, trace_id: str, endpoint: Endpoint, body: dict[str, Any], public: str, served: str,
