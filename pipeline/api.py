@@ -133,10 +133,9 @@ def create_api(service: "HourglassService") -> FastAPI:
 
 
 def _registry_call(call) -> dict[str, Any]:
-    from pipeline.aliases import UnknownVersionError
-
     from mlflow.exceptions import MlflowException
 
+    from pipeline.aliases import UnknownVersionError
     from pipeline.registry import RegistryError
 
     try:

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from connectors.errors import ConnectorError
 from pipeline import stack
-from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, redact
+from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError, PipelineError, StackError
 from trainer import model_store
@@ -220,8 +220,8 @@ def main() -> None:  # pragma: no cover - console script entry
 
 
 def _exit(message: str) -> None:
-    """Outside typer's own handling: print like ``fail`` and exit 1 (no traceback)."""
-    console.print(f"[bold red]error:[/] {escape(redact(message))}")
+    """Outside typer's own handling (``fail`` raises typer.Exit, which only typer catches): exit 1, no traceback."""
+    print_error(message)
     sys.exit(1)
 
 

@@ -38,9 +38,14 @@ def redact(text: str) -> str:
     return _URI_CREDENTIALS.sub(r"\1***@", text)
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print ``error: message`` on stderr (credentials in URIs masked) and exit with ``code``."""
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, credentials in URIs masked."""
     console.print(f"[bold red]error:[/] {escape(redact(message))}")
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print ``error: message`` (see :func:`print_error`) and exit with ``code``."""
+    print_error(message)
     raise typer.Exit(code)
 
 

@@ -26,7 +26,7 @@ from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
 from connectors.replay import iter_sharegpt_traces, read_trace_jsonl
 from connectors.sink import TraceSink, produce_events, produce_jsonl
-from pipeline.cli_common import fail, redact
+from pipeline.cli_common import fail, print_error
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 
@@ -58,7 +58,7 @@ def _emit(as_json: bool, data: dict[str, Any], title: str) -> None:
 
 
 def _fail(err: ConnectorError) -> typer.Exit:
-    console.print(f"[red]error:[/red] {redact(str(err))}")
+    print_error(str(err))
     return typer.Exit(1)
 
 

@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential

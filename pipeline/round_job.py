@@ -12,7 +12,6 @@ resumed round is registered and promoted at most once.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.rounds import RoundLock, RoundRecord, RoundStore
+from trainer.config import window_seconds
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ def parse_window(window: str) -> timedelta:
     Raises:
         ValueError: not a number followed by one unit, or out of range.
     """
-    from trainer.config import window_seconds
-
     return timedelta(seconds=window_seconds(window))
 
 

@@ -177,7 +177,7 @@ class RewardMix:
     def __bool__(self) -> bool:
         return bool(self.terms)
 
-    @property
+    @functools.cached_property
     def required_metadata(self) -> frozenset[str]:
         """Metadata keys every row must carry for this mix (union of the functions' ``required_metadata``)."""
         return frozenset(k for fn in self._fns for k in getattr(fn.func, "required_metadata", ()))
