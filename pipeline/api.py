@@ -8,12 +8,12 @@ service binds to loopback by default (``api.host``).
 | method | path | what |
 | --- | --- | --- |
 | GET | /healthz | the process is up |
-| GET | /readyz | ingest, scheduler, MLflow and vLLM reachable (503 otherwise) |
+| GET | /readyz | per check: each worker (ingest, scheduler, reconcile) running, ingest storage, MLflow and vLLM reachable (503 otherwise) |
 | GET | /metrics | Prometheus exposition |
-| GET | /status | rounds, champions, ingest, buffer, next scheduled round |
+| GET | /status | rounds, champions, ingest, buffer, next scheduled round, workers (state, restarts, last error) |
 | GET | /rounds, /rounds/{id} | round records |
 | POST | /rounds | trigger a retrain: ``{"candidates": [...], "window": "6h"}`` → 202; 409 while one runs |
-| POST | /rounds/{id}/cancel | stop the running round at its next boundary (between training steps or phases) |
+| POST | /rounds/{id}/cancel | stop the running round at its next boundary (training steps, evaluation batches, phases); 409 once it registers |
 | POST | /promote | ``{"model": ..., "version": "3"}`` move ``@champion`` |
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |
@@ -29,6 +29,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.round_job import RoundNotCancellableError
 from pipeline.rounds import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:
@@ -110,7 +111,10 @@ def create_api(service: "HourglassService") -> FastAPI:
     def cancel(round_id: str) -> dict[str, Any]:
         if service.runner.current != round_id:
             raise HTTPException(409, f"round {round_id!r} is not running (running: {service.runner.current})")
-        service.runner.cancel()
+        try:
+            service.runner.cancel()
+        except RoundNotCancellableError as err:  # from register on the round runs to its end
+            raise HTTPException(409, str(err)) from err
         return {"round_id": round_id, "cancel_requested": True}
 
     @app.post("/promote", dependencies=[Depends(require_token)])

@@ -133,7 +133,10 @@ def _table(rows: list[dict[str, Any]]) -> Table:
 
 
 @app.command()
-def up(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+def up(
+    config: ConfigOpt = None, as_json: JsonOpt = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Stay in the foreground and restart a service that dies (backoff); Ctrl-C stops watching, not the services.")] = False,
+) -> None:  # fmt: skip
     """Start the embedded local stack (broker, MLflow, vLLM) and wait until healthy."""
     cfg = load(config)
     try:
@@ -161,6 +164,20 @@ def up(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     emit(rows, as_json, _table(rows))
     if not all(row["healthy"] for row in rows):
         raise typer.Exit(1)
+    if watch:
+        _watch(cfg, services)
+
+
+def _watch(cfg: HourglassConfig, services: list[stack.Service]) -> None:
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print(f"watching {', '.join(s.name for s in services)} (Ctrl-C stops watching; `hourglass down` stops the services)")
+    restarts = stack.watch(services, stop, on_restart=lambda s: _ensure_topics(cfg) if s.name == "broker" else None)
+    console.print(f"stopped watching; restarts: {restarts}")
 
 
 def _ensure_topics(cfg: HourglassConfig) -> None:

@@ -337,9 +337,51 @@ def register_round(
     return _register_folder(cfg, folder, stored, promote, client or make_client(cfg))
 
 
+TAG_NOT_PROMOTED = "hourglass.not_promoted"
+
+
+def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, version: RegisteredVersion) -> str | None:
+    """Why ``version`` must not become champion (its round is older than the champion's), or None.
+
+    Rounds are ordered by round id (``r<UTC start time>-<hex>``), falling back
+    to the lineage tag ``hourglass.window_end`` when a champion has no round tag.
+    """
+    from pipeline.aliases import champion_version
+
+    current = champion_version(client, version.model, cfg.registry.champion_alias)
+    if current is None or current == version.version:
+        return None
+    champ = client.get_model_version(version.model, current)
+    mine = client.get_model_version(version.model, version.version)
+    champ_round, my_round = champ.tags.get(TAG_ROUND), mine.tags.get(TAG_ROUND, version.round_id)
+    if champ_round and my_round and champ_round > my_round:
+        return f"round {my_round} is older than the champion v{current}'s round {champ_round}"
+    champ_end, my_end = champ.tags.get(TAG_WINDOW_END), mine.tags.get(TAG_WINDOW_END)
+    if not champ_round and champ_end and my_end and champ_end > my_end:
+        return f"its data window ends {my_end}, before the champion v{current}'s ({champ_end})"
+    return None
+
+
+def _promote_unless_stale(cfg: HourglassConfig, client: MlflowClient, version: RegisteredVersion) -> bool:
+    from pipeline.aliases import promote as promote_version
+
+    stale = _short_retry(_stale_against_champion)(cfg, client, version)
+    if stale is not None:
+        reason = f"not promoted: {stale}"
+        log.warning("%s v%s %s", version.model, version.version, reason)
+        _short_retry(client.set_model_version_tag)(version.model, version.version, TAG_NOT_PROMOTED, reason[:4900])
+        return False
+    _short_retry(promote_version)(cfg, version.model, version.version, client=client, reason=f"round {version.round_id}")
+    return True
+
+
 def _register_folder(cfg, folder: Path, result: RoundResult, promote: bool, client: MlflowClient) -> list[RegisteredVersion]:
+    """Register the pending round in ``folder``; promote each winner unless a newer round's version is champion."""
     try:
-        registered = _register_now(cfg, client, result, promote)
+        registered = _register_now(cfg, client, result, promote=False)
+        if promote:
+            for version in registered:
+                _promote_unless_stale(cfg, client, version)
     except Exception as err:
         if _transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
@@ -355,6 +397,12 @@ def _register_folder(cfg, folder: Path, result: RoundResult, promote: bool, clie
 
 def retry_pending(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RegisteredVersion]:
     """Register every pending round, oldest first; stops at the first outage.
+
+    Called at start-up and every ``schedule.pending_retry_interval_s`` by the
+    service (while no round runs). A pending round that asked for promotion is
+    promoted only if it is not older than the current champion's round;
+    otherwise it is registered, tagged ``hourglass.not_promoted`` with the
+    reason, and the alias stays.
 
     Returns the versions registered in this call (already-registered ones
     included, found by their round id tag). Rounds MLflow refuses stay pending

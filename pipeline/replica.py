@@ -8,13 +8,20 @@ Upstream API (vLLM OpenAI server, runtime LoRA updating enabled with
 - ``POST /v1/unload_lora_adapter {"lora_name"}``;
 - ``POST /v1/completions`` with ``model=<adapter name>``: the probe.
 
-Two error kinds: :class:`ReplicaUnreachableError` (connection refused, timeout:
-the replica may come back, retry later) and :class:`ReplicaRefusedError` (the
-server answered with an error status: the adapter, not the network, is the
-problem).
+Two error kinds, by whose fault it is:
+
+- :class:`ReplicaUnreachableError`: the replica's fault, transient (connection
+  refused, timeout, or a 5xx answer: overloaded, restarting, a proxy in front
+  of it); retry later. :class:`ReplicaServerError` is its 5xx subclass.
+- :class:`ReplicaRefusedError`: the adapter's fault (a 4xx answer to a load or
+  probe, a probe without a valid completion, or a load that a healthy replica
+  answers with HTTP 500 twice in a row: vLLM reports an adapter it cannot
+  read that way).
 """
 
 from __future__ import annotations
+
+import time
 
 import httpx
 
@@ -28,8 +35,16 @@ class ReplicaUnreachableError(PipelineError, ConnectionError):
     """A vLLM replica did not answer (down, restarting, or timed out)."""
 
 
+class ReplicaServerError(ReplicaUnreachableError):
+    """A vLLM replica answered with a 5xx status (a replica problem; retry later)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class ReplicaRefusedError(PipelineError, RuntimeError):
-    """A vLLM replica answered a load, unload or probe with an error status."""
+    """A vLLM replica refused a load, unload or probe for a reason that is the adapter's (4xx, invalid answer)."""
 
 
 class Replica:
@@ -47,6 +62,10 @@ class Replica:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as err:
             raise ReplicaUnreachableError(f"vLLM at {self.url} did not answer {what}: {type(err).__name__}: {err}") from err
+        if response.status_code >= 500:
+            raise ReplicaServerError(
+                f"vLLM at {self.url} failed {what}: HTTP {response.status_code}: {response.text[:500]}", response.status_code
+            )
         if response.status_code >= 400:
             raise ReplicaRefusedError(
                 f"vLLM at {self.url} refused {what}: HTTP {response.status_code}: {response.text[:500]}"
@@ -63,14 +82,43 @@ class Replica:
         data = self._call("GET", "/v1/models", "GET /v1/models", timeout=5.0).json()
         return [str(m["id"]) for m in data.get("data", [])]
 
-    def load(self, name: str, path: str) -> None:
+    def healthy(self) -> bool:
+        """True when ``GET /health`` answers 200 within 5 s."""
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def load(self, name: str, path: str, *, retry_pause_s: float = 1.0) -> None:
         """Load the adapter folder ``path`` under ``name`` (an already loaded name is not an error).
 
+        An HTTP 500 is retried once after ``retry_pause_s``; if the replica
+        answers ``/health`` with 200 both times, the adapter is what it cannot
+        load (vLLM answers an unreadable adapter with HTTP 500) and the load is
+        refused. Any other 5xx, or a 500 from an unhealthy replica, is the
+        replica's problem.
+
         Raises:
-            ReplicaUnreachableError, ReplicaRefusedError.
+            ReplicaUnreachableError: no answer, or a 5xx while the replica is unhealthy (transient).
+            ReplicaRefusedError: a 4xx, or a 500 twice from a healthy replica (the adapter's fault).
         """
+        what = f"load {name!r} from {path}"
+        body = {"lora_name": name, "lora_path": path}
         try:
-            self._call("POST", "/v1/load_lora_adapter", f"load {name!r} from {path}", json={"lora_name": name, "lora_path": path})
+            try:
+                self._call("POST", "/v1/load_lora_adapter", what, json=body)
+            except ReplicaServerError as err:
+                if err.status_code != 500 or not self.healthy():  # 502/503/504: a proxy or an overloaded server
+                    raise
+                time.sleep(retry_pause_s)
+                try:
+                    self._call("POST", "/v1/load_lora_adapter", what, json=body)
+                except ReplicaServerError as again:
+                    if not self.healthy():
+                        raise
+                    raise ReplicaRefusedError(
+                        f"vLLM at {self.url} refused {what} twice while healthy: HTTP {again.status_code}: {again}"
+                    ) from again
         except ReplicaRefusedError as err:
             if "already been loaded" in str(err) or "already loaded" in str(err):
                 return
@@ -93,11 +141,17 @@ class Replica:
         """One short greedy completion through ``name``; returns its text.
 
         Raises:
-            ReplicaUnreachableError, ReplicaRefusedError: including an answer
-                without choices.
+            ReplicaUnreachableError: no answer or a 5xx (transient).
+            ReplicaRefusedError: a 4xx, or an answer without a completion.
         """
         body = {"model": name, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0}
-        data = self._call("POST", "/v1/completions", f"a probe completion through {name!r}", json=body).json()
+        response = self._call("POST", "/v1/completions", f"a probe completion through {name!r}", json=body)
+        try:
+            data = response.json()
+        except ValueError:
+            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} with non-JSON: {response.text[:200]!r}") from None
+        if not isinstance(data, dict):
+            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data!r:.300}")
         choices = data.get("choices") or []
         if not choices or data.get("model") not in (None, name):
             raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data}")

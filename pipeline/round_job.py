@@ -12,6 +12,7 @@ resumed round is registered and promoted at most once.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
-from pipeline.rounds import RoundLock, RoundRecord, RoundStore
+from pipeline.errors import PipelineError
+from pipeline.rounds import RoundInProgressError, RoundLock, RoundRecord, RoundStore
 from trainer.config import window_seconds
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,10 @@ PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.
 
 class RoundCancelled(Exception):
     """Raised between steps when a cancel was requested."""
+
+
+class RoundNotCancellableError(PipelineError, RuntimeError):
+    """The round has started ``register``: its result may already be in MLflow and the alias may move."""
 
 
 def parse_window(window: str) -> timedelta:
@@ -123,6 +129,9 @@ class RoundRunner:
         self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
         self.lock = RoundLock(cfg.resolve(cfg.state_dir))
         self._cancel = threading.Event()
+        self._committed = False  # True from the register step on: the round can no longer be cancelled
+        self._state_lock = threading.Lock()  # orders a cancel request against the register step
+        self._abandoned: str | None = None  # set by settle_abandoned(): the round thread must not write its record
         self._thread: threading.Thread | None = None
         self.current: str | None = None
         self.on_promoted: list = []  # callbacks(model, version): e.g. wake the reconcile loop
@@ -147,6 +156,7 @@ class RoundRunner:
             self.lock.release()
             raise
         self._cancel.clear()
+        self._committed, self._abandoned = False, None
         self.current = record.round_id
         self._thread = threading.Thread(target=self._run_locked, args=(record,), name=f"round-{record.round_id}", daemon=True)
         self._thread.start()
@@ -166,11 +176,40 @@ class RoundRunner:
         return True
 
     def cancel(self) -> bool:
-        """Ask the running round to stop at its next boundary: between training steps, or between phases."""
-        if self.current is None:
-            return False
-        self._cancel.set()
-        return True
+        """Ask the running round to stop at its next boundary: between training steps,
+        between evaluation batches, or between phases. False when no round runs.
+
+        Raises:
+            RoundNotCancellableError: the round has started ``register`` (its
+                result is being written to MLflow and promoted); it runs to its end.
+        """
+        with self._state_lock:
+            if self.current is None:
+                return False
+            if self._committed:
+                raise RoundNotCancellableError(
+                    f"round {self.current} has started register: it can no longer be cancelled (the alias may already "
+                    "have moved); wait for it to finish, then roll back with `hourglass rollback` if needed"
+                )
+            self._cancel.set()
+            return True
+
+    def settle_abandoned(self, reason: str) -> str | None:
+        """Mark the running round failed now (shutdown after the grace) and unload what it published.
+
+        The round thread keeps running until the process exits but no longer
+        writes its record. Returns the round id, or None when no round runs or
+        it has started ``register`` (left for :func:`recover` at the next start).
+        """
+        with self._state_lock:
+            round_id = self.current
+            if round_id is None or self._committed or not self.running:
+                return None
+            self._abandoned = reason
+        record = self.store.get(round_id)
+        self.store.transition(record, "failed", f"{record.state}: {reason}")
+        unload_round_adapters(self.cfg, round_id, record.candidates)
+        return round_id
 
     @property
     def running(self) -> bool:
@@ -188,27 +227,39 @@ class RoundRunner:
         return [n for n in known if n in candidates]
 
     def _step(self, record: RoundRecord, state: str) -> None:
-        if self._cancel.is_set():
-            raise RoundCancelled(f"cancelled before {state}")
+        with self._state_lock:
+            if self._abandoned is not None:
+                raise RoundCancelled(self._abandoned)
+            if not self._committed and self._cancel.is_set():
+                raise RoundCancelled(f"cancelled before {state}")
+            if state == "register":
+                self._committed = True  # from here on a cancel is refused
         self.store.transition(record, state)
         log.info("round %s: %s", record.round_id, state)
 
     def _checkpoint(self, record: RoundRecord, phase: str) -> None:
-        """Called by the trainer between training steps and before evaluation: a cancel takes effect here."""
+        """Called by the trainer between training steps, before evaluation and between
+        evaluation batches (``"evaluate:<what>"``): a cancel takes effect here."""
         if phase == "evaluate":
             self._step(record, "evaluate")
+        elif self._abandoned is not None:
+            raise RoundCancelled(self._abandoned)
         elif self._cancel.is_set():
-            raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")
+            if phase.startswith("train"):
+                raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")
+            raise RoundCancelled(f"cancelled during evaluate (before {phase.removeprefix('evaluate:').replace(':', ' of ')})")
 
     def _run_locked(self, record: RoundRecord) -> None:
         started = time.monotonic()
         try:
             self._run(record)
         except RoundCancelled as err:
-            self.store.transition(record, "cancelled", str(err))
+            if self._abandoned is None:  # an abandoned round was settled by settle_abandoned()
+                self.store.transition(record, "cancelled", str(err))
         except Exception as err:  # a failed round leaves the champion serving
             log.exception("round %s failed", record.round_id)
-            self.store.transition(record, "failed", f"{record.state}: {type(err).__name__}: {err}")
+            if self._abandoned is None:
+                self.store.transition(record, "failed", f"{record.state}: {type(err).__name__}: {err}")
         finally:
             ROUNDS.labels(record.state).inc()
             ROUND_SECONDS.observe(time.monotonic() - started)
@@ -260,20 +311,72 @@ class RoundRunner:
             self.store.transition(record, "no_winner", reasons)
 
 
+def round_adapter_names(round_id: str, candidates: list[str]) -> re.Pattern[str]:
+    """The names a round publishes into the rollout engine: ``<candidate>-s<step>``
+    for its candidates and ``champion-<i>-<round_id>`` for the champions it evaluates."""
+    cands = "|".join(re.escape(c) for c in sorted(set(candidates), key=len, reverse=True)) or "(?!)"
+    return re.compile(rf"^(?:(?:{cands})-s[0-9]+|champion-[0-9]+-{re.escape(round_id)})$")
+
+
+def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
+    """Unload what a dead or abandoned round left loaded in vLLM, on every replica.
+
+    Looks at ``serving.replicas`` and ``rl.rollout_url``; a replica that does
+    not answer is skipped (a restarted vLLM has lost its runtime adapters anyway).
+    Only call it while no other round runs (it matches by candidate name).
+    Returns ``{replica url: [unloaded names]}``.
+    """
+    from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+
+    pattern = round_adapter_names(round_id, candidates)
+    urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
+    unloaded: dict[str, list[str]] = {}
+    for url in urls:
+        replica = Replica(url, timeout_s=30)
+        try:
+            for name in [n for n in replica.models() if pattern.match(n)]:
+                replica.unload(name)
+                unloaded.setdefault(url, []).append(name)
+        except (ReplicaUnreachableError, ReplicaRefusedError) as err:
+            log.warning("round %s: could not unload its adapters from %s: %s", round_id, url, err)
+        finally:
+            replica.close()
+    if unloaded:
+        log.warning("round %s: unloaded adapters it left in vLLM: %s", round_id, unloaded)
+    return unloaded
+
+
 def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
     """Settle rounds a crash left unfinished; call once at service start.
 
     Before ``register`` nothing left the process: the round is marked failed.
     From ``register`` on the result is write-ahead in the pending folder:
     :func:`pipeline.registry.retry_pending` registers and promotes it once
-    (idempotent by round id), and the round is marked done.
+    (idempotent by round id), and the round is marked done. A round settled
+    as failed also loses the adapters it had published into vLLM
+    (:func:`unload_round_adapters`). Nothing is settled while another process
+    holds the round lock (that round is alive).
     """
-    from pipeline.registry import RegistryError, find_round_version, list_pending, make_client, retry_pending
-
-    settled = []
+    settled: list[RoundRecord] = []
     unfinished = store.unfinished()
     if not unfinished:
         return settled
+    lock = RoundLock(cfg.resolve(cfg.state_dir))
+    try:
+        lock.acquire("recovery")
+    except RoundInProgressError as err:  # another live process runs that round: not ours to settle
+        log.warning("rounds not settled now: %s", err)
+        return settled
+    try:
+        return _settle(cfg, store, unfinished)
+    finally:
+        lock.release()
+
+
+def _settle(cfg: HourglassConfig, store: RoundStore, unfinished: list[RoundRecord]) -> list[RoundRecord]:
+    from pipeline.registry import RegistryError, find_round_version, list_pending, make_client, retry_pending
+
+    settled: list[RoundRecord] = []
     registered = {}
     try:
         registered = {v.model: v.version for v in retry_pending(cfg)}
@@ -298,5 +401,11 @@ def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
             store.transition(record, "done", f"resumed after a restart (process died during {record.state}); registered {record.versions}")
         else:
             store.transition(record, "failed", f"interrupted: the process died during {record.state}; nothing was registered")
+            if record.state != "pending":
+                names = sorted({*record.candidates, *(c.name for c in cfg.candidates)})
+                unloaded = unload_round_adapters(cfg, record.round_id, names)
+                if unloaded:
+                    count = sum(len(v) for v in unloaded.values())
+                    store.transition(record, "failed", f"{record.reason}; unloaded {count} adapter(s) it had left in vLLM")
         settled.append(record)
     return settled

@@ -2,16 +2,23 @@
 reconcile loop and the ops API in one process.
 
 Start order (each needs the one before): config → base model → topics →
-settle rounds a crash left → ingest → reconcile loop → scheduler → API.
-Shutdown order is written where it happens, in :meth:`HourglassService.shutdown`.
+settle rounds a crash left (and unload what they left in vLLM) → ingest →
+reconcile loop → scheduler → API. Ingest, reconcile and scheduler run as
+supervised workers (:mod:`pipeline.supervise`): one that raises is restarted
+with backoff and shows in ``/readyz`` and ``/status`` meanwhile.
+Shutdown order is written where it happens, in :meth:`HourglassService.shutdown`;
+:func:`run_service` runs it on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +30,10 @@ from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Gauge
 
 from pipeline.config import HourglassConfig
-from pipeline.round_job import RoundRunner, recover
-from pipeline.rounds import RoundInProgressError, RoundStore
+from pipeline.errors import PipelineError
+from pipeline.round_job import RoundNotCancellableError, RoundRunner, recover
+from pipeline.rounds import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
+from pipeline.supervise import Worker
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,16 @@ def scheduled_round() -> None:
         service.runner.start("schedule")
     except RoundInProgressError as err:
         log.info("scheduled round skipped: %s", err)
+
+
+def scheduled_retry_pending() -> None:
+    """The scheduler's job that retries registrations an MLflow outage left pending."""
+    if _CURRENT is not None:
+        _CURRENT.retry_pending_now()
+
+
+class WorkerDiedError(PipelineError, RuntimeError):
+    """A worker's inner thread stopped on its own (e.g. the APScheduler thread); it is restarted."""
 
 
 def api_token(cfg: HourglassConfig) -> str:
@@ -84,10 +103,9 @@ class HourglassService:
         self.runner = RoundRunner(cfg, base_fingerprint, self.store)
         self._want_ingest, self._want_reconcile = ingest, reconcile
         self.ingest_worker = None
-        self._ingest_stop = threading.Event()
-        self._ingest_thread: threading.Thread | None = None
         self.controller = None
         self.scheduler: BackgroundScheduler | None = None
+        self.workers: dict[str, Worker] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -104,19 +122,34 @@ class HourglassService:
             from connectors.ingest import IngestWorker
 
             self.ingest_worker = IngestWorker(self.cfg.kafka, self.cfg.buffer)
-            self._ingest_thread = threading.Thread(target=self.ingest_worker.run, args=(self._ingest_stop,), name="ingest", daemon=True)
-            self._ingest_thread.start()
+            self._supervise("ingest", self.ingest_worker.run)
         if self._want_reconcile:
             from pipeline.serving import ServingController
 
             models = sorted({c.served_model for c in self.cfg.candidates} | {self.cfg.serving.model_name})
             self.controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
-            self.controller.start()
+            self._supervise("reconcile", self.controller.run, on_stop=self.controller.trigger)
             self.runner.on_promoted.append(lambda _model, _version: self.controller.trigger())
         _CURRENT = self
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
+        self._supervise("scheduler", self._watch_scheduler)
         log.info("service started; next round: %s", self.next_round_at())
+
+    def _supervise(self, name: str, target, on_stop=None) -> None:
+        worker = Worker(name, target, on_stop=on_stop)
+        self.workers[name] = worker
+        worker.start()
+
+    def _watch_scheduler(self, stop: threading.Event) -> None:
+        """The scheduler worker: (re)start APScheduler, then raise if its thread stops on its own."""
+        if self.scheduler is None or not self.scheduler.running:
+            self.scheduler = self._make_scheduler()
+            self.scheduler.start()
+        while not stop.wait(1.0):
+            thread = getattr(self.scheduler, "_thread", None)
+            if not self.scheduler.running or (thread is not None and not thread.is_alive()):
+                raise WorkerDiedError("the APScheduler thread stopped; starting a new scheduler")
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule
@@ -131,31 +164,87 @@ class HourglassService:
             trigger = IntervalTrigger(seconds=sched.interval_s) if sched.interval_s else CronTrigger.from_crontab(sched.cron, timezone="UTC")
             # replace_existing: the persisted job follows the config of this start.
             scheduler.add_job(scheduled_round, trigger, id="round", name="hourglass round", replace_existing=True)
+        scheduler.add_job(
+            scheduled_retry_pending, IntervalTrigger(seconds=sched.pending_retry_interval_s), id="retry-pending",
+            name="hourglass pending registrations", replace_existing=True,
+        )  # fmt: skip
         return scheduler
 
-    def shutdown(self, round_grace_s: float = 30.0) -> None:
+    def retry_pending_now(self) -> list:
+        """Register what an MLflow outage left pending (skipped while a round runs).
+
+        Updates the records of the rounds it registers and wakes the reconcile
+        loop. Returns the :class:`~pipeline.registry.RegisteredVersion` list.
+        """
+        from pipeline.registry import RegistryError, list_pending, retry_pending
+
+        if not list_pending(self.cfg):
+            return []
+        lock = RoundLock(self.cfg.resolve(self.cfg.state_dir))
+        try:
+            lock.acquire("pending-retry")
+        except RoundInProgressError:
+            log.info("pending registrations not retried now: a round is running")
+            return []
+        try:
+            versions = retry_pending(self.cfg)
+        except RegistryError as err:
+            log.warning("pending registrations not retried: %s", err)
+            return []
+        finally:
+            lock.release()
+        for version in versions:
+            self._note_late_registration(version)
+        if versions and self.controller is not None:
+            self.controller.trigger()
+        return versions
+
+    def _note_late_registration(self, version) -> None:
+        try:
+            record = self.store.get(version.round_id)
+        except UnknownRoundError:
+            return
+        record.versions = {**record.versions, version.model: version.version}
+        note = f"registered later from the pending folder: {version.model} v{version.version}"
+        if record.terminal:
+            self.store.save(record)
+            self.store.transition(record, record.state, f"{record.reason}; {note}" if record.reason else note)
+        else:
+            self.store.transition(record, "done", note)
+
+    def shutdown(self, round_grace_s: float | None = None) -> None:
         """Stop everything, in this order:
 
         1. stop taking work: the scheduler fires no new round;
-        2. finish or abort the round: ask it to cancel at its next step, wait
-           ``round_grace_s``; a round still training is abandoned (its record
-           is settled as failed at the next start);
+        2. finish or abort the round: ask it to cancel at its next boundary
+           (refused from ``register`` on: it then runs to its end), wait
+           ``round_grace_s`` (default ``schedule.shutdown_grace_s``); a round
+           still running then is settled as failed and the adapters it
+           published into vLLM are unloaded;
         3. stop ingestion: the worker finishes its batch, makes it durable in
            the buffer, commits the offsets, and closes the consumer;
         4. stop the reconcile loop (vLLM keeps serving the champion).
         """
         global _CURRENT
-        if self.scheduler is not None and self.scheduler.running:  # 1
+        grace = self.cfg.schedule.shutdown_grace_s if round_grace_s is None else round_grace_s
+        if "scheduler" in self.workers:  # 1
+            self.workers["scheduler"].stop(10)
+        if self.scheduler is not None and self.scheduler.running:
             self.scheduler.shutdown(wait=False)
         if self.runner.running:  # 2
-            self.runner.cancel()
-            if not self.runner.wait(round_grace_s):
-                log.warning("round %s still running after %.0fs; abandoning it", self.runner.current, round_grace_s)
-        self._ingest_stop.set()  # 3
-        if self._ingest_thread is not None:
-            self._ingest_thread.join(60)
-        if self.controller is not None:  # 4
-            self.controller.stop()
+            try:
+                self.runner.cancel()
+            except RoundNotCancellableError as err:
+                log.warning("shutdown: %s", err)
+            if not self.runner.wait(grace):
+                settled = self.runner.settle_abandoned(f"still running {grace:g}s after the shutdown request; abandoned")
+                log.warning("round %s still running after %.0fs; %s", self.runner.current, grace,
+                            "settled as failed" if settled else "left for recovery at the next start")  # fmt: skip
+        if "ingest" in self.workers:  # 3
+            if not self.workers["ingest"].stop(30):
+                log.warning("ingest did not stop within 30s; its uncommitted batch is redelivered at the next start")
+        if "reconcile" in self.workers:  # 4
+            self.workers["reconcile"].stop(10)
         _CURRENT = None
 
     # -- what the API shows ------------------------------------------------------------
@@ -171,12 +260,12 @@ class HourglassService:
 
         from pipeline.registry import mlflow_reachable
 
-        checks = {
-            "scheduler": bool(self.scheduler and self.scheduler.running),
-            "mlflow": mlflow_reachable(self.cfg.registry.tracking_uri),
-        }
-        if self._want_ingest:
-            checks["ingest"] = bool(self._ingest_thread and self._ingest_thread.is_alive())
+        checks = {name: worker.alive for name, worker in self.workers.items()}  # ingest, reconcile, scheduler
+        checks.setdefault("scheduler", bool(self.scheduler and self.scheduler.running))
+        checks["mlflow"] = mlflow_reachable(self.cfg.registry.tracking_uri)
+        health = getattr(self.ingest_worker, "health", None)
+        if callable(health):
+            checks["ingest storage"] = bool(self._safe(health).get("storage_ok", False))
         for url in self.cfg.serving.replicas:
             try:
                 checks[f"vllm {url}"] = httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -210,6 +299,7 @@ class HourglassService:
             "serving": self.controller.status() if self.controller is not None else {},
             "ingest": self.ingest_worker.stats().as_metrics() if self.ingest_worker is not None else {},
             "buffer": self._safe(self.buffer_stats),
+            "workers": {name: worker.state().as_dict() for name, worker in self.workers.items()},
         }
 
     @staticmethod
@@ -238,21 +328,65 @@ class HourglassService:
         return out
 
 
-def run_service(cfg: HourglassConfig) -> None:
-    """Start the service and serve the API until SIGINT/SIGTERM, then shut down in order."""
+def _api_server(app, cfg: HourglassConfig):
+    """A uvicorn server with its signal handling taken out: :func:`run_service` owns SIGTERM/SIGINT.
+
+    (uvicorn restores the previous handlers on exit and re-raises the signal it
+    caught, which would kill the process before the service's shutdown runs.)
+    """
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn >= 0.29
+            yield
+
+        def install_signal_handlers(self) -> None:  # older uvicorn
+            pass
+
+    return Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning"))
+
+
+SHUTDOWN_MARKER = "hourglass service: shutdown complete"
+
+
+def run_service(cfg: HourglassConfig) -> None:
+    """Start the service and serve the API until SIGINT/SIGTERM, then shut down in order.
+
+    Returns normally after a clean stop (exit code 0) and logs
+    :data:`SHUTDOWN_MARKER`. A second SIGINT/SIGTERM during the shutdown is
+    ignored (systemd's ``TimeoutStopSec`` SIGKILL is the hard stop).
+    """
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the reconcile loop polls every few seconds
 
     from pipeline.api import create_api
 
+    received: list[int] = []
+    server = None
+
+    def on_signal(signum: int, _frame) -> None:
+        if received:
+            log.warning("%s again: shutdown already in progress", signal.Signals(signum).name)
+            return
+        received.append(signum)
+        log.warning("%s received: shutting down", signal.Signals(signum).name)
+        if server is not None:
+            server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     service = HourglassService(cfg)
-    service.start()
-    token_path = Path(cfg.resolve(cfg.state_dir)) / "api-token"
-    log.info("ops API on http://%s:%d (token: %s)", cfg.api.host, cfg.api.port, "api.token" if cfg.api.token else token_path)
-    server = uvicorn.Server(uvicorn.Config(create_api(service), host=cfg.api.host, port=cfg.api.port, log_level="warning"))
+    started = time.monotonic()
     try:
-        server.run()  # returns after SIGTERM/SIGINT (uvicorn installs the handlers)
+        service.start()
+        token_path = Path(cfg.resolve(cfg.state_dir)) / "api-token"
+        log.info("ops API on http://%s:%d (token: %s)", cfg.api.host, cfg.api.port, "api.token" if cfg.api.token else token_path)
+        server = _api_server(create_api(service), cfg)
+        if not received:  # a signal during start-up: go straight to the shutdown
+            server.run()
     finally:
+        stop_started = time.monotonic()
         service.shutdown()
-        log.info("service stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        why = signal.Signals(received[0]).name if received else "server exit"
+        log.info("%s (%s; shutdown took %.1fs, up %.0fs)", SHUTDOWN_MARKER, why, time.monotonic() - stop_started, stop_started - started)

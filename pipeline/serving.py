@@ -17,10 +17,17 @@ A hot-load, in order:
    gateway reads it with :func:`read_routes`);
 5. unload the replaced version after ``serving.drain_s``.
 
-If 1–3 fail for the adapter (not for a replica being down), the previous
-champion keeps serving, the loaded copies are unloaded, the version is tagged
-``hourglass.serve_error`` with the reason, and ``@champion`` moves back to
-what is served. It is not retried until someone promotes it again.
+If 1–3 fail for the adapter (staging refuses it, a replica answers the load
+or probe with a 4xx or an invalid completion, or a healthy replica cannot load
+it twice in a row), the previous champion keeps serving, the loaded copies are
+unloaded, the version is tagged ``hourglass.serve_error`` with the reason, and
+``@champion`` moves back to what is served. It is not retried until someone
+promotes it again.
+
+A replica problem (no answer, timeout, a 5xx from an unhealthy replica) is
+transient: nothing is tagged, the alias stays, the error is counted in
+``hourglass_serve_transient_errors_total{replica}`` and shown in the status,
+and the next pass tries again.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
@@ -48,6 +55,7 @@ from pipeline.staging import StagingError, served_name, stage_version
 log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
+TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
 ROUTES_FILE = "routes.json"
 
 
@@ -106,6 +114,8 @@ class ModelStatus:
     last_hotload_s: float | None = None
     replicas: dict[str, object] = field(default_factory=dict)  # url -> served names, or "unreachable: ..."
     updated_at: str | None = None
+    transient_errors: int = 0  # replica problems met for this model since start (retried, never refused)
+    last_transient_error: str | None = None
 
 
 class _AdapterFailure(Exception):
@@ -186,9 +196,12 @@ class ServingController:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def run(self) -> None:
-        """The loop body: reconcile, then sleep until the interval or the next unload is due."""
-        while not self._stop.is_set():
+    def run(self, stop: threading.Event | None = None) -> None:
+        """The loop body: reconcile, then sleep until the interval or the next unload is due.
+
+        Runs until :meth:`stop`, or until ``stop`` is set (wake it with :meth:`trigger`).
+        """
+        while not self._stop.is_set() and not (stop is not None and stop.is_set()):
             self.reconcile_once()
             wait_s = self.cfg.serving.reconcile_interval_s
             if self._draining:
@@ -264,7 +277,8 @@ class ServingController:
                 replica.load(staged.served_name, str(staged.path))
                 done.append(replica)
                 replica.probe(staged.served_name)
-            except ReplicaUnreachableError as err:
+            except ReplicaUnreachableError as err:  # the replica's problem, not the adapter's
+                self._transient(model, replica, err)
                 log.warning("%s; will load %s there on a later pass", err, staged.served_name)
                 if replica in done:
                     done.remove(replica)
@@ -282,7 +296,11 @@ class ServingController:
             need = [r for r, names in seen.items() if name not in names]
             ready = self._load_on(model, version, need, mv)
             for replica in [r for r in seen if r not in need]:
-                replica.probe(name)  # already there (e.g. loaded by a previous pass): prove it
+                try:
+                    replica.probe(name)  # already there (e.g. loaded by a previous pass): prove it
+                except ReplicaUnreachableError as err:
+                    self._transient(model, replica, err)
+                    continue
                 ready.append(replica)
         except (_AdapterFailure, ReplicaRefusedError) as err:
             reason = str(err)
@@ -292,7 +310,7 @@ class ServingController:
             revert_failed(self.client, self.cfg, model, version, reason, st.serving)
             return
         if not ready:
-            return  # every replica went away mid-way: try again on the next pass
+            return  # every replica went away or failed transiently: try again on the next pass
         previous = read_routes(self.state_dir).get(model)
         write_route(self.state_dir, model, Route(served_name=name, version=version, updated_at=_now()))
         elapsed = time.monotonic() - started
@@ -303,6 +321,12 @@ class ServingController:
         if previous is not None and previous.served_name != name:
             self._draining[previous.served_name] = time.monotonic() + self.cfg.serving.drain_s
         log.info("serving %s v%s as %s (%.2fs)", model, version, name, elapsed)
+
+    def _transient(self, model: str, replica: Replica, err: Exception) -> None:
+        st = self._status[model]
+        st.transient_errors += 1
+        st.last_transient_error = f"{_now()} {err}"
+        TRANSIENT.labels(replica.url).inc()
 
     # -- unloads ------------------------------------------------------------------
 

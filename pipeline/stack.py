@@ -4,7 +4,8 @@ tracking server on SQLite, and a vLLM CPU/GPU OpenAI server with runtime LoRA.
 ``hourglass up`` starts each as its own process group with a log file and a
 pid file under ``<state_dir>/run``, waits for its health check, and returns.
 ``hourglass down`` stops them (SIGTERM to the group, SIGKILL after a grace
-period). The pytest fixtures use the same :class:`Service` objects, so the
+period). ``hourglass up --watch`` stays in the foreground and restarts a
+service whose process died, with backoff (:func:`watch`). The pytest fixtures use the same :class:`Service` objects, so the
 tests start the services exactly as an operator does.
 """
 
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -366,3 +368,45 @@ def running_pid(service: Service) -> int | None:
     if pid is not None and _group_alive(pid):
         return pid
     return None
+
+
+def watch(
+    services: list[Service], stop: threading.Event, *, every_s: float = 5.0, initial_s: float = 2.0, max_s: float = 120.0,
+    on_restart: Callable[[Service], None] | None = None,
+) -> dict[str, int]:  # fmt: skip
+    """Restart a service of the local stack whose process died, with backoff, until ``stop`` is set.
+
+    Every ``every_s`` each service's process group is checked (a live but slow
+    process is left alone: vLLM may be busy). A dead one is started again; a
+    failed start is retried after ``initial_s`` doubling to ``max_s``
+    (tenacity's ``wait_exponential``), reset by a successful start.
+    ``on_restart(service)`` runs after each successful restart (e.g. re-create
+    the topics of a restarted in-memory broker). Returns restarts per service.
+    """
+    from types import SimpleNamespace
+
+    from tenacity import wait_exponential
+
+    backoff = wait_exponential(multiplier=initial_s, max=max_s)
+    failures = {s.name: 0 for s in services}
+    not_before = {s.name: 0.0 for s in services}
+    restarts = {s.name: 0 for s in services}
+    while not stop.wait(every_s):
+        for service in services:
+            if running_pid(service) is not None or time.monotonic() < not_before[service.name]:
+                continue
+            print(f"{time.strftime('%H:%M:%S')} {service.name} is not running; restarting it", file=sys.stderr, flush=True)
+            try:
+                service.process = None
+                service.start()
+            except StackError as err:
+                failures[service.name] += 1
+                delay = float(backoff(SimpleNamespace(attempt_number=failures[service.name])))
+                not_before[service.name] = time.monotonic() + delay
+                print(f"{service.name} failed to restart ({err}); next try in {delay:.0f}s", file=sys.stderr, flush=True)
+                continue
+            failures[service.name] = 0
+            restarts[service.name] += 1
+            if on_restart is not None:
+                on_restart(service)
+    return restarts

@@ -225,50 +225,64 @@ def eval_prompts(heldout: Sequence[Prompt], candidates: Sequence[CandidateConfig
 def evaluate_and_gate(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
     heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
+    checkpoint: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
     """Greedy answers of all candidates and champions on the same held-out prompts, then one gate per tenant.
 
     Only held-out rows every candidate's evaluation mix can score are used.
+    ``checkpoint`` is called with ``"evaluate:greedy"`` before the greedy
+    answers and ``"evaluate:score:<candidate>"`` before each candidate is
+    scored; if it raises, the champions loaded here are unloaded and the error
+    propagates.
 
     Raises:
         DataError: no held-out row carries the metadata the evaluation rewards need.
     """
+    check = checkpoint or (lambda _phase: None)
     prompts = eval_prompts(heldout, candidates, rl)
     ids = [_prompt_ids(base, p, rl) for p in prompts]
     tenants = sorted({c.served_model for c in candidates})
     champion_versions: dict[str, str] = {}
     champion_names: list[str] = []
-    for i, tenant in enumerate(tenants):
-        folder = champions.get(tenant)
-        if folder is None:
-            champion_versions[tenant] = BASE_VERSION
-            continue
-        name = f"champion-{i}"
-        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
-        champion_names.append(name)
-        champion_versions[tenant] = f"{name}-{round_id}"
-        engine.load(name, champion_versions[tenant], Path(folder))
-    answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl)
-    results: dict[str, EvalResult] = {}
-    for c in candidates:
-        samples = answers[versions[c.name]]
-        store.activate(c.name)  # type: ignore[attr-defined]
-        results[c.name] = EvalResult(
-            version=versions[c.name], samples=tuple(samples), rewards=score(samples, prompts, eval_mix(c)),
-            mean_kl=kl_to_base(base, ids, samples), mean_length=sum(len(s.token_ids) for s in samples) / max(1, len(samples)),
-        )  # fmt: skip
-    decisions = {}
-    for tenant in tenants:
-        members = [c for c in candidates if c.served_model == tenant]
-        champ = answers[champion_versions[tenant]]
-        champ_rewards = {c.name: score(champ, prompts, eval_mix(c)) for c in members}
-        label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
-        decisions[tenant] = gate(tenant, members, results, champ_rewards, label, rl)
-    for version in champion_versions.values():
-        if version != BASE_VERSION:
-            engine.unload(version)
-    for name in champion_names:
-        store.delete(name)  # type: ignore[attr-defined]
+    loaded: list[str] = []
+    try:
+        for i, tenant in enumerate(tenants):
+            folder = champions.get(tenant)
+            if folder is None:
+                champion_versions[tenant] = BASE_VERSION
+                continue
+            name = f"champion-{i}"
+            store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
+            champion_names.append(name)
+            champion_versions[tenant] = f"{name}-{round_id}"
+            engine.load(name, champion_versions[tenant], Path(folder))
+            loaded.append(champion_versions[tenant])
+        check("evaluate:greedy")
+        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl)
+        results: dict[str, EvalResult] = {}
+        for c in candidates:
+            check(f"evaluate:score:{c.name}")
+            samples = answers[versions[c.name]]
+            store.activate(c.name)  # type: ignore[attr-defined]
+            results[c.name] = EvalResult(
+                version=versions[c.name], samples=tuple(samples), rewards=score(samples, prompts, eval_mix(c)),
+                mean_kl=kl_to_base(base, ids, samples), mean_length=sum(len(s.token_ids) for s in samples) / max(1, len(samples)),
+            )  # fmt: skip
+        decisions = {}
+        for tenant in tenants:
+            members = [c for c in candidates if c.served_model == tenant]
+            champ = answers[champion_versions[tenant]]
+            champ_rewards = {c.name: score(champ, prompts, eval_mix(c)) for c in members}
+            label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
+            decisions[tenant] = gate(tenant, members, results, champ_rewards, label, rl)
+    finally:  # also on a cancel: the champions loaded here leave the engine and the store
+        for version in loaded:
+            try:
+                engine.unload(version)
+            except RolloutError as err:
+                log.warning("could not unload %s after evaluation: %s", version, err)
+        for name in champion_names:
+            store.delete(name)  # type: ignore[attr-defined]
     return results, decisions, {"eval/prompts": float(len(prompts))}
 
 
@@ -318,7 +332,8 @@ def run_round(
         base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
             its adapters are removed again at the end.
         checkpoint: called at each phase boundary, with ``"train:<step>"`` before
-            every training step and ``"evaluate"`` before evaluation. It may raise
+            every training step, ``"evaluate"`` before evaluation and
+            ``"evaluate:<what>"`` between evaluation batches. It may raise
             (e.g. to cancel): the round stops there and its adapters are cleaned up.
 
     Raises:
@@ -342,7 +357,9 @@ def run_round(
         history, versions, rollout_metrics = train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint)
         if checkpoint is not None:
             checkpoint("evaluate")
-        results, decisions, eval_metrics = evaluate_and_gate(base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id)
+        results, decisions, eval_metrics = evaluate_and_gate(
+            base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id, checkpoint
+        )
         out = []
         for c in candidates:  # 5. final adapters, also kept as the candidate's "last"
             folder = store.save(c.name, out_dir / c.name / "adapter")

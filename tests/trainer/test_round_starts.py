@@ -72,7 +72,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
 
     phases: list[str] = []
     run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, checkpoint=phases.append)
-    assert phases == ["train:0", "train:1", "train:2", "evaluate"]
+    assert phases == ["train:0", "train:1", "train:2", "evaluate", "evaluate:greedy", "evaluate:score:a", "evaluate:score:b"]
 
     base = load_base(model)
     adapters_before = set(getattr(base.model, "peft_config", {}))
