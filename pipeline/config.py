@@ -43,9 +43,9 @@ class ScheduleConfig(_Section):
     misfire_grace_s: int = Field(default=600, ge=1, description="A missed run still starts if this late (coalesced).")
     min_new_traces: int = Field(default=1, ge=0, description="A scheduled round is skipped until this many traces arrived since the last round.")
     shutdown_grace_s: float = Field(
-        default=60.0, gt=0, le=90,
+        default=60.0, gt=0, le=75,
         description="On SIGTERM/SIGINT, seconds a running round gets to stop at its next boundary before it is settled as "
-        "failed. Keep it under the unit's TimeoutStopSec (120 s) minus ~30 s for the ingest flush.",
+        "failed. At most 75 s, so that with the ingest flush (30 s) and the reconcile stop (10 s) it fits the units' 120 s stop timeout.",
     )  # fmt: skip
     pending_retry_interval_s: float = Field(
         default=60.0, gt=0, description="Seconds between retries of registrations left pending by an MLflow outage."

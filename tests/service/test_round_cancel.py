@@ -132,3 +132,16 @@ def test_shutdown_cancels_at_the_next_boundary(cfg, monkeypatch) -> None:
     final = service.store.get(record.round_id)
     assert final.state == "cancelled" and final.reason == "cancelled during train (before train step 1)"
     assert fake.unloaded == []
+
+
+def test_round_grace_fits_the_units_stop_timeout() -> None:
+    import configparser
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(Path(__file__).resolve().parents[2] / "deploy" / "hourglass.service")
+    timeout_s = int(unit["Service"]["TimeoutStopSec"])
+    schedule = load_config(None).schedule
+    bound = type(schedule).model_fields["shutdown_grace_s"].metadata[-1].le
+    assert bound + 30 + 10 < timeout_s  # the largest grace + ingest flush (30 s) + reconcile stop (10 s)
+    with pytest.raises(ValueError, match="less than or equal to 75"):
+        type(schedule)(shutdown_grace_s=300)
