@@ -118,6 +118,9 @@ def register(app: typer.Typer, load) -> None:
         console.print(f"round running: {data['round_running'] or '-'}   next scheduled: {data['next_round_at'] or '-'}")
         for model, st in data.get("serving", {}).items():
             console.print(f"serving {model}: {escape(json.dumps(st, default=str))}")
+        for name, worker in (data.get("workers") or {}).items():
+            error = f", last error: {escape(str(worker['last_error']))}" if worker.get("last_error") else ""
+            console.print(f"worker {name}: {worker['state']} (restarts {worker['restarts']}{error})")
         console.print(f"ingest: {data.get('ingest')}")
         console.print(f"buffer: {data.get('buffer')}")
         if data["recent_rounds"]:

@@ -19,6 +19,7 @@ import secrets
 import signal
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,8 @@ class HourglassService:
             scheduler.add_job(scheduled_round, trigger, id="round", name="hourglass round", replace_existing=True)
         scheduler.add_job(
             scheduled_retry_pending, IntervalTrigger(seconds=sched.pending_retry_interval_s), id="retry-pending",
-            name="hourglass pending registrations", replace_existing=True,
-        )  # fmt: skip
+            name="hourglass pending registrations", replace_existing=True, next_run_time=datetime.now(timezone.utc),
+        )  # fmt: skip  (first run at once: start-up too, not only when a round was left unfinished)
         return scheduler
 
     def retry_pending_now(self) -> list:
