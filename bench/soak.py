@@ -78,7 +78,7 @@ def bad_records(n: int, max_bytes: int) -> list[tuple[str, str, bytes]]:
         k = m(kind)
         out.append((kind, k, json.dumps(_trace(k, ts=ts)).encode()))
     k = m("oversize")
-    out.append(("oversize", k, json.dumps(_trace(k, completion="x" * (max_bytes + 10)))).encode())
+    out.append(("oversize", k, json.dumps(_trace(k, completion="x" * (max_bytes + 10))).encode()))
     k = m("invalid-json")
     out.append(("invalid-json", k, f'{{"schema": "hourglass.trace/v1", "trace_id": "{k}", "ts": '.encode()))
     k = m("unknown-schema")

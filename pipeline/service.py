@@ -207,8 +207,7 @@ class HourglassService:
             return
         record.versions = {**record.versions, version.model: version.version}
         note = f"registered later from the pending folder: {version.model} v{version.version}"
-        if record.terminal:
-            self.store.save(record)
+        if record.terminal:  # e.g. failed at register: the state stays, the record says what happened since
             self.store.transition(record, record.state, f"{record.reason}; {note}" if record.reason else note)
         else:
             self.store.transition(record, "done", note)
