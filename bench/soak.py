@@ -311,21 +311,26 @@ gateway_port = {self.gateway_port}
 
         violations: list[str] = []
         deadline = time.monotonic() + self.args.settle_s
-        missing_good, missing_bad, dupes = self.good, dict(self.bad), []
+        missing_good, missing_bad, dupes = set(self.good), dict(self.bad), []
+        errors: dict[str, str] = {}
         while time.monotonic() < deadline:  # let ingest catch up (and late feedback be swept)
-            try:
+            try:  # each store on its own: one unreadable store must not hide the other's result
                 ids = RewardBuffer(self.cfg.buffer).snapshot().column("trace_id").to_pylist()
-                dlq = self._dead_lettered_markers()
+                missing_good = self.good - set(ids)
+                dupes = sorted(i for i, count in Counter(ids).items() if count > 1)
+                errors.pop("buffer", None)
             except Exception as err:  # noqa: BLE001 - the soak reports, never dies on one read
-                violations.append(f"buffer or dead-letter store unreadable: {type(err).__name__}: {err}")
-                break
-            seen = set(ids)
-            missing_good = self.good - seen
-            dupes = sorted(i for i, count in Counter(ids).items() if count > 1)
-            missing_bad = {m: k for m, k in self.bad.items() if m not in dlq}
-            if not missing_good and not missing_bad:
+                errors["buffer"] = f"{type(err).__name__}: {err}"
+            try:
+                dlq = self._dead_lettered_markers()
+                missing_bad = {m: k for m, k in self.bad.items() if m not in dlq}
+                errors.pop("dead-letter store", None)
+            except Exception as err:  # noqa: BLE001
+                errors["dead-letter store"] = f"{type(err).__name__}: {err}"
+            if not missing_good and not missing_bad and not errors:
                 break
             time.sleep(3)
+        violations += [f"{what} unreadable: {error}" for what, error in errors.items()]
         if missing_good:
             violations.append(f"{len(missing_good)} good trace(s) not in the buffer, e.g. {sorted(missing_good)[:5]}")
         if dupes:
