@@ -35,6 +35,7 @@ ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a ro
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
 CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out reward of each candidate in the last round.", ["candidate"])
 CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out reward of the champion in the last round.", ["served_model"])
+REWARD_MODEL_AUC = Gauge("hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined).")
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
 
 
@@ -263,6 +264,8 @@ class RoundRunner:
             CANDIDATE_REWARD.labels(cand.name).set(cand.eval_metrics.get("eval/reward_mean", float("nan")))
         for model, decision in result.decisions.items():
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
+        if result.reward_model is not None:
+            REWARD_MODEL_AUC.set(result.reward_model.report.auc)
         self.store.save(record)
 
         self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on

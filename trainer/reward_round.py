@@ -12,6 +12,9 @@
    whose reward uses ``reward_model`` are scored in one batched pass; the
    scores reach the reward mix as ``metadata["reward_model_score"]``.
 4. :func:`finish`: the adapter and its head are saved and kept as ``last``.
+
+One reward model per round, from all rows of the split (every served model's
+traffic): the users' verdict is what it learns, whichever adapter answered.
 """
 
 from __future__ import annotations
