@@ -75,7 +75,7 @@ def _presented_token(request: Request) -> str | None:
 
 class _LiveFeedbackCollector:
     """``hourglass_live_feedback_rate{served_model,version}``: thumbs-up share of the last hour's
-    rewarded traces per served version, read from the buffer when Prometheus scrapes (cached 15 s)."""
+    rewarded traces per served version, read from the buffer when Prometheus scrapes (cached 30 s)."""
 
     def __init__(self) -> None:
         self.source: weakref.ReferenceType[ConsoleData] | None = None

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 PAYLOAD_CHARS = 200  # dead-letter payloads are cut to this many characters
 NEWEST_DEAD_LETTERS = 5
-FEEDBACK_WINDOW = timedelta(days=1)  # the live feedback chart looks this far back
+FEEDBACK_WINDOW = timedelta(hours=6)  # the live feedback chart looks this far back (a buffer snapshot: keep it short)
+MAX_VERSIONS = 8  # the feedback chart shows at most this many versions (the most recent)
 LIVE_RATE_WINDOW = timedelta(hours=1)  # hourglass_live_feedback_rate: thumbs-up share over this window
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
@@ -129,7 +130,7 @@ class ConsoleData:
         status = take("status", self.service.status, {}, self.ttl_s)
         rounds = take("rounds", lambda: [r.as_dict() for r in self.service.store.list(limit=20)], [], self.ttl_s)
         registry = take("MLflow registry", self._registry, {"models": {}, "runs": {}}, 5.0)
-        feedback = take("live feedback", self._feedback, {"series": {}, "live": [], "bucket_s": None}, 15.0)
+        feedback = take("live feedback", self._feedback, {"series": {}, "live": [], "bucket_s": None}, 30.0)
         hourly = take("buffer listing", self._hourly, [], 10.0)
         lag = take("consumer lag", self._lag, {}, 5.0) if self.service.ingest_worker is not None else {}
         dead = take("dead letters", self._dead_letters, {"by_reason": {}, "newest": []}, 10.0)
@@ -274,7 +275,9 @@ class ConsoleData:
     def _feedback(self) -> dict[str, Any]:
         """Thumbs-up share (reward > 0 among rewarded traces) by served version over time, from a
         buffer snapshot of the last :data:`FEEDBACK_WINDOW`; plus the last hour's share per
-        (served model, version) for ``hourglass_live_feedback_rate``."""
+        (served model, version) for ``hourglass_live_feedback_rate``. Versions come from traffic, so the
+        gauge keeps only configured served models and versions that are numbers (or the base), and the
+        chart the :data:`MAX_VERSIONS` most recent ones."""
         from connectors.buffer import RewardBuffer
 
         now = datetime.now(timezone.utc)
@@ -284,6 +287,7 @@ class ConsoleData:
             return {"series": {}, "live": [], "bucket_s": None}
         span = (now - min(r["ts"] for r in rows)).total_seconds()
         bucket_s = next((b for b in (60, 300, 900, 3600) if span / b <= 48), 3600)
+        served = set(self._served_models())
         buckets: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         live: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         for r in rows:
@@ -291,10 +295,11 @@ class ConsoleData:
             up = 1 if r["reward"] > 0 else 0
             cell = buckets[version][int(r["ts"].timestamp()) // bucket_s * bucket_s]
             cell[0], cell[1] = cell[0] + up, cell[1] + 1
-            if now - r["ts"] <= LIVE_RATE_WINDOW:
+            if now - r["ts"] <= LIVE_RATE_WINDOW and r["model"] in served and (version == "base" or version.isdigit()):
                 pair = live[(r["model"], version)]
                 pair[0], pair[1] = pair[0] + up, pair[1] + 1
-        series = {v: [[t, up / n, n] for t, (up, n) in sorted(cells.items())] for v, cells in sorted(buckets.items())}
+        recent = sorted(buckets, key=lambda v: max(buckets[v]), reverse=True)[:MAX_VERSIONS]
+        series = {v: [[t, up / n, n] for t, (up, n) in sorted(buckets[v].items())] for v in sorted(recent)}
         return {
             "series": series,
             "live": [{"model": m, "version": v, "rate": up / n, "traces": n} for (m, v), (up, n) in sorted(live.items())],
@@ -302,8 +307,8 @@ class ConsoleData:
         }
 
     def live_feedback(self) -> list[dict[str, Any]]:
-        """``[{model, version, rate, traces}]`` of the last hour (cached 15 s; [] when the buffer is unreadable)."""
-        value, _ = self._cache.get("live feedback", 15.0, lambda: _safe("live feedback", self._feedback, {"live": []}))
+        """``[{model, version, rate, traces}]`` of the last hour (cached 30 s; [] when the buffer is unreadable)."""
+        value, _ = self._cache.get("live feedback", 30.0, lambda: _safe("live feedback", self._feedback, {"live": []}))
         return list(value.get("live", []))
 
     # -- ingestion ------------------------------------------------------------------------

@@ -77,9 +77,13 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
             csp = response.headers["content-security-policy"]
             assert "script-src 'self'" in csp and "unsafe-inline" not in csp
         data = client.get("/console/data").json()
+        metrics = client.get("/metrics").text
+    assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 0.6666' in metrics
+    assert "onerror" not in metrics
     assert data["rounds"][0]["reward_model_auc"] == 0.75 and data["rounds"][0]["state"] == "no_winner"
     assert data["ingest"]["dead_letters"]["by_reason"] == {f"bad_{SCRIPT}": 1, "not_utf8": 1}
-    assert data["feedback"]["series"].keys() == {IMG, "2"}
+    assert data["feedback"]["series"].keys() == {IMG, "2"}  # the chart shows what traffic says, escaped
+    assert [(r["model"], r["version"], r["traces"]) for r in data["feedback"]["live"]] == [("hourglass", "2", 3)]  # the gauge: known labels only
     assert any("MLflow registry" in e and "***@" in e for e in data["errors"]), data["errors"]  # unreachable, redacted
 
 
