@@ -23,6 +23,8 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -62,21 +64,54 @@ def mlflow_ui_base(tracking_uri: str) -> str | None:
     return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
-class _TTLCache:
-    """``get(key, ttl_s, compute)``: the cached value while younger than ``ttl_s``; one computation at a time per key."""
+class _Sources:
+    """Cached sources, each refreshed on a worker thread (one refresh in flight per source).
 
-    def __init__(self) -> None:
+    :meth:`get` returns the cached value while it is younger than ``ttl_s``; otherwise it starts
+    (or joins) a refresh and waits for it until ``deadline`` (monotonic seconds). A source that has
+    not answered by then gives its last value (or ``default``) and ``stale=True``, so one slow
+    broker or MLflow never holds the page longer than the deadline; the refresh goes on and its
+    result serves later requests.
+    """
+
+    def __init__(self, workers: int = 8) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="console-source")
         self._values: dict[str, tuple[float, Any]] = {}
-        self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._inflight: dict[str, Future] = {}
+        self._lock = threading.Lock()
 
-    def get(self, key: str, ttl_s: float, compute: Callable[[], Any]) -> Any:
-        with self._locks[key]:
+    def _refresh(self, key: str, compute: Callable[[], Any]) -> Any:
+        try:
+            value = compute()
+            with self._lock:
+                self._values[key] = (time.monotonic(), value)
+            return value
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    def start(self, key: str, ttl_s: float, compute: Callable[[], Any]) -> Future | None:
+        """Begin refreshing ``key`` when its value is older than ``ttl_s``; the refresh (None when fresh)."""
+        with self._lock:
             hit = self._values.get(key)
             if hit is not None and time.monotonic() - hit[0] < ttl_s:
-                return hit[1]
-            value = compute()
-            self._values[key] = (time.monotonic(), value)
-            return value
+                return None
+            future = self._inflight.get(key)
+            if future is None:
+                future = self._inflight[key] = self._pool.submit(self._refresh, key, compute)
+            return future
+
+    def get(self, key: str, ttl_s: float, compute: Callable[[], Any], default: Any, deadline: float) -> tuple[Any, bool]:
+        """``(value, stale)``; see the class doc."""
+        future = self.start(key, ttl_s, compute)
+        if future is not None:
+            try:
+                return future.result(timeout=max(0.0, deadline - time.monotonic())), False
+            except FutureTimeout:
+                pass
+        with self._lock:
+            hit = self._values.get(key)
+        return (hit[1] if hit is not None else default), future is not None
 
 
 def _safe(what: str, call: Callable[[], Any], default: Any) -> tuple[Any, str | None]:
@@ -101,39 +136,58 @@ class ConsoleData:
 
     Args:
         service: the running :class:`~pipeline.service.HourglassService`.
-        ttl_s: how long the cheap parts (status, rounds) are reused, seconds.
+        ttl_s: how long the page data and the cheap parts (status, rounds) are reused, seconds.
+        wait_s: how long one page build waits for slow sources (broker, MLflow), seconds.
     """
 
-    def __init__(self, service: "HourglassService", ttl_s: float = 2.0) -> None:
+    def __init__(self, service: "HourglassService", ttl_s: float = 2.0, wait_s: float = 3.0) -> None:
         self.service = service
         self.cfg = service.cfg
         self.ttl_s = ttl_s
-        self._cache = _TTLCache()
+        self.wait_s = wait_s
+        self._sources = _Sources()
+        self._page: tuple[float, dict[str, Any]] | None = None
+        self._page_lock = threading.Lock()
         self._dead_files: dict[str, tuple[Counter, list[dict[str, Any]]]] = {}  # path -> (by reason, rows)
         self._dead_lock = threading.Lock()
 
     # -- the whole page -----------------------------------------------------------------
 
     def collect(self) -> dict[str, Any]:
-        """Everything the page shows, as one JSON-able dict (cached ``ttl_s``)."""
-        return self._cache.get("page", self.ttl_s, self._collect)
+        """Everything the page shows, as one JSON-able dict (reused for ``ttl_s``; at most about
+        ``wait_s`` to build, sources that take longer show their last values and a note)."""
+        with self._page_lock:  # built in the caller's thread; concurrent viewers share one build
+            if self._page is None or time.monotonic() - self._page[0] >= self.ttl_s:
+                self._page = (time.monotonic(), self._collect())
+            return self._page[1]
 
     def _collect(self) -> dict[str, Any]:
         errors: list[str] = []
-
-        def take(what: str, call: Callable[[], Any], default: Any, ttl_s: float) -> Any:
-            value, error = self._cache.get(what, ttl_s, lambda: _safe(what, call, default))
-            if error:
+        plan = {  # source -> (call, default, ttl_s)
+            "status": (self.service.status, {}, self.ttl_s),
+            "rounds": (lambda: [r.as_dict() for r in self.service.store.list(limit=20)], [], self.ttl_s),
+            "MLflow registry": (self._registry, {"models": {}, "runs": {}}, 5.0),
+            "live feedback": (self._feedback, {"series": {}, "live": [], "bucket_s": None}, 30.0),
+            "buffer listing": (self._hourly, [], 10.0),
+            "consumer lag": (self._lag, {}, 5.0),
+            "dead letters": (self._dead_letters, {"by_reason": {}, "newest": []}, 10.0),
+        }
+        if self.service.ingest_worker is None:
+            del plan["consumer lag"]  # no ingestion in this process: no group to ask about
+        computes = {what: (lambda what=what, call=call, default=default: _safe(what, call, default)) for what, (call, default, _) in plan.items()}
+        for what, (_, _, ttl_s) in plan.items():  # all refreshes run at once
+            self._sources.start(what, ttl_s, computes[what])
+        deadline = time.monotonic() + self.wait_s
+        got: dict[str, Any] = {"consumer lag": {}}
+        for what, (_, default, ttl_s) in plan.items():
+            (value, error), stale = self._sources.get(what, ttl_s, computes[what], (default, None), deadline)
+            got[what] = value
+            if stale:
+                errors.append(f"{what}: no answer within {self.wait_s:g} s; showing the last values (still asking)")
+            elif error:
                 errors.append(error)
-            return value
-
-        status = take("status", self.service.status, {}, self.ttl_s)
-        rounds = take("rounds", lambda: [r.as_dict() for r in self.service.store.list(limit=20)], [], self.ttl_s)
-        registry = take("MLflow registry", self._registry, {"models": {}, "runs": {}}, 5.0)
-        feedback = take("live feedback", self._feedback, {"series": {}, "live": [], "bucket_s": None}, 30.0)
-        hourly = take("buffer listing", self._hourly, [], 10.0)
-        lag = take("consumer lag", self._lag, {}, 5.0) if self.service.ingest_worker is not None else {}
-        dead = take("dead letters", self._dead_letters, {"by_reason": {}, "newest": []}, 10.0)
+        status, rounds, registry = got["status"], got["rounds"], got["MLflow registry"]
+        feedback, hourly, lag, dead = got["live feedback"], got["buffer listing"], got["consumer lag"], got["dead letters"]
         ui = mlflow_ui_base(self.cfg.registry.tracking_uri)
         return {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -308,7 +362,8 @@ class ConsoleData:
 
     def live_feedback(self) -> list[dict[str, Any]]:
         """``[{model, version, rate, traces}]`` of the last hour (cached 30 s; [] when the buffer is unreadable)."""
-        value, _ = self._cache.get("live feedback", 30.0, lambda: _safe("live feedback", self._feedback, {"live": []}))
+        compute = lambda: _safe("live feedback", self._feedback, {"series": {}, "live": [], "bucket_s": None})  # noqa: E731
+        (value, _), _ = self._sources.get("live feedback", 30.0, compute, ({"live": []}, None), time.monotonic() + self.wait_s)
         return list(value.get("live", []))
 
     # -- ingestion ------------------------------------------------------------------------

@@ -4,6 +4,8 @@ viewing rule, the charts, and the Grafana/Prometheus files."""
 from __future__ import annotations
 
 import base64
+import threading
+import time
 import json
 import re
 from datetime import datetime, timezone
@@ -146,3 +148,18 @@ def test_grafana_and_prometheus_files_agree_with_compose() -> None:
 def test_chart_labels_are_escaped(text: str) -> None:
     svg = line_chart({text: [(1, 0.5), (2, 0.7)]}, title=text, kind="k") + bar_chart([text], {text: [1]}, title=text, kind="k")
     assert "<script" not in svg and "<img" not in svg
+
+
+def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+    release = threading.Event()
+    service.status = lambda: release.wait(30) and {}  # e.g. a broker that does not answer
+    try:
+        with TestClient(create_api(service)) as client:
+            started = time.monotonic()
+            html = client.get("/").text
+            assert time.monotonic() - started < 8
+            assert "status: no answer within 3 s; showing the last values (still asking)" in html
+            assert 'id="rounds"' in html  # the rest of the page is there
+    finally:
+        release.set()
