@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import ipaddress
+import math
 import secrets
 import weakref
 from pathlib import Path
@@ -71,6 +72,17 @@ def _presented_token(request: Request) -> str | None:
         except (binascii.Error, UnicodeDecodeError):
             return None
     return None
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class _LiveFeedbackCollector:
@@ -132,7 +144,7 @@ def mount_console(app: FastAPI, service: "HourglassService", *, refresh_s: int =
 
     @app.get("/console/data", dependencies=[Depends(require_view)])
     def console_data() -> Any:
-        return JSONResponse(data.collect(), headers=_HEADERS)
+        return JSONResponse(_json_safe(data.collect()), headers=_HEADERS)
 
     app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
     return data

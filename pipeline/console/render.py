@@ -60,7 +60,7 @@ def charts(data: dict[str, Any]) -> dict[str, Markup]:
     champion: dict[str, list[tuple[float, float]]] = {}
     for i, r in enumerate(rounds, start=1):
         for d in r["decisions"]:
-            best = max((c["reward"] for c in d["candidates"] if c["reward"] is not None), default=None)
+            best = max((c["reward"] for c in d["candidates"] if c["reward"] is not None and math.isfinite(c["reward"])), default=None)
             champion.setdefault(f"{d['model']} champion", []).append((i, d["champion_reward"]))
             champion.setdefault(f"{d['model']} best candidate", []).append((i, best))
     labels = {i: _round_label(i, r["round_id"]) for i, r in enumerate(rounds, start=1)}

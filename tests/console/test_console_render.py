@@ -55,7 +55,7 @@ def _hostile_traffic(service: HourglassService) -> None:
     ])  # fmt: skip
     record = service.store.create("api", ["default"], "1h")
     record.decisions = {"hourglass": {"winner": None, "reason": f"gate {SCRIPT}", "champion_reward": 0.25,
-                                      "candidate_rewards": {"default": 0.5}, "lower_bounds": {"default": -0.1}}}  # fmt: skip
+                                      "candidate_rewards": {"default": 0.5, "diverged": float("nan")}, "lower_bounds": {"default": -0.1}}}  # fmt: skip
     record.metrics = {"reward_model/auc": 0.75}
     service.store.save(record)
     service.store.transition(record, "no_winner", f"hourglass: {SCRIPT}{IMG}")
@@ -83,6 +83,7 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
     assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 0.6666' in metrics
     assert "onerror" not in metrics
     assert data["rounds"][0]["reward_model_auc"] == 0.75 and data["rounds"][0]["state"] == "no_winner"
+    assert [(c["name"], c["reward"]) for c in data["rounds"][0]["decisions"][0]["candidates"]] == [("default", 0.5), ("diverged", None)]
     assert data["ingest"]["dead_letters"]["by_reason"] == {f"bad_{SCRIPT}": 1, "not_utf8": 1}
     assert data["feedback"]["series"].keys() == {IMG, "2"}  # the chart shows what traffic says, escaped
     assert [(r["model"], r["version"], r["traces"]) for r in data["feedback"]["live"]] == [("hourglass", "2", 3)]  # the gauge: known labels only
