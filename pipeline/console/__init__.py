@@ -25,6 +25,7 @@ import base64
 import binascii
 import ipaddress
 import math
+import re
 import secrets
 import weakref
 from pathlib import Path
@@ -127,10 +128,12 @@ def mount_console(app: FastAPI, service: "HourglassService", *, refresh_s: int =
             raise HTTPException(401, "the status page needs the API token on a non-loopback address", headers={"WWW-Authenticate": 'Basic realm="hourglass console"'})
 
     def canary_abort_path() -> str | None:
-        """The canary abort endpoint when the API has one (the button is hidden otherwise)."""
+        """The canary abort endpoint when the API has one (the button is hidden otherwise); a ``{model}``
+        style path parameter is filled in by the page with the selected model."""
         for route in app.routes:
             path = getattr(route, "path", "")
-            if "canary" in path and "abort" in path and "POST" in getattr(route, "methods", ()) and "{" not in path:
+            params = set(re.findall(r"\{(\w+)\}", path))
+            if "canary" in path and "abort" in path and "POST" in getattr(route, "methods", ()) and params <= {"model", "served_model", "name"}:
                 return path
         return None
 

@@ -280,6 +280,15 @@ def test_rollback_without_a_token_is_refused_on_the_page(console, browser) -> No
     assert httpx.get(f"{api}/status", timeout=30).json()["serving"][model]["desired"] == before
     assert [e for e in console_errors(browser) if "401" not in e["message"]] == []  # only the refused call
 
+    browser.find_element(By.ID, "action-version").send_keys(before)  # with the token: promote the champion again
+    browser.find_element(By.CSS_SELECTOR, 'button[data-action="promote"]').click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "token-dialog").is_displayed())
+    browser.find_element(By.ID, "token-input").send_keys(service.api_token)
+    browser.find_element(By.ID, "token-ok").click()
+    result = WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "action-result").text if "accepted" in d.find_element(By.ID, "action-result").text else None)
+    assert result.startswith("promote accepted (200)") and f'"version":"{before}"' in result
+    assert service.api_token not in browser.page_source  # the token is not written into the page
+
 
 def test_every_dashboard_metric_is_exported(console) -> None:
     api, _ = console
@@ -296,3 +305,7 @@ def test_every_dashboard_metric_is_exported(console) -> None:
         if family.type == "counter":
             exported.add(f"{family.name}_total")
     assert queried <= exported, sorted(queried - exported)
+    model = console[1].cfg.serving.model_name
+    rates = {s.labels["version"]: s.value for f in text_string_to_metric_families(httpx.get(f"{api}/metrics", timeout=60).text)
+             if f.name == "hourglass_live_feedback_rate" for s in f.samples if s.labels["served_model"] == model}  # fmt: skip
+    assert rates == {"base": 0.5, "1": 1.0}  # thumbs of _produce: base answers half up, v1 answers all up; hostile version left out

@@ -164,3 +164,13 @@ def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
             assert 'id="rounds"' in html  # the rest of the page is there
     finally:
         release.set()
+
+
+def test_canary_abort_button_only_with_a_canary_endpoint(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+    app = create_api(service)
+    with TestClient(app) as client:
+        html = client.get("/").text
+        assert 'data-action="canary-abort"' not in html and 'id="canary" class="muted">no canary<' in html
+        app.post("/canary/{model}/abort")(lambda model: {"aborted": model})  # as a canary feature would add it
+        assert 'data-action="canary-abort" data-path="/canary/{model}/abort"' in client.get("/").text

@@ -25,7 +25,7 @@
         if (!/^[0-9]+$/.test(version)) { return null; }
         return ["POST", "/promote", { model: model, version: version }];
       case "rollback": return ["POST", "/rollback", { model: model }];
-      case "canary-abort": return ["POST", pending.path, { model: model }];
+      case "canary-abort": return ["POST", pending.path.replace(/\{\w+\}/g, encodeURIComponent(model)), { model: model }];
     }
     return null;
   }
