@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def test_produce_replay_stats_and_dlq_commands(
         f'traces_topic = "{kafka_cfg.traces_topic}"\nfeedback_topic = "{kafka_cfg.feedback_topic}"\n'
         f'group_id = "{kafka_cfg.group_id}"\n[buffer]\nroot = "buf"\ndead_letter_root = "dlq"\n'
     )
-    trace = {"schema": "hourglass.trace/v1", "ts": "2026-05-01T12:00:00Z", "model": "m", "prompt": "p", "completion": "c"}
+    two_hours_ago = (datetime.now(timezone.utc) - timedelta(hours=2)).isoformat()  # inside the accepted ts window
+    trace = {"schema": "hourglass.trace/v1", "ts": two_hours_ago, "model": "m", "prompt": "p", "completion": "c"}
     lines = [json.dumps({**trace, "trace_id": f"t{i}", **({"thumbs": "up"} if i == 0 else {})}) for i in range(3)]
     data = tmp_path / "traces.jsonl"
     data.write_text("\n".join([*lines, '{"schema": "hourglass.trace/v1", oops']) + "\n")
