@@ -58,7 +58,7 @@ from connectors.storage import list_files, open_location, read_bytes, write_dura
 
 MANIFEST = "manifest.json"
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_FAR = datetime(9999, 1, 1, tzinfo=timezone.utc)
+_FAR = datetime.max.replace(tzinfo=timezone.utc)
 _MIN = datetime.min.replace(tzinfo=timezone.utc)
 _SEG_NAME = re.compile(r"seg-(\d+)-(.+)-(\d+)-n\d+\.arrow$")
 ANONYMOUS = "anonymous"  # the voter of feedback without metadata.user_hash

@@ -62,7 +62,6 @@ TS_OUT_OF_RANGE = "ts_out_of_range"
 OVERSIZE_CORRECTION = "oversize_correction"
 PARSE_ERROR = "parse_error"  # last resort: the parser itself failed on this record (a bug; the record is kept)
 UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record batch (codec, corruption)
-REPLAY_INVALID = "replay_invalid"  # a replay input record that is not a usable conversation
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
 
