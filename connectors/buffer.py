@@ -284,6 +284,8 @@ class RewardBuffer:
         seen: dict[str, list[int]] = manifest.get("feedback_seen") or {}
         listing = self.segments()
         fb_listing = [s for s in listing if s.kind == FEEDBACK]
+        if mark is not None and "feedback_seen" not in manifest:  # a manifest from before late sweeps: all seen
+            seen = _newest_per_writer(fb_listing, {})
         newest = _newest_per_writer(fb_listing, seen)
         if until <= since and newest == seen:
             return 0
@@ -389,7 +391,7 @@ def _segment_mark(seg: SegmentInfo) -> tuple[str, list[int]] | None:
 def _is_new(seg: SegmentInfo, seen: dict[str, list[int]]) -> bool:
     """Whether the segment was sealed after the newest one of its writer that the last sweep saw."""
     mark = _segment_mark(seg)
-    return mark is None or mark[1] > seen.get(mark[0], [-1, -1])
+    return mark is not None and mark[1] > seen.get(mark[0], [-1, -1])
 
 
 def _newest_per_writer(segs: list[SegmentInfo], seen: dict[str, list[int]]) -> dict[str, list[int]]:
