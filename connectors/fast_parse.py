@@ -219,7 +219,7 @@ class ParsedBatch:
             except (pa.ArrowException, ValueError, TypeError, OverflowError) as err:
                 topic, partition, offset = row[-3:]
                 self.dead_letters.append(DeadLetter(
-                    PARSE_ERROR, f"the {kind} row could not be stored ({type(err).__name__}: {err}); please report it",
+                    PARSE_ERROR, f"the {kind} row could not be stored ({type(err).__name__}: {str(err)[:300]}); please report it",
                     topic, partition, offset, None, None,
                 ))  # fmt: skip
         schema = TRACE_SEGMENT_SCHEMA if kind == TRACES_KIND else FEEDBACK_SEGMENT_SCHEMA
@@ -322,7 +322,7 @@ def _parse(records: list[KafkaRecord], limits: _Limits, decoder: msgspec.json.De
             del out.traces[n_traces:], out.feedback[n_feedback:], out.dead_letters[n_letters:]
             del out._ids_json[n_lists:], out._lps_json[n_lists:], out._ids_len[n_lists:], out._lps_len[n_lists:]
             out.dead_letters.append(DeadLetter(
-                PARSE_ERROR, f"the parser failed on this record ({type(err).__name__}: {err}); the record is kept "
+                PARSE_ERROR, f"the parser failed on this record ({type(err).__name__}: {str(err)[:300]}); the record is kept "
                 "here, please report it", record.topic, record.partition, record.offset, _raw_only(record.value),
                 _raw_only(record.key),
             ))  # fmt: skip

@@ -292,7 +292,7 @@ class IngestWorker:
             log.error("record %s:%d at offset %d cannot be decoded (%s: %s); dead-lettering it and seeking past it",
                       tp.topic, tp.partition, offset, type(err).__name__, err)  # fmt: skip
             consumer.seek(tp, offset + 1)
-            return {tp: [UndecodableRecord(tp.topic, tp.partition, offset, f"{type(err).__name__}: {err}")]}
+            return {tp: [UndecodableRecord(tp.topic, tp.partition, offset, f"{type(err).__name__}: {str(err)[:300]}")]}
 
     def _parse(self, polled: dict[TopicPartition, list[Any]]) -> ParsedBatch:
         """Parse one batch (consumer thread: pure-Python CPU work gains nothing from another thread

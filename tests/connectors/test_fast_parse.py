@@ -297,3 +297,14 @@ def test_undecodable_records_become_dead_letters_with_coordinates() -> None:
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert len(batch.traces) == 1
     assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.UNDECODABLE_RECORD, "traces", 1, 7)]
+
+
+def test_a_row_arrow_refuses_becomes_a_dead_letter_not_a_failed_batch() -> None:
+    records = [Record("traces", 0, n, None, _enc(_trace(n, ts="2026-01-02 03:04:05"))) for n in range(2)]  # typed rows
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    row = list(batch.traces[1])
+    row[5] = "\ud800"  # something the parser should never let through: the store must still not fail
+    batch.traces[1] = tuple(row)
+    traces, feedback = batch.tables(INGESTED)
+    assert traces["trace_id"].to_pylist() == ["t0"] and feedback.num_rows == 0
+    assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.PARSE_ERROR, "traces", 0, 1)]
