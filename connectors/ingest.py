@@ -22,7 +22,7 @@ Nothing stops the loop:
   same batch with exponential backoff (nothing is committed meanwhile, so nothing is lost; fetching
   pauses), visible in :meth:`IngestWorker.health` and the ``hourglass_ingest_storage_ok`` gauge.
 
-Prometheus metrics: ``hourglass_ingest_records_total{kind="trace"|"feedback"}`` (stored rows),
+Prometheus metrics: ``hourglass_ingest_rows_stored_total{kind="trace"|"feedback"}`` (stored rows),
 ``hourglass_dead_letters_total{reason}``, ``hourglass_ingest_storage_ok`` (1/0).
 
 Broker restarts, timeouts and rebalances do not crash the worker: the
@@ -67,7 +67,7 @@ from connectors.schema import UNMATCHED_FEEDBACK, TsWindow, UserHasher
 
 log = logging.getLogger(__name__)
 
-RECORDS = Counter("hourglass_ingest_records", "Rows stored in the reward buffer, by kind (trace, feedback).", ["kind"])
+RECORDS = Counter("hourglass_ingest_rows_stored", "Rows stored in the reward buffer, by kind (trace, feedback).", ["kind"])
 DEAD_LETTERS = Counter("hourglass_dead_letters", "Records sent to the dead-letter store, by reason code.", ["reason"])
 STORAGE_OK = Gauge("hourglass_ingest_storage_ok", "1 while the ingest worker can write the buffer, 0 while it retries a failed write.")
 STORAGE_OK.set(1)

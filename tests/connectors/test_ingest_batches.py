@@ -80,3 +80,15 @@ def test_only_errors_raised_while_unpacking_records_count_as_undecodable() -> No
         raise ValueError("some other failure")
     except ValueError as err:
         assert _undecodable_at(err) is None
+
+
+def test_ingest_metrics_live_beside_the_service_metrics() -> None:
+    """The service and the ingest worker share one Prometheus registry: no name may collide."""
+    import prometheus_client
+
+    import connectors.ingest
+    import pipeline.service  # noqa: F401  (registers its gauges)
+
+    names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert {"hourglass_ingest_rows_stored", "hourglass_dead_letters", "hourglass_ingest_storage_ok"} <= names
+    assert connectors.ingest.RECORDS._name == "hourglass_ingest_rows_stored"
