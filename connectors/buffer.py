@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import re
 import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -28,11 +30,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
+from prometheus_client import Counter
 
 from connectors.config import BufferConfig
 from connectors.dead_letter import DeadLetter, DeadLetterStore
 from connectors.reward import merge_signals, reward_from_signals
-from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent
+from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent, shift
 from connectors.segments import (
     FEEDBACK,
     FEEDBACK_SEGMENT_SCHEMA,
@@ -55,7 +58,16 @@ from connectors.storage import list_files, open_location, read_bytes, write_dura
 
 MANIFEST = "manifest.json"
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_FAR = datetime(9999, 1, 1, tzinfo=timezone.utc)
+_FAR = datetime.max.replace(tzinfo=timezone.utc)
+_MIN = datetime.min.replace(tzinfo=timezone.utc)
+_SEG_NAME = re.compile(r"seg-(\d+)-(.+)-(\d+)-n\d+\.arrow$")
+ANONYMOUS = "anonymous"  # the voter of feedback without metadata.user_hash
+
+log = logging.getLogger(__name__)
+RETENTION_PARTITIONS = Counter(
+    "hourglass_buffer_retention_partitions_deleted", "Hour partitions deleted by retention (age or size).", ["kind"]
+)
+RETENTION_ROWS = Counter("hourglass_buffer_retention_rows_deleted", "Rows deleted by retention, by kind.", ["kind"])
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,10 @@ class RewardBuffer:
             inline signals merged with feedback events whose ``ts`` is within
             ``feedback_join_window_s`` of the trace's ``ts`` (later feedback wins
             per signal), mapped by ``buffer.reward``; null when there is none.
+            One vote per user: of the feedback events of one trace with the same
+            ``metadata.user_hash`` (or none: one anonymous voter), only the latest
+            (by ``ts``, then ingest order) counts, so a repeated vote replaces the
+            earlier one. ``correction`` is the latest joined correction (or null).
         """
         start, end = start or _EPOCH, end or _FAR
         window = timedelta(seconds=self.cfg.feedback_join_window_s)
@@ -174,24 +190,30 @@ class RewardBuffer:
         )
         traces = traces.filter(keep)
         traces = _first_per_trace_id(traces)
-        fb_segs = [s for s in listing if s.kind == FEEDBACK and overlaps(s, start - window, end + window)]
+        window_s = window.total_seconds()
+        fb_segs = [s for s in listing if s.kind == FEEDBACK and overlaps(s, shift(start, -window_s), shift(end, window_s))]
         feedback = self._read(fb_segs, FEEDBACK_SEGMENT_SCHEMA)
         feedback = feedback.filter(pc.is_in(feedback["trace_id"], value_set=traces["trace_id"]))
-        by_trace: dict[str, list[tuple[datetime, dict[str, Any]]]] = defaultdict(list)
-        for row in feedback.select(["trace_id", "ts", "signals"]).to_pylist():
-            by_trace[row["trace_id"]].append((row["ts"], json.loads(row["signals"])))
+        by_trace: dict[str, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
+        for row in feedback.select(["trace_id", "ts", "signals", "metadata"]).to_pylist():
+            by_trace[row["trace_id"]].append((row["ts"], _voter(row["metadata"]), json.loads(row["signals"])))
         rewards: list[float | None] = []
         sources: list[str | None] = []
+        corrections: list[str | None] = []
         for trace_id, ts, inline in zip(
             traces["trace_id"].to_pylist(), traces["ts"].to_pylist(), traces["signals"].to_pylist()
         ):
-            joined = [(t, sig) for t, sig in by_trace.get(trace_id, ()) if abs(t - ts) <= window]
-            reward, source = reward_from_signals(merge_signals(json.loads(inline) if inline else {}, joined), self.cfg.reward)
+            joined = _one_vote_per_user([(t, who, sig) for t, who, sig in by_trace.get(trace_id, ()) if abs(t - ts) <= window])
+            merged = merge_signals(json.loads(inline) if inline else {}, joined)
+            correction = merged.pop("correction", None)
+            reward, source = reward_from_signals(merged, self.cfg.reward)
             rewards.append(reward)
             sources.append(source)
+            corrections.append(correction if isinstance(correction, str) else None)
         out = traces.drop_columns(["signals"])
         out = out.append_column("reward", pa.array(rewards, pa.float64()))
         out = out.append_column("reward_source", pa.array(sources, pa.string()))
+        out = out.append_column("correction", pa.array(corrections, pa.string()))
         out = out.select(SNAPSHOT_SCHEMA.names).cast(SNAPSHOT_SCHEMA)
         return out.sort_by([("ts", "ascending"), ("trace_id", "ascending")])
 
@@ -244,21 +266,43 @@ class RewardBuffer:
         """Dead-letter feedback whose window has passed without a matching trace; returns how many.
 
         Sweeps feedback with ``ts`` in ``[watermark, now - window)`` and advances
-        the manifest's ``feedback_swept_until_ms`` watermark. Dead letters are
-        written before the watermark moves (a crash may repeat, never lose).
+        the manifest's ``feedback_swept_until_ms`` watermark. Late feedback (its
+        ``ts`` already below the watermark when it was stored: a late client,
+        consumer lag) is swept too: the manifest remembers, per writer, the newest
+        feedback segment seen (``feedback_seen``: writer -> [ingest ms, seq]), and
+        rows below the watermark in segments sealed since are checked as well.
+        Dead letters are written before the manifest moves (a crash may repeat,
+        never lose).
         """
         now = now or datetime.now(timezone.utc)
         window = timedelta(seconds=self.cfg.feedback_join_window_s)
-        until = now - window
-        mark = self.read_manifest().get("feedback_swept_until_ms")
+        window_s = self.cfg.feedback_join_window_s
+        until = shift(now, -window_s)
+        manifest = self.read_manifest()
+        mark = manifest.get("feedback_swept_until_ms")
         since = datetime.fromtimestamp(mark / 1000, tz=timezone.utc) if mark is not None else _EPOCH
-        if until <= since:
-            return 0
+        seen: dict[str, list[int]] = manifest.get("feedback_seen") or {}
         listing = self.segments()
-        feedback = self._read([s for s in listing if s.kind == FEEDBACK and overlaps(s, since, until)], FEEDBACK_SEGMENT_SCHEMA)
-        rows = [r for r in feedback.to_pylist() if since <= r["ts"] < until]
+        fb_listing = [s for s in listing if s.kind == FEEDBACK]
+        if mark is not None and "feedback_seen" not in manifest:  # a manifest from before late sweeps: all seen
+            seen = _newest_per_writer(fb_listing, {})
+        newest = _newest_per_writer(fb_listing, seen)
+        if until <= since and newest == seen:
+            return 0
+        until = max(until, since)
+        # Segments seen by an earlier sweep: only rows in [since, until). Segments sealed since: every row
+        # below `until` (those below `since` are late feedback no earlier sweep could see).
+        known = [s for s in fb_listing if not _is_new(s, seen) and overlaps(s, since, until)]
+        new = [s for s in fb_listing if _is_new(s, seen) and overlaps(s, _MIN, until)]
+        rows = [r for r in self._read(known, FEEDBACK_SEGMENT_SCHEMA).to_pylist() if since <= r["ts"] < until]
+        rows += [r for r in self._read(new, FEEDBACK_SEGMENT_SCHEMA).to_pylist() if r["ts"] < until]
+        if not rows:
+            self.write_manifest(feedback_swept_until_ms=int(until.timestamp() * 1000), feedback_seen=newest)
+            return 0
+        low = min(r["ts"] for r in rows)
         traces = self._read(
-            [s for s in listing if s.kind == TRACES and overlaps(s, since - window, until + window)], TRACE_SEGMENT_SCHEMA
+            [s for s in listing if s.kind == TRACES and overlaps(s, shift(low, -window_s), shift(until, window_s))],
+            TRACE_SEGMENT_SCHEMA,
         ).select(["trace_id", "ts"])
         trace_ts: dict[str, list[datetime]] = defaultdict(list)
         for tid, ts in zip(traces["trace_id"].to_pylist(), traces["ts"].to_pylist()):
@@ -275,38 +319,108 @@ class RewardBuffer:
             if not any(abs(t - r["ts"]) <= window for t in trace_ts.get(r["trace_id"], ()))
         ]
         dead_letters.write(letters, now)
-        self.write_manifest(feedback_swept_until_ms=int(until.timestamp() * 1000))
+        self.write_manifest(feedback_swept_until_ms=int(until.timestamp() * 1000), feedback_seen=newest)
         return len(letters)
 
     def apply_retention(self, now: datetime | None = None) -> list[str]:
         """Delete hour partitions older than ``retention_hours``, then the oldest until under
-        ``retention_max_bytes``; returns the deleted partition folders (relative to the root)."""
+        ``retention_max_bytes``; returns the deleted partition folders (relative to the root).
+
+        Never raises: datetime arithmetic is clamped to the representable range, and a partition
+        that cannot be deleted is logged (WARNING) and retried at the next pass. What is deleted is
+        counted (``hourglass_buffer_retention_partitions_deleted_total`` / ``..._rows_deleted_total``
+        by kind) and logged at INFO with the counts.
+        """
         now = now or datetime.now(timezone.utc)
-        cutoff = now - timedelta(hours=self.cfg.retention_hours)
-        parts: dict[str, tuple[datetime, int]] = {}
+        cutoff = shift(now, -self.cfg.retention_hours * 3600.0)
+        last_hour_kept = shift(cutoff, -3600.0)  # a partition [h, h+1h) is too old when h + 1h <= cutoff
+        parts: dict[str, tuple[datetime, int, int, str]] = {}
         for seg in self.segments():
-            hour, size = parts.get(seg.partition, (seg.hour, 0))
-            parts[seg.partition] = (hour, size + seg.size)
-        doomed = [p for p, (hour, _) in parts.items() if hour + timedelta(hours=1) <= cutoff]
-        total = sum(size for p, (_, size) in parts.items() if p not in doomed)
-        for part, (_, size) in sorted(parts.items(), key=lambda item: (item[1][0], item[0])):
+            hour, size, rows, _ = parts.get(seg.partition, (seg.hour, 0, 0, seg.kind))
+            parts[seg.partition] = (hour, size + seg.size, rows + seg.rows, seg.kind)
+        doomed = [p for p, (hour, *_) in parts.items() if hour <= last_hour_kept]
+        total = sum(size for p, (_, size, *_) in parts.items() if p not in doomed)
+        for part, (_, size, *_) in sorted(parts.items(), key=lambda item: (item[1][0], item[0])):
             if total <= self.cfg.retention_max_bytes:
                 break
             if part not in doomed:
                 doomed.append(part)
                 total -= size
+        deleted: list[str] = []
+        rows_by_kind: dict[str, int] = defaultdict(int)
         for part in doomed:
-            self.loc.fs.delete_dir(self.loc.path(part))
+            try:
+                self.loc.fs.delete_dir(self.loc.path(part))
+            except OSError as err:
+                log.warning("retention could not delete %s (%s); retrying at the next pass", part, err)
+                continue
+            _, _, rows, kind = parts[part]
+            deleted.append(part)
+            rows_by_kind[kind] += rows
+            RETENTION_PARTITIONS.labels(kind).inc()
+            RETENTION_ROWS.labels(kind).inc(rows)
+        if deleted:
+            log.info("retention deleted %d partition(s) holding %s rows (cutoff %s, max %d bytes): %s",
+                     len(deleted), dict(rows_by_kind), cutoff.isoformat(), self.cfg.retention_max_bytes, sorted(deleted))  # fmt: skip
         self._remove_stale_temp_files()
-        return sorted(doomed)
+        return sorted(deleted)
 
     def _remove_stale_temp_files(self, age: timedelta = timedelta(hours=1)) -> None:
         """Delete ``.tmp-*`` files a crash left mid-write (never read; older than ``age`` by the wall clock)."""
         now = datetime.now(timezone.utc)
         selector = pafs.FileSelector(self.loc.base, recursive=True, allow_not_found=True)
-        for info in self.loc.fs.get_file_info(selector):
+        try:
+            infos = self.loc.fs.get_file_info(selector)
+        except OSError as err:
+            log.warning("could not list %s for stale temp files: %s", self.loc.base, err)
+            return
+        for info in infos:
             if info.base_name.startswith(".tmp-") and info.mtime is not None and info.mtime < now - age:
-                self.loc.fs.delete_file(info.path)
+                try:
+                    self.loc.fs.delete_file(info.path)
+                except OSError as err:
+                    log.warning("could not delete stale temp file %s: %s", info.path, err)
+
+
+def _segment_mark(seg: SegmentInfo) -> tuple[str, list[int]] | None:
+    """(writer id, [ingest ms, sequence]) from a segment's file name; None for a name of another form."""
+    match = _SEG_NAME.search(seg.path.rsplit("/", 1)[-1])
+    return None if match is None else (match.group(2), [int(match.group(1)), int(match.group(3))])
+
+
+def _is_new(seg: SegmentInfo, seen: dict[str, list[int]]) -> bool:
+    """Whether the segment was sealed after the newest one of its writer that the last sweep saw."""
+    mark = _segment_mark(seg)
+    return mark is not None and mark[1] > seen.get(mark[0], [-1, -1])
+
+
+def _newest_per_writer(segs: list[SegmentInfo], seen: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Writer -> newest [ingest ms, sequence] among ``segs`` (writers with no segment left are dropped)."""
+    newest: dict[str, list[int]] = {}
+    for seg in segs:
+        mark = _segment_mark(seg)
+        if mark is not None and mark[1] > newest.get(mark[0], [-1, -1]):
+            newest[mark[0]] = mark[1]
+    return {writer: max(mark, seen.get(writer, mark)) for writer, mark in sorted(newest.items())}
+
+
+def _voter(metadata: str | None) -> str:
+    """Who gave a feedback event: its ``metadata.user_hash`` (set by the gateway), else :data:`ANONYMOUS`."""
+    try:
+        user = json.loads(metadata).get("user_hash") if metadata else None
+    except (ValueError, AttributeError):
+        user = None
+    return user if isinstance(user, str) and user else ANONYMOUS
+
+
+def _one_vote_per_user(
+    events: list[tuple[datetime, str, dict[str, Any]]],
+) -> list[tuple[datetime, dict[str, Any]]]:
+    """(ts, signals) of the latest event per voter (by ts; at equal ts the later in the list, i.e. ingest order)."""
+    latest: dict[str, tuple[datetime, dict[str, Any]]] = {}
+    for ts, voter, signals in sorted(events, key=lambda item: item[0]):  # stable: ingest order among equal ts
+        latest[voter] = (ts, signals)
+    return list(latest.values())
 
 
 def _split_by_hour(table: pa.Table) -> list[tuple[datetime, pa.Table]]:

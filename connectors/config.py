@@ -90,7 +90,12 @@ class RewardSpec(_Section):
     thumbs_down: float = Field(default=-1.0, description="Reward for a thumbs-down.")
     edited: float = Field(default=-0.5, description="Reward when the user edited the answer.")
     regenerated: float = Field(default=-0.5, description="Reward when the user asked for another answer.")
-    clip: float = Field(default=10.0, gt=0, description="Rewards are clipped to [-clip, clip].")
+    clip: float = Field(
+        default=1.0,
+        gt=0,
+        description="Rewards are clipped to [-clip, clip]; 1.0 keeps every reward on the thumbs scale "
+        "(an explicit reward of 5 counts as a thumbs-up, never as five).",
+    )
 
 
 class BufferConfig(_Section):
@@ -120,6 +125,28 @@ class BufferConfig(_Section):
     maintenance_interval_s: float = Field(
         default=60.0, gt=0, description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds."
     )
+    max_event_age_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Events whose ts is older than this at ingest are dead-lettered as ts_out_of_range, seconds "
+        "(default: retention_hours, so nothing is stored that retention would delete at once).",
+    )
+    max_clock_skew_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Events whose ts is more than this ahead of the ingest clock are dead-lettered as ts_out_of_range, seconds.",
+    )
+    max_correction_chars: int = Field(
+        default=4096, ge=1, description="Longest feedback correction (characters); longer ones are dead-lettered."
+    )
+    storage_retry_max_s: float = Field(
+        default=30.0, gt=0, description="Longest wait between retries of a batch the buffer could not store (full disk), seconds."
+    )
+
+    @property
+    def event_age_limit_s(self) -> float:
+        """``max_event_age_s``, or the retention period when it is not set (seconds)."""
+        return self.max_event_age_s if self.max_event_age_s is not None else self.retention_hours * 3600.0
 
     @field_validator("user_hash_key")
     @classmethod

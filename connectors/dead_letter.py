@@ -16,12 +16,15 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from connectors.storage import list_files, open_location, read_bytes, write_durable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class DeadLetterStore:
         self.loc = open_location(root)
         self.writer_id = writer_id or uuid.uuid4().hex[:8]
         self._seq = itertools.count()
+        self.skipped_lines = 0  # damaged lines the last list() skipped
 
     def write(self, letters: list[DeadLetter], now: datetime | None = None) -> str | None:
         """Store ``letters`` durably as one file; returns its path (None when there were none).
@@ -80,21 +84,39 @@ class DeadLetterStore:
         lines = "".join(json.dumps(letter.to_json(now), ensure_ascii=False) + "\n" for letter in letters)
         name = f"dlq-{int(now.timestamp() * 1000):013d}-{self.writer_id}-{next(self._seq):06d}.jsonl"
         path = self.loc.path(f"dt={now:%Y-%m-%d}", name)
-        write_durable(self.loc, path, lines.encode("utf-8"))
+        # backslashreplace: a lone surrogate in a detail becomes its JSON escape text (\ud800), still valid JSON
+        write_durable(self.loc, path, lines.encode("utf-8", "backslashreplace"))
         return path
 
     def list(self, limit: int | None = None, reason: str | None = None) -> list[dict[str, Any]]:
-        """Stored dead letters, oldest first; optionally only one ``reason``, at most ``limit``."""
+        r"""Stored dead letters, oldest first; optionally only one ``reason``, at most ``limit``.
+
+        Lines are split on ``\n`` only (payloads may hold U+2028, \x85, \x0c... which ``str.splitlines``
+        would split on). A line that is not a JSON object with a ``reason`` (a damaged file) is skipped and
+        counted in :attr:`skipped_lines` (and logged), never raised.
+        """
         out: list[dict[str, Any]] = []
+        self.skipped_lines = 0
         for info in list_files(self.loc, self.loc.base, ".jsonl"):
-            for line in read_bytes(self.loc, info.path).decode("utf-8").splitlines():
-                if not line.strip():
+            for raw in read_bytes(self.loc, info.path).split(b"\n"):
+                if not raw.strip():
                     continue
-                row = json.loads(line)
+                try:
+                    row = json.loads(raw)
+                    if not isinstance(row, dict) or not isinstance(row.get("reason"), str):
+                        raise ValueError("not a dead-letter object")
+                except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                    self.skipped_lines += 1
+                    continue
                 if reason is None or row["reason"] == reason:
                     out.append(row)
                     if limit is not None and len(out) >= limit:
-                        return out
+                        break
+            else:
+                continue
+            break
+        if self.skipped_lines:
+            log.warning("skipped %d damaged dead-letter line(s) under %s", self.skipped_lines, self.loc.base)
         return out
 
     def count_by_reason(self) -> dict[str, int]:

@@ -40,13 +40,17 @@ from connectors.schema import (
     FEEDBACK_SCHEMA,
     INT32_MAX,
     INT32_MIN,
+    PARSE_ERROR,
     TRACE_SCHEMA,
+    UNDECODABLE_RECORD,
     Rejected,
     TraceEvent,
+    TsWindow,
     UserHasher,
     parse_record,
 )  # fmt: skip
 from connectors.segments import (
+    FEEDBACK_SEGMENT_SCHEMA,
     TRACE_SEGMENT_SCHEMA,
     FeedbackRow,
     TraceRow,
@@ -57,6 +61,7 @@ from connectors.segments import (
     trace_rows_table,
 )  # fmt: skip
 
+TRACES_KIND, FEEDBACK_KIND = "trace", "feedback"
 _NULL = msgspec.Raw(b"null")
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 _TokenId = Annotated[int, msgspec.Meta(ge=INT32_MIN, le=INT32_MAX)]
@@ -102,6 +107,7 @@ class _TypedTrace(_Trace, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, fo
 class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True, gc=False):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int | None = None
+    correction: str | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Trace | _Feedback)
@@ -115,6 +121,20 @@ _MAYBE_FLOAT = re.compile(rb"[0-9][.eE]")
 # Plain RFC 3339 with 'T', seconds, at most microseconds and an explicit offset: read the same by
 # datetime.fromisoformat and by pydantic. Anything else (spaces, naive, numeric strings) -> reference parser.
 _RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)")
+
+
+@dataclass(frozen=True)
+class UndecodableRecord:
+    """Stands in for a Kafka record the consumer could not decode (unknown codec, corrupt batch): it goes
+    through the batch like any record, so it becomes an ``undecodable_record`` dead letter with its
+    coordinates and its offset is committed only after that dead letter is durable."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: str
+    key: bytes | None = None
+    value: bytes | None = None
 
 
 class KafkaRecord(Protocol):
@@ -166,6 +186,45 @@ class ParsedBatch:
         """Feedback in :data:`~connectors.segments.FEEDBACK_SEGMENT_SCHEMA`."""
         return feedback_rows_table(self.feedback, ingested_at)
 
+    def tables(self, ingested_at: datetime) -> tuple[pa.Table, pa.Table]:
+        """(:meth:`trace_table`, :meth:`feedback_table`); never raises on a bad row.
+
+        Last resort: when a table cannot be built (a value Arrow refuses that the parser let through),
+        each row is built alone and the rows that fail become ``parse_error`` dead letters (with their
+        coordinates; the payload is not kept at this stage) in :attr:`dead_letters`.
+        """
+        try:
+            traces = self.trace_table(ingested_at)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            traces = self._isolate(ingested_at, TRACES_KIND)
+        try:
+            feedback = self.feedback_table(ingested_at)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            feedback = self._isolate(ingested_at, FEEDBACK_KIND)
+        return traces, feedback
+
+    def _isolate(self, ingested_at: datetime, kind: str) -> pa.Table:
+        rows = self.traces if kind == TRACES_KIND else self.feedback
+        good: list[pa.Table] = []
+        for index, row in enumerate(rows):
+            try:
+                if kind == FEEDBACK_KIND:
+                    good.append(feedback_rows_table([row], ingested_at))
+                elif self.token_ids is None or self.logprobs is None:
+                    good.append(trace_rows_table([row], ingested_at))
+                else:
+                    columns = {"completion_token_ids": self.token_ids[index:index + 1],
+                               "completion_logprobs": self.logprobs[index:index + 1]}  # fmt: skip
+                    good.append(trace_rows_table([row], ingested_at, columns=columns))
+            except (pa.ArrowException, ValueError, TypeError, OverflowError) as err:
+                topic, partition, offset = row[-3:]
+                self.dead_letters.append(DeadLetter(
+                    PARSE_ERROR, f"the {kind} row could not be stored ({type(err).__name__}: {str(err)[:300]}); please report it",
+                    topic, partition, offset, None, None,
+                ))  # fmt: skip
+        schema = TRACE_SEGMENT_SCHEMA if kind == TRACES_KIND else FEEDBACK_SEGMENT_SCHEMA
+        return pa.concat_tables(good) if good else schema.empty_table()
+
 
 def _scrubbed(value: bytes | None, hasher: UserHasher | None) -> bytes | None:
     """A rejected payload as it may be stored: user identifiers hashed like in the buffer.
@@ -177,24 +236,53 @@ def _scrubbed(value: bytes | None, hasher: UserHasher | None) -> bytes | None:
         return value
     try:
         obj = json.loads(value)
-    except ValueError:  # not JSON, not UTF-8 (UnicodeDecodeError), bad surrogates
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (UnicodeDecodeError), nested too deep
         return value
     if not isinstance(obj, (dict, list)):
         return value
-    hashed = hasher(obj)
-    return value if hashed == obj else json.dumps(hashed, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    try:
+        hashed = hasher(obj)
+    except Exception:  # noqa: BLE001 - never let a rejected payload stop the batch: keep nothing rather than raw ids
+        return None
+    if hashed == obj:
+        return value
+    text = json.dumps(hashed, ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates elsewhere in the payload: keep them as \uXXXX escapes
+        return json.dumps(hashed).encode("ascii")
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_record_bytes: int
+    hasher: UserHasher
+    window: TsWindow | None
+    max_correction_chars: int | None
+
+    def in_window(self, ts: datetime) -> bool:
+        return self.window is None or self.window.earliest <= ts <= self.window.latest
 
 
 def parse_batch(
-    records: Iterable[KafkaRecord], *, max_record_bytes: int, hasher: UserHasher, fast: bool = True
+    records: Iterable[KafkaRecord],
+    *,
+    max_record_bytes: int,
+    hasher: UserHasher,
+    fast: bool = True,
+    window: TsWindow | None = None,
+    max_correction_chars: int | None = None,
 ) -> ParsedBatch:
     """Parse raw records into trace rows, feedback rows and dead letters; never raises on bad input.
 
     Args:
-        records: Kafka records (``topic``, ``partition``, ``offset``, ``key``, ``value``), in order.
+        records: Kafka records (``topic``, ``partition``, ``offset``, ``key``, ``value``), in order; an
+            :class:`UndecodableRecord` becomes an ``undecodable_record`` dead letter.
         max_record_bytes: larger values are dead-lettered as ``oversize``.
         hasher: user identifiers in ``metadata`` are replaced by its keyed hash before storage.
         fast: False sends every record through the reference parser (for comparison).
+        window: accepted event times; events outside are dead-lettered as ``ts_out_of_range``.
+        max_correction_chars: longer feedback corrections are dead-lettered as ``oversize_correction``.
 
     Returns:
         A :class:`ParsedBatch`. Rows equal :func:`~connectors.segments.trace_row` /
@@ -204,64 +292,92 @@ def parse_batch(
         and detail.
     """
     records = records if isinstance(records, list) else list(records)
+    limits = _Limits(max_record_bytes, hasher, window, max_correction_chars)
     if not fast:
-        return _parse(records, max_record_bytes, hasher, None)
-    out = _parse(records, max_record_bytes, hasher, _DECODER)
+        return _parse(records, limits, None)
+    out = _parse(records, limits, _DECODER)
     if _lists_to_columns(out):
         return out
     # Some list is not plain JSON numbers in range (1.0 for an int, 1e999, nested lists...): decode the
     # lists record by record, so that each such record gets the reference parser's verdict.
-    return _parse(records, max_record_bytes, hasher, _TYPED_DECODER)
+    return _parse(records, limits, _TYPED_DECODER)
 
 
-def _parse(
-    records: list[KafkaRecord], max_record_bytes: int, hasher: UserHasher, decoder: msgspec.json.Decoder | None
-) -> ParsedBatch:
+def _parse(records: list[KafkaRecord], limits: _Limits, decoder: msgspec.json.Decoder | None) -> ParsedBatch:
     """One pass over the records; ``decoder`` None sends every record to the reference parser."""
     out = ParsedBatch()
     for record in records:
-        value = record.value
-        if decoder is not None and value and len(value) <= max_record_bytes:
-            try:
-                event = decoder.decode(value)
-            except msgspec.MsgspecError:
-                event = None  # the reference parser says why
-            if isinstance(event, _Trace):
-                if _add_trace(out, event, record, hasher):
-                    out.fast += 1
-                    continue
-            elif isinstance(event, _Feedback):
-                row = _feedback_row(event, record, hasher)
-                if row is not None:
-                    out.feedback.append(row)
-                    out.fast += 1
-                    continue
-        out.fallback += 1
-        result = parse_record(value, max_record_bytes=max_record_bytes, hasher=hasher)
-        if isinstance(result, Rejected):
-            out.dead_letters.append(
-                DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, _scrubbed(value, hasher), record.key)
-            )
-        elif isinstance(result, TraceEvent):
-            row = trace_row(result, record.topic, record.partition, record.offset)
-            if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
-                ids, lps = row[6] or [], row[7] or []
-                out._add_lists(_ENCODER.encode(ids) if row[6] is not None else None, len(ids),
-                               _ENCODER.encode(lps) if row[7] is not None else None, len(lps))  # fmt: skip
-                row = (*row[:6], None, None, *row[8:])
-            out.traces.append(row)
-        else:
-            out.feedback.append(feedback_row(result, record.topic, record.partition, record.offset))
+        if isinstance(record, UndecodableRecord):
+            out.dead_letters.append(DeadLetter(
+                UNDECODABLE_RECORD, f"the consumer could not decode this record: {record.error}; the producer's "
+                "codec or the stored batch is unusable (the record is skipped, its payload is not available)",
+                record.topic, record.partition, record.offset, None, None,
+            ))  # fmt: skip
+            continue
+        marks = (len(out.traces), len(out.feedback), len(out.dead_letters), len(out._ids_json), out.fast, out.fallback)
+        try:
+            _parse_one(out, record, limits, decoder)
+        except Exception as err:  # noqa: BLE001 - last resort: one record the parser cannot handle never stops the batch
+            n_traces, n_feedback, n_letters, n_lists, out.fast, out.fallback = marks
+            del out.traces[n_traces:], out.feedback[n_feedback:], out.dead_letters[n_letters:]
+            del out._ids_json[n_lists:], out._lps_json[n_lists:], out._ids_len[n_lists:], out._lps_len[n_lists:]
+            out.dead_letters.append(DeadLetter(
+                PARSE_ERROR, f"the parser failed on this record ({type(err).__name__}: {str(err)[:300]}); the record is kept "
+                "here, please report it", record.topic, record.partition, record.offset, _raw_only(record.value),
+                _raw_only(record.key),
+            ))  # fmt: skip
     return out
 
 
-def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, hasher: UserHasher) -> bool:
+def _raw_only(data: object) -> bytes | None:
+    return data if isinstance(data, bytes) else None
+
+
+def _parse_one(out: ParsedBatch, record: KafkaRecord, limits: _Limits, decoder: msgspec.json.Decoder | None) -> None:
+    """Parse one record into ``out`` (a row or a dead letter)."""
+    value, hasher = record.value, limits.hasher
+    if decoder is not None and value and len(value) <= limits.max_record_bytes:
+        try:
+            event = decoder.decode(value)
+        except msgspec.MsgspecError:
+            event = None  # the reference parser says why
+        if isinstance(event, _Trace):
+            if _add_trace(out, event, record, limits):
+                out.fast += 1
+                return
+        elif isinstance(event, _Feedback):
+            row = _feedback_row(event, record, limits)
+            if row is not None:
+                out.feedback.append(row)
+                out.fast += 1
+                return
+    out.fallback += 1
+    result = parse_record(value, max_record_bytes=limits.max_record_bytes, hasher=hasher, window=limits.window,
+                          max_correction_chars=limits.max_correction_chars)  # fmt: skip
+    if isinstance(result, Rejected):
+        out.dead_letters.append(
+            DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, _scrubbed(value, hasher), record.key)
+        )
+    elif isinstance(result, TraceEvent):
+        row = trace_row(result, record.topic, record.partition, record.offset)
+        if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
+            ids, lps = row[6] or [], row[7] or []
+            out._add_lists(_ENCODER.encode(ids) if row[6] is not None else None, len(ids),
+                           _ENCODER.encode(lps) if row[7] is not None else None, len(lps))  # fmt: skip
+            row = (*row[:6], None, None, *row[8:])
+        out.traces.append(row)
+    else:
+        out.feedback.append(feedback_row(result, record.topic, record.partition, record.offset))
+
+
+def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Limits) -> bool:
     """Append the stored row (as :func:`~connectors.segments.trace_row`) to ``out``; False when the
     reference parser must decide."""
     ts = _utc(event.ts)
     signals = _signals(event)
-    if ts is None or signals is None:
+    if ts is None or signals is None or not limits.in_window(ts):
         return False
+    hasher = limits.hasher
     ids, lps = event.completion_token_ids, event.completion_logprobs
     ids_json = lps_json = None
     if isinstance(ids, msgspec.Raw):  # _DECODER: JSON text, made into columns for the whole batch
@@ -338,13 +454,17 @@ def _lists_to_columns(out: ParsedBatch) -> bool:
     return True
 
 
-def _feedback_row(event: _Feedback, record: KafkaRecord, hasher: UserHasher) -> FeedbackRow | None:
+def _feedback_row(event: _Feedback, record: KafkaRecord, limits: _Limits) -> FeedbackRow | None:
     """The stored row (as :func:`~connectors.segments.feedback_row`), or None when the reference parser must decide."""
     ts = None if event.ts is None else _utc(event.ts)  # a missing ts stays missing (ingest time later)
     signals = _signals(event)
-    if (ts is None and event.ts is not None) or signals is None:
+    if (ts is None and event.ts is not None) or signals is None or (ts is not None and not limits.in_window(ts)):
         return None
-    metadata = _metadata_json(event.metadata, hasher)
+    if event.correction is not None:
+        if limits.max_correction_chars is not None and len(event.correction) > limits.max_correction_chars:
+            return None
+        signals["correction"] = event.correction
+    metadata = _metadata_json(event.metadata, limits.hasher)
     if metadata is None:
         return None
     return (event.trace_id, ts, _signals_json(signals), metadata, record.topic, record.partition, record.offset)

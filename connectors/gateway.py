@@ -71,6 +71,7 @@ class FeedbackIn(BaseModel):
     reward: float | None = Field(default=None, allow_inf_nan=False, description="Explicit scalar reward (finite).")
     edited: bool | None = None
     regenerated: bool | None = None
+    correction: str | None = Field(default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars).")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -13,6 +13,18 @@ Delivery guarantee: at-least-once. For each polled batch, in this order:
 A crash before step 4 redelivers the batch; the buffer de-duplicates by
 ``trace_id`` at snapshot time, so training data sees each trace once.
 
+Nothing stops the loop:
+
+- a record that cannot be parsed, or whose ``ts`` is outside the accepted window, is a dead letter;
+- a record batch kafka-python cannot decode (codec missing, corrupt batch) becomes one
+  ``undecodable_record`` dead letter per offset, and the consumer seeks past it;
+- a full or failing disk (:class:`~connectors.errors.BufferStorageError`) makes the worker retry the
+  same batch with exponential backoff (nothing is committed meanwhile, so nothing is lost; fetching
+  pauses), visible in :meth:`IngestWorker.health` and the ``hourglass_ingest_storage_ok`` gauge.
+
+Prometheus metrics: ``hourglass_ingest_rows_stored_total{kind="trace"|"feedback"}`` (stored rows),
+``hourglass_dead_letters_total{reason}``, ``hourglass_ingest_storage_ok`` (1/0).
+
 Broker restarts, timeouts and rebalances do not crash the worker: the
 consumer is closed and re-created with exponential backoff (tenacity). Run
 it in the foreground (``hourglass ingest``) or in a thread::
@@ -31,8 +43,10 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter as Tally
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -40,17 +54,23 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
+from prometheus_client import Counter, Gauge
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from connectors.buffer import RewardBuffer
 from connectors.config import BufferConfig, KafkaConfig
 from connectors.dead_letter import DeadLetterStore
-from connectors.errors import BrokerUnavailableError
+from connectors.errors import BrokerUnavailableError, BufferStorageError
 from connectors.kafka_admin import ensure_topics
-from connectors.fast_parse import ParsedBatch, parse_batch
-from connectors.schema import UserHasher
+from connectors.fast_parse import ParsedBatch, UndecodableRecord, parse_batch
+from connectors.schema import UNMATCHED_FEEDBACK, TsWindow, UserHasher
 
 log = logging.getLogger(__name__)
+
+RECORDS = Counter("hourglass_ingest_rows_stored", "Rows stored in the reward buffer, by kind (trace, feedback).", ["kind"])
+DEAD_LETTERS = Counter("hourglass_dead_letters", "Records sent to the dead-letter store, by reason code.", ["reason"])
+STORAGE_OK = Gauge("hourglass_ingest_storage_ok", "1 while the ingest worker can write the buffer, 0 while it retries a failed write.")
+STORAGE_OK.set(1)
 
 _INFLIGHT_POLL_MS = 10  # longest poll wait while a batch is being stored or its commit is unanswered
 
@@ -96,6 +116,29 @@ class IngestWorker:
         self._retry: dict[TopicPartition, OffsetAndMetadata] = {}  # commits that failed retriably
         self._commits_unacked = 0
         self._commit_error: Exception | None = None
+        self._health: dict[str, Any] = {"storage_ok": True, "last_error": None, "last_error_unix_s": None,
+                                        "storage_failures": 0}  # fmt: skip
+
+    def health(self) -> dict[str, Any]:
+        """The worker's condition, for a readiness probe (thread-safe copy).
+
+        Returns:
+            ``{"storage_ok": bool, "last_error": str | None, "last_error_unix_s": float | None,
+            "storage_failures": int, "last_commit_unix_s": float | None, "lag_records": int | None}``.
+            ``storage_ok`` is False while a batch the buffer or dead-letter store could not write
+            (full disk, permissions) is being retried; ``storage_failures`` counts the consecutive
+            failed attempts (0 once a write succeeds). ``last_error`` is the latest storage or
+            maintenance error (kept after recovery, for the operator).
+        """
+        with self._lock:
+            return {**self._health, "last_commit_unix_s": self._stats.last_commit_unix_s,
+                    "lag_records": self._stats.lag_records}  # fmt: skip
+
+    def _set_health(self, **fields: Any) -> None:
+        with self._lock:
+            self._health.update(fields)
+        if "storage_ok" in fields:
+            STORAGE_OK.set(1 if fields["storage_ok"] else 0)
 
     def stats(self) -> IngestStats:
         """A copy of the counters (thread-safe)."""
@@ -109,11 +152,11 @@ class IngestWorker:
     # --- lifecycle -----------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Consume until ``stop`` is set; reconnects with backoff on broker errors.
+        """Consume until ``stop`` is set; reconnects with backoff on broker errors, retries storage errors
+        with backoff (see :meth:`health`); returns when ``stop`` is set.
 
         Raises:
-            BufferStorageError: the buffer or dead-letter store cannot be written
-                (offsets stay uncommitted; fix storage and restart).
+            KafkaError / BrokerUnavailableError: a non-retriable broker error (after the retries).
         """
         retrying = Retrying(
             retry=retry_if_exception_type((KafkaError, ConnectionError, TimeoutError)),  # not storage errors
@@ -125,12 +168,15 @@ class IngestWorker:
         )
         try:
             retrying(self._session, stop)
-        except (KafkaError, BrokerUnavailableError) as err:
+        except (KafkaError, BrokerUnavailableError, BufferStorageError) as err:
             if not stop.is_set():
                 raise
-            log.info("stopping with a broker error pending: %s", err)
+            log.info("stopping with an error pending (uncommitted records are redelivered): %s", err)
         finally:
-            self.buffer.write_manifest()
+            try:  # a summary only: its failure (full disk) must never hide the error that ends the run
+                self.buffer.write_manifest()
+            except (OSError, ValueError) as err:
+                log.warning("could not update the buffer manifest at shutdown: %s", err)
 
     def _on_retry(self, state: RetryCallState) -> None:
         self._count(reconnects=1)
@@ -163,7 +209,8 @@ class IngestWorker:
                 wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if count else k.batch_timeout_ms
                 if inflight or self._commits_unacked:  # commit / see its ack soon, not a silent batch_timeout_ms later
                     wait_ms = min(wait_ms, _INFLIGHT_POLL_MS)
-                polled = consumer.poll(timeout_ms=wait_ms, max_records=k.batch_max_records)
+                _backpressure(consumer, paused=len(inflight) >= _MAX_INFLIGHT)  # the store is behind (slow or full disk)
+                polled = self._poll(consumer, wait_ms, k.batch_max_records)
                 for tp, records in polled.items():
                     if not count:
                         deadline = time.monotonic() + k.batch_timeout_ms / 1000
@@ -173,18 +220,18 @@ class IngestWorker:
                     pending.setdefault(tp, []).extend(records)
                     count += len(records)
                     self._positions[tp] = records[-1].offset + 1
-                if count and (count >= k.batch_max_records or time.monotonic() >= deadline):
+                if count and len(inflight) < _MAX_INFLIGHT and (count >= k.batch_max_records or time.monotonic() >= deadline):
                     batch, pending = _split_batch(pending, k.batch_max_records)
-                    inflight.append((store.submit(self._store, self._parse(batch)), _next_offsets(batch)))
+                    inflight.append((store.submit(self._store, self._parse(batch), stop), _next_offsets(batch)))
                     count = sum(len(records) for records in pending.values())
                     deadline = time.monotonic() + k.batch_timeout_ms / 1000  # for the records left over
-                self._commit_done(consumer, inflight, block=len(inflight) > 1)  # at most 2 batches in flight
+                self._commit_done(consumer, inflight, block=len(inflight) >= _MAX_INFLIGHT)
                 self._update_lag(consumer)
                 if time.monotonic() >= next_maintenance:
-                    self.maintain()
+                    self._maintain_safely()
                     next_maintenance = time.monotonic() + self.maintenance_interval_s
             if pending:
-                inflight.append((store.submit(self._store, self._parse(pending)), _next_offsets(pending)))
+                inflight.append((store.submit(self._store, self._parse(pending), stop), _next_offsets(pending)))
             while inflight:
                 self._commit_done(consumer, inflight, block=True)
             self._settle_commits(consumer)
@@ -206,8 +253,11 @@ class IngestWorker:
             if retry:
                 self._commit_sync(consumer, retry)
         while inflight and (inflight[0][0].done() or block):
-            future, offsets = inflight.popleft()
-            future.result()  # BufferStorageError propagates: nothing of this batch is committed
+            future, offsets = inflight[0]
+            if not wait_futures([future], timeout=_BLOCK_WAIT_S).done:
+                return  # still storing (or retrying a full disk): poll again, keeping the group session alive
+            inflight.popleft()
+            future.result()  # a store that gave up (only when stopping) propagates: nothing of this batch is committed
             self._commit(consumer, offsets)
             block = False
 
@@ -229,20 +279,74 @@ class IngestWorker:
 
     # --- one batch -------------------------------------------------------------------
 
+    def _poll(self, consumer: KafkaConsumer, wait_ms: int, max_records: int) -> dict[TopicPartition, list[Any]]:
+        """``consumer.poll``; a record kafka-python cannot decode comes back as an :class:`UndecodableRecord`
+        (and the consumer seeks past it), instead of an error that would end the session every time."""
+        try:
+            return consumer.poll(timeout_ms=wait_ms, max_records=max_records)
+        except Exception as err:
+            where = _undecodable_at(err)
+            if where is None:
+                raise
+            tp, offset = where
+            log.error("record %s:%d at offset %d cannot be decoded (%s: %s); dead-lettering it and seeking past it",
+                      tp.topic, tp.partition, offset, type(err).__name__, err)  # fmt: skip
+            consumer.seek(tp, offset + 1)
+            return {tp: [UndecodableRecord(tp.topic, tp.partition, offset, f"{type(err).__name__}: {str(err)[:300]}")]}
+
     def _parse(self, polled: dict[TopicPartition, list[Any]]) -> ParsedBatch:
         """Parse one batch (consumer thread: pure-Python CPU work gains nothing from another thread
         under the GIL, and a CPU-bound store thread would delay this thread's socket wake-ups)."""
+        cfg = self.buffer.cfg
         return parse_batch(
-            itertools.chain.from_iterable(polled.values()), max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher
-        )
+            itertools.chain.from_iterable(polled.values()), max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher,
+            window=TsWindow.around(datetime.now(timezone.utc), cfg.event_age_limit_s, cfg.max_clock_skew_s),
+            max_correction_chars=cfg.max_correction_chars,
+        )  # fmt: skip
 
-    def _store(self, batch: ParsedBatch) -> None:
-        """Write one parsed batch durably: dead letters, then buffer segments (store thread; fsync releases the GIL)."""
+    def _store(self, batch: ParsedBatch, stop: threading.Event) -> None:
+        """Write one parsed batch durably: dead letters, then buffer segments (store thread; fsync releases the GIL).
+
+        A :class:`BufferStorageError` (full disk...) is retried with exponential backoff up to
+        ``buffer.storage_retry_max_s`` between attempts, until it succeeds or ``stop`` is set (then it is
+        raised and nothing of the batch is committed).
+        """
         now = datetime.now(timezone.utc)
-        self.dead_letters.write(batch.dead_letters, now)  # durable before the commit
-        self.buffer.write_tables(batch.trace_table(now), batch.feedback_table(now), now)  # durable before the commit
-        self._count(traces=len(batch.traces), feedback=len(batch.feedback), dead_letters=len(batch.dead_letters),
+        traces, feedback = batch.tables(now)  # may add dead letters (rows Arrow refuses)
+        letters_written = False
+
+        def write() -> None:
+            nonlocal letters_written
+            if not letters_written:
+                self.dead_letters.write(batch.dead_letters, now)  # durable before the commit
+                letters_written = True
+            self.buffer.write_tables(traces, feedback, now)  # durable before the commit
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(BufferStorageError),
+            wait=wait_exponential(multiplier=0.5, max=self.buffer.cfg.storage_retry_max_s),
+            stop=lambda _state: stop.is_set(),
+            sleep=stop.wait,
+            before_sleep=self._on_storage_retry,
+            reraise=True,
+        )
+        retrying(write)
+        if not self._health["storage_ok"] or self._health["storage_failures"]:
+            log.info("storage recovered: the batch is stored")
+            self._set_health(storage_ok=True, storage_failures=0)
+        self._count(traces=traces.num_rows, feedback=feedback.num_rows, dead_letters=len(batch.dead_letters),
                     batches=1, fast_parsed=batch.fast)  # fmt: skip
+        RECORDS.labels("trace").inc(traces.num_rows)
+        RECORDS.labels("feedback").inc(feedback.num_rows)
+        for reason, n in Tally(letter.reason for letter in batch.dead_letters).items():
+            DEAD_LETTERS.labels(reason).inc(n)
+
+    def _on_storage_retry(self, state: RetryCallState) -> None:
+        err = state.outcome.exception() if state.outcome is not None else None
+        self._set_health(storage_ok=False, last_error=f"{type(err).__name__}: {err}", last_error_unix_s=time.time(),
+                         storage_failures=state.attempt_number)  # fmt: skip
+        log.warning("could not store a batch (attempt %d: %s); nothing is committed, retrying in %.1fs",
+                    state.attempt_number, err, state.upcoming_sleep)  # fmt: skip
 
     def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         """Send the commit of a stored batch's offsets; the broker's answer comes to :meth:`_on_commit`."""
@@ -308,13 +412,56 @@ class IngestWorker:
             self._stats = replace(self._stats, lag_records=lag if known else self._stats.lag_records)
 
     def maintain(self, now: datetime | None = None) -> None:
-        """Dead-letter unmatched feedback past its window, then apply retention."""
+        """Dead-letter unmatched feedback past its window, then apply retention.
+
+        Raises:
+            BufferStorageError: the dead letters or the manifest could not be written.
+        """
         now = now or datetime.now(timezone.utc)
         unmatched = self.buffer.sweep_unmatched_feedback(self.dead_letters, now)
-        removed = self.buffer.apply_retention(now)
         self._count(unmatched_feedback=unmatched, dead_letters=unmatched)
-        if removed:
-            log.info("retention removed partitions %s", removed)
+        if unmatched:
+            DEAD_LETTERS.labels(UNMATCHED_FEEDBACK).inc(unmatched)
+        self.buffer.apply_retention(now)  # logs and counts what it deletes; never raises
+
+    def _maintain_safely(self) -> None:
+        """:meth:`maintain` from the consume loop: a failure is logged and kept in :meth:`health`, then the
+        next pass tries again (the sweep repeats, never loses); it never ends the session."""
+        try:
+            self.maintain()
+        except Exception as err:  # noqa: BLE001 - maintenance must never stop ingestion
+            log.warning("maintenance pass failed (%s: %s); retrying at the next interval", type(err).__name__, err)
+            self._set_health(last_error=f"maintenance: {type(err).__name__}: {err}", last_error_unix_s=time.time())
+
+
+_MAX_INFLIGHT = 2  # batches being stored at once; more waits (fetching paused)
+_BLOCK_WAIT_S = 1.0  # longest wait for a store before polling again (keeps the consumer's group session alive)
+
+
+def _backpressure(consumer: KafkaConsumer, paused: bool) -> None:
+    """Pause fetching every assigned partition while the store is behind; resume when it catches up."""
+    if paused:
+        assigned = consumer.assignment()
+        if assigned and consumer.paused() != assigned:
+            consumer.pause(*assigned)
+    elif consumer.paused():
+        consumer.resume(*consumer.paused())
+
+
+def _undecodable_at(err: BaseException) -> tuple[TopicPartition, int] | None:
+    """(partition, offset) of the record kafka-python failed to decode, when ``err`` was raised while it
+    unpacked fetched records (``Fetcher.PartitionRecords._unpack_records``: a codec whose library is
+    missing, a corrupt batch, a decompressor error); None for any other error."""
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "_unpack_records" and "kafka" in frame.f_code.co_filename:
+            part = frame.f_locals.get("self")
+            tp, offset = getattr(part, "topic_partition", None), getattr(part, "next_fetch_offset", None)
+            if isinstance(tp, TopicPartition) and isinstance(offset, int):
+                return tp, offset
+        tb = tb.tb_next
+    return None
 
 
 def fetch_settings(k: KafkaConfig) -> dict[str, int]:

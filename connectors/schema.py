@@ -8,6 +8,14 @@ about a trace, joined later by ``trace_id``.
 :func:`parse_record` turns the raw bytes of one Kafka record into an event or
 a :class:`Rejected` value (a dead-letter reason); it never raises on bad
 input, so one bad record cannot stop a consumer.
+
+Timestamps (``ts``): an RFC 3339 string (``2026-01-31T07:00:00Z``; no offset
+means UTC) or a JSON number of epoch **milliseconds** (``1767225600000``).
+Strings of digits (``"1767225600"``) are refused as schema violations: the
+same digits would otherwise mean seconds as a string and milliseconds as a
+number. When a :class:`TsWindow` is given (the ingest worker always gives
+one), an event whose ``ts`` is older than ``buffer.max_event_age_s`` or newer
+than now + ``buffer.max_clock_skew_s`` is refused as ``ts_out_of_range``.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import hashlib
 import hmac
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -48,6 +57,11 @@ NON_FINITE_REWARD = "non_finite_reward"
 SCHEMA_VIOLATION = "schema_violation"
 EMPTY_VALUE = "empty_value"
 UNMATCHED_FEEDBACK = "unmatched_feedback"
+INVALID_UNICODE = "invalid_unicode"  # a lone surrogate (\ud800 in JSON) or other text UTF-8 cannot encode
+TS_OUT_OF_RANGE = "ts_out_of_range"
+OVERSIZE_CORRECTION = "oversize_correction"
+PARSE_ERROR = "parse_error"  # last resort: the parser itself failed on this record (a bug; the record is kept)
+UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record batch (codec, corruption)
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
 
@@ -63,7 +77,14 @@ def _to_utc(value: Any) -> Any:
             return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
         except (OverflowError, OSError, ValueError) as err:  # pydantic reports only ValueError as invalid input
             raise ValueError(f"ts {value!r} epoch milliseconds is out of the supported date range: {err}") from err
+    if isinstance(value, str) and _NUMERIC.fullmatch(value.strip()):
+        raise ValueError(
+            f"ts {value!r} is a numeric string; send epoch milliseconds as a JSON number or an RFC 3339 string"
+        )
     return value
+
+
+_NUMERIC = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def _aware_utc(value: datetime) -> datetime:
@@ -164,6 +185,9 @@ class FeedbackEvent(_Signals):
     schema_: Literal["hourglass.feedback/v1"] = Field(default=FEEDBACK_SCHEMA, alias="schema")
     trace_id: str = Field(min_length=1, max_length=256)
     ts: datetime | None = Field(default=None, description="When the feedback was given (UTC); default: ingest time.")
+    correction: str | None = Field(
+        default=None, description="The user's corrected answer (text); size-limited by buffer.max_correction_chars."
+    )
 
     @field_validator("ts", mode="before")
     @classmethod
@@ -192,6 +216,81 @@ class Rejected:
     detail: str
 
 
+_MIN_UTC = datetime.min.replace(tzinfo=timezone.utc)
+_MAX_UTC = datetime.max.replace(tzinfo=timezone.utc)
+
+
+def shift(when: datetime, seconds: float) -> datetime:
+    """``when + seconds`` clamped to the datetime range (never raises OverflowError)."""
+    try:
+        return when + timedelta(seconds=seconds)
+    except OverflowError:
+        return _MAX_UTC if seconds > 0 else _MIN_UTC
+
+
+@dataclass(frozen=True)
+class TsWindow:
+    """Event times accepted at ingest: ``[now - max_age_s, now + max_skew_s]`` (aware UTC datetimes).
+
+    One policy for traces and feedback, from Kafka and from replays: an event
+    outside the window would be deleted by the next retention pass (too old) or
+    sit in the buffer ahead of every snapshot window (too new), so it is refused
+    as ``ts_out_of_range`` instead, with the value and the accepted range.
+    """
+
+    earliest: datetime
+    latest: datetime
+    max_age_s: float
+    max_skew_s: float
+
+    @classmethod
+    def around(cls, now: datetime, max_age_s: float, max_skew_s: float) -> "TsWindow":
+        """The window around ``now`` (aware) for ``buffer.max_event_age_s`` / ``buffer.max_clock_skew_s``."""
+        return cls(shift(now, -max_age_s), shift(now, max_skew_s), max_age_s, max_skew_s)
+
+    def check(self, ts: datetime | None) -> Rejected | None:
+        """None when ``ts`` is inside the window (or absent: feedback without ``ts`` takes the ingest time)."""
+        if ts is None or self.earliest <= ts <= self.latest:
+            return None
+        return Rejected(
+            TS_OUT_OF_RANGE,
+            f"ts {ts.isoformat()} is outside the accepted range [{self.earliest.isoformat()}, {self.latest.isoformat()}] "
+            f"(ingest time - buffer.max_event_age_s={self.max_age_s:g}, + buffer.max_clock_skew_s={self.max_skew_s:g}); "
+            "send when the event happened in UTC (RFC 3339, or a JSON number of epoch milliseconds), "
+            "fix the producer's clock, or raise buffer.max_event_age_s to backfill older events",
+        )
+
+
+def unencodable_path(value: Any, path: str = "") -> str | None:
+    """The path (``metadata.user_id``, ``prompt[0].content``) of the first string or key in a decoded JSON
+    value that UTF-8 cannot encode (a lone surrogate such as ``"\\ud800"``); None when there is none."""
+    if isinstance(value, str):
+        return None if _encodable(value) else (path or "(value)")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            shown = key if _encodable(str(key)) else str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            where = f"{path}.{shown}" if path else shown
+            if shown != key:
+                return where
+            found = unencodable_path(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = unencodable_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class UserHasher:
     """Replaces user identifiers in metadata with ``hmac-sha256:<hex>`` (keyed, so not reversible
     by a dictionary attack without the key).
@@ -207,20 +306,26 @@ class UserHasher:
         self._digest_text = functools.lru_cache(maxsize=4096)(self._digest_text)  # type: ignore[method-assign]
 
     def digest(self, value: Any) -> str:
+        """``hmac-sha256:<hex>`` of a value (strings as UTF-8, anything else as sorted-key JSON); never raises
+        (text UTF-8 cannot encode, such as a lone surrogate, is hashed with its surrogates passed through)."""
         if isinstance(value, str):
             return self._digest_text(value)
-        return self._digest_text(json.dumps(value, sort_keys=True))
+        try:
+            text = json.dumps(value, sort_keys=True)
+        except (TypeError, ValueError):  # not JSON data (keys of mixed types, cycles): hash its repr
+            text = repr(value)
+        return self._digest_text(text)
 
     def _digest_text(self, text: str) -> str:
         mac = self._keyed.copy()  # cheaper than re-keying per value
-        mac.update(text.encode("utf-8"))
+        mac.update(text.encode("utf-8", "surrogatepass"))
         return "hmac-sha256:" + mac.hexdigest()
 
     def __call__(self, metadata: Any) -> Any:
         if isinstance(metadata, dict):
             out = {}
             for k, v in metadata.items():
-                if k.lower() in self._id_keys and v is not None:
+                if isinstance(k, str) and k.lower() in self._id_keys and v is not None:
                     out[k] = self.digest(v)
                 else:
                     out[k] = self(v) if isinstance(v, (dict, list)) else v
@@ -239,19 +344,29 @@ def _first_error(err: ValidationError) -> str:
     return "; ".join(problems) + more
 
 
-def parse_record(value: bytes | None, *, max_record_bytes: int, hasher: UserHasher) -> Event | Rejected:
+def parse_record(
+    value: bytes | None,
+    *,
+    max_record_bytes: int,
+    hasher: UserHasher,
+    window: TsWindow | None = None,
+    max_correction_chars: int | None = None,
+) -> Event | Rejected:
     """Parse one Kafka record value into an event, or say why it is unusable.
 
     Args:
         value: the raw record value (None for a tombstone).
         max_record_bytes: larger values are rejected as ``oversize``.
         hasher: applied to ``metadata`` of valid events (user ids hashed).
+        window: accepted ``ts`` range (None: any representable time).
+        max_correction_chars: a feedback ``correction`` longer than this (characters) is rejected.
 
     Returns:
         A :class:`TraceEvent` / :class:`FeedbackEvent`, or a :class:`Rejected`
         with one of the reason codes ``empty_value``, ``oversize``,
-        ``not_utf8``, ``invalid_json``, ``not_an_object``, ``unknown_schema``,
-        ``non_finite_reward``, ``schema_violation``. Never raises on bad input.
+        ``not_utf8``, ``invalid_json``, ``invalid_unicode``, ``not_an_object``,
+        ``unknown_schema``, ``non_finite_reward``, ``schema_violation``,
+        ``oversize_correction``, ``ts_out_of_range``. Never raises on bad input.
     """
     if not value:
         return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
@@ -263,7 +378,23 @@ def parse_record(value: bytes | None, *, max_record_bytes: int, hasher: UserHash
         return _diagnose(value)  # slow path: say precisely what is wrong
     if event.reward is not None and not math.isfinite(event.reward):
         return Rejected(NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers")
-    return event
+    if isinstance(event, FeedbackEvent):
+        too_long = correction_too_long(event.correction, max_correction_chars)
+        if too_long is not None:
+            return too_long
+    rejected = window.check(event.ts) if window is not None else None
+    return rejected or event
+
+
+def correction_too_long(correction: str | None, max_chars: int | None) -> Rejected | None:
+    """The ``oversize_correction`` verdict for a correction above ``max_chars`` characters, else None."""
+    if correction is None or max_chars is None or len(correction) <= max_chars:
+        return None
+    return Rejected(
+        OVERSIZE_CORRECTION,
+        f"correction is {len(correction)} characters, above buffer.max_correction_chars={max_chars}; "
+        "send a shorter correction or raise the limit",
+    )
 
 
 def _diagnose(value: bytes) -> Rejected:
@@ -276,6 +407,13 @@ def _diagnose(value: bytes) -> Rejected:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         return Rejected(INVALID_JSON, f"record is not valid JSON: {err}")
+    bad_text = unencodable_path(data)
+    if bad_text is not None:
+        return Rejected(
+            INVALID_UNICODE,
+            f"{bad_text}: text that UTF-8 cannot encode (a lone UTF-16 surrogate escape such as \\ud800); "
+            "send valid Unicode (surrogates only in pairs)",
+        )
     if not isinstance(data, dict):
         return Rejected(NOT_AN_OBJECT, f"record is a JSON {type(data).__name__}, expected an object with a 'schema' tag")
     tag = data.get("schema")

@@ -17,13 +17,13 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from connectors.schema import FeedbackEvent, TraceEvent
+from connectors.schema import FeedbackEvent, TraceEvent, shift
 
 TS = pa.timestamp("ms", tz="UTC")
 TRACES = "traces"
@@ -67,6 +67,7 @@ SNAPSHOT_SCHEMA = pa.schema([
     *_TRACE_COLUMNS,
     pa.field("reward", pa.float64()),
     pa.field("reward_source", pa.string()),
+    pa.field("correction", pa.string()),  # the latest feedback correction joined for the trace, null when none
     pa.field("metadata", pa.string(), nullable=False),
     *_LINEAGE,
 ])  # fmt: skip
@@ -92,8 +93,8 @@ def hour_of(ts: datetime) -> datetime:
 
 
 def partition_dir(kind: str, hour: datetime) -> str:
-    """``traces/dt=2026-01-31/hour=07`` for a UTC hour."""
-    return f"{kind}/dt={hour:%Y-%m-%d}/hour={hour:%H}"
+    """``traces/dt=2026-01-31/hour=07`` for a UTC hour (the year always 4 digits: ``dt=0001-01-01``)."""
+    return f"{kind}/dt={hour.year:04d}-{hour.month:02d}-{hour.day:02d}/hour={hour.hour:02d}"
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ def segment_info(path: str, size: int) -> SegmentInfo | None:
 
 
 def overlaps(seg: SegmentInfo, start: datetime, end: datetime) -> bool:
-    """Whether the segment's hour [h, h+1h) overlaps [start, end)."""
-    return seg.hour < end and seg.hour + timedelta(hours=1) > start
+    """Whether the segment's hour [h, h+1h) overlaps [start, end) (safe at the ends of the datetime range)."""
+    return seg.hour < end and seg.hour > shift(start, -3600.0)
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: json.dumps with options builds one per call
@@ -156,8 +157,11 @@ def trace_row(event: TraceEvent, topic: str, partition: int, offset: int) -> Tra
 
 
 def feedback_row(event: FeedbackEvent, topic: str, partition: int, offset: int) -> FeedbackRow:
-    """The stored row of a validated feedback event."""
-    return (event.trace_id, event.ts, to_json(event.signals()), to_json(event.metadata), topic, partition, offset)
+    """The stored row of a validated feedback event (a ``correction`` is kept in the signals JSON, after the signals)."""
+    signals = event.signals()
+    if event.correction is not None:
+        signals["correction"] = event.correction
+    return (event.trace_id, event.ts, to_json(signals), to_json(event.metadata), topic, partition, offset)
 
 
 def trace_rows_table(

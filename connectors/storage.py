@@ -60,10 +60,13 @@ def _fsync_path(path: str, directory: bool = False) -> None:
 def write_durable(loc: Location, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that after return it survives a crash or power loss.
 
+    A local write that fails (full disk, no permission) removes its own temporary file.
+
     Raises:
         BufferStorageError: the write, fsync or rename failed.
     """
     parent = path.rsplit("/", 1)[0]
+    tmp: str | None = None
     try:
         loc.fs.create_dir(parent, recursive=True)
         if not loc.is_local:
@@ -75,9 +78,20 @@ def write_durable(loc: Location, path: str, data: bytes) -> None:
             out.write(data)
         _fsync_path(tmp)  # fsync on a second descriptor flushes the inode's dirty pages
         loc.fs.move(tmp, path)
+        tmp = None  # renamed: nothing left to clean up
         _fsync_path(parent, directory=True)  # make the rename itself durable
     except OSError as err:
+        if tmp is not None:
+            _remove_quietly(loc, tmp)
         raise BufferStorageError(f"could not write {path!r} durably: {err}; check free space and permissions") from err
+
+
+def _remove_quietly(loc: Location, path: str) -> None:
+    """Delete a temporary file of a failed write; a failure here must not hide the write's own error."""
+    try:
+        loc.fs.delete_file(path)
+    except OSError:
+        pass  # never created, or the disk refuses even this: retention removes stale .tmp-* files later
 
 
 def read_bytes(loc: Location, path: str) -> bytes:

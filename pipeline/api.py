@@ -17,6 +17,7 @@ service binds to loopback by default (``api.host``).
 | POST | /promote | ``{"model": ..., "version": "3"}`` move ``@champion`` |
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |
+| GET | /, /console/panels, /console/data | the status page and its data (:mod:`pipeline.console`; viewing rule there) |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.console import mount_console
 from pipeline.round_job import RoundNotCancellableError
 from pipeline.rounds import RoundInProgressError, UnknownRoundError
 
@@ -133,6 +135,7 @@ def create_api(service: "HourglassService") -> FastAPI:
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:
         return Response(content=str(err), status_code=409)
 
+    mount_console(app, service)  # the status page at / (pipeline.console)
     return app
 
 

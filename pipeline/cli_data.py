@@ -24,7 +24,7 @@ from connectors.dead_letter import DeadLetterStore
 from connectors.errors import ConnectorError
 from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
-from connectors.replay import iter_sharegpt_traces, read_trace_jsonl
+from connectors.replay import read_trace_jsonl, replay_sharegpt
 from connectors.sink import TraceSink, produce_events, produce_jsonl
 from pipeline.cli_common import fail, print_error
 from pipeline.config import HourglassConfig, load_config
@@ -110,28 +110,41 @@ def produce(
 
 
 def replay(
-    sharegpt: Annotated[int | None, typer.Option("--sharegpt", help="Publish this many ShareGPT conversations.")] = None,
+    sharegpt: Annotated[int | None, typer.Option("--sharegpt", help="Publish at most this many ShareGPT conversations.")] = None,
+    sharegpt_file: Annotated[Path | None, typer.Option(
+        "--sharegpt-file", help="ShareGPT file to replay (a JSON array or JSON lines; default: the shipped dump)."
+    )] = None,
     jsonl: Annotated[Path | None, typer.Option("--jsonl", help="Publish validated trace events from this file.")] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Replay ShareGPT conversations or a trace JSON-lines file into the traces topic."""
+    """Replay ShareGPT conversations or a trace JSON-lines file into the traces topic.
+
+    A ShareGPT record that is not a usable conversation is dead-lettered with its reason (see
+    ``hourglass dlq list``); the command prints how many were replayed and dead-lettered by reason.
+    """
     cfg = _config(config)
-    if (sharegpt is None) == (jsonl is None):
-        console.print("[red]error:[/red] give exactly one of --sharegpt N or --jsonl FILE")
+    use_sharegpt = sharegpt is not None or sharegpt_file is not None
+    if use_sharegpt == (jsonl is not None):
+        console.print("[red]error:[/red] give --sharegpt N and/or --sharegpt-file FILE, or --jsonl FILE")
         raise typer.Exit(2)
     if sharegpt is not None and sharegpt < 1:
         fail(f"--sharegpt must be at least 1, got {sharegpt}")
-    if jsonl is not None:
-        _readable_file(jsonl)
+    for path in (sharegpt_file, jsonl):
+        if path is not None:
+            _readable_file(path)
     try:
         ensure_topics(cfg.kafka)
-        events = iter_sharegpt_traces(sharegpt) if sharegpt is not None else read_trace_jsonl(jsonl)  # type: ignore[arg-type]
-        with TraceSink(cfg.kafka) as sink:
-            acked = produce_events(sink, events)
+        if use_sharegpt:
+            report = replay_sharegpt(cfg.kafka, sharegpt, sharegpt_file, DeadLetterStore(cfg.buffer.dead_letter_root))
+            result = {"topic": cfg.kafka.traces_topic, "acknowledged": report.replayed, **report.as_dict()}
+        else:
+            with TraceSink(cfg.kafka) as sink:
+                acked = produce_events(sink, read_trace_jsonl(jsonl))  # type: ignore[arg-type]
+            result = {"topic": cfg.kafka.traces_topic, "acknowledged": acked}
     except ConnectorError as err:
         raise _fail(err) from err
-    _emit(as_json, {"topic": cfg.kafka.traces_topic, "acknowledged": acked}, "replay")
+    _emit(as_json, result, "replay")
 
 
 buffer_app = typer.Typer(help="Inspect the Arrow reward buffer.", no_args_is_help=True)
@@ -175,12 +188,15 @@ def dlq_list(
     cfg = _config(config)
     store = DeadLetterStore(cfg.buffer.dead_letter_root)
     rows = store.list(limit=limit, reason=reason)
+    if store.skipped_lines:
+        console.print(f"[yellow]warning:[/yellow] skipped {store.skipped_lines} damaged line(s) in {cfg.buffer.dead_letter_root}")
     if as_json:
-        typer.echo(json.dumps({"count": len(rows), "dead_letters": rows}))
+        typer.echo(json.dumps({"count": len(rows), "skipped_lines": store.skipped_lines, "dead_letters": rows}))
         return
     table = Table("reason", "topic", "partition", "offset", "detail", title=f"dead letters ({len(rows)})")
     for row in rows:
-        table.add_row(row["reason"], row["topic"], str(row["partition"]), str(row["offset"]), row["detail"][:100])
+        table.add_row(str(row.get("reason")), str(row.get("topic")), str(row.get("partition")), str(row.get("offset")),
+                      str(row.get("detail"))[:100])  # fmt: skip
     Console().print(table)
 
 

@@ -157,7 +157,7 @@ def main(
     try:
         _wait_http(f"{api}/healthz", "the service", procs["service"])
         _wait_http(f"{gateway}/healthz", "the gateway", procs["gateway"])
-        console.print(f"service (ops API) on {api}, gateway on {gateway}")
+        console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
         exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1)
@@ -217,7 +217,7 @@ def main(
             for service in reversed(stack.stack_services(cfg, Path("-"))):
                 service.stop()
         else:
-            console.print("left running; stop with `hourglass down` and by ending the service and gateway processes")
+            console.print(f"left running; status page: {api}/ — stop with `hourglass down` and by ending the service and gateway processes")
 
 
 if __name__ == "__main__":

@@ -47,10 +47,17 @@ def rollout_batch(
     prompt_ids: Sequence[list[int]],
     groups: Sequence[Sequence[Sample]],
     reward: RewardMix,
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = None,
 ) -> tuple[Batch, dict[str, float]]:
-    """Score rollout groups (``P`` prompts x ``G`` samples) and compute advantages."""
+    """Score rollout groups (``P`` prompts x ``G`` samples) and compute advantages.
+
+    ``extra_metadata_PG[p][g]`` is merged into prompt ``p``'s metadata when scoring
+    sample ``g`` (e.g. ``reward_model_score``, the reward model's score of that sample).
+    """
+    extra = extra_metadata_PG or [[{}] * len(group) for group in groups]
     rewards_PG = torch.tensor(
-        [[reward(p.messages, s.text, p.metadata) for s in group] for p, group in zip(prompts, groups)], dtype=torch.float64
+        [[reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)] for p, group, xs in zip(prompts, groups, extra)],
+        dtype=torch.float64,
     )
     if candidate.algorithm == "grpo":
         advantages_PG = group_advantages(rewards_PG)

@@ -128,3 +128,69 @@ def test_retention_removes_stale_temp_files_of_a_crashed_write(tmp_path: Path) -
     assert buf.snapshot()["trace_id"].to_pylist() == ["t1"]  # temp files are never read
     assert buf.apply_retention(T0 + timedelta(minutes=1)) == []
     assert not stale.exists() and fresh.exists()
+
+
+def test_one_vote_per_user_and_the_latest_correction(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    alice, bob = {"user_hash": "hmac-sha256:a"}, {"user_hash": "hmac-sha256:b"}
+    buf.append([_trace(1), _trace(2), _trace(3)], [
+        _fb(1, T0 + timedelta(seconds=1), thumbs="up", metadata=alice),
+        _fb(1, T0 + timedelta(seconds=2), thumbs="up", metadata=alice),  # the same vote again: replaces, never stacks
+        _fb(1, T0 + timedelta(seconds=3), thumbs="down", metadata=alice, correction="it is 4"),  # changed mind
+        _fb(2, T0 + timedelta(seconds=1), reward=1.0, metadata=alice),
+        _fb(2, T0 + timedelta(seconds=2), edited=True, metadata=bob, correction="first"),
+        _fb(2, T0 + timedelta(seconds=4), edited=True, metadata=bob, correction="second"),
+        _fb(3, T0 + timedelta(seconds=1), thumbs="down"),
+        _fb(3, T0 + timedelta(seconds=2), thumbs="up"),  # anonymous: one voter, the latest counts
+    ])  # fmt: skip
+    rows = {r["trace_id"]: (r["reward"], r["reward_source"], r["correction"]) for r in buf.snapshot().to_pylist()}
+    assert rows == {"t1": (-1.0, "thumbs", "it is 4"), "t2": (0.5, "reward+edited", "second"), "t3": (1.0, "thumbs", None)}
+
+
+def test_retention_never_overflows_and_counts_what_it_deletes(tmp_path: Path) -> None:
+    from connectors.buffer import RETENTION_ROWS
+
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(1, datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)),
+                _trace(2, datetime(1, 1, 1, tzinfo=timezone.utc)), _trace(3)], [])  # fmt: skip
+    dirs = sorted(str(p.parent.relative_to(tmp_path / "buf")) for p in (tmp_path / "buf").rglob("*.arrow"))
+    assert "traces/dt=0001-01-01/hour=00" in dirs and "traces/dt=9999-12-31/hour=23" in dirs
+    assert buf.stats().trace_rows == 3  # every partition is seen by the listing
+    before = RETENTION_ROWS.labels("traces")._value.get()
+    assert buf.apply_retention(T0 + timedelta(minutes=1)) == ["traces/dt=0001-01-01/hour=00"]
+    assert RETENTION_ROWS.labels("traces")._value.get() - before == 1
+    huge = RewardBuffer(_cfg(tmp_path, retention_hours=1e12))  # cutoff before year 1: clamped, nothing deleted
+    assert huge.apply_retention(datetime(9999, 12, 31, 23, 59, tzinfo=timezone.utc)) == []
+    assert buf.apply_retention(datetime(9999, 12, 31, 23, 59, tzinfo=timezone.utc)) == ["traces/dt=2026-03-01/hour=10"]
+    assert sorted(buf.snapshot()["trace_id"].to_pylist()) == ["t1"]
+
+
+def test_late_feedback_below_the_watermark_is_still_swept(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    buf, dlq = RewardBuffer(cfg), DeadLetterStore(cfg.dead_letter_root)
+    buf.append([_trace(1)], [_fb(1, T0, 0, thumbs="up")])
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2)) == 0  # watermark: T0 + 1h50
+    # Arrives late: its ts is already behind the watermark (a late client, consumer lag).
+    RewardBuffer(cfg).append([], [_fb(7, T0 + timedelta(minutes=30), 5, thumbs="down"),
+                                  _fb(1, T0 + timedelta(minutes=1), 6, rating=4)])  # fmt: skip
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2, minutes=1)) == 1
+    assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2, minutes=2)) == 0  # not twice
+    assert [(d["reason"], d["offset"]) for d in dlq.list()] == [(UNMATCHED_FEEDBACK, 5)]
+
+
+def test_a_failed_durable_write_removes_its_temp_file(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import pytest
+
+    from connectors import storage
+    from connectors.errors import BufferStorageError
+
+    def full(path: str, directory: bool = False) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage, "_fsync_path", full)
+    buf = RewardBuffer(_cfg(tmp_path))
+    with pytest.raises(BufferStorageError, match="No space left"):
+        buf.append([_trace(1)], [])
+    assert not list((tmp_path / "buf").rglob(".tmp-*")) and not list((tmp_path / "buf").rglob("*.arrow"))

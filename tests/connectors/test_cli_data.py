@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def test_produce_replay_stats_and_dlq_commands(
         f'traces_topic = "{kafka_cfg.traces_topic}"\nfeedback_topic = "{kafka_cfg.feedback_topic}"\n'
         f'group_id = "{kafka_cfg.group_id}"\n[buffer]\nroot = "buf"\ndead_letter_root = "dlq"\n'
     )
-    trace = {"schema": "hourglass.trace/v1", "ts": "2026-05-01T12:00:00Z", "model": "m", "prompt": "p", "completion": "c"}
+    two_hours_ago = (datetime.now(timezone.utc) - timedelta(hours=2)).isoformat()  # inside the accepted ts window
+    trace = {"schema": "hourglass.trace/v1", "ts": two_hours_ago, "model": "m", "prompt": "p", "completion": "c"}
     lines = [json.dumps({**trace, "trace_id": f"t{i}", **({"thumbs": "up"} if i == 0 else {})}) for i in range(3)]
     data = tmp_path / "traces.jsonl"
     data.write_text("\n".join([*lines, '{"schema": "hourglass.trace/v1", oops']) + "\n")
@@ -48,7 +50,9 @@ def test_produce_replay_stats_and_dlq_commands(
     assert json.loads(out.stdout) == {"topic": kafka_cfg.traces_topic, "acknowledged": 4}
     out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt", "20", "--json"])
     assert out.exit_code == 0, out.output
-    assert json.loads(out.stdout)["acknowledged"] == 20
+    replayed = json.loads(out.stdout)
+    assert replayed["acknowledged"] == 20 == replayed["replayed"]
+    skipped = replayed["dead_lettered_total"]  # unusable conversations of the dump: dead letters, not silence
 
     cfg = load_config(config)
     worker = run_worker(cfg.kafka, cfg.buffer)
@@ -68,9 +72,11 @@ def test_produce_replay_stats_and_dlq_commands(
     out = runner.invoke(_app(), ["dlq", "list", "--config", str(config), "--json"])
     assert out.exit_code == 0, out.output
     listing = json.loads(out.stdout)
-    assert listing["count"] == 1
-    assert listing["dead_letters"][0]["reason"] == "invalid_json"
-    assert listing["dead_letters"][0]["payload"].endswith("oops")
+    assert listing["count"] == 1 + skipped
+    ingested = [d for d in listing["dead_letters"] if d["topic"] == kafka_cfg.traces_topic]
+    assert len(ingested) == 1
+    assert ingested[0]["reason"] == "invalid_json"
+    assert ingested[0]["payload"].endswith("oops")
 
 
 def test_bad_config_is_reported_with_exit_code_2(tmp_path: Path) -> None:
@@ -79,3 +85,32 @@ def test_bad_config_is_reported_with_exit_code_2(tmp_path: Path) -> None:
     out = CliRunner().invoke(_app(), ["dlq", "list", "--config", str(config), "--json"])
     assert out.exit_code == 2
     assert "bootstrap_servers" in out.output and "partitions" in out.output
+
+
+def test_replay_a_sharegpt_file_of_my_choice_accounts_for_every_record(kafka_cfg: KafkaConfig, tmp_path: Path) -> None:
+    config = tmp_path / "hourglass.toml"
+    config.write_text(
+        f'[kafka]\nbootstrap_servers = ["{kafka_cfg.bootstrap_servers[0]}"]\n'
+        f'traces_topic = "{kafka_cfg.traces_topic}"\nfeedback_topic = "{kafka_cfg.feedback_topic}"\n'
+        f'[buffer]\ndead_letter_root = "{tmp_path / "dlq"}"\n'
+    )
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    records = [good, good, {"id": "x", "conversations": ["human: hi"]}, {"id": "y", "conversations": []},
+               {"id": "z", "conversations": [{"from": "bing", "value": "1\u20282"}]}, 7]  # fmt: skip
+    data = tmp_path / "mine.json"
+    data.write_text(json.dumps(records, ensure_ascii=False))
+    runner = CliRunner()
+    out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt-file", str(data), "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    assert result["replayed"] == 2 == result["acknowledged"]  # two records without id: two distinct traces
+    assert result["dead_lettered"] == {"sharegpt_bad_turn": 1, "sharegpt_no_conversation": 1,
+                                       "sharegpt_not_an_object": 1, "sharegpt_unknown_role": 1}  # fmt: skip
+    out = runner.invoke(_app(), ["dlq", "list", "--config", str(config), "--json"])  # U+2028 in a payload
+    assert out.exit_code == 0, out.output
+    listing = json.loads(out.stdout)
+    assert listing["count"] == 4 and listing["skipped_lines"] == 0
+    assert [d["offset"] for d in listing["dead_letters"]] == [3, 4, 5, 6]  # record numbers in the file
+    assert json.loads(listing["dead_letters"][2]["payload"])["conversations"][0]["value"] == "1\u20282"
+    out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt-file", str(tmp_path / "nope.json")])
+    assert out.exit_code != 0 and "no such file" in out.output

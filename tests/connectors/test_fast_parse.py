@@ -58,6 +58,8 @@ FAST = [
     _feedback(1, ts=None, rating=2, reward=1, metadata={"user": "carol"}),
     _feedback(2, ts="2026-01-02T03:04:05Z", edited=True),
     _feedback(3, ts="2026-01-02T03:04:05Z", trace_id="x" * 256),
+    _feedback(4, correction="the answer is 5, not 6 é \u2028", rating=1),
+    _feedback(5, correction="x" * 64, thumbs=None, metadata={"user_hash": "hmac-sha256:ab"}),
 ]
 SLOW_VALID = [
     _trace(10, ts="2026-01-02 03:04:05"),  # naive, space separator
@@ -67,7 +69,6 @@ SLOW_VALID = [
     _trace(14, prompt=[{"role": "user", "content": "x", "name": "n"}, {"role": "system", "content": None}]),
     _trace(15, prompt=[{"content": "reordered", "role": "user"}, {"role": "user", "content": [{"type": "text"}]}]),
     _trace(16, edited="true"),
-    _feedback(11, ts="1767323045"),
     b'{"schema":"hourglass.feedback/v1","trace_id":"t12","schema":"hourglass.trace/v1","ts":0,"model":"m",'
     b'"prompt":"p","completion":"c"}',  # duplicate tag: the last one wins, as in pydantic
 ]
@@ -93,6 +94,13 @@ BAD = [
     (s.SCHEMA_VIOLATION, _enc(_trace(33, prompt=[{"role": "", "content": "x"}]))),
     (s.SCHEMA_VIOLATION, _enc(_trace(35, ts="9999-12-31T23:59:59-01:00"))),  # past datetime.max in UTC
     (s.SCHEMA_VIOLATION, _enc(_trace(36, ts=10**20))),  # epoch ms past datetime.max
+    (s.SCHEMA_VIOLATION, _enc(_feedback(37, ts="1767323045"))),  # digits as a string: refused (ms or s?)
+    (s.SCHEMA_VIOLATION, _enc(_trace(38, ts="-1000"))),
+    (s.SCHEMA_VIOLATION, _enc(_feedback(39, correction=5))),
+    (s.OVERSIZE_CORRECTION, _enc(_feedback(40, correction="y" * 65))),
+    (s.INVALID_UNICODE, _enc(_trace(41)).replace(b'"u2"', b'"\\ud800"').replace(b'"u1"', b'"\\ud800"')),
+    (s.INVALID_UNICODE, _enc(_feedback(42, metadata={"note": "@"})).replace(b'"@"', b'"a\\udfffb"')),
+    (s.INVALID_UNICODE, _enc(_trace(43, prompt="@")).replace(b'"@"', b'"\\ud83d"')),  # half an emoji
     (s.SCHEMA_VIOLATION, b'{"schema":"hourglass.trace/v1","trace_id":"t34","ts":"2026-01-02T03:04:05Z","model":"m",'
                          b'"prompt":"p","completion":"c","completion_logprobs":[1e999]}'),
 ]
@@ -106,8 +114,8 @@ def _batch() -> list[Record]:
 
 def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None:
     records = _batch()
-    fast = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
-    slow = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=False)
+    fast = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, max_correction_chars=64)
+    slow = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=False, max_correction_chars=64)
 
     assert fast.fast == len(FAST) and slow.fast == 0  # the fast path really ran, and only on canonical records
     assert fast.traces == slow.traces and fast.feedback == slow.feedback
@@ -121,7 +129,8 @@ def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None
     got = {by_coordinates[(letter.partition, letter.offset)].value: letter.reason for letter in fast.dead_letters}
     assert got == expected
     assert set(got.values()) == {s.EMPTY_VALUE, s.OVERSIZE, s.NOT_UTF8, s.INVALID_JSON, s.NOT_AN_OBJECT,
-                                 s.UNKNOWN_SCHEMA, s.NON_FINITE_REWARD, s.SCHEMA_VIOLATION}  # fmt: skip
+                                 s.UNKNOWN_SCHEMA, s.NON_FINITE_REWARD, s.SCHEMA_VIOLATION, s.OVERSIZE_CORRECTION,
+                                 s.INVALID_UNICODE}  # fmt: skip
     for letter in fast.dead_letters:  # Kafka coordinates and key travel with the dead letter
         record = by_coordinates[(letter.partition, letter.offset)]
         assert (letter.topic, letter.key) == (record.topic, record.key)
@@ -133,6 +142,7 @@ def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert batch.fallback == 0
     assert [row[0] for row in batch.traces] == [f"t{i}" for i in range(6)]
+    assert json.loads(batch.feedback[4][2]) == {"thumbs": "up", "rating": 1, "correction": "the answer is 5, not 6 é \u2028"}
     assert [row[-1] for row in batch.traces] == list(range(6))  # offsets, in record order
     md = json.loads(batch.traces[3][9])
     assert md["Email"] == HASHER.digest("a@x.org") and md["nested"][0]["user"] == HASHER.digest("bob")
@@ -217,3 +227,84 @@ def test_dead_letters_keep_no_raw_user_ids() -> None:
     assert batch.dead_letters[0].reason == s.UNKNOWN_SCHEMA
     assert batch.dead_letters[1].payload == _enc(no_ids)  # nothing to hash: the exact bytes are kept
     assert batch.dead_letters[2].payload == b"\xff{user_id"  # not JSON: kept for diagnosis
+
+
+def test_lone_surrogates_are_invalid_unicode_with_the_field_path_and_never_raise() -> None:
+    """Issue: a lone surrogate in metadata.user_id crashed the hasher (UnicodeEncodeError) and stopped ingest."""
+    value = _enc(_trace(1, metadata={"user_id": "@", "deep": [{"k": "ok"}]})).replace(b'"@"', b'"\\ud800"')
+    key_bad = _enc(_trace(2, metadata={"@": 1})).replace(b'"@"', b'"\\udc00"')
+    records = [Record("traces", 0, 0, None, value), Record("traces", 0, 1, None, key_bad)]
+    for fast in (True, False):
+        batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
+        assert [d.reason for d in batch.dead_letters] == [s.INVALID_UNICODE, s.INVALID_UNICODE]
+        assert batch.dead_letters[0].detail.startswith("metadata.user_id: ")
+        assert batch.dead_letters[1].detail.startswith("metadata.\\udc00: ")
+        assert "duplicate keys" not in batch.dead_letters[0].detail
+        payload = batch.dead_letters[0].payload
+        assert payload is not None and b"\\ud800" not in payload  # the user id is hashed even here
+        assert json.loads(payload)["metadata"]["user_id"].startswith("hmac-sha256:")
+    assert HASHER.digest("\ud800").startswith("hmac-sha256:")  # the hasher itself never raises
+
+
+def test_ts_window_dead_letters_too_old_and_too_new_events_on_both_paths() -> None:
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    window = s.TsWindow.around(now, max_age_s=3600, max_skew_s=300)
+    ms = int(now.timestamp() * 1000)
+    cases = {
+        "ok-now": (_trace(1, ts=ms), None),
+        "ok-skew": (_trace(2, ts="2026-12-01T00:04:59Z"), None),
+        "ok-fb-no-ts": (_feedback(3, ts=None), None),
+        "old": (_trace(4, ts="2026-11-30T22:59:59Z"), s.TS_OUT_OF_RANGE),
+        "future": (_trace(5, ts="9999-12-31T23:59:59Z"), s.TS_OUT_OF_RANGE),
+        "year-1": (_trace(6, ts="0001-01-01T00:00:00Z"), s.TS_OUT_OF_RANGE),
+        "zero": (_feedback(7, ts=0), s.TS_OUT_OF_RANGE),
+        "negative": (_trace(8, ts=-1000), s.TS_OUT_OF_RANGE),
+        "seconds-as-int": (_trace(9, ts=ms // 1000), s.TS_OUT_OF_RANGE),  # read as ms: January 1970
+        "fb-future": (_feedback(10, ts=ms + 301_000), s.TS_OUT_OF_RANGE),
+    }
+    records = [Record("traces", 0, n, None, _enc(v)) for n, (v, _) in enumerate(cases.values())]
+    for fast in (True, False):
+        batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast, window=window)
+        got = {list(cases)[d.offset]: d.reason for d in batch.dead_letters}
+        assert got == {name: reason for name, (_, reason) in cases.items() if reason}
+        assert len(batch.traces) + len(batch.feedback) == 3
+    detail = next(d.detail for d in batch.dead_letters if d.offset == 4)
+    assert "9999-12-31T23:59:59+00:00" in detail and "2026-12-01T00:05:00+00:00" in detail and "max_clock_skew_s" in detail
+
+
+def test_an_unexpected_parser_failure_dead_letters_only_that_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    import connectors.fast_parse as fp
+
+    real = fp.parse_record
+
+    def flaky(value: bytes | None, **kwargs: object) -> object:
+        if value is not None and b'"t1"' in value:
+            raise RuntimeError("boom")
+        return real(value, **kwargs)
+
+    monkeypatch.setattr(fp, "parse_record", flaky)
+    records = [Record("traces", 0, n, None, _enc(_trace(n, ts="2026-01-02 03:04:05"))) for n in range(3)]  # slow path
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    assert [row[0] for row in batch.traces] == ["t0", "t2"]
+    assert [(d.reason, d.offset) for d in batch.dead_letters] == [(s.PARSE_ERROR, 1)]
+    assert "RuntimeError: boom" in batch.dead_letters[0].detail and batch.dead_letters[0].payload == records[1].value
+
+
+def test_undecodable_records_become_dead_letters_with_coordinates() -> None:
+    from connectors.fast_parse import UndecodableRecord
+
+    records = [Record("traces", 0, 0, None, _enc(_trace(0))), UndecodableRecord("traces", 1, 7, "UnsupportedCodecError: x")]
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    assert len(batch.traces) == 1
+    assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.UNDECODABLE_RECORD, "traces", 1, 7)]
+
+
+def test_a_row_arrow_refuses_becomes_a_dead_letter_not_a_failed_batch() -> None:
+    records = [Record("traces", 0, n, None, _enc(_trace(n, ts="2026-01-02 03:04:05"))) for n in range(2)]  # typed rows
+    batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
+    row = list(batch.traces[1])
+    row[5] = "\ud800"  # something the parser should never let through: the store must still not fail
+    batch.traces[1] = tuple(row)
+    traces, feedback = batch.tables(INGESTED)
+    assert traces["trace_id"].to_pylist() == ["t0"] and feedback.num_rows == 0
+    assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.PARSE_ERROR, "traces", 0, 1)]

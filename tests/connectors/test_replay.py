@@ -61,3 +61,52 @@ def test_jsonl_reader_names_the_bad_line(tmp_path: Path) -> None:
     assert [next(reader).trace_id, next(reader).trace_id] == ["a", "b"]
     with pytest.raises(ReplayError, match=r"t.jsonl:4"):
         next(reader)
+
+
+def test_every_sharegpt_record_is_a_trace_or_a_reason() -> None:
+    from connectors import replay as r
+    from connectors.schema import INVALID_UNICODE, Rejected, TraceEvent
+
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    cases = [
+        ({"id": "x", "conversations": ["human: hi"]}, r.SHAREGPT_BAD_TURN),
+        ({"id": "x", "conversations": "human: hi"}, r.SHAREGPT_CONVERSATIONS_NOT_A_LIST),
+        ({"id": "x", "conversations": {"from": "human"}}, r.SHAREGPT_CONVERSATIONS_NOT_A_LIST),
+        ({"id": "x", "conversations": []}, r.SHAREGPT_NO_CONVERSATION),
+        ({"id": "x"}, r.SHAREGPT_NO_CONVERSATION),
+        ({"id": "x", "conversations": [{"from": "bing", "value": "?"}]}, r.SHAREGPT_UNKNOWN_ROLE),
+        (_conv(1, [("human", "unanswered")]), r.SHAREGPT_NO_ANSWER),
+        (_conv(1, [("system", "s")]), r.SHAREGPT_NO_HUMAN_TURN),
+        (_conv(1, [("gpt", "g"), ("human", "h")]), r.SHAREGPT_GPT_BEFORE_HUMAN),
+        ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "g"}]}, r.SHAREGPT_BAD_VALUE),
+        ({"conversations": [{"from": "human", "value": None}]}, r.SHAREGPT_BAD_VALUE),
+        ({"conversations": [{"value": "h"}]}, r.SHAREGPT_BAD_TURN),
+        ({"conversations": [{"from": None, "value": "h"}]}, r.SHAREGPT_BAD_TURN),
+        (["not", "an", "object"], r.SHAREGPT_NOT_AN_OBJECT),
+        ("just a string", r.SHAREGPT_NOT_AN_OBJECT),
+        ({"id": "y" * 300, **good}, r.SHAREGPT_INVALID_TRACE),
+        ({"conversations": [{"from": "human", "value": "\ud800"}, {"from": "gpt", "value": "g"}]}, INVALID_UNICODE),
+    ]
+    for record, reason in cases:
+        verdict = r.sharegpt_verdict(record, TS, 7)
+        assert isinstance(verdict, Rejected) and verdict.reason == reason, (record, verdict)
+        assert "record 7" in verdict.detail
+    a, b = r.sharegpt_verdict(good, TS, 1), r.sharegpt_verdict(good, TS, 2)
+    assert isinstance(a, TraceEvent) and isinstance(b, TraceEvent)
+    assert a.trace_id != b.trace_id  # no id: content hash + record number, never "sharegpt-None"
+    assert r.sharegpt_verdict(good, TS, 1).trace_id == a.trace_id  # deterministic
+
+
+def test_sharegpt_jsonl_file_accounts_for_every_line(tmp_path: Path) -> None:
+    from connectors import replay as r
+    from connectors.schema import TraceEvent
+
+    lines = [json.dumps(_conv(1, [("human", "h"), ("gpt", "g")])), "{oops", "",
+             json.dumps(_conv(1, [("human", "h2"), ("gpt", "g2")])),  # same id again
+             json.dumps({"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]}), "42"]  # fmt: skip
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = [(n, v.reason if not isinstance(v, TraceEvent) else v.trace_id) for n, _, v in r.iter_sharegpt(path)]
+    assert out[0] == (1, "sharegpt-c1") and out[1] == (2, r.SHAREGPT_INVALID_JSON)
+    assert out[2] == (4, r.SHAREGPT_DUPLICATE_ID) and out[3][1].startswith("sharegpt-h") and out[3][1].endswith("-5")
+    assert out[4] == (6, r.SHAREGPT_NOT_AN_OBJECT)

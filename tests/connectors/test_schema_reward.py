@@ -109,11 +109,16 @@ SPEC = RewardSpec()
         ({"thumbs": "up", "edited": True}, (0.5, "thumbs+edited")),
         ({"edited": True, "regenerated": True}, (-1.0, "edited+regenerated")),
         ({"edited": False}, (None, None)),
-        ({"reward": 50.0}, (10.0, "reward")),
+        ({"reward": 50.0}, (1.0, "reward")),  # default clip 1.0: rewards stay on the thumbs scale
+        ({"reward": -3.0, "edited": True}, (-1.0, "reward+edited")),
     ],
 )
 def test_reward_spec_mapping(signals: dict, expected: tuple) -> None:
     assert reward_from_signals(signals, SPEC) == expected
+
+
+def test_reward_clip_is_configurable() -> None:
+    assert reward_from_signals({"reward": 50.0}, RewardSpec(clip=10.0)) == (10.0, "reward")
 
 
 def test_reward_spec_priority_is_configurable() -> None:

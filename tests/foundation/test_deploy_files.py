@@ -104,8 +104,9 @@ def test_ops_api_is_published_on_loopback_only(compose: dict[str, Any], prod: Ho
     assert ports == [f"127.0.0.1:{prod.api.port}:{prod.api.port}"]
     gateway_ports = compose["services"]["gateway"]["ports"]
     assert gateway_ports == [f"${{HOURGLASS_GATEWAY_BIND:-127.0.0.1}}:{prod.api.gateway_port}:{prod.api.gateway_port}"]
+    assert compose["services"]["grafana"]["ports"] == ["127.0.0.1:3000:3000"]  # the dashboard, loopback only
     for name, service in compose["services"].items():
-        if name not in ("service", "gateway"):
+        if name not in ("service", "gateway", "grafana"):
             assert "ports" not in service, f"{name} must not be published on the host"
 
 

@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import pipeline.registry
+import pipeline.reward_registry
 import pipeline.round_job as round_job
 from pipeline.api import create_api
 from pipeline.config import load_config
@@ -44,6 +45,9 @@ class FakeRound:
         monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (pa.table({"x": list(range(10))}), {"data/rows": 10}))
         monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: 10)
         monkeypatch.setattr(round_job, "champion_adapters", lambda *a: {})
+        monkeypatch.setattr(round_job, "reward_champion_for", lambda *a: None)
+        monkeypatch.setattr(round_job, "_register_reward_model", lambda cfg, result: {})
+        monkeypatch.setattr(pipeline.reward_registry, "save_pending", lambda cfg, result: None)
         monkeypatch.setattr(round_job, "train_and_evaluate", self.train_and_evaluate)
         monkeypatch.setattr(pipeline.registry, "register_round", self.register_round)
         monkeypatch.setattr(round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {})
@@ -53,14 +57,14 @@ class FakeRound:
             self.reached.set()
             assert self.go.wait(30)
 
-    def train_and_evaluate(self, cfg, record, table, champions, checkpoint):
+    def train_and_evaluate(self, cfg, record, table, champions, checkpoint, **_kwargs):
         for phase in ("train:0", "train:1", "evaluate", "evaluate:greedy", "evaluate:score:default"):
             self._maybe_pause(phase)
             checkpoint(phase)
             self.phases.append(phase)
         decision = SimpleNamespace(winner="default", reason="better", champion_reward_mean=0.1,
                                    candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2})  # fmt: skip
-        return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[])
+        return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[], reward_model=None)
 
     def register_round(self, cfg, result, promote):
         self._maybe_pause("register")
