@@ -264,9 +264,9 @@ class RoundRunner:
         elif self._abandoned is not None:
             raise RoundCancelled(self._abandoned)
         elif self._cancel.is_set():
-            if phase.startswith("train"):
-                raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")
-            raise RoundCancelled(f"cancelled during evaluate (before {phase.removeprefix('evaluate:').replace(':', ' of ')})")
+            if phase.startswith("evaluate:"):  # "evaluate:greedy", "evaluate:score:<candidate>"
+                raise RoundCancelled(f"cancelled during evaluate (before {phase.removeprefix('evaluate:').replace(':', ' of ')})")
+            raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")  # "train:3", "reward_model:3"
 
     def _run_locked(self, record: RoundRecord) -> None:
         started = time.monotonic()
