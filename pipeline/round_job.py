@@ -233,7 +233,7 @@ class RoundRunner:
 
         record.metrics.update(result.metrics)
         record.decisions = {
-            m: {"winner": d.winner, "reason": d.reason, "champion_reward": d.champion_reward_mean,
+            m: {"winner": d.winner, "reason": d.reason, "metric": d.metric, "champion_reward": d.champion_reward_mean,
                 "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
             for m, d in result.decisions.items()
         }  # fmt: skip

@@ -169,8 +169,12 @@ class RLConfig(_Section):
     @field_validator("gate_reward")
     @classmethod
     def _gate_reward_scores_new_answers(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
-        if any(t.fn == "logged" for t in terms):
-            raise ValueError("rl.gate_reward scores new greedy answers, which have no logged reward: remove fn = 'logged'")
+        training_only = sorted({t.fn for t in terms} & {"logged", "reward_model"})
+        if training_only:
+            raise ValueError(
+                f"rl.gate_reward must be a verifiable reward of new greedy answers; {training_only} cannot score them "
+                "(use gate_metric = 'reward_model' or 'feedback' to gate on users' feedback)"
+            )
         return terms
 
     @field_validator("window")

@@ -55,7 +55,8 @@ from trainer.types import CandidateResult, RoundResult
 from trainer.update import ALGORITHMS, StepData, logged_ids, update_step
 
 if TYPE_CHECKING:  # the reward model is built by the round's reward-model phase
-    from trainer.reward_model import RewardModel, RewardModelReport
+    from trainer.reward_model import RewardModel
+    from trainer.types import RewardModelReport
 
 log = logging.getLogger(__name__)
 

@@ -101,3 +101,61 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
     result = run_round(ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False)
     assert "carries the metadata ['reference_answer'] of rl.gate_reward" in result.decisions["hourglass"].reason
+
+
+class _FakeReport:
+    """The reward-model report's fields the gate reads (see trainer.reward_model.RewardModelReport)."""
+
+    def __init__(self, auc_lower_bound: float) -> None:
+        self.auc, self.auc_lower_bound = auc_lower_bound + 0.05, auc_lower_bound
+
+
+class _FakeRewardModel:
+    """Scores a completion by its token count; records every batched call."""
+
+    name = "hourglass-reward"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def score(self, prompt_ids_B, completion_ids_B) -> list[float]:
+        assert len(prompt_ids_B) == len(completion_ids_B)
+        self.calls.append(len(completion_ids_B))
+        return [float(len(c)) for c in completion_ids_B]
+
+
+def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(tiny_model: Path, tmp_path: Path) -> None:
+    from trainer.adapter_store import make_store
+    from trainer.base import load_base
+    from trainer.round import evaluate_and_gate, publish
+    from trainer.rollout import HFEngine
+
+    rl = RLConfig(max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="reward_model", bootstrap_samples=200, max_kl=100.0)
+    heldout = [Prompt(prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={}) for i in range(5)]  # no references needed
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    store = make_store("offload", base)
+    engine = HFEngine(base, store)
+    cand = CandidateConfig(name="a", start="fresh")
+    store.create("a", cand)
+    versions = {"a": publish(engine, store, "a", 0, tmp_path, None)[0]}
+
+    def run(**kw):
+        return evaluate_and_gate(base, store, engine, [cand], versions, heldout, {}, rl, "r1", **kw)
+
+    results, decisions, metrics = run()
+    assert decisions["hourglass"].winner is None and "has no reward model" in decisions["hourglass"].reason
+
+    model = _FakeRewardModel()
+    results, decisions, _ = run(reward_model=model, reward_report=_FakeReport(0.48))
+    assert decisions["hourglass"].reason.startswith("keep base: the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)")
+
+    model = _FakeRewardModel()
+    results, decisions, metrics = run(reward_model=model, reward_report=_FakeReport(0.8))
+    assert model.calls == [2 * 4], "one batched call: the candidate's and the base's greedy answers on the 4 eval rows"
+    decision = decisions["hourglass"]
+    assert decision.metric == "reward_model" and decision.winner is None
+    assert results["a"].rewards == tuple(float(len(s.token_ids) or 1) for s in results["a"].samples)
+    # a fresh adapter answers as the base does: same scores, no gain
+    assert decision.candidate_reward_means["a"] == decision.champion_reward_mean == metrics["eval/reward_model/champion/hourglass"]
+    assert "a: reward-model score" in decision.reason and "does not exceed margin" in decision.reason
+    store.close()

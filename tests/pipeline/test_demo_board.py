@@ -1,0 +1,45 @@
+"""The demo's scoreboard helpers on small tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pipeline.demo_board import gain_ratio, live_rates, plot_live_rates
+from pipeline.traffic import is_correct
+from trainer.rewards import first_number_answer
+
+
+def test_live_rates_group_rated_rows_by_phase_and_serving_version() -> None:
+    table = pa.table(
+        {
+            "trace_id": ["a", "b", "c", "d", "e", "f", "g", "x"],
+            "adapter_version": [None, None, None, "3", "3", None, "3", "3"],
+            "reward": [1.0, -1.0, None, 1.0, 1.0, -1.0, -1.0, 1.0],
+        }
+    )
+    rates = live_rates(table, [["a", "b", "c"], ["d", "e", "f", "g"], ["h"]])
+    assert [(r.up, r.rated) for r in rates] == [(1, 2), (2, 4), (0, 0)]  # c has no feedback; x was not sent by the demo
+    assert rates[0].rate == 0.5 and rates[1].rate == 0.5 and math.isnan(rates[2].rate)
+    assert rates[1].served_by == {"3": (2, 3), "base": (0, 1)}  # a phase may straddle a hot-load
+
+
+def test_gain_ratio() -> None:
+    assert gain_ratio(0.1, 0.4, 0.7) == pytest.approx(0.5)
+    assert math.isnan(gain_ratio(0.5, 0.6, 0.5))
+
+
+def test_oracle_reward_is_the_users_check() -> None:
+    cases = [("13", "13"), ("13, because 9 + 4 = 13", "13"), ("9 + 4 = 13", "13"), ("1,300", "1300"), ("no idea", "4"), ("4", "four")]
+    for answer, reference in cases:
+        assert first_number_answer([], answer, {"reference_answer": reference}) == float(is_correct(answer, reference))
+    assert is_correct("13, because", "13") and not is_correct("9 + 4 = 13", "13")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    rates = live_rates(pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [-1.0, 1.0]}), [["a"], ["b"]])
+    plot_live_rates(rates, tmp_path / "live.png")
+    assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
