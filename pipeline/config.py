@@ -1,7 +1,7 @@
 """The whole ``hourglass.toml`` as one typed, validated object.
 
 Sections: ``kafka``, ``buffer`` (connectors), ``model``, ``candidates``,
-``rl`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
+``rl``, ``reward_model`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
 Any field may be overridden by an environment variable named
 ``HOURGLASS_<SECTION>__<FIELD>`` (nested with ``__``), for example
 ``HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='["broker:9092"]'`` or
@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from connectors.config import BufferConfig, KafkaConfig
 from pipeline.errors import ConfigError
-from trainer.config import CandidateConfig, ModelConfig, RLConfig
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
 ENV_PREFIX = "HOURGLASS_"
 
@@ -139,6 +139,7 @@ class HourglassConfig(BaseSettings):
     model: ModelConfig = Field(default_factory=ModelConfig)
     candidates: list[CandidateConfig] = Field(default_factory=lambda: [CandidateConfig(name="default")], min_length=1)
     rl: RLConfig = Field(default_factory=RLConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)

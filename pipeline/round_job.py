@@ -2,6 +2,9 @@
 
     snapshot → train (+ evaluate, inside the trainer) → gate → register → promote
 
+The round's reward model (when it trains one) is registered in the
+``register`` step too, as its own registered model (see :mod:`pipeline.reward_registry`).
+
 Each step records its state in :class:`~pipeline.rounds.RoundStore` before it
 starts, so a crash leaves a record that says where it stopped
 (:func:`recover` settles such records at the next start). Registration is
@@ -87,11 +90,13 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
 
 
 def train_and_evaluate(
-    cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None
+    cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None,
+    reward_champion: Path | None = None,
 ):
-    """Split by time, train every selected candidate, evaluate against the champions, gate.
+    """Split by time, train the reward model (when wanted) and every selected candidate, evaluate against the champions, gate.
 
-    ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel).
+    ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel);
+    ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
     from trainer.round import run_round
     from trainer.tasks import split_snapshot
@@ -102,7 +107,20 @@ def train_and_evaluate(
         rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-    return run_round(cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint)
+    return run_round(
+        cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint,
+        reward_cfg=cfg.reward_model, reward_champion=reward_champion,
+    )  # fmt: skip
+
+
+def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:
+    """The staged reward champion when this round trains a reward model (None otherwise, or when there is none)."""
+    candidates = [c for c in cfg.candidates if c.name in names]
+    if not cfg.reward_model.wanted(candidates, getattr(cfg.rl, "gate_metric", None)):
+        return None
+    from pipeline.reward_registry import reward_champion
+
+    return reward_champion(cfg, base_fingerprint)
 
 
 def _buffer_trace_rows(cfg: HourglassConfig) -> int:
@@ -217,6 +235,7 @@ class RoundRunner:
 
     def _run(self, record: RoundRecord) -> None:
         from pipeline.registry import register_round
+        from pipeline.reward_registry import save_pending as save_reward_pending
 
         self._step(record, "snapshot")
         record.metrics["data/buffer_trace_rows"] = _buffer_trace_rows(self.cfg)  # for schedule.min_new_traces
@@ -229,7 +248,10 @@ class RoundRunner:
         self._step(record, "train")
         served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
         champions = champion_adapters(self.cfg, served, self.base_fingerprint)
-        result = train_and_evaluate(self.cfg, record, table, champions, checkpoint=lambda phase: self._checkpoint(record, phase))
+        reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
+        result = train_and_evaluate(
+            self.cfg, record, table, champions, checkpoint=lambda phase: self._checkpoint(record, phase), reward_champion=reward_champion
+        )  # fmt: skip
 
         record.metrics.update(result.metrics)
         record.decisions = {
@@ -244,8 +266,10 @@ class RoundRunner:
         self.store.save(record)
 
         self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on
+        save_reward_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
         versions = register_round(self.cfg, result, promote=True)
         record.versions = {v.model: v.version for v in versions}
+        record.metrics.update(_register_reward_model(self.cfg, result))
 
         self._step(record, "promote")
         for model, version in record.versions.items():
@@ -260,6 +284,23 @@ class RoundRunner:
             self.store.transition(record, "no_winner", reasons)
 
 
+def _register_reward_model(cfg: HourglassConfig, result) -> dict[str, float]:
+    """Register the round's reward model; an MLflow failure leaves it pending (retried by :func:`recover`)
+    and does not fail the round. Returns ``reward_model/version`` and ``reward_model/promoted`` when registered."""
+    from pipeline.registry import RegistryError
+    from pipeline.reward_registry import register_reward_model
+
+    try:
+        registered = register_reward_model(cfg, result)
+    except RegistryError as err:
+        log.warning("round %s: reward model not registered yet: %s", result.round_id, err)
+        return {}
+    if registered is None:
+        return {}
+    log.info("round %s: reward model %s v%s (%s)", result.round_id, registered.model, registered.version, registered.reason)
+    return {"reward_model/version": float(registered.version), "reward_model/promoted": float(registered.promoted)}
+
+
 def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
     """Settle rounds a crash left unfinished; call once at service start.
 
@@ -269,8 +310,13 @@ def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
     (idempotent by round id), and the round is marked done.
     """
     from pipeline.registry import RegistryError, find_round_version, list_pending, make_client, retry_pending
+    from pipeline.reward_registry import retry_pending_rewards
 
     settled = []
+    try:
+        retry_pending_rewards(cfg)
+    except RegistryError as err:
+        log.warning("pending reward models not retried yet: %s", err)
     unfinished = store.unfinished()
     if not unfinished:
         return settled

@@ -182,3 +182,61 @@ class RLConfig(_Section):
     def _window(cls, window: str) -> str:
         window_seconds(window)
         return window
+
+
+class RewardModelConfig(_Section):
+    """The reward model learned from user feedback: a LoRA adapter plus a scalar head on the resident base.
+
+    Trained in each round, before the policy candidates, from the round's training split
+    (see :mod:`trainer.reward_model`).
+    """
+
+    enabled: bool | None = Field(
+        default=None,
+        description="Train a reward model each round. None (default): only when a candidate's reward uses "
+        "`reward_model` (or the gate uses it); true: always when there is enough labelled feedback; false: never.",
+    )
+    name: str = Field(default="reward-model", description="Its adapter name in the adapter store (a candidate-style slug).")
+    lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r of the reward adapter.")
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Modules that get LoRA."
+    )
+    learning_rate: float = Field(default=1e-3, gt=0, lt=1, description="AdamW learning rate of the adapter and the head.")
+    steps: int = Field(default=16, ge=1, description="Optimizer steps per round.")
+    batch_size: int = Field(default=16, ge=1, description="Labelled examples (and preference pairs) per step.")
+    center_rewards_coefficient: float = Field(
+        default=0.0, ge=0, description="Weight of TRL's centering term mean((r_chosen + r_rejected)^2) on pairs; 0 = off."
+    )
+    start: Literal["self", "fresh"] = Field(
+        default="self", description="`self`: continue from the previous round's reward model (fresh when none); `fresh`: new each round."
+    )
+    min_examples: int = Field(default=8, ge=2, description="Fewest labelled training rows (with both labels) to train at all.")
+    auc_margin: float = Field(
+        default=0.02, ge=0, le=1, description="Promotion: the new reward model's held-out AUC may be at most this far below the reward champion's."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(f"reward model name {name!r} must match [a-z0-9][a-z0-9_-]{{0,47}}")
+        return name
+
+    def as_candidate(self) -> CandidateConfig:
+        """The adapter-store view of the reward adapter (rank, alpha, targets, learning rate)."""
+        return CandidateConfig(
+            name=self.name, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
+            learning_rate=self.learning_rate, kl_coef=0.0, start="fresh",
+        )  # fmt: skip
+
+    def wanted(self, candidates: list[CandidateConfig], gate_metric: str | None = None) -> bool:
+        """Whether a round with these candidates trains a reward model."""
+        if self.enabled is not None:
+            return self.enabled
+        return gate_metric == "reward_model" or any(uses_reward_model(c) for c in candidates)
+
+
+def uses_reward_model(candidate: CandidateConfig) -> bool:
+    """True when the candidate's reward mix has a ``reward_model`` term."""
+    return any(term.fn == "reward_model" for term in candidate.reward)

@@ -5,7 +5,8 @@ A reward function is any callable ``(prompt_messages, completion, metadata)
 lives there) plus, for logged rows, ``reward`` (the logged scalar).
 
 Built-ins (name -> function): ``exact_answer``, ``first_number_answer``,
-``json_valid``, ``length_penalty``, ``format``, ``logged``. Anything else is imported from a
+``json_valid``, ``length_penalty``, ``format``, ``logged``, ``reward_model`` (the round's
+reward model's score of a fresh rollout, see :mod:`trainer.reward_model`). Anything else is imported from a
 ``module:function`` path. :func:`build_reward` turns a list of
 :class:`~trainer.config.RewardTerm` into one callable.
 """
@@ -147,6 +148,34 @@ def logged(prompt_messages: Messages, completion: str, metadata: dict[str, Any])
     return float(value)
 
 
+REWARD_MODEL_SCORE = "reward_model_score"  # metadata key the round fills with the reward model's score
+
+
+def reward_model(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, probability: bool = True) -> float:
+    """The round's reward model on this completion: ``sigmoid(score)`` (the modelled
+    probability of a thumbs-up, in [0, 1]) or, with ``probability=False``, the raw score.
+
+    The round scores every fresh rollout of a ``grpo`` / ``ppo_clip`` candidate
+    with the reward model in one batched pass per step and passes the score as
+    ``metadata["reward_model_score"]``.
+
+    Raises:
+        RewardError: no score (an offline row, or a round without a reward model).
+    """
+    value = metadata.get(REWARD_MODEL_SCORE)
+    if value is None:
+        raise RewardError(
+            "reward 'reward_model' needs the reward model's score of the completion; only grpo / ppo_clip "
+            "candidates' rollouts are scored: use it there, with [reward_model] enabled and labelled feedback"
+        )
+    value = float(value)
+    return 1.0 / (1.0 + math.exp(-value)) if probability else value
+
+
+# Terms whose value exists only inside a training step (a logged reward, a reward-model score);
+# held-out evaluation of new greedy answers drops them.
+TRAINING_ONLY = frozenset({"logged", "reward_model"})
+
 BUILTINS: dict[str, Callable[..., float]] = {
     "exact_answer": exact_answer,
     "first_number_answer": first_number_answer,
@@ -154,6 +183,7 @@ BUILTINS: dict[str, Callable[..., float]] = {
     "length_penalty": length_penalty,
     "format": format_reward,
     "logged": logged,
+    "reward_model": reward_model,
 }
 
 
@@ -191,12 +221,13 @@ def resolve(name: str) -> Callable[..., float]:
 class RewardMix:
     """The weighted sum ``sum_i w_i * f_i(prompt, completion, metadata)``.
 
-    ``skip_logged=True`` drops ``logged`` terms (used at evaluation, where
-    completions are new and have no logged reward).
+    ``skip_logged=True`` drops the training-only terms ``logged`` and
+    ``reward_model`` (used at evaluation, where completions are new and have
+    no logged reward and no reward-model score).
     """
 
     def __init__(self, terms: Sequence[RewardTerm], *, skip_logged: bool = False) -> None:
-        kept = [t for t in terms if not (skip_logged and t.fn == "logged")]
+        kept = [t for t in terms if not (skip_logged and t.fn in TRAINING_ONLY)]
         self.terms = tuple(kept)
         self._fns = [functools.partial(resolve(t.fn), **t.kwargs) for t in kept]
 

@@ -12,6 +12,10 @@ and ``out_dir.parent / "last" / <name>`` holds every candidate's newest final
 adapter across rounds; a candidate with ``start = "self"`` starts from there
 (fresh when it does not exist yet). ``start = "champion"`` starts from
 ``champions[served_model]`` (fresh when None).
+
+When the round trains a reward model (``[reward_model]``, see
+:mod:`trainer.reward_round`), it is trained first, from the train split
+only, and kept as ``<reward model name>/adapter/`` and under ``last`` too.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,7 +35,7 @@ from rich.progress import Progress
 
 from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
-from trainer.config import CandidateConfig, ModelConfig, RLConfig
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
 from trainer.evaluate import (
     EvalResult,
@@ -47,16 +50,14 @@ from trainer.evaluate import (
     unusable_reason,
     usable_rows,
 )
+from trainer import reward_round
+from trainer.reward_model import RewardModel
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
-from trainer.types import CandidateResult, RoundResult
+from trainer.types import CandidateResult, RewardModelReport, RoundResult
 from trainer.update import ALGORITHMS, StepData, logged_ids, update_step
-
-if TYPE_CHECKING:  # the reward model is built by the round's reward-model phase
-    from trainer.reward_model import RewardModel
-    from trainer.types import RewardModelReport
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,12 @@ def _prompt_ids(base: ResidentBase, prompt: Prompt, rl: RLConfig) -> list[int]:
 def train_candidates(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig],
     train_prompts: Sequence[Prompt], rl: RLConfig, out_dir: Path, progress: bool,
-    checkpoint: Callable[[str], None] | None = None,
+    checkpoint: Callable[[str], None] | None = None, reward_model: RewardModel | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
     """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
+
+    The rollouts of candidates whose reward uses ``reward_model`` are scored by
+    ``reward_model`` in one batched pass per step, before any update.
 
     Returns per-candidate step metrics, the final published version of each
     candidate, and round-level rollout metrics.
@@ -178,6 +182,14 @@ def train_candidates(
                 groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
                 rollout_totals["rollout/s"] += rollout_metrics["rollout/s"]
                 rollout_totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
+            rm_scores: dict[str, list] = {}
+            scored = [c.name for c in online if uses_reward_model(c)]
+            if scored:
+                if reward_model is None:
+                    raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
+                ids = {n: [_prompt_ids(base, p, rl) for p in step_prompts[n]] for n in scored}
+                rm_scores, m = reward_round.score_rollouts(reward_model, ids, {n: groups[n] for n in scored})
+                rollout_metrics = rollout_metrics | m
             for c in candidates:
                 # 3. score + update, one candidate at a time on the resident base
                 optimizer = store.activate(c.name)  # type: ignore[attr-defined]
@@ -187,7 +199,7 @@ def train_candidates(
                 else:
                     rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
                     step_groups = None
-                data = StepData(c, rows, [_prompt_ids(base, p, rl) for p in rows], step_groups, base, mixes[c.name])
+                data = StepData(c, rows, [_prompt_ids(base, p, rl) for p in rows], step_groups, base, mixes[c.name], rm_scores.get(c.name))
                 batch, m = specs[c.name].build_batch(data)
                 metrics |= m | rollout_metrics
                 metrics |= update_step(base, optimizer, c, rl, batch)
@@ -369,6 +381,8 @@ def run_round(
     round_id: str | None = None,
     base: ResidentBase | None = None,
     checkpoint: Callable[[str], None] | None = None,
+    reward_cfg: RewardModelConfig | None = None,
+    reward_champion: Path | None = None,
 ) -> RoundResult:
     """Train K candidates on one resident base, evaluate them against their champions, gate.
 
@@ -380,13 +394,19 @@ def run_round(
             default from ``rl.rollout_engine`` / ``rl.rollout_url``.
         base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
             its adapters are removed again at the end.
+        reward_cfg: the ``[reward_model]`` section (defaults when None).
+        reward_champion: the current reward champion's folder (adapter + head), re-measured
+            on this round's held-out rows and, with ``start = "self"``, the start when
+            there is no previous round's reward model.
         checkpoint: called at each phase boundary, with ``"train:<step>"`` before
-            every training step and ``"evaluate"`` before evaluation. It may raise
+            every training step, ``"reward_model:<step>"`` before every reward-model
+            step and ``"evaluate"`` before evaluation. It may raise
             (e.g. to cancel): the round stops there and its adapters are cleaned up.
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
-        DataError: unreadable tables, or no prompts for a candidate.
+        DataError: unreadable tables, no prompts for a candidate, or a candidate on
+            ``reward_model`` and too little labelled feedback to train one.
     """
     started = time.perf_counter()
     check_candidates(candidates)
@@ -396,18 +416,29 @@ def run_round(
     if not heldout_prompts:
         raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
     eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, rl))
+    reward_cfg = reward_cfg or RewardModelConfig()
+    feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work
     base = base or load_base(model_cfg)  # 1. the resident base, loaded once
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
+    phase = reward_round.RewardPhase()
     try:
-        for c in candidates:  # 4. start points
+        if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
+            phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
+        for c in candidates:  # 5. start points
             store.create(c.name, c, start_dir(c, champions, out_dir))
-        history, versions, rollout_metrics = train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint)
+        history, versions, rollout_metrics = train_candidates(
+            base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint, reward_model=phase.model
+        )  # fmt: skip
         if checkpoint is not None:
             checkpoint("evaluate")
-        results, decisions, eval_metrics = evaluate_and_gate(base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id)
+        results, decisions, eval_metrics = evaluate_and_gate(
+            base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
+            reward_model=phase.model, reward_report=phase.report,
+        )  # fmt: skip
+        reward_result = reward_round.finish(phase, out_dir)
         out = []
-        for c in candidates:  # 5. final adapters, also kept as the candidate's "last"
+        for c in candidates:  # 6. final adapters, also kept as the candidate's "last"
             folder = store.save(c.name, out_dir / c.name / "adapter")
             last = out_dir.parent / "last" / c.name
             shutil.rmtree(last, ignore_errors=True)
@@ -435,5 +466,6 @@ def run_round(
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,
         eval_prompt_ids=eval_ids,
         candidates=tuple(out), decisions=decisions,
-        metrics={**rollout_metrics, **eval_metrics, "round/wall_s": time.perf_counter() - started},
+        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, "round/wall_s": time.perf_counter() - started},
+        reward_model=reward_result,
     )  # fmt: skip

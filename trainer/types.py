@@ -65,3 +65,54 @@ class RoundResult:
     candidates: tuple[CandidateResult, ...]
     decisions: dict[str, GateDecision]
     metrics: dict[str, float] = field(default_factory=dict)
+    reward_model: RewardModelResult | None = None  # the round's reward model, when it trained one
+
+
+@dataclass(frozen=True)
+class RewardModelReport:
+    """Held-out evaluation of a reward model (scores vs users' binary feedback).
+
+    ``auc``: ROC AUC of the scores against ``label = reward > 0`` (NaN when the
+    held-out rows carry one label only); ``auc_lower_bound``: its bootstrap lower
+    bound at ``rl.gate_confidence``; ``accuracy``: share of rows where
+    ``score > 0`` agrees with the label; ``ece``: expected calibration error of
+    ``sigmoid(score)`` over 10 equal-width bins (Guo et al. 2017); ``pair_accuracy``:
+    share of held-out preference pairs ranked right (None without pairs).
+    """
+
+    auc: float
+    auc_lower_bound: float
+    accuracy: float
+    ece: float
+    pair_accuracy: float | None
+    heldout_examples: int
+    heldout_pairs: int
+
+    def as_metrics(self, prefix: str = "reward_model") -> dict[str, float]:
+        """``{"reward_model/auc": ..., ...}``; ``pair_accuracy`` only when there were pairs."""
+        out = {
+            f"{prefix}/auc": self.auc, f"{prefix}/auc_lower_bound": self.auc_lower_bound, f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/ece": self.ece, f"{prefix}/heldout_examples": float(self.heldout_examples),
+            f"{prefix}/heldout_pairs": float(self.heldout_pairs),
+        }  # fmt: skip
+        if self.pair_accuracy is not None:
+            out[f"{prefix}/pair_accuracy"] = self.pair_accuracy
+        return out
+
+
+@dataclass(frozen=True)
+class RewardModelResult:
+    """The reward model a round trained: where it was saved and how it did on held-out feedback.
+
+    ``adapter_dir`` holds the PEFT folder plus ``reward_head.safetensors``.
+    ``champion_report`` is the current reward champion re-measured on the same
+    held-out rows (None when there was no champion or its files were not available).
+    """
+
+    name: str
+    adapter_dir: Path
+    report: RewardModelReport
+    champion_report: RewardModelReport | None
+    step_metrics: tuple[dict[str, float], ...]
+    train_examples: int
+    train_pairs: int

@@ -63,10 +63,17 @@ def rollout_batch(
     prompt_ids: Sequence[list[int]],
     groups: Sequence[Sequence[Sample]],
     reward: RewardMix,
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = None,
 ) -> tuple[Batch, dict[str, float]]:
-    """Score rollout groups (``P`` prompts x ``G`` samples) and compute advantages."""
+    """Score rollout groups (``P`` prompts x ``G`` samples) and compute advantages.
+
+    ``extra_metadata_PG[p][g]`` is merged into prompt ``p``'s metadata when scoring
+    sample ``g`` (e.g. ``reward_model_score``, the reward model's score of that sample).
+    """
+    extra = extra_metadata_PG or [[{}] * len(group) for group in groups]
     rewards_PG = torch.tensor(
-        [[reward(p.messages, s.text, p.metadata) for s in group] for p, group in zip(prompts, groups)], dtype=torch.float64
+        [[reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)] for p, group, xs in zip(prompts, groups, extra)],
+        dtype=torch.float64,
     )
     if candidate.algorithm == Algorithm.GRPO:
         advantages_PG = group_advantages(rewards_PG)
@@ -209,6 +216,7 @@ class StepData:
     groups: Sequence[Sequence[Sample]] | None
     base: ResidentBase
     reward: RewardMix
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = None  # online: per-sample metadata for the reward (e.g. reward_model_score)
 
 
 @dataclass(frozen=True)
@@ -280,7 +288,7 @@ def _kto_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
 def _rollout(data: StepData) -> tuple[Batch, dict[str, float]]:
     if data.groups is None:
         raise DataError(f"candidate {data.candidate.name!r} ({data.candidate.algorithm}) needs rollout groups")
-    return rollout_batch(data.candidate, data.prompts, data.prompt_ids, data.groups, data.reward)
+    return rollout_batch(data.candidate, data.prompts, data.prompt_ids, data.groups, data.reward, data.extra_metadata_PG)
 
 
 def _logged_with_reward(p: Prompt, candidate: CandidateConfig) -> bool:

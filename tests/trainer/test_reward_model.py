@@ -1,0 +1,154 @@
+"""The reward model from users' feedback: examples and pairs from a snapshot, its
+loss against a reference formula, its held-out metrics, and learning a planted
+preference on the tiny model."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from trainer.adapter_store import make_store
+from trainer.base import load_base
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
+from trainer.errors import DataError, RewardError, TrainerConfigError
+from trainer.feedback_data import feedback_data
+from trainer.reward_model import (
+    HEAD_FILE,
+    create_reward_model,
+    evaluate_reward_model,
+    expected_calibration_error,
+    reward_loss,
+    roc_auc,
+    tokenise_feedback,
+    train_reward_model,
+)
+from trainer.rewards import build_reward
+from trainer.round import run_round
+from trainer.samples import Prompt
+from trainer.tasks import snapshot_table, split_snapshot
+
+
+def _row(i: int, prompt: str, completion: str | None, reward: float | None) -> Prompt:
+    return Prompt(prompt_id=f"t{i:03d}", messages=[{"role": "user", "content": prompt}], logged_completion=completion, logged_reward=reward)
+
+
+def test_feedback_rows_give_examples_pairs_and_correction_pairs() -> None:
+    rows = [
+        _row(0, "2+2?", "4", 1.0), _row(1, "2+2?", "5", -1.0), _row(2, "2+2?", "four", 0.5),  # 2 up, 1 down: 2 pairs
+        _row(3, "3+3?", "6", 1.0),  # one label only: no pair
+        _row(4, "4+4?", "9", None),  # no feedback: no example
+        _row(5, "5+5?", "11", 0.0),  # reward 0 -> thumbs down
+        _row(6, "6+6?", "12", float("nan")),  # not a finite reward: skipped
+    ]  # fmt: skip
+    table = snapshot_table(rows)
+    data = feedback_data(table)  # no correction column: read the same way
+    assert [(e.trace_id, e.label) for e in data.examples] == [("t000", True), ("t001", False), ("t002", True), ("t003", True), ("t005", False)]
+    assert [(p.chosen, p.rejected, p.source) for p in data.pairs] == [("4", "5", "feedback"), ("four", "5", "feedback")]
+    assert (data.positives, data.negatives) == (3, 2)
+
+    corrections = pa.array([None, "4", None, "6", "8", "", None], type=pa.string())
+    data = feedback_data(table.append_column("correction", corrections))
+    by_source = [(p.chosen, p.rejected) for p in data.pairs if p.source == "correction"]
+    # row 1: "4" over "5"; row 3: same text as its completion (no pair); row 4: a correction without a rating still counts
+    assert by_source == [("4", "5"), ("8", "9")]
+    assert len(data.examples) == 5
+
+
+def test_loss_equals_the_reference_formula() -> None:
+    scores = torch.tensor([1.5, -0.5, 0.2], dtype=torch.float64)
+    labels = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    chosen = torch.tensor([0.3, 2.0], dtype=torch.float64)
+    rejected = torch.tensor([0.1, -1.0], dtype=torch.float64)
+    coef = 0.01
+    loss, metrics = reward_loss(scores, labels, chosen, rejected, coef)
+
+    sig = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
+    bce = -sum(y * math.log(sig(s)) + (1 - y) * math.log(1 - sig(s)) for s, y in zip(scores.tolist(), labels.tolist())) / 3
+    bt = -sum(math.log(sig(c - r)) for c, r in zip(chosen.tolist(), rejected.tolist())) / 2  # Bradley-Terry / TRL RewardTrainer
+    center = sum((c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())) / 2  # TRL's center_rewards_coefficient term
+    assert loss.item() == pytest.approx(bce + bt + coef * center, rel=1e-12)
+    assert metrics["reward_model/bce"] == pytest.approx(bce) and metrics["reward_model/bt"] == pytest.approx(bt)
+    # no pairs: BCE only; no labelled rows: pairs only
+    assert reward_loss(scores, labels, chosen[:0], rejected[:0], coef)[0].item() == pytest.approx(bce)
+    assert reward_loss(scores[:0], labels[:0], chosen, rejected, 0.0)[0].item() == pytest.approx(bt)
+
+
+def test_auc_and_calibration_by_hand() -> None:
+    assert roc_auc([0.1, 0.4, 0.35, 0.8], [False, False, True, True]) == pytest.approx(0.75)
+    assert roc_auc([1.0, 1.0], [True, False]) == pytest.approx(0.5)  # a tie counts half
+    assert math.isnan(roc_auc([1.0, 2.0], [True, True]))
+    # sigmoid(0) = 0.5 for all: one bin, mean label 0.25 -> ECE 0.25
+    assert expected_calibration_error([0.0] * 4, [True, False, False, False]) == pytest.approx(0.25)
+
+
+def test_reward_model_term_reads_the_rounds_score() -> None:
+    mix = build_reward([RewardTerm(fn="reward_model"), RewardTerm(fn="format", weight=0.5)])
+    assert mix([], "42", {"reward_model_score": 0.0}) == pytest.approx(0.5 + 0.5)
+    raw = build_reward([RewardTerm(fn="reward_model", kwargs={"probability": False})])
+    assert raw([], "x", {"reward_model_score": -2.5}) == pytest.approx(-2.5)
+    with pytest.raises(RewardError, match="reward model's score"):
+        mix([], "42", {})
+    assert not build_reward([RewardTerm(fn="reward_model")], skip_logged=True)  # held-out answers have no score
+
+
+def _planted(n: int, seed: int = 0) -> list[Prompt]:
+    """Completions that end with the marker word ' banana' get a thumbs-up, the others a thumbs-down.
+
+    The marker is the last word: the tiny model's attention is random, so the
+    last token's hidden state is where a marker reliably shows.
+    """
+    rng = random.Random(seed)
+    words = "apple river stone cloud green seven table music light paper".split()
+    rows = []
+    for i in range(n):
+        good = i % 2 == 0
+        text = " ".join(rng.sample(words, 3) + (["banana"] if good else [rng.choice(words)]))
+        rows.append(_row(i, f"Tell me about item {i}.", text, 1.0 if good else -1.0))
+    return rows
+
+
+def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: Path) -> None:
+    train, heldout = split_snapshot(snapshot_table(_planted(64)), 0.25)
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    store = make_store("offload", base)
+    cfg = RewardModelConfig(steps=12, batch_size=16, learning_rate=5e-3)
+    model = create_reward_model(base, store, cfg, None)
+    held = tokenise_feedback(base, feedback_data(heldout))
+    before = evaluate_reward_model(model, held, 0.9, 200)
+    history = train_reward_model(model, tokenise_feedback(base, feedback_data(train)), cfg)
+    after = evaluate_reward_model(model, held, 0.9, 200)
+    assert after.auc >= 0.9 and after.heldout_examples == 16, (before, after)
+    assert after.accuracy > before.accuracy and history[-1]["reward_model/loss"] < history[0]["reward_model/loss"]
+    assert after.as_metrics()["reward_model/auc"] == after.auc and "reward_model/pair_accuracy" not in after.as_metrics()
+
+    # saved beside its adapter, the head reloads to the same scores (the continual start)
+    folder = model.save(tmp_path / "rm")
+    assert (folder / HEAD_FILE).is_file() and (folder / "adapter_model.safetensors").is_file()
+    again = create_reward_model(base, store, cfg, folder, name="rm-again")
+    ids = [e[0] for e in held.examples], [e[1] for e in held.examples]
+    assert again.score(*ids) == pytest.approx(model.score(*ids), abs=1e-5)
+    store.close()
+
+
+def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_model: Path, tmp_path: Path) -> None:
+    rows = _planted(8)
+    rows = [Prompt(r.prompt_id, r.messages, {"reference_answer": "1"}, r.logged_completion, logged_reward=r.logged_reward if i < 3 else None)
+            for i, r in enumerate(rows)]  # fmt: skip
+    train, heldout = split_snapshot(snapshot_table(rows), 0.25)
+    cand = CandidateConfig(name="rm-user", reward=[RewardTerm(fn="reward_model"), RewardTerm(fn="format")], start="fresh")
+    rl = RLConfig(rollout_engine="hf", eval_prompts=2)
+    # format is verifiable on every row, so evaluation has prompts; the reward model has 3 labelled rows
+    with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
+        run_round(ModelConfig(name=str(tiny_model)), [cand], rl, train, heldout, {}, tmp_path, progress=False)
+    with pytest.raises(TrainerConfigError, match="enabled = false"):
+        run_round(ModelConfig(name=str(tiny_model)), [cand], rl, train, heldout, {}, tmp_path, progress=False,
+                  reward_cfg=RewardModelConfig(enabled=False))  # fmt: skip
+    offline = CandidateConfig(name="off", algorithm="offline_is", reward=[RewardTerm(fn="logged"), RewardTerm(fn="reward_model")])
+    with pytest.raises(TrainerConfigError, match="only grpo / ppo_clip"):
+        run_round(ModelConfig(name=str(tiny_model)), [offline], rl, train, heldout, {}, tmp_path, progress=False)
+    assert not (tmp_path / "rm-user").exists()  # refused before any work
