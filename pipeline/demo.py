@@ -172,8 +172,8 @@ def _print_scoreboard(rates: list[LiveRate], accuracy: dict[str, float], aucs: l
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
     rounds: Annotated[int, typer.Option(help="Rounds to watch.")] = 3,
-    traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 64,
-    between: Annotated[int, typer.Option(help="Requests between rounds.")] = 32,
+    traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
+    between: Annotated[int, typer.Option(help="Requests after each round (served by its champion).")] = 32,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""

@@ -43,3 +43,23 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     rates = live_rates(pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [-1.0, 1.0]}), [["a"], ["b"]])
     plot_live_rates(rates, tmp_path / "live.png")
     assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "hourglass.toml", "production.toml"])
+def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str) -> None:
+    """The served model's candidates and gate use no reference answer; only the demo's oracle does,
+    and it is its own served model (it never competes for `hourglass`)."""
+    from pipeline.config import load_config
+    from pipeline.demo import ORACLE_MODEL
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "deploy" / name)
+    assert cfg.rl.gate_metric in ("feedback", "reward_model")
+    served = [c for c in cfg.candidates if c.served_model == cfg.serving.model_name]
+    assert {c.algorithm for c in served} >= {"grpo", "kto"}
+    assert all(t.fn not in ("exact_answer", "first_number_answer") for c in served for t in c.reward)
+    assert any(t.fn == "reward_model" for c in served for t in c.reward)
+    others = [c for c in cfg.candidates if c.served_model != cfg.serving.model_name]
+    if name == "demo.toml":
+        assert [(c.served_model, [t.fn for t in c.reward]) for c in others] == [(ORACLE_MODEL, ["first_number_answer"])]
+    else:
+        assert others == []

@@ -159,3 +159,26 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
     assert decision.candidate_reward_means["a"] == decision.champion_reward_mean == metrics["eval/reward_model/champion/hourglass"]
     assert "a: reward-model score" in decision.reason and "does not exceed margin" in decision.reason
     store.close()
+
+
+def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """The users up- and down-vote the very same answer: the round's reward model cannot beat chance
+    on held-out feedback, so the reward_model gate refuses whatever the candidates did."""
+    from trainer.config import RewardModelConfig
+
+    rows = [
+        Prompt(prompt_id=f"s{i:02d}", messages=[{"role": "user", "content": "Say something."}], metadata={},
+               logged_completion="something", logged_reward=1.0 if i % 2 else -1.0, logged_adapter_version="base")
+        for i in range(32)
+    ]  # fmt: skip
+    train, heldout = split_snapshot(snapshot_table(rows), 0.25)
+    kto = CandidateConfig(name="kto", algorithm="kto", reward=[RewardTerm(fn="logged")], start="fresh")
+    rl = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="reward_model")
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False,
+        reward_cfg=RewardModelConfig(steps=2, batch_size=8, start="fresh"),
+    )  # fmt: skip
+    assert result.reward_model is not None and result.reward_model.report.auc_lower_bound <= 0.5
+    decision = result.decisions["hourglass"]
+    assert decision.winner is None and decision.metric == "reward_model"
+    assert "the reward model is not better than chance on held-out feedback (AUC lower bound" in decision.reason
