@@ -136,19 +136,23 @@ def _say_sent(exchanges: list[Exchange], what: str) -> None:
     console.print(f"{len(exchanges)} {what}; users gave {sum(e.correct for e in exchanges)} thumbs up")
 
 
+def _num(value: Any, spec: str = ".3f") -> str:
+    """A number from a round record as text; the API sends NaN as null, shown as '-'."""
+    return "-" if value is None or value != value else format(value, spec)
+
+
 def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any]) -> None:
     """One round: the reward model's held-out AUC, then per served model the gate values and the verdict."""
     metrics = record.get("metrics") or {}
-    auc = metrics.get("reward_model/auc")
     console.print(
         f"traces sent {sent}, in the buffer {buffer.get('trace_rows')}; round state [bold]{record['state']}[/]; "
-        f"reward model held-out AUC {f'{auc:.3f}' if auc is not None else '-'}"
+        f"reward model held-out AUC {_num(metrics.get('reward_model/auc'))}"
     )
     for model, decision in (record.get("decisions") or {}).items():
-        table = Table(f"{model}: candidate", f"gate value ({decision.get('metric', '-')})", "lower bound vs champion", title=None)
-        table.add_row("champion", f"{decision.get('champion_reward', float('nan')):.3f}", "")
-        for name, value in decision.get("candidate_rewards", {}).items():
-            table.add_row(name, f"{value:.3f}", f"{decision.get('lower_bounds', {}).get(name, float('nan')):+.3f}")
+        table = Table(f"{model}: candidate", f"gate value ({decision.get('metric', '-')})", "lower bound vs champion")
+        table.add_row("champion", _num(decision.get("champion_reward")), "")
+        for name, value in (decision.get("candidate_rewards") or {}).items():
+            table.add_row(name, _num(value), _num((decision.get("lower_bounds") or {}).get(name), "+.3f"))
         console.print(table)
         console.print(f"{model}: winner {decision.get('winner') or 'none'}; gate: {escape(decision.get('reason', '-'))}")
 
@@ -166,7 +170,7 @@ def _print_scoreboard(rates: list[LiveRate], accuracy: dict[str, float], aucs: l
     for label, value in accuracy.items():
         greedy.add_row(label, f"{value:.3f}")
     console.print(greedy)
-    console.print("reward model held-out AUC by round: " + ", ".join(f"{a:.3f}" if a is not None else "-" for a in aucs))
+    console.print("reward model held-out AUC by round: " + ", ".join(_num(a) for a in aucs))
 
 
 def main(

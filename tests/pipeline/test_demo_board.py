@@ -63,3 +63,16 @@ def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str
         assert [(c.served_model, [t.fn for t in c.reward]) for c in others] == [(ORACLE_MODEL, ["first_number_answer"])]
     else:
         assert others == []
+
+
+def test_round_printout_survives_nulls_from_the_api() -> None:
+    """The ops API sends NaN as null (a gate without usable rows, a reward model without AUC)."""
+    from pipeline.demo import _num, _print_round
+
+    record = {
+        "state": "no_winner", "metrics": {"reward_model/auc": None},
+        "decisions": {"hourglass": {"winner": None, "reason": "keep base: none of the 3 held-out rows ...", "metric": "feedback",
+                                    "champion_reward": None, "candidate_rewards": {"kto": None}, "lower_bounds": {"kto": None}}},
+    }  # fmt: skip
+    _print_round(record, 96, {"trace_rows": 96})
+    assert _num(None) == "-" and _num(float("nan")) == "-" and _num(0.5, "+.3f") == "+0.500"
