@@ -74,8 +74,10 @@ class EvalResult:
         return self.reward_mean if self.value is None else self.value
 
     def as_metrics(self, metric: str) -> dict[str, float]:
-        """``eval/<metric>`` (the gate value), ``eval/reward_mean`` (mean per-row value), ``eval/kl``, ``eval/mean_length``."""
-        return {f"eval/{metric}": self.metric_value, "eval/reward_mean": self.reward_mean, "eval/kl": self.mean_kl, "eval/mean_length": self.mean_length}
+        """``eval/<metric>`` (the gate value), ``eval/reward_mean`` (mean per-row value), ``eval/kl``,
+        ``eval/mean_length``; undefined ones (no usable held-out row) are left out, not NaN."""
+        out = {f"eval/{metric}": self.metric_value, "eval/reward_mean": self.reward_mean, "eval/kl": self.mean_kl, "eval/mean_length": self.mean_length}
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 def gate_mix(rl: RLConfig) -> RewardMix:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -338,6 +339,7 @@ def evaluate_and_gate(
             decisions[tenant] = gate(tenant, members, results, champ, label, rl, labels=labels, refusal=refusal)
             round_metrics[f"eval/{metric}/champion/{tenant}"] = decisions[tenant].champion_reward_mean
         round_metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
+        round_metrics = {k: v for k, v in round_metrics.items() if math.isfinite(v)}  # undefined values are left out, not NaN
     finally:
         for version in champion_versions.values():
             if version != BASE_VERSION:

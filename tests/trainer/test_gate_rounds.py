@@ -97,6 +97,7 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     assert decision.winner is None
     assert "none of the 3 held-out rows carries a logged completion with a reward (user feedback)" in decision.reason
     assert result.eval_prompt_ids == () and result.metrics["eval/prompts"] == 0.0
+    assert "eval/feedback/kto" not in result.metrics and "eval/feedback" not in result.candidates[0].eval_metrics  # undefined: left out
 
     verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
     result = run_round(ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False)
