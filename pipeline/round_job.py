@@ -35,6 +35,7 @@ ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a ro
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
 CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.", ["candidate"])
 CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out gate value of the champion in the last round (same unit as the candidates').", ["served_model"])
+REWARD_MODEL_AUC = Gauge("hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined).")
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
 
 
@@ -263,6 +264,8 @@ class RoundRunner:
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
             for name, value in decision.candidate_reward_means.items():
                 CANDIDATE_REWARD.labels(name).set(value)
+        if result.reward_model is not None:
+            REWARD_MODEL_AUC.set(result.reward_model.report.auc)
         self.store.save(record)
 
         self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on

@@ -204,7 +204,7 @@ class RewardModelConfig(_Section):
     )
     learning_rate: float = Field(default=1e-3, gt=0, lt=1, description="AdamW learning rate of the adapter and the head.")
     steps: int = Field(default=16, ge=1, description="Optimizer steps per round.")
-    batch_size: int = Field(default=16, ge=1, description="Labelled examples (and preference pairs) per step.")
+    batch_size: int = Field(default=8, ge=1, description="Labelled examples (and as many preference pairs) per training step; scoring batches are at least 16.")
     center_rewards_coefficient: float = Field(
         default=0.0, ge=0, description="Weight of TRL's centering term mean((r_chosen + r_rejected)^2) on pairs; 0 = off."
     )

@@ -21,7 +21,6 @@ the pointwise term uses the same score as a logit of P(thumbs up).
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +37,6 @@ from trainer.config import RewardModelConfig
 from trainer.errors import TrainerConfigError
 from trainer.feedback_data import FeedbackData
 from trainer.types import RewardModelReport
-
-log = logging.getLogger(__name__)
 
 HEAD_FILE = "reward_head.safetensors"
 
@@ -203,7 +200,7 @@ def create_reward_model(
             )
         head.load_state_dict(saved)
     head.to(base.device)
-    model = RewardModel(name, base, store, head, cfg.batch_size)
+    model = RewardModel(name, base, store, head, max(16, cfg.batch_size))  # no-grad scoring takes larger batches
     model.head_optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     return model
 

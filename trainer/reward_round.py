@@ -12,11 +12,15 @@
    whose reward uses ``reward_model`` are scored in one batched pass; the
    scores reach the reward mix as ``metadata["reward_model_score"]``.
 4. :func:`finish`: the adapter and its head are saved and kept as ``last``.
+
+One reward model per round, from all rows of the split (every served model's
+traffic): the users' verdict is what it learns, whichever adapter answered.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +118,9 @@ def train_phase(
 ) -> RewardPhase:  # fmt: skip
     """Create, train and evaluate the round's reward model (see the module docstring).
 
+    Its round metrics (``reward_model/...``) leave out undefined values (an AUC
+    on held-out rows of one label); the reports keep them as NaN.
+
     ``champion``: the folder of the current reward champion (adapter + head) to
     re-measure on this round's held-out rows; None skips that.
     """
@@ -138,6 +145,7 @@ def train_phase(
         metrics |= {"reward_model/train_loss": history[-1]["reward_model/loss"], "reward_model/train_loss_first": history[0]["reward_model/loss"]}
     if champion_report is not None:
         metrics |= champion_report.as_metrics("reward_model/champion")
+    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # an AUC of one-label rows is undefined: left out, not NaN
     log.info("reward model: held-out AUC %.3f (lower bound %.3f) on %d rows", report.auc, report.auc_lower_bound, report.heldout_examples)
     return RewardPhase(model, report, champion_report, history, train_fb, metrics)
 

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from rich.progress import Progress
 
+from trainer import reward_round
 from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
@@ -51,7 +52,6 @@ from trainer.evaluate import (
     unusable_reason,
     usable_rows,
 )
-from trainer import reward_round
 from trainer.reward_model import RewardModel
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest

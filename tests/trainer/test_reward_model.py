@@ -113,7 +113,11 @@ def _planted(n: int, seed: int = 0) -> list[Prompt]:
 
 
 def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: Path) -> None:
-    train, heldout = split_snapshot(snapshot_table(_planted(64)), 0.25)
+    rows = _planted(64)
+    # every fourth down-voted answer was corrected by its user into a liked one: correction pairs
+    corrections = [" ".join(r.logged_completion.split()[:-1] + ["banana"]) if i % 8 == 1 else None for i, r in enumerate(rows)]
+    table = snapshot_table(rows).append_column("correction", pa.array(corrections, type=pa.string()))
+    train, heldout = split_snapshot(table, 0.25)
     base = load_base(ModelConfig(name=str(tiny_model)))
     store = make_store("offload", base)
     cfg = RewardModelConfig(steps=12, batch_size=16, learning_rate=5e-3)
@@ -124,7 +128,8 @@ def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: 
     after = evaluate_reward_model(model, held, 0.9, 200)
     assert after.auc >= 0.9 and after.heldout_examples == 16, (before, after)
     assert after.accuracy > before.accuracy and history[-1]["reward_model/loss"] < history[0]["reward_model/loss"]
-    assert after.as_metrics()["reward_model/auc"] == after.auc and "reward_model/pair_accuracy" not in after.as_metrics()
+    assert after.heldout_pairs == 2 and after.pair_accuracy == 1.0 and all(h["reward_model/bt"] > 0 for h in history)
+    assert after.as_metrics()["reward_model/auc"] == after.auc and after.as_metrics()["reward_model/pair_accuracy"] == 1.0
 
     # saved beside its adapter, the head reloads to the same scores (the continual start)
     folder = model.save(tmp_path / "rm")
