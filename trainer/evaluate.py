@@ -30,6 +30,7 @@ interval); AUC as the Mann-Whitney statistic: Hanley & McNeil 1982.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ def greedy_answers(
     return out
 
 
+EVAL_CHUNK = 16  # sequences per forward pass at evaluation (bounds the [B, T, V] logits)
+
+
 @torch.no_grad()
 def kl_to_base(base: ResidentBase, prompt_ids: Sequence[list[int]], samples: Sequence[Sample]) -> float:
     """Mean over sequences of the token-mean k3 KL(live adapter || base) on ``samples``.
@@ -141,23 +145,27 @@ def kl_to_base(base: ResidentBase, prompt_ids: Sequence[list[int]], samples: Seq
     The adapter to measure must be live in the store. NaN when any value is NaN.
     """
     completions = [list(s.token_ids) or [base.tokenizer.eos_token_id] for s in samples]
-    logprobs_BT, mask_BT = base.completion_logprobs(prompt_ids, completions)
-    with base.reference():
-        ref_BT, _ = base.completion_logprobs(prompt_ids, completions)
-    kl_B = (kl_k3(logprobs_BT, ref_BT) * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)
-    return float(kl_B.mean())
+    kls: list[torch.Tensor] = []
+    for i in range(0, len(completions), EVAL_CHUNK):
+        ids, comps = prompt_ids[i : i + EVAL_CHUNK], completions[i : i + EVAL_CHUNK]
+        logprobs_BT, mask_BT = base.completion_logprobs(ids, comps)
+        with base.reference():
+            ref_BT, _ = base.completion_logprobs(ids, comps)
+        kls.append((kl_k3(logprobs_BT, ref_BT) * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1))
+    return float(torch.cat(kls).mean()) if kls else float("nan")
 
 
 @torch.no_grad()
 def sequence_logps(base: ResidentBase, prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], *, reference: bool = False) -> list[float]:
     """log pi(y|x) of each completion (sum over its tokens) under the live adapter, or the base with
-    adapters disabled when ``reference``."""
-    if reference:
-        with base.reference():
-            logprobs_BT, mask_BT = base.completion_logprobs(prompt_ids, completion_ids)
-    else:
-        logprobs_BT, mask_BT = base.completion_logprobs(prompt_ids, completion_ids)
-    return sequence_logprobs(logprobs_BT, mask_BT).tolist()
+    adapters disabled when ``reference``; ``EVAL_CHUNK`` sequences per forward pass."""
+    out: list[float] = []
+    for i in range(0, len(completion_ids), EVAL_CHUNK):
+        ids, comps = prompt_ids[i : i + EVAL_CHUNK], completion_ids[i : i + EVAL_CHUNK]
+        with base.reference() if reference else contextlib.nullcontext():
+            logprobs_BT, mask_BT = base.completion_logprobs(ids, comps)
+        out.extend(sequence_logprobs(logprobs_BT, mask_BT).tolist())
+    return out
 
 
 def score(samples: Sequence[Sample], prompts: Sequence[Prompt], mix: RewardMix) -> tuple[float, ...]:

@@ -183,3 +183,19 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
     decision = result.decisions["hourglass"]
     assert decision.winner is None and decision.metric == "reward_model"
     assert "the reward model is not better than chance on held-out feedback (AUC lower bound" in decision.reason
+
+
+def test_evaluation_forward_passes_in_chunks_give_the_same_values(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer import evaluate
+    from trainer.base import load_base
+    from trainer.samples import Sample
+
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    ids = [base.chat_token_ids([{"role": "user", "content": f"q{i}" * (i + 1)}]) for i in range(5)]
+    comps = [[11 + i, 12, 13][: 1 + i % 3] for i in range(5)]
+    samples = [Sample(prompt_id=str(i), text="", token_ids=tuple(c), logprobs=(), adapter_version="base") for i, c in enumerate(comps)]
+    whole = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)
+    monkeypatch.setattr(evaluate, "EVAL_CHUNK", 2)
+    chunked = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)
+    assert chunked[0] == pytest.approx(whole[0], abs=1e-4) and chunked[1] == pytest.approx(whole[1], abs=1e-6)
+    assert len(chunked[0]) == 5 and all(x < 0 for x in chunked[0])
