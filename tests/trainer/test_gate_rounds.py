@@ -83,6 +83,13 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
     assert result.metrics["eval/feedback/champion/hourglass"] == 0.5
     assert len(by_name["kto"].eval_rewards) == len(result.eval_prompt_ids) == 6
 
+    # next round: the promoted adapter is the champion, measured against the base by the same yardstick
+    champion = {"hourglass": by_name["kto"].adapter_dir}
+    again = run_round(ModelConfig(name=str(tiny_model)), [inverse], rl, train, heldout, champion, tmp_path / "r2", progress=False)
+    decision = again.decisions["hourglass"]
+    assert decision.champion_reward_mean == 1.0 and decision.winner is None
+    assert f"kto-inverse: feedback AUC 0.000 vs champion {by_name['kto'].adapter_dir} 1.000" in decision.reason
+
 
 def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path, tmp_path: Path) -> None:
     """Held-out rows without feedback (feedback metric) or without references (verifiable): no winner, no crash."""
