@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a round, seconds.", buckets=(30, 60, 120, 300, 600, 1200, 3600, 7200))
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
-CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out reward of each candidate in the last round.", ["candidate"])
-CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out reward of the champion in the last round.", ["served_model"])
+CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.", ["candidate"])
+CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out gate value of the champion in the last round (same unit as the candidates').", ["served_model"])
 REWARD_MODEL_AUC = Gauge("hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined).")
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
 
@@ -256,14 +256,14 @@ class RoundRunner:
 
         record.metrics.update(result.metrics)
         record.decisions = {
-            m: {"winner": d.winner, "reason": d.reason, "champion_reward": d.champion_reward_mean,
+            m: {"winner": d.winner, "reason": d.reason, "metric": d.metric, "champion_reward": d.champion_reward_mean,
                 "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
             for m, d in result.decisions.items()
         }  # fmt: skip
-        for cand in result.candidates:
-            CANDIDATE_REWARD.labels(cand.name).set(cand.eval_metrics.get("eval/reward_mean", float("nan")))
-        for model, decision in result.decisions.items():
+        for model, decision in result.decisions.items():  # both in the unit of the gate metric (decision.metric)
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
+            for name, value in decision.candidate_reward_means.items():
+                CANDIDATE_REWARD.labels(name).set(value)
         if result.reward_model is not None:
             REWARD_MODEL_AUC.set(result.reward_model.report.auc)
         self.store.save(record)

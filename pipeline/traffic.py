@@ -1,24 +1,23 @@
 """Simulated users: verifiable questions sent through the gateway with the
 official ``openai`` client, answers checked as a user would, feedback posted.
 
-Prompts come from reasoning-gym (procedural arithmetic); each request carries
-the reference answer in ``metadata`` so the trainer's ``exact_answer``
-verifier can score rollouts later. The user's feedback is a thumbs up when the
-answer is right and a thumbs down otherwise.
+Prompts come from reasoning-gym (procedural arithmetic). The user's feedback
+is a thumbs up when the answer is right and a thumbs down otherwise: that is
+all the demo's candidates learn from. Each request also carries the reference
+answer in ``metadata``, for the demo's own scoreboard and its oracle recipe
+(``first_number_answer``, the users' own check as a reward).
 """
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 from openai import OpenAI
 
+from trainer.rewards import first_number_answer
 from trainer.tasks import reasoning_gym_prompts
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,9 @@ class Exchange:
 
 
 def is_correct(answer: str, reference: str) -> bool:
-    """The first number in the answer equals the reference (what a user checks)."""
-    match = _NUMBER.search(answer.replace(",", ""))
-    try:
-        return match is not None and abs(float(match.group()) - float(reference)) < 1e-6
-    except ValueError:
-        return False
+    """The first number in the answer equals the reference (what a user checks): the
+    ``first_number_answer`` reward, so the oracle recipe trains on exactly this check."""
+    return first_number_answer([], answer, {"reference_answer": reference}) == 1.0
 
 
 def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:

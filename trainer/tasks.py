@@ -4,7 +4,8 @@ Snapshot tables carry the buffer's columns: ``trace_id`` string, ``ts``
 timestamp, ``model`` string, ``adapter_version`` string, ``prompt`` string
 (JSON chat messages), ``completion`` string, ``completion_token_ids``
 list<int32> (nullable), ``completion_logprobs`` list<float32> (nullable),
-``reward`` float64 (nullable), ``metadata`` string (JSON object).
+``reward`` float64 (nullable), ``metadata`` string (JSON object); and, when
+the buffer has it, ``correction`` string (nullable: the user's corrected answer).
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
         "reward": [p.logged_reward for p in prompts],
         "metadata": [json.dumps(p.metadata) for p in prompts],
     }
-    return pa.Table.from_pydict(rows, schema=SNAPSHOT_SCHEMA)
+    schema = SNAPSHOT_SCHEMA
+    if any(p.logged_correction is not None for p in prompts):
+        rows["correction"] = [p.logged_correction for p in prompts]
+        schema = schema.append(pa.field("correction", pa.string()))
+    return pa.Table.from_pydict(rows, schema=schema)
 
 
 def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
@@ -121,6 +126,7 @@ def prompts_from_table(table: pa.Table) -> list[Prompt]:
                 logged_logprobs=row.get("completion_logprobs"),
                 logged_reward=row.get("reward"),
                 logged_adapter_version=row.get("adapter_version"),
+                logged_correction=row.get("correction"),  # absent in snapshots without the column
             )
         )
     return out

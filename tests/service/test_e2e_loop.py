@@ -68,6 +68,7 @@ eval_prompts = 16
 heldout_fraction = 0.33
 max_kl = 2.0
 gate_confidence = 0.6
+gate_reward = [{{ fn = "format", weight = 1.0 }}, {{ fn = "exact_answer", weight = 1.0 }}]  # the tenant's yardstick
 rollout_engine = "vllm"
 window = "1d"
 [schedule]
