@@ -35,7 +35,7 @@ from pipeline import stack
 from pipeline.cli import base_model_dir
 from pipeline.cli_common import load
 from pipeline.config import HourglassConfig
-from pipeline.traffic import arithmetic_questions, drive, is_correct
+from pipeline.traffic import arithmetic_questions, create_demo_key, drive, is_correct
 
 console = Console(soft_wrap=True)
 
@@ -153,6 +153,7 @@ def main(
     ensure_topics(cfg.kafka)
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
     vllm_url = cfg.serving.replicas[0]
+    key = create_demo_key(cfg.resolve(cfg.state_dir))  # trusted grader: the simulated users send reference answers
     procs = {"service": _spawn("service", ["service"], cfg, config), "gateway": _spawn("gateway", ["gateway"], cfg, config)}
     try:
         _wait_http(f"{api}/healthz", "the service", procs["service"])
@@ -160,7 +161,7 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1)
+        exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1, api_key=key)
         console.print(f"{len(exchanges)} requests, users marked {sum(e.correct for e in exchanges)} answers right")
         sent, seen, rows = len(exchanges), set(), []
         for i in range(1, rounds + 1):
@@ -187,7 +188,7 @@ def main(
             rewards = decision.get("candidate_rewards", {}) or {"-": float("nan")}
             rows.append({"round": i, "champion": decision.get("champion_reward", float("nan")), "best": max(rewards.values()), "state": record["state"]})
             if i < rounds:
-                more = drive(gateway, cfg.serving.model_name, between, seed=100 + i)
+                more = drive(gateway, cfg.serving.model_name, between, seed=100 + i, api_key=key)
                 sent += len(more)
                 console.print(f"{len(more)} more requests; users marked {sum(e.correct for e in more)} right")
 
@@ -205,7 +206,7 @@ def main(
                 mean_reward, accuracy = _greedy_scores(vllm_url, name, questions, reward)
                 final.add_row(f"{label} ({name})", f"{mean_reward:.3f}", f"{accuracy:.3f}")
         console.print(final)
-        for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1):
+        for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1, api_key=key):
             console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
         plot = cfg.resolve(cfg.state_dir) / "demo-heldout-reward.png"
         _plot(rows, plot)
