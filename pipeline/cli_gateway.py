@@ -81,7 +81,16 @@ def feedback_signer(cfg: HourglassConfig) -> FeedbackSigner:
     """Signs feedback tokens with ``gateway.feedback_signing_key``, or a key generated once into
     ``<state_dir>/gateway-feedback.key`` (0600) when that is not set."""
     configured = cfg.gateway.feedback_signing_key
-    key = configured.get_secret_value().encode() if configured else load_or_create_secret(cfg.resolve(cfg.state_dir) / SIGNING_KEY_FILE)
+    if configured is not None:
+        return FeedbackSigner(configured.get_secret_value().encode(), cfg.gateway.feedback_token_ttl_s)
+    path = cfg.resolve(cfg.state_dir) / SIGNING_KEY_FILE
+    try:
+        key = load_or_create_secret(path)
+    except OSError as err:  # e.g. the gateway's read-only state mount in compose
+        raise ConfigError(
+            f"gateway.feedback_signing_key is not set and {path} cannot be created ({err}); "
+            "set HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY (e.g. `openssl rand -hex 32`, the same on every gateway)"
+        ) from err
     return FeedbackSigner(key, cfg.gateway.feedback_token_ttl_s)
 
 
@@ -119,7 +128,12 @@ def gateway(
         f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {cfg.serving.replicas[0]} "
         f"(model {cfg.serving.model_name!r}, traces -> {cfg.kafka.traces_topic}, {auth})"
     )
-    serve_gateway(build_gateway(cfg), cfg.api.host, cfg.api.gateway_port)
+    try:
+        app = build_gateway(cfg)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    serve_gateway(app, cfg.api.host, cfg.api.gateway_port)
 
 
 def register(app: typer.Typer) -> None:

@@ -313,3 +313,32 @@ def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp
     assert runner.invoke(app, ["keys", "revoke", key_id, "-c", str(conf)]).exit_code == 0
     assert json.loads(runner.invoke(app, ["keys", "list", "--json", "-c", str(conf)]).stdout)[0]["revoked"] is True
     assert runner.invoke(app, ["keys", "revoke", "000000000000", "-c", str(conf)]).exit_code == 1
+
+
+# --- the configured gateway (hourglass gateway) --------------------------------------------------------
+
+
+def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_key(
+    tmp_path: Path, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.cli_gateway import build_gateway, feedback_signer, key_store
+    from pipeline.config import load_config
+
+    conf = tmp_path / "h.toml"
+    conf.write_text(f'state_dir = "{tmp_path / "state"}"\n[serving]\nreplicas = ["{upstream.url}"]\n'  # type: ignore[attr-defined]
+                    '[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')  # fmt: skip
+    monkeypatch.setenv("HOURGLASS_SERVING__API_KEY", UPSTREAM_KEY)
+    cfg = load_config(conf)
+    _, key = key_store(cfg).create("cli-made")
+    with serve(build_gateway(cfg)) as url:
+        assert chat(url, "").status_code == 401
+        answer = chat(url, key)
+        assert answer.status_code == 200 and upstream.requests[-1]["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    signing = tmp_path / "state" / "gateway-feedback.key"
+    assert stat.S_IMODE(os.stat(signing).st_mode) == 0o600
+    trace_id, token = answer.headers[TRACE_HEADER], answer.headers[FEEDBACK_HEADER]
+    key_id = key.split("-")[1]
+    assert feedback_signer(cfg).verify(token, trace_id, key_id), "a restarted gateway still verifies its tokens"
+    monkeypatch.setenv("HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY", "r" * 40)  # rotation: old tokens stop verifying
+    with pytest.raises(FeedbackTokenError, match="signature"):
+        feedback_signer(load_config(conf)).verify(token, trace_id, key_id)
