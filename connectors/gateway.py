@@ -43,22 +43,30 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import anyio
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
-from starlette.types import Receive, Scope, Send
 
 from connectors.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, RateLimiter
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.errors import ConnectorConfigError
 from connectors.gateway_publish import TRACE_ERRORS, EventPublisher
-from connectors.gateway_request import RequestRefused, check_content_type, check_request, client_metadata, parse_json, read_body
+from connectors.gateway_request import (
+    ClosingStream,
+    RequestRefused,
+    check_content_type,
+    check_request,
+    client_metadata,
+    openai_error,
+    parse_json,
+    read_body,
+    refused,
+)
 from connectors.gateway_trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
 from connectors.reward import reward_from_signals
 from connectors.schema import FeedbackEvent, UserHasher
@@ -111,34 +119,6 @@ class Caller:
     trusted_grader: bool
     rate_per_min: int
     concurrency: int
-
-
-def openai_error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    """An error response in the OpenAI format."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _refused(err: RequestRefused) -> JSONResponse:
-    return openai_error(err.status, err.message, type_=err.type_, param=err.param, code=err.code, headers=err.headers)
-
-
-class _ClosingStream(StreamingResponse):
-    """A streaming response that always runs ``on_close`` (close upstream, free the concurrency slot),
-    also when the client hangs up before or while the body streams."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-                await self._on_close()
 
 
 def create_gateway_app(
@@ -271,7 +251,7 @@ def create_gateway_app(
             authenticate(request)
         except RequestRefused as err:
             REQUESTS.labels("/v1/models", str(err.status)).inc()
-            return _refused(err)
+            return refused(err)
         names = list(list_models()) if list_models is not None else []
         REQUESTS.labels("/v1/models", "200").inc()
         return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "hourglass"} for n in names]})
@@ -282,11 +262,11 @@ def create_gateway_app(
             caller, data = await admit(request)
         except RequestRefused as err:
             REQUESTS.labels("/v1/feedback", str(err.status)).inc()
-            return _refused(err)
+            return refused(err)
         try:
             response = await _feedback(request, caller, data)
         except RequestRefused as err:
-            response = _refused(err)
+            response = refused(err)
         finally:
             in_flight.leave(caller.key_id)
         REQUESTS.labels("/v1/feedback", str(response.status_code)).inc()
@@ -351,7 +331,7 @@ def create_gateway_app(
             caller, body = await admit(request)
         except RequestRefused as err:
             REQUESTS.labels(path, str(err.status)).inc()
-            return _refused(err)
+            return refused(err)
         released = False
 
         async def release() -> None:
@@ -364,9 +344,9 @@ def create_gateway_app(
         try:
             response = await _proxy_inner(request, caller, body, endpoint, path, started, release)
         except RequestRefused as err:
-            response = _refused(err)
+            response = refused(err)
         finally:
-            if not isinstance(response, _ClosingStream):
+            if not isinstance(response, ClosingStream):
                 await release()  # a stream releases when it ends
         REQUESTS.labels(path, str(response.status_code)).inc()
         return response
@@ -412,7 +392,7 @@ def create_gateway_app(
                 await upstream.aclose()
                 await release()
 
-            return _ClosingStream(_relay(upstream, asked, publish_args, started), on_close,
+            return ClosingStream(_relay(upstream, asked, publish_args, started), on_close,
                                   media_type="text/event-stream", headers=ok_headers)  # fmt: skip
 
         async def fetch() -> tuple[httpx.Response, bytes]:

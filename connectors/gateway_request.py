@@ -1,4 +1,5 @@
-"""What the gateway accepts from a client: body size, content type, JSON shape, allowed fields and caps.
+"""What the gateway accepts from a client (body size, content type, JSON shape, allowed fields and caps),
+and how it answers a refusal (an OpenAI-style error) or streams (closing upstream whatever happens).
 
 Everything here raises :class:`RequestRefused` (an HTTP status plus an
 OpenAI-style error) and has no other I/O than reading the request body, so
@@ -14,9 +15,13 @@ see :data:`ALLOWED`.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 
 from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
@@ -46,6 +51,34 @@ class RequestRefused(ConnectorError, ValueError):
         super().__init__(message)
         self.status, self.message, self.type_, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
+
+
+def openai_error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    """An error response in the OpenAI format."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def refused(err: RequestRefused) -> JSONResponse:
+    return openai_error(err.status, err.message, type_=err.type_, param=err.param, code=err.code, headers=err.headers)
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that always runs ``on_close`` (close upstream, free the concurrency slot),
+    also when the client hangs up before or while the body streams."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._on_close()
 
 
 def check_content_type(request: Request) -> None:

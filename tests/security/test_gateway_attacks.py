@@ -126,8 +126,19 @@ def test_forged_reference_answer_from_an_untrusted_key_is_not_a_label(gateway: s
     assert trace.metadata["user_hash"] != "someone-else"
 
     graded = chat(gateway, keys.grader, metadata={"reference_answer": "42", "task": "x"})
-    trace = sink.trace(graded.headers[TRACE_HEADER])
-    assert trace.metadata["reference_answer"] == "42" and trace.metadata["client"] == {"task": "x"}
+    graded_trace = sink.trace(graded.headers[TRACE_HEADER])
+    assert graded_trace.metadata["reference_answer"] == "42" and graded_trace.metadata["client"] == {"task": "x"}
+
+    # What a round makes of both rows: exact_answer trains and evaluates on the grader's row only.
+    from trainer.config import RewardTerm
+    from trainer.rewards import build_reward
+    from trainer.samples import Prompt
+    from trainer.tasks import prompts_from_table, snapshot_table
+
+    rows = [Prompt(prompt_id=t.trace_id, messages=MESSAGES, metadata=t.metadata) for t in (trace, graded_trace)]
+    mix = build_reward([RewardTerm(fn="exact_answer")])
+    usable = [p.prompt_id for p in prompts_from_table(snapshot_table(rows)) if mix.accepts(p.metadata)]
+    assert usable == [graded_trace.trace_id]
 
 
 def test_the_same_user_of_two_keys_is_two_identities(gateway: str, keys: Keys, sink: FakeSink) -> None:
