@@ -85,3 +85,30 @@ def test_user_cap_is_the_largest_feasible_bound() -> None:
     assert user_cap([50, 1, 1, 1, 1, 1, 1, 1, 1, 1], 0.2) == 2  # 2 <= 0.2 * (2 + 9)
     with pytest.raises(DataError, match="max_user_share"):
         split_snapshot(table([("a", 1), ("b", 2)]), 0.5, max_user_share=0.0)
+
+
+def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipeline.round_job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
+    import trainer.round
+    from pipeline.config import HourglassConfig
+    from pipeline.round_job import train_and_evaluate
+    from pipeline.rounds import RoundRecord
+    from trainer.types import RoundResult
+
+    seen = {}
+
+    def fake_run_round(model, candidates, rl, train, heldout, champions, out_dir, **kwargs):
+        seen["train"], seen["heldout"] = train, heldout
+        return RoundResult(round_id="r1", base_fingerprint="f", window_start=START, window_end=START, train_rows=train.num_rows,
+                           heldout_rows=heldout.num_rows, eval_prompt_ids=(), candidates=(), decisions={}, metrics={"round/wall_s": 1.0})  # fmt: skip
+
+    monkeypatch.setattr(trainer.round, "run_round", fake_run_round)
+    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
+    record = RoundRecord(round_id="r1", state="train", trigger="manual", candidates=["default"], window="1h", created_at="", updated_at="")
+    rows = [(f"user-{u}", u * 10 + i) for u in range(4) for i in range(5)] + [("mallory", 1000 + i) for i in range(200)]
+    result = train_and_evaluate(cfg, record, table(rows), {})
+    for part in ("train", "heldout"):
+        counts = shares(seen[part])
+        assert counts["mallory"] / seen[part].num_rows <= 0.25 + 1e-9, (part, counts)
+    assert result.metrics["data/users"] == 5 and result.metrics["data/max_user_share"] <= 0.25 + 1e-9
+    assert result.metrics["round/wall_s"] == 1.0
