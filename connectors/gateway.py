@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from connectors.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, RateLimiter
+from connectors.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, KeyStoreError, RateLimiter
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.errors import ConnectorConfigError
 from connectors.gateway_publish import TRACE_ERRORS, EventPublisher
@@ -215,6 +215,9 @@ def create_gateway_app(
             record = keys.authenticate(header[7:].strip())  # type: ignore[union-attr]
         except AuthError as err:
             raise RequestRefused(403, str(err), type_="permission_error", code="invalid_api_key") from None
+        except KeyStoreError as err:  # a damaged key file: refuse everyone, loudly, rather than fail open
+            log.error("gateway: %s", err)
+            raise RequestRefused(503, "API keys cannot be checked right now; retry later", type_="service_unavailable") from None
         return Caller(record.key_id, record.trusted_grader, record.rate_per_min or cfg.rate_per_min, record.concurrency or cfg.concurrency)
 
     async def admit(request: Request) -> tuple[Caller, Any]:

@@ -353,3 +353,15 @@ def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_ke
     monkeypatch.setenv("HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY", "r" * 40)  # rotation: old tokens stop verifying
     with pytest.raises(FeedbackTokenError, match="signature"):
         feedback_signer(load_config(conf)).verify(token, trace_id, key_id)
+
+
+def test_a_damaged_key_file_refuses_everyone_with_503(tmp_path: Path, upstream: FakeUpstream) -> None:
+    store = KeyStore(tmp_path / "gateway-keys.json")
+    _, key = store.create("client")
+    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), upstream.url, lambda n: ("base", None),  # type: ignore[attr-defined]
+                             sink=FakeSink(), keys=store)  # fmt: skip
+    with serve(app) as url:
+        assert chat(url, key).status_code == 200
+        (tmp_path / "gateway-keys.json").write_text("{not json")
+        answer = chat(url, key)
+    assert answer.status_code == 503 and error(answer)["type"] == "service_unavailable"
