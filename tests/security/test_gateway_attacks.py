@@ -365,3 +365,14 @@ def test_a_damaged_key_file_refuses_everyone_with_503(tmp_path: Path, upstream: 
         (tmp_path / "gateway-keys.json").write_text("{not json")
         answer = chat(url, key)
     assert answer.status_code == 503 and error(answer)["type"] == "service_unavailable"
+
+
+def test_a_short_signing_key_is_refused_without_being_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    monkeypatch.setenv("HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY", "short-secret-value")
+    with pytest.raises(ConfigError) as err:
+        load_config(None)
+    problems = " ".join(err.value.problems)
+    assert "gateway.feedback_signing_key" in problems and "32 characters" in problems and "short-secret-value" not in problems
