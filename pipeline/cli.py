@@ -205,6 +205,9 @@ def _register_command_groups() -> None:
     except ImportError:  # pragma: no cover - built in a later change
         return
     cli_gateway.register(app)
+    from pipeline import cli_keys
+
+    cli_keys.register(app)
 
 
 _register_command_groups()

@@ -1,6 +1,6 @@
 """The whole ``hourglass.toml`` as one typed, validated object.
 
-Sections: ``kafka``, ``buffer`` (connectors), ``model``, ``candidates``,
+Sections: ``kafka``, ``buffer``, ``gateway`` (connectors), ``model``, ``candidates``,
 ``rl``, ``reward_model`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
 Any field may be overridden by an environment variable named
 ``HOURGLASS_<SECTION>__<FIELD>`` (nested with ``__``), for example
@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from connectors.config import BufferConfig, KafkaConfig
+from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
@@ -92,6 +92,16 @@ class ServingConfig(_Section):
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
     staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="vLLM's --api-key: the gateway sends it upstream as its own Authorization (clients' keys never go "
+        "upstream). Set HOURGLASS_SERVING__API_KEY.",
+    )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_key(cls, key: Any) -> Any:
+        return None if isinstance(key, str) and not key.strip() else key
 
     @field_validator("replicas")
     @classmethod
@@ -144,6 +154,7 @@ class HourglassConfig(BaseSettings):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -184,7 +195,7 @@ class HourglassConfig(BaseSettings):
         return Path(os.path.expanduser(path)).resolve()
 
 
-_SECRET_FIELDS = {"token", "user_hash_key"}
+_SECRET_FIELDS = {"token", "user_hash_key", "api_key", "feedback_signing_key"}
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from pipeline.cli import base_model_dir
 from pipeline.cli_common import load
 from pipeline.config import HourglassConfig
 from pipeline.demo_board import LiveRate, gain_ratio, live_rates, plot_live_rates
-from pipeline.traffic import Exchange, arithmetic_questions, drive, is_correct
+from pipeline.traffic import Exchange, arithmetic_questions, create_demo_key, drive, is_correct
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
@@ -196,6 +196,7 @@ def main(
     ensure_topics(cfg.kafka)
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
     vllm_url = cfg.serving.replicas[0]
+    key = create_demo_key(cfg.resolve(cfg.state_dir))  # trusted grader: the simulated users send reference answers
     procs = {"service": _spawn("service", ["service"], cfg, config), "gateway": _spawn("gateway", ["gateway"], cfg, config)}
     try:
         _wait_http(f"{api}/healthz", "the service", procs["service"])
@@ -203,7 +204,7 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1)
+        exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1, api_key=key)
         _say_sent(exchanges, "requests (served by the base)")
         phases, aucs, seen = [[e.trace_id for e in exchanges]], [], set()
         for i in range(1, rounds + 1):
@@ -218,7 +219,7 @@ def main(
                 f"round: {escape(record['reason'])}\npromoted: {record['versions'] or '-'}   serving now: {serving.get('serving')}   "
                 f"hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
-            more = drive(gateway, cfg.serving.model_name, between, seed=100 + i)  # the phase after round i, served by its champion
+            more = drive(gateway, cfg.serving.model_name, between, seed=100 + i, api_key=key)  # the phase after round i, served by its champion
             phases.append([e.trace_id for e in more])
             _say_sent(more, "more requests")
 
@@ -241,7 +242,7 @@ def main(
                 f"feedback-only gain {champion_acc - base_acc:+.3f}, oracle gain {oracle_acc - base_acc:+.3f}: "
                 f"feedback-only / oracle = {gain_ratio(base_acc, champion_acc, oracle_acc):.2f}"
             )
-        for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1):
+        for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1, api_key=key):
             console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
         plot = cfg.resolve(cfg.state_dir) / "demo-live-thumbs-up.png"
         plot_live_rates(rates, plot)

@@ -94,24 +94,27 @@ def train_and_evaluate(
     cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None,
     reward_champion: Path | None = None,
 ):
-    """Split by time, train the reward model (when wanted) and every selected candidate, evaluate against the champions, gate.
+    """Split across users and time (per-user share capped), train the reward model (when wanted) and every
+    selected candidate, evaluate against the champions, gate.
 
     ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel);
     ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
     from trainer.round import run_round
-    from trainer.tasks import split_snapshot
+    from trainer.tasks import split_snapshot, user_metrics
 
-    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction)
+    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
     rl = cfg.rl
     if rl.rollout_engine == "vllm" and rl.rollout_url is None:
         rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-    return run_round(
+    result = run_round(
         cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint,
         reward_cfg=cfg.reward_model, reward_champion=reward_champion,
     )  # fmt: skip
+    result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
+    return result
 
 
 def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:

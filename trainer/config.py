@@ -139,7 +139,15 @@ class RLConfig(_Section):
     clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO-clip epsilon.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
-    heldout_fraction: float = Field(default=0.2, gt=0, lt=1, description="Newest fraction of the snapshot kept for evaluation.")
+    heldout_fraction: float = Field(
+        default=0.2, gt=0, lt=1,
+        description="Fraction of the snapshot kept for evaluation: each user's newest rows, in proportion to the user's rows.",
+    )  # fmt: skip
+    max_user_share: float = Field(
+        default=0.2, gt=0, le=1,
+        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
+        "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
+    )  # fmt: skip
     gate_metric: Literal["verifiable", "reward_model", "feedback"] = Field(
         default="verifiable",
         description=(
