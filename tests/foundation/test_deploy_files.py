@@ -53,11 +53,41 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 # --- configs ----------------------------------------------------------------------------
 
 
+REAL_SECRETS = {
+    "HOURGLASS_API__TOKEN": "0f" * 16,
+    "HOURGLASS_BUFFER__USER_HASH_KEY": "1e" * 16,
+    "HOURGLASS_REGISTRY__SIGNING_KEY": "2d" * 16,
+}
+
+
 @pytest.mark.parametrize("name", ["production.toml", "hourglass.toml"])
-def test_shipped_configs_pass_config_check(name: str) -> None:
+def test_shipped_configs_pass_config_check(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in REAL_SECRETS.items():  # production.toml needs real secrets in the environment
+        monkeypatch.setenv(key, value)
     result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / name), "--json"])
     assert result.exit_code == 0, result.output
     assert '"ok": true' in result.output
+
+
+def test_embedded_default_needs_no_secret() -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "hourglass.toml"), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_production_config_without_secrets_or_with_the_placeholders_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2
+    assert "buffer.user_hash_key" in result.output and "registry.signing_key" in result.output
+    assert "not set" in result.output  # the signing key is required in production
+    for line in (DEPLOY / "hourglass.env.example").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2
+    for field in ("api.token", "buffer.user_hash_key", "registry.signing_key"):
+        assert f"{field} (HOURGLASS_" in result.output and "placeholder" in result.output, field
+    assert "change-me" not in result.output  # secrets are never echoed
 
 
 def test_production_config_uses_only_external_services(prod: HourglassConfig) -> None:
@@ -69,6 +99,9 @@ def test_production_config_uses_only_external_services(prod: HourglassConfig) ->
     assert prod.schedule.cron == "0 * * * *" and prod.schedule.enabled
     assert prod.api.host == "0.0.0.0"
     assert prod.api.token is None, "the token comes from HOURGLASS_API__TOKEN, never from the file"
+    assert prod.registry.signing_key is None, "the signing key comes from HOURGLASS_REGISTRY__SIGNING_KEY"
+    assert prod.deployment == "production"
+    assert {"service", "hourglass-ops"} <= set(prod.api.allowed_hosts)  # compose and k8s names of the ops API
     # Everything the service writes lives under the one state volume.
     for path in (prod.buffer.root, prod.buffer.dead_letter_root, prod.serving.staging_dir):
         assert Path(path).is_relative_to(prod.state_dir), path
@@ -83,6 +116,7 @@ def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.Monke
     cfg = load_config(DEPLOY / "production.toml")
     assert cfg.api.token is not None and cfg.api.token.get_secret_value() == values["HOURGLASS_API__TOKEN"] + "-test"
     assert cfg.buffer.user_hash_key.get_secret_value() == values["HOURGLASS_BUFFER__USER_HASH_KEY"] + "-test"
+    assert cfg.registry.signing_key.get_secret_value() == values["HOURGLASS_REGISTRY__SIGNING_KEY"] + "-test"
 
 
 # --- compose ------------------------------------------------------------------------
