@@ -167,3 +167,26 @@ def test_registration_writes_no_credentials_to_mlflow(tmp_path, mlflow_uri, fp, 
     assert "Gr4derPW" not in written and "T0kenPW" not in written
     assert run.data.params["grader"] == "http://***@grader:80/score?token=***"
     assert "http://***@grader:80" in mv.description
+
+
+def test_cli_resign_moves_a_version_to_the_new_key(tmp_path, mlflow_uri, fp, adapters, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    model = "sig-cli"
+    old = _with_keys(make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"]), OLD_KEY)
+    [v] = register_round(old, make_round(adapters["good2"], fp, round_id="cli-1", model=model))
+    config = tmp_path / "hourglass.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\n[registry]\ntracking_uri = "{mlflow_uri}"\nembedded = false\n')
+    monkeypatch.setenv("HOURGLASS_REGISTRY__SIGNING_KEY", NEW_KEY)
+    monkeypatch.setenv("HOURGLASS_REGISTRY__PREVIOUS_SIGNING_KEYS", json.dumps([OLD_KEY]))
+    result = CliRunner().invoke(app, ["models", "resign", v.version, "--model", model, "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["now"] == key_id(NEW_KEY.encode())
+    assert verify([NEW_KEY.encode()], model, MlflowClient(mlflow_uri).get_model_version(model, v.version).tags)
+
+    monkeypatch.delenv("HOURGLASS_REGISTRY__PREVIOUS_SIGNING_KEYS")
+    monkeypatch.setenv("HOURGLASS_REGISTRY__SIGNING_KEY", "z" * 40)  # a key that never signed it: refused, not blessed
+    result = CliRunner().invoke(app, ["models", "resign", v.version, "--model", model, "--config", str(config)])
+    assert result.exit_code == 1 and "signed with key" in result.output

@@ -161,3 +161,75 @@ def test_production_service_refuses_default_or_placeholder_secrets(tmp_path: Pat
     assert ok.cfg.deployment == "production"
     # the embedded default starts with no secret set at all
     assert HourglassService(HourglassConfig(state_dir=str(tmp_path / "e")), base_fingerprint="f" * 64, ingest=False, reconcile=False)
+
+
+class _FakeVllm:
+    """A local HTTP server answering like vLLM with a canned completion; records the Authorization headers."""
+
+    def __init__(self, completion: dict) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.auth = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, body: dict) -> None:
+                seen.append(self.headers.get("Authorization"))
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer({"data": [{"id": "base"}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(completion)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def _completion(text: str, logprobs: list) -> dict:
+    return {"model": "m-v1", "choices": [{"text": text, "logprobs": {"token_logprobs": logprobs}}]}
+
+
+@pytest.mark.parametrize(
+    ("completion", "refusal"),
+    [
+        (_completion(" world and more", [-0.5, -1.25, -2.0]), None),
+        (_completion("", []), "generated nothing"),
+        (_completion(" x", [-0.5, float("nan")]), "non-finite logprobs"),
+        (_completion(" x", [-0.5, None]), "non-finite logprobs"),
+        ({"model": "m-v1", "choices": []}, "without a completion"),
+    ],
+    ids=["healthy", "empty", "nan", "null", "no-choices"],
+)
+def test_probe_refuses_a_broken_adapter_and_sends_the_vllm_key(completion, refusal) -> None:
+    from pipeline.replica import PROBE_TOKENS, Replica, ReplicaRefusedError
+
+    assert PROBE_TOKENS >= 16
+    fake = _FakeVllm(completion)
+    replica = Replica(fake.url, api_key="vllm-key-123")
+    try:
+        assert replica.models() == ["base"]
+        if refusal is None:
+            assert replica.probe("m-v1") == " world and more"
+        else:
+            with pytest.raises(ReplicaRefusedError, match=refusal):
+                replica.probe("m-v1")
+    finally:
+        replica.close()
+        fake.close()
+    assert fake.auth == ["Bearer vllm-key-123", "Bearer vllm-key-123"]
