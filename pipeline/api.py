@@ -64,13 +64,15 @@ class TtlCache:
     def __init__(self, ttl_s: float = CACHE_S) -> None:
         self.ttl_s = ttl_s
         self._values: dict[str, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
 
     def get(self, key: str, compute: Callable[[], Any]) -> Any:
-        with self._lock:  # one computation at a time: a burst of calls costs one buffer listing
-            hit = self._values.get(key)
-            if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
-                return hit[1]
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # one computation per key at a time: a burst of calls costs one buffer listing
+            if key in self._values and time.monotonic() - self._values[key][0] < self.ttl_s:
+                return self._values[key][1]
             value = compute()
             self._values[key] = (time.monotonic(), value)
             return value
@@ -162,7 +164,7 @@ def create_api(service: "HourglassService") -> FastAPI:
 
     @app.get("/metrics")
     def metrics() -> Response:
-        service.refresh_gauges()
+        cache.get("gauges", service.refresh_gauges)  # reads the buffer: at most once per CACHE_S
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")

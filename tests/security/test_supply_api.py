@@ -5,13 +5,14 @@ logged, and production secrets refused at start-up."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.api import create_api
+from pipeline.api import CACHE_S, create_api
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 from pipeline.redact import redact
@@ -96,7 +97,11 @@ def test_expensive_status_is_cached(client: TestClient, service: HourglassServic
     monkeypatch.setattr(service, "buffer_stats", counted)
     for _ in range(5):
         assert client.get("/buffer/stats").status_code == 200
-    assert len(calls) == 1
+        assert client.get("/metrics").status_code == 200  # the buffer gauge shares nothing but the cost rule
+    assert len(calls) == 2  # one for /buffer/stats, one for the gauges of /metrics
+    time.sleep(CACHE_S + 0.1)
+    assert client.get("/buffer/stats").status_code == 200
+    assert len(calls) == 3  # fresh again after the TTL
 
 
 def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
