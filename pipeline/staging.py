@@ -4,7 +4,8 @@ Before anything is downloaded, the version's ``hourglass.signature`` must
 verify with the service's signing key (:mod:`pipeline.signing`: it covers the
 model name, round, candidate, base fingerprint and checksums), and the artifact
 sizes MLflow lists must fit ``serving.max_adapter_bytes`` (each file and the
-total) in a flat folder. A version is then downloaded into
+total) in a flat folder. A version is then downloaded file by file (the cap
+is checked on disk after each file) into
 ``<staging_dir>/<model>/v<version>/`` (through a temporary sibling folder
 renamed into place), and checked:
 
@@ -304,11 +305,16 @@ def stage_version(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=target.parent))
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp), tracking_uri=tracking_uri))
-        check_inside(root, tmp)
-        if local != tmp:
-            local.rename(tmp / "_adapter")
-            local = tmp / "_adapter"
+        local = tmp / "_adapter"
+        local.mkdir()
+        for info in listed:  # file by file: the size cap also holds against a store that lies in its listing
+            name = Path(info.path).name
+            _safe_name(root, local, name)
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{uri.rstrip('/')}/{name}", dst_path=str(local), tracking_uri=tracking_uri
+            )  # fmt: skip
+            check_inside(root, tmp)
+            _check_sizes(local, max_adapter_bytes)
         rank = verify_folder(root, local, checksums, **kwargs)
         if target.exists():
             shutil.rmtree(target)

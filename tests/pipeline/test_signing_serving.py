@@ -190,3 +190,20 @@ def test_cli_resign_moves_a_version_to_the_new_key(tmp_path, mlflow_uri, fp, ada
     monkeypatch.setenv("HOURGLASS_REGISTRY__SIGNING_KEY", "z" * 40)  # a key that never signed it: refused, not blessed
     result = CliRunner().invoke(app, ["models", "resign", v.version, "--model", model, "--config", str(config)])
     assert result.exit_code == 1 and "signed with key" in result.output
+
+
+def test_oversize_adapter_is_refused_before_download(tmp_path, mlflow_uri, fp, adapters):
+    from pipeline.staging import StagingError, stage_options, stage_version
+
+    model = "sig-size"
+    cfg = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"])
+    [v] = register_round(cfg, make_round(adapters["good1"], fp, round_id="size-1", model=model))
+    weights = (adapters["good1"] / "adapter_model.safetensors").stat().st_size
+    options = {**stage_options(cfg), "max_adapter_bytes": weights - 1}
+    staging = tmp_path / "staging-size"
+    with pytest.raises(StagingError, match=rf"'adapter_model.safetensors' is {weights} bytes, over serving.max_adapter_bytes={weights - 1}"):
+        stage_version(MlflowClient(mlflow_uri), model, v.version, staging, base_fingerprint=fp, **options)
+    assert not [p for p in staging.rglob("*") if p.is_file()]  # refused on the listing: nothing downloaded
+    options["max_adapter_bytes"] = sum(f.stat().st_size for f in adapters["good1"].iterdir())  # exactly the total: fits
+    staged = stage_version(MlflowClient(mlflow_uri), model, v.version, staging, base_fingerprint=fp, **options)
+    assert staged.rank == 8 and (staged.path / "adapter_model.safetensors").stat().st_size == weights
