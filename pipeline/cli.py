@@ -60,14 +60,20 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 
 
 @config_app.command("check")
-def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to validate.")], as_json: JsonOpt = False) -> None:
+def config_check(
+    file: Annotated[Path, typer.Argument(help="The TOML file to validate.")],
+    role: Annotated[str, typer.Option(help="Whose secrets to check: service (needs the signing key) or gateway.")] = "service",
+    as_json: JsonOpt = False,
+) -> None:
     """Validate FILE and report every problem at once (exit 2 when invalid).
 
     With ``deployment = "production"``, default, placeholder or missing secrets
     (from the file or the HOURGLASS_* environment) are problems too.
     """
     try:
-        problems = secret_problems(load_config(file))
+        if role not in ("service", "gateway"):
+            raise ConfigError(f"--role {role!r}: use service or gateway")
+        problems = secret_problems(load_config(file), role)  # type: ignore[arg-type]
         if problems:
             raise ConfigError(f"{file}: {len(problems)} unsafe secret(s)", problems)
     except ConfigError as err:

@@ -259,13 +259,14 @@ DEFAULT_USER_HASH_KEY = "hourglass-change-me"
 _PLACEHOLDER = re.compile(r"change[-_]?me|changeme|placeholder|example|replace[-_]?me", re.IGNORECASE)
 
 
-def secret_problems(cfg: HourglassConfig) -> list[str]:
+def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = "service") -> list[str]:
     """What is wrong with the secrets of a ``deployment = "production"`` config ([] when fine or embedded).
 
     Refused: the default ``buffer.user_hash_key``; any secret that still looks
-    like a placeholder (``change-me...`` as in ``deploy/*.env.example``); a
-    missing ``registry.signing_key``. Lengths are checked by the fields
-    themselves. ``hourglass config check`` and ``hourglass service`` call this.
+    like a placeholder (``change-me...`` as in ``deploy/*.env.example``); for
+    the ``service`` role, a missing ``registry.signing_key`` (the gateway never
+    gets that key). Lengths are checked by the fields themselves.
+    ``hourglass config check`` and ``hourglass service`` call this.
     """
     if cfg.deployment != "production":
         return []
@@ -279,7 +280,7 @@ def secret_problems(cfg: HourglassConfig) -> list[str]:
     for name, secret in secrets.items():
         value = secret.get_secret_value() if secret is not None else None
         if value is None:
-            if name.startswith("registry.signing_key"):
+            if name.startswith("registry.signing_key") and role == "service":
                 problems.append(f"{name}: not set; production needs a signing key only the service holds (`openssl rand -hex 32`)")
         elif value == DEFAULT_USER_HASH_KEY or _PLACEHOLDER.search(value):
             problems.append(f"{name}: still the default or a placeholder; set a random value (`openssl rand -hex 32`)")

@@ -79,15 +79,35 @@ def test_production_config_without_secrets_or_with_the_placeholders_is_refused(m
     assert result.exit_code == 2
     assert "buffer.user_hash_key" in result.output and "registry.signing_key" in result.output
     assert "not set" in result.output  # the signing key is required in production
-    for line in (DEPLOY / "hourglass.env.example").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            monkeypatch.setenv(key, value)
+    for key, value in _env_example("hourglass.env.example"):
+        monkeypatch.setenv(key, value)
+    # The gateway never gets the signing key: its check does not ask for it.
+    result = CliRunner().invoke(app, ["config", "check", "--role", "gateway", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2 and "registry.signing_key" not in result.output
+    assert "api.token" in result.output and "buffer.user_hash_key" in result.output
+    for key, value in _env_example("signing.env.example"):
+        monkeypatch.setenv(key, value)
     result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
     assert result.exit_code == 2
     for field in ("api.token", "buffer.user_hash_key", "registry.signing_key"):
         assert f"{field} (HOURGLASS_" in result.output and "placeholder" in result.output, field
     assert "change-me" not in result.output  # secrets are never echoed
+
+
+def test_only_the_service_gets_the_signing_key(compose: dict[str, Any], k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    services = compose["services"]
+    assert [f["path"] for f in services["service"]["env_file"]] == ["hourglass.env", "signing.env"]
+    assert [f["path"] for f in services["gateway"]["env_file"]] == ["hourglass.env"]
+    assert "HOURGLASS_REGISTRY__SIGNING_KEY" not in (DEPLOY / "hourglass.env.example").read_text()
+    assert dict(_env_example("signing.env.example")).keys() == {"HOURGLASS_REGISTRY__SIGNING_KEY"}
+    assert _unit("hourglass.service")["Service"]["EnvironmentFile"] == ["/etc/hourglass/env", "/etc/hourglass/signing.env"]
+    gateway_unit = _unit("hourglass-gateway.service")["Service"]
+    assert gateway_unit["EnvironmentFile"] == ["/etc/hourglass/env"]
+    assert "--role gateway" in gateway_unit["ExecStartPre"][0]
+    service_pod = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"][0]
+    gateway_pod = k8s[("Deployment", "hourglass-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"secretRef": {"name": "hourglass-signing"}} in service_pod["envFrom"]
+    assert gateway_pod["envFrom"] == [{"secretRef": {"name": "hourglass-secrets"}}]
 
 
 def test_production_config_uses_only_external_services(prod: HourglassConfig) -> None:
@@ -107,9 +127,12 @@ def test_production_config_uses_only_external_services(prod: HourglassConfig) ->
         assert Path(path).is_relative_to(prod.state_dir), path
 
 
+def _env_example(name: str) -> list[list[str]]:
+    return [line.split("=", 1) for line in (DEPLOY / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
 def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    pairs = [line.split("=", 1) for line in (DEPLOY / "hourglass.env.example").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    pairs = _env_example("hourglass.env.example") + _env_example("signing.env.example")
     for key, value in pairs:
         monkeypatch.setenv(key, value + "-test")
     values = dict(pairs)
@@ -232,7 +255,7 @@ def test_systemd_unit_runs_the_cli_and_stops_cleanly(unit: str, verb: str) -> No
     assert exec_start.split()[1:] == [verb, "--config", CONFIG_IN_CONTAINER]
     assert service["KillSignal"] == ["SIGTERM"]
     assert service["Restart"] == ["on-failure"]
-    assert service["EnvironmentFile"] == ["/etc/hourglass/env"]
+    assert service["EnvironmentFile"][0] == "/etc/hourglass/env"
     assert {"HF_HUB_OFFLINE=1", "HOME=/var/lib/hourglass"} <= set(service["Environment"])
     assert service["User"] == ["hourglass"]
     for key, value in (("NoNewPrivileges", "true"), ("ProtectSystem", "strict"), ("PrivateTmp", "true")):
@@ -281,7 +304,7 @@ def test_k8s_deployments_run_the_cli_with_the_secret_and_shared_state(
     pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["args"] == [verb, "--config", CONFIG_IN_CONTAINER]
-    assert container["envFrom"] == [{"secretRef": {"name": "hourglass-secrets"}}]
+    assert container["envFrom"][0] == {"secretRef": {"name": "hourglass-secrets"}}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert Path(CONFIG_IN_CONTAINER).parent.as_posix() in mounts
     state = mounts[prod.state_dir]
