@@ -163,8 +163,8 @@ def verify(keys: Sequence[bytes], model: str, tags: Mapping[str, str]) -> str:
     expected = hmac.new(by_id[kid], payload(model, tags), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, digest):
         raise SignatureError(
-            f"the signature does not match the version's tags (model, round, candidate, base fingerprint, checksums): "
-            "a tag was changed after registration"
+            f"the signature (key {kid}) does not match the version's tags (model, round, candidate, base fingerprint, "
+            "checksums): a tag was changed after registration"
         )
     return kid
 
