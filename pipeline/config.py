@@ -2,6 +2,8 @@
 
 Sections: ``kafka``, ``buffer`` (connectors), ``model``, ``candidates``,
 ``rl`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
+Top level: ``deployment`` (``embedded`` | ``production``: production refuses
+default and placeholder secrets, see :func:`secret_problems`) and ``state_dir``.
 Any field may be overridden by an environment variable named
 ``HOURGLASS_<SECTION>__<FIELD>`` (nested with ``__``), for example
 ``HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='["broker:9092"]'`` or
