@@ -8,6 +8,9 @@ Upstream API (vLLM OpenAI server, runtime LoRA updating enabled with
 - ``POST /v1/unload_lora_adapter {"lora_name"}``;
 - ``POST /v1/completions`` with ``model=<adapter name>``: the probe.
 
+When vLLM runs with ``--api-key`` (or ``VLLM_API_KEY``), every call carries
+``Authorization: Bearer <serving.api_key>``.
+
 Two error kinds: :class:`ReplicaUnreachableError` (connection refused, timeout:
 the replica may come back, retry later) and :class:`ReplicaRefusedError` (the
 server answered with an error status: the adapter, not the network, is the
@@ -16,12 +19,14 @@ problem).
 
 from __future__ import annotations
 
+import math
+
 import httpx
 
 from pipeline.errors import PipelineError
 
 PROBE_PROMPT = "Hello"
-PROBE_TOKENS = 2
+PROBE_TOKENS = 16  # greedy tokens: enough for a broken adapter (NaN weights, garbage scales) to show
 
 
 class ReplicaUnreachableError(PipelineError, ConnectionError):
@@ -35,9 +40,10 @@ class ReplicaRefusedError(PipelineError, RuntimeError):
 class Replica:
     """HTTP control of one vLLM server at ``url`` (``http://host:port``)."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -90,15 +96,27 @@ class Replica:
             raise
 
     def probe(self, name: str) -> str:
-        """One short greedy completion through ``name``; returns its text.
+        """A greedy completion of ``PROBE_TOKENS`` tokens through ``name``, with logprobs; returns its text.
+
+        A broken adapter (NaN or huge weights) shows as an empty completion or
+        non-finite logprobs; both are refused.
 
         Raises:
             ReplicaUnreachableError, ReplicaRefusedError: including an answer
-                without choices.
+                without choices, an empty completion, or a NaN/inf logprob.
         """
-        body = {"model": name, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0}
+        body = {"model": name, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": 1}
         data = self._call("POST", "/v1/completions", f"a probe completion through {name!r}", json=body).json()
         choices = data.get("choices") or []
         if not choices or data.get("model") not in (None, name):
-            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data}")
-        return str(choices[0].get("text", ""))
+            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {str(data)[:500]}")
+        text = str(choices[0].get("text") or "")
+        logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
+        if not text or not logprobs:
+            raise ReplicaRefusedError(f"vLLM at {self.url}: the probe through {name!r} generated nothing; the adapter is broken")
+        bad = [lp for lp in logprobs if not isinstance(lp, (int, float)) or not math.isfinite(lp)]
+        if bad:
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url}: the probe through {name!r} has non-finite logprobs {bad[:4]}; the adapter's weights are broken"
+            )
+        return text

@@ -69,7 +69,7 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
     """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
     from pipeline.aliases import champion_version
     from pipeline.registry import make_client
-    from pipeline.staging import stage_version
+    from pipeline.staging import stage_options, stage_version
 
     client = make_client(cfg)
     out: dict[str, Path | None] = {}
@@ -83,8 +83,7 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
             out[model] = None
             continue
         staged = stage_version(
-            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint,
-            max_lora_rank=cfg.serving.max_lora_rank, tracking_uri=cfg.registry.tracking_uri,
+            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint, **stage_options(cfg),
         )  # fmt: skip
         out[model] = staged.path
     return out
