@@ -28,6 +28,7 @@ import httpx
 import uvicorn
 from prometheus_client import REGISTRY
 
+from connectors.auth import KeyStore
 from connectors.config import KafkaConfig
 from connectors.gateway import create_gateway_app
 from connectors.kafka_admin import ensure_topics
@@ -80,7 +81,9 @@ def main() -> None:
         ensure_topics(kafka)
 
         port = free_port()
-        app = create_gateway_app(kafka, upstream, lambda name: ("base", None))
+        keys = KeyStore(logs / "gateway-keys.json")  # the gateway authenticates every request, as in production
+        _, key = keys.create("bench", rate_per_min=1_000_000)
+        app = create_gateway_app(kafka, upstream, lambda name: ("base", None), keys=keys)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
@@ -91,7 +94,7 @@ def main() -> None:
         body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": args.max_tokens, "ignore_eos": True}
         acked_before = _acked()
         results: dict[tuple[str, bool], list[float]] = {}
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, headers={"authorization": f"Bearer {key}"}) as client:
             for stream in (False, True):
                 for _ in range(3):  # warm-up, both sides
                     _timed(client, f"{upstream}/v1/chat/completions", {**body, "model": "base"}, stream)

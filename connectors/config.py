@@ -125,6 +125,11 @@ class BufferConfig(_Section):
     maintenance_interval_s: float = Field(
         default=60.0, gt=0, description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds."
     )
+    trusted_metadata: list[str] = Field(
+        default_factory=lambda: ["reference_answer"],
+        description="Request metadata keys the gateway stores at the top of a trace's metadata (where verifiers read "
+        "labels) when the request comes from a trusted-grader API key; from any other key they go under metadata.client.",
+    )
     max_event_age_s: float | None = Field(
         default=None,
         gt=0,
@@ -153,4 +158,41 @@ class BufferConfig(_Section):
     def _hash_key_long_enough(cls, key: SecretStr) -> SecretStr:
         if len(key.get_secret_value()) < 16:  # never echo the key itself
             raise ValueError("user_hash_key must be at least 16 characters (an HMAC key; an empty one hides nothing)")
+        return key
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible gateway: client authentication, request limits, feedback tokens."""
+
+    require_api_key: bool = Field(
+        default=True,
+        description="Clients must send `Authorization: Bearer <key>` (see `hourglass keys create`). False only for "
+        "local tests: every caller is then the untrusted key id 'anonymous'.",
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Larger request bodies get 413 (read with a cap, never buffered whole).")
+    max_json_depth: int = Field(default=32, ge=4, le=512, description="Deeper JSON nesting gets 400.")
+    max_n: int = Field(default=8, ge=1, description="Largest `n` (completions per request), and largest batch of prompts.")
+    max_tokens: int = Field(default=4096, ge=1, description="Largest `max_tokens` / `max_completion_tokens`.")
+    max_messages: int = Field(default=256, ge=1, description="Most chat messages in one request.")
+    max_prompt_chars: int = Field(default=200_000, ge=1, description="Most characters of prompt text (all messages together).")
+    max_metadata_bytes: int = Field(default=16_384, ge=64, description="Largest request `metadata` object, bytes of compact JSON.")
+    max_schema_bytes: int = Field(default=8192, ge=64, description="Largest `response_format` object (a JSON schema is compiled by vLLM), bytes.")
+    rate_per_min: int = Field(default=600, ge=1, description="Requests per minute per API key (token bucket) unless the key sets its own.")
+    concurrency: int = Field(default=16, ge=1, description="Requests in flight per API key unless the key sets its own.")
+    feedback_signing_key: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 key of feedback tokens (set HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY; share it between "
+        "gateway replicas). Unset: generated once into <state_dir>/gateway-feedback.key (0600).",
+    )
+    feedback_token_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="How long a response's feedback token stays valid, seconds.")
+    upstream_timeout_s: float = Field(default=600.0, gt=0, description="Upstream (vLLM) read timeout, seconds.")
+    disconnect_poll_s: float = Field(default=0.25, gt=0, le=10, description="How often a non-streaming request checks that its client is still there, seconds.")
+
+    @field_validator("feedback_signing_key", mode="before")
+    @classmethod
+    def _signing_key(cls, key: object) -> object:
+        if isinstance(key, str) and not key.strip():
+            return None  # an empty variable means "not set": the gateway generates one
+        if isinstance(key, str) and len(key) < 32:
+            raise ValueError("feedback_signing_key must be at least 32 characters (e.g. `openssl rand -hex 32`)")
         return key

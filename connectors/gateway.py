@@ -6,14 +6,24 @@ to the served one (``resolve_model``); ``GET /v1/models`` lists the public
 names; ``POST /v1/feedback`` publishes a feedback event; ``GET /healthz`` and
 ``GET /metrics`` (Prometheus) serve operations.
 
-Only the first choice (index 0) of a response is traced (``n > 1`` traces choice 0),
-and completions with a batch of prompts or token-id prompts are served but not traced.
+Security (see the README's Security section): every ``/v1`` call needs
+``Authorization: Bearer <API key>`` (401 without, 403 unknown or revoked)
+unless ``gateway.require_api_key`` is false; bodies must be
+``application/json`` (415) under ``gateway.max_body_bytes`` (413), with only
+the fields of :data:`connectors.gateway_request.ALLOWED` and within the caps
+(400); each key has a request rate and a concurrency limit (429 with
+``Retry-After``). The client's ``Authorization`` and raw ``user`` never go
+upstream; the gateway sends its own vLLM key. A client that hangs up aborts
+its upstream request, streamed or not.
 
-Every proxied response carries the header ``x-hourglass-trace-id`` (uuid4 hex).
-The trace event (DESIGN.md §4) is published after the response body is
-produced, through :class:`~connectors.gateway_publish.EventPublisher`, so Kafka
-never slows or fails the client. Errors use the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``.
+Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and
+``x-hourglass-feedback-token`` (see :class:`~connectors.auth.FeedbackSigner`);
+``/v1/feedback`` requires that token and the same API key. Only the first
+choice (index 0) is traced; batches and token-id prompts are served, not traced.
+The trace event is published after the response body is produced, through
+:class:`~connectors.gateway_publish.EventPublisher`, so Kafka never slows or
+fails the client. Errors use the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}`` and never name internal addresses.
 
 Upstream API: OpenAI Chat Completions / Completions (as served by vLLM 0.32).
 """
@@ -23,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,41 +47,57 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from connectors.config import BufferConfig, KafkaConfig
+from connectors.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, KeyStoreError, RateLimiter
+from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
+from connectors.errors import ConnectorConfigError
 from connectors.gateway_publish import TRACE_ERRORS, EventPublisher
-from connectors.gateway_trace import (
-    ClientAsked,
-    Completion,
-    Endpoint,
-    build_trace,
-    strip_extras,
-    upstream_body,
+from connectors.gateway_request import (
+    ClosingStream,
+    RequestRefused,
+    check_content_type,
+    check_request,
+    client_metadata,
+    openai_error,
+    parse_json,
+    read_body,
+    refused,
 )
+from connectors.gateway_trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
+from connectors.reward import reward_from_signals
 from connectors.schema import FeedbackEvent, UserHasher
 from connectors.sink import TraceSink
 
 log = logging.getLogger(__name__)
 
 TRACE_HEADER = "x-hourglass-trace-id"
+FEEDBACK_HEADER = "x-hourglass-feedback-token"
 REQUESTS = Counter("hourglass_gateway_requests", "Gateway requests by endpoint and HTTP status.", ["endpoint", "status"])
+FEEDBACK_BY_KEY = Counter("hourglass_gateway_feedback", "Feedback events accepted, by API key id (topk(rate(...)) finds floods).", ["key_id"])
+FEEDBACK_REWARD = Histogram(
+    "hourglass_feedback_reward", "Reward each accepted feedback event stands for (buffer.reward mapping).",
+    buckets=(-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0),
+)  # fmt: skip
+CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 
 ResolveModel = Callable[[str], tuple[str, str | None]]
 
 
 class FeedbackIn(BaseModel):
-    """Body of ``POST /v1/feedback``: the trace it is about and at least one signal."""
+    """Body of ``POST /v1/feedback``: the trace it is about, its feedback token and at least one signal."""
 
     model_config = ConfigDict(extra="forbid")
 
     trace_id: str = Field(min_length=1, max_length=256, description="The x-hourglass-trace-id of the response.")
+    feedback_token: str | None = Field(default=None, max_length=2048, description="The x-hourglass-feedback-token of the "
+                                       "response (or send it in that header).")  # fmt: skip
     thumbs: Any = Field(default=None, description='"up" or "down".')
     rating: int | None = Field(default=None, ge=1, le=5, description="Star rating 1..5.")
-    reward: float | None = Field(default=None, allow_inf_nan=False, description="Explicit scalar reward (finite).")
+    reward: float | None = Field(default=None, allow_inf_nan=False, description="Explicit reward (trusted-grader keys only; clipped to [-1, 1]).")
     edited: bool | None = None
     regenerated: bool | None = None
     correction: str | None = Field(default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars).")
@@ -83,10 +112,14 @@ class FeedbackIn(BaseModel):
         return self
 
 
-def openai_error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    """An error response in the OpenAI format."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the API key's id, whether it is a trusted grader, and its limits."""
+
+    key_id: str
+    trusted_grader: bool
+    rate_per_min: int
+    concurrency: int
 
 
 def create_gateway_app(
@@ -97,7 +130,13 @@ def create_gateway_app(
     sink: TraceSink | None = None,
     list_models: Callable[[], Iterable[str]] | None = None,
     user_hasher: UserHasher | None = None,
-    timeout_s: float = 600.0,
+    gateway: GatewayConfig | None = None,
+    keys: KeyStore | None = None,
+    signer: FeedbackSigner | None = None,
+    trusted_metadata: Iterable[str] | None = None,
+    reward_spec: RewardSpec | None = None,
+    upstream_api_key: str | None = None,
+    timeout_s: float | None = None,
     feedback_timeout_s: float = 15.0,
 ) -> FastAPI:
     """Build the gateway app.
@@ -110,19 +149,39 @@ def create_gateway_app(
         sink: publish through this sink (caller closes it); None = the gateway creates and closes its own,
             retrying while the broker is unreachable.
         list_models: the public names for ``GET /v1/models`` (default: none).
-        user_hasher: hashes the request's ``user`` and user ids in its ``metadata``
-            (default: keyed with ``BufferConfig()`` defaults; pass the configured one).
-        timeout_s: upstream read timeout, seconds. feedback_timeout_s: how long feedback waits for the broker ack.
+        user_hasher: hashes caller identities and user ids in ``metadata`` (default: keyed with
+            ``BufferConfig()`` defaults; pass the configured one).
+        gateway: limits and authentication (default ``GatewayConfig()``).
+        keys: the API key store; required when ``gateway.require_api_key``.
+        signer: feedback token signer (default: a random key for this process, ``gateway.feedback_token_ttl_s``).
+        trusted_metadata: metadata keys a trusted grader may set as labels (default ``buffer.trusted_metadata``).
+        reward_spec: feedback -> reward mapping of the ``hourglass_feedback_reward`` histogram.
+        upstream_api_key: the gateway's own vLLM key (``serving.api_key``), sent as ``Authorization``.
+        timeout_s: upstream read timeout, seconds (default ``gateway.upstream_timeout_s``).
+        feedback_timeout_s: how long feedback waits for the broker ack, seconds.
+
+    Raises:
+        ConnectorConfigError: ``gateway.require_api_key`` without a key store.
 
     The resources (httpx client, publisher thread) live in the app's lifespan: serve the app with an
     ASGI server that runs lifespan events (uvicorn does).
     """
+    cfg = gateway or GatewayConfig()
+    if cfg.require_api_key and keys is None:
+        raise ConnectorConfigError("gateway.require_api_key is true but no API key store was given (keys=KeyStore(path))")
     hasher = user_hasher or UserHasher(BufferConfig().user_hash_key.get_secret_value(), BufferConfig().user_id_keys)
+    signer = signer or FeedbackSigner(secrets.token_bytes(32), cfg.feedback_token_ttl_s)
+    trusted_keys = list(BufferConfig().trusted_metadata if trusted_metadata is None else trusted_metadata)
+    spec = reward_spec or RewardSpec()
     base = upstream_url.rstrip("/")
+    rates, in_flight = RateLimiter(), ConcurrencyLimiter()
+    upstream_headers = {"content-type": "application/json"}
+    if upstream_api_key:
+        upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        app.state.client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(timeout_s or cfg.upstream_timeout_s, connect=10.0))
         app.state.publisher = EventPublisher(kafka, sink)
         try:
             yield
@@ -140,6 +199,48 @@ def create_gateway_app(
         REQUESTS.labels(request.url.path, "422").inc()
         return openai_error(422, f"invalid request: {problems}", type_="invalid_request_error")
 
+    def identity(key_id: str, user: str | None) -> str:
+        """The end user's hash: the key id, plus the request's ``user`` scoped to that key."""
+        return hasher.digest(key_id if user is None else f"{key_id}\x00{user}")
+
+    def authenticate(request: Request) -> Caller:
+        header = request.headers.get("authorization")
+        if header is None or not header.lower().startswith("bearer ") or not header[7:].strip():
+            if not cfg.require_api_key:
+                return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
+            raise RequestRefused(401, "an API key is required: send 'Authorization: Bearer <key>' (see `hourglass keys create`)",
+                                 type_="authentication_error", code="missing_api_key", headers={"www-authenticate": "Bearer"})  # fmt: skip
+        if not cfg.require_api_key and keys is None:
+            return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
+        try:
+            record = keys.authenticate(header[7:].strip())  # type: ignore[union-attr]
+        except AuthError as err:
+            raise RequestRefused(403, str(err), type_="permission_error", code="invalid_api_key") from None
+        except KeyStoreError as err:  # a damaged key file: refuse everyone, loudly, rather than fail open
+            log.error("gateway: %s", err)
+            raise RequestRefused(503, "API keys cannot be checked right now; retry later", type_="service_unavailable") from None
+        return Caller(record.key_id, record.trusted_grader, record.rate_per_min or cfg.rate_per_min, record.concurrency or cfg.concurrency)
+
+    async def admit(request: Request) -> tuple[Caller, Any]:
+        """Authenticate, rate-limit, read and parse the body; the caller holds one concurrency slot after this."""
+        caller = authenticate(request)
+        check_content_type(request)
+        wait_s = rates.acquire(caller.key_id, caller.rate_per_min)
+        if wait_s > 0:
+            raise RequestRefused(429, f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
+                                 f"retry in {math.ceil(wait_s)} s", type_="rate_limit_error", code="rate_limited",
+                                 headers={"retry-after": str(math.ceil(wait_s))})  # fmt: skip
+        if not in_flight.try_enter(caller.key_id, caller.concurrency):
+            raise RequestRefused(429, f"{caller.concurrency} requests of this API key are already in flight; retry when one "
+                                 "finishes", type_="rate_limit_error", code="too_many_concurrent_requests",
+                                 headers={"retry-after": "1"})  # fmt: skip
+        try:
+            body = parse_json(await read_body(request, cfg.max_body_bytes), cfg.max_json_depth)
+        except BaseException:
+            in_flight.leave(caller.key_id)
+            raise
+        return caller, body
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -149,17 +250,56 @@ def create_gateway_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Response:
+        try:
+            authenticate(request)
+        except RequestRefused as err:
+            REQUESTS.labels("/v1/models", str(err.status)).inc()
+            return refused(err)
         names = list(list_models()) if list_models is not None else []
         REQUESTS.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "hourglass"} for n in names]}
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "hourglass"} for n in names]})
 
     @app.post("/v1/feedback")
-    async def feedback(body: FeedbackIn) -> JSONResponse:
-        data = body.model_dump(exclude_none=True)
-        data["metadata"] = hasher(data.get("metadata") or {})
-        data["ts"] = datetime.now(UTC)  # when the feedback was given
-        event = FeedbackEvent.model_validate(data)
+    async def feedback(request: Request) -> Response:
+        try:
+            caller, data = await admit(request)
+        except RequestRefused as err:
+            REQUESTS.labels("/v1/feedback", str(err.status)).inc()
+            return refused(err)
+        try:
+            response = await _feedback(request, caller, data)
+        except RequestRefused as err:
+            response = refused(err)
+        finally:
+            in_flight.leave(caller.key_id)
+        REQUESTS.labels("/v1/feedback", str(response.status_code)).inc()
+        return response
+
+    async def _feedback(request: Request, caller: Caller, data: Any) -> Response:
+        try:
+            body = FeedbackIn.model_validate(data)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
+            raise RequestRefused(422, f"invalid request: {problems}") from None
+        token = body.feedback_token or request.headers.get(FEEDBACK_HEADER)
+        if not token:
+            raise RequestRefused(400, f"feedback needs the response's feedback token: send the {FEEDBACK_HEADER} header "
+                                 "of the response, or its value as 'feedback_token'", param="feedback_token")  # fmt: skip
+        try:
+            claims = signer.verify(token, body.trace_id, caller.key_id)
+        except AuthError as err:
+            raise RequestRefused(403, str(err), type_="permission_error", param="feedback_token", code="invalid_feedback_token") from None
+        if body.reward is not None and not caller.trusted_grader:
+            raise RequestRefused(403, "an explicit 'reward' is accepted only from trusted-grader API keys; send thumbs or "
+                                 "rating instead", type_="permission_error", param="reward")  # fmt: skip
+        out = body.model_dump(exclude_none=True, exclude={"feedback_token"})
+        if body.reward is not None:
+            out["reward"] = max(-1.0, min(1.0, body.reward))
+        meta = hasher({k: v for k, v in body.metadata.items() if k != "user_hash"})
+        out["metadata"] = {**meta, "user_hash": claims.user_hash}  # the voter: one vote per (trace, user_hash)
+        out["ts"] = datetime.now(UTC)  # when the feedback was given
+        event = FeedbackEvent.model_validate(out)
         loop = asyncio.get_running_loop()
         acked: asyncio.Future[Exception | None] = loop.create_future()
 
@@ -172,103 +312,158 @@ def create_gateway_app(
         except TimeoutError:
             err = TimeoutError(f"no broker acknowledgement within {feedback_timeout_s}s")
         if err is not None:
-            REQUESTS.labels("/v1/feedback", "503").inc()
-            return openai_error(503, f"feedback for trace {body.trace_id!r} was not stored: {err}; retry later",
-                                type_="service_unavailable")  # fmt: skip
-        REQUESTS.labels("/v1/feedback", "200").inc()
+            log.error("gateway: feedback for trace %s not stored: %s", body.trace_id, err)
+            return openai_error(503, f"feedback for trace {body.trace_id!r} was not stored (the event store is unavailable); "
+                                "retry later", type_="service_unavailable")  # fmt: skip
+        FEEDBACK_BY_KEY.labels(caller.key_id).inc()
+        reward, _ = reward_from_signals(event.signals(), spec)
+        if reward is not None:
+            FEEDBACK_REWARD.observe(reward)
         return JSONResponse({"trace_id": body.trace_id, "status": "stored"})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _proxy(app, request, "chat", "/v1/chat/completions")
+        return await _proxy(request, "chat", "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _proxy(app, request, "completions", "/v1/completions")
+        return await _proxy(request, "completions", "/v1/completions")
 
-    async def _proxy(app: FastAPI, request: Request, endpoint: Endpoint, path: str) -> Response:
-        response = await _proxy_inner(app, request, endpoint, path)
+    async def _proxy(request: Request, endpoint: Endpoint, path: str) -> Response:
+        started = time.perf_counter()
+        try:
+            caller, body = await admit(request)
+        except RequestRefused as err:
+            REQUESTS.labels(path, str(err.status)).inc()
+            return refused(err)
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                in_flight.leave(caller.key_id)
+
+        response: Response | None = None
+        try:
+            response = await _proxy_inner(request, caller, body, endpoint, path, started, release)
+        except RequestRefused as err:
+            response = refused(err)
+        finally:
+            if not isinstance(response, ClosingStream):
+                await release()  # a stream releases when it ends
         REQUESTS.labels(path, str(response.status_code)).inc()
         return response
 
-    async def _proxy_inner(app: FastAPI, request: Request, endpoint: Endpoint, path: str) -> Response:
-        started = time.perf_counter()
-        try:
-            body = json.loads(await request.body())
-        except ValueError as err:
-            return openai_error(400, f"request body is not valid JSON: {err}", type_="invalid_request_error")
+    async def _proxy_inner(
+        request: Request, caller: Caller, body: Any, endpoint: Endpoint, path: str, started: float,
+        release: Callable[[], Any],
+    ) -> Response:  # fmt: skip
         if not isinstance(body, dict):
-            return openai_error(400, f"request body must be a JSON object, got {type(body).__name__}", type_="invalid_request_error")
+            raise RequestRefused(400, f"request body must be a JSON object, got {type(body).__name__}")
         public = body.get("model")
         if not isinstance(public, str) or not public:
-            return openai_error(400, "field 'model' is required (a public model name, see GET /v1/models)",
-                                type_="invalid_request_error", param="model")  # fmt: skip
-        meta = body.get("metadata")
-        if meta is not None and not isinstance(meta, dict):
-            return openai_error(400, f"field 'metadata' must be an object, got {type(meta).__name__}",
-                                type_="invalid_request_error", param="metadata")  # fmt: skip
+            raise RequestRefused(400, "field 'model' is required (a public model name, see GET /v1/models)", param="model")
+        check_request(endpoint, body, cfg)
         try:
             served, version = resolve_model(public)
         except LookupError:
-            return openai_error(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
-                                type_="invalid_request_error", param="model", code="model_not_found")  # fmt: skip
+            raise RequestRefused(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
+                                 param="model", code="model_not_found") from None  # fmt: skip
 
         trace_id = uuid.uuid4().hex
+        user = body.get("user")
+        user_hash = identity(caller.key_id, user)
+        traced = {**body, "metadata": hasher(client_metadata(body.get("metadata"), trusted=caller.trusted_grader, trusted_keys=trusted_keys))}
         asked = ClientAsked.of(endpoint, body)
         stream = bool(body.get("stream"))
-        headers = {"content-type": "application/json"}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
         client: httpx.AsyncClient = app.state.client
-        try:
-            upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=headers)
-        except UnicodeEncodeError as err:  # e.g. a lone surrogate ("\ud800") in a message: not encodable as UTF-8
-            return openai_error(400, f"request body has text that is not valid Unicode: {err.reason} at position {err.start}",
-                                type_="invalid_request_error")  # fmt: skip
-        try:
-            upstream = await client.send(upstream_request, stream=True)
-        except httpx.TransportError as err:
-            return openai_error(502, f"upstream vLLM at {base} is unreachable: {type(err).__name__}: {err}; is it running?",
-                                type_="upstream_error", code="upstream_unreachable")  # fmt: skip
+        upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers)
         trace_headers = {TRACE_HEADER: trace_id}
-        if upstream.status_code >= 400 or not stream:
+        ok_headers = {**trace_headers, FEEDBACK_HEADER: signer.issue(trace_id, caller.key_id, user_hash)}
+        publish_args = (trace_id, endpoint, traced, public, served, version, user_hash)
+
+        if stream:
             try:
-                raw = await upstream.aread()
+                upstream = await client.send(upstream_request, stream=True)
             except httpx.TransportError as err:
-                return openai_error(502, f"upstream vLLM at {base} failed mid-response: {err}", type_="upstream_error")
+                raise _unreachable(err, trace_id) from None
+            if upstream.status_code >= 400:
+                raw = await _read_error(upstream)
+                return Response(raw, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"), headers=trace_headers)
+
+            async def on_close() -> None:
+                await upstream.aclose()
+                await release()
+
+            return ClosingStream(_relay(upstream, asked, publish_args, started), on_close,
+                                  media_type="text/event-stream", headers=ok_headers)  # fmt: skip
+
+        async def fetch() -> tuple[httpx.Response, bytes]:
+            upstream = await client.send(upstream_request, stream=True)
+            try:
+                return upstream, await upstream.aread()
             finally:
                 await upstream.aclose()
-            if upstream.status_code >= 400:
-                media = upstream.headers.get("content-type", "application/json")
-                return Response(raw, status_code=upstream.status_code, media_type=media, headers=trace_headers)
-            try:
-                payload = json.loads(raw)
-            except ValueError:
-                return openai_error(502, f"upstream vLLM at {base} answered with a body that is not JSON: {raw[:200]!r}",
-                                    type_="upstream_error")  # fmt: skip
-            completion = Completion()
-            completion.add_payload(endpoint, payload, delta=False)
-            strip_extras(payload, asked)
-            task = BackgroundTask(publish, app, trace_id, endpoint, body, public, served, version, completion, False, started)
-            return JSONResponse(payload, headers=trace_headers, background=task)
 
-        return StreamingResponse(
-            _relay(app, upstream, asked, trace_id, endpoint, body, public, served, version, started),
-            media_type="text/event-stream",
-            headers=trace_headers,
-        )
+        async def hung_up() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(cfg.disconnect_poll_s)
 
-    async def _relay(
-        app: FastAPI, upstream: httpx.Response, asked: ClientAsked, trace_id: str, endpoint: Endpoint,
-        body: dict[str, Any], public: str, served: str, version: str | None, started: float,
-    ) -> AsyncIterator[bytes]:  # fmt: skip
+        work, watch = asyncio.ensure_future(fetch()), asyncio.ensure_future(hung_up())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if not work.done():  # the client hung up: abort the upstream request (closing its connection aborts vLLM's)
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            log.info("gateway: client of trace %s hung up; upstream request aborted", trace_id)
+            return Response(status_code=CLIENT_GONE)
+        try:
+            upstream, raw = work.result()
+        except httpx.TransportError as err:
+            raise _unreachable(err, trace_id) from None
+        if upstream.status_code >= 400:
+            return Response(raw, status_code=upstream.status_code, media_type=upstream.headers.get("content-type", "application/json"),
+                            headers=trace_headers)  # fmt: skip
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            log.error("gateway: upstream %s answered trace %s with a body that is not JSON: %r", base, trace_id, raw[:200])
+            raise RequestRefused(502, "the model server answered with a body that is not JSON", type_="upstream_error") from None
+        completion = Completion()
+        completion.add_payload(endpoint, payload, delta=False)
+        strip_extras(payload, asked)
+        task = BackgroundTask(publish, *publish_args, completion, False, started)
+        return JSONResponse(payload, headers=ok_headers, background=task)
+
+    def _unreachable(err: Exception, trace_id: str) -> RequestRefused:
+        log.error("gateway: upstream %s failed for trace %s: %s: %s", base, trace_id, type(err).__name__, err)
+        return RequestRefused(502, f"the model server is unreachable or failed mid-response ({type(err).__name__}); retry later",
+                              type_="upstream_error", code="upstream_unreachable")  # fmt: skip
+
+    async def _read_error(upstream: httpx.Response) -> bytes:
+        try:
+            return await upstream.aread()
+        except httpx.TransportError as err:
+            raise _unreachable(err, "-") from None
+        finally:
+            await upstream.aclose()
+
+    async def _relay(upstream: httpx.Response, asked: ClientAsked, publish_args: tuple[Any, ...], started: float) -> AsyncIterator[bytes]:
         """Pass SSE lines through (extras stripped) while assembling the completion.
 
         The trace is published when ``[DONE]`` arrives, before that line is passed on:
         a client that hangs up as soon as it reads ``[DONE]`` (the openai client does)
         makes the server cancel this generator, and nothing after the last ``yield``
-        would run.
+        would run. A client that hangs up earlier cancels it too; the response's
+        ``on_close`` then closes the upstream stream, which aborts the generation.
         """
+        trace_id, endpoint = publish_args[0], publish_args[1]
         completion = Completion()
         errored = False
         try:
@@ -277,7 +472,7 @@ def create_gateway_app(
                     data = line[5:].strip()
                     if data == "[DONE]":
                         if not errored:
-                            publish(app, trace_id, endpoint, body, public, served, version, completion, True, started)
+                            publish(*publish_args, completion, True, started)
                     else:
                         try:
                             chunk = json.loads(data)
@@ -292,22 +487,17 @@ def create_gateway_app(
                 yield (line + "\n").encode()
         except httpx.TransportError as err:
             log.warning("gateway: upstream stream for trace %s broke: %s", trace_id, err)
-        finally:
-            await upstream.aclose()
 
     def publish(
-        app: FastAPI, trace_id: str, endpoint: Endpoint, body: dict[str, Any], public: str, served: str,
-        version: str | None, completion: Completion, stream: bool, started: float,
+        trace_id: str, endpoint: Endpoint, body: dict[str, Any], public: str, served: str, version: str | None,
+        user_hash: str, completion: Completion, stream: bool, started: float,
     ) -> None:  # fmt: skip
         """Build the trace event and queue it (non-blocking); a bad event is logged and counted, never raised."""
-        user = body.get("user")
-        traced = {**body, "metadata": hasher(body.get("metadata") or {})}
         try:
             event = build_trace(
-                trace_id=trace_id, endpoint=endpoint, body=traced, public_name=public, served_name=served,
+                trace_id=trace_id, endpoint=endpoint, body=body, public_name=public, served_name=served,
                 adapter_version=version, completion=completion, stream=stream,
-                latency_ms=(time.perf_counter() - started) * 1000.0,
-                user_hash=hasher.digest(user) if user is not None else None,
+                latency_ms=(time.perf_counter() - started) * 1000.0, user_hash=user_hash,
             )  # fmt: skip
         except ValidationError as err:
             TRACE_ERRORS.inc()

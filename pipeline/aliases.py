@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import HourglassConfig
+from pipeline.redact import redact
 from pipeline.registry import RegistryError, make_client
 
 TAG_HISTORY = "hourglass.champion_history"
@@ -158,7 +159,7 @@ def revert_failed(client: MlflowClient, cfg: HourglassConfig, model: str, failed
     Called by the serving controller after a stage, load or probe failure.
     The alias is only moved if it still points at ``failed``.
     """
-    client.set_model_version_tag(model, failed, TAG_SERVE_ERROR, reason[:4900])
+    client.set_model_version_tag(model, failed, TAG_SERVE_ERROR, redact(reason)[:4900])
     alias = cfg.registry.champion_alias
     if champion_version(client, model, alias) != failed:
         return

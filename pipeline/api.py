@@ -1,9 +1,24 @@
 """The ops HTTP API (FastAPI).
 
-Read-only endpoints are open; anything that changes state needs
-``Authorization: Bearer <token>`` (``api.token`` / ``HOURGLASS_API__TOKEN``, or
-the token the service wrote to ``<state_dir>/api-token`` at start). The
-service binds to loopback by default (``api.host``).
+Access rules, enforced by one middleware before any route runs (so before a
+body is parsed: malformed JSON without a token is a 401, never a 422):
+
+- the token is ``Authorization: Bearer <token>`` (``api.token`` /
+  ``HOURGLASS_API__TOKEN``, or the token the service wrote to
+  ``<state_dir>/api-token`` at start); missing → 401, wrong → 403;
+- every state-changing call (any method but GET/HEAD) needs it;
+- when ``api.host`` is not a loopback address, every read needs it too,
+  except ``/healthz``, ``/metrics`` and ``/readyz``, which then answers only
+  ``{"ready": bool}`` (its per-check details need the token);
+- the Host header must name the API (DNS-rebinding defence): an IP literal,
+  127.0.0.1, localhost, ::1, ``api.host`` or one of ``api.allowed_hosts``;
+  any other name gets 421. A rebinding attack always sends the attacker's
+  domain name, never an IP, so probes addressing the pod IP keep working.
+
+Everything served goes through :func:`pipeline.redact.redact_data` (no
+credentials in URIs), and the expensive views (``/status``,
+``/buffer/stats``, ``/readyz``: buffer listing, replica probes, MLflow calls)
+are cached for ``CACHE_S`` seconds.
 
 | method | path | what |
 | --- | --- | --- |
@@ -22,22 +37,64 @@ service binds to loopback by default (``api.host``).
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.console import mount_console
+from pipeline.redact import redact, redact_data
 from pipeline.round_job import RoundNotCancellableError
 from pipeline.rounds import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:
     from pipeline.service import HourglassService
 
-_bearer = HTTPBearer(auto_error=False)
+CACHE_S = 2.0
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/readyz"})  # readable without a token, whatever the bind address
+
+
+class TtlCache:
+    """``get(key, compute)``: the value computed at most ``ttl_s`` seconds ago, else a fresh one (thread-safe)."""
+
+    def __init__(self, ttl_s: float = CACHE_S) -> None:
+        self.ttl_s = ttl_s
+        self._values: dict[str, tuple[float, Any]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # one computation per key at a time: a burst of calls costs one buffer listing
+            if key in self._values and time.monotonic() - self._values[key][0] < self.ttl_s:
+                return self._values[key][1]
+            value = compute()
+            self._values[key] = (time.monotonic(), value)
+            return value
+
+
+def host_allowed(host_header: str | None, names: set[str]) -> bool:
+    """True when the Host header (``name[:port]``) is an IP literal or one of ``names``."""
+    if not host_header:
+        return False
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        host = host[1 : host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return host in names
 
 
 class RetrainRequest(BaseModel):
@@ -60,47 +117,75 @@ class RollbackRequest(BaseModel):
 
 def create_api(service: "HourglassService") -> FastAPI:
     """The ops API bound to one running service."""
+    api_cfg = service.cfg.api
+    loopback = api_cfg.loopback()
+    names = api_cfg.host_names()
+    cache = TtlCache()
     app = FastAPI(title="Hourglass ops API", version="1")
 
-    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        expected = service.api_token
-        if credentials is None or credentials.scheme.lower() != "bearer":
-            raise HTTPException(401, "this call changes state: send Authorization: Bearer <token>", headers={"WWW-Authenticate": "Bearer"})
-        if not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-            raise HTTPException(403, "wrong API token")
+    def token_state(request: Request) -> str:
+        """'ok', 'missing' or 'wrong' for the request's bearer token."""
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            return "missing"
+        ok = secrets.compare_digest(credentials.strip().encode(), service.api_token.encode())
+        return "ok" if ok else "wrong"
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if not host_allowed(request.headers.get("host"), names):
+            return JSONResponse(
+                {"detail": "Host header not allowed: address the API by IP, localhost, api.host or a name in api.allowed_hosts"},
+                status_code=421,
+            )
+        mutation = request.method not in ("GET", "HEAD")
+        if mutation or (not loopback and request.url.path not in OPEN_PATHS):
+            state = token_state(request)
+            what = "this call changes state" if mutation else "this API is not on loopback: reads need the token too"
+            if state == "missing":
+                return JSONResponse(
+                    {"detail": f"{what}: send Authorization: Bearer <token>"}, status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )  # fmt: skip
+            if state == "wrong":
+                return JSONResponse({"detail": "wrong API token"}, status_code=403)
+        request.state.authenticated = loopback or token_state(request) == "ok"
+        return await call_next(request)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz(response: Response) -> dict[str, Any]:
-        checks = service.readiness()
+    def readyz(request: Request, response: Response) -> dict[str, Any]:
+        checks = cache.get("readiness", service.readiness)
         if not all(checks.values()):
             response.status_code = 503
-        return {"ready": all(checks.values()), "checks": checks}
+        if not request.state.authenticated:  # details (hosts, URLs) only with the token off loopback
+            return {"ready": all(checks.values())}
+        return {"ready": all(checks.values()), "checks": redact_data(checks)}
 
     @app.get("/metrics")
     def metrics() -> Response:
-        service.refresh_gauges()
+        cache.get("gauges", service.refresh_gauges)  # reads the buffer: at most once per CACHE_S
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     def status() -> dict[str, Any]:
-        return service.status()
+        return cache.get("status", lambda: redact_data(service.status()))
 
     @app.get("/rounds")
     def rounds(limit: int = 20) -> list[dict[str, Any]]:
-        return [r.as_dict() for r in service.runner.store.list(limit=max(1, min(limit, 500)))]
+        return redact_data([r.as_dict() for r in service.runner.store.list(limit=max(1, min(limit, 500)))])
 
     @app.get("/rounds/{round_id}")
     def round_show(round_id: str) -> dict[str, Any]:
         try:
-            return service.runner.store.get(round_id).as_dict()
+            return redact_data(service.runner.store.get(round_id).as_dict())
         except UnknownRoundError as err:
             raise HTTPException(404, str(err)) from err
 
-    @app.post("/rounds", status_code=202, dependencies=[Depends(require_token)])
+    @app.post("/rounds", status_code=202)
     def retrain(body: RetrainRequest) -> dict[str, Any]:
         try:
             return service.runner.start("api", body.candidates, body.window).as_dict()
@@ -109,7 +194,7 @@ def create_api(service: "HourglassService") -> FastAPI:
         except ValueError as err:
             raise HTTPException(422, str(err)) from err
 
-    @app.post("/rounds/{round_id}/cancel", status_code=202, dependencies=[Depends(require_token)])
+    @app.post("/rounds/{round_id}/cancel", status_code=202)
     def cancel(round_id: str) -> dict[str, Any]:
         if service.runner.current != round_id:
             raise HTTPException(409, f"round {round_id!r} is not running (running: {service.runner.current})")
@@ -119,17 +204,17 @@ def create_api(service: "HourglassService") -> FastAPI:
             raise HTTPException(409, str(err)) from err
         return {"round_id": round_id, "cancel_requested": True}
 
-    @app.post("/promote", dependencies=[Depends(require_token)])
+    @app.post("/promote")
     def promote(body: PromoteRequest) -> dict[str, Any]:
         return _registry_call(lambda: service.promote(body.model, body.version))
 
-    @app.post("/rollback", dependencies=[Depends(require_token)])
+    @app.post("/rollback")
     def rollback(body: RollbackRequest) -> dict[str, Any]:
         return _registry_call(lambda: service.rollback(body.model, body.to))
 
     @app.get("/buffer/stats")
     def buffer_stats() -> dict[str, Any]:
-        return service.buffer_stats()
+        return cache.get("buffer", lambda: redact_data(service.buffer_stats()))
 
     @app.exception_handler(RoundInProgressError)
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:
@@ -156,4 +241,4 @@ def _registry_call(call) -> dict[str, Any]:
     except MlflowException as err:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
             raise HTTPException(404, err.message) from err
-        raise HTTPException(502, f"MLflow: {err.message}") from err
+        raise HTTPException(502, redact(f"MLflow: {err.message}")) from err

@@ -20,8 +20,9 @@ from rich.table import Table
 from connectors.errors import ConnectorError
 from pipeline import stack
 from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
-from pipeline.config import HourglassConfig, load_config
+from pipeline.config import HourglassConfig, load_config, secret_problems
 from pipeline.errors import ConfigError, PipelineError, StackError
+from pipeline.redact import install_log_redaction
 from trainer import model_store
 from trainer.errors import TrainerError
 
@@ -50,6 +51,7 @@ def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()  # no credentials in URIs reach a log line
     if not verbose:  # one INFO line per HTTP request would bury the commands' own output
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -58,10 +60,22 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 
 
 @config_app.command("check")
-def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to validate.")], as_json: JsonOpt = False) -> None:
-    """Validate FILE and report every problem at once (exit 2 when invalid)."""
+def config_check(
+    file: Annotated[Path, typer.Argument(help="The TOML file to validate.")],
+    role: Annotated[str, typer.Option(help="Whose secrets to check: service (needs the signing key) or gateway.")] = "service",
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate FILE and report every problem at once (exit 2 when invalid).
+
+    With ``deployment = "production"``, default, placeholder or missing secrets
+    (from the file or the HOURGLASS_* environment) are problems too.
+    """
     try:
-        load_config(file)
+        if role not in ("service", "gateway"):
+            raise ConfigError(f"--role {role!r}: use service or gateway")
+        problems = secret_problems(load_config(file), role)  # type: ignore[arg-type]
+        if problems:
+            raise ConfigError(f"{file}: {len(problems)} unsafe secret(s)", problems)
     except ConfigError as err:
         emit({"ok": False, "problems": err.problems}, as_json)
         if not as_json:
@@ -222,6 +236,9 @@ def _register_command_groups() -> None:
     except ImportError:  # pragma: no cover - built in a later change
         return
     cli_gateway.register(app)
+    from pipeline import cli_keys
+
+    cli_keys.register(app)
 
 
 _register_command_groups()

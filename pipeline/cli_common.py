@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +14,7 @@ from rich.table import Table
 
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
+from pipeline.redact import redact  # noqa: F401  (re-exported: the commands mask URIs with it)
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -28,14 +28,6 @@ def emit(data: Any, as_json: bool, human: str | Table | None = None) -> None:
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     elif human is not None:
         Console(soft_wrap=True).print(human)
-
-
-_URI_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-
-
-def redact(text: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://***@host`` anywhere in ``text``."""
-    return _URI_CREDENTIALS.sub(r"\1***@", text)
 
 
 def print_error(message: str) -> None:

@@ -38,7 +38,8 @@ class ApiClient:
         self._token_fn = lambda: api_token(cfg)
 
     def call(self, method: str, path: str, *, mutate: bool = False, **kwargs: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self._token_fn()}"} if mutate else {}
+        # Reads need the token too when the API is not on loopback; sending it always is simplest.
+        headers = {"Authorization": f"Bearer {self._token_fn()}"}
         try:
             response = httpx.request(method, f"{self.base}{path}", headers=headers, timeout=30, **kwargs)
         except httpx.ConnectError:

@@ -107,6 +107,22 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         emit(result, as_json, f"[yellow]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
                               f"(was {result['previous']})")  # fmt: skip
 
+    @models_app.command("resign")
+    def resign_cmd(
+        version: Annotated[str, typer.Argument(help="The model version to re-sign.")],
+        model: ModelOpt = None,
+        adopt: Annotated[bool, typer.Option("--adopt", help="Sign a version with no valid signature (you vouch for it).")] = False,
+        config: ConfigOpt = None,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Re-sign VERSION with the current registry.signing_key (after a key rotation)."""
+        from pipeline.signing import resign
+
+        cfg = load(config)
+        require_mlflow(cfg)
+        result = run(resign, cfg, make_client(cfg), model or cfg.serving.model_name, version, adopt=adopt)
+        emit(result, as_json, f"[green]{result['model']}[/] v{result['version']}: signed with key {result['now']} (was {result['was']})")
+
     @models_app.command("list")
     def list_cmd(
         model: ModelOpt = None,

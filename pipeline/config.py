@@ -1,7 +1,9 @@
 """The whole ``hourglass.toml`` as one typed, validated object.
 
-Sections: ``kafka``, ``buffer`` (connectors), ``model``, ``candidates``,
+Sections: ``kafka``, ``buffer``, ``gateway`` (connectors), ``model``, ``candidates``,
 ``rl``, ``reward_model`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
+Top level: ``deployment`` (``embedded`` | ``production``: production refuses
+default and placeholder secrets, see :func:`secret_problems`) and ``state_dir``.
 Any field may be overridden by an environment variable named
 ``HOURGLASS_<SECTION>__<FIELD>`` (nested with ``__``), for example
 ``HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='["broker:9092"]'`` or
@@ -18,16 +20,18 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from connectors.config import BufferConfig, KafkaConfig
+from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
 ENV_PREFIX = "HOURGLASS_"
+MIN_SIGNING_KEY_CHARS = 32
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class _Section(BaseModel):
@@ -73,6 +77,32 @@ class RegistryConfig(_Section):
     embedded: bool = Field(default=True, description="`hourglass up` starts a local MLflow server at tracking_uri.")
     experiment: str = Field(default="hourglass", min_length=1, description="MLflow experiment of the rounds.")
     champion_alias: str = Field(default="champion", pattern=r"^[a-zA-Z][a-zA-Z0-9_-]*$", description="Alias of the served version.")
+    signing_key: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 key that signs every registered version (tag hourglass.signature); staging serves only "
+        "versions whose signature verifies. Set HOURGLASS_REGISTRY__SIGNING_KEY (>= 32 characters, e.g. `openssl rand -hex 32`); "
+        "unset in the embedded deployment: generated into <state_dir>/signing-key (0600).",
+    )  # fmt: skip
+    previous_signing_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Old signing keys still accepted when verifying (key rotation), never used to sign. "
+        "HOURGLASS_REGISTRY__PREVIOUS_SIGNING_KEYS='[\"old-key\"]'; drop them once `hourglass models resign` re-signed every version.",
+    )  # fmt: skip
+
+    @field_validator("signing_key", mode="before")
+    @classmethod
+    def _signing_key(cls, key: Any) -> Any:
+        if isinstance(key, str) and not key.strip():
+            return None  # an empty HOURGLASS_REGISTRY__SIGNING_KEY means "not set"
+        return key
+
+    @field_validator("signing_key", "previous_signing_keys")
+    @classmethod
+    def _key_length(cls, key: Any) -> Any:
+        for one in key if isinstance(key, list) else [key]:
+            if one is not None and len(one.get_secret_value()) < MIN_SIGNING_KEY_CHARS:
+                raise ValueError(f"a signing key must be at least {MIN_SIGNING_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)")
+        return key
 
 
 class ServingConfig(_Section):
@@ -100,6 +130,22 @@ class ServingConfig(_Section):
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
     staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    max_adapter_bytes: int = Field(
+        default=512 * 1024**2, ge=1024,
+        description="Largest adapter staging accepts, bytes: the sum of its files and each file, checked on the sizes MLflow "
+        "lists before the download and on disk after it.",
+    )  # fmt: skip
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="vLLM's API key (its --api-key / VLLM_API_KEY): the controller sends it as Authorization: Bearer on "
+        "every call to a replica, and the gateway as its own upstream key (clients' keys never go upstream). "
+        "Set HOURGLASS_SERVING__API_KEY.",
+    )  # fmt: skip
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_key(cls, key: Any) -> Any:
+        return None if isinstance(key, str) and not key.strip() else key
 
     @field_validator("replicas")
     @classmethod
@@ -116,7 +162,28 @@ class ApiConfig(_Section):
     host: str = Field(default="127.0.0.1", description="Bind address. Loopback by default; change deliberately.")
     port: int = Field(default=18080, gt=0, lt=65536, description="Ops API port.")
     gateway_port: int = Field(default=18081, gt=0, lt=65536, description="OpenAI-compatible gateway port.")
-    token: SecretStr | None = Field(default=None, description="Bearer token for state-changing calls (set HOURGLASS_API__TOKEN).")
+    token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token of the ops API (set HOURGLASS_API__TOKEN; default: generated into <state_dir>/api-token). "
+        "Needed by every state-changing call, and by the reads (/status, /rounds, /buffer/stats, /readyz details) when "
+        "`host` is not a loopback address.",
+    )  # fmt: skip
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Extra names the ops API answers to in the Host header (DNS-rebinding defence); always allowed: "
+        "127.0.0.1, localhost, ::1 and `host` (unless a wildcard). Other Host headers get 421.",
+    )  # fmt: skip
+
+    def loopback(self) -> bool:
+        """True when the API binds to a loopback address only (then reads need no token)."""
+        return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")
+
+    def host_names(self) -> set[str]:
+        """The Host header names (without port) the API answers to."""
+        names = set(LOOPBACK_HOSTS) | {h.lower().strip("[]") for h in self.allowed_hosts}
+        if self.host not in ("0.0.0.0", "::", ""):
+            names.add(self.host.lower())
+        return names
 
     @field_validator("token", mode="before")
     @classmethod
@@ -141,6 +208,12 @@ class HourglassConfig(BaseSettings):
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
     )
 
+    deployment: Literal["embedded", "production"] = Field(
+        default="embedded",
+        description="'embedded': the local demo stack; missing secrets are generated into state_dir. 'production': "
+        "`hourglass config check` and `hourglass service` refuse default, placeholder or missing secrets "
+        "(buffer.user_hash_key, registry.signing_key, api.token when set).",
+    )  # fmt: skip
     state_dir: str = Field(default=".hourglass", description="Local state: logs, pids, job store, round records.")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -152,6 +225,7 @@ class HourglassConfig(BaseSettings):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -192,7 +266,41 @@ class HourglassConfig(BaseSettings):
         return Path(os.path.expanduser(path)).resolve()
 
 
-_SECRET_FIELDS = {"token", "user_hash_key"}
+_SECRET_FIELDS = {"token", "user_hash_key", "signing_key", "previous_signing_keys", "api_key", "feedback_signing_key"}
+
+DEFAULT_USER_HASH_KEY = "hourglass-change-me"
+_PLACEHOLDER = re.compile(r"change[-_]?me|changeme|placeholder|example|replace[-_]?me", re.IGNORECASE)
+
+
+def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = "service") -> list[str]:
+    """What is wrong with the secrets of a ``deployment = "production"`` config ([] when fine or embedded).
+
+    Refused: the default ``buffer.user_hash_key``; any secret that still looks
+    like a placeholder (``change-me...`` as in ``deploy/*.env.example``); for
+    the ``service`` role, a missing ``registry.signing_key`` (the gateway never
+    gets that key). Lengths are checked by the fields themselves.
+    ``hourglass config check`` and ``hourglass service`` call this.
+    """
+    if cfg.deployment != "production":
+        return []
+    problems = []
+    secrets = {
+        "buffer.user_hash_key (HOURGLASS_BUFFER__USER_HASH_KEY)": cfg.buffer.user_hash_key,
+        "registry.signing_key (HOURGLASS_REGISTRY__SIGNING_KEY)": cfg.registry.signing_key,
+        "api.token (HOURGLASS_API__TOKEN)": cfg.api.token,
+        "serving.api_key (HOURGLASS_SERVING__API_KEY)": cfg.serving.api_key,
+        "gateway.feedback_signing_key (HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY)": cfg.gateway.feedback_signing_key,
+    }
+    for name, secret in secrets.items():
+        value = secret.get_secret_value() if secret is not None else None
+        if value is None:
+            if name.startswith("registry.signing_key") and role == "service":
+                problems.append(f"{name}: not set; production needs a signing key only the service holds (`openssl rand -hex 32`)")
+            elif name.startswith("gateway.feedback_signing_key") and role == "gateway":
+                problems.append(f"{name}: not set; production gateways share one feedback-token key (`openssl rand -hex 32`)")
+        elif value == DEFAULT_USER_HASH_KEY or _PLACEHOLDER.search(value):
+            problems.append(f"{name}: still the default or a placeholder; set a random value (`openssl rand -hex 32`)")
+    return problems
 
 
 def _describe(error: dict[str, Any]) -> str:
@@ -202,7 +310,7 @@ def _describe(error: dict[str, Any]) -> str:
         return f"{loc}: unknown field (typo?)"
     value = error.get("input")
     shown = repr(value) if not isinstance(value, dict) else "{...}"
-    if str(error["loc"][-1] if error["loc"] else "") in _SECRET_FIELDS:
+    if any(str(part) in _SECRET_FIELDS for part in error["loc"]):
         shown = "<secret>"  # never echo a token or key
     if len(shown) > 120:
         shown = shown[:117] + "..."

@@ -13,7 +13,12 @@ Layout in MLflow (source: the MLflow tracking and model-registry APIs,
 - one registered model per served model name; the gate's winner becomes a
   model version carrying the same lineage tags plus ``hourglass.sha256`` (JSON
   ``{file name: sha256 hex}`` of the adapter files) so staging can verify
-  what it downloads.
+  what it downloads, and ``hourglass.signature``: the service's HMAC over the
+  model name, round id, candidate, base fingerprint and checksums
+  (:mod:`pipeline.signing`); staging serves nothing whose signature fails.
+
+Params and descriptions written here are redacted (:mod:`pipeline.redact`):
+no credential in a URI reaches MLflow.
 
 Registration is write-ahead: the round (and a copy of its adapters) is saved
 under ``<state_dir>/registry/pending/<round_id>/`` first and removed only once
@@ -42,6 +47,8 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
+from pipeline.redact import redact
+from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.model_store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
@@ -228,7 +235,7 @@ def _log_candidate(client: MlflowClient, experiment_id: str, parent_id: str, res
     tags = {**_lineage_tags(result), TAG_KIND: "candidate", TAG_CANDIDATE: cand.name, "mlflow.parentRunId": parent_id}
     run = client.create_run(experiment_id, tags=tags, run_name=f"{result.round_id}/{cand.name}")
     run_id = run.info.run_id
-    params = [Param(k, str(v)[:6000]) for k, v in sorted(cand.recipe.items())]
+    params = [Param(k, redact(str(v))[:6000]) for k, v in sorted(cand.recipe.items())]
     metrics = [
         Metric(key, float(value), 0, step)
         for step, row in enumerate(cand.step_metrics)
@@ -259,7 +266,7 @@ def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dic
     parent = client.create_run(experiment_id, tags={**_lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id)
     parent_id = parent.info.run_id
     round_metrics = [Metric(k, float(v), 0, 0) for k, v in result.metrics.items()]
-    decisions = [Param(f"gate/{m}/winner", str(d.winner)) for m, d in sorted(result.decisions.items())]
+    decisions = [Param(f"gate/{m}/winner", redact(str(d.winner))) for m, d in sorted(result.decisions.items())]
     client.log_batch(parent_id, metrics=round_metrics, params=decisions)
     runs = {}
     for cand in result.candidates:
@@ -279,11 +286,15 @@ def find_round_version(client: MlflowClient, model: str, round_id: str):
     return versions[0] if versions else None
 
 
-def register_winner(client: MlflowClient, result: RoundResult, decision: GateDecision, run_id: str) -> RegisteredVersion:
+def register_winner(
+    client: MlflowClient, result: RoundResult, decision: GateDecision, run_id: str, *, signing_key: bytes
+) -> RegisteredVersion:
     """Create the model version for a gate winner, or return the one already made.
 
-    The version's tags: the round's lineage, the candidate name, and
-    ``hourglass.sha256`` with the adapter files' checksums.
+    The version's tags: the round's lineage, the candidate name,
+    ``hourglass.sha256`` with the adapter files' checksums, and
+    ``hourglass.signature`` over them made with ``signing_key``
+    (:func:`pipeline.signing.sign`), set in the same call that creates the version.
     """
     model = decision.served_model
     cand = next(c for c in result.candidates if c.name == decision.winner)
@@ -296,20 +307,22 @@ def register_winner(client: MlflowClient, result: RoundResult, decision: GateDec
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     tags = {**_lineage_tags(result), TAG_CANDIDATE: cand.name, TAG_SHA256: json.dumps(adapter_checksums(cand.adapter_dir))}
+    tags[TAG_SIGNATURE] = sign(signing_key, model, tags)
     source = f"{client.get_run(run_id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-    version = client.create_model_version(model, source, run_id=run_id, tags=tags, description=decision.reason[:5000])
+    version = client.create_model_version(model, source, run_id=run_id, tags=tags, description=redact(decision.reason)[:5000])
     return RegisteredVersion(model, str(version.version), result.round_id, cand.name, run_id)
 
 
 def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResult, promote: bool) -> list[RegisteredVersion]:
     from pipeline.aliases import promote as promote_version  # alias moves live there
 
+    key = signing_keys(cfg)[0]
     runs = _short_retry(log_round)(client, cfg.registry.experiment, result)
     registered = []
     for decision in result.decisions.values():
         if decision.winner is None:
             continue
-        version = _short_retry(register_winner)(client, result, decision, runs[decision.winner])
+        version = _short_retry(register_winner)(client, result, decision, runs[decision.winner], signing_key=key)
         registered.append(version)
         if promote:
             _short_retry(promote_version)(cfg, version.model, version.version, client=client, reason=f"round {result.round_id}")

@@ -8,6 +8,9 @@ Upstream API (vLLM OpenAI server, runtime LoRA updating enabled with
 - ``POST /v1/unload_lora_adapter {"lora_name"}``;
 - ``POST /v1/completions`` with ``model=<adapter name>``: the probe.
 
+When vLLM runs with ``--api-key`` (or ``VLLM_API_KEY``), every call carries
+``Authorization: Bearer <serving.api_key>``.
+
 Two error kinds, by whose fault it is:
 
 - :class:`ReplicaUnreachableError`: the replica's fault, transient (connection
@@ -21,6 +24,7 @@ Two error kinds, by whose fault it is:
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx
@@ -28,7 +32,7 @@ import httpx
 from pipeline.errors import PipelineError
 
 PROBE_PROMPT = "Hello"
-PROBE_TOKENS = 2
+PROBE_TOKENS = 16  # greedy tokens: enough for a broken adapter (NaN weights, garbage scales) to show
 
 
 class ReplicaUnreachableError(PipelineError, ConnectionError):
@@ -50,9 +54,10 @@ class ReplicaRefusedError(PipelineError, RuntimeError):
 class Replica:
     """HTTP control of one vLLM server at ``url`` (``http://host:port``)."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -138,13 +143,17 @@ class Replica:
             raise
 
     def probe(self, name: str) -> str:
-        """One short greedy completion through ``name``; returns its text.
+        """A greedy completion of ``PROBE_TOKENS`` tokens through ``name``, with logprobs; returns its text.
+
+        A broken adapter (NaN or huge weights) shows as an empty completion or
+        non-finite logprobs; both are refused.
 
         Raises:
             ReplicaUnreachableError: no answer or a 5xx (transient).
-            ReplicaRefusedError: a 4xx, or an answer without a completion.
+            ReplicaRefusedError: a 4xx, or an answer without a completion, an
+                empty completion, or a NaN/inf logprob.
         """
-        body = {"model": name, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0}
+        body = {"model": name, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0, "logprobs": 1}
         response = self._call("POST", "/v1/completions", f"a probe completion through {name!r}", json=body)
         try:
             data = response.json()
@@ -154,5 +163,14 @@ class Replica:
             raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data!r:.300}")
         choices = data.get("choices") or []
         if not choices or data.get("model") not in (None, name):
-            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data}")
-        return str(choices[0].get("text", ""))
+            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {str(data)[:500]}")
+        text = str(choices[0].get("text") or "")
+        logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
+        if not text or not logprobs:
+            raise ReplicaRefusedError(f"vLLM at {self.url}: the probe through {name!r} generated nothing; the adapter is broken")
+        bad = [lp for lp in logprobs if not isinstance(lp, (int, float)) or not math.isfinite(lp)]
+        if bad:
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url}: the probe through {name!r} has non-finite logprobs {bad[:4]}; the adapter's weights are broken"
+            )
+        return text

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a round, seconds.", buckets=(30, 60, 120, 300, 600, 1200, 3600, 7200))
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
-CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out reward of each candidate in the last round.", ["candidate"])
-CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out reward of the champion in the last round.", ["served_model"])
+CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.", ["candidate"])
+CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out gate value of the champion in the last round (same unit as the candidates').", ["served_model"])
 REWARD_MODEL_AUC = Gauge("hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined).")
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
 
@@ -75,7 +75,7 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
     """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
     from pipeline.aliases import champion_version
     from pipeline.registry import make_client
-    from pipeline.staging import stage_version
+    from pipeline.staging import stage_options, stage_version
 
     client = make_client(cfg)
     out: dict[str, Path | None] = {}
@@ -89,8 +89,7 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
             out[model] = None
             continue
         staged = stage_version(
-            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint,
-            max_lora_rank=cfg.serving.max_lora_rank, tracking_uri=cfg.registry.tracking_uri,
+            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint, **stage_options(cfg),
         )  # fmt: skip
         out[model] = staged.path
     return out
@@ -100,24 +99,27 @@ def train_and_evaluate(
     cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None,
     reward_champion: Path | None = None,
 ):
-    """Split by time, train the reward model (when wanted) and every selected candidate, evaluate against the champions, gate.
+    """Split across users and time (per-user share capped), train the reward model (when wanted) and every
+    selected candidate, evaluate against the champions, gate.
 
     ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel);
     ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
     from trainer.round import run_round
-    from trainer.tasks import split_snapshot
+    from trainer.tasks import split_snapshot, user_metrics
 
-    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction)
+    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
     rl = cfg.rl
     if rl.rollout_engine == "vllm" and rl.rollout_url is None:
         rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-    return run_round(
+    result = run_round(
         cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint,
         reward_cfg=cfg.reward_model, reward_champion=reward_champion,
     )  # fmt: skip
+    result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
+    return result
 
 
 def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:
@@ -307,14 +309,14 @@ class RoundRunner:
 
         record.metrics.update(result.metrics)
         record.decisions = {
-            m: {"winner": d.winner, "reason": d.reason, "champion_reward": d.champion_reward_mean,
+            m: {"winner": d.winner, "reason": d.reason, "metric": d.metric, "champion_reward": d.champion_reward_mean,
                 "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
             for m, d in result.decisions.items()
         }  # fmt: skip
-        for cand in result.candidates:
-            CANDIDATE_REWARD.labels(cand.name).set(cand.eval_metrics.get("eval/reward_mean", float("nan")))
-        for model, decision in result.decisions.items():
+        for model, decision in result.decisions.items():  # both in the unit of the gate metric (decision.metric)
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
+            for name, value in decision.candidate_reward_means.items():
+                CANDIDATE_REWARD.labels(name).set(value)
         if result.reward_model is not None:
             REWARD_MODEL_AUC.set(result.reward_model.report.auc)
         self.store.save(record)
@@ -357,9 +359,10 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
 
     pattern = round_adapter_names(round_id, candidates)
     urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
+    api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
     unloaded: dict[str, list[str]] = {}
     for url in urls:
-        replica = Replica(url, timeout_s=30)
+        replica = Replica(url, timeout_s=30, api_key=api_key)
         try:
             for name in [n for n in replica.models() if pattern.match(n)]:
                 replica.unload(name)

@@ -9,7 +9,8 @@ States::
 
 Records live in SQLite (``<state_dir>/rounds.sqlite``, SQLAlchemy core), one
 row per round, updated at every transition, so a restart after a crash can
-see where a round stopped (:func:`recover`). The lock is an ``flock`` on
+see where a round stopped (:func:`recover`). Credentials in URIs (a failure
+reason naming the MLflow server) are redacted before a record is stored. The lock is an ``flock`` on
 ``<state_dir>/round.lock``: it holds across processes that share the state
 directory and is released by the kernel when a process dies.
 """
@@ -28,6 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from pipeline.errors import PipelineError
+from pipeline.redact import redact_data
 
 STATES = ("pending", "snapshot", "train", "evaluate", "register", "promote")
 TERMINAL = ("done", "no_winner", "failed", "cancelled")
@@ -100,7 +102,7 @@ class RoundStore:
         now = _now()
         record = RoundRecord(round_id or self.new_round_id(), "pending", trigger, candidates, window, now, now)
         with self.engine.begin() as conn:
-            conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state, created_at=now, body=json.dumps(record.as_dict())))
+            conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state, created_at=now, body=json.dumps(redact_data(record.as_dict()))))
         return record
 
     def save(self, record: RoundRecord) -> RoundRecord:
@@ -109,7 +111,7 @@ class RoundStore:
             record.finished_at = record.updated_at
         with self.engine.begin() as conn:
             conn.execute(
-                _rounds.update().where(_rounds.c.round_id == record.round_id).values(state=record.state, body=json.dumps(record.as_dict(), default=str))
+                _rounds.update().where(_rounds.c.round_id == record.round_id).values(state=record.state, body=json.dumps(redact_data(record.as_dict()), default=str))
             )
         return record
 

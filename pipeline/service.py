@@ -30,8 +30,9 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Gauge
 
-from pipeline.config import HourglassConfig
-from pipeline.errors import PipelineError
+from pipeline.config import HourglassConfig, secret_problems
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.redact import install_log_redaction
 from pipeline.round_job import RoundNotCancellableError, RoundRunner, recover
 from pipeline.rounds import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
 from pipeline.supervise import Worker
@@ -95,6 +96,10 @@ class HourglassService:
     def __init__(self, cfg: HourglassConfig, *, base_fingerprint: str | None = None, ingest: bool = True, reconcile: bool = True) -> None:
         from trainer import model_store
 
+        install_log_redaction()  # before anything logs a URI with credentials
+        problems = secret_problems(cfg)
+        if problems:
+            raise ConfigError(f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems)
         self.cfg = cfg
         if base_fingerprint is None:
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))

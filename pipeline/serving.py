@@ -50,7 +50,7 @@ from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version,
 from pipeline.config import HourglassConfig
 from pipeline.registry import make_client
 from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.staging import StagingError, served_name, stage_version
+from pipeline.staging import StagingError, base_module_names, served_name, stage_options, stage_version
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,12 @@ class ServingController:
 
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
         self.base_fingerprint = base_fingerprint
+        self.base_modules = self._base_modules(cfg)
         self.client = client or make_client(cfg)
         self.state_dir = cfg.resolve(cfg.state_dir)
         self.staging_dir = cfg.resolve(cfg.serving.staging_dir)
-        self.replicas = [Replica(url) for url in cfg.serving.replicas]
+        api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
+        self.replicas = [Replica(url, api_key=api_key) for url in cfg.serving.replicas]
         self._status = {m: ModelStatus(m) for m in self.models}
         self._draining: dict[str, float] = {}  # served name -> monotonic deadline for its unload
         self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
@@ -155,6 +157,17 @@ class ServingController:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _base_modules(cfg: HourglassConfig) -> frozenset[str] | None:
+        """The base's LoRA-targetable module names (staging checks target_modules against them), once."""
+        from trainer import model_store
+
+        try:
+            return base_module_names(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
+        except Exception as err:  # no local copy of the base: staging checks the list's shape only
+            log.warning("base model %s not readable here (%s); adapter target_modules are not checked by name", cfg.model.name, err)
+            return None
 
     # -- public -------------------------------------------------------------------
 
@@ -266,8 +279,7 @@ class ServingController:
         try:
             staged = stage_version(
                 self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
-                max_lora_rank=self.cfg.serving.max_lora_rank, tracking_uri=self.cfg.registry.tracking_uri,
-                model_version=mv,
+                base_modules=self.base_modules, model_version=mv, **stage_options(self.cfg),
             )  # fmt: skip
         except StagingError as err:
             raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err

@@ -1,7 +1,13 @@
 """Stage a registered adapter version on local disk and prove it is safe to load.
 
-A version is downloaded into ``<staging_dir>/<model>/v<version>/`` (through a
-temporary sibling folder renamed into place), then checked:
+Before anything is downloaded, the version's ``hourglass.signature`` must
+verify with the service's signing key (:mod:`pipeline.signing`: it covers the
+model name, round, candidate, base fingerprint and checksums), and the artifact
+sizes MLflow lists must fit ``serving.max_adapter_bytes`` (each file and the
+total) in a flat folder. A version is then downloaded file by file (the cap
+is checked on disk after each file) into
+``<staging_dir>/<model>/v<version>/`` (through a temporary sibling folder
+renamed into place), and checked:
 
 1. every path stays inside the staging folder: no symlinks, no ``..``, no
    absolute names, nothing that resolves elsewhere;
@@ -12,7 +18,13 @@ temporary sibling folder renamed into place), then checked:
 4. the version's ``hourglass.base_fingerprint`` tag equals the served base's
    fingerprint (an adapter trained on another base would load and produce
    garbage);
-5. ``adapter_config.json`` ``r`` is at most the server's ``--max-lora-rank``.
+5. the sizes on disk fit ``serving.max_adapter_bytes`` (a server may lie in its listing);
+6. ``adapter_config.json`` is a plain LoRA (:func:`check_adapter_config`):
+   ``peft_type`` LORA, ``r`` a positive int at most the server's
+   ``--max-lora-rank``, ``lora_alpha`` a positive number, ``use_rslora`` a
+   bool, no DoRA, no ``modules_to_save``, ``bias`` "none", and
+   ``target_modules`` a non-empty list of module names the base model has
+   (:func:`base_module_names`).
 
 Every refusal raises :class:`StagingError` (a ``ValueError``) whose message
 says which check failed, with which value, and what to do.
@@ -21,6 +33,7 @@ says which check failed, with which value, and what to do.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +46,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.errors import PipelineError
 from pipeline.registry import TAG_FINGERPRINT, TAG_SHA256
+from pipeline.signing import SignatureError, verify
 from trainer.model_store import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -86,16 +100,110 @@ def _safe_name(root: Path, folder: Path, name: str) -> Path:
     return path
 
 
+def base_module_names(model_dir: str | Path) -> frozenset[str]:
+    """Names LoRA may target in a base model: every module holding a 2-D ``.weight``.
+
+    Read from the safetensors headers of ``model_dir`` (one file or shards; no
+    tensor is loaded). Both the leaf names (``q_proj``) and the full module
+    paths (``model.layers.0.self_attn.q_proj``) are returned.
+    """
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="numpy") as handle:
+            for key in handle.keys():
+                if key.endswith(".weight") and len(handle.get_slice(key).get_shape()) == 2:
+                    module = key.removesuffix(".weight")
+                    names.add(module)
+                    names.add(module.rsplit(".", 1)[-1])
+    return frozenset(names)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_adapter_config(config: object, *, max_lora_rank: int, base_modules: frozenset[str] | None) -> int:
+    """Validate a parsed ``adapter_config.json`` (peft ``LoraConfig``); returns the rank ``r``.
+
+    ``base_modules``: :func:`base_module_names` of the served base; None skips
+    the name check (the list must still be non-empty strings).
+
+    Raises:
+        StagingError: the first field that is wrong, with its value.
+    """
+    if not isinstance(config, dict):
+        raise StagingError(f"adapter_config.json must be a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise StagingError(f"adapter_config.json peft_type={config.get('peft_type')!r}: only plain LoRA adapters ('LORA') are served")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise StagingError(f"adapter_config.json r={rank!r}: the LoRA rank must be a positive integer")
+    if rank > max_lora_rank:
+        raise StagingError(
+            f"LoRA rank r={rank} exceeds the server's --max-lora-rank={max_lora_rank}; "
+            "train with a smaller rank or raise serving.max_lora_rank"
+        )
+    for name in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(name) or {}
+        if not isinstance(pattern, dict) or not all(_is_number(v) and v > 0 for v in pattern.values()):
+            raise StagingError(f"adapter_config.json {name}={pattern!r}: must map module names to positive numbers")
+        if name == "rank_pattern" and any(v > max_lora_rank or v != int(v) for v in pattern.values()):
+            raise StagingError(f"adapter_config.json rank_pattern={pattern!r}: ranks must be integers <= {max_lora_rank}")
+    alpha = config.get("lora_alpha")
+    if not _is_number(alpha) or alpha <= 0:
+        raise StagingError(f"adapter_config.json lora_alpha={alpha!r}: must be a positive number")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise StagingError(f"adapter_config.json use_rslora={config.get('use_rslora')!r}: must be true or false")
+    if config.get("use_dora", False) is not False:
+        raise StagingError(f"adapter_config.json use_dora={config.get('use_dora')!r}: DoRA adapters are not served")
+    if config.get("modules_to_save") not in (None, []):
+        raise StagingError(
+            f"adapter_config.json modules_to_save={config.get('modules_to_save')!r}: full copies of base modules are not served"
+        )
+    if config.get("bias", "none") != "none":
+        raise StagingError(f"adapter_config.json bias={config.get('bias')!r}: only bias='none' adapters are served")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not targets or not all(isinstance(m, str) and m for m in targets):
+        raise StagingError(
+            f"adapter_config.json target_modules={targets!r}: must be a non-empty list of module names (regex strings are refused)"
+        )
+    if base_modules is not None:
+        unknown = sorted(m for m in targets if m not in base_modules)
+        if unknown:
+            raise StagingError(f"adapter_config.json target_modules {unknown} are not modules of the served base model")
+    return rank
+
+
+def _check_sizes(folder: Path, max_bytes: int) -> None:
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    _check_listed(folder.name, sizes, max_bytes)
+
+
+def _check_listed(what: str, sizes: dict[str, int | None], max_bytes: int) -> None:
+    for name, size in sizes.items():
+        if size is not None and size > max_bytes:  # None: not listed by the store; checked on disk
+            raise StagingError(
+                f"{what}: artifact {name!r} is {size} bytes, over serving.max_adapter_bytes={max_bytes}; "
+                "a LoRA adapter is far smaller (raise the cap only for a known large adapter)"
+            )
+    total = sum(s or 0 for s in sizes.values())
+    if total > max_bytes:
+        raise StagingError(f"{what}: the artifacts total {total} bytes, over serving.max_adapter_bytes={max_bytes}")
+
+
 def verify_folder(
     root: Path, folder: Path, checksums: dict[str, str], *, expected_fingerprint: str, fingerprint: str | None,
-    max_lora_rank: int,
+    max_lora_rank: int, max_adapter_bytes: int = 512 * 1024**2, base_modules: frozenset[str] | None = None,
 ) -> int:
-    """Run checks 1–5 on a downloaded adapter folder; returns its LoRA rank.
+    """Run checks 1–6 on a downloaded adapter folder; returns its LoRA rank.
 
     Raises:
         StagingError: the first check that fails.
     """
     check_inside(root, folder)
+    _check_sizes(folder, max_adapter_bytes)
     if not checksums:
         raise StagingError(f"{folder.name}: the version has no {TAG_SHA256} tag; register it through Hourglass")
     files = {p.name for p in folder.iterdir()}
@@ -127,25 +235,34 @@ def verify_folder(
         )
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
-        rank = int(config["r"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise StagingError(f"{folder.name}: adapter_config.json is missing or has no integer 'r': {err}") from err
-    if rank > max_lora_rank:
-        raise StagingError(
-            f"{folder.name}: LoRA rank r={rank} exceeds the server's --max-lora-rank={max_lora_rank}; "
-            "train with a smaller rank or raise serving.max_lora_rank"
-        )
-    return rank
+    except (OSError, ValueError) as err:
+        raise StagingError(f"{folder.name}: adapter_config.json is missing or not JSON: {err}") from err
+    try:
+        return check_adapter_config(config, max_lora_rank=max_lora_rank, base_modules=base_modules)
+    except StagingError as err:
+        raise StagingError(f"{folder.name}: {err}") from err
+
+
+def stage_options(cfg) -> dict:
+    """The keyword arguments of :func:`stage_version` that come from the config (``cfg``: HourglassConfig)."""
+    from pipeline.signing import signing_keys
+
+    return {
+        "max_lora_rank": cfg.serving.max_lora_rank, "tracking_uri": cfg.registry.tracking_uri,
+        "signing_keys": signing_keys(cfg), "max_adapter_bytes": cfg.serving.max_adapter_bytes,
+    }  # fmt: skip
 
 
 def stage_version(
     client: MlflowClient, model: str, version: str, staging_dir: Path, *, base_fingerprint: str, max_lora_rank: int,
-    tracking_uri: str, model_version=None,
+    tracking_uri: str, signing_keys: list[bytes], max_adapter_bytes: int = 512 * 1024**2,
+    base_modules: frozenset[str] | None = None, model_version=None,
 ) -> StagedAdapter:
-    """Download and verify a model version (idempotent: a verified folder is reused).
+    """Verify the signature, then download and verify a model version (idempotent: a verified folder is reused).
 
-    ``model_version``: the ``ModelVersion`` entity when the caller already
-    fetched it (saves a registry round trip).
+    ``signing_keys``: :func:`pipeline.signing.signing_keys` (the first signs,
+    all are accepted). ``model_version``: the ``ModelVersion`` entity when the
+    caller already fetched it (saves a registry round trip).
 
     Raises:
         StagingError: a check failed (the folder is removed).
@@ -160,27 +277,44 @@ def stage_version(
         raise StagingError(f"unsafe path {target}: model name {model!r} escapes the staging dir {root}")
     mv = model_version if model_version is not None else client.get_model_version(model, version)
     try:
+        verify(signing_keys, model, dict(mv.tags))
+    except SignatureError as err:
+        raise StagingError(f"{model} v{version}: signature refused: {err}") from err
+    try:
         checksums = json.loads(mv.tags.get(TAG_SHA256, "{}"))
     except ValueError as err:
         raise StagingError(f"{model} v{version}: the {TAG_SHA256} tag is not JSON: {err}") from err
     if not isinstance(checksums, dict):
         raise StagingError(f"{model} v{version}: the {TAG_SHA256} tag must be a JSON object of file -> sha256")
-    kwargs = dict(expected_fingerprint=base_fingerprint, fingerprint=mv.tags.get(TAG_FINGERPRINT), max_lora_rank=max_lora_rank)
+    kwargs = dict(
+        expected_fingerprint=base_fingerprint, fingerprint=mv.tags.get(TAG_FINGERPRINT), max_lora_rank=max_lora_rank,
+        max_adapter_bytes=max_adapter_bytes, base_modules=base_modules,
+    )  # fmt: skip
     if target.is_dir():
         try:
             rank = verify_folder(root, target, checksums, **kwargs)
             return StagedAdapter(model, version, target, rank, served_name(model, version))
         except StagingError:
             shutil.rmtree(target, ignore_errors=True)  # download it again, then judge
+    uri = client.get_model_version_download_uri(model, version)
+    listed = mlflow.artifacts.list_artifacts(artifact_uri=uri, tracking_uri=tracking_uri)
+    nested = sorted(f.path for f in listed if f.is_dir)
+    if nested:
+        raise StagingError(f"{model} v{version}: the adapter artifact has sub-folders {nested}; adapters are flat folders")
+    _check_listed(f"{model} v{version}", {Path(f.path).name: f.file_size for f in listed}, max_adapter_bytes)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=target.parent))
     try:
-        uri = client.get_model_version_download_uri(model, version)
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp), tracking_uri=tracking_uri))
-        check_inside(root, tmp)
-        if local != tmp:
-            local.rename(tmp / "_adapter")
-            local = tmp / "_adapter"
+        local = tmp / "_adapter"
+        local.mkdir()
+        for info in listed:  # file by file: the size cap also holds against a store that lies in its listing
+            name = Path(info.path).name
+            _safe_name(root, local, name)
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{uri.rstrip('/')}/{name}", dst_path=str(local), tracking_uri=tracking_uri
+            )  # fmt: skip
+            check_inside(root, tmp)
+            _check_sizes(local, max_adapter_bytes)
         rank = verify_folder(root, local, checksums, **kwargs)
         if target.exists():
             shutil.rmtree(target)

@@ -1,24 +1,32 @@
 """Simulated users: verifiable questions sent through the gateway with the
 official ``openai`` client, answers checked as a user would, feedback posted.
 
-Prompts come from reasoning-gym (procedural arithmetic); each request carries
-the reference answer in ``metadata`` so the trainer's ``exact_answer``
-verifier can score rollouts later. The user's feedback is a thumbs up when the
-answer is right and a thumbs down otherwise.
+Prompts come from reasoning-gym (procedural arithmetic). The user's feedback
+is a thumbs up when the answer is right and a thumbs down otherwise, sent with
+the API key and the response's feedback token: that is all the demo's
+candidates learn from. Each request also carries the reference answer in
+``metadata``, for the demo's own scoreboard and its oracle recipe
+(``first_number_answer``, the users' own check as a reward); the gateway keeps
+it as a label only from a trusted-grader key (:func:`create_demo_key` makes
+one). Each simulated user sends its own ``user`` id, so per-user caps see
+several users.
 """
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from openai import OpenAI
 
+from connectors.auth import KeyStore
+from trainer.rewards import first_number_answer
 from trainer.tasks import reasoning_gym_prompts
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+FEEDBACK_HEADER = "x-hourglass-feedback-token"
+SIMULATED_USERS = 16
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,9 @@ class Exchange:
 
 
 def is_correct(answer: str, reference: str) -> bool:
-    """The first number in the answer equals the reference (what a user checks)."""
-    match = _NUMBER.search(answer.replace(",", ""))
-    try:
-        return match is not None and abs(float(match.group()) - float(reference)) < 1e-6
-    except ValueError:
-        return False
+    """The first number in the answer equals the reference (what a user checks): the
+    ``first_number_answer`` reward, so the oracle recipe trains on exactly this check."""
+    return first_number_answer([], answer, {"reference_answer": reference}) == 1.0
 
 
 def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:
@@ -50,25 +55,38 @@ def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:
     return [(p.messages[0]["content"], p.metadata["reference_answer"]) for p in prompts]
 
 
-def ask(client: OpenAI, gateway_url: str, model: str, question: str, reference: str, max_tokens: int = 16) -> Exchange:
-    """One chat completion through the gateway, then the user's feedback."""
+def create_demo_key(state_dir: str | Path, name: str = "demo") -> str:
+    """A new trusted-grader API key in the gateway's key store under ``state_dir`` (the demo's simulated
+    users send reference answers, which only a trusted grader may set); returns the key string."""
+    _, key = KeyStore(Path(state_dir) / "gateway-keys.json").create(name, trusted_grader=True)
+    return key
+
+
+def ask(
+    client: OpenAI, gateway_url: str, model: str, question: str, reference: str, max_tokens: int = 16, *, user: str | None = None
+) -> Exchange:
+    """One chat completion through the gateway, then the user's feedback (same API key, the response's token)."""
     raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=[{"role": "user", "content": question}],
         max_tokens=max_tokens,
         temperature=0.7,
-        extra_body={"metadata": {"reference_answer": reference, "task": "basic_arithmetic"}},
+        extra_body={"metadata": {"reference_answer": reference, "task": "basic_arithmetic"}, **({"user": user} if user else {})},
     )
     trace_id = raw.headers.get("x-hourglass-trace-id", "")
     answer = raw.parse().choices[0].message.content or ""
     correct = is_correct(answer, reference)
-    httpx.post(f"{gateway_url}/v1/feedback", json={"trace_id": trace_id, "thumbs": "up" if correct else "down"}, timeout=30).raise_for_status()
+    vote = {"trace_id": trace_id, "thumbs": "up" if correct else "down", "feedback_token": raw.headers.get(FEEDBACK_HEADER, "")}
+    headers = {"authorization": f"Bearer {client.api_key}"}
+    httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
     return Exchange(trace_id, question, answer, reference, correct)
 
 
-def drive(gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4) -> list[Exchange]:
-    """Send ``n`` questions through the gateway, ``concurrency`` at a time."""
-    client = OpenAI(base_url=f"{gateway_url}/v1", api_key="demo", max_retries=2, timeout=120)
+def drive(gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4, *, api_key: str = "demo") -> list[Exchange]:
+    """Send ``n`` questions through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
+    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`)."""
+    client = OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=2, timeout=120)
     questions = arithmetic_questions(n, seed)
+    users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda qa: ask(client, gateway_url, model, *qa), questions))
+        return list(pool.map(lambda args: ask(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)))

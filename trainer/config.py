@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -46,6 +47,23 @@ class RewardTerm(_Section):
         return fn
 
 
+class Algorithm(StrEnum):
+    """How a candidate learns (``CandidateConfig.algorithm``); :data:`trainer.update.ALGORITHMS` maps each to its batch and loss.
+
+    ``grpo`` / ``ppo_clip`` learn from fresh rollouts scored by the reward mix;
+    ``offline_is`` and ``kto`` learn from logged completions and their logged
+    reward (user feedback), without rollouts.
+    """
+
+    GRPO = "grpo"
+    PPO_CLIP = "ppo_clip"
+    OFFLINE_IS = "offline_is"
+    KTO = "kto"
+
+
+OFFLINE_ALGORITHMS = frozenset({Algorithm.OFFLINE_IS, Algorithm.KTO})
+
+
 class CandidateConfig(_Section):
     """A named LoRA adapter and its recipe."""
 
@@ -55,7 +73,10 @@ class CandidateConfig(_Section):
         pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$",  # as serving.model_name: it names registry models and staging folders
         description="The public model name (tenant) this candidate competes for; in hourglass.toml it defaults to serving.model_name.",
     )
-    algorithm: Literal["grpo", "ppo_clip", "offline_is"] = Field(default="grpo", description="Policy-gradient loss.")
+    algorithm: Algorithm = Field(
+        default=Algorithm.GRPO,
+        description="grpo | ppo_clip (fresh rollouts, reward mix) | offline_is | kto (logged completions and their logged reward).",
+    )
     learning_rate: float = Field(default=1e-4, gt=0, lt=1, description="AdamW learning rate.")
     kl_coef: float = Field(default=0.02, ge=0, description="Weight of the k3 KL penalty to the reference (base) policy.")
     lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r.")
@@ -68,6 +89,12 @@ class CandidateConfig(_Section):
     )
     data_filter: str | None = Field(default=None, description="Optional substring a prompt must contain to be used.")
     start: Literal["champion", "fresh", "self"] = Field(default="champion", description="Where the adapter starts each round.")
+    kto_beta: float = Field(default=0.1, gt=0, description="kto: beta, the scale of the implicit reward log pi/pi_ref (TRL KTOConfig.beta).")
+    kto_desirable_weight: float = Field(default=1.0, gt=0, description="kto: weight of the desirable (thumbs-up) examples' loss.")
+    kto_undesirable_weight: float = Field(default=1.0, gt=0, description="kto: weight of the undesirable (thumbs-down) examples' loss.")
+    kto_use_corrections: bool = Field(
+        default=True, description="kto: a trace's user correction (when the snapshot has one) is an extra desirable example."
+    )
 
     @field_validator("name")
     @classmethod
@@ -78,8 +105,8 @@ class CandidateConfig(_Section):
 
     @model_validator(mode="after")
     def _offline_reward(self) -> "CandidateConfig":
-        if self.algorithm == "offline_is" and not any(term.fn == "logged" for term in self.reward):
-            raise ValueError("algorithm 'offline_is' learns from logged rewards: add a reward term with fn = 'logged'")
+        if self.algorithm in OFFLINE_ALGORITHMS and not any(term.fn == "logged" for term in self.reward):
+            raise ValueError(f"algorithm {self.algorithm.value!r} learns from logged rewards: add a reward term with fn = 'logged'")
         return self
 
 
@@ -112,8 +139,31 @@ class RLConfig(_Section):
     clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO-clip epsilon.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
-    heldout_fraction: float = Field(default=0.2, gt=0, lt=1, description="Newest fraction of the snapshot kept for evaluation.")
-    gate_margin: float = Field(default=0.0, ge=0, description="Reward margin a challenger must beat the champion by.")
+    heldout_fraction: float = Field(
+        default=0.2, gt=0, lt=1,
+        description="Fraction of the snapshot kept for evaluation: each user's newest rows, in proportion to the user's rows.",
+    )  # fmt: skip
+    max_user_share: float = Field(
+        default=0.2, gt=0, le=1,
+        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
+        "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
+    )  # fmt: skip
+    gate_metric: Literal["verifiable", "reward_model", "feedback"] = Field(
+        default="verifiable",
+        description=(
+            "How candidates and the champion are compared on held-out rows: `verifiable` (greedy answers scored by "
+            "rl.gate_reward; rows with its metadata), `reward_model` (greedy answers scored by the round's reward model), "
+            "`feedback` (AUC of the implicit reward log pi/pi_ref at ranking held-out up-voted over down-voted completions)."
+        ),
+    )
+    gate_reward: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(fn="exact_answer")],
+        min_length=1,
+        description="The `verifiable` gate's yardstick: one reward mix for every candidate and the champion, whatever they train on.",
+    )
+    gate_margin: float = Field(
+        default=0.0, ge=0, description="Margin (in the gate metric's unit: reward, or AUC) a challenger must beat the champion by."
+    )
     gate_confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound.")
     bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
     max_kl: float = Field(default=1.0, gt=0, description="Guardrail: mean KL to base above this fails the gate.")
@@ -123,6 +173,17 @@ class RLConfig(_Section):
     rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default: the serving one.")
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
+
+    @field_validator("gate_reward")
+    @classmethod
+    def _gate_reward_scores_new_answers(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
+        training_only = sorted({t.fn for t in terms} & {"logged", "reward_model"})
+        if training_only:
+            raise ValueError(
+                f"rl.gate_reward must be a verifiable reward of new greedy answers; {training_only} cannot score them "
+                "(use gate_metric = 'reward_model' or 'feedback' to gate on users' feedback)"
+            )
+        return terms
 
     @field_validator("window")
     @classmethod

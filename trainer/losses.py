@@ -113,3 +113,54 @@ def importance_weighted_pg_loss(
     loss = masked_mean(-weight_BT * advantages_B.detach().unsqueeze(1) * logprobs_BT, mask_BT)
     clip_frac = masked_mean((ratio_BT > max_ratio).float(), mask_BT)
     return loss, clip_frac
+
+
+def sequence_logprobs(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """log pi(y | x) of each completion: the sum of its token log-probs over the mask, ``[B, T] -> [B]``."""
+    return (logprobs_BT * mask_BT.to(logprobs_BT.dtype)).sum(dim=1)
+
+
+def kto_loss(
+    policy_logps_B: torch.Tensor,
+    reference_logps_B: torch.Tensor,
+    desirable_B: torch.Tensor,
+    policy_kl_logps_B: torch.Tensor,
+    reference_kl_logps_B: torch.Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO loss on binary feedback, returned as a loss to minimise.
+
+    With the implicit reward ``r_b = policy_logps_b - reference_logps_b``
+    (sequence sums of log-probs) and the reference point
+    ``z0 = max(0, mean_b(policy_kl_logps_b - reference_kl_logps_b))``
+    (detached; computed on mismatched prompt/completion pairs of the batch):
+
+    - desirable ``b``: ``loss_b = desirable_weight * (1 - sigmoid(beta * (r_b - z0)))``
+    - undesirable ``b``: ``loss_b = undesirable_weight * (1 - sigmoid(beta * (z0 - r_b)))``
+
+    and the loss is the mean of ``loss_b`` over the batch. Source: Ethayarajh
+    et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization",
+    eq. 7-8; TRL ``KTOTrainer.kto_loss`` (``loss_type="kto"``), whose KL
+    completions are the batch's completions shifted by one.
+
+    Args:
+        policy_logps_B: log pi(y_b | x_b) ``[B]`` (with grad).
+        reference_logps_B: log pi_ref(y_b | x_b) ``[B]`` (no grad).
+        desirable_B: True where ``y_b`` is desirable (thumbs up) ``[B]`` bool.
+        policy_kl_logps_B: log pi(y'_b | x_b) on mismatched pairs ``[B']`` (detached here).
+        reference_kl_logps_B: log pi_ref(y'_b | x_b) ``[B']``.
+        beta: scale of the implicit reward (> 0).
+        desirable_weight, undesirable_weight: per-class loss weights (> 0).
+
+    Returns:
+        ``(loss, z0)``: scalar loss and the detached reference point.
+    """
+    z0 = (policy_kl_logps_B.detach() - reference_kl_logps_B.detach()).mean().clamp(min=0.0)
+    logratio_B = policy_logps_B - reference_logps_B.detach()
+    desirable_B = desirable_B.to(torch.bool)
+    desirable_loss_B = desirable_weight * (1.0 - torch.sigmoid(beta * (logratio_B - z0)))
+    undesirable_loss_B = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - logratio_B)))
+    loss_B = torch.where(desirable_B, desirable_loss_B, undesirable_loss_B)
+    return loss_B.mean(), z0

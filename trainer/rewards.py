@@ -4,8 +4,8 @@ A reward function is any callable ``(prompt_messages, completion, metadata)
 -> float``; ``metadata`` is the row's metadata object (``reference_answer``
 lives there) plus, for logged rows, ``reward`` (the logged scalar).
 
-Built-ins (name -> function): ``exact_answer``, ``json_valid``,
-``length_penalty``, ``format``, ``logged``, ``reward_model`` (the round's
+Built-ins (name -> function): ``exact_answer``, ``first_number_answer``,
+``json_valid``, ``length_penalty``, ``format``, ``logged``, ``reward_model`` (the round's
 reward model's score of a fresh rollout, see :mod:`trainer.reward_model`). Anything else is imported from a
 ``module:function`` path. :func:`build_reward` turns a list of
 :class:`~trainer.config.RewardTerm` into one callable.
@@ -77,6 +77,31 @@ def exact_answer(prompt_messages: Messages, completion: str, metadata: dict[str,
 # Metadata keys a reward needs on a row; rounds leave rows without them out of that
 # candidate's prompts instead of failing (traffic without references is normal).
 exact_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defined]
+
+
+_FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def first_number_answer(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, tol: float = 1e-6) -> float:
+    """1.0 when the first number in the completion (commas removed) equals the numeric
+    ``metadata["reference_answer"]`` within ``tol``; 0.0 otherwise (also for a non-numeric reference).
+
+    What a reader checks first ("13" in "13, because 9 + 4 = 13"); the demo's simulated
+    users judge answers this way (:func:`pipeline.traffic.is_correct`).
+
+    Raises:
+        RewardError: the row has no ``reference_answer``.
+    """
+    if "reference_answer" not in metadata:
+        raise RewardError(f"first_number_answer needs metadata['reference_answer'] on every row; got keys {sorted(metadata)}")
+    match = _FIRST_NUMBER.search(completion.replace(",", ""))
+    try:
+        return float(match is not None and abs(float(match.group()) - float(str(metadata["reference_answer"]))) < tol)
+    except ValueError:
+        return 0.0
+
+
+first_number_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defined]
 
 
 def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
@@ -153,6 +178,7 @@ TRAINING_ONLY = frozenset({"logged", "reward_model"})
 
 BUILTINS: dict[str, Callable[..., float]] = {
     "exact_answer": exact_answer,
+    "first_number_answer": first_number_answer,
     "json_valid": json_valid,
     "length_penalty": length_penalty,
     "format": format_reward,

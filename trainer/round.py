@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -38,14 +39,26 @@ from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
-from trainer.evaluate import EvalResult, eval_mix, gate, greedy_answers, kl_to_base, score
+from trainer.evaluate import (
+    EvalResult,
+    auc,
+    feedback_labels,
+    gate,
+    gate_mix,
+    greedy_answers,
+    kl_to_base,
+    score,
+    sequence_logps,
+    unusable_reason,
+    usable_rows,
+)
 from trainer.reward_model import RewardModel
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RewardModelReport, RoundResult
-from trainer.update import offline_batch, rollout_batch, update_step
+from trainer.update import ALGORITHMS, StepData, logged_ids, update_step
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +160,15 @@ def train_candidates(
             f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
             "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
         )
-    offline_pools = {c.name: [p for p in pools[c.name] if p.logged_completion is not None and p.logged_reward is not None] for c in candidates if c.algorithm == "offline_is"}
+    specs = {c.name: ALGORITHMS[c.algorithm] for c in candidates}
+    offline_pools = {c.name: [p for p in pools[c.name] if specs[c.name].usable_row(p, c)] for c in candidates if not specs[c.name].online}
     starved = [n for n, pool in offline_pools.items() if not pool]
     if starved:
-        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward in the training window")
+        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window")
     mixes = {c.name: build_reward(c.reward) for c in candidates}
     history: dict[str, list[dict[str, float]]] = {c.name: [] for c in candidates}
     rollout_totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
-    online = [c for c in candidates if c.algorithm != "offline_is"]
+    online = [c for c in candidates if specs[c.name].online]
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
         for step in range(rl.steps_per_round):
@@ -181,12 +195,13 @@ def train_candidates(
                 # 3. score + update, one candidate at a time on the resident base
                 optimizer = store.activate(c.name)  # type: ignore[attr-defined]
                 metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}  # type: ignore[attr-defined]
-                if c.algorithm == "offline_is":
-                    rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
-                    batch, m = offline_batch(rows, [_prompt_ids(base, p, rl) for p in rows], base, mixes[c.name])
+                if specs[c.name].online:
+                    rows, step_groups = step_prompts[c.name], groups[c.name]
                 else:
-                    prompts = step_prompts[c.name]
-                    batch, m = rollout_batch(c, prompts, [_prompt_ids(base, p, rl) for p in prompts], groups[c.name], mixes[c.name], rm_scores.get(c.name))
+                    rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
+                    step_groups = None
+                data = StepData(c, rows, [_prompt_ids(base, p, rl) for p in rows], step_groups, base, mixes[c.name], rm_scores.get(c.name))
+                batch, m = specs[c.name].build_batch(data)
                 metrics |= m | rollout_metrics
                 metrics |= update_step(base, optimizer, c, rl, batch)
                 # 4. publish under a new name; the old one is unloaded
@@ -225,83 +240,122 @@ def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
     return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
 
 
-def eval_prompts(heldout: Sequence[Prompt], candidates: Sequence[CandidateConfig], rl: RLConfig) -> list[Prompt]:
-    """The first ``rl.eval_prompts`` held-out rows that every candidate's evaluation mix can score.
+def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
+    """The first ``rl.eval_prompts`` held-out rows the gate metric can use (see
+    :func:`trainer.evaluate.usable_rows`); may be empty (the gate then promotes nothing)."""
+    return usable_rows(heldout, rl)[: rl.eval_prompts]
 
-    Raises:
-        DataError: no held-out row carries the metadata the evaluation rewards need.
-    """
-    mixes = [eval_mix(c) for c in candidates]
-    prompts = [p for p in heldout if all(m.accepts(p.metadata) for m in mixes)][: rl.eval_prompts]
-    if not prompts:
-        needs = sorted(set().union(*(m.required_metadata for m in mixes)))
-        raise DataError(f"none of the {len(heldout)} held-out rows carries the metadata {needs} the evaluation rewards need")
-    return prompts
+
+def _load_champions(
+    store: object, engine: RolloutEngine, tenants: Sequence[str], champions: dict[str, Path | None], round_id: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each tenant's champion as an adapter in the store and the engine: tenant -> engine version
+    (``BASE_VERSION`` when the base is champion), tenant -> store name (tenants with an adapter only)."""
+    versions: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for i, tenant in enumerate(tenants):
+        folder = champions.get(tenant)
+        if folder is None:
+            versions[tenant] = BASE_VERSION
+            continue
+        name = f"champion-{i}"
+        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
+        names[tenant] = name
+        versions[tenant] = f"{name}-{round_id}"
+        engine.load(name, versions[tenant], Path(folder))
+    return versions, names
 
 
 def evaluate_and_gate(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
-    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str, *,
-    reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
+    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
+    *, reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
     checkpoint: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
-    """Greedy answers of all candidates and champions on the same held-out prompts, then one gate per tenant.
+    """Greedy answers of all candidates and champions on the same held-out rows, one yardstick
+    (``rl.gate_metric``, see :mod:`trainer.evaluate`) per tenant, then one gate per tenant.
 
-    Only held-out rows every candidate's evaluation mix can score are used.
+    ``reward_model`` / ``reward_report``: the round's reward model (trained on
+    the training split) and its held-out report; the ``reward_model`` metric
+    promotes nothing without them or when the report's AUC lower bound is <= 0.5.
+    No usable held-out row is not an error: every tenant keeps its champion,
+    and the decision says why. Returns results per candidate, decisions per
+    tenant, and round metrics (``eval/prompts``, ``eval/<metric>/<candidate>``,
+    ``eval/<metric>/champion/<tenant>``).
+
     ``checkpoint`` is called with ``"evaluate:greedy"`` before the greedy
     answers and ``"evaluate:score:<candidate>"`` before each candidate is
     scored; if it raises, the champions loaded here are unloaded and the error
     propagates.
-
-    Raises:
-        DataError: no held-out row carries the metadata the evaluation rewards need.
     """
     check = checkpoint or (lambda _phase: None)
-    prompts = eval_prompts(heldout, candidates, rl)
-    ids = [_prompt_ids(base, p, rl) for p in prompts]
+    metric = rl.gate_metric
+    prompts = eval_prompts(heldout, rl)
     tenants = sorted({c.served_model for c in candidates})
-    champion_versions: dict[str, str] = {}
-    champion_names: list[str] = []
-    loaded: list[str] = []
+    refusal = unusable_reason(prompts, len(heldout), rl)
+    if refusal is None and metric == "reward_model":
+        if reward_model is None:
+            refusal = "the gate metric is 'reward_model' but this round has no reward model"
+        elif reward_report is None or not reward_report.auc_lower_bound > 0.5:
+            lb = reward_report.auc_lower_bound if reward_report is not None else float("nan")
+            refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
+    ids = [_prompt_ids(base, p, rl) for p in prompts]
+    labels = feedback_labels(prompts) if metric == "feedback" else None
+    logged = [logged_ids(base, p) for p in prompts] if metric == "feedback" else []
+    reference = sequence_logps(base, ids, logged, reference=True) if logged else []
+    champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
     try:
-        for i, tenant in enumerate(tenants):
-            folder = champions.get(tenant)
-            if folder is None:
-                champion_versions[tenant] = BASE_VERSION
-                continue
-            name = f"champion-{i}"
-            store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
-            champion_names.append(name)
-            champion_versions[tenant] = f"{name}-{round_id}"
-            engine.load(name, champion_versions[tenant], Path(folder))
-            loaded.append(champion_versions[tenant])
         check("evaluate:greedy")
-        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl)
+        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl) if prompts else {}
+        rm_scores: dict[str, list[float]] = {}
+        if metric == "reward_model" and reward_model is not None and prompts:
+            order = list(answers)  # every version's greedy answers in one batched scoring call
+            flat = reward_model.score([i for _ in order for i in ids], [list(s.token_ids) or [base.tokenizer.eos_token_id] for v in order for s in answers[v]])
+            rm_scores = {v: list(flat[k * len(prompts) : (k + 1) * len(prompts)]) for k, v in enumerate(order)}
+
+        def values(version: str) -> tuple[float, ...]:
+            """Per-row values of ``version`` (its adapter must be live for ``feedback``)."""
+            if not prompts:
+                return ()
+            if metric == "verifiable":
+                return score(answers[version], prompts, gate_mix(rl))
+            if metric == "reward_model":
+                return tuple(rm_scores.get(version, [float("nan")] * len(prompts)))
+            if version == BASE_VERSION:
+                return tuple(0.0 for _ in prompts)  # the base's implicit reward against itself
+            return tuple(a - b for a, b in zip(sequence_logps(base, ids, logged), reference))
+
         results: dict[str, EvalResult] = {}
         for c in candidates:
             check(f"evaluate:score:{c.name}")
-            samples = answers[versions[c.name]]
+            samples = answers.get(versions[c.name], [])
             store.activate(c.name)  # type: ignore[attr-defined]
+            row_values = values(versions[c.name])
             results[c.name] = EvalResult(
-                version=versions[c.name], samples=tuple(samples), rewards=score(samples, prompts, eval_mix(c)),
-                mean_kl=kl_to_base(base, ids, samples), mean_length=sum(len(s.token_ids) for s in samples) / max(1, len(samples)),
+                version=versions[c.name], samples=tuple(samples), rewards=row_values,
+                mean_kl=kl_to_base(base, ids, samples) if samples else float("nan"),
+                mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
+                value=auc(row_values, labels) if labels is not None else None,
             )  # fmt: skip
         decisions = {}
+        round_metrics = {"eval/prompts": float(len(prompts))}
         for tenant in tenants:
-            members = [c for c in candidates if c.served_model == tenant]
-            champ = answers[champion_versions[tenant]]
-            champ_rewards = {c.name: score(champ, prompts, eval_mix(c)) for c in members}
+            if tenant in champion_names:
+                store.activate(champion_names[tenant])  # type: ignore[attr-defined]
+            champ = values(champion_versions[tenant])
             label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
-            decisions[tenant] = gate(tenant, members, results, champ_rewards, label, rl)
-    finally:  # also on a cancel: the champions loaded here leave the engine and the store
-        for version in loaded:
-            try:
+            members = [c for c in candidates if c.served_model == tenant]
+            decisions[tenant] = gate(tenant, members, results, champ, label, rl, labels=labels, refusal=refusal)
+            round_metrics[f"eval/{metric}/champion/{tenant}"] = decisions[tenant].champion_reward_mean
+        round_metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
+        round_metrics = {k: v for k, v in round_metrics.items() if math.isfinite(v)}  # undefined values are left out, not NaN
+    finally:
+        for version in champion_versions.values():
+            if version != BASE_VERSION:
                 engine.unload(version)
-            except RolloutError as err:
-                log.warning("could not unload %s after evaluation: %s", version, err)
-        for name in champion_names:
+        for name in champion_names.values():
             store.delete(name)  # type: ignore[attr-defined]
-    return results, decisions, {"eval/prompts": float(len(prompts))}
+    return results, decisions, round_metrics
 
 
 def _window(train: pa.Table, heldout: pa.Table) -> tuple[datetime, datetime]:
@@ -373,9 +427,9 @@ def run_round(
     train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
     if not heldout_prompts:
         raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
-    eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, candidates, rl))  # fails before any work
+    eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, rl))
     reward_cfg = reward_cfg or RewardModelConfig()
-    feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work too
+    feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work
     base = base or load_base(model_cfg)  # 1. the resident base, loaded once
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
@@ -406,7 +460,7 @@ def run_round(
                 CandidateResult(
                     name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
                     step_metrics=tuple(history[c.name]), eval_rewards=r.rewards,
-                    eval_metrics={"eval/reward_mean": r.reward_mean, "eval/kl": r.mean_kl, "eval/mean_length": r.mean_length},
+                    eval_metrics=r.as_metrics(rl.gate_metric),
                 )
             )  # fmt: skip
         for version in versions.values():

@@ -14,6 +14,8 @@ class Prompt:
     ``messages`` is the chat (``[{role, content}]``); ``metadata`` the row's
     metadata (``reference_answer``, ...). The ``logged_*`` fields hold the
     served completion of a buffer row (for offline learning); None otherwise.
+    ``logged_correction`` is the user's corrected answer from the trace's
+    feedback, when the snapshot has a ``correction`` column and the user gave one.
     """
 
     prompt_id: str
@@ -24,6 +26,7 @@ class Prompt:
     logged_logprobs: list[float] | None = None
     logged_reward: float | None = None
     logged_adapter_version: str | None = None
+    logged_correction: str | None = None
 
 
 @dataclass(frozen=True)

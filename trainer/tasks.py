@@ -4,11 +4,13 @@ Snapshot tables carry the buffer's columns: ``trace_id`` string, ``ts``
 timestamp, ``model`` string, ``adapter_version`` string, ``prompt`` string
 (JSON chat messages), ``completion`` string, ``completion_token_ids``
 list<int32> (nullable), ``completion_logprobs`` list<float32> (nullable),
-``reward`` float64 (nullable), ``metadata`` string (JSON object).
+``reward`` float64 (nullable), ``metadata`` string (JSON object); and, when
+the buffer has it, ``correction`` string (nullable: the user's corrected answer).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
@@ -78,7 +80,11 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
         "reward": [p.logged_reward for p in prompts],
         "metadata": [json.dumps(p.metadata) for p in prompts],
     }
-    return pa.Table.from_pydict(rows, schema=SNAPSHOT_SCHEMA)
+    schema = SNAPSHOT_SCHEMA
+    if any(p.logged_correction is not None for p in prompts):
+        rows["correction"] = [p.logged_correction for p in prompts]
+        schema = schema.append(pa.field("correction", pa.string()))
+    return pa.Table.from_pydict(rows, schema=schema)
 
 
 def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
@@ -121,26 +127,116 @@ def prompts_from_table(table: pa.Table) -> list[Prompt]:
                 logged_logprobs=row.get("completion_logprobs"),
                 logged_reward=row.get("reward"),
                 logged_adapter_version=row.get("adapter_version"),
+                logged_correction=row.get("correction"),  # absent in snapshots without the column
             )
         )
     return out
 
 
-def split_snapshot(table: pa.Table, heldout_fraction: float) -> tuple[pa.Table, pa.Table]:
-    """``(train, heldout)`` split by time: the newest ``heldout_fraction`` of rows is held out.
+ANONYMOUS_USER = "anonymous"
 
-    Both parts keep at least one row when the table has two or more.
+
+def row_users(table: pa.Table) -> list[str]:
+    """Each row's user: ``metadata.user_hash`` (the gateway sets it from the caller's API key and ``user``);
+    rows without one (traces produced straight to Kafka) count as one user, ``"anonymous"``."""
+    if "metadata" not in table.column_names:
+        return [ANONYMOUS_USER] * table.num_rows
+    users = []
+    for raw in table.column("metadata").to_pylist():
+        try:
+            meta = json.loads(raw) if raw else {}
+        except ValueError:
+            meta = {}
+        user = meta.get("user_hash") if isinstance(meta, dict) else None
+        users.append(user if isinstance(user, str) and user else ANONYMOUS_USER)
+    return users
+
+
+def _stable_rank(trace_id: str) -> str:
+    """A per-row order nobody can choose (trace ids are issued by the gateway): SHA-256 of the trace id."""
+    return hashlib.sha256(trace_id.encode("utf-8")).hexdigest()
+
+
+def user_cap(counts: Sequence[int], max_share: float) -> int:
+    """The most rows any one user may keep: the largest ``c`` with ``c <= s * sum(min(n, c))`` where
+    ``s = max(max_share, 1 / users)`` (so a cap always exists, and an even split is never cut).
+
+    Example: counts ``[100, 3, 3, 3, 3]``, share 0.2 -> 3 (the flood keeps 3 of 15 rows = 20 %).
+    """
+    if not counts:
+        return 0
+    share = max(max_share, 1.0 / len(counts))
+    lo, hi = 1, max(counts)  # c = 1 always holds: 1 <= share * users
+    while lo < hi:  # f(c) = share * T(c) - c is >= 0 on [0, c*]: binary search c*
+        mid = (lo + hi + 1) // 2
+        if mid <= share * sum(min(n, mid) for n in counts) + 1e-9:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cap_user_share(table: pa.Table, max_share: float) -> pa.Table:
+    """``table`` with each user's rows cut to :func:`user_cap` (a user over the cap keeps the rows whose
+    SHA-256 of trace id sorts first: spread over time, not chosen by the user). Row order is kept."""
+    users = row_users(table)
+    by_user: dict[str, list[int]] = {}
+    for i, user in enumerate(users):
+        by_user.setdefault(user, []).append(i)
+    cap = user_cap([len(rows) for rows in by_user.values()], max_share)
+    trace_ids = table.column("trace_id").to_pylist()
+    keep: list[int] = []
+    for rows in by_user.values():
+        keep.extend(rows if len(rows) <= cap else sorted(rows, key=lambda i: _stable_rank(str(trace_ids[i])))[:cap])
+    return table.take(sorted(keep)) if len(keep) < table.num_rows else table
+
+
+def user_metrics(train: pa.Table, heldout: pa.Table, prefix: str = "data") -> dict[str, float]:
+    """``{data/users, data/max_user_share, data/heldout_users, data/heldout_max_user_share}`` of a split."""
+    out: dict[str, float] = {}
+    for name, part in (("", train), ("heldout_", heldout)):
+        users = row_users(part)
+        counts = {u: users.count(u) for u in set(users)}
+        out[f"{prefix}/{name}users"] = float(len(counts))
+        out[f"{prefix}/{name}max_user_share"] = max(counts.values()) / len(users) if users else 0.0
+    return out
+
+
+def split_snapshot(table: pa.Table, heldout_fraction: float, *, max_user_share: float = 1.0) -> tuple[pa.Table, pa.Table]:
+    """``(train, heldout)``: the held-out set is drawn across users and time, then each part is capped per user.
+
+    Rule: ``H = round(rows * heldout_fraction)`` held-out rows (at least 1, at most rows - 1) are shared among
+    users in proportion to their rows (largest remainder; ties to the user with fewer rows); each user gives
+    its newest rows. So every user's held-out rows are newer than their training rows, one user's burst
+    before a round fills at most that user's proportional part, and with a single user (or no user hashes)
+    the newest ``H`` rows are held out. Then :func:`cap_user_share` cuts each part so no user holds more than
+    ``max_user_share`` of it (or an even split with few users); ``1.0`` = no cap.
 
     Raises:
-        DataError: fraction outside (0, 1), no ``ts`` column, or fewer than 2 rows.
+        DataError: fraction outside (0, 1), share outside (0, 1], no ``ts`` column, or fewer than 2 rows.
     """
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"heldout_fraction {heldout_fraction} must lie in (0, 1)")
+    if not 0.0 < max_user_share <= 1.0:
+        raise DataError(f"max_user_share {max_user_share} must lie in (0, 1]")
     if "ts" not in table.column_names:
         raise DataError(f"snapshot table has no 'ts' column to split by time; columns: {table.column_names}")
     if table.num_rows < 2:
         raise DataError(f"snapshot has {table.num_rows} rows; a train/held-out split needs at least 2")
     ordered = table.sort_by([("ts", "ascending"), ("trace_id", "ascending")])
     n_heldout = min(max(1, round(table.num_rows * heldout_fraction)), table.num_rows - 1)
-    cut = table.num_rows - n_heldout
-    return ordered.slice(0, cut), ordered.slice(cut)
+    by_user: dict[str, list[int]] = {}
+    for i, user in enumerate(row_users(ordered)):
+        by_user.setdefault(user, []).append(i)
+    quotas = {u: n_heldout * len(rows) / table.num_rows for u, rows in by_user.items()}
+    share = {u: int(q) for u, q in quotas.items()}
+    by_remainder = sorted(by_user, key=lambda u: (-(quotas[u] - share[u]), len(by_user[u]), u))
+    for user in by_remainder[: n_heldout - sum(share.values())]:
+        share[user] += 1
+    held = sorted(i for u, rows in by_user.items() for i in rows[len(rows) - share[u]:])
+    held_set = set(held)
+    train = ordered.take([i for i in range(ordered.num_rows) if i not in held_set])
+    heldout = ordered.take(held)
+    if max_user_share < 1.0:
+        train, heldout = cap_user_share(train, max_user_share), cap_user_share(heldout, max_user_share)
+    return train, heldout

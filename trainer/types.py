@@ -35,8 +35,11 @@ class GateDecision:
     """The gate's verdict for one served model (tenant).
 
     ``winner`` is a candidate name or None; ``reason`` says why in words.
-    ``lower_bounds`` maps candidate name to the paired-bootstrap lower
-    confidence bound of (candidate reward - champion reward).
+    ``metric`` is the gate metric (``verifiable``, ``reward_model`` or
+    ``feedback``); ``champion_reward_mean`` and ``candidate_reward_means``
+    hold each policy's value under it (mean reward, mean reward-model score,
+    or feedback AUC), and ``lower_bounds`` maps candidate name to the
+    paired-bootstrap lower confidence bound of (candidate - champion) value.
     """
 
     served_model: str
@@ -45,6 +48,7 @@ class GateDecision:
     champion_reward_mean: float
     candidate_reward_means: dict[str, float]
     lower_bounds: dict[str, float]
+    metric: str = "verifiable"
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,52 @@
 """One optimizer step of one candidate: build the batch, score it, update.
 
-- :func:`rollout_batch`: rollout groups -> rewards -> advantages (``grpo``:
-  group-normalised, Shao et al. 2024; ``ppo_clip``: reward minus the group
-  mean, no std scaling).
-- :func:`offline_batch`: logged rows (completion, logged log-probs, reward) ->
-  advantages (reward minus the batch mean, over the batch std).
-- :func:`update_step`: policy loss (PPO-clip, or truncated importance-weighted
-  PG for ``offline_is``) + ``kl_coef`` * k3 KL to the reference (the base with
-  adapters disabled), backward, clip, AdamW step.
+:data:`ALGORITHMS` maps every :class:`~trainer.config.Algorithm` to its batch
+builder and its policy loss:
 
-Each returns its result and a metrics dict with namespaced keys.
+- ``grpo`` / ``ppo_clip``: :func:`rollout_batch`, rollout groups -> rewards ->
+  advantages (``grpo``: group-normalised, Shao et al. 2024; ``ppo_clip``:
+  reward minus the group mean, no std scaling); PPO-clip loss.
+- ``offline_is``: :func:`offline_batch`, logged rows (completion, logged
+  log-probs, reward) -> advantages (reward minus the batch mean, over the batch
+  std); truncated importance-weighted PG.
+- ``kto``: :func:`kto_batch`, logged rows -> desirable / undesirable examples
+  (reward mix > 0; a user correction is one more desirable example); the KTO
+  loss (Ethayarajh et al. 2024) against the base with adapters disabled.
+
+:func:`update_step` adds ``kl_coef`` * k3 KL to the reference (the base with
+adapters disabled) to the policy loss, then backward, clip, AdamW step.
+Each function returns its result and a metrics dict with namespaced keys.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trainer.base import ResidentBase
-from trainer.config import CandidateConfig, RLConfig
+from trainer.config import Algorithm, CandidateConfig, RLConfig
 from trainer.errors import DataError
-from trainer.losses import group_advantages, importance_weighted_pg_loss, kl_k3, masked_mean, ppo_clip_loss
+from trainer.losses import (
+    group_advantages,
+    importance_weighted_pg_loss,
+    kl_k3,
+    kto_loss,
+    masked_mean,
+    ppo_clip_loss,
+    sequence_logprobs,
+)
 from trainer.rewards import RewardMix
 from trainer.samples import Prompt, Sample
 
 
 @dataclass(frozen=True)
 class Batch:
-    """B sequences ready for the loss. ``behaviour_logprobs[b]`` has one entry per completion token."""
+    """B sequences ready for the loss. ``behaviour_logprobs[b]`` has one entry per completion token
+    (empty for ``kto``, which needs none); ``desirable[b]`` is the KTO label (None for other algorithms)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -39,6 +54,7 @@ class Batch:
     advantages: list[float]
     rewards: list[float]
     versions: list[str]
+    desirable: list[bool] | None = None
 
 
 def rollout_batch(
@@ -59,7 +75,7 @@ def rollout_batch(
         [[reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)] for p, group, xs in zip(prompts, groups, extra)],
         dtype=torch.float64,
     )
-    if candidate.algorithm == "grpo":
+    if candidate.algorithm == Algorithm.GRPO:
         advantages_PG = group_advantages(rewards_PG)
     else:  # ppo_clip without a value model: the group mean is the baseline
         advantages_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
@@ -80,6 +96,13 @@ def rollout_batch(
     return batch, metrics
 
 
+def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
+    """The logged completion's token ids (tokenised when the row has none; EOS for an empty completion)."""
+    if p.logged_token_ids:
+        return list(p.logged_token_ids)
+    return base.tokenizer(p.logged_completion or "", add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+
+
 def offline_batch(
     prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]], base: ResidentBase, reward: RewardMix
 ) -> tuple[Batch, dict[str, float]]:
@@ -93,10 +116,7 @@ def offline_batch(
     bad = [p.prompt_id for p in prompts if p.logged_completion is None or p.logged_reward is None]
     if bad:
         raise DataError(f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first")
-    completions = [
-        list(p.logged_token_ids) if p.logged_token_ids else base.tokenizer(p.logged_completion, add_special_tokens=False)["input_ids"]
-        for p in prompts
-    ]
+    completions = [logged_ids(base, p) for p in prompts]
     behaviour: list[list[float] | None] = [
         list(p.logged_logprobs) if p.logged_logprobs and len(p.logged_logprobs) == len(c) else None
         for p, c in zip(prompts, completions)
@@ -127,6 +147,54 @@ def offline_batch(
     return batch, metrics
 
 
+def kto_batch(
+    candidate: CandidateConfig, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]], base: ResidentBase, reward: RewardMix
+) -> tuple[Batch, dict[str, float]]:
+    """Logged rows as KTO examples: the logged completion, desirable when the reward mix
+    (e.g. ``logged``: the buffer's reward from the user's feedback) is > 0; and, with
+    ``candidate.kto_use_corrections``, the user's correction as one more desirable example.
+
+    Raises:
+        DataError: a row has neither a logged completion with a reward nor a usable correction.
+    """
+    ids: list[list[int]] = []
+    completions: list[list[int]] = []
+    desirable: list[bool] = []
+    rewards: list[float] = []
+    versions: list[str] = []
+    corrections = 0
+    for p, pids in zip(prompts, prompt_ids):
+        used = False
+        if p.logged_completion is not None and p.logged_reward is not None:
+            value = reward(p.messages, p.logged_completion, {**p.metadata, "reward": p.logged_reward})
+            ids.append(list(pids))
+            completions.append(logged_ids(base, p))
+            desirable.append(value > 0)
+            rewards.append(value)
+            versions.append(p.logged_adapter_version or "base")
+            used = True
+        if candidate.kto_use_corrections and p.logged_correction:
+            ids.append(list(pids))
+            completions.append(base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id])
+            desirable.append(True)
+            versions.append("correction")
+            corrections += 1
+            used = True
+        if not used:
+            raise DataError(f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first")
+    rewards_t = torch.tensor(rewards or [float("nan")], dtype=torch.float64)
+    batch = Batch(
+        prompt_ids=ids, completion_ids=completions, behaviour_logprobs=[[] for _ in ids], advantages=[1.0 if d else -1.0 for d in desirable],
+        rewards=rewards, versions=versions, desirable=desirable,
+    )  # fmt: skip
+    metrics = {
+        "train/reward_mean": rewards_t.mean().item(),
+        "train/kto_desirable_frac": sum(desirable) / len(desirable),
+        "train/kto_corrections": float(corrections),
+    }
+    return batch, metrics
+
+
 def _pad(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch.Tensor:
     out_BT = torch.zeros((len(rows), T), dtype=torch.float32)
     for b, row in enumerate(rows):
@@ -134,16 +202,129 @@ def _pad(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch
     return out_BT.to(device)
 
 
+# --- the algorithm registry ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepData:
+    """What one candidate learns from in one step: the step's prompts (online: with their rollout
+    ``groups``, ``P`` prompts x ``G`` samples) or logged rows (offline: ``groups`` is None)."""
+
+    candidate: CandidateConfig
+    prompts: Sequence[Prompt]
+    prompt_ids: Sequence[list[int]]
+    groups: Sequence[Sequence[Sample]] | None
+    base: ResidentBase
+    reward: RewardMix
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = None  # online: per-sample metadata for the reward (e.g. reward_model_score)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The policy loss's inputs: log-probs of the batch's completion tokens under the live adapter
+    (``logprobs_BT``, with grad) and the reference (``ref_BT``), and the mask ``mask_BT``."""
+
+    base: ResidentBase
+    candidate: CandidateConfig
+    rl: RLConfig
+    batch: Batch
+    logprobs_BT: torch.Tensor
+    ref_BT: torch.Tensor
+    mask_BT: torch.Tensor
+
+
+PolicyLoss = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """How an algorithm learns: ``online`` ones get fresh rollouts each step; offline ones draw
+    logged rows that ``usable_row`` accepts. ``build_batch`` and ``policy_loss`` do the rest."""
+
+    online: bool
+    build_batch: Callable[[StepData], tuple[Batch, dict[str, float]]]
+    policy_loss: PolicyLoss
+    usable_row: Callable[[Prompt, CandidateConfig], bool]
+
+
+def _ppo_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    old_BT = _pad(x.batch.behaviour_logprobs, x.logprobs_BT.shape[1], x.base.device)
+    advantages_B = torch.tensor(x.batch.advantages, dtype=torch.float32, device=x.base.device)
+    loss, clip_frac = ppo_clip_loss(x.logprobs_BT, old_BT, advantages_B, x.mask_BT, x.rl.clip_eps)
+    return loss, {"train/clip_frac": clip_frac.item()}
+
+
+def _offline_is_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    old_BT = _pad(x.batch.behaviour_logprobs, x.logprobs_BT.shape[1], x.base.device)
+    advantages_B = torch.tensor(x.batch.advantages, dtype=torch.float32, device=x.base.device)
+    loss, clip_frac = importance_weighted_pg_loss(x.logprobs_BT, old_BT, advantages_B, x.mask_BT)
+    return loss, {"train/clip_frac": clip_frac.item()}
+
+
+def _kto_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """KTO on the batch; the KL reference point uses the batch's completions shifted by one (as TRL)."""
+    batch = x.batch
+    shifted = [batch.completion_ids[-1], *batch.completion_ids[:-1]]
+    with torch.no_grad():
+        kl_BT, kl_mask_BT = x.base.completion_logprobs(batch.prompt_ids, shifted)
+        with x.base.reference():
+            ref_kl_BT, _ = x.base.completion_logprobs(batch.prompt_ids, shifted)
+    desirable_B = torch.tensor(batch.desirable or [], dtype=torch.bool, device=x.base.device)
+    policy_B = sequence_logprobs(x.logprobs_BT, x.mask_BT)
+    reference_B = sequence_logprobs(x.ref_BT, x.mask_BT)
+    loss, z0 = kto_loss(
+        policy_B, reference_B, desirable_B, sequence_logprobs(kl_BT, kl_mask_BT), sequence_logprobs(ref_kl_BT, kl_mask_BT),
+        beta=x.candidate.kto_beta, desirable_weight=x.candidate.kto_desirable_weight, undesirable_weight=x.candidate.kto_undesirable_weight,
+    )  # fmt: skip
+    margin_B = (policy_B - reference_B).detach()
+    metrics = {"train/kto_z0": z0.item()}
+    if desirable_B.any():
+        metrics["train/kto_logratio_desirable"] = margin_B[desirable_B].mean().item()
+    if (~desirable_B).any():
+        metrics["train/kto_logratio_undesirable"] = margin_B[~desirable_B].mean().item()
+    return loss, metrics
+
+
+def _rollout(data: StepData) -> tuple[Batch, dict[str, float]]:
+    if data.groups is None:
+        raise DataError(f"candidate {data.candidate.name!r} ({data.candidate.algorithm}) needs rollout groups")
+    return rollout_batch(data.candidate, data.prompts, data.prompt_ids, data.groups, data.reward, data.extra_metadata_PG)
+
+
+def _logged_with_reward(p: Prompt, candidate: CandidateConfig) -> bool:
+    return p.logged_completion is not None and p.logged_reward is not None
+
+
+def _kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
+    return _logged_with_reward(p, candidate) or bool(candidate.kto_use_corrections and p.logged_correction)
+
+
+ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
+    Algorithm.GRPO: AlgorithmSpec(online=True, build_batch=_rollout, policy_loss=_ppo_loss, usable_row=lambda p, c: True),
+    Algorithm.PPO_CLIP: AlgorithmSpec(online=True, build_batch=_rollout, policy_loss=_ppo_loss, usable_row=lambda p, c: True),
+    Algorithm.OFFLINE_IS: AlgorithmSpec(
+        online=False, build_batch=lambda d: offline_batch(d.prompts, d.prompt_ids, d.base, d.reward),
+        policy_loss=_offline_is_loss, usable_row=_logged_with_reward,
+    ),
+    Algorithm.KTO: AlgorithmSpec(
+        online=False, build_batch=lambda d: kto_batch(d.candidate, d.prompts, d.prompt_ids, d.base, d.reward),
+        policy_loss=_kto_loss, usable_row=_kto_row,
+    ),
+}  # fmt: skip
+
+
 def update_step(
     base: ResidentBase, optimizer: torch.optim.Optimizer, candidate: CandidateConfig, rl: RLConfig, batch: Batch
 ) -> dict[str, float]:
-    """One AdamW step on the live adapter: loss = policy loss + kl_coef * k3 KL.
+    """One AdamW step on the live adapter: loss = the algorithm's policy loss + kl_coef * k3 KL.
 
     The adapter being trained must be live (the store's ``activate``), and
     ``optimizer`` its optimizer. Returns ``train/loss``, ``train/pg_loss``,
-    ``train/kl``, ``train/clip_frac``, ``train/grad_norm``,
-    ``train/tokens_per_s`` (completion tokens through forward+backward per
-    second of update time), ``train/update_s``.
+    ``train/kl``, ``train/grad_norm``, ``train/tokens_per_s`` (completion
+    tokens through forward+backward per second of update time),
+    ``train/update_s``, ``train/skipped_nonfinite`` and the policy loss's own
+    metrics (``train/clip_frac`` for PPO-clip and offline IS, ``train/kto_z0``
+    ... for KTO).
     """
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -151,12 +332,8 @@ def update_step(
     with torch.no_grad(), base.reference():
         ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
     logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-    old_BT = _pad(batch.behaviour_logprobs, logprobs_BT.shape[1], base.device)
-    advantages_B = torch.tensor(batch.advantages, dtype=torch.float32, device=base.device)
-    if candidate.algorithm == "offline_is":
-        pg_loss, clip_frac = importance_weighted_pg_loss(logprobs_BT, old_BT, advantages_B, mask_BT)
-    else:
-        pg_loss, clip_frac = ppo_clip_loss(logprobs_BT, old_BT, advantages_B, mask_BT, rl.clip_eps)
+    spec = ALGORITHMS[candidate.algorithm]
+    pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
     kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
     loss = pg_loss + candidate.kl_coef * kl
     loss.backward()
@@ -171,7 +348,7 @@ def update_step(
         "train/loss": loss.item(),
         "train/pg_loss": pg_loss.item(),
         "train/kl": kl.item(),
-        "train/clip_frac": clip_frac.item(),
+        **loss_metrics,
         "train/grad_norm": grad_norm,
         "train/tokens_per_s": tokens / max(elapsed, 1e-9),
         "train/update_s": elapsed,

@@ -24,8 +24,9 @@ from fastapi import FastAPI
 from kafka import KafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors.config import KafkaConfig
-from connectors.gateway import TRACE_HEADER, create_gateway_app
+from connectors.auth import KeyStore
+from connectors.config import GatewayConfig, KafkaConfig
+from connectors.gateway import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
 from connectors.gateway_trace import (
     ClientAsked,
     Completion,
@@ -100,9 +101,22 @@ def kafka(broker: str) -> KafkaConfig:
     return cfg
 
 
+OPEN = GatewayConfig(require_api_key=False)  # local tests only: every caller is the untrusted 'anonymous'
+
+
 @pytest.fixture(scope="module")
-def gateway(kafka: KafkaConfig, vllm_tiny: str) -> Iterator[str]:
-    app = create_gateway_app(kafka, vllm_tiny, resolve, list_models=lambda: sorted(ROUTES))
+def keys(tmp_path_factory: pytest.TempPathFactory) -> KeyStore:
+    return KeyStore(tmp_path_factory.mktemp("keys") / "gateway-keys.json")
+
+
+@pytest.fixture(scope="module")
+def grader_key(keys: KeyStore) -> str:
+    return keys.create("grader", trusted_grader=True)[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(kafka: KafkaConfig, vllm_tiny: str, keys: KeyStore) -> Iterator[str]:
+    app = create_gateway_app(kafka, vllm_tiny, resolve, list_models=lambda: sorted(ROUTES), keys=keys)
     with serve(app) as url:
         yield url
 
@@ -115,8 +129,8 @@ def traces(kafka: KafkaConfig) -> Iterator[TopicReader]:
 
 
 @pytest.fixture(scope="module")
-def client(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="x", max_retries=0)
+def client(gateway: str, grader_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=grader_key, max_retries=0)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -157,9 +171,10 @@ def test_chat_completion_returns_text_and_publishes_its_trace(client: openai.Ope
     assert trace["model"] == "hourglass" and "adapter_version" not in trace  # base: null, dropped on the wire
     assert trace["prompt"] == MESSAGES and trace["completion"] == text
     _assert_token_fields(trace)
-    meta = trace["metadata"]
+    meta = trace["metadata"]  # a trusted grader's reference_answer is a label; other client keys stay under "client"
     assert meta["reference_answer"] == "4" and meta["served_name"] == "base" and meta["stream"] is False
-    assert meta["user_hash"].startswith("hmac-sha256:") and meta["user_id"].startswith("hmac-sha256:")
+    assert meta["user_hash"].startswith("hmac-sha256:") and meta["client"]["user_id"].startswith("hmac-sha256:")
+    assert raw.headers[FEEDBACK_HEADER]
     assert "alice@example.com" not in json.dumps(trace) and "u-42" not in json.dumps(trace)
     assert metric(gateway, "hourglass_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == before + 1
 
@@ -209,15 +224,16 @@ def test_models_lists_public_names_and_unknown_model_is_404(client: openai.OpenA
 
 @pytest.mark.integration
 def test_upstream_error_passes_through_with_its_status(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as err:  # max_model_len is 512
-        client.chat.completions.create(model="hourglass", messages=MESSAGES, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError) as err:  # max_model_len is 512 (below gateway.max_tokens)
+        client.chat.completions.create(model="hourglass", messages=MESSAGES, max_tokens=1000)
     assert err.value.status_code == 400 and "512" in str(err.value.message)
 
 
 @pytest.mark.integration
-def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: str) -> None:
+def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: str, grader_key: str) -> None:
     body = b'{"model": "hourglass", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
-    with httpx.Client(base_url=gateway, timeout=60) as http:  # one keep-alive connection for both requests
+    auth = {"authorization": f"Bearer {grader_key}"}
+    with httpx.Client(base_url=gateway, timeout=60, headers=auth) as http:  # one keep-alive connection for both requests
         bad = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         assert "Unicode" in bad.json()["error"]["message"]
@@ -229,12 +245,13 @@ def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: 
 
 
 @pytest.mark.integration
-def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gateway: str, kafka: KafkaConfig) -> None:
-    raw = client.chat.completions.with_raw_response.create(model="hourglass", messages=MESSAGES, max_tokens=2)
+def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gateway: str, kafka: KafkaConfig, grader_key: str) -> None:
+    raw = client.chat.completions.with_raw_response.create(model="hourglass", messages=MESSAGES, max_tokens=2, user="bob")
     trace_id = raw.headers[TRACE_HEADER]
     body = {"trace_id": trace_id, "thumbs": "up", "rating": 5, "reward": 0.5, "edited": False,
-            "metadata": {"user_id": "u-1", "surface": "chat"}}  # fmt: skip
-    answer = httpx.post(f"{gateway}/v1/feedback", json=body, timeout=30)
+            "metadata": {"user_id": "u-1", "surface": "chat", "user_hash": "forged"}}  # fmt: skip
+    headers = {"authorization": f"Bearer {grader_key}", FEEDBACK_HEADER: raw.headers[FEEDBACK_HEADER]}
+    answer = httpx.post(f"{gateway}/v1/feedback", json=body, headers=headers, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"trace_id": trace_id, "status": "stored"}
 
@@ -246,6 +263,11 @@ def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gate
     assert event["schema"] == "hourglass.feedback/v1" and event["ts"]
     assert (event["thumbs"], event["rating"], event["reward"], event["edited"]) == ("up", 5, 0.5, False)
     assert event["metadata"]["surface"] == "chat" and event["metadata"]["user_id"].startswith("hmac-sha256:")
+    traces = TopicReader(kafka, kafka.traces_topic)
+    try:  # the vote is the user who got the answer, never what the client claims
+        assert event["metadata"]["user_hash"] == traces.get(trace_id)["metadata"]["user_hash"] != "forged"
+    finally:
+        traces.consumer.close()
 
 
 @pytest.mark.integration
@@ -261,8 +283,9 @@ def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gate
         ('{"trace_id": "t1", "edited": "maybe"}', "edited"),
     ],
 )
-def test_bad_feedback_is_refused_with_a_clear_422(gateway: str, body: str, complaint: str) -> None:
-    answer = httpx.post(f"{gateway}/v1/feedback", content=body, headers={"content-type": "application/json"})
+def test_bad_feedback_is_refused_with_a_clear_422(gateway: str, grader_key: str, body: str, complaint: str) -> None:
+    headers = {"content-type": "application/json", "authorization": f"Bearer {grader_key}"}
+    answer = httpx.post(f"{gateway}/v1/feedback", content=body, headers=headers)
     assert answer.status_code == 422
     assert complaint in answer.json()["error"]["message"]
 
@@ -271,31 +294,39 @@ def test_bad_feedback_is_refused_with_a_clear_422(gateway: str, body: str, compl
 
 
 @pytest.mark.integration
-def test_unreachable_upstream_gives_502(kafka: KafkaConfig) -> None:
-    app = create_gateway_app(kafka, f"http://127.0.0.1:{free_port()}", resolve)
+def test_unreachable_upstream_gives_502_without_naming_it(kafka: KafkaConfig) -> None:
+    port = free_port()
+    app = create_gateway_app(kafka, f"http://127.0.0.1:{port}", resolve, gateway=OPEN)
     with serve(app) as url:
         answer = httpx.post(f"{url}/v1/chat/completions", json={"model": "hourglass", "messages": MESSAGES})
     assert answer.status_code == 502
     assert "unreachable" in answer.json()["error"]["message"]
+    assert str(port) not in answer.text and "127.0.0.1" not in answer.text, "error bodies never name internal addresses"
 
 
 @pytest.mark.integration
 def test_broken_sink_does_not_fail_the_client_and_is_counted(vllm_tiny: str) -> None:
     dead = KafkaConfig(bootstrap_servers=[f"127.0.0.1:{free_port()}"], request_timeout_ms=2000)
-    app = create_gateway_app(dead, vllm_tiny, resolve)
+    app = create_gateway_app(dead, vllm_tiny, resolve, gateway=OPEN)
     with serve(app) as url:
         before = metric(url, "hourglass_gateway_trace_errors_total")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        tokens = {}
         for stream in (False, True):
-            response = client.chat.completions.create(model="hourglass", messages=MESSAGES, max_tokens=3, stream=stream)
+            raw = client.chat.completions.with_raw_response.create(model="hourglass", messages=MESSAGES, max_tokens=3, stream=stream)
+            tokens[raw.headers[TRACE_HEADER]] = raw.headers[FEEDBACK_HEADER]
+            response = raw.parse()
             if stream:
                 text = "".join(c.choices[0].delta.content or "" for c in response if c.choices)
             else:
                 text = response.choices[0].message.content
             assert text, f"no answer with a broken sink (stream={stream})"
         wait_for(lambda: metric(url, "hourglass_gateway_trace_errors_total") >= before + 2, 60, "2 trace errors counted")
-        answer = httpx.post(f"{url}/v1/feedback", json={"trace_id": "t1", "thumbs": "up"}, timeout=60)
+        trace_id, token = next(iter(tokens.items()))
+        vote = {"trace_id": trace_id, "thumbs": "up", "feedback_token": token}
+        answer = httpx.post(f"{url}/v1/feedback", json=vote, timeout=60)
         assert answer.status_code == 503 and "not stored" in answer.json()["error"]["message"]
+        assert str(dead.bootstrap_servers[0]) not in answer.text
 
 
 # --- pure rewriting (unit) ---------------------------------------------------------------

@@ -28,7 +28,8 @@ def test_example_config_is_valid_and_is_the_embedded_default() -> None:
     assert cfg.kafka.embedded and cfg.registry.embedded and cfg.serving.embedded
     assert cfg.registry.tracking_uri.startswith("http://127.0.0.1")
     assert cfg.api.host == "127.0.0.1"
-    assert [c.name for c in cfg.candidates] == ["grpo-lr1e4", "grpo-lr3e4"]
+    assert [c.name for c in cfg.candidates] == ["grpo-rm", "kto"]
+    assert cfg.rl.gate_metric == "feedback"  # learns from and is gated by user feedback by default
 
 
 def test_three_mistakes_are_all_reported_with_path_and_value(tmp_path: Path) -> None:

@@ -53,11 +53,61 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 # --- configs ----------------------------------------------------------------------------
 
 
+REAL_SECRETS = {
+    "HOURGLASS_API__TOKEN": "0f" * 16,
+    "HOURGLASS_BUFFER__USER_HASH_KEY": "1e" * 16,
+    "HOURGLASS_REGISTRY__SIGNING_KEY": "2d" * 16,
+}
+
+
 @pytest.mark.parametrize("name", ["production.toml", "hourglass.toml"])
-def test_shipped_configs_pass_config_check(name: str) -> None:
+def test_shipped_configs_pass_config_check(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in REAL_SECRETS.items():  # production.toml needs real secrets in the environment
+        monkeypatch.setenv(key, value)
     result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / name), "--json"])
     assert result.exit_code == 0, result.output
     assert '"ok": true' in result.output
+
+
+def test_embedded_default_needs_no_secret() -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "hourglass.toml"), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_production_config_without_secrets_or_with_the_placeholders_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2
+    assert "buffer.user_hash_key" in result.output and "registry.signing_key" in result.output
+    assert "not set" in result.output  # the signing key is required in production
+    for key, value in _env_example("hourglass.env.example"):
+        monkeypatch.setenv(key, value)
+    # The gateway never gets the signing key: its check does not ask for it.
+    result = CliRunner().invoke(app, ["config", "check", "--role", "gateway", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2 and "registry.signing_key" not in result.output
+    assert "api.token" in result.output and "buffer.user_hash_key" in result.output
+    for key, value in _env_example("signing.env.example"):
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
+    assert result.exit_code == 2
+    for field in ("api.token", "buffer.user_hash_key", "registry.signing_key"):
+        assert f"{field} (HOURGLASS_" in result.output and "placeholder" in result.output, field
+    assert "change-me" not in result.output  # secrets are never echoed
+
+
+def test_only_the_service_gets_the_signing_key(compose: dict[str, Any], k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    services = compose["services"]
+    assert [f["path"] for f in services["service"]["env_file"]] == ["hourglass.env", "signing.env"]
+    assert [f["path"] for f in services["gateway"]["env_file"]] == ["hourglass.env"]
+    assert "HOURGLASS_REGISTRY__SIGNING_KEY" not in (DEPLOY / "hourglass.env.example").read_text()
+    assert dict(_env_example("signing.env.example")).keys() == {"HOURGLASS_REGISTRY__SIGNING_KEY"}
+    assert _unit("hourglass.service")["Service"]["EnvironmentFile"] == ["/etc/hourglass/env", "/etc/hourglass/signing.env"]
+    gateway_unit = _unit("hourglass-gateway.service")["Service"]
+    assert gateway_unit["EnvironmentFile"] == ["/etc/hourglass/env"]
+    assert "--role gateway" in gateway_unit["ExecStartPre"][0]
+    service_pod = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"][0]
+    gateway_pod = k8s[("Deployment", "hourglass-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"secretRef": {"name": "hourglass-signing"}} in service_pod["envFrom"]
+    assert gateway_pod["envFrom"] == [{"secretRef": {"name": "hourglass-secrets"}}]
 
 
 def test_production_config_uses_only_external_services(prod: HourglassConfig) -> None:
@@ -69,20 +119,27 @@ def test_production_config_uses_only_external_services(prod: HourglassConfig) ->
     assert prod.schedule.cron == "0 * * * *" and prod.schedule.enabled
     assert prod.api.host == "0.0.0.0"
     assert prod.api.token is None, "the token comes from HOURGLASS_API__TOKEN, never from the file"
+    assert prod.registry.signing_key is None, "the signing key comes from HOURGLASS_REGISTRY__SIGNING_KEY"
+    assert prod.deployment == "production"
+    assert {"service", "hourglass-ops"} <= set(prod.api.allowed_hosts)  # compose and k8s names of the ops API
     # Everything the service writes lives under the one state volume.
     for path in (prod.buffer.root, prod.buffer.dead_letter_root, prod.serving.staging_dir):
         assert Path(path).is_relative_to(prod.state_dir), path
 
 
+def _env_example(name: str) -> list[list[str]]:
+    return [line.split("=", 1) for line in (DEPLOY / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
 def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    pairs = [line.split("=", 1) for line in (DEPLOY / "hourglass.env.example").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    pairs = _env_example("hourglass.env.example") + _env_example("signing.env.example")
     for key, value in pairs:
         monkeypatch.setenv(key, value + "-test")
     values = dict(pairs)
     cfg = load_config(DEPLOY / "production.toml")
     assert cfg.api.token is not None and cfg.api.token.get_secret_value() == values["HOURGLASS_API__TOKEN"] + "-test"
     assert cfg.buffer.user_hash_key.get_secret_value() == values["HOURGLASS_BUFFER__USER_HASH_KEY"] + "-test"
+    assert cfg.registry.signing_key.get_secret_value() == values["HOURGLASS_REGISTRY__SIGNING_KEY"] + "-test"
 
 
 # --- compose ------------------------------------------------------------------------
@@ -199,7 +256,7 @@ def test_systemd_unit_runs_the_cli_and_stops_cleanly(unit: str, verb: str) -> No
     assert exec_start.split()[1:] == [verb, "--config", CONFIG_IN_CONTAINER]
     assert service["KillSignal"] == ["SIGTERM"]
     assert service["Restart"] == ["on-failure"]
-    assert service["EnvironmentFile"] == ["/etc/hourglass/env"]
+    assert service["EnvironmentFile"][0] == "/etc/hourglass/env"
     assert {"HF_HUB_OFFLINE=1", "HOME=/var/lib/hourglass"} <= set(service["Environment"])
     assert service["User"] == ["hourglass"]
     for key, value in (("NoNewPrivileges", "true"), ("ProtectSystem", "strict"), ("PrivateTmp", "true")):
@@ -248,7 +305,7 @@ def test_k8s_deployments_run_the_cli_with_the_secret_and_shared_state(
     pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["args"] == [verb, "--config", CONFIG_IN_CONTAINER]
-    assert container["envFrom"] == [{"secretRef": {"name": "hourglass-secrets"}}]
+    assert container["envFrom"][0] == {"secretRef": {"name": "hourglass-secrets"}}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert Path(CONFIG_IN_CONTAINER).parent.as_posix() in mounts
     state = mounts[prod.state_dir]

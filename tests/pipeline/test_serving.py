@@ -18,6 +18,7 @@ from pipeline import aliases
 from pipeline.registry import TAG_SHA256, register_round
 from pipeline.replica import Replica
 from pipeline.serving import ServingController, read_routes
+from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
 from serving_helpers import make_adapter, make_config, make_round, wait_for
 from trainer.model_store import fingerprint_of
 
@@ -155,6 +156,9 @@ def test_bad_adapter_is_refused_and_champion_keeps_serving(case, champion_setup,
     if case == "outside-staging":
         sums["../../outside.safetensors"] = "0" * 64
     client.set_model_version_tag(model, bad.version, TAG_SHA256, json.dumps(sums))
+    # Re-signed with the service's key: the checks behind the signature still catch a bad file or path.
+    tags = client.get_model_version(model, bad.version).tags
+    client.set_model_version_tag(model, bad.version, TAG_SIGNATURE, sign(signing_keys(cfg)[0], model, tags))
 
     aliases.promote(cfg, model, bad.version)
     status = controller.reconcile_once()[model]

@@ -25,7 +25,7 @@ def service(tmp_path: Path) -> HourglassService:
 
 @pytest.fixture
 def client(service: HourglassService) -> Iterator[TestClient]:
-    with TestClient(create_api(service)) as test_client:
+    with TestClient(create_api(service), base_url="http://localhost") as test_client:  # Host must name the API
         yield test_client
 
 

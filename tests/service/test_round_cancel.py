@@ -63,7 +63,7 @@ class FakeRound:
             checkpoint(phase)
             self.phases.append(phase)
         decision = SimpleNamespace(winner="default", reason="better", champion_reward_mean=0.1,
-                                   candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2})  # fmt: skip
+                                   candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2}, metric="verifiable")  # fmt: skip
         return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[], reward_model=None)
 
     def register_round(self, cfg, result, promote):
@@ -93,7 +93,7 @@ def test_evaluation_is_interruptible(cfg, monkeypatch) -> None:
 def test_cancel_during_register_is_refused_and_the_round_finishes(cfg, monkeypatch) -> None:
     fake = FakeRound(monkeypatch, pause_at="register")
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
-    client = TestClient(create_api(service))
+    client = TestClient(create_api(service), base_url="http://localhost")  # Host must name the API
     headers = {"Authorization": f"Bearer {service.api_token}"}
     record = service.runner.start("manual")
     assert fake.reached.wait(10)

@@ -88,7 +88,7 @@ def test_dead_worker_shows_in_readyz_and_status_then_recovers(service: Hourglass
     worker = Worker("ingest", poisoned, initial_s=1.5, max_s=1.5)
     service.workers["ingest"] = worker
     worker.start()
-    client = TestClient(create_api(service))
+    client = TestClient(create_api(service), base_url="http://localhost")  # Host must name the API
     _wait(lambda: worker.state().state == "restarting")
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["checks"]["ingest"] is False
@@ -96,7 +96,7 @@ def test_dead_worker_shows_in_readyz_and_status_then_recovers(service: Hourglass
     status = client.get("/status").json()["workers"]["ingest"]
     assert status["state"] == "restarting" and status["restarts"] == 1 and "poison record" in status["last_error"]
     _wait(lambda: worker.alive, timeout_s=5)
-    assert client.get("/readyz").json()["checks"]["ingest"] is True
+    _wait(lambda: client.get("/readyz").json()["checks"]["ingest"] is True, timeout_s=8)  # /readyz is cached ~2 s
     assert "hourglass_worker_restarts_total{worker=\"ingest\"}" in client.get("/metrics").text
 
 

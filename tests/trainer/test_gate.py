@@ -7,7 +7,7 @@ import math
 import pytest
 
 from trainer.config import CandidateConfig, RLConfig
-from trainer.evaluate import EvalResult, gate, paired_bootstrap_lower_bound
+from trainer.evaluate import EvalResult, auc, gate, paired_auc_lower_bound, paired_bootstrap_lower_bound
 
 RL = RLConfig(gate_margin=0.05, gate_confidence=0.9, bootstrap_samples=500, max_kl=0.5, max_mean_length=20)
 CHAMP = tuple([0.0, 1.0] * 10)  # champion mean 0.5 on 20 prompts
@@ -33,8 +33,8 @@ def test_gate_promotes_the_clear_winner_and_says_why_others_lost() -> None:
         "long": _result(tuple([1.0] * 20), length=64),
         "broken": _result(tuple([1.0] * 19 + [float("nan")])),
     }
-    decision = gate("tenant", cands, results, {c.name: CHAMP for c in cands}, "base", RL)
-    assert decision.winner == "good"
+    decision = gate("tenant", cands, results, CHAMP, "base", RL)
+    assert decision.winner == "good" and decision.metric == "verifiable"
     assert decision.lower_bounds["good"] > 0.05 and decision.champion_reward_mean == pytest.approx(0.5)
     assert "promote good" in decision.reason
     assert "drift: mean KL to base 0.900 > max_kl 0.5" in decision.reason
@@ -45,5 +45,51 @@ def test_gate_promotes_the_clear_winner_and_says_why_others_lost() -> None:
 
 def test_gate_keeps_the_champion_when_nobody_passes() -> None:
     cands = [CandidateConfig(name="meh")]
-    decision = gate("tenant", cands, {"meh": _result(CHAMP)}, {"meh": CHAMP}, "champion v3", RL)
+    decision = gate("tenant", cands, {"meh": _result(CHAMP)}, CHAMP, "champion v3", RL)
     assert decision.winner is None and decision.reason.startswith("keep champion v3: no candidate passed")
+
+
+def test_auc_counts_ties_as_half_and_is_nan_without_both_classes() -> None:
+    assert auc([3.0, 2.0, 1.0, 0.0], [True, True, False, False]) == 1.0
+    assert auc([0.0, 1.0], [True, False]) == 0.0
+    assert auc([0.0] * 6, [True, False] * 3) == 0.5  # the base as champion: implicit reward 0 everywhere
+    assert auc([1.0, 0.5, 0.5, 0.0], [True, True, False, False]) == pytest.approx(0.875)  # 3.5 of 4 pairs
+    assert math.isnan(auc([1.0, 2.0], [True, True]))
+
+
+def test_paired_auc_bound_is_exact_for_a_perfect_ranker_against_the_base() -> None:
+    labels = [True, False] * 10
+    perfect = [1.0 if y else -1.0 for y in labels]
+    assert paired_auc_lower_bound(perfect, [0.0] * 20, labels, 0.9, 300) == pytest.approx(0.5)  # 1.0 - 0.5 in every resample
+    noisy = [1.0 if (y ^ (i % 5 == 0)) else -1.0 for i, y in enumerate(labels)]
+    lb = paired_auc_lower_bound(noisy, [0.0] * 20, labels, 0.9, 1000)
+    assert 0.0 < lb < auc(noisy, labels) - 0.5
+    assert math.isnan(paired_auc_lower_bound(perfect, [0.0] * 20, [True] * 20, 0.9, 300))
+
+
+FEEDBACK = RL.model_copy(update={"gate_metric": "feedback"})
+LABELS = tuple([True, False] * 10)
+
+
+def test_feedback_gate_refuses_a_candidate_that_ranks_down_votes_above_up_votes() -> None:
+    cands = [CandidateConfig(name=n) for n in ("right", "inverted")]
+    right = tuple(2.0 if y else -2.0 for y in LABELS)
+    inverted = tuple(-x for x in right)
+    results = {
+        "right": EvalResult("v", (), right, 0.1, 5.0, value=auc(right, LABELS)),
+        "inverted": EvalResult("v", (), inverted, 0.1, 5.0, value=auc(inverted, LABELS)),
+    }
+    decision = gate("tenant", cands, results, (0.0,) * 20, "base", FEEDBACK, labels=LABELS)
+    assert decision.winner == "right" and decision.metric == "feedback"
+    assert decision.champion_reward_mean == 0.5 and decision.candidate_reward_means == {"right": 1.0, "inverted": 0.0}
+    assert "inverted: feedback AUC 0.000 vs base 0.500" in decision.reason
+    assert decision.lower_bounds["inverted"] == pytest.approx(-0.5)
+
+
+def test_a_refusal_keeps_the_champion_even_for_a_clear_winner() -> None:
+    cands = [CandidateConfig(name="good")]
+    rm = RL.model_copy(update={"gate_metric": "reward_model"})
+    reason = "the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)"
+    decision = gate("tenant", cands, {"good": _result(tuple([1.0] * 20))}, CHAMP, "base", rm, refusal=reason)
+    assert decision.winner is None and decision.reason.startswith(f"keep base: {reason}")
+    assert decision.metric == "reward_model" and "good: reward-model score 1.000" in decision.reason

@@ -1,0 +1,87 @@
+"""The demo's scoreboard: the users' live verdict per phase of traffic, and gains.
+
+A *phase* is the traffic sent between two rounds (phase 0: before the first
+round). Its live thumbs-up rate comes from the reward buffer itself - the
+snapshot's rows whose feedback joined (``reward`` not null), up-voted when
+``reward > 0`` - grouped by phase and by the ``adapter_version`` that served
+each request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class LiveRate:
+    """One phase's users' verdict: ``up`` thumbs-up among ``rated`` answers, and which versions served it."""
+
+    phase: int
+    served_by: dict[str, tuple[int, int]]  # adapter version ("base" when none) -> (up, rated)
+    up: int
+    rated: int
+
+    @property
+    def rate(self) -> float:
+        return self.up / self.rated if self.rated else float("nan")
+
+
+def live_rates(table: pa.Table, phases: Sequence[Sequence[str]]) -> list[LiveRate]:
+    """The thumbs-up rate of each phase's traffic, from a buffer snapshot.
+
+    Args:
+        table: ``RewardBuffer.snapshot()`` rows (``trace_id``, ``adapter_version``, ``reward``).
+        phases: the trace ids sent in each phase (``phases[0]``: before round 1).
+
+    Returns:
+        One :class:`LiveRate` per phase; rows without feedback, or not sent
+        by the demo, are left out (a phase with no rated row has rate NaN).
+    """
+    phase_of = {trace_id: i for i, ids in enumerate(phases) for trace_id in ids}
+    counts: list[dict[str, list[int]]] = [{} for _ in phases]
+    for row in table.select(["trace_id", "adapter_version", "reward"]).to_pylist():
+        phase = phase_of.get(row["trace_id"])
+        if phase is None or row["reward"] is None:
+            continue
+        up_rated = counts[phase].setdefault(row["adapter_version"] or "base", [0, 0])
+        up_rated[0] += int(row["reward"] > 0)
+        up_rated[1] += 1
+    return [
+        LiveRate(
+            phase=i, served_by={v: (c[0], c[1]) for v, c in sorted(by_version.items())},
+            up=sum(c[0] for c in by_version.values()), rated=sum(c[1] for c in by_version.values()),
+        )  # fmt: skip
+        for i, by_version in enumerate(counts)
+    ]
+
+
+def gain_ratio(base: float, learned: float, oracle: float) -> float:
+    """(learned - base) / (oracle - base): the share of the oracle's gain over the base that
+    learning from feedback alone reached; NaN when the oracle gained nothing."""
+    return (learned - base) / (oracle - base) if oracle > base else float("nan")
+
+
+def plot_live_rates(rates: Sequence[LiveRate], out: Path) -> None:
+    """Live thumbs-up rate by phase (phase i = traffic after round i) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [r.phase for r in rates]
+    ax.plot(xs, [r.rate for r in rates], "o-", label="users' thumbs-up rate (live traffic)")
+    for r in rates:
+        ax.annotate(f"{r.up}/{r.rated}", (r.phase, r.rate), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xlabel("round (0 = before the first round)")
+    ax.set_ylabel("thumbs-up rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(xs)
+    ax.legend(loc="upper left")
+    ax.set_title("Hourglass demo: what the users say, by round")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)

@@ -1,0 +1,63 @@
+"""KTO: the loss equals TRL's formula on fixed tensors; a kto candidate learns from thumbs
+(and corrections) on the tiny model, and the feedback gate promotes it but never its inverse."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import Algorithm, CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.losses import kto_loss
+
+
+def _trl_kto_reference(policy_chosen, policy_rejected, policy_kl, ref_chosen, ref_rejected, ref_kl, beta, w_d, w_u) -> float:
+    """TRL ``KTOTrainer.kto_loss`` (loss_type "kto") written out on Python floats:
+    kl = clamp(mean(policy_KL - ref_KL), min=0) (detached);
+    chosen: 1 - sigmoid(beta * ((policy - ref) - kl)); rejected: 1 - sigmoid(beta * (kl - (policy - ref)));
+    losses = cat(w_d * chosen, w_u * rejected); loss = nanmean(losses)."""
+    sigmoid = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
+    kl = max(0.0, sum(p - r for p, r in zip(policy_kl, ref_kl)) / len(policy_kl))
+    chosen = [w_d * (1.0 - sigmoid(beta * ((p - r) - kl))) for p, r in zip(policy_chosen, ref_chosen)]
+    rejected = [w_u * (1.0 - sigmoid(beta * (kl - (p - r)))) for p, r in zip(policy_rejected, ref_rejected)]
+    losses = chosen + rejected
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("kl_shift", [0.0, 3.0])  # kl_shift 0: the KL estimate is negative and clamps at 0
+def test_kto_loss_equals_trl_formula(kl_shift: float) -> None:
+    policy_B = torch.tensor([-12.0, -7.5, -20.0, -3.0, -9.0], requires_grad=True)
+    reference_B = torch.tensor([-11.0, -9.0, -18.5, -4.0, -9.5])
+    desirable_B = torch.tensor([True, False, True, False, True])
+    policy_kl_B = torch.tensor([-15.0, -10.0, -22.0, -6.0, -12.0]) + kl_shift
+    reference_kl_B = torch.tensor([-14.0, -10.5, -21.0, -7.0, -11.0])
+    loss, z0 = kto_loss(policy_B, reference_B, desirable_B, policy_kl_B, reference_kl_B, beta=0.5, desirable_weight=1.33, undesirable_weight=0.7)
+    d, u = desirable_B.tolist(), [not x for x in desirable_B.tolist()]
+    pick = lambda t, m: [v for v, keep in zip(t.tolist(), m) if keep]  # noqa: E731
+    expected = _trl_kto_reference(
+        pick(policy_B.detach(), d), pick(policy_B.detach(), u), policy_kl_B.tolist(), pick(reference_B, d), pick(reference_B, u),
+        reference_kl_B.tolist(), 0.5, 1.33, 0.7,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert z0.item() == pytest.approx(max(0.0, (policy_kl_B - reference_kl_B).mean().item()))
+    assert (z0.item() == 0.0) == (kl_shift == 0.0)
+    loss.backward()
+    grad = policy_B.grad
+    assert (grad[desirable_B] < 0).all() and (grad[~desirable_B] > 0).all()  # raise desirable, lower undesirable log-probs
+
+
+def test_kto_reference_point_carries_no_gradient() -> None:
+    policy_kl_B = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, _ = kto_loss(torch.tensor([-1.0, -2.0], requires_grad=True), torch.tensor([-2.0, -1.0]), torch.tensor([True, False]),
+                       policy_kl_B, torch.tensor([-3.0, -3.0]), beta=0.1)  # fmt: skip
+    loss.backward()
+    assert policy_kl_B.grad is None
+
+
+def test_kto_config_needs_logged_rewards_and_names_its_algorithm() -> None:
+    with pytest.raises(ValueError, match="algorithm 'kto' learns from logged rewards"):
+        CandidateConfig(name="k", algorithm="kto")
+    c = CandidateConfig(name="k", algorithm="kto", reward=[RewardTerm(fn="logged")])
+    assert c.algorithm is Algorithm.KTO and c.model_dump(mode="json")["algorithm"] == "kto"
