@@ -4,9 +4,10 @@ Brings up its own broker, MLflow and vLLM (tiny random Llama) through
 :mod:`pipeline.stack` on free ports, then runs ``hourglass service`` and
 ``hourglass gateway`` as subprocesses and, for ``--minutes``:
 
-- sends chat requests (and feedback on some) through the gateway, plus bad
-  gateway requests (invalid JSON and a lone surrogate in the model name: a
-  4xx; lone surrogates in feedback metadata: never a 5xx);
+- sends chat requests (and feedback with the response's feedback token on
+  some) through the gateway (``gateway.require_api_key = false``), plus bad
+  gateway requests (invalid JSON, a lone surrogate in the model name, feedback
+  without its token: a 4xx; lone surrogates in feedback metadata: never a 5xx);
 - produces straight into Kafka, in random order: good traces (some in snappy,
   lz4, zstd and gzip compressed batches) and bad records of every kind —
   lone surrogate in ``metadata.user_id``, far-future and ancient ``ts``,
@@ -107,6 +108,7 @@ class Soak:
         self.gateway_5xx: list[str] = []
         self.events: list[str] = []
         self.counts: dict[str, int] = {}
+        self.last_feedback: tuple[str, str] = ("none", "")  # (trace id, feedback token) of the last gateway answer
 
     # -- setup -----------------------------------------------------------------------
 
@@ -170,6 +172,8 @@ embedded = false
 [api]
 port = {self.api_port}
 gateway_port = {self.gateway_port}
+[gateway]
+require_api_key = false
 """)
         from connectors.kafka_admin import ensure_topics
         from pipeline.config import load_config
@@ -213,14 +217,18 @@ gateway_port = {self.gateway_port}
         self._check(r, "chat")
         if r.status_code == 200 and (tid := r.headers.get("x-hourglass-trace-id")):
             self.good.add(tid)
+            self.last_feedback = (tid, r.headers.get("x-hourglass-feedback-token", ""))
             if self.rng.random() < 0.5:
-                self._check(http.post(f"{base}/feedback", json={"trace_id": tid, "thumbs": self.rng.choice(["up", "down"])}), "feedback")
+                vote = {"trace_id": tid, "thumbs": self.rng.choice(["up", "down"]), "feedback_token": self.last_feedback[1]}
+                self._check(http.post(f"{base}/feedback", json=vote), "feedback")
+        tid, token = self.last_feedback
         bad = [  # (what, raw body, must be a 4xx); json.dumps keeps a lone surrogate as a \\ud800 escape
             ("chat", json.dumps({"model": "soak\ud800", "messages": [{"role": "user", "content": "hi"}]}), True),
             ("chat", "{not json", True),
+            ("feedback", json.dumps({"trace_id": tid, "thumbs": "up"}), True),  # no feedback token
             # a user id is hashed at the gateway: storing the hash (2xx) or refusing (4xx) are both fine, a 5xx is not
-            ("feedback", json.dumps({"trace_id": f"t{n}", "thumbs": "up", "metadata": {"user_id": "\ud800"}}), False),
-            ("feedback", json.dumps({"trace_id": f"t{n}", "thumbs": "up", "metadata": {"note": "\udfff"}}), False),
+            ("feedback", json.dumps({"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"user_id": "\ud800"}}), False),
+            ("feedback", json.dumps({"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"note": "\udfff"}}), False),
         ]
         what, raw, want_4xx = self.rng.choice(bad)
         path = "chat/completions" if what == "chat" else "feedback"
