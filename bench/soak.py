@@ -18,7 +18,8 @@ Brings up its own broker, MLflow and vLLM (tiny random Llama) through
 
 At the end it checks: every good trace id is in a buffer snapshot exactly
 once, every bad record is in the dead-letter store (found by its marker in the
-payload), no gateway answer was a 5xx, and ``/readyz`` of the service is ready
+payload), every good gateway request got a 2xx and no bad one a 5xx, and
+``/readyz`` of the service is ready
 (no worker dead). Prints a JSON summary; exits 1 on any violation.
 
     python bench/soak.py --minutes 30          # the issue's soak
@@ -235,9 +236,11 @@ require_api_key = false
         r = http.post(f"{base}/{path}", content=raw.encode(), headers={"content-type": "application/json"})
         self._check(r, f"bad {what}", want_4xx=want_4xx)
 
-    def _check(self, r: httpx.Response, what: str, want_4xx: bool = False) -> None:
+    def _check(self, r: httpx.Response, what: str, want_4xx: bool | None = None) -> None:
+        """``want_4xx``: None = a good request (must be 2xx), True = must be a 4xx, False = anything but a 5xx."""
         self._count(f"gateway {what} {r.status_code}")
-        if r.status_code >= 500 or (want_4xx and not 400 <= r.status_code < 500):
+        ok = (200 <= r.status_code < 300) if want_4xx is None else (400 <= r.status_code < 500) if want_4xx else r.status_code < 500
+        if not ok:
             self.gateway_5xx.append(f"{what}: HTTP {r.status_code} {r.text[:200]}")
 
     def kafka_traffic(self, producers: dict, n: int) -> None:
