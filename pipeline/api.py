@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.console import mount_console
+from pipeline.console import mount_console, presented_token
 from pipeline.redact import redact, redact_data
 from pipeline.rounds import RoundInProgressError, UnknownRoundError
 
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from pipeline.service import HourglassService
 
 CACHE_S = 2.0
+STATIC_PREFIX = "/console/static/"  # the status page's script and style sheet: no data, no secrets
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/readyz"})  # readable without a token, whatever the bind address
 
 
@@ -123,11 +124,12 @@ def create_api(service: "HourglassService") -> FastAPI:
     app = FastAPI(title="Hourglass ops API", version="1")
 
     def token_state(request: Request) -> str:
-        """'ok', 'missing' or 'wrong' for the request's bearer token."""
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not credentials.strip():
+        """'ok', 'missing' or 'wrong' for the request's token: ``Authorization: Bearer <token>``, or the
+        password of HTTP Basic auth (what a browser sends for the status page; any user name)."""
+        presented = presented_token(request)
+        if not presented:
             return "missing"
-        ok = secrets.compare_digest(credentials.strip().encode(), service.api_token.encode())
+        ok = secrets.compare_digest(presented.encode(), service.api_token.encode())
         return "ok" if ok else "wrong"
 
     @app.middleware("http")
@@ -138,9 +140,16 @@ def create_api(service: "HourglassService") -> FastAPI:
                 status_code=421,
             )
         mutation = request.method not in ("GET", "HEAD")
-        if mutation or (not loopback and request.url.path not in OPEN_PATHS):
+        path = request.url.path
+        if mutation or (not loopback and path not in OPEN_PATHS and not path.startswith(STATIC_PREFIX)):
             state = token_state(request)
             what = "this call changes state" if mutation else "this API is not on loopback: reads need the token too"
+            if not mutation and (path == "/" or path.startswith("/console/")) and state != "ok":
+                # the status page in a browser: ask for the token as the Basic-auth password
+                return JSONResponse(
+                    {"detail": f"{what}: the status page takes the API token as the password (any user name)"},
+                    status_code=401, headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
+                )  # fmt: skip
             if state == "missing":
                 return JSONResponse(
                     {"detail": f"{what}: send Authorization: Bearer <token>"}, status_code=401,

@@ -64,7 +64,7 @@ def _hostile_traffic(service: HourglassService) -> None:
 def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
     service = _service(tmp_path)
     _hostile_traffic(service)
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         for path in ("/", "/console/panels"):
             response = client.get(path)
             assert response.status_code == 200
@@ -93,7 +93,7 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
 def test_charts_render_points_and_say_when_empty(tmp_path: Path) -> None:
     service = _service(tmp_path)
     _hostile_traffic(service)
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         html = client.get("/").text
     for kind in ("heldout", "feedback", "auc", "hourly"):
         svg = re.search(rf'<svg class="chart" data-chart="{kind}".*?</svg>', html, re.S)
@@ -105,7 +105,7 @@ def test_charts_render_points_and_say_when_empty(tmp_path: Path) -> None:
 
 def test_viewing_needs_the_token_off_loopback(tmp_path: Path) -> None:
     service = _service(tmp_path, host="0.0.0.0")
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         refused = client.get("/")
         assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
         assert client.get("/console/data", headers={"Authorization": "Bearer wrong-token"}).status_code == 401
@@ -113,7 +113,7 @@ def test_viewing_needs_the_token_off_loopback(tmp_path: Path) -> None:
         assert client.get("/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
         assert client.get("/console/panels", headers={"Authorization": f"Bearer {service.api_token}"}).status_code == 200
         assert client.get("/console/static/console.js").status_code == 200  # no secrets in the static files
-    with TestClient(create_api(_service(tmp_path / "lo"))) as client:
+    with TestClient(create_api(_service(tmp_path / "lo")), base_url="http://127.0.0.1") as client:
         assert client.get("/").status_code == 200
 
 
@@ -156,7 +156,7 @@ def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
     release = threading.Event()
     service.status = lambda: release.wait(30) and {}  # e.g. a broker that does not answer
     try:
-        with TestClient(create_api(service)) as client:
+        with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
             started = time.monotonic()
             html = client.get("/").text
             assert time.monotonic() - started < 8
@@ -169,7 +169,7 @@ def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
 def test_canary_abort_button_only_with_a_canary_endpoint(tmp_path: Path) -> None:
     service = _service(tmp_path)
     app = create_api(service)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         html = client.get("/").text
         assert 'data-action="canary-abort"' not in html and 'id="canary" class="muted">no canary<' in html
         app.post("/canary/{model}/abort")(lambda model: {"aborted": model})  # as a canary feature would add it
