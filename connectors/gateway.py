@@ -105,7 +105,10 @@ def create_gateway_app(
         kafka: where trace/feedback events go (the topics must exist; see ``kafka_admin.ensure_topics``).
         upstream_url: vLLM base URL, e.g. ``http://127.0.0.1:18000`` (no ``/v1``).
         resolve_model: public model name -> ``(vLLM served name, adapter version or None for the base)``;
-            raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404).
+            raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404). When it also has a
+            ``route(public, routing_key) -> (served, version, canary)`` method (a canary split), that is called
+            with the hashed ``user`` (else the trace id) as the routing key, and a non-None ``canary`` is written
+            to the trace's ``metadata.canary``.
         sink: publish through this sink (caller closes it); None = the gateway creates and closes its own,
             retrying while the broker is unreachable.
         list_models: the public names for ``GET /v1/models`` (default: none).
@@ -206,13 +209,16 @@ def create_gateway_app(
         if meta is not None and not isinstance(meta, dict):
             return openai_error(400, f"field 'metadata' must be an object, got {type(meta).__name__}",
                                 type_="invalid_request_error", param="metadata")  # fmt: skip
+        trace_id = uuid.uuid4().hex
+        route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
+        routing_key = hasher.digest(body["user"]) if body.get("user") is not None else trace_id
         try:
-            served, version = resolve_model(public)
+            served, version, canary = route(public, routing_key) if route is not None else (*resolve_model(public), None)
         except LookupError:
             return openai_error(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
                                 type_="invalid_request_error", param="model", code="model_not_found")  # fmt: skip
-
-        trace_id = uuid.uuid4().hex
+        if canary is not None:  # the trace records whether the challenger answered (set here, not by the client)
+            body = {**body, "metadata": {**(meta or {}), "canary": canary}}
         asked = ClientAsked.of(endpoint, body)
         stream = bool(body.get("stream"))
         headers = {"content-type": "application/json"}

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from connectors.config import BufferConfig, KafkaConfig
+from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 
@@ -92,6 +93,8 @@ class ServingConfig(_Section):
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
     staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Canary of a round's winner on live traffic.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Automatic rollback after a canary promotion.")
 
     @field_validator("replicas")
     @classmethod
