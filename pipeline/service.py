@@ -126,7 +126,7 @@ class HourglassService:
             return
         from pipeline.canary.monitor import CanaryMonitor
 
-        self.canary = CanaryMonitor(self.cfg, models=models, client=self.controller.client, on_change=lambda _m: self.controller.trigger())
+        self.canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: self.controller.trigger())
         self.canary.start()
 
     def _make_scheduler(self) -> BackgroundScheduler:

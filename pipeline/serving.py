@@ -17,6 +17,10 @@ A hot-load, in order:
    gateway reads it with :func:`read_routes`);
 5. unload the replaced version after ``serving.drain_s``.
 
+A version on canary (``@challenger``) goes through the same steps beside the
+champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
+and the share of traffic it gets.
+
 If 1–3 fail for the adapter (not for a replica being down), the previous
 champion keeps serving, the loaded copies are unloaded, the version is tagged
 ``hourglass.serve_error`` with the reason, and ``@champion`` moves back to
