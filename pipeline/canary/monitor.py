@@ -101,6 +101,7 @@ class CanaryMonitor:
         self.client = client or make_client(cfg)
         self.on_change = on_change
         self._views: dict[str, dict] = {}
+        self._last: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,7 +109,8 @@ class CanaryMonitor:
     # -- looks ------------------------------------------------------------------------
 
     def status(self) -> dict[str, dict]:
-        """The last look per model: ``{model: {"canary": {...} | None, "guard": {...} | None}}``."""
+        """The last look per model: ``{model: {"canary": view | None, "guard": view | None, "last_canary":
+        view | None, "last_guard": view | None}}`` (``last_*``: the last decided one since this process started)."""
         return {m: dict(v) for m, v in self._views.items()}
 
     def check_once(self) -> dict[str, dict]:
@@ -122,6 +124,10 @@ class CanaryMonitor:
                     except Exception as err:  # MLflow or buffer unreadable: report, try again next time
                         log.warning("canary %s of %s: %s", part, model, err)
                         view[part] = {"error": f"{type(err).__name__}: {err}"}
+                for part in ("canary", "guard"):  # the last decision stays visible after the canary or guard ended
+                    if (view[part] or {}).get("decision") in ("promote", "abort", "rollback", "passed"):
+                        self._last[f"{model}/{part}"] = view[part]
+                view["last_canary"], view["last_guard"] = self._last.get(f"{model}/canary"), self._last.get(f"{model}/guard")
                 self._views[model] = view
         return self.status()
 

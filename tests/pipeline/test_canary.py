@@ -115,7 +115,15 @@ def test_rejected_challenger_is_aborted_and_champion_keeps_serving(tmp_path, mlf
 
     _feedback(cfg, model, v2, ups=2, downs=18)  # users reject the challenger's answers
     _feedback(cfg, model, v1, ups=18, downs=2)
-    view = monitor.check_once()[model]["canary"]
+    monitor.start()  # no operator from here: the loops decide and apply
+    controller.start()
+    try:
+        wait_for(lambda: state.challenger_version(client, cfg, model) is None, 30, 0.2)
+        wait_for(lambda: read_routes(cfg.resolve(cfg.state_dir))[model].challenger_served_name is None, 30, 0.2)
+    finally:
+        monitor.stop()
+        controller.stop()
+    view = monitor.status()[model]["last_canary"]
     assert view["decision"] == "abort" and view["upper"] < 0, view
     assert (view["challenger"]["n"], view["champion"]["n"]) == (20, 20)
 
