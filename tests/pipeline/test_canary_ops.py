@@ -103,3 +103,28 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
         assert "hourglass_canary_outcomes_total" in api.get("/metrics").text
     assert aliases.champion_version(client, "can-ops", "champion") == v4
     assert state.challenger_version(client, cfg, "can-ops") is None
+
+
+def test_a_round_puts_its_winner_on_canary_and_says_so(versions, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+
+    from pipeline import round_job
+
+    config, _, mlflow_uri = versions
+    cfg = load_config(config).model_copy(update={"state_dir": str(tmp_path / "state")})
+    fp = fingerprint_of(tiny_model)
+    adapter = make_adapter(tiny_model, tmp_path / "w", seed=31)
+    results = iter([make_round(adapter, fp, round_id=f"rr-{tmp_path.name}-{i}", model="can-rr") for i in range(2)])
+    monkeypatch.setattr(round_job, "take_snapshot", lambda *_: (pa.table({"x": [1, 2]}), {}))
+    monkeypatch.setattr(round_job, "champion_adapters", lambda *_: {})
+    monkeypatch.setattr(round_job, "train_and_evaluate", lambda *a, **k: next(results))
+    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda _cfg: 2)
+    runner = round_job.RoundRunner(cfg, fp)
+    first = runner.run("test")
+    assert first.state == "done" and first.reason.startswith("promoted can-rr v"), first.reason  # no champion yet
+    second = runner.run("test")
+    version = second.versions["can-rr"]
+    assert second.state == "done" and second.reason == f"can-rr v{version} on canary", second.reason
+    client = MlflowClient(mlflow_uri)
+    assert state.challenger_version(client, cfg, "can-rr") == version
+    assert aliases.champion_version(client, "can-rr", "champion") == first.versions["can-rr"]
