@@ -24,6 +24,7 @@ champion's rate measured during the canary; a significant drop rolls back with
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -143,6 +144,11 @@ class CanaryMonitor:
         champion = aliases.champion_version(self.client, model, cfg.registry.champion_alias)
         view = {"version": version, "champion_version": champion, "fraction": canary.fraction}
         mv = self.client.get_model_version(model, version)
+        if act and state.TAG_RESULT in mv.tags:  # @challenger set again by hand after an earlier canary: start afresh
+            for tag in (state.TAG_RESULT, state.TAG_STARTED):
+                if tag in mv.tags:
+                    self.client.delete_model_version_tag(model, version, tag)
+            mv = self.client.get_model_version(model, version)
         started = mv.tags.get(state.TAG_STARTED)
         if started is None:
             route = read_routes(cfg.resolve(cfg.state_dir)).get(model)
@@ -247,6 +253,4 @@ class CanaryMonitor:
 
 
 def _dump(data: dict) -> str:
-    import json
-
     return json.dumps(data, default=str)[:4900]

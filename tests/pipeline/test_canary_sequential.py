@@ -88,3 +88,13 @@ def test_half_width_shrinks_with_evidence_and_refuses_bad_input() -> None:
 def test_mean_rewards_use_sample_variance() -> None:
     stats = ArmStats.of_rewards([0.0, 1.0, 0.5, 0.5], binary=False)
     assert stats.n == 4 and stats.mean == pytest.approx(0.5) and stats.var == pytest.approx(0.125)
+
+
+def test_thumbs_only_feedback_is_a_rate_and_mixed_feedback_a_mean() -> None:
+    from pipeline.canary.monitor import arm_stats
+
+    rows = {"2": [(1.0, "thumbs"), (-1.0, "thumbs")], "1": [(1.0, "thumbs")] * 3, None: [(0.5, "reward")]}
+    (chall, champ), binary = arm_stats(rows, "2", "1")
+    assert binary and (chall.n, chall.mean, champ.n, champ.mean) == (2, 0.5, 3, 1.0)
+    (chall, base), binary = arm_stats(rows, "2", None)
+    assert not binary and chall.mean == 0.0 and base.mean == 0.5
