@@ -33,6 +33,8 @@ are cached for ``CACHE_S`` seconds.
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |
 | GET | /, /console/panels, /console/data | the status page and its data (:mod:`pipeline.console`; viewing rule there) |
+| GET | /canary | each model's canary: version, fraction, live counts and rates, bound, decision so far |
+| POST | /canary/{model}/promote, /canary/{model}/abort | end a canary by hand (the evidence is attached) |
 """
 
 from __future__ import annotations
@@ -220,6 +222,10 @@ def create_api(service: "HourglassService") -> FastAPI:
     @app.get("/buffer/stats")
     def buffer_stats() -> dict[str, Any]:
         return cache.get("buffer", lambda: redact_data(service.buffer_stats()))
+
+    from pipeline.canary.ops import add_canary_routes
+
+    add_canary_routes(app, service, require_token)  # GET /canary, POST /canary/{model}/promote|abort
 
     @app.exception_handler(RoundInProgressError)
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:

@@ -214,6 +214,9 @@ def _register_command_groups() -> None:
     cli_data.register(app)
     cli_registry.register(app, models_app)
     cli_ops.register(app, load)
+    from pipeline import cli_canary
+
+    cli_canary.register(app)
     try:
         from pipeline import cli_gateway
     except ImportError:  # pragma: no cover - built in a later change

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
+from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
@@ -133,6 +134,8 @@ class ServingConfig(_Section):
         "every call to a replica, and the gateway as its own upstream key (clients' keys never go upstream). "
         "Set HOURGLASS_SERVING__API_KEY.",
     )  # fmt: skip
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Canary of a round's winner on live traffic.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Automatic rollback after a canary promotion.")
 
     @field_validator("api_key", mode="before")
     @classmethod

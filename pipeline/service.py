@@ -93,6 +93,7 @@ class HourglassService:
         self._ingest_stop = threading.Event()
         self._ingest_thread: threading.Thread | None = None
         self.controller = None
+        self.canary = None  # pipeline.canary.monitor.CanaryMonitor, with the reconcile loop
         self.scheduler: BackgroundScheduler | None = None
 
     # -- lifecycle ------------------------------------------------------------------
@@ -119,10 +120,20 @@ class HourglassService:
             self.controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
             self.controller.start()
             self.runner.on_promoted.append(lambda _model, _version: self.controller.trigger())
+            self._start_canary(models)
         _CURRENT = self
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
         log.info("service started; next round: %s", self.next_round_at())
+
+    def _start_canary(self, models: list[str]) -> None:
+        """The canary and guard loop (:mod:`pipeline.canary.monitor`); its decisions wake the reconcile loop."""
+        if not (self.cfg.serving.canary.enabled or self.cfg.serving.guard.enabled):
+            return
+        from pipeline.canary.monitor import CanaryMonitor
+
+        self.canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: self.controller.trigger())
+        self.canary.start()
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule
@@ -160,6 +171,8 @@ class HourglassService:
         self._ingest_stop.set()  # 3
         if self._ingest_thread is not None:
             self._ingest_thread.join(60)
+        if self.canary is not None:  # 4: no alias moves once the reconcile loop is gone
+            self.canary.stop()
         if self.controller is not None:  # 4
             self.controller.stop()
         _CURRENT = None
@@ -216,6 +229,7 @@ class HourglassService:
             "serving": self.controller.status() if self.controller is not None else {},
             "ingest": self.ingest_worker.stats().as_metrics() if self.ingest_worker is not None else {},
             "buffer": self._safe(self.buffer_stats),
+            "canary": self.canary.status() if self.canary is not None else {},  # per model: the last look (pipeline.canary)
         }
 
     @staticmethod
