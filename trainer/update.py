@@ -93,12 +93,12 @@ def offline_batch(
     bad = [p.prompt_id for p in prompts if p.logged_completion is None or p.logged_reward is None]
     if bad:
         raise DataError(f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first")
-    completions = [
-        list(p.logged_token_ids) if p.logged_token_ids else base.tokenizer(p.logged_completion, add_special_tokens=False)["input_ids"]
-        for p in prompts
-    ]
+    # Logged ids the base cannot embed are replaced by the tokenised text; their logprobs then no longer apply.
+    completions = [base.completion_ids(p.logged_completion, p.logged_token_ids) for p in prompts]
     behaviour: list[list[float] | None] = [
-        list(p.logged_logprobs) if p.logged_logprobs and len(p.logged_logprobs) == len(c) else None
+        list(p.logged_logprobs)
+        if p.logged_logprobs and len(p.logged_logprobs) == len(c) and (not p.logged_token_ids or c == list(p.logged_token_ids))
+        else None
         for p, c in zip(prompts, completions)
     ]
     missing = [i for i, b in enumerate(behaviour) if b is None]
