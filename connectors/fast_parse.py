@@ -236,7 +236,9 @@ def _scrubbed(value: bytes | None, hasher: UserHasher | None) -> bytes | None:
         return value
     try:
         obj = json.loads(value)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8 (UnicodeDecodeError), nested too deep
+    except RecursionError:  # nested too deep to look for identifiers: keep nothing rather than raw ids
+        return None
+    except ValueError:  # not JSON, not UTF-8 (UnicodeDecodeError)
         return value
     if not isinstance(obj, (dict, list)):
         return value
@@ -339,7 +341,7 @@ def _parse_one(out: ParsedBatch, record: KafkaRecord, limits: _Limits, decoder: 
     if decoder is not None and value and len(value) <= limits.max_record_bytes:
         try:
             event = decoder.decode(value)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):
             event = None  # the reference parser says why
         if isinstance(event, _Trace):
             if _add_trace(out, event, record, limits):
@@ -470,8 +472,18 @@ def _feedback_row(event: _Feedback, record: KafkaRecord, limits: _Limits) -> Fee
     return (event.trace_id, ts, _signals_json(signals), metadata, record.topic, record.partition, record.offset)
 
 
+# More '[' / '{' than this in metadata: its nesting may exceed the reference parser's recursion limit
+# (about 200 levels for the whole record), so the reference parser decides.
+_FAST_MAX_BRACKETS = 128
+
+
 def _metadata_json(raw: msgspec.Raw, hasher: UserHasher) -> str | None:
-    """Stored ``metadata`` JSON (user ids hashed), or None when it is not a JSON object."""
+    """Stored ``metadata`` JSON (user ids hashed), or None when it is not a JSON object (or may nest
+    deeper than the reference parser accepts)."""
+    if len(raw) > 2 * _FAST_MAX_BRACKETS:  # each bracket needs its closer: shorter text cannot have more
+        text = bytes(raw)
+        if text.count(b"[") + text.count(b"{") > _FAST_MAX_BRACKETS:
+            return None
     try:
         metadata = _METADATA.decode(raw)
     except msgspec.MsgspecError:

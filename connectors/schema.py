@@ -62,6 +62,7 @@ TS_OUT_OF_RANGE = "ts_out_of_range"
 OVERSIZE_CORRECTION = "oversize_correction"
 PARSE_ERROR = "parse_error"  # last resort: the parser itself failed on this record (a bug; the record is kept)
 UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record batch (codec, corruption)
+NESTING_TOO_DEEP = "nesting_too_deep"  # arrays/objects nested past the JSON parser's recursion limit
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
 
@@ -366,7 +367,7 @@ def parse_record(
         with one of the reason codes ``empty_value``, ``oversize``,
         ``not_utf8``, ``invalid_json``, ``invalid_unicode``, ``not_an_object``,
         ``unknown_schema``, ``non_finite_reward``, ``schema_violation``,
-        ``oversize_correction``, ``ts_out_of_range``. Never raises on bad input.
+        ``oversize_correction``, ``ts_out_of_range``, ``nesting_too_deep``. Never raises on bad input.
     """
     if not value:
         return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
@@ -374,7 +375,9 @@ def parse_record(
         return Rejected(OVERSIZE, f"record is {len(value)} bytes, above kafka.max_record_bytes={max_record_bytes}")
     try:  # fast path: one pass of pydantic-core's JSON parser for the (usual) valid record
         event: Event = _ANY_EVENT.validate_json(value, context={"hasher": hasher})  # hashes user ids
-    except ValidationError:
+    except ValidationError as err:
+        if any(e["type"] == "json_invalid" and "recursion limit" in e["msg"] for e in err.errors()):
+            return _too_deep(err.errors()[0]["msg"])
         return _diagnose(value)  # slow path: say precisely what is wrong
     if event.reward is not None and not math.isfinite(event.reward):
         return Rejected(NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers")
@@ -397,6 +400,14 @@ def correction_too_long(correction: str | None, max_chars: int | None) -> Reject
     )
 
 
+def _too_deep(why: str) -> Rejected:
+    return Rejected(
+        NESTING_TOO_DEEP,
+        f"record nests arrays/objects deeper than the JSON parser allows (about 200 levels; {why}); "
+        "flatten the nested values (usually in metadata)",
+    )
+
+
 def _diagnose(value: bytes) -> Rejected:
     """Why a record that failed validation is unusable (checks in order, first problem wins)."""
     try:
@@ -407,6 +418,8 @@ def _diagnose(value: bytes) -> Rejected:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         return Rejected(INVALID_JSON, f"record is not valid JSON: {err}")
+    except RecursionError as err:
+        return _too_deep(str(err))
     bad_text = unencodable_path(data)
     if bad_text is not None:
         return Rejected(

@@ -308,3 +308,22 @@ def test_a_row_arrow_refuses_becomes_a_dead_letter_not_a_failed_batch() -> None:
     traces, feedback = batch.tables(INGESTED)
     assert traces["trace_id"].to_pylist() == ["t0"] and feedback.num_rows == 0
     assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.PARSE_ERROR, "traces", 0, 1)]
+
+
+@pytest.mark.parametrize("depth", [250, 900, 5000])
+def test_deeply_nested_records_are_dead_lettered_alike_without_raw_user_ids(depth: int) -> None:
+    """Nesting beyond the JSON parser's recursion limit: the same clear reason on both paths (not the
+    internal ``parse_error``, not a record the fast path alone accepts), and the stored payload never keeps
+    the identifiers it could not hash."""
+    nested = b"[" * depth + b"]" * depth
+    trace = _enc(_trace(0, metadata={"email": "alice@x.org", "d": "@"})).replace(b'"@"', nested)
+    feedback = _enc(_feedback(1, metadata={"user": "alice", "d": "@"})).replace(b'"@"', nested)
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([trace, feedback, _enc(_trace(2))])]
+    fast = parse_batch(records, max_record_bytes=1 << 20, hasher=HASHER)
+    slow = parse_batch(records, max_record_bytes=1 << 20, hasher=HASHER, fast=False)
+    for out in (fast, slow):
+        assert [row[0] for row in out.traces] == ["t2"] and out.feedback == []
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(0, s.NESTING_TOO_DEEP), (1, s.NESTING_TOO_DEEP)]
+        assert all("nest" in d.detail for d in out.dead_letters)
+        assert all(b"alice" not in (d.payload or b"") for d in out.dead_letters)
+    assert fast.dead_letters == slow.dead_letters
