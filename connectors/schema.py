@@ -98,6 +98,13 @@ def _aware_utc(value: datetime) -> datetime:
         raise ValueError(f"ts {value.isoformat()} is out of the supported date range in UTC") from err
 
 
+def _not_bool(value: Any, name: str | None) -> Any:
+    # pydantic's lax mode reads JSON true/false as 1/0 for int and float fields; a boolean is not a number here.
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, not a boolean (got {str(value).lower()})")
+    return value
+
+
 class ChatMessage(BaseModel):
     """One OpenAI-style chat message."""
 
@@ -118,6 +125,11 @@ class _Signals(BaseModel):
     edited: bool | None = Field(default=None, description="The user edited the answer.")
     regenerated: bool | None = Field(default=None, description="The user asked for another answer.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed on ingest.")
+
+    @field_validator("reward", "rating", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        return _not_bool(value, info.field_name)
 
     @field_validator("metadata")
     @classmethod
@@ -154,6 +166,14 @@ class TraceEvent(_Signals):
     @classmethod
     def _ts_out(cls, value: datetime) -> datetime:
         return _aware_utc(value)
+
+    @field_validator("completion_token_ids", "completion_logprobs", mode="before")
+    @classmethod
+    def _no_bools(cls, values: Any, info: ValidationInfo) -> Any:
+        if isinstance(values, list):
+            for i, value in enumerate(values):
+                _not_bool(value, f"{info.field_name}.{i}")
+        return values
 
     @field_validator("completion_logprobs")
     @classmethod
