@@ -21,6 +21,7 @@ from rich.table import Table
 
 from connectors.buffer import RewardBuffer
 from connectors.dead_letter import DeadLetterStore
+from connectors.config import check_topic_name
 from connectors.errors import ConnectorError
 from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
@@ -99,8 +100,11 @@ def produce(
     """Backfill: send a JSON-lines file to a topic and wait for every acknowledgement."""
     cfg = _config(config)
     _readable_file(file)
-    if topic is not None and not topic.strip():
-        fail("--topic must not be empty")
+    if topic is not None:
+        try:
+            check_topic_name(topic)
+        except ValueError as err:
+            fail(f"--topic: {err}")
     try:
         ensure_topics(cfg.kafka)
         acked = produce_jsonl(cfg.kafka, topic or cfg.kafka.traces_topic, file)

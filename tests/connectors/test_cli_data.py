@@ -114,3 +114,15 @@ def test_replay_a_sharegpt_file_of_my_choice_accounts_for_every_record(kafka_cfg
     assert json.loads(listing["dead_letters"][2]["payload"])["conversations"][0]["value"] == "1\u20282"
     out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt-file", str(tmp_path / "nope.json")])
     assert out.exit_code != 0 and "no such file" in out.output
+
+
+@pytest.mark.parametrize("topic", ["bad topic!", "", "..", "x" * 250, "tópico"])
+def test_produce_refuses_an_illegal_topic_name_with_a_message(topic: str, tmp_path: Path) -> None:
+    """Not a kafka-python traceback: the rule, before any connection is tried (no broker at this address)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"schema": "hourglass.trace/v1"}\n')
+    config = tmp_path / "hourglass.toml"
+    config.write_text('[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')
+    out = CliRunner().invoke(_app(), ["produce", "--config", str(config), "--topic", topic, str(data)])
+    assert out.exit_code == 1, out.output
+    assert "Traceback" not in out.output and "not a legal Kafka topic name" in out.output
