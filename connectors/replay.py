@@ -248,14 +248,20 @@ def read_trace_jsonl(path: str | Path) -> Iterator[TraceEvent]:
     Raises:
         ReplayError: a line is not a valid trace event (message names the line and the problem).
     """
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ReplayError(f"{path}:{number}: not UTF-8 ({err}); trace files are UTF-8 JSON lines") from err
             if not line.strip():
                 continue
             try:
                 yield TraceEvent.model_validate_json(line)
             except ValidationError as err:
-                raise ReplayError(f"{path}:{number}: not a {TraceEvent.__name__}: {err.errors()[0]['msg']}") from err
+                first = err.errors()[0]
+                where = ".".join(str(part) for part in first["loc"]) or "(record)"
+                raise ReplayError(f"{path}:{number}: not a {TraceEvent.__name__}: {where}: {first['msg']}") from err
 
 
 @dataclass

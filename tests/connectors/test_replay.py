@@ -136,3 +136,14 @@ def test_json_array_element_nested_too_deep_is_a_clear_error(tmp_path: Path) -> 
         for number, _, verdict in iter_sharegpt(path):
             got.append((number, verdict.trace_id))
     assert got == [(1, "sharegpt-a")]
+
+
+def test_jsonl_reader_refuses_non_utf8_and_names_the_missing_field(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'\xff\xfe{"a": 1}\n')
+    with pytest.raises(ReplayError, match="latin1.jsonl:1: not UTF-8"):
+        list(read_trace_jsonl(path))
+    path = tmp_path / "partial.jsonl"
+    path.write_text('{"schema": "hourglass.trace/v1", "trace_id": "a"}\n')
+    with pytest.raises(ReplayError, match=r"partial.jsonl:1: .*ts: Field required"):
+        list(read_trace_jsonl(path))
