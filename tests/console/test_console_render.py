@@ -174,3 +174,24 @@ def test_canary_abort_button_only_with_a_canary_endpoint(tmp_path: Path) -> None
         assert 'data-action="canary-abort"' not in html and 'id="canary" class="muted">no canary<' in html
         app.post("/canary/{model}/abort")(lambda model: {"aborted": model})  # as a canary feature would add it
         assert 'data-action="canary-abort" data-path="/canary/{model}/abort"' in client.get("/").text
+
+
+def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path: Path) -> None:
+    """``adapter_version`` comes from traffic: 40 distinct numeric versions (plus Unicode digits, which
+    ``str.isdigit`` accepts) must not become 40 Prometheus series; the gauge keeps the MAX_VERSIONS
+    versions with the most traces per served model, ASCII digits only."""
+    from pipeline.console.data import MAX_VERSIONS
+
+    service = _service(tmp_path)
+    now = datetime.now(timezone.utc)
+    versions = ["2"] * 5 + [str(10_000 + i) for i in range(40)] + ["²", "٣"]
+    traces = [(TraceEvent(trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=v, prompt="p", completion="c", thumbs="up"),
+               Coordinates("traces", 0, i)) for i, v in enumerate(versions)]  # fmt: skip
+    RewardBuffer(service.cfg.buffer).append(traces, [])
+    with TestClient(create_api(service)) as client:
+        metrics = client.get("/metrics").text
+        live = client.get("/console/data").json()["feedback"]["live"]
+    series = [line for line in metrics.splitlines() if line.startswith("hourglass_live_feedback_rate{")]
+    assert len(series) == len(live) == MAX_VERSIONS, series
+    assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 1.0' in metrics  # the busiest version stays
+    assert "²" not in metrics and "٣" not in metrics
