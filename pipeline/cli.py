@@ -20,7 +20,7 @@ from rich.table import Table
 from connectors.errors import ConnectorError
 from pipeline import stack
 from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
-from pipeline.config import HourglassConfig, load_config
+from pipeline.config import HourglassConfig, config_warnings, load_config
 from pipeline.errors import ConfigError, PipelineError, StackError
 from trainer import model_store
 from trainer.errors import TrainerError
@@ -61,7 +61,7 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to validate.")], as_json: JsonOpt = False) -> None:
     """Validate FILE and report every problem at once (exit 2 when invalid)."""
     try:
-        load_config(file)
+        cfg = load_config(file)
     except ConfigError as err:
         emit({"ok": False, "problems": err.problems}, as_json)
         if not as_json:
@@ -69,7 +69,9 @@ def config_check(file: Annotated[Path, typer.Argument(help="The TOML file to val
             for problem in err.problems:
                 console.print(f"  - {escape(problem)}")
         raise typer.Exit(2) from err
-    emit({"ok": True, "problems": []}, as_json, f"[green]{file}: OK[/]")
+    warnings = config_warnings(cfg)
+    human = "\n".join([f"[green]{file}: OK[/]", *(f"  [yellow]warning:[/] {escape(w)}" for w in warnings)])
+    emit({"ok": True, "problems": [], "warnings": warnings}, as_json, human)
 
 
 @config_app.command("show")
