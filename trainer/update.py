@@ -85,7 +85,8 @@ def offline_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """Logged rows as a batch. Rows without logged token ids are tokenised;
     rows without logged log-probs use the base model's (the reference) as the
-    behaviour policy, which is exact when the base served them.
+    behaviour policy, which is exact when the base served them. Each completion
+    is cut to fit ``max_seq_len`` after its prompt (its logged log-probs too).
 
     Raises:
         DataError: a row has no logged completion or no logged reward.
@@ -101,6 +102,12 @@ def offline_batch(
         else None
         for p, c in zip(prompts, completions)
     ]
+    # Cut each completion (and its logged log-probs) to fit max_seq_len after its prompt: a logged completion from
+    # traffic can be ~250k tokens within kafka.max_record_bytes, and the update runs the model over all of it.
+    for i, ids in enumerate(prompt_ids):
+        room = max(1, base.max_seq_len - len(ids))
+        completions[i] = completions[i][:room]
+        behaviour[i] = behaviour[i][:room] if behaviour[i] is not None else None
     missing = [i for i, b in enumerate(behaviour) if b is None]
     if missing:
         with torch.no_grad(), base.reference():
