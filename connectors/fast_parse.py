@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from connectors.dead_letter import DeadLetter
 from connectors.schema import (
     FEEDBACK_SCHEMA,
+    FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
     PARSE_ERROR,
@@ -393,6 +394,8 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
         ids = lps = None
     elif ids is not None and lps is not None and len(ids) != len(lps):
         return False
+    elif lps is not None and not all(abs(v) <= FLOAT32_MAX for v in lps):
+        return False  # would be infinite as float32: the reference parser refuses it
     # A _Message encodes as {"role": ..., "content": ...}, the same bytes as the reference's dicts.
     messages = [_Message("user", event.prompt)] if isinstance(event.prompt, str) else event.prompt
     metadata = _metadata_json(event.metadata, hasher)
@@ -451,7 +454,10 @@ def _lists_to_columns(out: ParsedBatch) -> bool:
     lps = _number_lists(out._lps_json, out._lps_len, pa.float64())  # read as msgspec/pydantic do, float32 as pa.array
     if ids is None or lps is None:
         return False
-    out.token_ids, out.logprobs = ids, lps.cast(lps_type)
+    lps = lps.cast(lps_type)
+    if len(lps.values) and not pc.all(pc.is_finite(lps.values)).as_py():
+        return False  # beyond float32 (e.g. -1e300): the reference parser refuses it
+    out.token_ids, out.logprobs = ids, lps
     out._ids_json, out._lps_json, out._ids_len, out._lps_len = [], [], [], []
     return True
 

@@ -65,6 +65,7 @@ UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record b
 NESTING_TOO_DEEP = "nesting_too_deep"  # arrays/objects nested past the JSON parser's recursion limit
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
+FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: the stored logprob column's range
 
 
 def _to_utc(value: Any) -> Any:
@@ -180,6 +181,8 @@ class TraceEvent(_Signals):
     def _finite_logprobs(cls, values: list[float] | None) -> list[float] | None:
         if values is not None and not all(math.isfinite(v) for v in values):
             raise ValueError("completion_logprobs must all be finite (got NaN or inf)")
+        if values is not None and not all(abs(v) <= FLOAT32_MAX for v in values):
+            raise ValueError(f"completion_logprobs must fit float32 (|x| <= {FLOAT32_MAX:.4g}); stored as float32 they would be infinite")
         return values
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -170,7 +171,7 @@ def test_canonical_batch_carries_lists_as_arrow_columns_equal_to_the_reference()
     values = [_enc(v) for v in FAST]
     values.append(json.dumps(_trace(40, completion_token_ids=[], completion_logprobs=[])).encode())  # ", " separators
     values.append(_enc(_trace(41, completion_logprobs=None)))  # one list null, the other not
-    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -1e300]}
+    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -3e38]}  # -3e38: float32 range
     values.append(_enc(_trace(42, **extremes)))
     fast, slow = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
     assert fast.token_ids is not None and fast.logprobs is not None and slow.token_ids is None
@@ -327,3 +328,18 @@ def test_deeply_nested_records_are_dead_lettered_alike_without_raw_user_ids(dept
         assert all("nest" in d.detail for d in out.dead_letters)
         assert all(b"alice" not in (d.payload or b"") for d in out.dead_letters)
     assert fast.dead_letters == slow.dead_letters
+
+
+@pytest.mark.parametrize("logprob", [-1e300, -3.5e38, 1e39])
+def test_logprobs_beyond_float32_are_dead_lettered_not_stored_as_infinity(logprob: float) -> None:
+    """completion_logprobs are stored as float32: a finite JSON number beyond its range became -inf/inf in
+    the buffer (the contract says finite). Both paths refuse it, naming the field; the rest of the batch lands."""
+    bad = _enc(_trace(0, completion_token_ids=[1, 2, 3], completion_logprobs=[-0.5, logprob, -1.0]))
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([bad, _enc(_trace(1))])]
+    for fast in (True, False):
+        out = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
+        assert [row[0] for row in out.traces] == ["t1"]
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(0, s.SCHEMA_VIOLATION)]
+        assert "completion_logprobs" in out.dead_letters[0].detail
+        table = out.trace_table(INGESTED)
+        assert all(math.isfinite(v) for row in table["completion_logprobs"].to_pylist() if row for v in row)
