@@ -391,10 +391,15 @@ class ConsoleData:
                     continue
                 counts: Counter = Counter()
                 rows = []
-                for line in read_bytes(loc, info.path).decode("utf-8", errors="replace").splitlines():
+                # split on \n only: payloads keep U+2028, U+0085, \x0c... raw, which str.splitlines splits on
+                for line in read_bytes(loc, info.path).decode("utf-8", errors="replace").split("\n"):
+                    if not line.strip():
+                        continue
                     try:
                         row = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):
+                        continue
+                    if not isinstance(row, dict):  # a damaged line: skipped, like DeadLetterStore.list
                         continue
                     counts[str(row.get("reason"))] += 1
                     rows.append(_letter_view(row))

@@ -195,3 +195,20 @@ def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path:
     assert len(series) == len(live) == MAX_VERSIONS, series
     assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 1.0' in metrics  # the busiest version stays
     assert "²" not in metrics and "٣" not in metrics
+
+
+def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: Path) -> None:
+    """Dead-letter files are JSON lines split on \\n only: a payload with U+2028 / U+0085 / \\x0c (kept raw by
+    ensure_ascii=False) must still count, not vanish from the page's counts and newest list."""
+    service = _service(tmp_path)
+    DeadLetterStore(service.cfg.buffer.dead_letter_root).write([
+        DeadLetter("schema_violation", "d", "traces", 0, 1, "a\u2028b\x85c\x0cd".encode()),
+        DeadLetter("invalid_json", "d", "traces", 0, 2, b"plain"),
+    ])  # fmt: skip
+    damaged = Path(service.cfg.buffer.dead_letter_root) / "dt=2000-01-01" / "dlq-0000000000000-x-000000.jsonl"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text('5\n["a"]\n{"reason": "not_utf8", "topic": "t", "partition": 0, "offset": 0}\n')  # a damaged file
+    with TestClient(create_api(service)) as client:
+        dead = client.get("/console/data").json()["ingest"]["dead_letters"]
+    assert dead["by_reason"] == {"schema_violation": 1, "invalid_json": 1, "not_utf8": 1}
+    assert [d["where"] for d in dead["newest"]] == ["traces:0@2", "traces:0@1", "t:0@0"]
