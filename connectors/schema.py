@@ -135,6 +135,8 @@ class _Signals(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _hash_user_ids(cls, metadata: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # pydantic's JSON parser reads NaN, Infinity and 1e999; stored as such they would not be JSON: null instead
+        metadata = _finite_or_null(metadata)
         hasher = (info.context or {}).get("hasher")
         return hasher(metadata) if hasher is not None and metadata else metadata
 
@@ -283,6 +285,19 @@ class TsWindow:
             "send when the event happened in UTC (RFC 3339, or a JSON number of epoch milliseconds), "
             "fix the producer's clock, or raise buffer.max_event_age_s to backfill older events",
         )
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (at any depth) replaced by None; the same object when none."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        out = {key: _finite_or_null(item) for key, item in value.items()}
+        return value if all(out[k] is value[k] for k in value) else out
+    if isinstance(value, list):
+        items = [_finite_or_null(item) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
 
 
 def unencodable_path(value: Any, path: str = "") -> str | None:

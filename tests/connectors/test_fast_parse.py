@@ -343,3 +343,22 @@ def test_logprobs_beyond_float32_are_dead_lettered_not_stored_as_infinity(logpro
         assert "completion_logprobs" in out.dead_letters[0].detail
         table = out.trace_table(INGESTED)
         assert all(math.isfinite(v) for row in table["completion_logprobs"].to_pylist() if row for v in row)
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_in_metadata_are_stored_as_null_so_the_buffer_stays_json(token: bytes) -> None:
+    """pydantic's JSON parser reads NaN / Infinity / 1e999 in metadata; stored as such the metadata column
+    would hold ``NaN`` text, which is not JSON (strict readers of the buffer fail on it). Both paths store
+    the record with null in their place (the record is not refused: metadata is free-form)."""
+    raw = _enc(_trace(0, metadata={"ok": 1.5, "nested": [{"score": "@"}]})).replace(b'"@"', token)
+    feedback = _enc(_feedback(1, metadata={"score": "@"})).replace(b'"@"', token)
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([raw, feedback, _enc(_trace(2))])]
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} stored in {text}"))
+
+    for fast in (True, False):
+        out = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
+        assert out.dead_letters == [] and [row[0] for row in out.traces] == ["t0", "t2"]
+        assert strict(out.traces[0][9]) == {"ok": 1.5, "nested": [{"score": None}]}
+        assert strict(out.feedback[0][3]) == {"score": None}
