@@ -236,6 +236,9 @@ def create_api(service: "HourglassService") -> FastAPI:
 
 
 def _registry_call(call) -> dict[str, Any]:
+    """Run a registry call; its errors become 4xx/502 refusals whose detail has URL credentials,
+    secret query parameters and bearer tokens replaced by ``***`` (MLflow's messages quote the
+    request URL, ``user:password@`` of the tracking URI included)."""
     from mlflow.exceptions import MlflowException
 
     from pipeline.aliases import UnknownVersionError
@@ -244,12 +247,12 @@ def _registry_call(call) -> dict[str, Any]:
     try:
         return call()
     except UnknownVersionError as err:
-        raise HTTPException(404, str(err)) from err
+        raise HTTPException(404, redact(str(err))) from err
     except LookupError as err:
-        raise HTTPException(404, str(err)) from err
+        raise HTTPException(404, redact(str(err))) from err
     except RegistryError as err:  # e.g. no earlier champion to roll back to
-        raise HTTPException(409, str(err)) from err
+        raise HTTPException(409, redact(str(err))) from err
     except MlflowException as err:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
-            raise HTTPException(404, err.message) from err
-        raise HTTPException(502, redact(f"MLflow: {err.message}")) from err
+            raise HTTPException(404, redact(err.message)) from err
+        raise HTTPException(502, f"MLflow: {redact(err.message)}") from err

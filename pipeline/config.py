@@ -298,6 +298,25 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
     return problems
 
 
+def config_warnings(cfg: HourglassConfig) -> list[str]:
+    """What is legal but unsafe in ``cfg`` (``hourglass config check`` prints these; the exit code stays 0).
+
+    Today: a topology with an external service (production) that keeps the built-in
+    ``buffer.user_hash_key``, which is public in the source, so user-id hashes can be reversed by
+    hashing guesses (emails, user names).
+    """
+    from connectors.config import BufferConfig
+
+    out = []
+    external = not (cfg.kafka.embedded and cfg.registry.embedded and cfg.serving.embedded)
+    if external and cfg.buffer.user_hash_key.get_secret_value() == BufferConfig().user_hash_key.get_secret_value():
+        out.append(
+            "buffer.user_hash_key is the built-in default (public in the source), with external services: user-id "
+            "hashes can be reversed by hashing guesses; set HOURGLASS_BUFFER__USER_HASH_KEY (at least 16 characters)"
+        )
+    return out
+
+
 def _describe(error: dict[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")

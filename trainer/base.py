@@ -63,6 +63,16 @@ class ResidentBase:
             ids = ids["input_ids"]
         return list(ids)
 
+    def completion_ids(self, text: str, logged_ids: Sequence[int] | None) -> list[int]:
+        """Completion token ids: the logged ids when the base can embed every one (``0 <= id < vocab``),
+        else ``text`` tokenised. Logged ids come from traffic (ingest accepts any int32), and one id the
+        embedding table lacks would fail the whole round (an IndexError; a device assert on CUDA)."""
+        if logged_ids:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            if all(0 <= t < vocab for t in logged_ids):
+                return list(logged_ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The reference policy: the base with every adapter disabled (no weight copy)."""

@@ -97,10 +97,9 @@ def rollout_batch(
 
 
 def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
-    """The logged completion's token ids (tokenised when the row has none; EOS for an empty completion)."""
-    if p.logged_token_ids:
-        return list(p.logged_token_ids)
-    return base.tokenizer(p.logged_completion or "", add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+    """The logged completion's token ids: the logged ids when the base can embed every one, else the text
+    tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
+    return base.completion_ids(p.logged_completion or "", p.logged_token_ids) or [base.tokenizer.eos_token_id]
 
 
 def offline_batch(
@@ -108,7 +107,8 @@ def offline_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """Logged rows as a batch. Rows without logged token ids are tokenised;
     rows without logged log-probs use the base model's (the reference) as the
-    behaviour policy, which is exact when the base served them.
+    behaviour policy, which is exact when the base served them. Each completion
+    is cut to fit ``max_seq_len`` after its prompt (its logged log-probs too).
 
     Raises:
         DataError: a row has no logged completion or no logged reward.
@@ -116,11 +116,20 @@ def offline_batch(
     bad = [p.prompt_id for p in prompts if p.logged_completion is None or p.logged_reward is None]
     if bad:
         raise DataError(f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first")
+    # Logged ids the base cannot embed are replaced by the tokenised text; their logprobs then no longer apply.
     completions = [logged_ids(base, p) for p in prompts]
     behaviour: list[list[float] | None] = [
-        list(p.logged_logprobs) if p.logged_logprobs and len(p.logged_logprobs) == len(c) else None
+        list(p.logged_logprobs)
+        if p.logged_logprobs and len(p.logged_logprobs) == len(c) and (not p.logged_token_ids or c == list(p.logged_token_ids))
+        else None
         for p, c in zip(prompts, completions)
     ]
+    # Cut each completion (and its logged log-probs) to fit max_seq_len after its prompt: a logged completion from
+    # traffic can be ~250k tokens within kafka.max_record_bytes, and the update runs the model over all of it.
+    for i, ids in enumerate(prompt_ids):
+        room = max(1, base.max_seq_len - len(ids))
+        completions[i] = completions[i][:room]
+        behaviour[i] = behaviour[i][:room] if behaviour[i] is not None else None
     missing = [i for i, b in enumerate(behaviour) if b is None]
     if missing:
         with torch.no_grad(), base.reference():
