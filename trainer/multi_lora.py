@@ -16,7 +16,8 @@ they are not already contiguous) and each group is one pair of matmuls:
   group, each adapter at its own rank (no padding);
 - on CUDA, when ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``)
   exists: one grouped matmul pair per module over all groups, ranks padded to
-  the module's largest rank with zero columns of ``A^T`` / zero rows of
+  the module's largest rank (rounded up to a multiple of 8 for the kernels'
+  16-byte stride rule) with zero columns of ``A^T`` / zero rows of
   ``scale * B^T`` (exact: the padded directions contribute 0 and get no
   update). Any error from the grouped kernel (dtype, alignment, older GPU)
   switches that layer set back to the loop for good.
@@ -172,7 +173,7 @@ class MultiLoRA:
     def _delta_grouped(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
         """One grouped matmul pair over the row groups; ranks padded to the largest (zeros)."""
         assert self._segments is not None and _GROUPED is not None
-        r_max = max(lora.A.shape[0] for lora in entries.values())
+        r_max = -(-max(lora.A.shape[0] for lora in entries.values()) // 8) * 8  # kernels need 16-byte aligned strides
         in_features = x.shape[-1]
         a_list, b_list = [], []
         for k, _, _ in self._segments:
@@ -186,7 +187,7 @@ class MultiLoRA:
                 b_list.append(F.pad(lora.B.t() * lora.scale, (0, 0, 0, pad)))
         per_row = x[0].numel() // in_features  # tokens per row
         offs = torch.tensor([e * per_row for _, _, e in self._segments], dtype=torch.int32, device=x.device)
-        x2 = x.reshape(-1, in_features)
+        x2 = x.reshape(-1, in_features).contiguous()
         h = _GROUPED(x2, torch.stack(a_list), offs=offs)
         return _GROUPED(h, torch.stack(b_list), offs=offs).reshape(*x.shape[:-1], out_features)
 
