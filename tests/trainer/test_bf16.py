@@ -77,3 +77,14 @@ def test_bf16_base_keeps_lora_and_adamw_in_float32_and_matches_float32(peaked_mo
     assert 0 < mae < LOGPROB_MAE_TOL, mae
     assert abs(m16["train/loss"] - m32["train/loss"]) < LOSS_TOL, (m16["train/loss"], m32["train/loss"])
     assert m16["train/skipped_nonfinite"] == 0.0
+
+
+def test_vllm_dtype_is_float32_on_cpu_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import stack
+
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    assert stack.vllm_dtype() == "float32" and stack.vllm_dtype("bfloat16") == "bfloat16"
+    argv = stack.vllm_service(Path("/m"), "127.0.0.1", 1, Path("/tmp/l"), dtype="bfloat16").argv
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    monkeypatch.setattr(stack, "_has_cuda", lambda: True)
+    assert stack.vllm_dtype() == "auto"
