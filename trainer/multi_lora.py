@@ -19,8 +19,11 @@ they are not already contiguous) and each group is one pair of matmuls:
   the module's largest rank (rounded up to a multiple of 8 for the kernels'
   16-byte stride rule) with zero columns of ``A^T`` / zero rows of
   ``scale * B^T`` (exact: the padded directions contribute 0 and get no
-  update). Any error from the grouped kernel (dtype, alignment, older GPU)
-  switches that layer set back to the loop for good.
+  update). The kernel runs in the LoRA weights' dtype (float32), which keeps
+  the result equal to PEFT's; where a kernel takes bf16 only, or any other
+  error comes from it (alignment, older GPU), that layer set falls back to
+  the loop for good (logged). Its forward is tested against the loop on CPU;
+  its CUDA backward has not been run by the tests.
 
 An adapter that does not target a module contributes nothing there (its rows
 get a zero delta), so candidates with different ranks and target modules mix.
@@ -140,6 +143,12 @@ class MultiLoRA:
             if self._segments is None:
                 return None
             x = args[0]
+            rows = self._segments[-1][2] if self._segments else 0
+            if x.shape[0] != rows:
+                raise TrainerConfigError(
+                    f"multi-adapter LoRA expects batch-first inputs with one row per sequence ({rows} rows); "
+                    f"{type(module).__name__} got {tuple(x.shape)}: train this model with update_mode 'sequential'"
+                )
             order = self._order
             if order is not None:
                 x = x.index_select(0, order.to(x.device))
@@ -157,7 +166,7 @@ class MultiLoRA:
         if use_grouped and _GROUPED is not None:
             try:
                 return self._delta_grouped(x.to(dtype), entries, out_features)
-            except RuntimeError as err:
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
                 log.warning("grouped matmul unavailable here (%s); using the segmented loop", err)
                 self.grouped = False
         pieces = []
