@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
 
 PHASES = (
     "time/rollout_s",
@@ -34,15 +35,34 @@ _totals: ContextVar[dict[str, float] | None] = ContextVar("hourglass_phase_total
 _open: ContextVar[bool] = ContextVar("hourglass_phase_open", default=False)
 
 
+@dataclass
+class Collection:
+    """Phase totals being collected (``totals``: every key of :data:`PHASES`, seconds)."""
+
+    totals: dict[str, float]
+    token: Token
+
+
+def start() -> Collection:
+    """Start collecting phase times in this context; pair with :func:`stop` (or use :func:`collect`)."""
+    totals = dict.fromkeys(PHASES, 0.0)
+    return Collection(totals, _totals.set(totals))
+
+
+def stop(collection: Collection) -> dict[str, float]:
+    """Stop collecting; returns the totals (also in ``collection.totals``)."""
+    _totals.reset(collection.token)
+    return collection.totals
+
+
 @contextlib.contextmanager
 def collect() -> Iterator[dict[str, float]]:
     """Collect phase times of the block into the yielded dict (every key of :data:`PHASES` present, seconds)."""
-    totals = dict.fromkeys(PHASES, 0.0)
-    token = _totals.set(totals)
+    collection = start()
     try:
-        yield totals
+        yield collection.totals
     finally:
-        _totals.reset(token)
+        stop(collection)
 
 
 @contextlib.contextmanager

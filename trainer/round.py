@@ -34,12 +34,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from rich.progress import Progress
 
-from trainer import reward_round
+from trainer import profile, reward_round
 from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
-from trainer.profile import collect, phase
 from trainer.evaluate import (
     EvalResult,
     auc,
@@ -53,13 +52,13 @@ from trainer.evaluate import (
     unusable_reason,
     usable_rows,
 )
+from trainer.multi_lora import one_pass_ok, train_one_pass
 from trainer.reward_model import RewardModel
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RewardModelReport, RoundResult
-from trainer.multi_lora import one_pass_ok, train_one_pass
 from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, logged_ids, update_step
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ def publish(base_engine: RolloutEngine, store: object, candidate: str, step: int
     """Save the live weights as ``<name>-s<step>``, load that new name, unload the previous one."""
     started = time.perf_counter()
     version = f"{candidate}-s{step}"
-    with phase("time/publish_s"):
+    with profile.phase("time/publish_s"):
         folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")  # type: ignore[attr-defined]
         base_engine.load(candidate, version, folder)
         if previous is not None:
@@ -188,7 +187,7 @@ def train_candidates(
             rollout_metrics: dict[str, float] = {}
             if online:
                 # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
-                with phase("time/rollout_s"):
+                with profile.phase("time/rollout_s"):
                     groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
                 rollout_totals["rollout/s"] += rollout_metrics["rollout/s"]
                 rollout_totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
@@ -447,53 +446,54 @@ def run_round(
     base = base or load_base(model_cfg)  # 1. the resident base, loaded once
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
-    rm_phase = reward_round.RewardPhase()
-    with collect() as times:
-        try:
-            if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
-                rm_phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
-            for c in candidates:  # 5. start points
-                store.create(c.name, c, start_dir(c, champions, out_dir))
-            history, versions, rollout_metrics = train_candidates(
-                base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint, reward_model=rm_phase.model
+    phase = reward_round.RewardPhase()
+    times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
+    try:
+        if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
+            phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
+        for c in candidates:  # 5. start points
+            store.create(c.name, c, start_dir(c, champions, out_dir))
+        history, versions, rollout_metrics = train_candidates(
+            base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint, reward_model=phase.model
+        )  # fmt: skip
+        if checkpoint is not None:
+            checkpoint("evaluate")
+        with profile.phase("time/evaluate_s"):
+            results, decisions, eval_metrics = evaluate_and_gate(
+                base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
+                reward_model=phase.model, reward_report=phase.report,
             )  # fmt: skip
-            if checkpoint is not None:
-                checkpoint("evaluate")
-            with phase("time/evaluate_s"):
-                results, decisions, eval_metrics = evaluate_and_gate(
-                    base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
-                    reward_model=rm_phase.model, reward_report=rm_phase.report,
-                )  # fmt: skip
-            reward_result = reward_round.finish(rm_phase, out_dir)
-            out = []
-            for c in candidates:  # 6. final adapters, also kept as the candidate's "last"
-                folder = store.save(c.name, out_dir / c.name / "adapter")
-                last = out_dir.parent / "last" / c.name
-                shutil.rmtree(last, ignore_errors=True)
-                shutil.copytree(folder, last)
-                r = results[c.name]
-                out.append(
-                    CandidateResult(
-                        name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
-                        step_metrics=tuple(history[c.name]), eval_rewards=r.rewards,
-                        eval_metrics=r.as_metrics(rl.gate_metric),
-                    )
-                )  # fmt: skip
-            for version in versions.values():
-                engine.unload(version)
-        finally:
-            # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
-            # 1. drop candidates from the store, 2. remove the store's adapters from the base.
-            _unload_leftovers(engine, {c.name for c in candidates})
-            for name in list(store.names()):
-                store.delete(name)
-            store.close()
+        reward_result = reward_round.finish(phase, out_dir)
+        out = []
+        for c in candidates:  # 6. final adapters, also kept as the candidate's "last"
+            folder = store.save(c.name, out_dir / c.name / "adapter")
+            last = out_dir.parent / "last" / c.name
+            shutil.rmtree(last, ignore_errors=True)
+            shutil.copytree(folder, last)
+            r = results[c.name]
+            out.append(
+                CandidateResult(
+                    name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
+                    step_metrics=tuple(history[c.name]), eval_rewards=r.rewards,
+                    eval_metrics=r.as_metrics(rl.gate_metric),
+                )
+            )  # fmt: skip
+        for version in versions.values():
+            engine.unload(version)
+    finally:
+        profile.stop(times)
+        # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
+        # 1. drop candidates from the store, 2. remove the store's adapters from the base.
+        _unload_leftovers(engine, {c.name for c in candidates})
+        for name in list(store.names()):
+            store.delete(name)
+        store.close()
     window_start, window_end = _window(train, heldout)
     return RoundResult(
         round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,
         eval_prompt_ids=eval_ids,
         candidates=tuple(out), decisions=decisions,
-        metrics={**rollout_metrics, **eval_metrics, **rm_phase.metrics, **times, "round/wall_s": time.perf_counter() - started},
+        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, **times.totals, "round/wall_s": time.perf_counter() - started},
         reward_model=reward_result,
     )  # fmt: skip
