@@ -273,7 +273,9 @@ class RoundRunner:
         self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on
         save_reward_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
         canary = self.cfg.serving.canary.enabled  # the winner goes to @challenger first (pipeline.canary)
+        started = time.perf_counter()
         versions = register_round(self.cfg, result, promote=not canary)
+        record.metrics["time/register_s"] = time.perf_counter() - started
         record.versions = {v.model: v.version for v in versions}
         record.metrics.update(_register_reward_model(self.cfg, result))
 
