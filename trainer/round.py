@@ -59,7 +59,7 @@ from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutReques
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RewardModelReport, RoundResult
-from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, logged_ids, update_step
+from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, fit_after, logged_ids, update_step
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def evaluate_and_gate(
             refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
     ids = [_prompt_ids(base, p, rl) for p in prompts]
     labels = feedback_labels(prompts) if metric == "feedback" else None
-    logged = [logged_ids(base, p) for p in prompts] if metric == "feedback" else []
+    logged = [fit_after(base, i, logged_ids(base, p)) for i, p in zip(ids, prompts)] if metric == "feedback" else []
     reference = sequence_logps(base, ids, logged, reference=True) if logged else []
     champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
     try:

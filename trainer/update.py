@@ -97,6 +97,12 @@ def rollout_batch(
     return batch, metrics
 
 
+def fit_after(base: ResidentBase, prompt_ids: Sequence[int], completion_ids: list[int]) -> list[int]:
+    """``completion_ids`` cut to fit ``base.max_seq_len`` after the prompt (at least one token): a logged
+    completion or a correction from traffic can be far longer than the model's window."""
+    return completion_ids[: max(1, base.max_seq_len - len(prompt_ids))]
+
+
 def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
     """The logged completion's token ids: the logged ids when the base can embed every one, else the text
     tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
@@ -178,14 +184,15 @@ def kto_batch(
         if p.logged_completion is not None and p.logged_reward is not None:
             value = reward(p.messages, p.logged_completion, {**p.metadata, "reward": p.logged_reward})
             ids.append(list(pids))
-            completions.append(logged_ids(base, p))
+            completions.append(fit_after(base, pids, logged_ids(base, p)))
             desirable.append(value > 0)
             rewards.append(value)
             versions.append(p.logged_adapter_version or "base")
             used = True
         if candidate.kto_use_corrections and p.logged_correction:
             ids.append(list(pids))
-            completions.append(base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id])
+            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+            completions.append(fit_after(base, pids, correction))
             desirable.append(True)
             versions.append("correction")
             corrections += 1
