@@ -11,7 +11,11 @@ rollouts, then greedy evaluation on the same held-out prompts. Prints wall
 clock and peak memory (RSS of the process tree, trainer + vLLM, sampled every
 0.2 s) of both, the swap time as a fraction of update time, rollout tokens/s
 with K adapters in one engine vs one adapter at a time, and as the last line
-the speedup (a)/(b).
+the speedup (a)/(b). Both sides also print their round's phase breakdown
+(``time/*_s`` round metrics, see trainer/profile.py; (a) summed over its
+processes). ``--update-mode one_pass`` trains (b)'s candidates in one
+forward/backward per step (trainer/multi_lora.py); (a) has one candidate per
+process, where both modes are the same.
 
     python bench/multilora.py --k 2 --steps 1          # quick
     python bench/multilora.py                          # K=8, SmolLM2
@@ -39,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.stack import free_port, vllm_service
 from trainer import model_store
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.profile import PHASES
 
 
 class PeakRSS:
@@ -86,7 +91,7 @@ def candidates(k: int) -> list[CandidateConfig]:
 def rl_config(args: argparse.Namespace) -> RLConfig:
     return RLConfig(
         steps_per_round=args.steps, prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
-        eval_prompts=args.eval_prompts, adapter_store="offload", seed=0,
+        eval_prompts=args.eval_prompts, adapter_store="offload", seed=0, update_mode=args.update_mode,
     )  # fmt: skip
 
 
@@ -121,6 +126,7 @@ def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argpars
             "swap_s": sum(m["train/swap_s"] for m in metrics),
             "update_s": sum(m["train/update_s"] for m in metrics),
             "eval_reward": {c.name: c.eval_metrics["eval/reward_mean"] for c in result.candidates},
+            "phases": {k: result.metrics.get(k, 0.0) for k in PHASES},
         }
         if extra is not None:
             extra_started = time.perf_counter()
@@ -166,6 +172,11 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     return {"rollout_together_tok_s": together_tokens / together_s, "rollout_one_at_a_time_tok_s": one_tokens / one_s}
 
 
+def phases(reports: list[dict[str, float]]) -> str:
+    """``rollout 12.3 s, reference 1.0 s, ...``: phase times summed over reports."""
+    return ", ".join(f"{k.removeprefix('time/').removesuffix('_s')} {sum(r.get(k, 0.0) for r in reports):.1f} s" for k in PHASES)
+
+
 def worker(args: argparse.Namespace) -> None:
     """(a) one experiment in its own process; writes a JSON report."""
     cand = candidates(args.k)[args.worker]
@@ -182,6 +193,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="rollouts per prompt (G)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=4)
+    parser.add_argument("--update-mode", choices=["sequential", "one_pass"], default="sequential", help="rl.update_mode of the rounds")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key or folder")
     parser.add_argument("--out", default=None, help="work folder (default: a temp dir)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -195,7 +207,7 @@ def main() -> None:
     args.out = args.out or tempfile.mkdtemp(prefix="bench-multilora-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"K={args.k} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} model={args.model_dir}")
+    print(f"K={args.k} update_mode={args.update_mode} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} model={args.model_dir}")
 
     # (a) traditional: K fresh processes, each with its own base and vLLM server
     started = time.perf_counter()
@@ -204,7 +216,8 @@ def main() -> None:
         report_path = out / f"a-{i}.json"
         argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path), "--model-dir", args.model_dir,
                 "--k", str(args.k), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-                "--max-new-tokens", str(args.max_new_tokens), "--eval-prompts", str(args.eval_prompts), "--out", str(out)]  # fmt: skip
+                "--max-new-tokens", str(args.max_new_tokens), "--eval-prompts", str(args.eval_prompts), "--out", str(out),
+                "--update-mode", args.update_mode]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
         with PeakRSS(proc.pid) as mem:
             if proc.wait() != 0:
@@ -229,6 +242,8 @@ def main() -> None:
           f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}")  # fmt: skip
     together, one = report_b["rollout_together_tok_s"], report_b["rollout_one_at_a_time_tok_s"]
     print(f"rollout tokens/s, {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: {one:.1f}; ratio {together / one:.2f}x")
+    print(f"phases (a), summed: {phases([r['phases'] for r in reports])}")
+    print(f"phases (b): {phases([report_b['phases']])}")
     print(f"eval reward (a): {[round(v, 3) for r in reports for v in r['eval_reward'].values()]}  (b): {[round(v, 3) for v in report_b['eval_reward'].values()]}")
     print(f"speedup (a)/(b): {wall_a / wall_b:.2f}x")
 

@@ -13,6 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 _TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
+def check_topic_name(topic: str) -> str:
+    """``topic`` if Kafka accepts it as a topic name, else ValueError saying the rule."""
+    if not topic or len(topic) > 249 or set(topic) - _TOPIC_CHARS or topic in {".", ".."}:
+        raise ValueError(f"topic {topic!r} is not a legal Kafka topic name ([a-zA-Z0-9._-], 1-249 chars)")
+    return topic
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -53,9 +60,7 @@ class KafkaConfig(_Section):
     @field_validator("traces_topic", "feedback_topic")
     @classmethod
     def _topic_name(cls, topic: str) -> str:
-        if not topic or len(topic) > 249 or set(topic) - _TOPIC_CHARS or topic in {".", ".."}:
-            raise ValueError(f"topic {topic!r} is not a legal Kafka topic name ([a-zA-Z0-9._-], 1-249 chars)")
-        return topic
+        return check_topic_name(topic)
 
     @model_validator(mode="after")
     def _distinct_topics(self) -> "KafkaConfig":

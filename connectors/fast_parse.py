@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from connectors.dead_letter import DeadLetter
 from connectors.schema import (
     FEEDBACK_SCHEMA,
+    FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
     PARSE_ERROR,
@@ -236,7 +237,9 @@ def _scrubbed(value: bytes | None, hasher: UserHasher | None) -> bytes | None:
         return value
     try:
         obj = json.loads(value)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8 (UnicodeDecodeError), nested too deep
+    except RecursionError:  # nested too deep to look for identifiers: keep nothing rather than raw ids
+        return None
+    except ValueError:  # not JSON, not UTF-8 (UnicodeDecodeError)
         return value
     if not isinstance(obj, (dict, list)):
         return value
@@ -339,7 +342,7 @@ def _parse_one(out: ParsedBatch, record: KafkaRecord, limits: _Limits, decoder: 
     if decoder is not None and value and len(value) <= limits.max_record_bytes:
         try:
             event = decoder.decode(value)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):
             event = None  # the reference parser says why
         if isinstance(event, _Trace):
             if _add_trace(out, event, record, limits):
@@ -391,6 +394,8 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
         ids = lps = None
     elif ids is not None and lps is not None and len(ids) != len(lps):
         return False
+    elif lps is not None and not all(abs(v) <= FLOAT32_MAX for v in lps):
+        return False  # would be infinite as float32: the reference parser refuses it
     # A _Message encodes as {"role": ..., "content": ...}, the same bytes as the reference's dicts.
     messages = [_Message("user", event.prompt)] if isinstance(event.prompt, str) else event.prompt
     metadata = _metadata_json(event.metadata, hasher)
@@ -449,7 +454,10 @@ def _lists_to_columns(out: ParsedBatch) -> bool:
     lps = _number_lists(out._lps_json, out._lps_len, pa.float64())  # read as msgspec/pydantic do, float32 as pa.array
     if ids is None or lps is None:
         return False
-    out.token_ids, out.logprobs = ids, lps.cast(lps_type)
+    lps = lps.cast(lps_type)
+    if len(lps.values) and not pc.all(pc.is_finite(lps.values)).as_py():
+        return False  # beyond float32 (e.g. -1e300): the reference parser refuses it
+    out.token_ids, out.logprobs = ids, lps
     out._ids_json, out._lps_json, out._ids_len, out._lps_len = [], [], [], []
     return True
 
@@ -470,8 +478,18 @@ def _feedback_row(event: _Feedback, record: KafkaRecord, limits: _Limits) -> Fee
     return (event.trace_id, ts, _signals_json(signals), metadata, record.topic, record.partition, record.offset)
 
 
+# More '[' / '{' than this in metadata: its nesting may exceed the reference parser's recursion limit
+# (about 200 levels for the whole record), so the reference parser decides.
+_FAST_MAX_BRACKETS = 128
+
+
 def _metadata_json(raw: msgspec.Raw, hasher: UserHasher) -> str | None:
-    """Stored ``metadata`` JSON (user ids hashed), or None when it is not a JSON object."""
+    """Stored ``metadata`` JSON (user ids hashed), or None when it is not a JSON object (or may nest
+    deeper than the reference parser accepts)."""
+    if len(raw) > 2 * _FAST_MAX_BRACKETS:  # each bracket needs its closer: shorter text cannot have more
+        text = bytes(raw)
+        if text.count(b"[") + text.count(b"{") > _FAST_MAX_BRACKETS:
+            return None
     try:
         metadata = _METADATA.decode(raw)
     except msgspec.MsgspecError:

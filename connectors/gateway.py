@@ -145,7 +145,10 @@ def create_gateway_app(
         kafka: where trace/feedback events go (the topics must exist; see ``kafka_admin.ensure_topics``).
         upstream_url: vLLM base URL, e.g. ``http://127.0.0.1:18000`` (no ``/v1``).
         resolve_model: public model name -> ``(vLLM served name, adapter version or None for the base)``;
-            raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404).
+            raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404). When it also has a
+            ``route(public, routing_key) -> (served, version, canary)`` method (a canary split), that is called
+            with the hashed ``user`` (else the trace id) as the routing key, and a non-None ``canary`` is written
+            to the trace's ``metadata.canary``.
         sink: publish through this sink (caller closes it); None = the gateway creates and closes its own,
             retrying while the broker is unreachable.
         list_models: the public names for ``GET /v1/models`` (default: none).
@@ -365,16 +368,19 @@ def create_gateway_app(
         if not isinstance(public, str) or not public:
             raise RequestRefused(400, "field 'model' is required (a public model name, see GET /v1/models)", param="model")
         check_request(endpoint, body, cfg)
-        try:
-            served, version = resolve_model(public)
-        except LookupError:
-            raise RequestRefused(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
-                                 param="model", code="model_not_found") from None  # fmt: skip
-
         trace_id = uuid.uuid4().hex
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
+        route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
+        routing_key = user_hash if user is not None else trace_id  # sticky per end user
+        try:
+            served, version, canary = route(public, routing_key) if route is not None else (*resolve_model(public), None)
+        except LookupError:
+            raise RequestRefused(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
+                                 param="model", code="model_not_found") from None  # fmt: skip
         traced = {**body, "metadata": hasher(client_metadata(body.get("metadata"), trusted=caller.trusted_grader, trusted_keys=trusted_keys))}
+        if canary is not None:  # the trace records whether the challenger answered (set here, never by the client)
+            traced["metadata"] = {**traced["metadata"], "canary": canary}
         asked = ClientAsked.of(endpoint, body)
         stream = bool(body.get("stream"))
         client: httpx.AsyncClient = app.state.client

@@ -52,15 +52,15 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[An
     (A syntax error in the last element reads the same as a truncation.)
 
     Raises:
-        ReplayError: the file does not start with ``[``, or an element stays
-            undecodable over 256 Mi characters.
+        ReplayError: the file does not start with ``[``, an element stays
+            undecodable over 256 Mi characters, or an element is nested too deep to decode.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is not part of the JSON
         buf = f.read(chunk_chars).lstrip()
         if not buf.startswith("["):
             raise ReplayError(f"{path}: expected a JSON array (first character '['), got {buf[:20]!r}")
-        pos, eof = 1, False
+        pos, eof, consumed = 1, False, 0  # consumed: characters dropped from the front of buf so far
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":  # element separators
                 pos += 1
@@ -68,6 +68,11 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[An
                 return
             try:
                 item, end = decoder.raw_decode(buf, pos)
+            except RecursionError as err:
+                raise ReplayError(
+                    f"{path}: the element starting at character {consumed + pos} is nested too deep for the "
+                    "JSON parser; the records before it were read, fix or remove it to read the rest"
+                ) from err
             except json.JSONDecodeError as err:
                 if eof:
                     log.info("%s: stopped at a truncated record (%d chars left unparsed)", path, len(buf) - pos)
@@ -78,14 +83,14 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[An
                     ) from err
                 more = f.read(chunk_chars)
                 eof = not more
-                buf, pos = buf[pos:] + more, 0
+                buf, pos, consumed = buf[pos:] + more, 0, consumed + pos
                 continue
             yield item
             pos = end
             if len(buf) - pos < chunk_chars // 4 and not eof:  # keep the window from growing
                 more = f.read(chunk_chars)
                 eof = not more
-                buf, pos = buf[pos:] + more, 0
+                buf, pos, consumed = buf[pos:] + more, 0, consumed + pos
 
 
 # Dead-letter reason codes of a ShareGPT replay (one per way a conversation cannot become a trace).
@@ -184,7 +189,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
         ReplayError: the file cannot be read or is not UTF-8.
     """
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             head = f.read(4096).lstrip()
     except (OSError, UnicodeDecodeError) as err:
         raise ReplayError(f"cannot read {str(path)!r}: {err}") from err
@@ -243,14 +248,20 @@ def read_trace_jsonl(path: str | Path) -> Iterator[TraceEvent]:
     Raises:
         ReplayError: a line is not a valid trace event (message names the line and the problem).
     """
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ReplayError(f"{path}:{number}: not UTF-8 ({err}); trace files are UTF-8 JSON lines") from err
             if not line.strip():
                 continue
             try:
                 yield TraceEvent.model_validate_json(line)
             except ValidationError as err:
-                raise ReplayError(f"{path}:{number}: not a {TraceEvent.__name__}: {err.errors()[0]['msg']}") from err
+                first = err.errors()[0]
+                where = ".".join(str(part) for part in first["loc"]) or "(record)"
+                raise ReplayError(f"{path}:{number}: not a {TraceEvent.__name__}: {where}: {first['msg']}") from err
 
 
 @dataclass

@@ -62,8 +62,10 @@ TS_OUT_OF_RANGE = "ts_out_of_range"
 OVERSIZE_CORRECTION = "oversize_correction"
 PARSE_ERROR = "parse_error"  # last resort: the parser itself failed on this record (a bug; the record is kept)
 UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record batch (codec, corruption)
+NESTING_TOO_DEEP = "nesting_too_deep"  # arrays/objects nested past the JSON parser's recursion limit
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id column
+FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: the stored logprob column's range
 
 
 def _to_utc(value: Any) -> Any:
@@ -97,6 +99,13 @@ def _aware_utc(value: datetime) -> datetime:
         raise ValueError(f"ts {value.isoformat()} is out of the supported date range in UTC") from err
 
 
+def _not_bool(value: Any, name: str | None) -> Any:
+    # pydantic's lax mode reads JSON true/false as 1/0 for int and float fields; a boolean is not a number here.
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, not a boolean (got {str(value).lower()})")
+    return value
+
+
 class ChatMessage(BaseModel):
     """One OpenAI-style chat message."""
 
@@ -118,9 +127,16 @@ class _Signals(BaseModel):
     regenerated: bool | None = Field(default=None, description="The user asked for another answer.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed on ingest.")
 
+    @field_validator("reward", "rating", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        return _not_bool(value, info.field_name)
+
     @field_validator("metadata")
     @classmethod
     def _hash_user_ids(cls, metadata: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # pydantic's JSON parser reads NaN, Infinity and 1e999; stored as such they would not be JSON: null instead
+        metadata = _finite_or_null(metadata)
         hasher = (info.context or {}).get("hasher")
         return hasher(metadata) if hasher is not None and metadata else metadata
 
@@ -154,11 +170,21 @@ class TraceEvent(_Signals):
     def _ts_out(cls, value: datetime) -> datetime:
         return _aware_utc(value)
 
+    @field_validator("completion_token_ids", "completion_logprobs", mode="before")
+    @classmethod
+    def _no_bools(cls, values: Any, info: ValidationInfo) -> Any:
+        if isinstance(values, list):
+            for i, value in enumerate(values):
+                _not_bool(value, f"{info.field_name}.{i}")
+        return values
+
     @field_validator("completion_logprobs")
     @classmethod
     def _finite_logprobs(cls, values: list[float] | None) -> list[float] | None:
         if values is not None and not all(math.isfinite(v) for v in values):
             raise ValueError("completion_logprobs must all be finite (got NaN or inf)")
+        if values is not None and not all(abs(v) <= FLOAT32_MAX for v in values):
+            raise ValueError(f"completion_logprobs must fit float32 (|x| <= {FLOAT32_MAX:.4g}); stored as float32 they would be infinite")
         return values
 
     @model_validator(mode="after")
@@ -259,6 +285,19 @@ class TsWindow:
             "send when the event happened in UTC (RFC 3339, or a JSON number of epoch milliseconds), "
             "fix the producer's clock, or raise buffer.max_event_age_s to backfill older events",
         )
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (at any depth) replaced by None; the same object when none."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        out = {key: _finite_or_null(item) for key, item in value.items()}
+        return value if all(out[k] is value[k] for k in value) else out
+    if isinstance(value, list):
+        items = [_finite_or_null(item) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
 
 
 def unencodable_path(value: Any, path: str = "") -> str | None:
@@ -366,7 +405,7 @@ def parse_record(
         with one of the reason codes ``empty_value``, ``oversize``,
         ``not_utf8``, ``invalid_json``, ``invalid_unicode``, ``not_an_object``,
         ``unknown_schema``, ``non_finite_reward``, ``schema_violation``,
-        ``oversize_correction``, ``ts_out_of_range``. Never raises on bad input.
+        ``oversize_correction``, ``ts_out_of_range``, ``nesting_too_deep``. Never raises on bad input.
     """
     if not value:
         return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
@@ -374,7 +413,9 @@ def parse_record(
         return Rejected(OVERSIZE, f"record is {len(value)} bytes, above kafka.max_record_bytes={max_record_bytes}")
     try:  # fast path: one pass of pydantic-core's JSON parser for the (usual) valid record
         event: Event = _ANY_EVENT.validate_json(value, context={"hasher": hasher})  # hashes user ids
-    except ValidationError:
+    except ValidationError as err:
+        if any(e["type"] == "json_invalid" and "recursion limit" in e["msg"] for e in err.errors()):
+            return _too_deep(err.errors()[0]["msg"])
         return _diagnose(value)  # slow path: say precisely what is wrong
     if event.reward is not None and not math.isfinite(event.reward):
         return Rejected(NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers")
@@ -397,6 +438,14 @@ def correction_too_long(correction: str | None, max_chars: int | None) -> Reject
     )
 
 
+def _too_deep(why: str) -> Rejected:
+    return Rejected(
+        NESTING_TOO_DEEP,
+        f"record nests arrays/objects deeper than the JSON parser allows (about 200 levels; {why}); "
+        "flatten the nested values (usually in metadata)",
+    )
+
+
 def _diagnose(value: bytes) -> Rejected:
     """Why a record that failed validation is unusable (checks in order, first problem wins)."""
     try:
@@ -407,6 +456,8 @@ def _diagnose(value: bytes) -> Rejected:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         return Rejected(INVALID_JSON, f"record is not valid JSON: {err}")
+    except RecursionError as err:
+        return _too_deep(str(err))
     bad_text = unencodable_path(data)
     if bad_text is not None:
         return Rejected(

@@ -33,6 +33,8 @@ are cached for ``CACHE_S`` seconds.
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |
 | GET | /, /console/panels, /console/data | the status page and its data (:mod:`pipeline.console`; viewing rule there) |
+| GET | /canary | each model's canary: version, fraction, live counts and rates, bound, decision so far |
+| POST | /canary/{model}/promote, /canary/{model}/abort | end a canary by hand (the evidence is attached) |
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.console import mount_console
+from pipeline.console import mount_console, presented_token
 from pipeline.redact import redact, redact_data
 from pipeline.round_job import RoundNotCancellableError
 from pipeline.rounds import RoundInProgressError, UnknownRoundError
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from pipeline.service import HourglassService
 
 CACHE_S = 2.0
+STATIC_PREFIX = "/console/static/"  # the status page's script and style sheet: no data, no secrets
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/readyz"})  # readable without a token, whatever the bind address
 
 
@@ -124,11 +127,12 @@ def create_api(service: "HourglassService") -> FastAPI:
     app = FastAPI(title="Hourglass ops API", version="1")
 
     def token_state(request: Request) -> str:
-        """'ok', 'missing' or 'wrong' for the request's bearer token."""
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not credentials.strip():
+        """'ok', 'missing' or 'wrong' for the request's token: ``Authorization: Bearer <token>``, or the
+        password of HTTP Basic auth (what a browser sends for the status page; any user name)."""
+        presented = presented_token(request)
+        if not presented:
             return "missing"
-        ok = secrets.compare_digest(credentials.strip().encode(), service.api_token.encode())
+        ok = secrets.compare_digest(presented.encode(), service.api_token.encode())
         return "ok" if ok else "wrong"
 
     @app.middleware("http")
@@ -139,9 +143,16 @@ def create_api(service: "HourglassService") -> FastAPI:
                 status_code=421,
             )
         mutation = request.method not in ("GET", "HEAD")
-        if mutation or (not loopback and request.url.path not in OPEN_PATHS):
+        path = request.url.path
+        if mutation or (not loopback and path not in OPEN_PATHS and not path.startswith(STATIC_PREFIX)):
             state = token_state(request)
             what = "this call changes state" if mutation else "this API is not on loopback: reads need the token too"
+            if not mutation and (path == "/" or path.startswith("/console/")) and state != "ok":
+                # the status page in a browser: ask for the token as the Basic-auth password
+                return JSONResponse(
+                    {"detail": f"{what}: the status page takes the API token as the password (any user name)"},
+                    status_code=401, headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
+                )  # fmt: skip
             if state == "missing":
                 return JSONResponse(
                     {"detail": f"{what}: send Authorization: Bearer <token>"}, status_code=401,
@@ -216,6 +227,10 @@ def create_api(service: "HourglassService") -> FastAPI:
     def buffer_stats() -> dict[str, Any]:
         return cache.get("buffer", lambda: redact_data(service.buffer_stats()))
 
+    from pipeline.canary.ops import add_canary_routes
+
+    add_canary_routes(app, service, require_token)  # GET /canary, POST /canary/{model}/promote|abort
+
     @app.exception_handler(RoundInProgressError)
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:
         return Response(content=str(err), status_code=409)
@@ -225,6 +240,9 @@ def create_api(service: "HourglassService") -> FastAPI:
 
 
 def _registry_call(call) -> dict[str, Any]:
+    """Run a registry call; its errors become 4xx/502 refusals whose detail has URL credentials,
+    secret query parameters and bearer tokens replaced by ``***`` (MLflow's messages quote the
+    request URL, ``user:password@`` of the tracking URI included)."""
     from mlflow.exceptions import MlflowException
 
     from pipeline.aliases import UnknownVersionError
@@ -233,12 +251,12 @@ def _registry_call(call) -> dict[str, Any]:
     try:
         return call()
     except UnknownVersionError as err:
-        raise HTTPException(404, str(err)) from err
+        raise HTTPException(404, redact(str(err))) from err
     except LookupError as err:
-        raise HTTPException(404, str(err)) from err
+        raise HTTPException(404, redact(str(err))) from err
     except RegistryError as err:  # e.g. no earlier champion to roll back to
-        raise HTTPException(409, str(err)) from err
+        raise HTTPException(409, redact(str(err))) from err
     except MlflowException as err:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
-            raise HTTPException(404, err.message) from err
-        raise HTTPException(502, redact(f"MLflow: {err.message}")) from err
+            raise HTTPException(404, redact(err.message)) from err
+        raise HTTPException(502, f"MLflow: {redact(err.message)}") from err

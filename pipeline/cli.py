@@ -20,7 +20,7 @@ from rich.table import Table
 from connectors.errors import ConnectorError
 from pipeline import stack
 from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
-from pipeline.config import HourglassConfig, load_config, secret_problems
+from pipeline.config import HourglassConfig, config_warnings, load_config, secret_problems
 from pipeline.errors import ConfigError, PipelineError, StackError
 from pipeline.redact import install_log_redaction
 from trainer import model_store
@@ -73,7 +73,8 @@ def config_check(
     try:
         if role not in ("service", "gateway"):
             raise ConfigError(f"--role {role!r}: use service or gateway")
-        problems = secret_problems(load_config(file), role)  # type: ignore[arg-type]
+        cfg = load_config(file)
+        problems = secret_problems(cfg, role)  # type: ignore[arg-type]
         if problems:
             raise ConfigError(f"{file}: {len(problems)} unsafe secret(s)", problems)
     except ConfigError as err:
@@ -83,7 +84,9 @@ def config_check(
             for problem in err.problems:
                 console.print(f"  - {escape(problem)}")
         raise typer.Exit(2) from err
-    emit({"ok": True, "problems": []}, as_json, f"[green]{file}: OK[/]")
+    warnings = config_warnings(cfg)
+    human = "\n".join([f"[green]{file}: OK[/]", *(f"  [yellow]warning:[/] {escape(w)}" for w in warnings)])
+    emit({"ok": True, "problems": [], "warnings": warnings}, as_json, human)
 
 
 @config_app.command("show")
@@ -231,6 +234,9 @@ def _register_command_groups() -> None:
     cli_data.register(app)
     cli_registry.register(app, models_app)
     cli_ops.register(app, load)
+    from pipeline import cli_canary
+
+    cli_canary.register(app)
     try:
         from pipeline import cli_gateway
     except ImportError:  # pragma: no cover - built in a later change

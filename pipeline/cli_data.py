@@ -18,9 +18,11 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from connectors.buffer import RewardBuffer
 from connectors.dead_letter import DeadLetterStore
+from connectors.config import check_topic_name
 from connectors.errors import ConnectorError
 from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
@@ -52,8 +54,8 @@ def _emit(as_json: bool, data: dict[str, Any], title: str) -> None:
         typer.echo(json.dumps(data, default=str))
         return
     table = Table(title=title, show_header=False)
-    for key, value in data.items():
-        table.add_row(str(key), json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value))
+    for key, value in data.items():  # Text: values may quote traffic or errors; never read as Rich markup
+        table.add_row(Text(str(key)), Text(json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)))
     Console().print(table)
 
 
@@ -99,8 +101,11 @@ def produce(
     """Backfill: send a JSON-lines file to a topic and wait for every acknowledgement."""
     cfg = _config(config)
     _readable_file(file)
-    if topic is not None and not topic.strip():
-        fail("--topic must not be empty")
+    if topic is not None:
+        try:
+            check_topic_name(topic)
+        except ValueError as err:
+            fail(f"--topic: {err}")
     try:
         ensure_topics(cfg.kafka)
         acked = produce_jsonl(cfg.kafka, topic or cfg.kafka.traces_topic, file)
@@ -195,8 +200,8 @@ def dlq_list(
         return
     table = Table("reason", "topic", "partition", "offset", "detail", title=f"dead letters ({len(rows)})")
     for row in rows:
-        table.add_row(str(row.get("reason")), str(row.get("topic")), str(row.get("partition")), str(row.get("offset")),
-                      str(row.get("detail"))[:100])  # fmt: skip
+        # Text cells: details quote traffic (a ShareGPT role, a field value); never read as Rich markup
+        table.add_row(*(Text(str(row.get(k))) for k in ("reason", "topic", "partition", "offset")), Text(str(row.get("detail"))[:100]))
     Console().print(table)
 
 

@@ -10,11 +10,12 @@ serving controller writes (:func:`pipeline.serving.read_routes`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 from fastapi import FastAPI
@@ -27,11 +28,25 @@ from connectors.kafka_admin import ensure_topics
 from connectors.schema import UserHasher
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
-from pipeline.serving import read_routes
+from pipeline.serving import Route, read_routes
 
 console = Console(stderr=True)
 KEYS_FILE = "gateway-keys.json"
 SIGNING_KEY_FILE = "gateway-feedback.key"
+
+
+def canary_bucket(key: str) -> int:
+    """A routing key's bucket in [0, 10000): the first 8 bytes of its SHA-256, mod 10000 (the same in every process)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 10000
+
+
+class Resolved(NamedTuple):
+    """Where one request goes: vLLM served name, adapter version (None: base), and whether it is
+    a canary request (None when no challenger is routed for that model)."""
+
+    served_name: str
+    version: str | None
+    canary: bool | None
 
 
 class RouteResolver:
@@ -49,23 +64,36 @@ class RouteResolver:
         self.base_served_name = base_served_name
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._routes: dict[str, tuple[str, str | None]] = {}
+        self._routes: dict[str, Route] = {}
         self._read_at = float("-inf")
 
-    def _current(self) -> dict[str, tuple[str, str | None]]:
+    def _current(self) -> dict[str, Route]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
-                routes = {name: (r.served_name, r.version) for name, r in read_routes(self.state_dir).items()}
-                routes.setdefault(self.public_name, (self.base_served_name, None))
+                routes = read_routes(self.state_dir)
+                routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:
-        """Raises KeyError for a name that is neither routed nor the configured public name."""
+        """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed
+        nor the configured public name."""
+        served, version, _ = self.route(public_name, None)
+        return served, version
+
+    def route(self, public_name: str, key: str | None) -> Resolved:
+        """Like ``__call__``, with the canary split: when a challenger is routed, the routing ``key``
+        (the hashed user id, else the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
+        so a user stays on one side. Raises KeyError for an unknown name."""
         try:
-            return self._current()[public_name]
+            route = self._current()[public_name]
         except KeyError:
             raise KeyError(f"unknown model {public_name!r}") from None
+        if route.challenger_served_name is None:
+            return Resolved(route.served_name, route.version, None)
+        if key is not None and canary_bucket(key) < route.fraction * 10000:
+            return Resolved(route.challenger_served_name, route.challenger_version, True)
+        return Resolved(route.served_name, route.version, False)
 
     def names(self) -> list[str]:
         """The public model names, sorted."""

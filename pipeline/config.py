@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
+from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
@@ -141,6 +142,8 @@ class ServingConfig(_Section):
         "every call to a replica, and the gateway as its own upstream key (clients' keys never go upstream). "
         "Set HOURGLASS_SERVING__API_KEY.",
     )  # fmt: skip
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Canary of a round's winner on live traffic.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Automatic rollback after a canary promotion.")
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -301,6 +304,25 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
         elif value == DEFAULT_USER_HASH_KEY or _PLACEHOLDER.search(value):
             problems.append(f"{name}: still the default or a placeholder; set a random value (`openssl rand -hex 32`)")
     return problems
+
+
+def config_warnings(cfg: HourglassConfig) -> list[str]:
+    """What is legal but unsafe in ``cfg`` (``hourglass config check`` prints these; the exit code stays 0).
+
+    Today: a topology with an external service (production) that keeps the built-in
+    ``buffer.user_hash_key``, which is public in the source, so user-id hashes can be reversed by
+    hashing guesses (emails, user names).
+    """
+    from connectors.config import BufferConfig
+
+    out = []
+    external = not (cfg.kafka.embedded and cfg.registry.embedded and cfg.serving.embedded)
+    if external and cfg.buffer.user_hash_key.get_secret_value() == BufferConfig().user_hash_key.get_secret_value():
+        out.append(
+            "buffer.user_hash_key is the built-in default (public in the source), with external services: user-id "
+            "hashes can be reversed by hashing guesses; set HOURGLASS_BUFFER__USER_HASH_KEY (at least 16 characters)"
+        )
+    return out
 
 
 def _describe(error: dict[str, Any]) -> str:

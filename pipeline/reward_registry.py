@@ -36,6 +36,7 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import HourglassConfig
+from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
 from pipeline.registry import (
     TAG_CANDIDATE,
     TAG_KIND,
@@ -87,16 +88,17 @@ def pending_reward_dir(cfg: HourglassConfig) -> Path:
 def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
     """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
     from pipeline.aliases import champion_version
-    from pipeline.staging import stage_version
+    from pipeline.staging import stage_options, stage_version
 
     try:
         client = client or make_client(cfg)
         version = champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
         if version is None:
             return None
+        options = {**stage_options(cfg), "max_lora_rank": MAX_RANK}  # signature, size cap, adapter config: as for policies
         staged = stage_version(
             client, reward_model_name(cfg), version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint,
-            max_lora_rank=MAX_RANK, tracking_uri=cfg.registry.tracking_uri,
+            **options,
         )  # fmt: skip
         return staged.path
     except Exception as err:  # the round still trains; without the champion's files its recorded AUC is used
@@ -206,6 +208,7 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
     run_id = _log_run(client, cfg, lineage, rm)
     tags = {**lineage, TAG_ROLE: ROLE, TAG_CANDIDATE: rm.name, TAG_SHA256: json.dumps(adapter_checksums(rm.adapter_dir)),
             TAG_AUC: repr(rm.report.auc), TAG_DECISION: reason, TAG_PROMOTE: str(promoted).lower()}  # fmt: skip
+    tags[TAG_SIGNATURE] = sign(signing_keys(cfg)[0], model, tags)  # staging serves nothing unsigned, reward models included
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT}"
     version = str(client.create_model_version(model, source, run_id=run_id, tags=tags, description=reason).version)
     if promoted:

@@ -323,18 +323,24 @@ class RoundRunner:
 
         self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on
         save_reward_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
-        versions = register_round(self.cfg, result, promote=True)
+        canary = self.cfg.serving.canary.enabled  # the winner goes to @challenger first (pipeline.canary)
+        started = time.perf_counter()
+        versions = register_round(self.cfg, result, promote=not canary)
+        record.metrics["time/register_s"] = time.perf_counter() - started
         record.versions = {v.model: v.version for v in versions}
         record.metrics.update(_register_reward_model(self.cfg, result))
 
         self._step(record, "promote")
+        done = "promoted " + ", ".join(f"{m} v{v}" for m, v in record.versions.items())
+        if canary:
+            done = _challenge(self.cfg, record)
         for model, version in record.versions.items():
             PROMOTIONS.labels(model).inc()
             for callback in self.on_promoted:
                 callback(model, version)
         winners = {m: d["winner"] for m, d in record.decisions.items() if d["winner"]}
         if winners:
-            self.store.transition(record, "done", "promoted " + ", ".join(f"{m} v{v}" for m, v in record.versions.items()))
+            self.store.transition(record, "done", done)
         else:
             reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
             self.store.transition(record, "no_winner", reasons)
@@ -391,6 +397,14 @@ def _register_reward_model(cfg: HourglassConfig, result) -> dict[str, float]:
         return {}
     log.info("round %s: reward model %s v%s (%s)", result.round_id, registered.model, registered.version, registered.reason)
     return {"reward_model/version": float(registered.version), "reward_model/promoted": float(registered.promoted)}
+
+
+def _challenge(cfg: HourglassConfig, record: RoundRecord) -> str:
+    """Canary on: each winner becomes ``@challenger`` (or ``@champion`` when there is none); the record's line."""
+    from pipeline.canary.state import describe, promote_or_challenge
+
+    reason = f"round {record.round_id}"
+    return describe([promote_or_challenge(cfg, m, v, reason=reason) for m, v in record.versions.items()])
 
 
 def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
@@ -452,7 +466,13 @@ def _settle(cfg: HourglassConfig, store: RoundStore, unfinished: list[RoundRecor
                 log.warning("round %s not settled yet: %s", record.round_id, err)
                 continue
             record.versions = versions or {m: v for m, v in registered.items()}
-            store.transition(record, "done", f"resumed after a restart (process died during {record.state}); registered {record.versions}")
+            note = ""
+            if cfg.serving.canary.enabled and record.versions:
+                try:
+                    note = f"; {_challenge(cfg, record)}"
+                except Exception as err:  # MLflow went away again: the operator can start it with `hourglass canary`
+                    note = f"; canary not started ({type(err).__name__}: {err})"
+            store.transition(record, "done", f"resumed after a restart (process died during {record.state}); registered {record.versions}{note}")
         else:
             store.transition(record, "failed", f"interrupted: the process died during {record.state}; nothing was registered")
             if record.state != "pending":

@@ -110,6 +110,7 @@ class HourglassService:
         self._want_ingest, self._want_reconcile = ingest, reconcile
         self.ingest_worker = None
         self.controller = None
+        self.canary = None  # pipeline.canary.monitor.CanaryMonitor, with the reconcile loop
         self.scheduler: BackgroundScheduler | None = None
         self.workers: dict[str, Worker] = {}
 
@@ -136,6 +137,7 @@ class HourglassService:
             self.controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
             self._supervise("reconcile", self.controller.run, on_stop=self.controller.trigger)
             self.runner.on_promoted.append(lambda _model, _version: self.controller.trigger())
+            self._start_canary(models)
         _CURRENT = self
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
@@ -156,6 +158,15 @@ class HourglassService:
             thread = getattr(self.scheduler, "_thread", None)
             if not self.scheduler.running or (thread is not None and not thread.is_alive()):
                 raise WorkerDiedError("the APScheduler thread stopped; starting a new scheduler")
+
+    def _start_canary(self, models: list[str]) -> None:
+        """The canary and guard loop (:mod:`pipeline.canary.monitor`); its decisions wake the reconcile loop."""
+        if not (self.cfg.serving.canary.enabled or self.cfg.serving.guard.enabled):
+            return
+        from pipeline.canary.monitor import CanaryMonitor
+
+        self.canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: self.controller.trigger())
+        self.canary.start()
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule
@@ -248,6 +259,8 @@ class HourglassService:
         if "ingest" in self.workers:  # 3
             if not self.workers["ingest"].stop(30):
                 log.warning("ingest did not stop within 30s; its uncommitted batch is redelivered at the next start")
+        if self.canary is not None:  # 4: no alias moves once the reconcile loop is gone
+            self.canary.stop()
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
         _CURRENT = None
@@ -304,6 +317,7 @@ class HourglassService:
             "serving": self.controller.status() if self.controller is not None else {},
             "ingest": self.ingest_worker.stats().as_metrics() if self.ingest_worker is not None else {},
             "buffer": self._safe(self.buffer_stats),
+            "canary": self.canary.status() if self.canary is not None else {},  # per model: the last look (pipeline.canary)
             "workers": {name: worker.state().as_dict() for name, worker in self.workers.items()},
         }
 

@@ -17,6 +17,10 @@ A hot-load, in order:
    gateway reads it with :func:`read_routes`);
 5. unload the replaced version after ``serving.drain_s``.
 
+A version on canary (``@challenger``) goes through the same steps beside the
+champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
+and the share of traffic it gets.
+
 If 1–3 fail for the adapter (staging refuses it, a replica answers the load
 or probe with a 4xx or an invalid completion, or a healthy replica cannot load
 it twice in a row), the previous champion keeps serving, the loaded copies are
@@ -69,6 +73,10 @@ class Route:
     served_name: str  # the vLLM model name, e.g. "hourglass-v3"
     version: str
     updated_at: str  # ISO 8601, UTC
+    # The canary (pipeline.canary): a share `fraction` of routing keys goes to the challenger.
+    challenger_served_name: str | None = None
+    challenger_version: str | None = None
+    fraction: float = 0.0
 
 
 def read_routes(state_dir: str | Path) -> dict[str, Route]:
@@ -113,6 +121,7 @@ class ModelStatus:
     last_error_version: str | None = None
     last_hotload_s: float | None = None
     replicas: dict[str, object] = field(default_factory=dict)  # url -> served names, or "unreachable: ..."
+    challenger: dict | None = None  # the canary: {"version", "served_name", "fraction"} once routed
     updated_at: str | None = None
     transient_errors: int = 0  # replica problems met for this model since start (retried, never refused)
     last_transient_error: str | None = None
@@ -178,10 +187,13 @@ class ServingController:
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
         MLflow or replica outages (they are reported in the status)."""
+        from pipeline.canary.serving_hook import reconcile_challenger  # imports this module
+
         with self._lock:
             for model in self.models:
                 try:
                     self._reconcile_model(model)
+                    reconcile_challenger(self, model)  # the canary's @challenger beside the champion
                 except Exception as err:  # MLflow down or unexpected: report, keep serving
                     log.warning("reconcile %s: %s", model, err)
                     st = self._status[model]
@@ -352,7 +364,7 @@ class ServingController:
 
     def _unload_drained(self) -> None:
         now = time.monotonic()
-        routed = {r.served_name for r in read_routes(self.state_dir).values()}
+        routed = {n for r in read_routes(self.state_dir).values() for n in (r.served_name, r.challenger_served_name) if n}
         for name, deadline in list(self._draining.items()):
             if deadline > now:
                 continue
@@ -365,6 +377,7 @@ class ServingController:
         """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
         st = self._status[model]
         keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)
+        keep |= {n for r in read_routes(self.state_dir).values() for n in (r.challenger_served_name,) if n}  # the canary's
         pattern = re.compile(rf"^{re.escape(model)}-v[0-9]+$")
         for replica, names in seen.items():
             for name in names:

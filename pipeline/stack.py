@@ -262,6 +262,7 @@ def vllm_service(
     block_size: int = 32,
     cpu_threads: str = "all",
     startup_timeout_s: float = 300.0,
+    dtype: str = "auto",
 ) -> Service:
     """The vLLM OpenAI server with runtime LoRA loading enabled.
 
@@ -269,7 +270,8 @@ def vllm_service(
     console script of the CPU wheel looks for a distribution named ``vllm``).
     ``block_size`` and ``cpu_threads`` are described in
     :class:`pipeline.config.ServingConfig`; the grouped CPU LoRA kernels come in
-    through the plugin in :mod:`trainer.vllm_cpu_lora`.
+    through the plugin in :mod:`trainer.vllm_cpu_lora`. ``dtype``: vLLM's
+    ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`.
     """
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -277,7 +279,7 @@ def vllm_service(
         "--host", host, "--port", str(port),
         "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
         "--max-model-len", str(max_model_len), "--max-num-seqs", "64",
-        "--dtype", "float32" if not _has_cuda() else "auto",
+        "--dtype", vllm_dtype(dtype),
         "--block-size", str(block_size),
         "--disable-log-stats",
     ]  # fmt: skip
@@ -290,6 +292,20 @@ def vllm_service(
         **_cpu_thread_env(cpu_threads),
     }
     return Service("vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s)
+
+
+def vllm_dtype(choice: str = "auto") -> str:
+    """vLLM's ``--dtype``: an explicit choice as given; ``auto`` -> vLLM's own ``auto`` on CUDA
+    (the checkpoint's dtype, bf16 for these models) and ``float32`` on CPU.
+
+    float32 on CPU even where the CPU has bf16 instructions: bf16 vLLM works
+    there, but no speed-up over float32 has been shown yet (README, "Round
+    speed"), and float32 keeps its log-probs closest to the trainer's, which
+    PPO ratios compare against. Pass ``bfloat16`` to override.
+    """
+    if choice != "auto":
+        return choice
+    return "auto" if _has_cuda() else "float32"
 
 
 def _cpu_thread_env(cpu_threads: str) -> dict[str, str]:

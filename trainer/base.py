@@ -38,6 +38,25 @@ def lora_config(candidate: CandidateConfig) -> LoraConfig:
     )
 
 
+def cpu_has_bf16() -> bool:
+    """True when the CPU has bf16 matmul instructions (``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The base's dtype: an explicit choice as given; ``auto`` -> bfloat16 on CUDA with bf16 support
+    (``torch.cuda.is_bf16_supported``) and on CPUs with :func:`cpu_has_bf16`, float32 otherwise."""
+    if choice != "auto":
+        return _DTYPES[choice]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+
+
 def pick_device(choice: str) -> torch.device:
     """``auto`` -> cuda when available, else cpu."""
     if choice == "auto":
@@ -62,6 +81,16 @@ class ResidentBase:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def completion_ids(self, text: str, logged_ids: Sequence[int] | None) -> list[int]:
+        """Completion token ids: the logged ids when the base can embed every one (``0 <= id < vocab``),
+        else ``text`` tokenised. Logged ids come from traffic (ingest accepts any int32), and one id the
+        embedding table lacks would fail the whole round (an IndexError; a device assert on CUDA)."""
+        if logged_ids:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            if all(0 <= t < vocab for t in logged_ids):
+                return list(logged_ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -127,7 +156,8 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
     """
     path = model_store.resolve(cfg.name, cfg.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(pick_device(cfg.device))
+    device = pick_device(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device)).to(device)
     return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)
 
 
@@ -150,7 +180,10 @@ def wrap_base(
     model.requires_grad_(False)
     model.config.use_cache = True
     boot = boot_candidate or CandidateConfig(name="boot", lora_rank=1, target_modules=["q_proj"])
-    peft_model = get_peft_model(model, lora_config(boot), adapter_name=BOOT_ADAPTER)
+    # autocast_adapter_dtype (PEFT's default, spelled out): LoRA weights of a bf16/fp16 base are
+    # created in float32, so their gradients and AdamW state are float32 too; PEFT casts each LoRA
+    # layer's input to the LoRA weights' dtype and its output back to the base layer's.
+    peft_model = get_peft_model(model, lora_config(boot), adapter_name=BOOT_ADAPTER, autocast_adapter_dtype=True)
     peft_model.requires_grad_(False)
     return ResidentBase(
         model=peft_model,

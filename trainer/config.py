@@ -25,7 +25,12 @@ class ModelConfig(_Section):
         description="A packaged model key (see `hourglass models list-known`) or a local folder with a HF causal LM.",
     )
     cache_dir: str = Field(default="~/.cache/hourglass/models", description="Where packaged models are materialised.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Training dtype of the base.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Dtype of the resident base's weights. `auto`: bfloat16 on CUDA with bf16 support and on CPUs with "
+        "AMX or AVX512-BF16 (amx_bf16 / avx512_bf16 in /proc/cpuinfo), float32 otherwise. LoRA weights, their "
+        "gradients, AdamW state, log-probs and losses stay float32 whatever this is.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="`auto` picks cuda when available.")
     max_seq_len: int = Field(default=1024, ge=32, description="Longest prompt + completion, tokens.")
 
@@ -169,6 +174,15 @@ class RLConfig(_Section):
     max_kl: float = Field(default=1.0, gt=0, description="Guardrail: mean KL to base above this fails the gate.")
     max_mean_length: int = Field(default=512, ge=1, description="Guardrail: mean completion length above this fails.")
     adapter_store: Literal["resident", "offload"] = Field(default="offload", description="Where idle candidates wait.")
+    update_mode: Literal["sequential", "one_pass"] = Field(
+        default="sequential",
+        description="`sequential`: each candidate's update is its own forward/backward. `one_pass`: the grpo / ppo_clip "
+        "candidates of a step share one adapters-off reference pass and one forward/backward (each row through its own "
+        "candidate's LoRA weights, trainer.multi_lora); other algorithms stay sequential.",
+    )
+    adapters_per_pass: int = Field(
+        default=8, ge=1, description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size)."
+    )
     rollout_engine: Literal["vllm", "hf"] = Field(default="vllm", description="Rollouts from vLLM, or transformers generate.")
     rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default: the serving one.")
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")

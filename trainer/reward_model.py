@@ -81,7 +81,7 @@ def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedba
     """Chat-template prompt ids and completion ids (the logged ids, else the tokenised text) of every row."""
 
     def completion(text: str, ids: Sequence[int] | None) -> list[int]:
-        return list(ids) if ids else list(base.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return base.completion_ids(text, ids)
 
     examples = tuple((base.chat_token_ids(e.messages), completion(e.completion, e.completion_token_ids), e.label) for e in data.examples)
     pairs = tuple(

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from rich.progress import Progress
 
-from trainer import reward_round
+from trainer import profile, reward_round
 from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
@@ -52,13 +52,14 @@ from trainer.evaluate import (
     unusable_reason,
     usable_rows,
 )
+from trainer.multi_lora import one_pass_ok, train_one_pass
 from trainer.reward_model import RewardModel
 from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
 from trainer.types import CandidateResult, RewardModelReport, RoundResult
-from trainer.update import ALGORITHMS, StepData, logged_ids, update_step
+from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, fit_after, logged_ids, update_step
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,11 @@ def publish(base_engine: RolloutEngine, store: object, candidate: str, step: int
     """Save the live weights as ``<name>-s<step>``, load that new name, unload the previous one."""
     started = time.perf_counter()
     version = f"{candidate}-s{step}"
-    folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")  # type: ignore[attr-defined]
-    base_engine.load(candidate, version, folder)
-    if previous is not None:
-        base_engine.unload(previous)
+    with profile.phase("time/publish_s"):
+        folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")  # type: ignore[attr-defined]
+        base_engine.load(candidate, version, folder)
+        if previous is not None:
+            base_engine.unload(previous)
     return version, {"train/publish_s": time.perf_counter() - started}
 
 
@@ -143,6 +145,10 @@ def train_candidates(
     checkpoint: Callable[[str], None] | None = None, reward_model: RewardModel | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
     """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
+
+    With ``rl.update_mode = "one_pass"`` the grpo / ppo_clip candidates (linear LoRA
+    targets only) of a step update together, ``rl.adapters_per_pass`` per forward/backward
+    (:func:`trainer.multi_lora.train_one_pass`); the others update one at a time first.
 
     The rollouts of candidates whose reward uses ``reward_model`` are scored by
     ``reward_model`` in one batched pass per step, before any update.
@@ -169,6 +175,7 @@ def train_candidates(
     history: dict[str, list[dict[str, float]]] = {c.name: [] for c in candidates}
     rollout_totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
     online = [c for c in candidates if specs[c.name].online]
+    joint = {c.name for c in candidates if rl.update_mode == "one_pass" and c.algorithm in ONE_PASS_ALGORITHMS and one_pass_ok(c)}
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
         for step in range(rl.steps_per_round):
@@ -180,7 +187,8 @@ def train_candidates(
             rollout_metrics: dict[str, float] = {}
             if online:
                 # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
-                groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
+                with profile.phase("time/rollout_s"):
+                    groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
                 rollout_totals["rollout/s"] += rollout_metrics["rollout/s"]
                 rollout_totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
             rm_scores: dict[str, list] = {}
@@ -191,24 +199,39 @@ def train_candidates(
                 ids = {n: [_prompt_ids(base, p, rl) for p in step_prompts[n]] for n in scored}
                 rm_scores, m = reward_round.score_rollouts(reward_model, ids, {n: groups[n] for n in scored})
                 rollout_metrics = rollout_metrics | m
-            for c in candidates:
-                # 3. score + update, one candidate at a time on the resident base
-                optimizer = store.activate(c.name)  # type: ignore[attr-defined]
-                metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}  # type: ignore[attr-defined]
+            def build(c: CandidateConfig) -> tuple[Batch, dict[str, float]]:
                 if specs[c.name].online:
                     rows, step_groups = step_prompts[c.name], groups[c.name]
                 else:
                     rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
                     step_groups = None
                 data = StepData(c, rows, [_prompt_ids(base, p, rl) for p in rows], step_groups, base, mixes[c.name], rm_scores.get(c.name))
-                batch, m = specs[c.name].build_batch(data)
-                metrics |= m | rollout_metrics
-                metrics |= update_step(base, optimizer, c, rl, batch)
+                return specs[c.name].build_batch(data)
+
+            def finish(c: CandidateConfig, metrics: dict[str, float]) -> None:
                 # 4. publish under a new name; the old one is unloaded
                 versions[c.name], m = publish(engine, store, c.name, step + 1, out_dir, versions[c.name])
                 metrics |= m
                 history[c.name].append(metrics)
                 bar.update(task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}")
+
+            pending: list[tuple[CandidateConfig, Batch, dict[str, float]]] = []
+            for c in candidates:
+                if c.name in joint:  # one_pass mode: batches now, one forward/backward for all of them below
+                    batch, m = build(c)
+                    pending.append((c, batch, {"train/step": float(step)} | m | rollout_metrics))
+                    continue
+                # 3. score + update, one candidate at a time on the resident base
+                optimizer = store.activate(c.name)  # type: ignore[attr-defined]
+                metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}  # type: ignore[attr-defined]
+                batch, m = build(c)
+                metrics |= m | rollout_metrics
+                metrics |= update_step(base, optimizer, c, rl, batch)
+                finish(c, metrics)
+            if pending:
+                joint_metrics = train_one_pass(base, store, [(c, b) for c, b, _ in pending], rl)
+                for c, _, metrics in pending:
+                    finish(c, metrics | joint_metrics[c.name])
     rollout_totals["rollout/tokens_per_s"] = rollout_totals["rollout/tokens"] / max(rollout_totals["rollout/s"], 1e-9)
     return history, versions, rollout_totals
 
@@ -301,7 +324,7 @@ def evaluate_and_gate(
             refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
     ids = [_prompt_ids(base, p, rl) for p in prompts]
     labels = feedback_labels(prompts) if metric == "feedback" else None
-    logged = [logged_ids(base, p) for p in prompts] if metric == "feedback" else []
+    logged = [fit_after(base, i, logged_ids(base, p)) for i, p in zip(ids, prompts)] if metric == "feedback" else []
     reference = sequence_logps(base, ids, logged, reference=True) if logged else []
     champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
     try:
@@ -434,6 +457,7 @@ def run_round(
     store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
     engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
     phase = reward_round.RewardPhase()
+    times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
     try:
         if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
             phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
@@ -444,10 +468,11 @@ def run_round(
         )  # fmt: skip
         if checkpoint is not None:
             checkpoint("evaluate")
-        results, decisions, eval_metrics = evaluate_and_gate(
-            base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
-            reward_model=phase.model, reward_report=phase.report, checkpoint=checkpoint,
-        )  # fmt: skip
+        with profile.phase("time/evaluate_s"):
+            results, decisions, eval_metrics = evaluate_and_gate(
+                base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
+                reward_model=phase.model, reward_report=phase.report, checkpoint=checkpoint,
+            )  # fmt: skip
         reward_result = reward_round.finish(phase, out_dir)
         out = []
         for c in candidates:  # 6. final adapters, also kept as the candidate's "last"
@@ -466,6 +491,7 @@ def run_round(
         for version in versions.values():
             engine.unload(version)
     finally:
+        profile.stop(times)
         # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
         # 1. drop candidates from the store, 2. remove the store's adapters from the base.
         _unload_leftovers(engine, {c.name for c in candidates})
@@ -478,6 +504,6 @@ def run_round(
         train_rows=train.num_rows, heldout_rows=heldout.num_rows,
         eval_prompt_ids=eval_ids,
         candidates=tuple(out), decisions=decisions,
-        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, "round/wall_s": time.perf_counter() - started},
+        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, **times.totals, "round/wall_s": time.perf_counter() - started},
         reward_model=reward_result,
     )  # fmt: skip

@@ -87,6 +87,17 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
     return pa.Table.from_pydict(rows, schema=schema)
 
 
+def _text_content(content: Any) -> str:
+    """A message's content as the text a chat template takes: OpenAI content parts -> their ``text``
+    parts joined by newlines (other parts, e.g. images, dropped), null or missing -> "" (the buffer
+    stores ``"content": null`` messages, e.g. an assistant turn with tool calls, without the key)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+    return ""
+
+
 def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
     try:
         value = json.loads(raw)
@@ -94,8 +105,8 @@ def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
         value = raw  # plain-text prompt
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+        return [{**m, "content": _text_content(m.get("content"))} for m in value]
     raise DataError(f"row {trace_id!r}: prompt must be JSON chat messages [{{role, content}}] or text; got {raw[:80]!r}")
 
 

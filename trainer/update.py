@@ -29,7 +29,7 @@ import torch
 
 from trainer.base import ResidentBase
 from trainer.config import Algorithm, CandidateConfig, RLConfig
-from trainer.errors import DataError
+from trainer.errors import DataError, TrainerConfigError
 from trainer.losses import (
     group_advantages,
     importance_weighted_pg_loss,
@@ -39,6 +39,7 @@ from trainer.losses import (
     ppo_clip_loss,
     sequence_logprobs,
 )
+from trainer.profile import phase
 from trainer.rewards import RewardMix
 from trainer.samples import Prompt, Sample
 
@@ -96,11 +97,16 @@ def rollout_batch(
     return batch, metrics
 
 
+def fit_after(base: ResidentBase, prompt_ids: Sequence[int], completion_ids: list[int]) -> list[int]:
+    """``completion_ids`` cut to fit ``base.max_seq_len`` after the prompt (at least one token): a logged
+    completion or a correction from traffic can be far longer than the model's window."""
+    return completion_ids[: max(1, base.max_seq_len - len(prompt_ids))]
+
+
 def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
-    """The logged completion's token ids (tokenised when the row has none; EOS for an empty completion)."""
-    if p.logged_token_ids:
-        return list(p.logged_token_ids)
-    return base.tokenizer(p.logged_completion or "", add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+    """The logged completion's token ids: the logged ids when the base can embed every one, else the text
+    tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
+    return base.completion_ids(p.logged_completion or "", p.logged_token_ids) or [base.tokenizer.eos_token_id]
 
 
 def offline_batch(
@@ -108,7 +114,8 @@ def offline_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """Logged rows as a batch. Rows without logged token ids are tokenised;
     rows without logged log-probs use the base model's (the reference) as the
-    behaviour policy, which is exact when the base served them.
+    behaviour policy, which is exact when the base served them. Each completion
+    is cut to fit ``max_seq_len`` after its prompt (its logged log-probs too).
 
     Raises:
         DataError: a row has no logged completion or no logged reward.
@@ -116,11 +123,20 @@ def offline_batch(
     bad = [p.prompt_id for p in prompts if p.logged_completion is None or p.logged_reward is None]
     if bad:
         raise DataError(f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first")
+    # Logged ids the base cannot embed are replaced by the tokenised text; their logprobs then no longer apply.
     completions = [logged_ids(base, p) for p in prompts]
     behaviour: list[list[float] | None] = [
-        list(p.logged_logprobs) if p.logged_logprobs and len(p.logged_logprobs) == len(c) else None
+        list(p.logged_logprobs)
+        if p.logged_logprobs and len(p.logged_logprobs) == len(c) and (not p.logged_token_ids or c == list(p.logged_token_ids))
+        else None
         for p, c in zip(prompts, completions)
     ]
+    # Cut each completion (and its logged log-probs) to fit max_seq_len after its prompt: a logged completion from
+    # traffic can be ~250k tokens within kafka.max_record_bytes, and the update runs the model over all of it.
+    for i, ids in enumerate(prompt_ids):
+        room = max(1, base.max_seq_len - len(ids))
+        completions[i] = completions[i][:room]
+        behaviour[i] = behaviour[i][:room] if behaviour[i] is not None else None
     missing = [i for i, b in enumerate(behaviour) if b is None]
     if missing:
         with torch.no_grad(), base.reference():
@@ -168,14 +184,15 @@ def kto_batch(
         if p.logged_completion is not None and p.logged_reward is not None:
             value = reward(p.messages, p.logged_completion, {**p.metadata, "reward": p.logged_reward})
             ids.append(list(pids))
-            completions.append(logged_ids(base, p))
+            completions.append(fit_after(base, pids, logged_ids(base, p)))
             desirable.append(value > 0)
             rewards.append(value)
             versions.append(p.logged_adapter_version or "base")
             used = True
         if candidate.kto_use_corrections and p.logged_correction:
             ids.append(list(pids))
-            completions.append(base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id])
+            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+            completions.append(fit_after(base, pids, correction))
             desirable.append(True)
             versions.append("correction")
             corrections += 1
@@ -329,19 +346,21 @@ def update_step(
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     base.model.train()
-    with torch.no_grad(), base.reference():
+    with phase("time/reference_s"), torch.no_grad(), base.reference():
         ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-    logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-    spec = ALGORITHMS[candidate.algorithm]
-    pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
-    kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
-    loss = pg_loss + candidate.kl_coef * kl
-    loss.backward()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm).item()  # CPU-GPU sync point
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with phase("time/forward_backward_s"):
+        logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        spec = ALGORITHMS[candidate.algorithm]
+        pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
+        kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
+        loss = pg_loss + candidate.kl_coef * kl
+        loss.backward()
+    with phase("time/optimizer_s"):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm).item()  # CPU-GPU sync point
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - started
     tokens = float(mask_BT.sum().item())
     return {
@@ -354,3 +373,93 @@ def update_step(
         "train/update_s": elapsed,
         "train/skipped_nonfinite": float(not math.isfinite(grad_norm)),
     }
+
+
+# --- all candidates in one forward/backward (trainer.multi_lora) ----------------------------
+
+
+@dataclass
+class OnePassMember:
+    """One candidate of a one-pass step: its float32 LoRA parameters (PEFT saved keys) and its own AdamW."""
+
+    candidate: CandidateConfig
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+
+
+ONE_PASS_ALGORITHMS = frozenset({Algorithm.GRPO, Algorithm.PPO_CLIP})
+
+
+def update_step_one_pass(
+    base: ResidentBase, multi: object, members: Sequence[OnePassMember], rl: RLConfig, batches: Sequence[Batch]
+) -> list[dict[str, float]]:
+    """One AdamW step for each member, all members' rows in one reference pass and one forward/backward.
+
+    ``multi`` is a :class:`trainer.multi_lora.MultiLoRA` holding ``members[k].params``
+    as adapter ``k``; rows of ``batches[k]`` go through adapter ``k``. Each
+    member's loss is what :func:`update_step` computes on its batch alone (its
+    own token mean); the backward runs on their sum, so each adapter's gradient
+    equals its gradient alone. Members whose loss is not finite are left out of
+    the sum and not stepped; a member whose gradient norm is not finite is not
+    stepped. Clipping (``rl.max_grad_norm``) is per member.
+
+    Returns:
+        per member, the metrics of :func:`update_step`; ``train/update_s`` is the
+        shared pass's wall time and ``train/tokens_per_s`` the pass's completion
+        tokens (all members) per second of it.
+
+    Raises:
+        TrainerConfigError: a member's algorithm is not in :data:`ONE_PASS_ALGORITHMS`.
+    """
+
+    bad = [m.candidate.name for m in members if m.candidate.algorithm not in ONE_PASS_ALGORITHMS]
+    if bad:
+        raise TrainerConfigError(f"candidates {bad}: one-pass updates support {sorted(ONE_PASS_ALGORITHMS)} only; train them sequentially")
+    started = time.perf_counter()
+    for m in members:
+        m.optimizer.zero_grad(set_to_none=True)
+    base.model.train()
+    prompts = [p for b in batches for p in b.prompt_ids]
+    completions = [c for b in batches for c in b.completion_ids]
+    adapter_B = [k for k, b in enumerate(batches) for _ in b.prompt_ids]
+    bounds, start = [], 0
+    for b in batches:
+        bounds.append((start, start + len(b.prompt_ids), max(1, max((len(c) for c in b.completion_ids), default=1))))
+        start += len(b.prompt_ids)
+    with phase("time/reference_s"), torch.no_grad(), base.reference():
+        ref_all_BT, _ = base.completion_logprobs(prompts, completions)
+    results: list[dict[str, float]] = []
+    losses = []
+    with phase("time/forward_backward_s"):
+        with base.reference(), multi.active(adapter_B):  # type: ignore[attr-defined]
+            logprobs_all_BT, mask_all_BT = base.completion_logprobs(prompts, completions)
+        for m, batch, (s, e, T) in zip(members, batches, bounds):
+            logprobs_BT, ref_BT, mask_BT = logprobs_all_BT[s:e, :T], ref_all_BT[s:e, :T], mask_all_BT[s:e, :T]
+            spec = ALGORITHMS[m.candidate.algorithm]
+            pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, m.candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
+            kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
+            loss = pg_loss + m.candidate.kl_coef * kl
+            finite = bool(torch.isfinite(loss).item())
+            if finite:
+                losses.append(loss)
+            results.append({"train/loss": loss.item(), "train/pg_loss": pg_loss.item(), "train/kl": kl.item(), **loss_metrics,
+                            "_finite": float(finite)})  # fmt: skip
+        if losses:
+            torch.stack(losses).sum().backward()
+    with phase("time/optimizer_s"):
+        for m, r in zip(members, results):
+            params = list(m.params.values())
+            grad_norm = float("nan")
+            if r.pop("_finite"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm).item()  # CPU-GPU sync point
+                if math.isfinite(grad_norm):
+                    m.optimizer.step()
+            m.optimizer.zero_grad(set_to_none=True)
+            r["train/grad_norm"] = grad_norm
+            r["train/skipped_nonfinite"] = float(not math.isfinite(grad_norm))
+    elapsed = time.perf_counter() - started
+    tokens = float(mask_all_BT.sum().item())
+    for r in results:
+        r["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        r["train/update_s"] = elapsed
+    return results

@@ -61,7 +61,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _presented_token(request: Request) -> str | None:
+def presented_token(request: Request) -> str | None:
     """The token of ``Authorization: Bearer <t>`` or the password of ``Authorization: Basic``."""
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
@@ -123,7 +123,7 @@ def mount_console(app: FastAPI, service: "HourglassService", *, refresh_s: int =
     def require_view(request: Request) -> None:
         if open_view:
             return
-        presented = _presented_token(request)
+        presented = presented_token(request)
         if presented is None or not secrets.compare_digest(presented.encode(), service.api_token.encode()):
             raise HTTPException(401, "the status page needs the API token on a non-loopback address", headers={"WWW-Authenticate": 'Basic realm="hourglass console"'})
 

@@ -330,8 +330,9 @@ class ConsoleData:
         """Thumbs-up share (reward > 0 among rewarded traces) by served version over time, from a
         buffer snapshot of the last :data:`FEEDBACK_WINDOW`; plus the last hour's share per
         (served model, version) for ``hourglass_live_feedback_rate``. Versions come from traffic, so the
-        gauge keeps only configured served models and versions that are numbers (or the base), and the
-        chart the :data:`MAX_VERSIONS` most recent ones."""
+        gauge keeps only configured served models and versions that are numbers (or the base), at most
+        :data:`MAX_VERSIONS` per model (those with the most traces), and the chart the
+        :data:`MAX_VERSIONS` most recent ones."""
         from connectors.buffer import RewardBuffer
 
         now = datetime.now(timezone.utc)
@@ -349,10 +350,16 @@ class ConsoleData:
             up = 1 if r["reward"] > 0 else 0
             cell = buckets[version][int(r["ts"].timestamp()) // bucket_s * bucket_s]
             cell[0], cell[1] = cell[0] + up, cell[1] + 1
-            if now - r["ts"] <= LIVE_RATE_WINDOW and r["model"] in served and (version == "base" or version.isdigit()):
+            numeric = version.isascii() and version.isdigit()  # str.isdigit alone takes "²", "٣"
+            if now - r["ts"] <= LIVE_RATE_WINDOW and r["model"] in served and (version == "base" or numeric):
                 pair = live[(r["model"], version)]
                 pair[0], pair[1] = pair[0] + up, pair[1] + 1
         recent = sorted(buckets, key=lambda v: max(buckets[v]), reverse=True)[:MAX_VERSIONS]
+        # Numeric versions are forgeable too: per served model, only the MAX_VERSIONS with the most traces.
+        busiest: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for key in sorted(live, key=lambda k: (-live[k][1], k)):
+            busiest[key[0]].append(key)
+        live = {key: live[key] for keys in busiest.values() for key in keys[:MAX_VERSIONS]}
         series = {v: [[t, up / n, n] for t, (up, n) in sorted(buckets[v].items())] for v in sorted(recent)}
         return {
             "series": series,
@@ -384,10 +391,15 @@ class ConsoleData:
                     continue
                 counts: Counter = Counter()
                 rows = []
-                for line in read_bytes(loc, info.path).decode("utf-8", errors="replace").splitlines():
+                # split on \n only: payloads keep U+2028, U+0085, \x0c... raw, which str.splitlines splits on
+                for line in read_bytes(loc, info.path).decode("utf-8", errors="replace").split("\n"):
+                    if not line.strip():
+                        continue
                     try:
                         row = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):
+                        continue
+                    if not isinstance(row, dict):  # a damaged line: skipped, like DeadLetterStore.list
                         continue
                     counts[str(row.get("reason"))] += 1
                     rows.append(_letter_view(row))

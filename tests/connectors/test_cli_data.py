@@ -114,3 +114,31 @@ def test_replay_a_sharegpt_file_of_my_choice_accounts_for_every_record(kafka_cfg
     assert json.loads(listing["dead_letters"][2]["payload"])["conversations"][0]["value"] == "1\u20282"
     out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt-file", str(tmp_path / "nope.json")])
     assert out.exit_code != 0 and "no such file" in out.output
+
+
+@pytest.mark.parametrize("topic", ["bad topic!", "", "..", "x" * 250, "tópico"])
+def test_produce_refuses_an_illegal_topic_name_with_a_message(topic: str, tmp_path: Path) -> None:
+    """Not a kafka-python traceback: the rule, before any connection is tried (no broker at this address)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"schema": "hourglass.trace/v1"}\n')
+    config = tmp_path / "hourglass.toml"
+    config.write_text('[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')
+    out = CliRunner().invoke(_app(), ["produce", "--config", str(config), "--topic", topic, str(data)])
+    assert out.exit_code == 1, out.output
+    assert "Traceback" not in out.output and "not a legal Kafka topic name" in out.output
+
+
+def test_dlq_list_prints_hostile_details_as_text(tmp_path: Path) -> None:
+    """Details quote traffic (a ShareGPT role, a field value): Rich markup in them must neither crash the
+    table (an unmatched closing tag raised MarkupError) nor style the operator's terminal."""
+    from connectors.dead_letter import DeadLetter, DeadLetterStore
+
+    hostile = "role '[/bold] [link=https://evil.example]click[/link] [red]' is not one of ['gpt', 'human']"
+    DeadLetterStore(str(tmp_path / "dlq")).write([DeadLetter("sharegpt_unknown_role", hostile, "replay:sharegpt", 0, 1, b"{}")])
+    config = tmp_path / "hourglass.toml"
+    config.write_text(f'[buffer]\nroot = "{tmp_path / "buf"}"\ndead_letter_root = "{tmp_path / "dlq"}"\n')
+    out = CliRunner().invoke(_app(), ["dlq", "list", "--config", str(config)])
+    assert out.exit_code == 0, out.output
+    cells = [line.split("│")[-2] for line in out.output.splitlines() if line.count("│") == 6]  # the detail column
+    shown = "".join(cells).replace(" ", "")
+    assert "'[/bold][link=https://ev" in shown and "[red]'isnotoneof" in shown  # the markup shown literally

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -170,7 +171,7 @@ def test_canonical_batch_carries_lists_as_arrow_columns_equal_to_the_reference()
     values = [_enc(v) for v in FAST]
     values.append(json.dumps(_trace(40, completion_token_ids=[], completion_logprobs=[])).encode())  # ", " separators
     values.append(_enc(_trace(41, completion_logprobs=None)))  # one list null, the other not
-    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -1e300]}
+    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -3e38]}  # -3e38: float32 range
     values.append(_enc(_trace(42, **extremes)))
     fast, slow = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
     assert fast.token_ids is not None and fast.logprobs is not None and slow.token_ids is None
@@ -308,3 +309,56 @@ def test_a_row_arrow_refuses_becomes_a_dead_letter_not_a_failed_batch() -> None:
     traces, feedback = batch.tables(INGESTED)
     assert traces["trace_id"].to_pylist() == ["t0"] and feedback.num_rows == 0
     assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.PARSE_ERROR, "traces", 0, 1)]
+
+
+@pytest.mark.parametrize("depth", [250, 900, 5000])
+def test_deeply_nested_records_are_dead_lettered_alike_without_raw_user_ids(depth: int) -> None:
+    """Nesting beyond the JSON parser's recursion limit: the same clear reason on both paths (not the
+    internal ``parse_error``, not a record the fast path alone accepts), and the stored payload never keeps
+    the identifiers it could not hash."""
+    nested = b"[" * depth + b"]" * depth
+    trace = _enc(_trace(0, metadata={"email": "alice@x.org", "d": "@"})).replace(b'"@"', nested)
+    feedback = _enc(_feedback(1, metadata={"user": "alice", "d": "@"})).replace(b'"@"', nested)
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([trace, feedback, _enc(_trace(2))])]
+    fast = parse_batch(records, max_record_bytes=1 << 20, hasher=HASHER)
+    slow = parse_batch(records, max_record_bytes=1 << 20, hasher=HASHER, fast=False)
+    for out in (fast, slow):
+        assert [row[0] for row in out.traces] == ["t2"] and out.feedback == []
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(0, s.NESTING_TOO_DEEP), (1, s.NESTING_TOO_DEEP)]
+        assert all("nest" in d.detail for d in out.dead_letters)
+        assert all(b"alice" not in (d.payload or b"") for d in out.dead_letters)
+    assert fast.dead_letters == slow.dead_letters
+
+
+@pytest.mark.parametrize("logprob", [-1e300, -3.5e38, 1e39])
+def test_logprobs_beyond_float32_are_dead_lettered_not_stored_as_infinity(logprob: float) -> None:
+    """completion_logprobs are stored as float32: a finite JSON number beyond its range became -inf/inf in
+    the buffer (the contract says finite). Both paths refuse it, naming the field; the rest of the batch lands."""
+    bad = _enc(_trace(0, completion_token_ids=[1, 2, 3], completion_logprobs=[-0.5, logprob, -1.0]))
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([bad, _enc(_trace(1))])]
+    for fast in (True, False):
+        out = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
+        assert [row[0] for row in out.traces] == ["t1"]
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(0, s.SCHEMA_VIOLATION)]
+        assert "completion_logprobs" in out.dead_letters[0].detail
+        table = out.trace_table(INGESTED)
+        assert all(math.isfinite(v) for row in table["completion_logprobs"].to_pylist() if row for v in row)
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_in_metadata_are_stored_as_null_so_the_buffer_stays_json(token: bytes) -> None:
+    """pydantic's JSON parser reads NaN / Infinity / 1e999 in metadata; stored as such the metadata column
+    would hold ``NaN`` text, which is not JSON (strict readers of the buffer fail on it). Both paths store
+    the record with null in their place (the record is not refused: metadata is free-form)."""
+    raw = _enc(_trace(0, metadata={"ok": 1.5, "nested": [{"score": "@"}]})).replace(b'"@"', token)
+    feedback = _enc(_feedback(1, metadata={"score": "@"})).replace(b'"@"', token)
+    records = [Record("traces", 0, n, None, v) for n, v in enumerate([raw, feedback, _enc(_trace(2))])]
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} stored in {text}"))
+
+    for fast in (True, False):
+        out = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
+        assert out.dead_letters == [] and [row[0] for row in out.traces] == ["t0", "t2"]
+        assert strict(out.traces[0][9]) == {"ok": 1.5, "nested": [{"score": None}]}
+        assert strict(out.feedback[0][3]) == {"score": None}

@@ -110,3 +110,40 @@ def test_sharegpt_jsonl_file_accounts_for_every_line(tmp_path: Path) -> None:
     assert out[0] == (1, "sharegpt-c1") and out[1] == (2, r.SHAREGPT_INVALID_JSON)
     assert out[2] == (4, r.SHAREGPT_DUPLICATE_ID) and out[3][1].startswith("sharegpt-h") and out[3][1].endswith("-5")
     assert out[4] == (6, r.SHAREGPT_NOT_AN_OBJECT)
+
+
+_CONV = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+
+
+def test_json_array_file_with_a_utf8_bom_is_read_as_an_array(tmp_path: Path) -> None:
+    """Editors on Windows save JSON with a byte-order mark: still the array of conversations, not one
+    ``sharegpt_not_an_object`` record."""
+    from connectors.replay import iter_sharegpt
+
+    path = tmp_path / "bom.json"
+    path.write_text(json.dumps([{"id": "a", **_CONV}, {"id": "b", **_CONV}]), encoding="utf-8-sig")
+    assert [(n, getattr(v, "trace_id", None)) for n, _, v in iter_sharegpt(path)] == [(1, "sharegpt-a"), (2, "sharegpt-b")]
+
+
+def test_json_array_element_nested_too_deep_is_a_clear_error(tmp_path: Path) -> None:
+    """Not a RecursionError traceback: a ReplayError naming where the element starts."""
+    from connectors.replay import iter_sharegpt
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" + json.dumps({"id": "a", **_CONV}) + ", " + "[" * 50_000 + "]" * 50_000 + "]")
+    got = []
+    with pytest.raises(ReplayError, match="nested too deep"):
+        for number, _, verdict in iter_sharegpt(path):
+            got.append((number, verdict.trace_id))
+    assert got == [(1, "sharegpt-a")]
+
+
+def test_jsonl_reader_refuses_non_utf8_and_names_the_missing_field(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'\xff\xfe{"a": 1}\n')
+    with pytest.raises(ReplayError, match="latin1.jsonl:1: not UTF-8"):
+        list(read_trace_jsonl(path))
+    path = tmp_path / "partial.jsonl"
+    path.write_text('{"schema": "hourglass.trace/v1", "trace_id": "a"}\n')
+    with pytest.raises(ReplayError, match=r"partial.jsonl:1: .*ts: Field required"):
+        list(read_trace_jsonl(path))

@@ -131,3 +131,33 @@ def test_later_feedback_wins_and_duplicates_change_nothing() -> None:
     t0, t1 = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 2, tzinfo=timezone.utc)
     merged = merge_signals({"thumbs": "up"}, [(t1, {"thumbs": "down"}), (t0, {"rating": 4}), (t1, {"thumbs": "down"})])
     assert merged == {"thumbs": "down", "rating": 4}
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"rating": True},  # would be read as 1 star: reward -1 for a client that meant "liked"
+        {"reward": True},
+        {"reward": False},
+        {"completion_token_ids": [True, False], "completion_logprobs": [-0.1, -0.2]},
+        {"completion_logprobs": [False, -0.2], "completion_token_ids": [1, 2]},
+    ],
+)
+def test_json_booleans_are_not_numbers(over: dict) -> None:
+    """A JSON ``true`` is not the number 1 (pydantic's lax mode would coerce it), on traces and feedback
+    alike; the fast path refuses them too, so both paths dead-letter them naming the field."""
+    from connectors.fast_parse import parse_batch
+
+    events = [_trace(**over)]
+    if "rating" in over or "reward" in over:
+        events.append({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", **over})
+    for event in events:
+        result = _parse(event)
+        assert isinstance(result, s.Rejected) and result.reason == s.SCHEMA_VIOLATION, result
+        assert "bool" in result.detail and next(iter(over)) in result.detail
+
+        class Rec:
+            topic, partition, offset, key, value = "t", 0, 7, None, json.dumps(event).encode()
+
+        batch = parse_batch([Rec()], max_record_bytes=10_000, hasher=HASHER)
+        assert batch.traces == [] and batch.feedback == [] and [d.reason for d in batch.dead_letters] == [s.SCHEMA_VIOLATION]

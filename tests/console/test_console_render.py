@@ -64,7 +64,7 @@ def _hostile_traffic(service: HourglassService) -> None:
 def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
     service = _service(tmp_path)
     _hostile_traffic(service)
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         for path in ("/", "/console/panels"):
             response = client.get(path)
             assert response.status_code == 200
@@ -93,7 +93,7 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
 def test_charts_render_points_and_say_when_empty(tmp_path: Path) -> None:
     service = _service(tmp_path)
     _hostile_traffic(service)
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         html = client.get("/").text
     for kind in ("heldout", "feedback", "auc", "hourly"):
         svg = re.search(rf'<svg class="chart" data-chart="{kind}".*?</svg>', html, re.S)
@@ -105,7 +105,7 @@ def test_charts_render_points_and_say_when_empty(tmp_path: Path) -> None:
 
 def test_viewing_needs_the_token_off_loopback(tmp_path: Path) -> None:
     service = _service(tmp_path, host="0.0.0.0")
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         refused = client.get("/")
         assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
         assert client.get("/console/data", headers={"Authorization": "Bearer wrong-token"}).status_code == 401
@@ -113,7 +113,7 @@ def test_viewing_needs_the_token_off_loopback(tmp_path: Path) -> None:
         assert client.get("/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
         assert client.get("/console/panels", headers={"Authorization": f"Bearer {service.api_token}"}).status_code == 200
         assert client.get("/console/static/console.js").status_code == 200  # no secrets in the static files
-    with TestClient(create_api(_service(tmp_path / "lo"))) as client:
+    with TestClient(create_api(_service(tmp_path / "lo")), base_url="http://127.0.0.1") as client:
         assert client.get("/").status_code == 200
 
 
@@ -156,7 +156,7 @@ def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
     release = threading.Event()
     service.status = lambda: release.wait(30) and {}  # e.g. a broker that does not answer
     try:
-        with TestClient(create_api(service)) as client:
+        with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
             started = time.monotonic()
             html = client.get("/").text
             assert time.monotonic() - started < 8
@@ -169,8 +169,46 @@ def test_a_slow_source_does_not_hold_the_page(tmp_path: Path) -> None:
 def test_canary_abort_button_only_with_a_canary_endpoint(tmp_path: Path) -> None:
     service = _service(tmp_path)
     app = create_api(service)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         html = client.get("/").text
         assert 'data-action="canary-abort"' not in html and 'id="canary" class="muted">no canary<' in html
         app.post("/canary/{model}/abort")(lambda model: {"aborted": model})  # as a canary feature would add it
         assert 'data-action="canary-abort" data-path="/canary/{model}/abort"' in client.get("/").text
+
+
+def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path: Path) -> None:
+    """``adapter_version`` comes from traffic: 40 distinct numeric versions (plus Unicode digits, which
+    ``str.isdigit`` accepts) must not become 40 Prometheus series; the gauge keeps the MAX_VERSIONS
+    versions with the most traces per served model, ASCII digits only."""
+    from pipeline.console.data import MAX_VERSIONS
+
+    service = _service(tmp_path)
+    now = datetime.now(timezone.utc)
+    versions = ["2"] * 5 + [str(10_000 + i) for i in range(40)] + ["²", "٣"]
+    traces = [(TraceEvent(trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=v, prompt="p", completion="c", thumbs="up"),
+               Coordinates("traces", 0, i)) for i, v in enumerate(versions)]  # fmt: skip
+    RewardBuffer(service.cfg.buffer).append(traces, [])
+    with TestClient(create_api(service)) as client:
+        metrics = client.get("/metrics").text
+        live = client.get("/console/data").json()["feedback"]["live"]
+    series = [line for line in metrics.splitlines() if line.startswith("hourglass_live_feedback_rate{")]
+    assert len(series) == len(live) == MAX_VERSIONS, series
+    assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 1.0' in metrics  # the busiest version stays
+    assert "²" not in metrics and "٣" not in metrics
+
+
+def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: Path) -> None:
+    """Dead-letter files are JSON lines split on \\n only: a payload with U+2028 / U+0085 / \\x0c (kept raw by
+    ensure_ascii=False) must still count, not vanish from the page's counts and newest list."""
+    service = _service(tmp_path)
+    DeadLetterStore(service.cfg.buffer.dead_letter_root).write([
+        DeadLetter("schema_violation", "d", "traces", 0, 1, "a\u2028b\x85c\x0cd".encode()),
+        DeadLetter("invalid_json", "d", "traces", 0, 2, b"plain"),
+    ])  # fmt: skip
+    damaged = Path(service.cfg.buffer.dead_letter_root) / "dt=2000-01-01" / "dlq-0000000000000-x-000000.jsonl"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text('5\n["a"]\n{"reason": "not_utf8", "topic": "t", "partition": 0, "offset": 0}\n')  # a damaged file
+    with TestClient(create_api(service)) as client:
+        dead = client.get("/console/data").json()["ingest"]["dead_letters"]
+    assert dead["by_reason"] == {"schema_violation": 1, "invalid_json": 1, "not_utf8": 1}
+    assert [d["where"] for d in dead["newest"]] == ["traces:0@2", "traces:0@1", "t:0@0"]

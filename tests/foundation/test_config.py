@@ -147,3 +147,23 @@ def test_empty_token_means_unset_and_staging_follows_state_dir(monkeypatch: pyte
     cfg = load_config(None)
     assert cfg.api.token is None
     assert cfg.serving.staging_dir == str(tmp_path / "s" / "staging")
+
+
+def test_config_check_warns_when_a_production_topology_keeps_the_public_hash_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default user_hash_key is in the source: with it, user-id hashes are reversible by hashing guesses.
+    A config with external services (production) passes, but says so; the environment key silences it."""
+    import json as _json
+
+    prod = REPO / "deploy" / "production.toml"
+    monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY", raising=False)
+    result = CliRunner().invoke(app, ["config", "check", "--json", str(prod)])
+    assert result.exit_code == 0, result.output
+    warnings = _json.loads(result.stdout)["warnings"]
+    assert len(warnings) == 1 and "buffer.user_hash_key" in warnings[0] and "HOURGLASS_BUFFER__USER_HASH_KEY" in warnings[0]
+    result = CliRunner().invoke(app, ["config", "check", str(prod)])
+    assert result.exit_code == 0 and "warning" in result.output and "user_hash_key" in result.output
+    monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "a-real-secret-of-32-characters!!")
+    assert _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(prod)]).stdout)["warnings"] == []
+    monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY")
+    local = _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout)
+    assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine

@@ -90,3 +90,16 @@ def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, servi
     assert client.post("/rounds", json={"surprise": 1}, headers=auth).status_code == 422
     response = client.post("/rounds/r-x/cancel", headers=auth)
     assert response.status_code == 409 and "not running" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/promote", {"version": "99999999999999999999"}), ("/promote", {"version": "1"}),
+                                            ("/rollback", {})])  # fmt: skip
+def test_registry_errors_never_echo_the_tracking_uri_credentials(tmp_path: Path, path: str, body: dict) -> None:
+    """MLflow's error messages quote the request URL, user:password included: the API's refusal must not."""
+    cfg = load_config(None).model_copy(update={"state_dir": str(tmp_path)})
+    cfg = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"tracking_uri": "http://ops:s3cret-pass@127.0.0.1:1/mlflow"})})
+    service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    with TestClient(create_api(service)) as client:
+        response = client.post(path, json=body, headers={"Authorization": f"Bearer {service.api_token}"})
+    assert 400 <= response.status_code < 600 and response.status_code != 500, response.text
+    assert "s3cret-pass" not in response.text and "detail" in response.json()

@@ -61,3 +61,23 @@ def test_kto_config_needs_logged_rewards_and_names_its_algorithm() -> None:
         CandidateConfig(name="k", algorithm="kto")
     c = CandidateConfig(name="k", algorithm="kto", reward=[RewardTerm(fn="logged")])
     assert c.algorithm is Algorithm.KTO and c.model_dump(mode="json")["algorithm"] == "kto"
+
+
+def test_kto_batch_cuts_long_logged_completions_and_corrections_to_the_window(tiny_model: Path) -> None:
+    """A logged completion or correction from traffic can be far longer than the model's window (about
+    250k tokens fit in kafka.max_record_bytes): the batch keeps at most max_seq_len tokens per row."""
+    from trainer.base import load_base
+    from trainer.rewards import build_reward
+    from trainer.samples import Prompt
+    from trainer.update import kto_batch
+
+    base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=64))
+    candidate = CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=True)
+    long_text = "word " * 3000
+    row = Prompt(prompt_id="p", messages=[{"role": "user", "content": "hi"}], logged_completion=long_text, logged_reward=1.0,
+                 logged_token_ids=list(range(5, 2005)), logged_correction=long_text)  # fmt: skip
+    prompt_ids = [base.chat_token_ids(row.messages)]
+    batch, _ = kto_batch(candidate, [row], prompt_ids, base, build_reward(candidate.reward))
+    assert len(batch.completion_ids) == 2  # the completion and the correction
+    for completion in batch.completion_ids:
+        assert 1 <= len(completion) <= 64 - len(prompt_ids[0])

@@ -75,3 +75,25 @@ def test_offline_is_learns_from_logged_rewards(tiny_model: Path, tmp_path: Path)
     store.activate("off")
     yes1, no1 = _logprob_of(base, held, "yes"), _logprob_of(base, held, "no")
     assert yes1 - no1 > (yes0 - no0) + 1.0, (yes0, no0, yes1, no1)
+
+
+def test_offline_batch_cuts_logged_completions_to_max_seq_len(tiny_model: Path) -> None:
+    """A logged completion from traffic can be ~250k tokens within kafka.max_record_bytes; the offline
+    update must not run the model over all of it (logits of [T, vocab] per row: an OOM of the service)."""
+    from trainer.rewards import build_reward
+    from trainer.update import offline_batch
+
+    base = load_base(ModelConfig(name=str(tiny_model), max_seq_len=64))
+    prompts = [
+        Prompt(prompt_id="long", messages=[{"role": "user", "content": "hi"}], logged_completion="x",
+               logged_token_ids=[7] * 5000, logged_logprobs=[-0.5] * 5000, logged_reward=1.0),
+        Prompt(prompt_id="text", messages=[{"role": "user", "content": "hi"}], logged_completion="word " * 3000, logged_reward=-1.0),
+        Prompt(prompt_id="short", messages=[{"role": "user", "content": "hi"}], logged_completion="ok", logged_token_ids=[5, 6],
+               logged_logprobs=[-0.1, -0.2], logged_reward=0.5),
+    ]  # fmt: skip
+    prompt_ids = [base.chat_token_ids(p.messages) for p in prompts]
+    batch, _ = offline_batch(prompts, prompt_ids, base, build_reward([RewardTerm(fn="logged")]))
+    for p, c, b in zip(batch.prompt_ids, batch.completion_ids, batch.behaviour_logprobs):
+        assert 1 <= len(c) and len(p) + len(c) <= 64 and len(b) == len(c)
+    assert batch.completion_ids[0] == [7] * (64 - len(prompt_ids[0])) and batch.behaviour_logprobs[0][0] == -0.5
+    assert batch.completion_ids[2] == [5, 6] and batch.behaviour_logprobs[2] == pytest.approx([-0.1, -0.2])

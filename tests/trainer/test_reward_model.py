@@ -157,3 +157,26 @@ def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_
     with pytest.raises(TrainerConfigError, match="only grpo / ppo_clip"):
         run_round(ModelConfig(name=str(tiny_model)), [offline], rl, train, heldout, {}, tmp_path, progress=False)
     assert not (tmp_path / "rm-user").exists()  # refused before any work
+
+
+def test_logged_token_ids_outside_the_vocabulary_do_not_crash_reward_training(tiny_model: Path) -> None:
+    """A trace's ``completion_token_ids`` come from traffic (any int32 passes ingest): ids the base cannot
+    embed (negative, >= vocab) must not stop the round; the row is read from its completion text instead."""
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    vocab = base.model.get_input_embeddings().num_embeddings
+    rows = [Prompt(prompt_id=f"t{i}", messages=[{"role": "user", "content": "2+2?"}], logged_completion=text,
+                   logged_token_ids=ids, logged_reward=reward)
+            for i, (text, ids, reward) in enumerate([("4", [vocab + 5], 1.0), ("5", [-3, 7], -1.0), ("four", [2**31 - 1], 1.0),
+                                                     ("x", [1, 2], -1.0)])]  # fmt: skip
+    data = tokenise_feedback(base, feedback_data(snapshot_table(rows)))
+    text_ids = list(base.tokenizer("4", add_special_tokens=False)["input_ids"])
+    assert data.examples[0][1] == text_ids  # out-of-vocabulary logged ids: the text's tokens
+    assert data.examples[3][1] == [1, 2]  # valid logged ids are kept
+    assert all(0 <= t < vocab for e in data.examples for t in e[1])
+    assert all(0 <= t < vocab for p in data.pairs for seq in p[1:] for t in seq)
+    store = make_store("offload", base)
+    cfg = RewardModelConfig(steps=1, batch_size=4)
+    model = create_reward_model(base, store, cfg, None)
+    history = train_reward_model(model, data, cfg)
+    assert len(history) == 1 and math.isfinite(history[0]["reward_model/loss"])
+    store.close()

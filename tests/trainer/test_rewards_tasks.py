@@ -81,3 +81,41 @@ def test_bad_rows_are_reported_with_their_trace_id() -> None:
     assert prompts_from_table(plain)[0].messages == [{"role": "user", "content": "just text"}]
     with pytest.raises(DataError, match="lacks columns"):
         prompts_from_table(table.drop_columns(["prompt"]))
+
+
+def test_every_prompt_form_ingest_accepts_is_readable_as_chat_messages(tmp_path) -> None:
+    """Ingest accepts OpenAI message forms the chat template cannot take as is (content null or missing,
+    content parts, extra keys, no message at all). One such trace in the window must not fail the round
+    (``prompts_from_table`` raising for the whole snapshot): each becomes text-only messages."""
+    from connectors import schema as s
+    from connectors.buffer import RewardBuffer
+    from connectors.config import BufferConfig
+    from connectors.segments import Coordinates
+
+    now = datetime.now(timezone.utc)
+    forms = {
+        "null": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+        "parts": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
+                                               {"type": "text", "text": "b"}]}],
+        "named": [{"role": "user", "content": "x", "name": "n"}],
+        "empty": [],
+        "text": "plain",
+    }  # fmt: skip
+    hasher = s.UserHasher("k" * 16, ["user"])
+    events = []
+    for i, (name, prompt) in enumerate(forms.items()):
+        raw = json.dumps({"schema": s.TRACE_SCHEMA, "trace_id": name, "ts": now.isoformat(), "model": "m", "prompt": prompt,
+                          "completion": "c", "thumbs": "up"}).encode()  # fmt: skip
+        event = s.parse_record(raw, max_record_bytes=1 << 20, hasher=hasher)
+        assert isinstance(event, s.TraceEvent), event  # ingest accepts every form
+        events.append((event, Coordinates("traces", 0, i)))
+    cfg = BufferConfig(root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"))
+    RewardBuffer(cfg).append(events, [])
+    got = {p.prompt_id: p.messages for p in prompts_from_table(RewardBuffer(cfg).snapshot())}
+    assert got == {
+        "null": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}],
+        "parts": [{"role": "user", "content": "a\nb"}],
+        "named": [{"role": "user", "content": "x", "name": "n"}],
+        "empty": [],
+        "text": [{"role": "user", "content": "plain"}],
+    }

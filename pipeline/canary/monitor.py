@@ -1,0 +1,256 @@
+"""The canary loop: read live feedback from the buffer, decide, move the aliases.
+
+Every ``serving.canary.check_interval_s`` the service calls
+:meth:`CanaryMonitor.check_once`. For each served model with a ``@challenger``:
+
+1. once the serving controller routes a share of traffic to it, the start time
+   is tagged on the version (``hourglass.canary_started_at``);
+2. the evidence is the reward buffer's snapshot since then (traces
+   de-duplicated by ``trace_id``, feedback joined; see
+   :meth:`connectors.buffer.RewardBuffer.snapshot`), rows of this public
+   model with a reward, split by ``adapter_version``: the challenger's vs the
+   champion's. Thumbs-only feedback is a success rate (reward > 0); anything
+   else is the mean reward. Nothing is kept in memory, so a restarted service
+   resumes with the same evidence and counts nothing twice;
+3. :func:`pipeline.canary.sequential.decide` says promote, abort or continue;
+   promote and abort go through :mod:`pipeline.canary.state`, log the evidence
+   to the version's MLflow run (``canary/...`` metrics) and tag the version.
+
+The guard (``serving.guard``): for ``period_s`` after a canary promotion the new
+champion's live rate is compared, with the same test, to the previous
+champion's rate measured during the canary; a significant drop rolls back with
+:func:`pipeline.aliases.rollback` (what ``hourglass rollback`` runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from prometheus_client import Counter, Gauge
+
+from pipeline import aliases
+from pipeline.canary import state
+from pipeline.canary.sequential import ArmStats, Verdict, decide
+from pipeline.config import HourglassConfig
+from pipeline.registry import make_client
+
+log = logging.getLogger(__name__)
+
+FEEDBACK_COUNT = Gauge("hourglass_canary_feedback_count", "Live feedback events since the canary started, per served version.",
+                       ["served_model", "version"])  # fmt: skip
+FEEDBACK_RATE = Gauge("hourglass_canary_feedback_rate", "Live success rate (thumbs) or mean reward since the canary started, per served version.",
+                      ["served_model", "version"])  # fmt: skip
+OUTCOMES = Counter("hourglass_canary_outcomes", "Canary and guard outcomes: promote, abort, guard_rollback, guard_passed.",
+                   ["served_model", "outcome"])  # fmt: skip
+
+_THUMBS = {"thumbs", "thumbs_up", "thumbs_down"}  # reward_source of thumbs-only feedback
+
+
+def _parse(ts: str) -> datetime:
+    out = datetime.fromisoformat(ts)
+    return out if out.tzinfo else out.replace(tzinfo=timezone.utc)
+
+
+def live_rewards(cfg: HourglassConfig, model: str, since: datetime) -> dict[str | None, list[tuple[float, str]]]:
+    """``{adapter_version: [(reward, reward_source), ...]}`` of the public ``model``'s traces with
+    ``ts >= since`` that have a reward (buffer snapshot: one row per trace id)."""
+    from connectors.buffer import RewardBuffer
+
+    table = RewardBuffer(cfg.buffer).snapshot(start=since)
+    out: dict[str | None, list[tuple[float, str]]] = {}
+    for row in table.select(["model", "adapter_version", "reward", "reward_source"]).to_pylist():
+        if row["model"] == model and row["reward"] is not None:
+            out.setdefault(row["adapter_version"], []).append((float(row["reward"]), row["reward_source"] or ""))
+    return out
+
+
+def arm_stats(rows: dict[str | None, list[tuple[float, str]]], *versions: str | None) -> tuple[list[ArmStats], bool]:
+    """Stats of each version's rows; binary (success rate) when every row's feedback is thumbs only."""
+    picked = [rows.get(v, []) for v in versions]
+    binary = all(source in _THUMBS for side in picked for _, source in side)
+    return [ArmStats.of_rewards([r for r, _ in side], binary=binary) for side in picked], binary
+
+
+def _evidence(verdict: Verdict, binary: bool, **extra) -> dict:
+    return {"decision": verdict.decision, "reason": verdict.reason, "difference": verdict.difference, "lower": verdict.lower,
+            "upper": verdict.upper, "metric": "thumbs_up_rate" if binary else "mean_reward",
+            "challenger": asdict(verdict.challenger), "champion": asdict(verdict.champion), **extra}  # fmt: skip
+
+
+class CanaryMonitor:
+    """Decides running canaries and guards promotions (see the module doc).
+
+    Args:
+        cfg: the whole config (``serving.canary``, ``serving.guard``, ``buffer``, ``registry``).
+        models: public model names to watch.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+        on_change: called with the model name after an alias moved (e.g. wake the reconcile loop).
+    """
+
+    def __init__(self, cfg: HourglassConfig, *, models: list[str], client: MlflowClient | None = None,
+                 on_change: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.models = models
+        self.client = client or make_client(cfg)
+        self.on_change = on_change
+        self._views: dict[str, dict] = {}
+        self._last: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- looks ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict]:
+        """The last look per model: ``{model: {"canary": view | None, "guard": view | None, "last_canary":
+        view | None, "last_guard": view | None}}`` (``last_*``: the last decided one since this process started)."""
+        return {m: dict(v) for m, v in self._views.items()}
+
+    def check_once(self) -> dict[str, dict]:
+        """One look at every model (canary, then guard); never raises (errors land in the view)."""
+        with self._lock:
+            for model in self.models:
+                view: dict = {}
+                for part, look in (("canary", self.check_canary), ("guard", self.check_guard)):
+                    try:
+                        view[part] = look(model)
+                    except Exception as err:  # MLflow or buffer unreadable: report, try again next time
+                        log.warning("canary %s of %s: %s", part, model, err)
+                        view[part] = {"error": f"{type(err).__name__}: {err}"}
+                for part in ("canary", "guard"):  # the last decision stays visible after the canary or guard ended
+                    if (view[part] or {}).get("decision") in ("promote", "abort", "rollback", "passed"):
+                        self._last[f"{model}/{part}"] = view[part]
+                view["last_canary"], view["last_guard"] = self._last.get(f"{model}/canary"), self._last.get(f"{model}/guard")
+                self._views[model] = view
+        return self.status()
+
+    def check_canary(self, model: str, *, act: bool = True) -> dict | None:
+        """Look at ``model``'s canary and act on the decision (``act=False``: only report it,
+        as ``hourglass canary status`` does); None when none runs."""
+        from pipeline.serving import read_routes
+
+        cfg, canary = self.cfg, self.cfg.serving.canary
+        version = state.challenger_version(self.client, cfg, model)
+        if version is None:
+            return None
+        champion = aliases.champion_version(self.client, model, cfg.registry.champion_alias)
+        view = {"version": version, "champion_version": champion, "fraction": canary.fraction}
+        mv = self.client.get_model_version(model, version)
+        if act and state.TAG_RESULT in mv.tags:  # @challenger set again by hand after an earlier canary: start afresh
+            for tag in (state.TAG_RESULT, state.TAG_STARTED):
+                if tag in mv.tags:
+                    self.client.delete_model_version_tag(model, version, tag)
+            mv = self.client.get_model_version(model, version)
+        started = mv.tags.get(state.TAG_STARTED)
+        if started is None:
+            route = read_routes(cfg.resolve(cfg.state_dir)).get(model)
+            if route is None or route.challenger_version != version or not act:
+                return {**view, "decision": "continue", "reason": "waiting for the serving controller to route traffic to it"}
+            started = state.mark_started(self.client, model, version)
+        since = _parse(started)
+        elapsed = (datetime.now(timezone.utc) - since).total_seconds()
+        rows = live_rewards(cfg, model, since)
+        (chall, champ), binary = arm_stats(rows, version, champion)
+        verdict = decide(chall, champ, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback,
+                         tau=canary.mixture_sd, elapsed_s=elapsed, max_duration_s=canary.max_duration_s)  # fmt: skip
+        evidence = _evidence(verdict, binary, version=version, champion_version=champion, started_at=started, elapsed_s=round(elapsed, 1))
+        for v, stats in ((version, chall), (champion, champ)):
+            FEEDBACK_COUNT.labels(model, str(v)).set(stats.n)
+            FEEDBACK_RATE.labels(model, str(v)).set(stats.mean)
+        if verdict.decision != "continue" and act:
+            self._log_run(mv.run_id, evidence)
+            act = state.promote_challenger if verdict.decision == "promote" else state.abort_challenger
+            act(cfg, model, client=self.client, reason=verdict.reason, evidence=evidence)
+            OUTCOMES.labels(model, verdict.decision).inc()
+            log.info("canary %s v%s: %s (%s)", model, version, verdict.decision, verdict.reason)
+            self._changed(model)
+        return {**view, **evidence}
+
+    def check_guard(self, model: str) -> dict | None:
+        """Watch a champion promoted by a canary for ``guard.period_s``; roll back on a significant drop."""
+        guard_cfg = self.cfg.serving.guard
+        if not guard_cfg.enabled:
+            return None
+        champion = aliases.champion_version(self.client, model, self.cfg.registry.champion_alias)
+        if champion is None:
+            return None
+        mv = self.client.get_model_version(model, champion)
+        guard = state.read_json_tag(mv.tags, state.TAG_GUARD)
+        if guard is None or state.TAG_GUARD_RESULT in mv.tags:
+            return None
+        since, until = _parse(guard["since"]), _parse(guard["until"])
+        baseline = ArmStats(**guard["baseline"])
+        (live,), binary = arm_stats(live_rewards(self.cfg, model, since), champion)
+        verdict = decide(live, baseline, alpha=guard_cfg.alpha, margin=0.0, min_feedback=2**62, tau=self.cfg.serving.canary.mixture_sd)
+        evidence = _evidence(verdict, binary, version=champion, previous=guard["previous"], since=guard["since"], until=guard["until"])
+        FEEDBACK_COUNT.labels(model, champion).set(live.n)
+        FEEDBACK_RATE.labels(model, champion).set(live.mean)
+        if verdict.decision == "abort":
+            reason = f"guard: live rate dropped after the promotion; {verdict.reason.replace('challenger', 'new champion')}"
+            aliases.rollback(self.cfg, model, guard["previous"], client=self.client)
+            self.client.set_model_version_tag(model, champion, state.TAG_GUARD_RESULT, _dump({"decision": "rollback", "reason": reason, "evidence": evidence, "at": state.now_iso()}))
+            self._log_run(mv.run_id, {**evidence, "decision": "guard_rollback"})
+            OUTCOMES.labels(model, "guard_rollback").inc()
+            log.warning("guard rolled %s back from v%s to v%s: %s", model, champion, guard["previous"], reason)
+            self._changed(model)
+            return {**evidence, "decision": "rollback", "reason": reason}
+        if datetime.now(timezone.utc) >= until:
+            self.client.set_model_version_tag(model, champion, state.TAG_GUARD_RESULT, _dump({"decision": "passed", "evidence": evidence, "at": state.now_iso()}))
+            OUTCOMES.labels(model, "guard_passed").inc()
+            return {**evidence, "decision": "passed", "reason": "no significant drop within the guard period"}
+        return {**evidence, "decision": "watching", "reason": f"watching until {guard['until']}"}
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _changed(self, model: str) -> None:
+        if self.on_change is not None:
+            self.on_change(model)
+
+    def _log_run(self, run_id: str | None, evidence: dict) -> None:
+        """The evidence as ``canary/...`` metrics on the round's run (best effort: the run may be gone)."""
+        if not run_id:
+            return
+        now_ms = int(time.time() * 1000)
+        values = {"canary/challenger_n": evidence["challenger"]["n"], "canary/challenger_rate": evidence["challenger"]["mean"],
+                  "canary/champion_n": evidence["champion"]["n"], "canary/champion_rate": evidence["champion"]["mean"],
+                  "canary/lower": evidence["lower"], "canary/upper": evidence["upper"],
+                  "canary/promoted": 1.0 if evidence["decision"] == "promote" else 0.0}  # fmt: skip
+        metrics = [Metric(k, float(v), now_ms, 0) for k, v in values.items() if v is not None and v == v]
+        try:
+            self.client.log_batch(run_id, metrics=metrics)
+            self.client.set_tag(run_id, "hourglass.canary_decision", f"{evidence['decision']}: {evidence['reason']}"[:4900])
+        except Exception as err:  # the decision stands; the run is only a record
+            log.warning("canary evidence not logged to run %s: %s", run_id, err)
+
+    # -- loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Look every ``serving.canary.check_interval_s`` on a daemon thread until :meth:`stop`."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="hourglass-canary", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.check_once()
+            self._stop.wait(self.cfg.serving.canary.check_interval_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+
+def _dump(data: dict) -> str:
+    return json.dumps(data, default=str)[:4900]

@@ -1,0 +1,86 @@
+"""Operator actions on canaries, shared by the CLI (``hourglass canary``) and the ops API
+(``GET /canary``, ``POST /canary/{model}/promote``, ``POST /canary/{model}/abort``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, HTTPException
+
+from pipeline.canary import state
+from pipeline.canary.monitor import CanaryMonitor
+from pipeline.config import HourglassConfig
+
+if TYPE_CHECKING:
+    from pipeline.service import HourglassService
+
+
+def canary_status(cfg: HourglassConfig, models: list[str], monitor: CanaryMonitor | None = None) -> dict[str, Any]:
+    """``{model: {"canary": view | None, "guard": view | None}}``, read-only (nothing moves).
+
+    The view has the version, champion, fraction, started_at, per-side counts and
+    rates (``challenger`` / ``champion``: n, mean, var), the interval
+    (``lower``/``upper`` of challenger minus champion) and the decision so far.
+
+    Raises:
+        MlflowException: MLflow unreachable.
+    """
+    monitor = monitor or CanaryMonitor(cfg, models=models)
+    out: dict[str, Any] = {}
+    for model in models:
+        canary = monitor.check_canary(model, act=False)
+        guard = monitor.status().get(model, {}).get("guard")
+        out[model] = {"canary": canary, "guard": guard}
+    return out
+
+
+def end_canary(cfg: HourglassConfig, model: str, decision: str, *, who: str, monitor: CanaryMonitor | None = None) -> dict[str, Any]:
+    """Promote or abort ``model``'s canary by hand, with the live evidence so far attached.
+
+    Raises:
+        NoCanaryError: no version is on canary. ValueError: ``decision`` is not promote/abort.
+    """
+    if decision not in ("promote", "abort"):
+        raise ValueError(f"decision must be 'promote' or 'abort', got {decision!r}")
+    monitor = monitor or CanaryMonitor(cfg, models=[model])
+    evidence = monitor.check_canary(model, act=False)
+    if evidence is None:
+        raise state.NoCanaryError(f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`")
+    reason = f"{decision} by {who}"
+    act = state.promote_challenger if decision == "promote" else state.abort_challenger
+    out = act(cfg, model, client=monitor.client, reason=reason, evidence=evidence)
+    from pipeline.canary.monitor import OUTCOMES
+
+    OUTCOMES.labels(model, f"manual_{decision}").inc()
+    return out
+
+
+def add_canary_routes(app: FastAPI, service: "HourglassService", require_token) -> None:
+    """``GET /canary`` (open), ``POST /canary/{model}/promote|abort`` (token required)."""
+
+    def _models() -> list[str]:
+        return sorted({c.served_model for c in service.cfg.candidates} | {service.cfg.serving.model_name})
+
+    @app.get("/canary")
+    def canary() -> dict[str, Any]:
+        from pipeline.api import _registry_call
+
+        return _registry_call(lambda: canary_status(service.cfg, _models(), service.canary))
+
+    def _end(model: str, decision: str) -> dict[str, Any]:
+        from pipeline.api import _registry_call
+
+        if model not in _models():
+            raise HTTPException(404, f"model {model!r} is not served here; served: {_models()}")
+        out = _registry_call(lambda: end_canary(service.cfg, model, decision, who="ops api", monitor=service.canary))
+        if service.controller is not None:
+            service.controller.trigger()
+        return out
+
+    @app.post("/canary/{model}/promote", dependencies=[Depends(require_token)])
+    def promote(model: str) -> dict[str, Any]:
+        return _end(model, "promote")
+
+    @app.post("/canary/{model}/abort", dependencies=[Depends(require_token)])
+    def abort(model: str) -> dict[str, Any]:
+        return _end(model, "abort")

@@ -1,0 +1,107 @@
+"""The serving controller's canary step: load ``@challenger`` beside the champion and route a share to it.
+
+Called by :meth:`pipeline.serving.ServingController.reconcile_once` after the
+champion's own step, for each served model. The challenger goes through the
+same checks as a champion (stage: checksums, safetensors, base fingerprint,
+rank; load under ``<model>-v<version>``; probe on every replica) before the
+route gains it: ``Route.challenger_served_name``, ``challenger_version`` and
+``fraction``. If staging, load or probe fail for the adapter, the version is
+tagged ``hourglass.serve_error`` and ``hourglass.canary_result``,
+``@challenger`` is dropped and the champion keeps all traffic. When the alias
+goes away (promoted, aborted, moved by hand) the route loses the challenger
+and its copy is unloaded after ``serving.drain_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pipeline.aliases import TAG_SERVE_ERROR
+from pipeline.canary import state
+from pipeline.replica import ReplicaRefusedError
+from pipeline.staging import served_name
+
+if TYPE_CHECKING:
+    from pipeline.serving import ServingController
+
+log = logging.getLogger(__name__)
+
+
+def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
+    """One pass of the canary for ``model`` (see the module doc). Raises what MLflow raises when unreachable."""
+    from pipeline.serving import _AdapterFailure, _now, read_routes, write_route
+
+    cfg = ctrl.cfg
+    st = ctrl._status[model]
+    route = read_routes(ctrl.state_dir).get(model)
+    want = state.challenger_version(ctrl.client, cfg, model)
+    if want is not None and route is not None and want == route.version:
+        state._drop_alias(ctrl.client, cfg, model)  # it became the champion by other means: nothing to compare
+        want = None
+    if want is None or route is None or route.version != st.desired:
+        # no canary, or no champion served yet, or the champion itself is changing: champion only for now
+        if route is not None and route.challenger_served_name is not None and want != route.challenger_version:
+            _drop_from_route(ctrl, model, route)
+        st.challenger = None if want is None else {"version": want, "state": "waiting for the champion to be served"}
+        return
+    name = served_name(model, want)
+    mv = ctrl.client.get_model_version(model, want)
+    if TAG_SERVE_ERROR in mv.tags:
+        _refuse(ctrl, model, want, mv.tags[TAG_SERVE_ERROR], route)
+        return
+    seen = ctrl._observe(st)
+    if not seen:
+        return
+    fraction = cfg.serving.canary.fraction
+    if route.challenger_version != want:
+        started = time.monotonic()
+        need = [r for r, names in seen.items() if name not in names]
+        try:
+            ready = ctrl._load_on(model, want, need, mv)
+            for replica in [r for r in seen if r not in need]:
+                replica.probe(name)
+                ready.append(replica)
+        except (_AdapterFailure, ReplicaRefusedError) as err:
+            _refuse(ctrl, model, want, str(err), route)
+            return
+        if not ready:
+            return
+        old = route.challenger_served_name
+        write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=name, challenger_version=want, fraction=fraction))
+        if old is not None and old != name:
+            ctrl._draining[old] = time.monotonic() + cfg.serving.drain_s
+        log.info("canary: %s v%s serves %.0f%% of %s's traffic as %s (%.2fs)", model, want, 100 * fraction, model, name, time.monotonic() - started)
+    else:
+        missing = [r for r, names in seen.items() if name not in names]
+        if missing:  # a replica restarted or was added
+            try:
+                ctrl._load_on(model, want, missing, mv)
+            except _AdapterFailure as err:
+                st.last_error, st.last_error_version = str(err), want
+        if route.fraction != fraction:
+            write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), fraction=fraction))
+    st.challenger = {"version": want, "served_name": name, "fraction": fraction}
+
+
+def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
+    from pipeline.serving import _now, write_route
+
+    write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
+    if route.challenger_served_name != route.served_name:
+        ctrl._draining[route.challenger_served_name] = time.monotonic() + ctrl.cfg.serving.drain_s
+    log.info("canary: %s v%s no longer routed", model, route.challenger_version)
+
+
+def _refuse(ctrl: "ServingController", model: str, version: str, reason: str, route) -> None:
+    """The challenger cannot be served: tag it, drop ``@challenger``, keep the champion serving."""
+    st = ctrl._status[model]
+    log.error("canary: not serving %s v%s: %s", model, version, reason)
+    st.last_error, st.last_error_version, st.challenger = f"challenger v{version}: {reason}", version, None
+    ctrl.client.set_model_version_tag(model, version, TAG_SERVE_ERROR, reason[:4900])
+    if state.challenger_version(ctrl.client, ctrl.cfg, model) == version:
+        state.abort_challenger(ctrl.cfg, model, client=ctrl.client, reason=f"could not be served: {reason}")
+    if route.challenger_version == version:
+        _drop_from_route(ctrl, model, route)

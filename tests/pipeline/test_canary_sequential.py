@@ -1,0 +1,100 @@
+"""The canary's sequential decision, by simulation: error rates under repeated looks
+stay at or below alpha, and clear differences are decided the right way."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.canary.sequential import ArmStats, decide, half_width
+
+ALPHA = 0.05
+MARGIN = 0.05
+RUNS = 600
+EVENTS = 2000
+LOOK_EVERY = 20
+FRACTION = 0.2  # the challenger's share of the events
+SLACK = 3 * math.sqrt(ALPHA * (1 - ALPHA) / RUNS)  # Monte Carlo error of the estimated rate
+
+
+def _simulate(p_challenger: float, p_champion: float, *, seed: int, runs: int = RUNS, min_feedback: int = 50) -> dict[str, int]:
+    """Outcome counts of ``runs`` canaries, each looked at every LOOK_EVERY events until a decision."""
+    rng = np.random.default_rng(seed)
+    outcomes = {"promote": 0, "abort": 0, "continue": 0}
+    for _ in range(runs):
+        to_challenger = rng.random(EVENTS) < FRACTION
+        success = rng.random(EVENTS) < np.where(to_challenger, p_challenger, p_champion)
+        n_c = np.cumsum(to_challenger)
+        k_c = np.cumsum(success & to_challenger)
+        n_h = np.cumsum(~to_challenger)
+        k_h = np.cumsum(success & ~to_challenger)
+        decision = "continue"
+        for i in range(LOOK_EVERY - 1, EVENTS, LOOK_EVERY):
+            c = _arm(int(n_c[i]), int(k_c[i]))
+            h = _arm(int(n_h[i]), int(k_h[i]))
+            decision = decide(c, h, alpha=ALPHA, margin=MARGIN, min_feedback=min_feedback).decision
+            if decision != "continue":
+                break
+        outcomes[decision] += 1
+    return outcomes
+
+
+def _arm(n: int, k: int) -> ArmStats:
+    return ArmStats.of_rewards([1.0] * k + [-1.0] * (n - k), binary=True)
+
+
+def test_equal_rates_abort_at_most_alpha_with_repeated_looks() -> None:
+    outcomes = _simulate(0.6, 0.6, seed=1)
+    assert outcomes["abort"] / RUNS <= ALPHA + SLACK, outcomes
+    assert outcomes["promote"] > 5 * outcomes["abort"], outcomes  # an equal challenger is promoted far more often
+
+
+def test_challenger_worse_by_the_margin_promoted_at_most_alpha() -> None:
+    outcomes = _simulate(0.6 - MARGIN, 0.6, seed=2)
+    assert outcomes["promote"] / RUNS <= ALPHA + SLACK, outcomes
+
+
+def test_clearly_worse_challenger_is_aborted() -> None:
+    outcomes = _simulate(0.3, 0.7, seed=3, runs=200)
+    assert outcomes["abort"] >= 0.95 * 200, outcomes
+    assert outcomes["promote"] == 0, outcomes
+
+
+def test_clearly_better_challenger_is_promoted() -> None:
+    outcomes = _simulate(0.8, 0.6, seed=4, runs=200)
+    assert outcomes["promote"] >= 0.9 * 200, outcomes
+    assert outcomes["abort"] == 0, outcomes
+
+
+def test_rules_min_feedback_floor_and_max_duration() -> None:
+    good, base = _arm(40, 36), _arm(400, 240)
+    assert decide(good, base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "continue"  # 40 < 50
+    assert decide(_arm(60, 54), base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "promote"
+    assert decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "continue"  # below the floor
+    verdict = decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50, elapsed_s=61, max_duration_s=60)
+    assert verdict.decision == "abort" and "max_duration_s=60" in verdict.reason
+    bad = decide(_arm(60, 10), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)
+    assert bad.decision == "abort" and bad.upper < 0 and "worse" in bad.reason
+
+
+def test_half_width_shrinks_with_evidence_and_refuses_bad_input() -> None:
+    assert half_width(0.25 / 1000, ALPHA, 0.1) < half_width(0.25 / 100, ALPHA, 0.1)
+    with pytest.raises(ValueError, match="variance"):
+        half_width(0.0, ALPHA, 0.1)
+
+
+def test_mean_rewards_use_sample_variance() -> None:
+    stats = ArmStats.of_rewards([0.0, 1.0, 0.5, 0.5], binary=False)
+    assert stats.n == 4 and stats.mean == pytest.approx(0.5) and stats.var == pytest.approx(0.125)
+
+
+def test_thumbs_only_feedback_is_a_rate_and_mixed_feedback_a_mean() -> None:
+    from pipeline.canary.monitor import arm_stats
+
+    rows = {"2": [(1.0, "thumbs"), (-1.0, "thumbs")], "1": [(1.0, "thumbs")] * 3, None: [(0.5, "reward")]}
+    (chall, champ), binary = arm_stats(rows, "2", "1")
+    assert binary and (chall.n, chall.mean, champ.n, champ.mean) == (2, 0.5, 3, 1.0)
+    (chall, base), binary = arm_stats(rows, "2", None)
+    assert not binary and chall.mean == 0.0 and base.mean == 0.5

@@ -1,0 +1,211 @@
+"""One-pass updates (trainer.multi_lora) equal the sequential path, in float32.
+
+Three candidates of different ranks, alphas, learning rates and target
+modules; the offload and the resident store; groups of 2 adapters per pass.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.adapter_store import make_store
+from trainer.base import ResidentBase, load_base
+from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.losses import kl_k3, masked_mean
+from trainer.multi_lora import MultiLoRA, _pull, live_params, train_one_pass
+from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
+
+GRAD_TOL = 1e-5  # relative to the gradient's largest entry
+WEIGHT_TOL = 1e-6
+
+CANDIDATES = [
+    CandidateConfig(name="a", lora_rank=4, lora_alpha=8, learning_rate=1e-2, kl_coef=0.1, target_modules=["q_proj", "v_proj"]),
+    CandidateConfig(name="b", lora_rank=8, lora_alpha=32, learning_rate=3e-3, kl_coef=0.0, algorithm="ppo_clip",
+                    target_modules=["k_proj", "o_proj", "down_proj"]),  # fmt: skip
+    CandidateConfig(name="c", lora_rank=2, lora_alpha=2, learning_rate=5e-3, kl_coef=0.05, target_modules=["q_proj", "up_proj", "gate_proj"]),
+]
+RL = RLConfig(adapters_per_pass=2)  # per-candidate clipping at 1.0 is part of what must match
+
+
+@pytest.fixture(scope="module")
+def base(peaked_model: Path) -> ResidentBase:
+    return load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
+
+
+def _batch(base: ResidentBase, seed: int, rows: int, nan: bool = False) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (rows,), generator=g)]
+    completions = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (rows,), generator=g)]
+    with torch.no_grad(), base.reference():
+        old_BT, _ = base.completion_logprobs(prompts, completions)
+    old = [(old_BT[b, : len(c)] + 0.05 * torch.randn(len(c), generator=g)).tolist() for b, c in enumerate(completions)]
+    adv = torch.randn(rows, generator=g).tolist()
+    if nan:
+        adv[0] = float("nan")
+    return Batch(prompts, completions, old, adv, adv, ["v"] * rows)
+
+
+def _store(base: ResidentBase, kind: str):
+    store = make_store(kind, base, seed=0)
+    for c in CANDIDATES:
+        store.create(c.name, c)
+    # non-zero B so A gets gradients from the first step (PEFT's fresh B is 0)
+    g = torch.Generator().manual_seed(1)
+    for c in CANDIDATES:
+        store.activate(c.name)
+        with torch.no_grad():
+            for k, p in sorted(live_params(store, c.name).items()):
+                if ".lora_B." in k:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return store
+
+
+def _close(store) -> None:
+    for name in list(store.names()):
+        store.delete(name)
+    store.close()
+
+
+def _loss(base, c, batch, logprobs_BT, ref_BT, mask_BT):
+    pg, _ = ALGORITHMS[c.algorithm].policy_loss(LossInputs(base, c, RL, batch, logprobs_BT, ref_BT, mask_BT))
+    return pg + c.kl_coef * masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
+
+
+def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> None:
+    store = _store(base, "resident")
+    batches = [_batch(base, seed=k, rows=3 + k) for k in range(3)]
+    alone = {}
+    for c, batch in zip(CANDIDATES, batches):
+        optimizer = store.activate(c.name)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad(), base.reference():
+            ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        lp_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        _loss(base, c, batch, lp_BT, ref_BT, mask_BT).backward()
+        alone[c.name] = {k: p.grad.clone() for k, p in live_params(store, c.name).items()}
+        optimizer.zero_grad(set_to_none=True)
+
+    members = [_pull(store, c) for c in CANDIDATES]
+    multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
+    try:
+        prompts = [p for b in batches for p in b.prompt_ids]
+        completions = [x for b in batches for x in b.completion_ids]
+        # rows deliberately interleaved: the layer sorts them by adapter itself
+        order = sorted(range(len(prompts)), key=lambda i: (i * 7) % len(prompts))
+        owner = [k for k, b in enumerate(batches) for _ in b.prompt_ids]
+        with torch.no_grad(), base.reference():
+            ref_BT, _ = base.completion_logprobs([prompts[i] for i in order], [completions[i] for i in order])
+        with base.reference(), multi.active([owner[i] for i in order]):
+            lp_BT, mask_BT = base.completion_logprobs([prompts[i] for i in order], [completions[i] for i in order])
+        total = 0
+        for k, (c, batch) in enumerate(zip(CANDIDATES, batches)):
+            rows = [j for j, i in enumerate(order) if owner[i] == k]
+            rows.sort(key=lambda j: order[j])  # the candidate's own row order
+            T = max(len(x) for x in batch.completion_ids)
+            total = total + _loss(base, c, batch, lp_BT[rows, :T], ref_BT[rows, :T], mask_BT[rows, :T])
+        total.backward()
+    finally:
+        multi.close()
+        _close(store)
+    for c, m in zip(CANDIDATES, members):
+        assert set(m.params) == set(alone[c.name])
+        for k, p in m.params.items():
+            ref = alone[c.name][k]
+            assert ref.abs().max() > 0, (c.name, k)
+            err = float((p.grad - ref).abs().max() / ref.abs().max())
+            assert err < GRAD_TOL, (c.name, k, err)
+
+
+def _two_steps(base: ResidentBase, kind: str, one_pass: bool, batches: list[list[Batch]]) -> dict[str, dict[str, torch.Tensor]]:
+    store = _store(base, kind)
+    metrics = {}
+    try:
+        for step_batches in batches:
+            if one_pass:
+                metrics = train_one_pass(base, store, list(zip(CANDIDATES, step_batches)), RL)
+            else:
+                metrics = {c.name: update_step(base, store.activate(c.name), c, RL, b) for c, b in zip(CANDIDATES, step_batches)}
+        return {c.name: store.snapshot(c.name) for c in CANDIDATES}, metrics
+    finally:
+        _close(store)
+
+
+@pytest.mark.parametrize("kind", ["offload", "resident"])
+def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str) -> None:
+    batches = [[_batch(base, seed=10 * s + k, rows=2 + k) for k in range(3)] for s in range(2)]
+    start, _ = _two_steps(base, kind, one_pass=False, batches=[])
+    seq, seq_m = _two_steps(base, kind, one_pass=False, batches=batches)
+    joint, joint_m = _two_steps(base, kind, one_pass=True, batches=batches)
+    for c in CANDIDATES:
+        assert set(joint[c.name]) == set(seq[c.name])
+        assert any(k.startswith("exp_avg/") for k in seq[c.name])
+        for k, v in seq[c.name].items():
+            assert torch.allclose(joint[c.name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (c.name, k, float((joint[c.name][k] - v).abs().max()))
+        moved = max(float((seq[c.name][k] - start[c.name][k]).abs().max()) for k in start[c.name] if ".lora_A." in k)
+        assert moved > 1e-4, (c.name, moved)  # the test compares weights that really changed
+        assert joint_m[c.name]["train/loss"] == pytest.approx(seq_m[c.name]["train/loss"], rel=1e-4, abs=1e-6)
+        assert joint_m[c.name]["train/skipped_nonfinite"] == 0.0
+
+
+def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase) -> None:
+    batches = [[_batch(base, seed=100 + k, rows=3, nan=(k == 1)) for k in range(3)]]
+    start, _ = _two_steps(base, "offload", one_pass=False, batches=[])
+    seq, _ = _two_steps(base, "offload", one_pass=False, batches=batches)
+    joint, m = _two_steps(base, "offload", one_pass=True, batches=batches)
+    assert math.isnan(m["b"]["train/loss"]) and m["b"]["train/skipped_nonfinite"] == 1.0
+    assert m["a"]["train/skipped_nonfinite"] == 0.0 and m["c"]["train/skipped_nonfinite"] == 0.0
+    for k, v in start["b"].items():
+        assert torch.equal(joint["b"][k], v), k  # not stepped: weights as before, no AdamW state
+    assert not any(k.startswith("exp_avg/") for k in joint["b"])
+    for name in ("a", "c"):
+        for k, v in seq[name].items():
+            assert torch.isfinite(joint[name][k]).all()
+            assert torch.allclose(joint[name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (name, k)
+
+
+def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> None:
+    """The padded grouped-matmul path (used on CUDA) gives the loop's outputs (forward; CPU kernel)."""
+    from trainer import multi_lora
+
+    if multi_lora._GROUPED is None:
+        pytest.skip("this torch has no grouped matmul")
+    store = _store(base, "resident")
+    members = [_pull(store, c) for c in CANDIDATES]
+    batch = _batch(base, seed=7, rows=6)
+    owner = [2, 0, 1, 0, 2, 1]
+    out = []
+    for grouped in (False, True):
+        multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)], grouped=grouped)
+        try:
+            with torch.no_grad(), base.reference(), multi.active(owner):
+                out.append(base.completion_logprobs(batch.prompt_ids, batch.completion_ids)[0])
+        finally:
+            multi.close()
+        assert multi.grouped is grouped  # the grouped kernel really ran (no fallback)
+    _close(store)
+    assert torch.allclose(out[0], out[1], atol=1e-5)
+    with torch.no_grad(), base.reference():
+        plain = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)[0]
+    assert (plain - out[0]).abs().max() > 1e-4  # the adapters did something
+
+
+def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
+    from trainer.round import run_round
+    from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+
+    prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
+    cands = [c.model_copy(update={"reward": [RewardTerm(fn="exact_answer")], "start": "fresh"}) for c in CANDIDATES]
+    rl = RLConfig(steps_per_round=2, prompts_per_step=2, group_size=2, max_new_tokens=4, rollout_engine="hf", eval_prompts=2,
+                  max_kl=100.0, update_mode="one_pass", adapters_per_pass=2)  # fmt: skip
+    result = run_round(ModelConfig(name=str(tiny_model), dtype="float32"), cands, rl, train, heldout, {}, tmp_path / "r1", progress=False)
+    assert [c.name for c in result.candidates] == ["a", "b", "c"]
+    for c in result.candidates:
+        assert len(c.step_metrics) == 2
+        assert all(math.isfinite(m["train/loss"]) and "train/swap_s" in m for m in c.step_metrics)
+        assert (c.adapter_dir / "adapter_model.safetensors").is_file()
+    assert result.metrics["time/forward_backward_s"] > 0

@@ -1,0 +1,290 @@
+"""All candidates' updates in one forward/backward: a multi-adapter LoRA layer with per-row adapter indices.
+
+PEFT's LoRA layers apply one active adapter to a whole batch in training
+(its ``adapter_names`` mixed batches are inference-only). :class:`MultiLoRA`
+instead hooks the base's linear layers (the ``base_layer`` of each PEFT LoRA
+layer, run with PEFT's adapters disabled) and adds, for a batch whose rows
+``b`` carry adapter indices ``idx_B[b]``::
+
+    y_b = W x_b + scale[idx_b] * B[idx_b] (A[idx_b] x_b)      (Hu et al. 2021, arXiv:2106.09685)
+
+with ``A_k [r_k, in]``, ``B_k [out, r_k]``, ``scale_k = alpha_k / r_k`` (PEFT's
+scaling, no rsLoRA). Rows are grouped by adapter (sorted once per batch when
+they are not already contiguous) and each group is one pair of matmuls:
+
+- everywhere: a segmented loop, one ``F.linear`` pair per (module, adapter)
+  group, each adapter at its own rank (no padding);
+- on CUDA, when ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``)
+  exists: one grouped matmul pair per module over all groups, ranks padded to
+  the module's largest rank (rounded up to a multiple of 8 for the kernels'
+  16-byte stride rule) with zero columns of ``A^T`` / zero rows of
+  ``scale * B^T`` (exact: the padded directions contribute 0 and get no
+  update). The kernel runs in the LoRA weights' dtype (float32), which keeps
+  the result equal to PEFT's; where a kernel takes bf16 only, or any other
+  error comes from it (alignment, older GPU), that layer set falls back to
+  the loop for good (logged). Its forward is tested against the loop on CPU;
+  its CUDA backward has not been run by the tests.
+
+An adapter that does not target a module contributes nothing there (its rows
+get a zero delta), so candidates with different ranks and target modules mix.
+LoRA weights stay float32 (the LoRA input is cast to their dtype and the sum
+back to the base layer's output dtype, as PEFT does).
+
+:func:`train_one_pass` runs a step of several candidates this way. Each
+candidate keeps its own parameters, AdamW (own learning rate and state) and
+loss normalisation: the backward runs on the sum of the candidates' own
+token-mean losses, so each adapter's gradient is the one it would get alone.
+The weights and AdamW state are copied from the adapter store into per-pass
+float32 parameters before the pass and written back after it (two store
+activations and two copies of each candidate's LoRA tensors and moments per
+step: small next to a forward/backward, and the stores stay unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.adapter_store import _peft_name, adapter_params, lora_pairs, make_adamw
+from trainer.base import ResidentBase
+from trainer.config import CandidateConfig, RLConfig
+from trainer.errors import TrainerConfigError
+from trainer.profile import phase
+from trainer.update import Batch, OnePassMember, update_step_one_pass
+
+log = logging.getLogger(__name__)
+
+_GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclass(frozen=True)
+class _Lora:
+    adapter: int
+    A: torch.Tensor  # [r, in]
+    B: torch.Tensor  # [out, r]
+    scale: float
+
+
+class MultiLoRA:
+    """K adapters' LoRA weights on one base, applied per row (see the module docstring).
+
+    Args:
+        model: the PEFT-wrapped base (``ResidentBase.model``).
+        adapters: per adapter ``k``: ``(scale_k, {PEFT saved key: tensor})`` with
+            linear LoRA keys (``...<module>.lora_A.weight`` ``[r, in]`` and
+            ``...lora_B.weight`` ``[out, r]``); the tensors are used as they are
+            (parameters with grad train through them).
+        grouped: use the grouped matmul kernel (default: on CUDA when torch has one).
+
+    Raises:
+        TrainerConfigError: an adapter has non-linear LoRA tensors (embeddings) or
+            adapts a module the model does not have.
+    """
+
+    def __init__(self, model: torch.nn.Module, adapters: Sequence[tuple[float, dict[str, torch.Tensor]]], grouped: bool | None = None) -> None:
+        self.by_module: dict[str, dict[int, _Lora]] = {}
+        for k, (scale, tensors) in enumerate(adapters):
+            pairs = lora_pairs(tensors)
+            if len(pairs) * 2 != len(tensors) or any(".lora_A." not in a for a, _ in pairs):
+                raise TrainerConfigError(f"adapter {k}: one-pass training supports linear LoRA layers only, got {sorted(tensors)[:3]}...")
+            for key_a, key_b in pairs:
+                module = key_a.split(".lora_A.")[0]
+                self.by_module.setdefault(module, {})[k] = _Lora(k, tensors[key_a], tensors[key_b], scale)
+        self.K = len(adapters)
+        self.grouped = grouped
+        self._order: torch.Tensor | None = None  # row permutation that groups rows by adapter (None: already grouped)
+        self._segments: list[tuple[int, int, int]] | None = None  # (adapter, first row, end row) in grouped order
+        self._handles = []
+        for name, entries in self.by_module.items():
+            try:
+                layer = model.get_submodule(name)
+            except AttributeError as err:
+                raise TrainerConfigError(f"LoRA module {name!r} is not in the model: {err}") from err
+            layer = getattr(layer, "base_layer", layer)
+            self._handles.append(layer.register_forward_hook(self._hook(entries)))
+
+    def close(self) -> None:
+        """Remove the hooks (the base is as before)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def active(self, adapter_B: Sequence[int]) -> Iterator[None]:
+        """Inside the block, row ``b`` of each forward goes through adapter ``adapter_B[b]``.
+
+        Outside it the hooks add nothing. Run the forward with PEFT's adapters
+        disabled (``base.reference()``) so only these weights apply.
+        """
+        idx = torch.as_tensor(list(adapter_B), dtype=torch.long)
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.K):
+            raise TrainerConfigError(f"adapter indices must lie in [0, {self.K}), got {sorted(set(idx.tolist()))}")
+        grouped_already = bool((idx[1:] >= idx[:-1]).all()) if idx.numel() > 1 else True
+        order = torch.arange(idx.numel()) if grouped_already else torch.sort(idx, stable=True).indices
+        sorted_idx = idx[order]
+        segments, start = [], 0
+        for k, n in zip(*torch.unique_consecutive(sorted_idx, return_counts=True)):
+            segments.append((int(k), start, start + int(n)))
+            start += int(n)
+        self._order, self._segments = (None if grouped_already else order), segments
+        try:
+            yield
+        finally:
+            self._order, self._segments = None, None
+
+    def _hook(self, entries: dict[int, _Lora]):
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if self._segments is None:
+                return None
+            x = args[0]
+            rows = self._segments[-1][2] if self._segments else 0
+            if x.shape[0] != rows:
+                raise TrainerConfigError(
+                    f"multi-adapter LoRA expects batch-first inputs with one row per sequence ({rows} rows); "
+                    f"{type(module).__name__} got {tuple(x.shape)}: train this model with update_mode 'sequential'"
+                )
+            order = self._order
+            if order is not None:
+                x = x.index_select(0, order.to(x.device))
+            delta = self._delta(x, entries, output.shape[-1])
+            if order is not None:
+                delta = delta.index_select(0, torch.argsort(order).to(x.device))
+            return (output + delta).to(output.dtype)  # as PEFT: base output + float32 LoRA term, back to the base dtype
+
+        return hook
+
+    def _delta(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
+        assert self._segments is not None
+        dtype = next(iter(entries.values())).A.dtype
+        use_grouped = self.grouped if self.grouped is not None else (x.is_cuda and _GROUPED is not None)
+        if use_grouped and _GROUPED is not None:
+            try:
+                return self._delta_grouped(x.to(dtype), entries, out_features)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+                log.warning("grouped matmul unavailable here (%s); using the segmented loop", err)
+                self.grouped = False
+        pieces = []
+        for k, s, e in self._segments:
+            lora = entries.get(k)
+            xs = x[s:e].to(dtype)
+            if lora is None:  # this adapter does not target the module
+                pieces.append(xs.new_zeros((*xs.shape[:-1], out_features)))
+            else:
+                pieces.append(F.linear(F.linear(xs, lora.A), lora.B) * lora.scale)
+        return torch.cat(pieces, dim=0)
+
+    def _delta_grouped(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
+        """One grouped matmul pair over the row groups; ranks padded to the largest (zeros)."""
+        assert self._segments is not None and _GROUPED is not None
+        r_max = -(-max(lora.A.shape[0] for lora in entries.values()) // 8) * 8  # kernels need 16-byte aligned strides
+        in_features = x.shape[-1]
+        a_list, b_list = [], []
+        for k, _, _ in self._segments:
+            lora = entries.get(k)
+            if lora is None:
+                a_list.append(x.new_zeros((in_features, r_max)))
+                b_list.append(x.new_zeros((r_max, out_features)))
+            else:
+                pad = r_max - lora.A.shape[0]
+                a_list.append(F.pad(lora.A.t(), (0, pad)))
+                b_list.append(F.pad(lora.B.t() * lora.scale, (0, 0, 0, pad)))
+        per_row = x[0].numel() // in_features  # tokens per row
+        offs = torch.tensor([e * per_row for _, _, e in self._segments], dtype=torch.int32, device=x.device)
+        x2 = x.reshape(-1, in_features).contiguous()
+        h = _GROUPED(x2, torch.stack(a_list), offs=offs)
+        return _GROUPED(h, torch.stack(b_list), offs=offs).reshape(*x.shape[:-1], out_features)
+
+
+# --- training through the adapter store ------------------------------------------------------
+
+
+def live_params(store: object, name: str) -> dict[str, torch.nn.Parameter]:
+    """The live adapter's parameters after ``store.activate(name)``, keyed by PEFT's saved names."""
+    slot = getattr(store, "slot_params", None)
+    if slot is not None:  # OffloadStore: the one device slot
+        return dict(slot)
+    return adapter_params(store.base.model, _peft_name(name))  # type: ignore[attr-defined]  # ResidentStore
+
+
+def _pull(store: object, candidate: CandidateConfig) -> OnePassMember:
+    """A float32 copy of a candidate's LoRA weights with an AdamW holding a copy of its state."""
+    optimizer = store.activate(candidate.name)  # type: ignore[attr-defined]
+    live = live_params(store, candidate.name)
+    params = {k: torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for k, p in live.items()}
+    mine = make_adamw(list(params.values()), candidate.learning_rate)
+    for k, p in live.items():
+        state = optimizer.state.get(p)
+        if state and "exp_avg" in state:
+            mine.state[params[k]] = {f: torch.as_tensor(state[f]).clone() for f in ("step", "exp_avg", "exp_avg_sq")}
+    return OnePassMember(candidate=candidate, params=params, optimizer=mine)
+
+
+def _push(store: object, member: OnePassMember) -> None:
+    """Write a member's weights and AdamW state back into the store (in place where the store has state)."""
+    name = member.candidate.name
+    optimizer = store.activate(name)  # type: ignore[attr-defined]
+    live = live_params(store, name)
+    with torch.no_grad():
+        for k, p in live.items():
+            mine = member.params[k]
+            p.copy_(mine)
+            new = member.optimizer.state.get(mine)
+            if not new:
+                continue
+            old = optimizer.state.get(p)
+            if old and "exp_avg" in old:
+                for f in ("step", "exp_avg", "exp_avg_sq"):
+                    old[f].copy_(new[f])
+            else:
+                optimizer.state[p] = {f: new[f].clone() for f in ("step", "exp_avg", "exp_avg_sq")}
+
+
+def train_one_pass(
+    base: ResidentBase, store: object, work: Sequence[tuple[CandidateConfig, Batch]], rl: RLConfig
+) -> dict[str, dict[str, float]]:
+    """One optimizer step for each ``(candidate, batch)``, ``rl.adapters_per_pass`` candidates per forward/backward.
+
+    Per group: pull the candidates' weights and AdamW state out of the store,
+    one reference pass + one forward/backward (:func:`trainer.update.update_step_one_pass`),
+    push the results back. A candidate whose loss or gradient is not finite is
+    not stepped (``train/skipped_nonfinite`` = 1); the others are unaffected.
+
+    Returns:
+        candidate name -> the step's metrics (the keys of :func:`trainer.update.update_step`,
+        plus ``train/swap_s``: this candidate's share of the pull + push time).
+
+    Raises:
+        TrainerConfigError: a candidate with embedding LoRA layers (train it sequentially).
+    """
+    out: dict[str, dict[str, float]] = {}
+    g = rl.adapters_per_pass
+    for first in range(0, len(work), g):
+        group = work[first : first + g]
+        started = time.perf_counter()
+        with phase("time/optimizer_s"):
+            members = [_pull(store, c) for c, _ in group]
+        pull_s = time.perf_counter() - started
+        multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for (c, _), m in zip(group, members)])
+        try:
+            metrics = update_step_one_pass(base, multi, members, rl, [b for _, b in group])
+        finally:
+            multi.close()
+        started = time.perf_counter()
+        with phase("time/optimizer_s"):
+            for m in members:
+                _push(store, m)
+        swap_s = (pull_s + time.perf_counter() - started) / len(group)
+        for (c, _), m in zip(group, metrics):
+            out[c.name] = {"train/swap_s": swap_s, **m}
+    return out
+
+
+def one_pass_ok(candidate: CandidateConfig) -> bool:
+    """True when the candidate's LoRA layers are all linear ones (embedding targets train sequentially)."""
+    return not any(t in ("embed_tokens", "wte", "wpe") for t in candidate.target_modules)
