@@ -225,7 +225,7 @@ def create_api(service: "HourglassService") -> FastAPI:
 
     from pipeline.canary.ops import add_canary_routes
 
-    add_canary_routes(app, service, require_token)  # GET /canary, POST /canary/{model}/promote|abort
+    add_canary_routes(app, service)  # GET /canary, POST /canary/{model}/promote|abort (the middleware checks the token)
 
     @app.exception_handler(RoundInProgressError)
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:
