@@ -213,3 +213,16 @@ def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: 
         dead = client.get("/console/data").json()["ingest"]["dead_letters"]
     assert dead["by_reason"] == {"schema_violation": 1, "invalid_json": 1, "not_utf8": 1}
     assert [d["where"] for d in dead["newest"]] == ["traces:0@2", "traces:0@1", "t:0@0"]
+
+
+def test_canary_panel_lists_running_canaries_and_last_decisions() -> None:
+    from pipeline.console.data import canary_view
+
+    running = {"version": "3", "champion_version": "2", "fraction": 0.2, "decision": "continue", "reason": "12 vs 10 events"}
+    view = canary_view({"hg": {"canary": running, "guard": None, "last_canary": None, "last_guard": {"decision": "passed"}}})
+    assert view == {
+        "hg canary": "version 3; champion_version 2; fraction 0.2; decision continue; reason 12 vs 10 events",
+        "hg last guard": "decision passed",
+    }
+    assert canary_view({"hg": {"canary": None, "guard": None, "last_canary": None, "last_guard": None}}) == {}
+    assert canary_view(None) == {} and canary_view("garbage") == {}
