@@ -6,7 +6,7 @@ DEMO_CONFIG ?= deploy/demo.toml
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-e2e test-all up down clean
+.PHONY: setup lint demo test test-e2e test-all up down clean
 
 setup:
 	@VENV=$(VENV) bash deploy/setup.sh
@@ -14,8 +14,12 @@ setup:
 demo: setup
 	$(VENV)/bin/python -m pipeline.demo --config $(DEMO_CONFIG)
 
-# Unit + integration tests against real services (broker, MLflow, vLLM on a tiny model).
-test: setup
+# Lint (pyflakes: undefined names, unused imports), then unit + integration tests against real
+# services (broker, MLflow, vLLM on a tiny model).
+lint: setup
+	$(VENV)/bin/ruff check --no-cache connectors trainer pipeline tests bench
+
+test: lint
 	$(VENV)/bin/python -m pytest -q -m "not e2e"
 
 # The SmolLM2 end-to-end rounds (slow on CPU: about 25 min on 2 cores).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException
 
 from pipeline.canary import state
 from pipeline.canary.monitor import CanaryMonitor
@@ -55,8 +55,9 @@ def end_canary(cfg: HourglassConfig, model: str, decision: str, *, who: str, mon
     return out
 
 
-def add_canary_routes(app: FastAPI, service: "HourglassService", require_token) -> None:
-    """``GET /canary`` (open), ``POST /canary/{model}/promote|abort`` (token required)."""
+def add_canary_routes(app: FastAPI, service: "HourglassService") -> None:
+    """``GET /canary`` (a read), ``POST /canary/{model}/promote|abort`` (state changes: the ops API's
+    middleware requires the token for every POST before any route runs, see :mod:`pipeline.api`)."""
 
     def _models() -> list[str]:
         return sorted({c.served_model for c in service.cfg.candidates} | {service.cfg.serving.model_name})
@@ -77,10 +78,10 @@ def add_canary_routes(app: FastAPI, service: "HourglassService", require_token) 
             service.controller.trigger()
         return out
 
-    @app.post("/canary/{model}/promote", dependencies=[Depends(require_token)])
+    @app.post("/canary/{model}/promote")
     def promote(model: str) -> dict[str, Any]:
         return _end(model, "promote")
 
-    @app.post("/canary/{model}/abort", dependencies=[Depends(require_token)])
+    @app.post("/canary/{model}/abort")
     def abort(model: str) -> dict[str, Any]:
         return _end(model, "abort")

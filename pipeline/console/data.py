@@ -195,7 +195,7 @@ class ConsoleData:
             "next_round_at": status.get("next_round_at"),
             "base_fingerprint": self.service.base_fingerprint,
             "models": self._models(status.get("serving", {}), registry["models"]),
-            "canary": status.get("canary"),
+            "canary": canary_view(status.get("canary")),
             "rounds": [self._round_view(r, registry["runs"], ui) for r in rounds],
             "feedback": feedback,
             "ingest": {
@@ -425,3 +425,19 @@ def _letter_view(row: dict[str, Any]) -> dict[str, Any]:
         "at": row.get("dead_lettered_at"),
         "payload": payload[:PAYLOAD_CHARS] + ("…" if len(payload) > PAYLOAD_CHARS else ""),
     }
+
+
+def canary_view(status_canary: Any) -> dict[str, str]:
+    """``{"<model> canary" | "<model> guard" | "<model> last canary" | ...: one line of text}`` for the page:
+    the running canaries and guards, and the last decision of each, from ``GET /status``'s ``canary`` entry
+    (:meth:`pipeline.canary.monitor.CanaryMonitor.status`); empty when nothing runs or ran."""
+    out: dict[str, str] = {}
+    for model, entry in sorted((status_canary or {}).items()) if isinstance(status_canary, dict) else []:
+        if not isinstance(entry, dict):
+            continue
+        for part, label in (("canary", "canary"), ("guard", "guard"), ("last_canary", "last canary"), ("last_guard", "last guard")):
+            view = entry.get(part)
+            if isinstance(view, dict) and view:
+                keys = ("version", "champion_version", "fraction", "decision", "reason", "error")
+                out[f"{model} {label}"] = "; ".join(f"{k} {view[k]}" for k in keys if view.get(k) is not None)
+    return out

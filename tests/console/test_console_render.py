@@ -170,10 +170,11 @@ def test_canary_abort_button_only_with_a_canary_endpoint(tmp_path: Path) -> None
     service = _service(tmp_path)
     app = create_api(service)
     with TestClient(app, base_url="http://127.0.0.1") as client:
+        html = client.get("/").text  # the ops API has POST /canary/{model}/abort (pipeline.canary.ops)
+        assert 'data-action="canary-abort" data-path="/canary/{model}/abort"' in html
+        app.router.routes[:] = [r for r in app.router.routes if not getattr(r, "path", "").startswith("/canary")]
         html = client.get("/").text
         assert 'data-action="canary-abort"' not in html and 'id="canary" class="muted">no canary<' in html
-        app.post("/canary/{model}/abort")(lambda model: {"aborted": model})  # as a canary feature would add it
-        assert 'data-action="canary-abort" data-path="/canary/{model}/abort"' in client.get("/").text
 
 
 def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path: Path) -> None:
@@ -188,7 +189,7 @@ def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path:
     traces = [(TraceEvent(trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=v, prompt="p", completion="c", thumbs="up"),
                Coordinates("traces", 0, i)) for i, v in enumerate(versions)]  # fmt: skip
     RewardBuffer(service.cfg.buffer).append(traces, [])
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         metrics = client.get("/metrics").text
         live = client.get("/console/data").json()["feedback"]["live"]
     series = [line for line in metrics.splitlines() if line.startswith("hourglass_live_feedback_rate{")]
@@ -208,7 +209,20 @@ def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: 
     damaged = Path(service.cfg.buffer.dead_letter_root) / "dt=2000-01-01" / "dlq-0000000000000-x-000000.jsonl"
     damaged.parent.mkdir(parents=True)
     damaged.write_text('5\n["a"]\n{"reason": "not_utf8", "topic": "t", "partition": 0, "offset": 0}\n')  # a damaged file
-    with TestClient(create_api(service)) as client:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         dead = client.get("/console/data").json()["ingest"]["dead_letters"]
     assert dead["by_reason"] == {"schema_violation": 1, "invalid_json": 1, "not_utf8": 1}
     assert [d["where"] for d in dead["newest"]] == ["traces:0@2", "traces:0@1", "t:0@0"]
+
+
+def test_canary_panel_lists_running_canaries_and_last_decisions() -> None:
+    from pipeline.console.data import canary_view
+
+    running = {"version": "3", "champion_version": "2", "fraction": 0.2, "decision": "continue", "reason": "12 vs 10 events"}
+    view = canary_view({"hg": {"canary": running, "guard": None, "last_canary": None, "last_guard": {"decision": "passed"}}})
+    assert view == {
+        "hg canary": "version 3; champion_version 2; fraction 0.2; decision continue; reason 12 vs 10 events",
+        "hg last guard": "decision passed",
+    }
+    assert canary_view({"hg": {"canary": None, "guard": None, "last_canary": None, "last_guard": None}}) == {}
+    assert canary_view(None) == {} and canary_view("garbage") == {}

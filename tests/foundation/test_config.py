@@ -149,21 +149,25 @@ def test_empty_token_means_unset_and_staging_follows_state_dir(monkeypatch: pyte
     assert cfg.serving.staging_dir == str(tmp_path / "s" / "staging")
 
 
-def test_config_check_warns_when_a_production_topology_keeps_the_public_hash_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default user_hash_key is in the source: with it, user-id hashes are reversible by hashing guesses.
-    A config with external services (production) passes, but says so; the environment key silences it."""
+    A config with external services passes (deployment left "embedded") but says so; the environment key
+    silences it; with deployment = "production" (deploy/production.toml) it is refused outright."""
     import json as _json
 
-    prod = REPO / "deploy" / "production.toml"
+    external = tmp_path / "external.toml"
+    external.write_text('[kafka]\nembedded = false\nbootstrap_servers = ["kafka-0:9092"]\n')
     monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY", raising=False)
-    result = CliRunner().invoke(app, ["config", "check", "--json", str(prod)])
+    result = CliRunner().invoke(app, ["config", "check", "--json", str(external)])
     assert result.exit_code == 0, result.output
     warnings = _json.loads(result.stdout)["warnings"]
     assert len(warnings) == 1 and "buffer.user_hash_key" in warnings[0] and "HOURGLASS_BUFFER__USER_HASH_KEY" in warnings[0]
-    result = CliRunner().invoke(app, ["config", "check", str(prod)])
+    result = CliRunner().invoke(app, ["config", "check", str(external)])
     assert result.exit_code == 0 and "warning" in result.output and "user_hash_key" in result.output
     monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "a-real-secret-of-32-characters!!")
-    assert _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(prod)]).stdout)["warnings"] == []
+    assert _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(external)]).stdout)["warnings"] == []
     monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY")
+    refused = CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "production.toml")])
+    assert refused.exit_code == 2 and "buffer.user_hash_key" in refused.stdout
     local = _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout)
     assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from kafka import KafkaConsumer, TopicPartition
 
-from connectors.config import KafkaConfig
+from connectors.config import GatewayConfig, KafkaConfig
 from connectors.gateway import TRACE_HEADER, create_gateway_app
 from connectors.kafka_admin import ensure_topics
 from pipeline.cli_gateway import RouteResolver
@@ -44,7 +44,8 @@ def test_gateway_splits_sticky_per_user_and_traces_say_which_side(tmp_path, brok
     write_route(tmp_path, "hg", Route("base", "1", "2026-01-01T00:00:00+00:00", "base", "2", 0.5))
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
     sides: dict[str, set[tuple[str, bool]]] = {}
-    with TestClient(create_gateway_app(kafka, vllm_tiny, resolver)) as client:
+    gateway = GatewayConfig(require_api_key=False)  # identity here comes from the request's `user` (no key needed)
+    with TestClient(create_gateway_app(kafka, vllm_tiny, resolver, gateway=gateway)) as client:
         ids: dict[str, str] = {}
         for user in [f"user-{i}" for i in range(6)] * 2:
             body = {"model": "hg", "prompt": "Hello", "max_tokens": 2, "user": user, "metadata": {"canary": "forged"}}

@@ -91,7 +91,7 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
 
     state.start_challenger(cfg, "can-ops", v4)
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
-    with TestClient(create_api(service)) as api:
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as api:
         assert api.post("/canary/can-ops/promote").status_code == 401
         assert api.post("/canary/can-ops/promote", headers={"Authorization": "Bearer wrong"}).status_code == 403
         assert api.get("/canary").json()["can-ops"]["canary"]["version"] == v4

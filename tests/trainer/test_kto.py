@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import Algorithm, CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.config import Algorithm, CandidateConfig, ModelConfig, RewardTerm
 from trainer.losses import kto_loss
 
 
