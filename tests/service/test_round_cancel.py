@@ -73,7 +73,9 @@ class FakeRound:
 
 @pytest.fixture
 def cfg(tmp_path: Path):
-    return load_config(None).model_copy(update={"state_dir": str(tmp_path)})
+    base = load_config(None)
+    serving = base.serving.model_copy(update={"canary": base.serving.canary.model_copy(update={"enabled": False})})
+    return base.model_copy(update={"state_dir": str(tmp_path), "serving": serving})  # the winner is promoted directly
 
 
 def test_evaluation_is_interruptible(cfg, monkeypatch) -> None:
