@@ -1,6 +1,6 @@
 """Wire format of trace and feedback events, and the parser for raw Kafka values.
 
-Contract: DESIGN.md §4. A trace event (topic ``hourglass.traces``, schema tag
+Contract: docs/architecture.md §3. A trace event (topic ``hourglass.traces``, schema tag
 ``hourglass.trace/v1``) is one served completion; a feedback event (topic
 ``hourglass.feedback``, tag ``hourglass.feedback/v1``) carries user signals
 about a trace, joined later by ``trace_id``.
