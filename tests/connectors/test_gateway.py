@@ -7,19 +7,17 @@ kafka-python.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from kafka import KafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,6 +37,7 @@ from pipeline.serving import Route, write_route
 from pipeline.stack import free_port
 
 from connector_helpers import wait_for
+from http_helpers import serve as http_serve
 
 ROUTES = {"hourglass": ("base", None), "tagged": ("base", "7")}
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
@@ -49,20 +48,9 @@ def resolve(name: str) -> tuple[str, str | None]:
     return ROUTES[name]
 
 
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on a free port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "gateway to start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "gateway did not stop within 60 s"
+def serve(app: FastAPI) -> contextlib.AbstractContextManager[str]:
+    """The gateway on a free port (see :func:`http_helpers.serve`)."""
+    return http_serve(app, "gateway")
 
 
 class TopicReader:

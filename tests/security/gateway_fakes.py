@@ -4,18 +4,16 @@ so the real gateway app can be attacked without Kafka and with proof of what rea
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from connectors.schema import FeedbackEvent, TraceEvent
-from pipeline.stack import free_port
+
+from http_helpers import serve as http_serve
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -28,19 +26,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on a free port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "server to start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+serve = http_serve  # the app on a free port (tests/http_helpers.py)
 
 
 def _completion(model: str) -> dict[str, Any]:
