@@ -254,7 +254,7 @@ class FeedbackSigner:
         payload, sep, mac = token.partition(".")
         if not sep or not payload or not mac or len(token) > 2048:
             raise FeedbackTokenError("the feedback token is malformed; send the x-hourglass-feedback-token header of the response as is")
-        if not hmac.compare_digest(mac, self._mac(payload)):
+        if not mac.isascii() or not hmac.compare_digest(mac.encode(), self._mac(payload).encode()):  # str compare_digest raises on non-ASCII
             raise FeedbackTokenError("the feedback token's signature does not verify (forged, altered, or signed with a rotated key)")
         try:
             claims = json.loads(_unb64(payload))

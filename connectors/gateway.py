@@ -96,7 +96,7 @@ class FeedbackIn(BaseModel):
     feedback_token: str | None = Field(default=None, max_length=2048, description="The x-hourglass-feedback-token of the "
                                        "response (or send it in that header).")  # fmt: skip
     thumbs: Any = Field(default=None, description='"up" or "down".')
-    rating: int | None = Field(default=None, ge=1, le=5, description="Star rating 1..5.")
+    rating: int | None = Field(default=None, ge=1, le=5, strict=True, description="Star rating 1..5 (an integer: true or 3.0 are refused).")
     reward: float | None = Field(default=None, allow_inf_nan=False, description="Explicit reward (trusted-grader keys only; clipped to [-1, 1]).")
     edited: bool | None = None
     regenerated: bool | None = None

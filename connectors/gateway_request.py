@@ -15,6 +15,7 @@ see :data:`ALLOWED`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -147,6 +148,18 @@ def _walk(value: Any, max_depth: int) -> None:
                 stack.append((v, depth + 1, f"{where}.{k}"))
 
 
+def _finite(value: Any, where: str) -> None:
+    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestRefused(400, f"{where} is {value!r}: numbers must be finite", param=where.removeprefix("body."))
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(v, f"{where}.{i}")
+
+
 def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
@@ -175,6 +188,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     if extra:
         raise RequestRefused(400, f"field {extra[0]!r} is not accepted by this gateway; allowed fields: "
                              f"{', '.join(sorted(ALLOWED[endpoint]))}", param=extra[0])  # fmt: skip
+    _finite(body, "body")
     _int_cap(body, "n", cfg.max_n, "gateway.max_n")
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")

@@ -70,7 +70,7 @@ def presented_token(request: Request) -> str | None:
     if scheme.lower() == "basic":
         try:
             return base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
-        except (binascii.Error, UnicodeDecodeError):
+        except (binascii.Error, ValueError):  # ValueError: not base64 text at all (e.g. non-ASCII); covers UnicodeDecodeError
             return None
     return None
 

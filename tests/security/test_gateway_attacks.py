@@ -376,3 +376,25 @@ def test_a_short_signing_key_is_refused_without_being_echoed(monkeypatch: pytest
         load_config(None)
     problems = " ".join(err.value.problems)
     assert "gateway.feedback_signing_key" in problems and "32 characters" in problems and "short-secret-value" not in problems
+
+
+def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -> None:
+    """Found by a red-team pass: NaN/Infinity literals in a forwarded field, a feedback token whose signature
+    part is not ASCII, and a boolean rating each gave a 500 or were stored; each is a 400/403 now."""
+    from connectors.auth import FeedbackSigner, FeedbackTokenError
+    from connectors.gateway import FeedbackIn
+    from connectors.config import GatewayConfig
+    from connectors.gateway_request import RequestRefused, check_request, parse_json
+
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        body = parse_json(b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":' + literal + b"}", max_depth=32)
+        with pytest.raises(RequestRefused) as refused:
+            check_request("chat", body, GatewayConfig())
+        assert refused.value.status == 400 and refused.value.param == "temperature" and "finite" in refused.value.message
+    signer = FeedbackSigner(b"k" * 32, ttl_s=600)
+    token = signer.issue("trace-1", "key-1", "user-1")
+    with pytest.raises(FeedbackTokenError):
+        signer.verify(token.partition(".")[0] + ".é", trace_id="trace-1", key_id="key-1")
+    for rating in (True, 3.0):
+        with pytest.raises(ValueError):
+            FeedbackIn(trace_id="t", rating=rating)

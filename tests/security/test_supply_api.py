@@ -238,3 +238,13 @@ def test_probe_refuses_a_broken_adapter_and_sends_the_vllm_key(completion, refus
         replica.close()
         fake.close()
     assert fake.auth == ["Bearer vllm-key-123", "Bearer vllm-key-123"]
+
+
+def test_a_basic_credential_that_is_not_base64_text_is_a_401_not_a_500() -> None:
+    """Red-team finding: a non-ASCII Basic credential made base64 decoding raise a plain ValueError (500)."""
+    from starlette.requests import Request
+
+    from pipeline.console import presented_token
+
+    request = Request({"type": "http", "headers": [(b"authorization", b"Basic \xff\xfe")]})
+    assert presented_token(request) is None
