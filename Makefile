@@ -6,7 +6,9 @@ DEMO_CONFIG ?= deploy/demo.toml
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lint demo test test-e2e test-all up down clean
+PY_SRC := connectors trainer pipeline tests bench
+
+.PHONY: setup lint format demo test test-e2e test-all up down clean
 
 setup:
 	@VENV=$(VENV) bash deploy/setup.sh
@@ -14,20 +16,28 @@ setup:
 demo: setup
 	$(VENV)/bin/python -m pipeline.demo --config $(DEMO_CONFIG)
 
-# Lint (pyflakes: undefined names, unused imports), then unit + integration tests against real
-# services (broker, MLflow, vLLM on a tiny model).
+# Habits, checked before the tests: ruff's pyflakes rules (undefined names, unused imports),
+# the ruff formatter (no diff allowed), and mypy on the library and bench/ (config in pyproject.toml).
 lint: setup
-	$(VENV)/bin/ruff check --no-cache connectors trainer pipeline tests bench
+	$(VENV)/bin/ruff check --no-cache $(PY_SRC)
+	$(VENV)/bin/ruff format --check --no-cache $(PY_SRC)
+	$(VENV)/bin/mypy
 
+# Rewrite the tree in the project's format (what `make lint` checks).
+format: setup
+	$(VENV)/bin/ruff format --no-cache $(PY_SRC)
+
+# Lint, then unit + integration tests against real services (broker, MLflow, vLLM on a tiny model).
 test: lint
 	$(VENV)/bin/python -m pytest -q -m "not e2e"
 
-# The SmolLM2 end-to-end rounds (slow on CPU: about 25 min on 2 cores).
+# The end-to-end tests on SmolLM2-135M with every real service (slow on CPU).
 test-e2e: setup
 	$(VENV)/bin/python -m pytest -q -m e2e
 
-test-all: setup
-	$(VENV)/bin/python -m pytest -q
+# What CI runs (.ci/run): `make test`, then `make test-e2e`.
+test-all: test
+	$(MAKE) test-e2e
 
 up: setup
 	$(VENV)/bin/hourglass up --config $(CONFIG)

@@ -116,6 +116,8 @@ def run_store(kind: str, base: ResidentBase, candidates: list[CandidateConfig], 
                 swap_s.append(store.last_swap_s)
                 update_s.append(metrics["train/update_s"])
     _sync(device)
+    held: float
+    peak: float
     if device.type == "cuda":  # what stays between steps (adapters + AdamW state) and the peak (+ activations)
         held, peak = torch.cuda.memory_allocated(device) - before, torch.cuda.max_memory_allocated(device) - before
     else:

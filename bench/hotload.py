@@ -94,7 +94,7 @@ def run(mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s:
             name = f"{MODEL}-v{target}"
             while name in replica.models():  # wait for the drain of an earlier use
                 time.sleep(0.05)
-            shutil.rmtree(cfg.resolve(cfg.serving.staging_dir) / MODEL / f"v{target}", ignore_errors=True)
+            shutil.rmtree(cfg.staging_root() / MODEL / f"v{target}", ignore_errors=True)
             started = time.monotonic()
             if mode == "external":
                 client.set_registered_model_alias(MODEL, cfg.registry.champion_alias, target)

@@ -31,7 +31,7 @@ from kafka import KafkaConsumer
 from connectors.config import BufferConfig, KafkaConfig
 from connectors.ingest import IngestWorker, fetch_settings
 from connectors.kafka_admin import ensure_topics
-from connectors.schema import TraceEvent
+from connectors.schema import ChatMessage, TraceEvent
 from connectors.sink import TraceSink
 
 
@@ -40,7 +40,7 @@ def _events(n: int) -> list[TraceEvent]:
     return [
         TraceEvent(
             trace_id=f"bench-{i}", ts=t0 + timedelta(milliseconds=i), model="base", adapter_version="v1",
-            prompt=[{"role": "user", "content": f"What is {i} + {i % 7}? Answer with a number."}],
+            prompt=[ChatMessage(role="user", content=f"What is {i} + {i % 7}? Answer with a number.")],
             completion=f"The answer is {i + i % 7}. " * 8,
             completion_token_ids=list(range(40)), completion_logprobs=[-0.25] * 40,
             thumbs="up" if i % 2 else None, metadata={"user_id": f"user-{i % 100}", "reference_answer": str(i + i % 7)},
@@ -56,7 +56,7 @@ def raw_consume(cfg: KafkaConfig, n: int) -> float:
         enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms, **fetch_settings(cfg),  # same fetching as the worker
     )  # fmt: skip
-    seen, first = 0, None
+    seen, first = 0, 0.0
     while seen < n:
         for records in consumer.poll(timeout_ms=cfg.batch_timeout_ms, max_records=cfg.batch_max_records).values():
             first = first or time.time()
@@ -79,6 +79,8 @@ def durable_ingest(cfg: KafkaConfig, buffer: BufferConfig, n: int) -> tuple[floa
     stats = worker.stats()
     stop.set()
     thread.join()
+    if stats.first_record_unix_s is None or stats.last_commit_unix_s is None:
+        raise RuntimeError(f"the ingest worker committed {stats.commits} batch(es) but recorded no time window: {stats}")
     return n / (stats.last_commit_unix_s - stats.first_record_unix_s), stats.fast_parsed
 
 

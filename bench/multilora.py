@@ -141,6 +141,7 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     """Tokens/s sampling K adapters in one engine call vs one adapter per call (same requests)."""
     from transformers import AutoTokenizer
 
+    from trainer.base import chat_token_ids
     from trainer.rollout import RolloutRequest
     from trainer.tasks import prompts_from_table
 
@@ -148,7 +149,7 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     train, _ = tables(args)
 
     prompts = prompts_from_table(train)[: args.prompts]
-    ids = [tuple(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    ids = [tuple(chat_token_ids(tok, p.messages)) for p in prompts]
     versions = []
     for c in result.candidates:
         engine.load(c.name, f"bench-{c.name}", c.adapter_dir)

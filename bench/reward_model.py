@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -79,7 +80,7 @@ def rollouts(tokenizer, n: int, completion_tokens: int, seed: int) -> tuple[list
     return prompts, completions
 
 
-def run_variant(variant: str, path: Path, n: int, completion_tokens: int, batch_size: int, device: str, repeats: int = 3) -> dict:
+def run_variant(variant: str, path: Path, n: int, completion_tokens: int, batch_size: int, device: Literal["auto", "cpu", "cuda"], repeats: int = 3) -> dict:
     """One variant in this process; returns its measurements."""
     import torch
 

@@ -50,7 +50,7 @@ def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
             for name, param in peft.named_parameters():
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=gen) * 1e-3)
-        peft.save_pretrained(out / f"adapter-{i}")
+        peft.save_pretrained(str(out / f"adapter-{i}"))
         folders.append(out / f"adapter-{i}")
     return folders
 
@@ -58,11 +58,12 @@ def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
 def prompts(model_dir: Path, count: int) -> list[tuple[int, ...]]:
     from transformers import AutoTokenizer
 
+    from trainer.base import chat_token_ids
     from trainer.tasks import prompts_from_table, reasoning_gym_prompts, snapshot_table
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = prompts_from_table(snapshot_table(reasoning_gym_prompts("basic_arithmetic", count, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)))
-    return [tuple(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for p in rows]
+    return [tuple(chat_token_ids(tok, p.messages)) for p in rows]
 
 
 def workload(engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], args: argparse.Namespace) -> tuple[float, int]:

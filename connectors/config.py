@@ -6,7 +6,7 @@ these models into the full ``hourglass.toml`` schema.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -78,6 +78,9 @@ class KafkaConfig(_Section):
         return self
 
 
+Signal = Literal["reward", "thumbs", "rating", "edited", "regenerated"]
+
+
 class RewardSpec(_Section):
     """How feedback signals map to one scalar reward in [-1, 1] (before clipping).
 
@@ -87,8 +90,8 @@ class RewardSpec(_Section):
     ``(r - 3) / 2``; ``edited`` and ``regenerated`` add their (negative) values.
     """
 
-    priority: list[Literal["reward", "thumbs", "rating", "edited", "regenerated"]] = Field(
-        default_factory=lambda: ["reward", "thumbs", "rating", "edited", "regenerated"],
+    priority: list[Signal] = Field(
+        default_factory=lambda: list(get_args(Signal)),
         description="Order in which signals are looked for.",
     )
     thumbs_up: float = Field(default=1.0, description="Reward for a thumbs-up.")

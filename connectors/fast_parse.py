@@ -381,7 +381,9 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
     if ts is None or signals is None or not limits.in_window(ts):
         return False
     hasher = limits.hasher
-    ids, lps = event.completion_token_ids, event.completion_logprobs
+    # JSON text (msgspec.Raw) from _DECODER, or lists from the decoder whose struct overrides these fields.
+    ids: Any = event.completion_token_ids
+    lps: Any = event.completion_logprobs
     ids_json = lps_json = None
     if isinstance(ids, msgspec.Raw):  # _DECODER: JSON text, made into columns for the whole batch
         ids_json = None if ids == _NULL else bytes(ids)
@@ -430,7 +432,7 @@ def _number_lists(texts: list[bytes | None], lengths: list[int], value_type: pa.
     overflow, a double overflow like 1e999, nested lists, strings): then the caller decodes record by
     record."""
     # "[1,2]" "[3]" -> "1,2,3": one string, split once; JSON whitespace between numbers is dropped.
-    body = b"".join(text for text, n in zip(texts, lengths) if n)
+    body = b"".join(text for text, n in zip(texts, lengths) if n and text is not None)
     body = body.translate(None, _JSON_SPACE).replace(b"][", b",")
     try:
         joined = pa.array([body[1:-1].decode("ascii")], pa.large_string())

@@ -83,6 +83,9 @@ FEEDBACK_REWARD = Histogram(
     buckets=(-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0),
 )  # fmt: skip
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
+# What a trace is published with: trace id, endpoint, request body (metadata hashed), public model name,
+# served name, adapter version, user hash.
+_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str]
 
 ResolveModel = Callable[[str], tuple[str, str | None]]
 
@@ -307,15 +310,20 @@ def create_gateway_app(
         acked: asyncio.Future[Exception | None] = loop.create_future()
 
         def on_done(err: Exception | None) -> None:
-            loop.call_soon_threadsafe(lambda: acked.done() or acked.set_result(err))
+            def settle() -> None:
+                if not acked.done():
+                    acked.set_result(err)
+
+            loop.call_soon_threadsafe(settle)
 
         app.state.publisher.publish_feedback(event, on_done)
+        failure: Exception | None
         try:
-            err = await asyncio.wait_for(acked, feedback_timeout_s)
+            failure = await asyncio.wait_for(acked, feedback_timeout_s)
         except TimeoutError:
-            err = TimeoutError(f"no broker acknowledgement within {feedback_timeout_s}s")
-        if err is not None:
-            log.error("gateway: feedback for trace %s not stored: %s", body.trace_id, err)
+            failure = TimeoutError(f"no broker acknowledgement within {feedback_timeout_s}s")
+        if failure is not None:
+            log.error("gateway: feedback for trace %s not stored: %s", body.trace_id, failure)
             return openai_error(503, f"feedback for trace {body.trace_id!r} was not stored (the event store is unavailable); "
                                 "retry later", type_="service_unavailable")  # fmt: skip
         FEEDBACK_BY_KEY.labels(caller.key_id).inc()
@@ -387,7 +395,7 @@ def create_gateway_app(
         upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers)
         trace_headers = {TRACE_HEADER: trace_id}
         ok_headers = {**trace_headers, FEEDBACK_HEADER: signer.issue(trace_id, caller.key_id, user_hash)}
-        publish_args = (trace_id, endpoint, traced, public, served, version, user_hash)
+        publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash)
 
         if stream:
             try:
@@ -460,7 +468,7 @@ def create_gateway_app(
         finally:
             await upstream.aclose()
 
-    async def _relay(upstream: httpx.Response, asked: ClientAsked, publish_args: tuple[Any, ...], started: float) -> AsyncIterator[bytes]:
+    async def _relay(upstream: httpx.Response, asked: ClientAsked, publish_args: _PublishArgs, started: float) -> AsyncIterator[bytes]:
         """Pass SSE lines through (extras stripped) while assembling the completion.
 
         The trace is published when ``[DONE]`` arrives, before that line is passed on:

@@ -31,7 +31,7 @@ TRACE_ERRORS = Counter(
 )
 TRACES_PUBLISHED = Counter("hourglass_gateway_traces_acked", "Trace events acknowledged by the broker.")
 
-_STOP = object()
+_Item = tuple[TraceEvent | FeedbackEvent, DoneCallback | None]
 
 
 class EventPublisher:
@@ -59,7 +59,7 @@ class EventPublisher:
         self.kafka = kafka
         self._sink = sink
         self._owns_sink = sink is None
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_queue)
         self._reconnect_s = reconnect_s
         self._connect_timeout_ms = int(connect_timeout_s * 1000)
         self._next_connect = 0.0
@@ -70,37 +70,37 @@ class EventPublisher:
 
     def publish_trace(self, event: TraceEvent) -> None:
         """Queue a trace event; returns at once. Failures are logged and counted, never raised."""
-        self._put(("trace", event, None))
+        self._put((event, None))
 
     def publish_feedback(self, event: FeedbackEvent, on_done: DoneCallback) -> None:
         """Queue a feedback event; ``on_done(err)`` is called from another thread once the broker answers."""
-        self._put(("feedback", event, on_done))
+        self._put((event, on_done))
 
-    def _put(self, item: tuple[str, TraceEvent | FeedbackEvent, DoneCallback | None]) -> None:
+    def _put(self, item: _Item) -> None:
         try:
             self._queue.put_nowait(item)
         except queue.Full:
             err = ConnectorError(f"gateway publish queue is full ({self._queue.maxsize} events); event dropped")
-            self._failed(item[1], err, item[2])
+            self._failed(item[0], err, item[1])
 
     # --- publisher thread --------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is None:  # the stop marker
                 return
-            kind, event, on_done = item  # type: ignore[misc]
+            event, on_done = item
             sink = self._ensure_sink()
             if sink is None:
                 self._failed(event, ConnectorError(f"no Kafka broker reachable at {self.kafka.bootstrap_servers}"), on_done)
                 continue
             done = self._done_callback(event, on_done)
             try:
-                if kind == "trace":
-                    sink.send_trace(event, on_done=done)  # type: ignore[arg-type]
+                if isinstance(event, TraceEvent):
+                    sink.send_trace(event, on_done=done)
                 else:
-                    sink.send_feedback(event, on_done=done)  # type: ignore[arg-type]
+                    sink.send_feedback(event, on_done=done)
             except Exception as err:  # noqa: BLE001 - a sink bug must not kill the thread
                 done(err)
 
@@ -141,7 +141,7 @@ class EventPublisher:
     def close(self, timeout_s: float = 30.0) -> None:
         """Shutdown order: 1. stop taking events (the stop marker queues behind those waiting),
         2. the thread hands every waiting event to the sink, 3. an owned sink is flushed and closed."""
-        self._queue.put(_STOP)
+        self._queue.put(None)  # the stop marker
         self._thread.join(timeout=timeout_s)
         if self._owns_sink and self._sink is not None:
             self._sink.close(timeout_s=timeout_s)

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections import Counter as Tally
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, replace
@@ -162,7 +163,7 @@ class IngestWorker:
             retry=retry_if_exception_type((KafkaError, ConnectionError, TimeoutError)),  # not storage errors
             wait=wait_exponential(multiplier=0.5, max=30),
             stop=lambda _state: stop.is_set(),
-            sleep=stop.wait,
+            sleep=_sleeper(stop),
             before_sleep=self._on_retry,
             reraise=True,
         )
@@ -180,7 +181,8 @@ class IngestWorker:
 
     def _on_retry(self, state: RetryCallState) -> None:
         self._count(reconnects=1)
-        log.warning("ingest session failed (%s); reconnecting in %.1fs", state.outcome.exception(), state.upcoming_sleep)
+        error = state.outcome.exception() if state.outcome is not None else None
+        log.warning("ingest session failed (%s); reconnecting in %.1fs", error, state.upcoming_sleep)
 
     def _session(self, stop: threading.Event) -> None:
         # The consumer thread (this one) polls, parses and commits; one store thread writes
@@ -326,7 +328,7 @@ class IngestWorker:
             retry=retry_if_exception_type(BufferStorageError),
             wait=wait_exponential(multiplier=0.5, max=self.buffer.cfg.storage_retry_max_s),
             stop=lambda _state: stop.is_set(),
-            sleep=stop.wait,
+            sleep=_sleeper(stop),
             before_sleep=self._on_storage_retry,
             reraise=True,
         )
@@ -501,3 +503,12 @@ def _next_offsets(polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartitio
     """The offsets to commit once a batch is stored: last offset + 1 per partition."""
     return {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1) for tp, records in polled.items()}
 
+
+
+def _sleeper(stop: threading.Event) -> Callable[[float], None]:
+    """tenacity's ``sleep``: waits on ``stop``, so a stop request cuts a back-off short."""
+
+    def sleep(seconds: float) -> None:
+        stop.wait(seconds)
+
+    return sleep

@@ -162,10 +162,10 @@ def sharegpt_verdict(record: Any, ts: datetime, number: int = 0) -> TraceEvent |
             if not any(m["role"] == "user" for m in messages):
                 return Rejected(SHAREGPT_GPT_BEFORE_HUMAN, f"{where}: a {turn['from']!r} answer before any human turn")
             try:
-                return TraceEvent(
-                    trace_id=sharegpt_trace_id(record, number), ts=ts, model="sharegpt", prompt=messages, completion=value,
-                    metadata={"source": "sharegpt", "sharegpt_id": record.get("id")},
-                )  # fmt: skip
+                return TraceEvent.model_validate({
+                    "trace_id": sharegpt_trace_id(record, number), "ts": ts, "model": "sharegpt", "prompt": messages,
+                    "completion": value, "metadata": {"source": "sharegpt", "sharegpt_id": record.get("id")},
+                })  # fmt: skip
             except ValidationError as err:
                 return Rejected(SHAREGPT_INVALID_TRACE, f"record {number}: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}")
         messages.append({"role": role, "content": value})

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,8 +42,8 @@ from pydantic import (
     model_validator,
 )
 
-TRACE_SCHEMA = "hourglass.trace/v1"
-FEEDBACK_SCHEMA = "hourglass.feedback/v1"
+TRACE_SCHEMA: Final = "hourglass.trace/v1"
+FEEDBACK_SCHEMA: Final = "hourglass.feedback/v1"
 KNOWN_SCHEMAS = (TRACE_SCHEMA, FEEDBACK_SCHEMA)
 SIGNAL_FIELDS = ("reward", "thumbs", "rating", "edited", "regenerated")
 

@@ -134,15 +134,16 @@ def rollback(
         if TAG_SERVE_ERROR in mv.tags:
             client.delete_model_version_tag(model, target, TAG_SERVE_ERROR)
     else:
-        target = next(
+        earlier = next(
             (v for v in reversed(past) if v != current and TAG_SERVE_ERROR not in client.get_model_version(model, v).tags),
             None,
         )
-        if target is None:
+        if earlier is None:
             raise RegistryError(
                 f"model {model!r} has no earlier champion to roll back to (history {past}, champion {current}); "
                 "name one with --to VERSION"
             )
+        target = earlier
     if target in past:
         past = past[: len(past) - past[::-1].index(target)]  # cut after the last occurrence of target
     else:

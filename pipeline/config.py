@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -268,6 +269,16 @@ class HourglassConfig(BaseSettings):
         """A config path made absolute: ``~`` expanded, relative to the cwd."""
         return Path(os.path.expanduser(path)).resolve()
 
+    def staging_root(self) -> Path:
+        """``serving.staging_dir`` made absolute (validation fills it from ``state_dir`` when unset).
+
+        Raises:
+            ConfigError: the config was built without validation and has no staging folder.
+        """
+        if self.serving.staging_dir is None:
+            raise ConfigError("serving.staging_dir is unset: build the config with load_config() or HourglassConfig(...)")
+        return self.resolve(self.serving.staging_dir)
+
 
 _SECRET_FIELDS = {"token", "user_hash_key", "signing_key", "previous_signing_keys", "api_key", "feedback_signing_key"}
 
@@ -325,7 +336,7 @@ def config_warnings(cfg: HourglassConfig) -> list[str]:
     return out
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: Mapping[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":

@@ -206,7 +206,7 @@ def main(
         console.rule("2. traffic through the gateway")
         exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1, api_key=key)
         _say_sent(exchanges, "requests (served by the base)")
-        phases, aucs, seen = [[e.trace_id for e in exchanges]], [], set()
+        phases, aucs, seen = [[e.trace_id for e in exchanges]], [], set[str]()
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, seen, timeout_s=900)

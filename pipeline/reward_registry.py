@@ -97,7 +97,7 @@ def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowC
             return None
         options = {**stage_options(cfg), "max_lora_rank": MAX_RANK}  # signature, size cap, adapter config: as for policies
         staged = stage_version(
-            client, reward_model_name(cfg), version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint,
+            client, reward_model_name(cfg), version, cfg.staging_root(), base_fingerprint=base_fingerprint,
             **options,
         )  # fmt: skip
         return staged.path
@@ -141,9 +141,10 @@ def save_pending(cfg: HourglassConfig, result: RoundResult) -> Path | None:
 def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
     data = json.loads((folder / "reward.json").read_text())
     raw = data["reward_model"]
-    report = lambda r: RewardModelReport(**r) if r else None  # noqa: E731
+    champion = raw["champion_report"]
     rm = RewardModelResult(
-        name=raw["name"], adapter_dir=Path(raw["adapter_dir"]), report=report(raw["report"]), champion_report=report(raw["champion_report"]),
+        name=raw["name"], adapter_dir=Path(raw["adapter_dir"]), report=RewardModelReport(**raw["report"]),
+        champion_report=RewardModelReport(**champion) if champion else None,
         step_metrics=tuple(raw["step_metrics"]), train_examples=raw["train_examples"], train_pairs=raw["train_pairs"],
     )  # fmt: skip
     return data["lineage"], rm

@@ -89,7 +89,7 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
             out[model] = None
             continue
         staged = stage_version(
-            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint, **stage_options(cfg),
+            client, model, version, cfg.staging_root(), base_fingerprint=base_fingerprint, **stage_options(cfg),
         )  # fmt: skip
         out[model] = staged.path
     return out

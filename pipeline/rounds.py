@@ -17,6 +17,7 @@ directory and is released by the kernel when a process dies.
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import json
 import os
@@ -136,7 +137,7 @@ class RoundStore:
             rows = conn.execute(sa.select(_rounds.c.body).order_by(_rounds.c.created_at.desc()).limit(limit)).all()
         return [RoundRecord(**json.loads(r[0])) for r in rows]
 
-    def unfinished(self) -> list[RoundRecord]:
+    def unfinished(self) -> builtins.list[RoundRecord]:  # `list` here is the method above
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(_rounds.c.body).where(_rounds.c.state.in_(STATES))).all()
         return [RoundRecord(**json.loads(r[0])) for r in rows]

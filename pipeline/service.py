@@ -21,7 +21,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
@@ -36,6 +36,11 @@ from pipeline.redact import install_log_redaction
 from pipeline.round_job import RoundNotCancellableError, RoundRunner, recover
 from pipeline.rounds import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
 from pipeline.supervise import Worker
+
+if TYPE_CHECKING:
+    from connectors.ingest import IngestWorker
+    from pipeline.canary.monitor import CanaryMonitor
+    from pipeline.serving import ServingController
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +113,9 @@ class HourglassService:
         self.store = RoundStore(cfg.resolve(cfg.state_dir))
         self.runner = RoundRunner(cfg, base_fingerprint, self.store)
         self._want_ingest, self._want_reconcile = ingest, reconcile
-        self.ingest_worker = None
-        self.controller = None
-        self.canary = None  # pipeline.canary.monitor.CanaryMonitor, with the reconcile loop
+        self.ingest_worker: IngestWorker | None = None
+        self.controller: ServingController | None = None
+        self.canary: CanaryMonitor | None = None  # with the reconcile loop
         self.scheduler: BackgroundScheduler | None = None
         self.workers: dict[str, Worker] = {}
 
@@ -128,16 +133,16 @@ class HourglassService:
         if self._want_ingest:
             from connectors.ingest import IngestWorker
 
-            self.ingest_worker = IngestWorker(self.cfg.kafka, self.cfg.buffer)
-            self._supervise("ingest", self.ingest_worker.run)
+            self.ingest_worker = worker = IngestWorker(self.cfg.kafka, self.cfg.buffer)
+            self._supervise("ingest", worker.run)
         if self._want_reconcile:
             from pipeline.serving import ServingController
 
             models = sorted({c.served_model for c in self.cfg.candidates} | {self.cfg.serving.model_name})
-            self.controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
-            self._supervise("reconcile", self.controller.run, on_stop=self.controller.trigger)
-            self.runner.on_promoted.append(lambda _model, _version: self.controller.trigger())
-            self._start_canary(models)
+            self.controller = controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
+            self._supervise("reconcile", controller.run, on_stop=controller.trigger)
+            self.runner.on_promoted.append(lambda _model, _version: controller.trigger())
+            self._start_canary(models, controller)
         _CURRENT = self
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
@@ -159,14 +164,14 @@ class HourglassService:
             if not self.scheduler.running or (thread is not None and not thread.is_alive()):
                 raise WorkerDiedError("the APScheduler thread stopped; starting a new scheduler")
 
-    def _start_canary(self, models: list[str]) -> None:
+    def _start_canary(self, models: list[str], controller: ServingController) -> None:
         """The canary and guard loop (:mod:`pipeline.canary.monitor`); its decisions wake the reconcile loop."""
         if not (self.cfg.serving.canary.enabled or self.cfg.serving.guard.enabled):
             return
         from pipeline.canary.monitor import CanaryMonitor
 
-        self.canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: self.controller.trigger())
-        self.canary.start()
+        self.canary = canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: controller.trigger())
+        canary.start()
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule

@@ -156,7 +156,7 @@ class ServingController:
         self.base_modules = self._base_modules(cfg)
         self.client = client or make_client(cfg)
         self.state_dir = cfg.resolve(cfg.state_dir)
-        self.staging_dir = cfg.resolve(cfg.serving.staging_dir)
+        self.staging_dir = cfg.staging_root()
         api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
         self.replicas = [Replica(url, api_key=api_key) for url in cfg.serving.replicas]
         self._status = {m: ModelStatus(m) for m in self.models}

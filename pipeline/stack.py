@@ -399,9 +399,9 @@ def watch(
     ``on_restart(service)`` runs after each successful restart (e.g. re-create
     the topics of a restarted in-memory broker). Returns restarts per service.
     """
-    from types import SimpleNamespace
-
     from tenacity import wait_exponential
+
+    from pipeline.supervise import attempt_state
 
     backoff = wait_exponential(multiplier=initial_s, max=max_s)
     failures = {s.name: 0 for s in services}
@@ -417,7 +417,7 @@ def watch(
                 service.start()
             except StackError as err:
                 failures[service.name] += 1
-                delay = float(backoff(SimpleNamespace(attempt_number=failures[service.name])))
+                delay = float(backoff(attempt_state(failures[service.name])))
                 not_before[service.name] = time.monotonic() + delay
                 print(f"{service.name} failed to restart ({err}); next try in {delay:.0f}s", file=sys.stderr, flush=True)
                 continue

@@ -38,8 +38,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import mlflow
 from mlflow.tracking import MlflowClient
@@ -120,7 +122,7 @@ def base_module_names(model_dir: str | Path) -> frozenset[str]:
     return frozenset(names)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -181,7 +183,7 @@ def _check_sizes(folder: Path, max_bytes: int) -> None:
     _check_listed(folder.name, sizes, max_bytes)
 
 
-def _check_listed(what: str, sizes: dict[str, int | None], max_bytes: int) -> None:
+def _check_listed(what: str, sizes: Mapping[str, int | None], max_bytes: int) -> None:
     for name, size in sizes.items():
         if size is not None and size > max_bytes:  # None: not listed by the store; checked on disk
             raise StagingError(
@@ -286,7 +288,7 @@ def stage_version(
         raise StagingError(f"{model} v{version}: the {TAG_SHA256} tag is not JSON: {err}") from err
     if not isinstance(checksums, dict):
         raise StagingError(f"{model} v{version}: the {TAG_SHA256} tag must be a JSON object of file -> sha256")
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         expected_fingerprint=base_fingerprint, fingerprint=mv.tags.get(TAG_FINGERPRINT), max_lora_rank=max_lora_rank,
         max_adapter_bytes=max_adapter_bytes, base_modules=base_modules,
     )  # fmt: skip

@@ -20,14 +20,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import cast
 
 from prometheus_client import Counter, Gauge
-from tenacity import wait_exponential
+from tenacity import RetryCallState, wait_exponential
 
 log = logging.getLogger(__name__)
 
 WORKER_RESTARTS = Counter("hourglass_worker_restarts", "Restarts of a service worker after it raised.", ["worker"])
 WORKER_UP = Gauge("hourglass_worker_up", "1 while a service worker runs, 0 while it is stopped or waits to restart.", ["worker"])
+
+
+def attempt_state(number: int) -> RetryCallState:
+    """What tenacity's ``wait_exponential`` reads of a call state: only ``attempt_number`` (1-based)."""
+    return cast(RetryCallState, SimpleNamespace(attempt_number=number))
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ class Worker:
                     log.warning("worker %s raised while stopping: %s", self.name, err)
                     break
                 self._streak = 1 if time.monotonic() - started >= self._healthy_after_s else self._streak + 1
-                delay = float(self._wait(SimpleNamespace(attempt_number=self._streak)))
+                delay = float(self._wait(attempt_state(self._streak)))
                 self._restarts += 1
                 self._last_error, self._last_error_at = f"{type(err).__name__}: {err}", time.time()
                 WORKER_RESTARTS.labels(self.name).inc()
@@ -129,6 +135,6 @@ class Worker:
                 log.warning("worker %s returned without a stop request; restarting it", self.name)
                 self._restarts += 1
                 WORKER_RESTARTS.labels(self.name).inc()
-                self.stop_event.wait(float(self._wait(SimpleNamespace(attempt_number=1))))
+                self.stop_event.wait(float(self._wait(attempt_state(1))))
         self._state = "stopped"
         WORKER_UP.labels(self.name).set(0)

@@ -77,7 +77,7 @@ def tiny_model(smollm2_model: Path) -> Path:
 def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
     service = vllm_service(
         model, "127.0.0.1", free_port(), services_dir / f"logs-{name}", max_model_len=512, kv_cache_gib=1,
-        max_lora_rank=16, max_loras=4,
+        max_lora_rank=16, max_loras=4, startup_timeout_s=900,  # a healthy server returns early; CI hosts are loaded
     )  # fmt: skip
     yield from (f"http://127.0.0.1:{s.port}" for s in _run(service))
 

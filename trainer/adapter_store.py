@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -116,7 +117,7 @@ def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, i
     return fit_adapter(loaded, fresh, saved_scale, candidate.lora_alpha / candidate.lora_rank, name)
 
 
-def lora_pairs(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+def lora_pairs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
     """``(A key, B key)`` of every LoRA module in ``tensors`` (linear ``lora_A``/``lora_B``,
     embedding ``lora_embedding_A``/``lora_embedding_B``; PEFT's saved names).
 
@@ -187,7 +188,7 @@ def fit_adapter(
     return out
 
 
-def write_adapter(weights: dict[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path) -> Path:
+def write_adapter(weights: Mapping[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path) -> Path:
     """Write a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,11 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer import model_store
 from trainer.config import CandidateConfig, ModelConfig
@@ -64,6 +65,16 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Prompt token ids of ``messages`` (1-D): the tokenizer's chat template with the generation prompt."""
+    # transformers types the result as a union over its flags: a BatchEncoding (return_dict, the
+    # default in 5.x) or the list of ids (older releases).
+    ids: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 @dataclass
 class ResidentBase:
     """The base model (PEFT-wrapped, base weights frozen), its tokenizer and where it lives."""
@@ -77,10 +88,7 @@ class ResidentBase:
 
     def chat_token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Prompt token ids: the tokenizer's chat template with the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
 
     def completion_ids(self, text: str, logged_ids: Sequence[int] | None) -> list[int]:
         """Completion token ids: the logged ids when the base can embed every one (``0 <= id < vocab``),
@@ -157,12 +165,14 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
     path = model_store.resolve(cfg.name, cfg.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     device = pick_device(cfg.device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device))
+    module: torch.nn.Module = model  # transformers types its `to` override so that mypy rejects the call
+    module.to(device)  # in place
     return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)
 
 
 def wrap_base(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     path: Path,
     fingerprint: str,

@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from trainer.errors import ModelStoreError, UnknownModelError
 
@@ -139,16 +140,20 @@ def greedy_sample(folder: Path, max_new_tokens: int = 8) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # Any: transformers types `generate`'s self as a Protocol of its own that mypy does not match.
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = [{"role": "user", "content": _PROBE_PROMPT}]
+    input_ids: torch.Tensor
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         input_ids = ids["input_ids"]
     else:
         input_ids = tokenizer(_PROBE_PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    assert isinstance(text, str), "one sequence of ids decodes to one string"
+    return text
 
 
 def find_packaged_gguf(model: PackagedModel) -> Path:
@@ -166,7 +171,7 @@ def find_packaged_gguf(model: PackagedModel) -> Path:
         ) from err
     for file in dist.files or []:
         if str(file).endswith(model.gguf_suffix):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise ModelStoreError(f"package {model.distribution!r} holds no {model.gguf_suffix} file")
 
 
@@ -277,7 +282,7 @@ def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0)
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +87,7 @@ class MultiLoRA:
             adapts a module the model does not have.
     """
 
-    def __init__(self, model: torch.nn.Module, adapters: Sequence[tuple[float, dict[str, torch.Tensor]]], grouped: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, adapters: Sequence[tuple[float, Mapping[str, torch.Tensor]]], grouped: bool | None = None) -> None:
         self.by_module: dict[str, dict[int, _Lora]] = {}
         for k, (scale, tensors) in enumerate(adapters):
             pairs = lora_pairs(tensors)
@@ -280,8 +280,8 @@ def train_one_pass(
             for m in members:
                 _push(store, m)
         swap_s = (pull_s + time.perf_counter() - started) / len(group)
-        for (c, _), m in zip(group, metrics):
-            out[c.name] = {"train/swap_s": swap_s, **m}
+        for (c, _), step_metrics in zip(group, metrics):
+            out[c.name] = {"train/swap_s": swap_s, **step_metrics}
     return out
 
 

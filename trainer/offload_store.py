@@ -224,7 +224,8 @@ class OffloadStore:
             grad_keys = frozenset(k for k, p in self.slot_params.items() if p.grad is not None)
             for key in grad_keys:
                 p = self.slot_params[key]
-                p.grad = _adopted(p.grad, self.views["grads"][key])
+                if (grad := p.grad) is not None:  # always: grad_keys are the keys with a gradient
+                    p.grad = _adopted(grad, self.views["grads"][key])
             stepped = {}
             for key, p in self.slot_params.items():
                 slot_state = self.optimizer.state.get(p)

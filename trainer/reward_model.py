@@ -26,8 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import safetensors.torch
 import torch
 import torch.nn.functional as F
@@ -132,7 +134,7 @@ class RewardModel:
             input_BL[b, L - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             attn_BL[b, L - len(seq) :] = 1
         position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)
-        lm = base.model.get_base_model()  # LoRA layers are injected in place: the backbone runs the live adapter
+        lm = _causal_lm(base)  # LoRA layers are injected in place: the backbone runs the live adapter
         backbone = getattr(lm, lm.base_model_prefix)
         out = backbone(input_ids=input_BL.to(base.device), attention_mask=attn_BL.to(base.device), position_ids=position_BL.to(base.device), use_cache=False)
         hidden_BH = out.last_hidden_state[:, -1].float()
@@ -165,8 +167,13 @@ class RewardModel:
         return Path(folder)
 
 
+def _causal_lm(base: ResidentBase) -> Any:
+    """The transformers model inside the PEFT wrapper (PEFT types it as a plain ``nn.Module``)."""
+    return base.model.get_base_model()
+
+
 def _hidden_size(base: ResidentBase) -> int:
-    return int(base.model.get_base_model().config.hidden_size)
+    return int(_causal_lm(base).config.hidden_size)
 
 
 def create_reward_model(
@@ -223,7 +230,7 @@ def train_reward_model(
     decks: dict[str, list[int]] = {"examples": [], "pairs": []}
 
     def draw(kind: str, n: int, k: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while n and len(out) < k:
             if not decks[kind]:
                 decks[kind] = rng.sample(range(n), n)
@@ -276,7 +283,7 @@ def _ranks(x: np.ndarray) -> np.ndarray:
     return (np.bincount(inverse, weights=ranks) / counts)[inverse]
 
 
-def roc_auc(scores_N: Sequence[float], labels_N: Sequence[bool]) -> float:
+def roc_auc(scores_N: npt.ArrayLike, labels_N: npt.ArrayLike) -> float:
     """ROC AUC = P(score of a random positive > a random negative), ties count half
     (Mann-Whitney U / (P N); Hanley & McNeil 1982). NaN without both labels."""
     scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)

@@ -23,7 +23,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,7 +151,7 @@ def train_phase(
 
 
 def score_rollouts(
-    model: RewardModel, prompt_ids: dict[str, Sequence[Sequence[int]]], groups: dict[str, Sequence[Sequence[object]]]
+    model: RewardModel, prompt_ids: Mapping[str, Sequence[Sequence[int]]], groups: dict[str, Sequence[Sequence[object]]]
 ) -> tuple[dict[str, list[list[dict[str, float]]]], dict[str, float]]:
     """Score every sample of the given candidates' groups in one batched pass.
 

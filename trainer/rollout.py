@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from trainer.base import ResidentBase
 from trainer.errors import RolloutError
@@ -128,6 +129,8 @@ class HFEngine:
                 gen = self._run(input_BP, attn_BP, requests[0].max_new_tokens, kwargs)
         finally:
             model.train(was_training)
+        if gen.logits is None:
+            raise RolloutError("generate returned no logits although output_logits=True was asked")
         new_BT = gen.sequences[:, P:]
         logits_BTV = torch.stack(gen.logits, dim=1).float()
         logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
@@ -143,12 +146,13 @@ class HFEngine:
                     reason = "stop"
                     break
             text = tok.decode(ids, skip_special_tokens=True)
+            assert isinstance(text, str), "one sequence of ids decodes to one string"
             groups.setdefault(i, []).append(
                 Sample(prompt_id=req.prompt_id, text=text, token_ids=tuple(ids), logprobs=tuple(lps), adapter_version=version, finish_reason=reason)
             )
         return [groups[i] for i in range(len(requests))]
 
-    def _run(self, input_BP: torch.Tensor, attn_BP: torch.Tensor, max_new_tokens: int, kwargs: dict) -> object:
+    def _run(self, input_BP: torch.Tensor, attn_BP: torch.Tensor, max_new_tokens: int, kwargs: dict) -> GenerateDecoderOnlyOutput:
         device = self.base.device
         return self.base.model.generate(
             input_ids=input_BP.to(device),

@@ -136,7 +136,8 @@ def offline_batch(
     for i, ids in enumerate(prompt_ids):
         room = max(1, base.max_seq_len - len(ids))
         completions[i] = completions[i][:room]
-        behaviour[i] = behaviour[i][:room] if behaviour[i] is not None else None
+        logged = behaviour[i]
+        behaviour[i] = logged[:room] if logged is not None else None
     missing = [i for i, b in enumerate(behaviour) if b is None]
     if missing:
         with torch.no_grad(), base.reference():

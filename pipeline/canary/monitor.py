@@ -167,8 +167,8 @@ class CanaryMonitor:
             FEEDBACK_RATE.labels(model, str(v)).set(stats.mean)
         if verdict.decision != "continue" and act:
             self._log_run(mv.run_id, evidence)
-            act = state.promote_challenger if verdict.decision == "promote" else state.abort_challenger
-            act(cfg, model, client=self.client, reason=verdict.reason, evidence=evidence)
+            move = state.promote_challenger if verdict.decision == "promote" else state.abort_challenger
+            move(cfg, model, client=self.client, reason=verdict.reason, evidence=evidence)
             OUTCOMES.labels(model, verdict.decision).inc()
             log.info("canary %s v%s: %s (%s)", model, version, verdict.decision, verdict.reason)
             self._changed(model)

@@ -8,7 +8,7 @@ inline styles and scripts. Each point carries a ``<title>`` (hover tooltip).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
 PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#db2777")
@@ -56,7 +56,7 @@ def _svg(body: list[str], label: str, kind: str) -> str:
 
 
 def line_chart(
-    series: dict[str, Sequence[tuple[float, float]]],
+    series: Mapping[str, Sequence[tuple[float, float | None]]],
     *,
     title: str,
     kind: str,

@@ -57,7 +57,7 @@ _ENV.filters.update(num=_num, duration=_duration)
 def charts(data: dict[str, Any]) -> dict[str, Markup]:
     """The page's SVG charts from :meth:`ConsoleData.collect` output, keyed by name."""
     rounds = [r for r in reversed(data["rounds"]) if r["decisions"]]  # oldest first
-    champion: dict[str, list[tuple[float, float]]] = {}
+    champion: dict[str, list[tuple[float, float | None]]] = {}  # None: no finite reward (not drawn)
     for i, r in enumerate(rounds, start=1):
         for d in r["decisions"]:
             best = max((c["reward"] for c in d["candidates"] if c["reward"] is not None and math.isfinite(c["reward"])), default=None)
@@ -88,12 +88,12 @@ def charts(data: dict[str, Any]) -> dict[str, Markup]:
     return {name: Markup(svg) for name, svg in out.items()}
 
 
-def render_panels(data: dict[str, Any], *, canary_abort: bool = False) -> str:
-    """The refreshable part of the page (HTML fragment)."""
+def render_panels(data: dict[str, Any], *, canary_abort: str | None = None) -> str:
+    """The refreshable part of the page (HTML fragment); ``canary_abort``: the abort endpoint's path (None: no button)."""
     return _ENV.get_template("panels.html.j2").render(d=data, charts=charts(data), canary_abort=canary_abort)
 
 
-def render_page(data: dict[str, Any], *, canary_abort: bool = False, refresh_s: int = 10) -> str:
+def render_page(data: dict[str, Any], *, canary_abort: str | None = None, refresh_s: int = 10) -> str:
     """The whole page (HTML document)."""
     panels = Markup(render_panels(data, canary_abort=canary_abort))
     models = [m["model"] for m in data["models"]]
