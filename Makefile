@@ -35,7 +35,7 @@ test: lint
 test-e2e: setup
 	$(VENV)/bin/python -m pytest -q -m e2e
 
-# What CI runs (.ci/run): `make test`, then `make test-e2e`.
+# Both, in the order CI (.ci/run) runs them: `make test`, then `make test-e2e`.
 test-all: test
 	$(MAKE) test-e2e
 
