@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import uuid
 
-from pipeline.cli_gateway import RouteResolver, canary_bucket
-from pipeline.serving import Route, write_route
+from pipeline.cli.gateway import RouteResolver, canary_bucket
+from pipeline.serving.controller import Route, write_route
 
 
 def _resolver(tmp_path, fraction: float | None) -> RouteResolver:

@@ -1,11 +1,11 @@
 """``hourglass gateway``: serve the OpenAI-compatible gateway that emits traces.
 
-``pipeline.cli`` calls :func:`register` to add the command. Run standalone with
-``python -m pipeline.cli_gateway gateway --config FILE``.
+``pipeline.cli.main`` calls :func:`register` to add the command. Run standalone with
+``python -m pipeline.cli.gateway gateway --config FILE``.
 
-The gateway itself lives in :mod:`connectors.gateway` (which never imports
+The gateway itself lives in :mod:`connectors.gateway.app` (which never imports
 ``pipeline``); this module injects the route lookup: the routes file the
-serving controller writes (:func:`pipeline.serving.read_routes`).
+serving controller writes (:func:`pipeline.serving.controller.read_routes`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import typer
 from fastapi import FastAPI
 from rich.console import Console
 
-from connectors.auth import FeedbackSigner, KeyStore, load_or_create_secret
+from connectors.gateway.auth import FeedbackSigner, KeyStore, load_or_create_secret
 from connectors.errors import ConnectorError
-from connectors.gateway import create_gateway_app, serve_gateway
+from connectors.gateway.app import create_gateway_app, serve_gateway
 from connectors.kafka_admin import ensure_topics
 from connectors.schema import UserHasher
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
-from pipeline.serving import Route, read_routes
+from pipeline.serving.controller import Route, read_routes
 
 console = Console(stderr=True)
 KEYS_FILE = "gateway-keys.json"

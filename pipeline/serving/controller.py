@@ -8,7 +8,7 @@ every ``serving.reconcile_interval_s`` on a thread (and at once on
 a replica restarted (runtime adapters are lost), a replica added.
 
 A hot-load, in order:
-1. stage the version (:mod:`pipeline.staging`: download, checksums,
+1. stage the version (:mod:`pipeline.serving.staging`: download, checksums,
    safetensors only, base fingerprint, rank, safe paths);
 2. load it under ``<model>-v<version>`` on every reachable replica (never
    reloaded in place under an old name);
@@ -50,11 +50,11 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
 
-from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
+from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
-from pipeline.registry import make_client
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.staging import StagingError, base_module_names, served_name, stage_options, stage_version
+from pipeline.registry.models import make_client
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagingError, base_module_names, served_name, stage_options, stage_version
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class ServingController:
         models: public model names to serve; default ``[serving.model_name]``.
         base_fingerprint: the served base's fingerprint; default computed from
             ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
-        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
     """
 
     def __init__(
