@@ -42,7 +42,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from pipeline.registry import aliases  # noqa: E402
 from pipeline.registry.models import register_round  # noqa: E402
 from pipeline.serving.replica import Replica  # noqa: E402
-from pipeline.serving.controller import ServingController, read_routes  # noqa: E402
+from pipeline.serving.controller import ServingController  # noqa: E402
+from connectors.gateway.routes import read_routes  # noqa: E402
 from pipeline.stack import free_port, mlflow_service, vllm_service  # noqa: E402
 from serving_helpers import make_adapter, make_config, make_round  # noqa: E402
 from trainer import model_store  # noqa: E402

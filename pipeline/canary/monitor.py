@@ -135,7 +135,7 @@ class CanaryMonitor:
     def check_canary(self, model: str, *, act: bool = True) -> dict | None:
         """Look at ``model``'s canary and act on the decision (``act=False``: only report it,
         as ``hourglass canary status`` does); None when none runs."""
-        from pipeline.serving.controller import read_routes
+        from connectors.gateway.routes import read_routes
 
         cfg, canary = self.cfg, self.cfg.serving.canary
         version = state.challenger_version(self.client, cfg, model)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
     """One pass of the canary for ``model`` (see the module doc). Raises what MLflow raises when unreachable."""
-    from pipeline.serving.controller import _AdapterFailure, _now, read_routes, write_route
+    from pipeline.serving.controller import _AdapterFailure, _now
+    from connectors.gateway.routes import read_routes, write_route
 
     cfg = ctrl.cfg
     st = ctrl._status[model]
@@ -87,7 +88,8 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
 
 
 def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
-    from pipeline.serving.controller import _now, write_route
+    from pipeline.serving.controller import _now
+    from connectors.gateway.routes import write_route
 
     write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
     if route.challenger_served_name != route.served_name:

@@ -20,7 +20,7 @@ from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
 from pipeline.registry.models import make_client
 from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.serving.controller import read_routes
+from connectors.gateway.routes import read_routes
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")]
 

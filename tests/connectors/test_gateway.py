@@ -32,8 +32,7 @@ from connectors.gateway.trace import (
     upstream_body,
 )
 from connectors.kafka_admin import ensure_topics
-from pipeline.cli.gateway import RouteResolver
-from pipeline.serving.controller import Route, write_route
+from connectors.gateway.routes import RouteResolver, Route, write_route
 from pipeline.stack import free_port
 
 from connector_helpers import wait_for

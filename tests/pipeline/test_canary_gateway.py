@@ -15,8 +15,7 @@ from kafka import KafkaConsumer, TopicPartition
 from connectors.config import GatewayConfig, KafkaConfig
 from connectors.gateway.app import TRACE_HEADER, create_gateway_app
 from connectors.kafka_admin import ensure_topics
-from pipeline.cli.gateway import RouteResolver
-from pipeline.serving.controller import Route, write_route
+from connectors.gateway.routes import RouteResolver, Route, write_route
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,8 @@ from mlflow.tracking import MlflowClient
 from pipeline.registry import aliases
 from pipeline.registry.models import TAG_SHA256, register_round
 from pipeline.serving.replica import Replica
-from pipeline.serving.controller import ServingController, read_routes
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from serving_helpers import make_adapter, make_config, make_round, wait_for
 from trainer.model_store import fingerprint_of

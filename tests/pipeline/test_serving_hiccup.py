@@ -14,7 +14,8 @@ from mlflow.tracking import MlflowClient
 from pipeline.registry import aliases
 from pipeline.registry.models import register_round
 from pipeline.serving.replica import Replica
-from pipeline.serving.controller import ServingController, read_routes
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
 

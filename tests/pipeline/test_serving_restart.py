@@ -14,7 +14,8 @@ import pytest
 
 from pipeline.registry.models import register_round
 from pipeline.serving.replica import Replica
-from pipeline.serving.controller import ServingController, read_routes
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from pipeline.stack import free_port, vllm_service
 from serving_helpers import make_adapter, make_config, make_round, wait_for
 from trainer.model_store import fingerprint_of

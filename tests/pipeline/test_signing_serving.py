@@ -18,7 +18,8 @@ from pipeline.registry import aliases
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import TAG_SHA256, register_round
 from pipeline.serving.replica import Replica
-from pipeline.serving.controller import ServingController, read_routes
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from pipeline.registry.signing import TAG_SIGNATURE, SignatureError, key_id, resign, verify
 from serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
