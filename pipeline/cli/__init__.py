@@ -1,7 +1,11 @@
-"""The ``hourglass`` command line (typer): :mod:`.main` holds the app, the
-foundation commands and the console-script entry (``pipeline.cli.main:main``);
-each other module registers one command group. ``app`` is exported here
-(imported on first use, so ``python -m pipeline.cli.data`` and friends run alone)."""
+"""The ``hourglass`` command line (typer): :mod:`pipeline.cli.main` holds the app
+and the foundation commands; each other module registers one command group.
+
+``app`` is exported here and :func:`main` is the console-script entry
+(``pipeline.cli:main``); both import :mod:`pipeline.cli.main` on first use, so
+``python -m pipeline.cli.data`` and friends run on their own. Once that module is
+imported, the attribute ``pipeline.cli.main`` is the module (Python binds
+submodules on their package); code calls ``pipeline.cli.main.main``."""
 
 from __future__ import annotations
 
@@ -12,7 +16,14 @@ if TYPE_CHECKING:
 
     app: Typer
 
-__all__ = ["app"]
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """The ``hourglass`` console script: run the command line (see :func:`pipeline.cli.main.main`)."""
+    from pipeline.cli.main import main as run
+
+    run()
 
 
 def __getattr__(name: str) -> Any:
