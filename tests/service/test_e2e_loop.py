@@ -20,7 +20,7 @@ from openai import OpenAI
 from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
-from pipeline.traffic import create_demo_key, drive
+from pipeline.demo.traffic import create_demo_key, drive
 
 # Generous waits: on a loaded 2-core CI host the service alone takes minutes to import and start,
 # and the fixtures' vLLM on SmolLM2 up to 15 min; each wait returns as soon as its condition holds.
