@@ -40,7 +40,7 @@ from pipeline.supervise import Worker
 if TYPE_CHECKING:
     from connectors.ingest import IngestWorker
     from pipeline.canary.monitor import CanaryMonitor
-    from pipeline.serving import ServingController
+    from pipeline.serving.controller import ServingController
 
 log = logging.getLogger(__name__)
 
