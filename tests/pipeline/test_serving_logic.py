@@ -2,8 +2,9 @@
 and a fake staging step: what gets staged, loaded, probed, routed and unloaded, and what a replica
 problem (transient) or an adapter fault (refused) does to the alias and the route.
 
-The same behaviour is proven on real MLflow + vLLM in ``test_serving.py``, ``test_serving_transient.py``,
-``test_serving_restart.py`` and ``test_canary.py``; these run in milliseconds.
+The same behaviour is proven on real MLflow + vLLM in ``test_serving.py``, ``test_serving_hiccup.py``,
+``test_serving_restart.py`` and ``test_canary.py``; these run in milliseconds. Which replica errors are
+transient and which refuse a version, case by case: ``test_serving_transient.py`` (same fakes).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pipeline import aliases
 from pipeline.aliases import TAG_SERVE_ERROR
 from pipeline.canary import state
 from pipeline.config import HourglassConfig
-from pipeline.replica import ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
+from pipeline.replica import ReplicaRefusedError, ReplicaServerError
 from pipeline.serving import ServingController, read_routes
 from registry_fakes import FakeRegistry, FakeReplica, FakeStager
 
@@ -43,6 +44,13 @@ class Stack:
 
     def promote(self, version: str, reason: str = "test") -> None:
         aliases.promote(self.cfg, MODEL, version, client=self.reg, reason=reason)
+
+    def serve_with_challenger(self, champion: str, challenger: str) -> None:
+        """``champion`` served, then ``challenger`` put on canary and routed beside it."""
+        self.promote(champion)
+        self.reconcile()
+        state.start_challenger(self.cfg, MODEL, challenger, client=self.reg)
+        self.reconcile()
 
     def reconcile(self) -> dict:
         return self.ctrl.reconcile_once()[MODEL]
@@ -160,32 +168,6 @@ def test_an_unreachable_replica_is_skipped_then_caught_up(stack: Stack) -> None:
     assert st["replicas"]["http://replica-1"] == ["base", "hourglass-v1"]
 
 
-@pytest.mark.parametrize(
-    "op, error",
-    [
-        ("load", ReplicaServerError("vLLM at http://replica-0 failed load: HTTP 503: overloaded", 503)),
-        ("load", ReplicaUnreachableError("vLLM at http://replica-0 did not answer load: ReadTimeout")),
-        ("probe", ReplicaServerError("vLLM at http://replica-0 failed a probe: HTTP 502: bad gateway", 502)),
-    ],
-)
-def test_a_replica_problem_is_transient_retried_and_never_refuses_the_version(tmp_path: Path, op: str, error: Exception) -> None:
-    stack = Stack(tmp_path, replicas=1)
-    stack.promote("1")
-    stack.replicas[0].fail(op, error)
-
-    st = stack.reconcile()
-
-    assert stack.route() is None  # no replica is ready: nothing routed yet
-    assert st["transient_errors"] == 1 and str(error) in st["last_transient_error"]
-    assert stack.champion() == "1"
-    assert TAG_SERVE_ERROR not in stack.reg.tags(MODEL, "1")
-
-    st = stack.reconcile()
-
-    assert stack.route().served_name == "hourglass-v1"
-    assert st["serving"] == "1" and st["transient_errors"] == 1
-
-
 def test_a_transient_failure_on_one_replica_still_rolls_out_on_the_others(stack: Stack) -> None:
     stack.promote("1")
     stack.reconcile()
@@ -290,9 +272,7 @@ def test_stale_versions_are_unloaded_but_other_names_are_kept(stack: Stack) -> N
 
 
 def test_a_challenger_is_loaded_beside_the_champion_and_gets_its_share(stack: Stack) -> None:
-    stack.promote("1")
-    stack.reconcile()
-    state.start_challenger(stack.cfg, MODEL, "2", client=stack.reg)
+    stack.serve_with_challenger("1", "2")
 
     st = stack.reconcile()
 
@@ -305,10 +285,7 @@ def test_a_challenger_is_loaded_beside_the_champion_and_gets_its_share(stack: St
 
 
 def test_a_restarted_replica_gets_both_champion_and_challenger_back(stack: Stack) -> None:
-    stack.promote("1")
-    stack.reconcile()
-    state.start_challenger(stack.cfg, MODEL, "2", client=stack.reg)
-    stack.reconcile()
+    stack.serve_with_challenger("1", "2")
     stack.replicas[0].restart()
 
     stack.reconcile()
@@ -336,35 +313,23 @@ def test_a_challenger_that_fails_its_probe_is_aborted_and_the_champion_keeps_all
     assert all("hourglass-v2" not in r.loaded for r in stack.replicas)
 
 
-def test_a_challenger_gone_from_the_registry_leaves_the_route_and_is_unloaded(stack: Stack) -> None:
-    stack.promote("1")
-    stack.reconcile()
-    state.start_challenger(stack.cfg, MODEL, "2", client=stack.reg)
-    stack.reconcile()
-    state.abort_challenger(stack.cfg, MODEL, client=stack.reg, reason="operator")
+@pytest.mark.parametrize("decision", ["abort", "promote"])
+def test_a_finished_canary_leaves_the_route_and_its_loser_is_unloaded(stack: Stack, decision: str) -> None:
+    stack.serve_with_challenger("1", "2")
+    if decision == "abort":
+        state.abort_challenger(stack.cfg, MODEL, client=stack.reg, reason="users preferred the champion")
+    else:
+        state.promote_challenger(stack.cfg, MODEL, client=stack.reg, reason="users preferred the challenger")
 
     stack.reconcile()
     stack.reconcile()  # the drained copy goes on the pass after the route lost it
 
+    winner = "1" if decision == "abort" else "2"
     route = stack.route()
-    assert route.served_name == "hourglass-v1" and route.challenger_served_name is None and route.fraction == 0.0
-    assert all(r.loaded == {"hourglass-v1"} for r in stack.replicas)
-
-
-def test_a_promoted_challenger_becomes_the_champion_route(stack: Stack) -> None:
-    stack.promote("1")
-    stack.reconcile()
-    state.start_challenger(stack.cfg, MODEL, "2", client=stack.reg)
-    stack.reconcile()
-    state.promote_challenger(stack.cfg, MODEL, client=stack.reg, reason="canary won")
-
-    stack.reconcile()
-    stack.reconcile()
-
-    route = stack.route()
-    assert (route.served_name, route.version, route.challenger_served_name) == ("hourglass-v2", "2", None)
-    assert all(r.loaded == {"hourglass-v2"} for r in stack.replicas)
-    assert stack.champion() == "2"
+    assert (route.version, route.served_name) == (winner, f"hourglass-v{winner}")
+    assert route.challenger_served_name is None and route.challenger_version is None and route.fraction == 0.0
+    assert all(r.loaded == {f"hourglass-v{winner}"} for r in stack.replicas)
+    assert stack.champion() == winner
 
 
 def test_replica_refused_error_from_an_already_loaded_copy_refuses_the_version(stack: Stack) -> None:

@@ -1,5 +1,5 @@
-"""Replica hiccups vs bad adapters (fast: fake MLflow client and fake replicas,
-plus the real Replica client on a mocked HTTP transport).
+"""Replica hiccups vs bad adapters (fast: the in-memory registry, replica and staging fakes of
+``registry_fakes.py``, plus the real Replica client on a mocked HTTP transport).
 
 A 5xx, timeout or connection error is the replica's problem: nothing is
 tagged, the alias stays, the error is counted, the next pass retries. Only a
@@ -9,99 +9,31 @@ adapter's fault."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from mlflow.exceptions import MlflowException
 from prometheus_client import REGISTRY
 
-import pipeline.serving as serving
-from pipeline.aliases import TAG_SERVE_ERROR
+from pipeline.aliases import TAG_SERVE_ERROR, promote
 from pipeline.replica import Replica, ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
 from pipeline.serving import ServingController, read_routes
+from registry_fakes import FakeRegistry, FakeReplica, FakeStager
 from serving_helpers import make_config
 
 MODEL = "hg"
 
 
-class FakeClient:
-    """The few MlflowClient calls the controller and aliases make, in memory."""
-
-    def __init__(self, champion: str) -> None:
-        self.alias: str | None = champion
-        self.version_tags: dict[str, dict[str, str]] = {"1": {}, "2": {"hourglass.promoted_reason": "round r2"}}
-        self.model_tags: dict[str, str] = {"hourglass.champion_history": '["1", "2"]'}
-
-    def get_model_version_by_alias(self, model, alias):
-        if self.alias is None:
-            raise MlflowException("no alias", error_code="RESOURCE_DOES_NOT_EXIST")
-        return SimpleNamespace(version=self.alias)
-
-    def get_model_version(self, model, version):
-        return SimpleNamespace(version=version, tags=dict(self.version_tags[str(version)]))
-
-    def set_model_version_tag(self, model, version, key, value):
-        self.version_tags[str(version)][key] = value
-
-    def get_registered_model(self, model):
-        return SimpleNamespace(tags=dict(self.model_tags))
-
-    def set_registered_model_tag(self, model, key, value):
-        self.model_tags[key] = value
-
-    def set_registered_model_alias(self, model, alias, version):
-        if alias == "champion":
-            self.alias = str(version)
-
-    def delete_registered_model_alias(self, model, alias):
-        if alias == "champion":
-            self.alias = None
-
-
-class FakeReplica:
-    """A vLLM replica whose next load / probe outcomes are scripted (None = success)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.loaded: set[str] = {"base"}
-        self.load_errors: list[Exception | None] = []
-        self.probe_errors: list[Exception | None] = []
-
-    def models(self) -> list[str]:
-        return sorted(self.loaded)
-
-    def load(self, name: str, path: str) -> None:
-        error = self.load_errors.pop(0) if self.load_errors else None
-        if error is not None:
-            raise error
-        self.loaded.add(name)
-
-    def probe(self, name: str) -> str:
-        error = self.probe_errors.pop(0) if self.probe_errors else None
-        if error is not None:
-            raise error
-        return "ok"
-
-    def unload(self, name: str) -> None:
-        self.loaded.discard(name)
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
-def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def setup(tmp_path: Path):
     cfg = make_config(tmp_path, "http://127.0.0.1:9", ["http://replica-a:8000"])
-    monkeypatch.setattr(serving, "stage_version", lambda client, model, version, staging, **kw: SimpleNamespace(
-        served_name=f"{model}-v{version}", path=tmp_path / f"v{version}"))  # fmt: skip
-    client = FakeClient(champion="1")
-    controller = ServingController(cfg, models=[MODEL], base_fingerprint="f" * 64, client=client)
+    client = FakeRegistry()
+    client.add_versions(MODEL, 2)
+    promote(cfg, MODEL, "1", client=client)
     replica = FakeReplica("http://replica-a:8000")
-    controller.replicas = [replica]
+    controller = ServingController(cfg, models=[MODEL], base_fingerprint="f" * 64, client=client, replicas=[replica], stage=FakeStager())
     controller.reconcile_once()  # v1 serves
     assert read_routes(cfg.state_dir)[MODEL].version == "1"
-    client.alias = "2"  # a round promotes v2
+    promote(cfg, MODEL, "2", client=client, reason="round r2")  # a round promotes v2
     return cfg, controller, client, replica
 
 
@@ -122,14 +54,14 @@ TRANSIENT = {
 def test_replica_problem_is_retried_not_refused(case, setup) -> None:
     cfg, controller, client, replica = setup
     where, error = TRANSIENT[case]
-    getattr(replica, f"{where}_errors").append(error)
+    replica.fail(where, error)
     before = _transient_count()
 
     status = controller.reconcile_once()[MODEL]
     assert status["serving"] == "1" and status["transient_errors"] == 1 and str(error) in status["last_transient_error"]
     assert status["last_error_version"] is None
-    assert TAG_SERVE_ERROR not in client.version_tags["2"]  # never tagged
-    assert client.alias == "2"  # never reverted
+    assert TAG_SERVE_ERROR not in client.tags(MODEL, "2")  # never tagged
+    assert client.alias(MODEL, "champion") == "2"  # never reverted
     assert read_routes(cfg.state_dir)[MODEL].version == "1"  # v1 keeps serving
     assert _transient_count() - before == 1
 
@@ -150,11 +82,11 @@ REFUSED = {
 def test_adapter_fault_is_refused_and_the_alias_reverted(case, setup) -> None:
     cfg, controller, client, replica = setup
     where, error = REFUSED[case]
-    getattr(replica, f"{where}_errors").append(error)
+    replica.fail(where, error)
     status = controller.reconcile_once()[MODEL]
     assert status["last_error_version"] == "2" and status["transient_errors"] == 0
-    assert str(error) in client.version_tags["2"][TAG_SERVE_ERROR]
-    assert client.alias == "1" and read_routes(cfg.state_dir)[MODEL].version == "1"
+    assert str(error) in client.tags(MODEL, "2")[TAG_SERVE_ERROR]
+    assert client.alias(MODEL, "champion") == "1" and read_routes(cfg.state_dir)[MODEL].version == "1"
     assert "hg-v2" not in replica.loaded
 
 
