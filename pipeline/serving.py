@@ -43,10 +43,10 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
@@ -132,15 +132,9 @@ class _AdapterFailure(Exception):
     """Internal: the adapter (not the network) made the hot-load fail."""
 
 
-class Stager(Protocol):
-    """Downloads and verifies one version; :func:`pipeline.staging.stage_version` is the real one.
-
-    Called as ``stage(client, model, version, staging_dir, base_fingerprint=..., base_modules=...,
-    model_version=..., **stage_options(cfg))``; returns a :class:`StagedAdapter`, raises
-    :class:`StagingError` for an adapter that must not be loaded.
-    """
-
-    def __call__(self, client, model: str, version: str, staging_dir: Path, **kwargs) -> StagedAdapter: ...
+Stager = Callable[..., StagedAdapter]
+"""The staging step: called like :func:`pipeline.staging.stage_version` (the real one); returns a
+:class:`StagedAdapter`, raises :class:`StagingError` for a version that must not be loaded."""
 
 
 class ServingController:
