@@ -2,9 +2,9 @@
 
 - :class:`FakeRegistry`: the ``MlflowClient`` calls Hourglass makes on the model registry
   (versions, version tags, registered-model tags, aliases), with MLflow's error codes.
-- :class:`FakeReplica`: a vLLM replica as :class:`pipeline.replica.ReplicaControl` sees it
+- :class:`FakeReplica`: a vLLM replica as :class:`pipeline.serving.replica.ReplicaControl` sees it
   (loaded adapter names; scripted faults; a restart that loses every runtime adapter).
-- :class:`FakeStager`: the staging step of :class:`pipeline.serving.ServingController`
+- :class:`FakeStager`: the staging step of :class:`pipeline.serving.controller.ServingController`
   (no download; refuses the versions it is told to).
 
 Each fake records the calls made to it, so a test can assert what the logic decided.
@@ -20,8 +20,8 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST
 
-from pipeline.replica import ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.staging import StagedAdapter, StagingError, served_name
+from pipeline.serving.replica import ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagedAdapter, StagingError, served_name
 
 
 @dataclass
@@ -32,7 +32,7 @@ class _Model:
 
 
 class FakeRegistry:
-    """An ``MlflowClient`` for the registry calls of :mod:`pipeline.aliases`, :mod:`pipeline.serving`
+    """An ``MlflowClient`` for the registry calls of :mod:`pipeline.registry.aliases`, :mod:`pipeline.serving.controller`
     and :mod:`pipeline.canary.state`. ``down = True`` makes every call raise like an unreachable server."""
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Alias history and rollback-target logic of :mod:`pipeline.aliases`, on an in-memory registry.
+"""Alias history and rollback-target logic of :mod:`pipeline.registry.aliases`, on an in-memory registry.
 
 The same moves are proven against a real MLflow server in ``test_registry.py`` and ``test_serving.py``;
 these run in milliseconds and cover the branches: who moved the alias, failed versions, the history cap.
@@ -11,10 +11,10 @@ import json
 import pytest
 from mlflow.exceptions import MlflowException
 
-from pipeline import aliases
-from pipeline.aliases import PREVIOUS_ALIAS, TAG_HISTORY, TAG_PROMOTED_BY, TAG_SERVE_ERROR, UnknownVersionError
+from pipeline.registry import aliases
+from pipeline.registry.aliases import PREVIOUS_ALIAS, TAG_HISTORY, TAG_PROMOTED_BY, TAG_SERVE_ERROR, UnknownVersionError
 from pipeline.config import HourglassConfig
-from pipeline.registry import RegistryError
+from pipeline.registry.models import RegistryError
 from registry_fakes import FakeRegistry
 
 MODEL = "hourglass"

@@ -1,4 +1,4 @@
-"""Reconcile decisions of :class:`pipeline.serving.ServingController` with fake replicas, a fake registry
+"""Reconcile decisions of :class:`pipeline.serving.controller.ServingController` with fake replicas, a fake registry
 and a fake staging step: what gets staged, loaded, probed, routed and unloaded, and what a replica
 problem (transient) or an adapter fault (refused) does to the alias and the route.
 
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import aliases
-from pipeline.aliases import TAG_SERVE_ERROR
+from pipeline.registry import aliases
+from pipeline.registry.aliases import TAG_SERVE_ERROR
 from pipeline.canary import state
 from pipeline.config import HourglassConfig
-from pipeline.replica import ReplicaRefusedError, ReplicaServerError
-from pipeline.serving import ServingController, read_routes
+from pipeline.serving.replica import ReplicaRefusedError, ReplicaServerError
+from connectors.gateway.routes import read_routes
+from pipeline.serving.controller import ServingController
 from registry_fakes import FakeRegistry, FakeReplica, FakeStager
 
 MODEL = "hourglass"

@@ -14,9 +14,10 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from pipeline.aliases import TAG_SERVE_ERROR, promote
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
-from pipeline.serving import ServingController, read_routes
+from connectors.gateway.routes import read_routes
+from pipeline.registry.aliases import TAG_SERVE_ERROR, promote
+from pipeline.serving.controller import ServingController
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
 from registry_fakes import FakeRegistry, FakeReplica, FakeStager
 from serving_helpers import make_config
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from connectors.auth import KeyStore
+from connectors.gateway.auth import KeyStore
 from connectors.config import GatewayConfig, KafkaConfig
 from connectors.errors import ConnectorConfigError
-from connectors.gateway import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
-from connectors.gateway_publish import TRACE_ERRORS
+from connectors.gateway.app import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
+from connectors.gateway.events import TRACE_ERRORS
 from connectors.schema import FeedbackEvent, TraceEvent
 from gateway_fakes import FakeSink, wait_for
 
