@@ -38,6 +38,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 
 from trainer import model_store  # noqa: E402
 from trainer.adapter_store import make_store  # noqa: E402
+from trainer.offload_store import OffloadStore  # noqa: E402
 from trainer.base import ResidentBase, pick_device, wrap_base  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RLConfig  # noqa: E402
 from trainer.update import Batch, update_step  # noqa: E402
@@ -122,7 +123,7 @@ def run_store(kind: str, base: ResidentBase, candidates: list[CandidateConfig], 
         held, peak = torch.cuda.memory_allocated(device) - before, torch.cuda.max_memory_allocated(device) - before
     else:
         held = peak = float("nan")
-    host = store.host_bytes() if kind == "offload" else 0
+    host = store.host_bytes() if isinstance(store, OffloadStore) else 0
     store.close()
     return {
         "swap_s": statistics.median(swap_s),
