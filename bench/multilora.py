@@ -8,7 +8,7 @@
 
 Identical work both ways: per candidate S GRPO steps of P prompts x G
 rollouts, then greedy evaluation on the same held-out prompts. The task is
-the demo's (one-digit additions, ``pipeline/traffic.py``), the reward the
+the demo's (one-digit additions, ``pipeline/demo/traffic.py``), the reward the
 demo's users' own check (``first_number_answer``, which the base gets right
 now and then) plus ``format`` at weight 0.5, the K candidates a small
 learning-rate sweep (2.5e-4 .. 2e-3, rank 8); evaluation scores the greedy
@@ -129,7 +129,7 @@ def rl_config(args: argparse.Namespace, update_mode: str) -> RLConfig:
 
 
 def tables(args: argparse.Namespace):
-    """Train and held-out snapshot tables of the demo's task (pipeline/traffic.py arithmetic_questions: one-digit
+    """Train and held-out snapshot tables of the demo's task (pipeline/demo/traffic.py arithmetic_questions: one-digit
     additions), enough held-out rows for ``--eval-prompts``."""
     from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
