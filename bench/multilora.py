@@ -34,7 +34,7 @@ of the workload's size, alternating). The last lines repeat the speedups.
 (b) trains in ``--update-mode`` (default ``one_pass``); (a) has one candidate
 per process and trains ``sequential``, as a lone experiment would.
 
-    python bench/multilora.py --k 2 --steps 1 --eval-prompts 8 --no-update-ratio   # a check that it runs (minutes)
+    python bench/multilora.py --k 2 --steps 1 --eval-prompts 8 --ratio-repeats 1   # a check that it runs (62 min at load 13-55)
     python bench/multilora.py                         # K=8, SmolLM2, default workload
     python bench/multilora.py --workload both         # both presets in one run
 """
