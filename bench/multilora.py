@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -120,7 +121,7 @@ def candidates(k: int) -> list[CandidateConfig]:
     ]  # fmt: skip
 
 
-def rl_config(args: argparse.Namespace, update_mode: str) -> RLConfig:
+def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"]) -> RLConfig:
     return RLConfig(
         steps_per_round=args.steps, prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
         eval_prompts=args.eval_prompts, adapter_store="offload", seed=0, update_mode=update_mode, gate_reward=EVAL_REWARD,
@@ -150,7 +151,7 @@ def start_vllm(model: Path, logs: Path, max_loras: int):
     return service
 
 
-def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, update_mode: str, out: Path, extra=None) -> dict:
+def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"], out: Path, extra=None) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
     from trainer.rollout_vllm import VLLMEngine
     from trainer.candidates import run_round
@@ -227,10 +228,7 @@ def update_ratio(args: argparse.Namespace) -> list[str]:
 
     base = load_base(ModelConfig(name=args.model_dir))  # dtype "auto": bf16 where the hardware has it
     train, _ = tables(args)
-    prompts = [
-        base.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        for p in prompts_from_table(train)[: args.prompts]
-    ]  # fmt: skip
+    prompts = [base.chat_token_ids(p.messages) for p in prompts_from_table(train)[: args.prompts]]
     batches = make_batches(base, prompts, args.k, args.group, args.max_new_tokens)
     rl = rl_config(args, "sequential").model_copy(update={"adapters_per_pass": args.k})
     result = compare_modes(base, candidates(args.k), batches, rl, args.ratio_repeats)

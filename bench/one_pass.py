@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -133,7 +134,7 @@ def report(result: dict[str, float], k: int) -> list[str]:
 
 def bench_candidates(k: int, rank: int, targets: Sequence[str] | None = None) -> list[CandidateConfig]:
     """K rank-``rank`` candidates with learning rates 1e-4 .. 4e-4 (cycling)."""
-    extra = {"target_modules": list(targets)} if targets else {}
+    extra: dict[str, Any] = {"target_modules": list(targets)} if targets else {}
     return [CandidateConfig(name=f"c{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-4 * (1 + i % 4), **extra) for i in range(k)]
 
 
@@ -164,7 +165,7 @@ def main() -> None:
 
     device = pick_device(args.device)
     if args.model is not None:
-        base = load_base(ModelConfig(name=args.model, dtype=args.dtype, device=device.type))
+        base = load_base(ModelConfig(name=args.model, dtype=args.dtype, device="cuda" if device.type == "cuda" else "cpu"))
         label = str(args.model)
     else:
         tokenizer = args.tokenizer or model_store.resolve("smollm2-135m-instruct", ModelConfig().cache_dir)
