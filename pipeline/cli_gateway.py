@@ -5,7 +5,9 @@
 
 The gateway itself lives in :mod:`connectors.gateway` (which never imports
 ``pipeline``); this module injects the route lookup: the routes file the
-serving controller writes (:func:`pipeline.serving.read_routes`).
+serving controller writes (:func:`pipeline.serving.read_routes`), or, with
+``serving.routes_source = "kafka"``, the routes topic it publishes to
+(:class:`connectors.route_feed.RouteFollower`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
@@ -50,16 +53,21 @@ class Resolved(NamedTuple):
 
 
 class RouteResolver:
-    """Public model name -> ``(vLLM served name, adapter version)`` from ``<state_dir>/routes.json``.
+    """Public model name -> ``(vLLM served name, adapter version)`` from ``<state_dir>/routes.json``,
+    or from ``source`` (e.g. a :class:`connectors.route_feed.RouteFollower`'s ``routes``: ``{model: route dict}``).
 
     A public name with a route goes to its versioned served name; the configured
     public name without a route goes to the base (``base_served_name``, version
-    None); any other name raises ``KeyError``. The file is re-read at most every
+    None); any other name raises ``KeyError``. The routes are re-read at most every
     ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``.
     """
 
-    def __init__(self, state_dir: str | Path, public_name: str, base_served_name: str, ttl_s: float = 1.0) -> None:
+    def __init__(
+        self, state_dir: str | Path | None, public_name: str, base_served_name: str, ttl_s: float = 1.0,
+        *, source: Callable[[], dict[str, dict]] | None = None,
+    ) -> None:  # fmt: skip
         self.state_dir = state_dir
+        self.source = source
         self.public_name = public_name
         self.base_served_name = base_served_name
         self.ttl_s = ttl_s
@@ -70,7 +78,7 @@ class RouteResolver:
     def _current(self) -> dict[str, Route]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
-                routes = read_routes(self.state_dir)
+                routes = read_routes(self.state_dir) if self.source is None else _from_dicts(self.source())
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
@@ -100,6 +108,36 @@ class RouteResolver:
         return sorted(self._current())
 
 
+def _from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
+    """Route records of the routes topic as ``Route`` objects; unknown fields are ignored (a newer writer)."""
+    names = set(Route.__dataclass_fields__)
+    out: dict[str, Route] = {}
+    for model, entry in entries.items():
+        try:
+            out[model] = Route(**{k: v for k, v in entry.items() if k in names})
+        except TypeError:  # a required field missing: skip it, as the follower skips bad records
+            continue
+    return out
+
+
+def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: float = 30.0) -> RouteResolver:
+    """The gateway's resolver for ``serving.routes_source``: the routes file, or a follower of ``kafka.routes_topic``
+    started now (waiting up to ``ready_wait_s`` to have read the current routes; it keeps following after)."""
+    if cfg.serving.routes_source == "file":
+        return RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    from connectors.route_feed import RouteFollower
+
+    follower = RouteFollower(cfg.kafka)
+    if not follower.start(wait_s=ready_wait_s):
+        logging.getLogger(__name__).warning(
+            "routes topic %s not read within %.0fs (%s); serving the base until routes arrive",
+            cfg.kafka.routes_topic, ready_wait_s, follower.last_error or "no answer",
+        )  # fmt: skip
+    resolver = RouteResolver(None, cfg.serving.model_name, cfg.serving.base_served_name, ttl_s=min(ttl_s, 0.1), source=follower.routes)
+    resolver.follower = follower  # type: ignore[attr-defined]  (closed with the app)
+    return resolver
+
+
 def key_store(cfg: HourglassConfig) -> KeyStore:
     """The gateway's API keys: ``<state_dir>/gateway-keys.json`` (0600; `hourglass keys` edits it)."""
     return KeyStore(cfg.resolve(cfg.state_dir) / KEYS_FILE)
@@ -122,14 +160,19 @@ def feedback_signer(cfg: HourglassConfig) -> FeedbackSigner:
     return FeedbackSigner(key, cfg.gateway.feedback_token_ttl_s)
 
 
+def upstream_url(cfg: HourglassConfig) -> str:
+    """Where the gateway sends requests: ``gateway.upstream_url``, else the first serving replica."""
+    return (cfg.gateway.upstream_url or cfg.serving.replicas[0]).rstrip("/")
+
+
 def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
-    """The gateway app for ``cfg``: upstream = first replica, routes from ``cfg.state_dir``, configured user hashing,
+    """The gateway app for ``cfg``: upstream = :func:`upstream_url`, routes from :func:`route_resolver`, configured user hashing,
     API keys from the state dir, feedback tokens signed with :func:`feedback_signer`."""
-    resolver = RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    resolver = route_resolver(cfg, ttl_s=ttl_s)
     hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
     upstream_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key else None
     return create_gateway_app(
-        cfg.kafka, cfg.serving.replicas[0], resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
+        cfg.kafka, upstream_url(cfg), resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
         keys=key_store(cfg), signer=feedback_signer(cfg), trusted_metadata=cfg.buffer.trusted_metadata,
         reward_spec=cfg.buffer.reward, upstream_api_key=upstream_key,
     )  # fmt: skip
@@ -153,7 +196,7 @@ def gateway(
         console.print(f"[yellow]warning:[/yellow] {err}")
     auth = "API keys required" if cfg.gateway.require_api_key else "NO API KEYS (gateway.require_api_key = false)"
     console.print(
-        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {cfg.serving.replicas[0]} "
+        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {upstream_url(cfg)} "
         f"(model {cfg.serving.model_name!r}, traces -> {cfg.kafka.traces_topic}, {auth})"
     )
     try:

@@ -131,6 +131,18 @@ class ServingConfig(_Section):
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
     staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    routes_source: Literal["file", "kafka"] = Field(
+        default="file",
+        description="Where gateways learn routes. 'file': <state_dir>/routes.json (one host: the gateway shares the "
+        "service's state dir). 'kafka': the controller also publishes every route change to the compacted "
+        "kafka.routes_topic and each gateway follows it (any number of gateways, no shared disk).",
+    )  # fmt: skip
+    adapter_share_uri: str | None = Field(
+        default=None,
+        description="Shared adapter store (a path, or an s3:// / gs:// URI) for replicas that do not share the service's "
+        "disk: a verified version is published there and each replica fetches it through the Hourglass LoRA resolver "
+        "plugin (its HOURGLASS_ADAPTER_SHARE must name the same store). Unset: replicas load the staged folder by path.",
+    )  # fmt: skip
     max_adapter_bytes: int = Field(
         default=512 * 1024**2, ge=1024,
         description="Largest adapter staging accepts, bytes: the sum of its files and each file, checked on the sizes MLflow "

@@ -110,8 +110,7 @@ def train_and_evaluate(
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
     rl = cfg.rl
-    if rl.rollout_engine == "vllm" and rl.rollout_url is None:
-        rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
+    rl = rollout_settings(cfg)
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
     result = run_round(
@@ -120,6 +119,19 @@ def train_and_evaluate(
     )  # fmt: skip
     result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
     return result
+
+
+def rollout_settings(cfg: HourglassConfig):
+    """``cfg.rl`` with the rollout fleet filled in: without ``rl.rollout_url`` / ``rl.rollout_urls``, rollouts and
+    evaluation go to every ``serving.replicas`` entry (:mod:`trainer.rollout_fleet`); the adapter share defaults to
+    ``serving.adapter_share_uri``."""
+    rl = cfg.rl
+    update: dict = {}
+    if rl.rollout_engine == "vllm" and rl.rollout_url is None and not rl.rollout_urls:
+        update["rollout_urls"] = list(cfg.serving.replicas)
+    if rl.adapter_share_uri is None and cfg.serving.adapter_share_uri is not None:
+        update["adapter_share_uri"] = cfg.serving.adapter_share_uri
+    return rl.model_copy(update=update) if update else rl
 
 
 def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:
@@ -356,7 +368,7 @@ def round_adapter_names(round_id: str, candidates: list[str]) -> re.Pattern[str]
 def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
     """Unload what a dead or abandoned round left loaded in vLLM, on every replica.
 
-    Looks at ``serving.replicas`` and ``rl.rollout_url``; a replica that does
+    Looks at ``serving.replicas``, ``rl.rollout_urls`` and ``rl.rollout_url``; a replica that does
     not answer is skipped (a restarted vLLM has lost its runtime adapters anyway).
     Only call it while no other round runs (it matches by candidate name).
     Returns ``{replica url: [unloaded names]}``.
@@ -364,7 +376,7 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
 
     pattern = round_adapter_names(round_id, candidates)
-    urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
+    urls = list(dict.fromkeys([*cfg.serving.replicas, *cfg.rl.rollout_urls, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
     api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
     unloaded: dict[str, list[str]] = {}
     for url in urls:
