@@ -26,6 +26,10 @@ Replica settings (environment of the vLLM process):
 - ``HOURGLASS_ADAPTER_CACHE_KEEP``: how many fetched folders stay cached
   (default 64; older ones are removed before a new fetch).
 
+vLLM's built-in filesystem resolver (``VLLM_LORA_RESOLVER_CACHE_DIR``) only
+reads a folder on the replica's own disk, which is the shared disk this plugin
+exists to avoid; the hub resolver needs the Hugging Face Hub.
+
 Each fetch checks every file against the manifest the writer published
 (sha256), so a torn or corrupted copy is refused (the request gets vLLM's
 404) rather than loaded. Only the service and trainers may write the store:

@@ -161,3 +161,15 @@ def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny
     (share / "torn-s0" / "adapter_model.safetensors").write_bytes(b"not the published bytes")
     response = httpx.post(f"{urls[1]}/v1/completions", json={"model": "torn-s0", "prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert response.status_code == 404 and "torn-s0" not in _models(urls[1])
+
+
+def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_path) -> None:
+    from pipeline.config import HourglassConfig
+    from pipeline.round_job import rollout_settings
+
+    fleet = ["http://vllm-0:8000", "http://vllm-1:8000"]
+    cfg = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet, "adapter_share_uri": "s3://b/share"})
+    rl = rollout_settings(cfg)
+    assert rl.rollout_urls == fleet and rl.adapter_share_uri == "s3://b/share"
+    own = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_url": "http://rollouts:8000"})
+    assert rollout_settings(own).rollout_urls == [] and rollout_settings(own).adapter_share_uri is None
