@@ -352,7 +352,18 @@ class ServingController:
                     replica.load(staged.served_name, str(staged.path))
                 # With a share, the probe through the new name makes the replica fetch it (pipeline.lora_resolver).
                 done.append(replica)
-                replica.probe(staged.served_name)
+                try:
+                    replica.probe(staged.served_name)
+                except ReplicaRefusedError as err:
+                    if share is None or "does not exist" not in str(err):
+                        raise
+                    # Published, yet the replica could not fetch it (its access to the share, or no resolver
+                    # plugin there): the replica's problem, retried next pass. A fetched adapter that vLLM cannot
+                    # load answers 400 instead, which stays the adapter's fault.
+                    raise ReplicaUnreachableError(
+                        f"{err} (published to {share}; the replica's Hourglass LoRA resolver plugin did not fetch it: "
+                        "check its HOURGLASS_ADAPTER_SHARE and its access to the share)"
+                    ) from err
             except ReplicaUnreachableError as err:  # the replica's problem, not the adapter's
                 self._transient(model, replica, err)
                 log.warning("%s; will load %s there on a later pass", err, staged.served_name)
@@ -361,11 +372,7 @@ class ServingController:
             except ReplicaRefusedError as err:
                 for loaded in done:
                     self._try_unload(loaded, staged.served_name)
-                hint = (
-                    f" (the replica fetches it from {share} through the Hourglass LoRA resolver plugin: check its "
-                    "HOURGLASS_ADAPTER_SHARE)" if share is not None and "does not exist" in str(err) else ""
-                )  # fmt: skip
-                raise _AdapterFailure(f"{err}{hint}") from err
+                raise _AdapterFailure(str(err)) from err
         return done
 
     def _roll_out(self, model: str, version: str, seen: dict[Replica, set[str]], promoted: str | None, mv) -> None:

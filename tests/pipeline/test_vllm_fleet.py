@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pipeline.aliases import TAG_SERVE_ERROR, champion_version
 from pipeline.registry import register_round
 from pipeline.replica import Replica
 from pipeline.serving import ServingController, read_routes
@@ -145,6 +146,26 @@ def test_champion_reaches_every_replica_through_the_share(fleet, tiny_model: Pat
         controller.close()
         for url in urls:
             Replica(url).unload(name)
+
+
+def test_a_replica_that_cannot_fetch_is_a_transient_problem_not_the_adapters(fleet, tiny_model: Path, tmp_path, mlflow_uri):
+    urls, share, _ = fleet
+    model = "srv-fleet-miss"
+    fp = fingerprint_of(tiny_model)
+    base = make_config(tmp_path, mlflow_uri, urls)
+    elsewhere = tmp_path / "elsewhere"  # the service publishes here; the replicas read `share`
+    cfg = base.model_copy(update={"serving": base.serving.model_copy(update={"adapter_share_uri": str(elsewhere)})})
+    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=9), fp, round_id="r-1", model=model), promote=True)
+    controller = ServingController(cfg, models=[model], base_fingerprint=fp)
+    try:
+        st = controller.reconcile_once()[model]
+        assert model not in read_routes(cfg.state_dir)  # nothing flipped
+        assert st["transient_errors"] == 2 and "did not fetch it" in st["last_transient_error"]
+        # the adapter is not blamed: no serve error tag, @champion stays for the next pass
+        assert TAG_SERVE_ERROR not in controller.client.get_model_version(model, v1.version).tags
+        assert champion_version(controller.client, model, cfg.registry.champion_alias) == v1.version
+    finally:
+        controller.close()
 
 
 def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny_model: Path, tmp_path):
