@@ -4,7 +4,7 @@ The writer (the serving controller for champions, a trainer for its rollout
 versions) *publishes* a flat adapter folder under ``<uri>/<name>/`` and writes
 ``hourglass-manifest.json`` (``{"files": {file name: sha256}}``) last, so a
 reader never sees a half-written adapter as complete. The replica side
-(:mod:`pipeline.lora_resolver`, a vLLM LoRA resolver plugin) *fetches*
+(:mod:`pipeline.serving.lora_resolver`, a vLLM LoRA resolver plugin) *fetches*
 ``<uri>/<name>/`` into its own cache folder, checks every file against the
 manifest, and hands vLLM the local copy.
 

@@ -45,7 +45,7 @@ class VLLMEngine:
             for a server that does not share this host's disk: :meth:`load`
             publishes the folder there and a one-token completion through the
             new name makes the server fetch it (its resolver plugin,
-            :mod:`pipeline.lora_resolver`). None: the server reads the local path.
+            :mod:`pipeline.serving.lora_resolver`). None: the server reads the local path.
     """
 
     def __init__(

@@ -15,14 +15,15 @@ from contextlib import ExitStack
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from http_helpers import serve
 from kafka import KafkaProducer
 
 from connectors.config import GatewayConfig
-from connectors.gateway import create_gateway_app
-from http_helpers import serve
-from pipeline.cli_gateway import route_resolver
+from connectors.gateway.app import create_gateway_app
+from connectors.gateway.routes import Route, write_route
+from pipeline.cli.gateway import route_resolver
 from pipeline.config import HourglassConfig
-from pipeline.serving import Route, ServingController, write_route
+from pipeline.serving.controller import ServingController
 
 pytestmark = pytest.mark.integration
 

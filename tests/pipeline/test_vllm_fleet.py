@@ -1,6 +1,6 @@
 """A fleet of two real vLLM replicas (tiny model) that share no disk with the service.
 
-Each replica runs the Hourglass LoRA resolver plugin (pipeline.lora_resolver,
+Each replica runs the Hourglass LoRA resolver plugin (pipeline.serving.lora_resolver,
 found through a ``vllm.general_plugins`` entry point) with its own cache
 folder; the service and the trainer publish adapters to a shared store and
 never hand a replica a path of theirs.
@@ -22,13 +22,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from pipeline.aliases import TAG_SERVE_ERROR, champion_version
-from pipeline.registry import register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
-from pipeline.stack import free_port, vllm_service
 from serving_helpers import make_adapter, make_config, make_round
+
+from connectors.gateway.routes import read_routes
+from pipeline.registry.aliases import TAG_SERVE_ERROR, champion_version
+from pipeline.registry.models import register_round
+from pipeline.serving.controller import ServingController
+from pipeline.serving.replica import Replica
+from pipeline.stack import free_port, vllm_service
 from trainer.adapter_share import MANIFEST
 from trainer.model_store import fingerprint_of
 from trainer.rollout import RolloutRequest
@@ -36,7 +37,7 @@ from trainer.rollout_fleet import FleetEngine
 
 pytestmark = pytest.mark.integration
 
-ENTRY_POINTS = "[vllm.general_plugins]\nhourglass_lora_resolver = pipeline.lora_resolver:register\n"
+ENTRY_POINTS = "[vllm.general_plugins]\nhourglass_lora_resolver = pipeline.serving.lora_resolver:register\n"
 
 
 def _plugin_path(root: Path) -> Path:
@@ -186,7 +187,7 @@ def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny
 
 def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_path) -> None:
     from pipeline.config import HourglassConfig
-    from pipeline.round_job import rollout_settings
+    from pipeline.rounds.job import rollout_settings
 
     fleet = ["http://vllm-0:8000", "http://vllm-1:8000"]
     cfg = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet, "adapter_share_uri": "s3://b/share"})

@@ -8,18 +8,18 @@ every ``serving.reconcile_interval_s`` on a thread (and at once on
 a replica restarted (runtime adapters are lost), a replica added.
 
 A hot-load, in order:
-1. stage the version (:mod:`pipeline.staging`: download, checksums,
+1. stage the version (:mod:`pipeline.serving.staging`: download, checksums,
    safetensors only, base fingerprint, rank, safe paths);
 2. load it under ``<model>-v<version>`` on every reachable replica (never
    reloaded in place under an old name): by path, or, with
    ``serving.adapter_share_uri``, published to the shared adapter store from
-   which each replica's resolver plugin fetches it (:mod:`pipeline.lora_resolver`);
+   which each replica's resolver plugin fetches it (:mod:`pipeline.serving.lora_resolver`);
 3. probe a completion through that name on each replica; only then it counts;
-4. flip the route (``<state_dir>/routes.json``, written atomically; a gateway
-   on the same host reads it with :func:`read_routes`; with
-   ``serving.routes_source = "kafka"`` the pass also publishes it to the
-   compacted ``kafka.routes_topic`` that every gateway follows,
-   :mod:`connectors.route_feed`);
+4. flip the route (``<state_dir>/routes.json``, written atomically with
+   :func:`connectors.gateway.routes.write_route`; a gateway on the same host
+   reads it there; with ``serving.routes_source = "kafka"`` the pass also
+   publishes it to the compacted ``kafka.routes_topic`` that every gateway
+   follows, :mod:`connectors.gateway.route_feed`);
 5. unload the replaced version after ``serving.drain_s`` (and, with the
    topic, only once the broker acknowledged the new route).
 
@@ -42,28 +42,25 @@ and the next pass tries again.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
 
 from connectors.errors import ConnectorError
+from connectors.gateway.route_feed import RoutePublisher
+from connectors.gateway.routes import Route, read_routes, write_route
 from connectors.kafka_admin import ensure_routes_topic
-from connectors.route_feed import RoutePublisher
-from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
+from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
-from pipeline.registry import make_client
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.staging import StagingError, base_module_names, served_name, stage_options, stage_version
+from pipeline.registry.models import make_client
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagingError, base_module_names, served_name, stage_options, stage_version
 from trainer.adapter_share import AdapterShareError, publish
 from trainer.adapter_share import remove as share_remove
 
@@ -71,47 +68,6 @@ log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
 TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
-ROUTES_FILE = "routes.json"
-
-
-# --- routes file -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the public model name goes now."""
-
-    served_name: str  # the vLLM model name, e.g. "hourglass-v3"
-    version: str
-    updated_at: str  # ISO 8601, UTC
-    # The canary (pipeline.canary): a share `fraction` of routing keys goes to the challenger.
-    challenger_served_name: str | None = None
-    challenger_version: str | None = None
-    fraction: float = 0.0
-
-
-def read_routes(state_dir: str | Path) -> dict[str, Route]:
-    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent)."""
-    path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {model: Route(**entry) for model, entry in data.items()}
-
-
-def write_route(state_dir: str | Path, model: str, route: Route) -> None:
-    """Set one model's route; the file is replaced atomically (write temp, fsync, rename)."""
-    folder = Path(os.path.expanduser(str(state_dir)))
-    folder.mkdir(parents=True, exist_ok=True)
-    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
-    routes[model] = asdict(route)
-    fd, tmp = tempfile.mkstemp(prefix=".routes.", dir=folder)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(routes, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / ROUTES_FILE)
 
 
 def _now() -> str:
@@ -150,7 +106,7 @@ class ServingController:
         models: public model names to serve; default ``[serving.model_name]``.
         base_fingerprint: the served base's fingerprint; default computed from
             ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
-        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
     """
 
     def __init__(
@@ -350,7 +306,7 @@ class ServingController:
             try:
                 if share is None:
                     replica.load(staged.served_name, str(staged.path))
-                # With a share, the probe through the new name makes the replica fetch it (pipeline.lora_resolver).
+                # With a share, the probe through the new name makes the replica fetch it (pipeline.serving.lora_resolver).
                 done.append(replica)
                 try:
                     replica.probe(staged.served_name)
