@@ -17,6 +17,11 @@ a JSON object with a string ``served_name`` is skipped and counted
 (``hourglass_gateway_route_records_refused_total``); a broker outage keeps the
 last known routes and reconnects.
 
+Tansu (the embedded broker) accepts ``cleanup.policy=compact`` at creation but
+reports no topic configs back, so it presumably keeps every record: the topic
+then grows by one record per route change, and reading it from the beginning
+still ends at the newest route per model.
+
 This module works on plain dicts; the routes contract turns them into
 ``Route`` objects.
 """
