@@ -120,7 +120,7 @@ def test_champion_reaches_every_replica_through_the_share(fleet, tiny_model: Pat
     urls, share, caches = fleet
     model = "srv-fleet"
     fp = fingerprint_of(tiny_model)
-    base = make_config(tmp_path, mlflow_uri, urls)
+    base = make_config(tmp_path, mlflow_uri, urls, experiment="fleet-share")
     cfg = base.model_copy(update={"serving": base.serving.model_copy(update={"adapter_share_uri": str(share)})})
     [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=7), fp, round_id="r-1", model=model), promote=True)
     name = f"{model}-v{v1.version}"
@@ -153,10 +153,10 @@ def test_a_replica_that_cannot_fetch_is_a_transient_problem_not_the_adapters(fle
     urls, share, _ = fleet
     model = "srv-fleet-miss"
     fp = fingerprint_of(tiny_model)
-    base = make_config(tmp_path, mlflow_uri, urls)
+    base = make_config(tmp_path, mlflow_uri, urls, experiment="fleet-miss")  # its own rounds (round ids are per experiment)
     elsewhere = tmp_path / "elsewhere"  # the service publishes here; the replicas read `share`
     cfg = base.model_copy(update={"serving": base.serving.model_copy(update={"adapter_share_uri": str(elsewhere)})})
-    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=9), fp, round_id="r-1", model=model), promote=True)
+    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=9), fp, round_id="r-miss", model=model), promote=True)
     controller = ServingController(cfg, models=[model], base_fingerprint=fp)
     try:
         st = controller.reconcile_once()[model]
