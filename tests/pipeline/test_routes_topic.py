@@ -111,3 +111,34 @@ def test_routes_file_stays_the_single_host_default(tmp_path) -> None:
     resolver = route_resolver(cfg, ttl_s=0.0)
     assert resolver("hourglass") == ("hourglass-v3", "3")
     assert not hasattr(resolver, "follower")
+
+
+class _DownBroker:
+    """A route publisher whose broker never acknowledges (unit test of the controller's ordering)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def publish(self, routes: dict) -> None:
+        from connectors.errors import BrokerUnavailableError
+
+        self.calls.append(routes)
+        raise BrokerUnavailableError("broker down (test)")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_replaced_version_stays_loaded_until_the_routes_topic_took_the_new_route(tmp_path) -> None:
+    cfg = HourglassConfig(state_dir=str(tmp_path / "state"), serving={"model_name": "hg", "routes_source": "kafka", "drain_s": 0})
+    controller = ServingController(cfg, base_fingerprint="test-base", client=object())  # MLflow calls fail: reported, skipped
+    controller._route_publisher = down = _DownBroker()
+    controller._published_routes = {}  # the topic exists and holds nothing yet
+    write_route(cfg.state_dir, "hg", Route("hg-v2", "2", "2026-01-01T00:01:00+00:00"))
+    controller._draining["hg-v1"] = 0.0  # v1 was replaced and its drain time is over
+    status = controller.reconcile_once()
+    assert down.calls == [{"hg": {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:01:00+00:00",
+                                  "challenger_served_name": None, "challenger_version": None, "fraction": 0.0}}]  # fmt: skip
+    assert "hg-v1" in controller._draining  # not unloaded: gateways may still route to it
+    assert "broker down" in status["hg"]["last_transient_error"]
+    controller.close()
