@@ -109,8 +109,7 @@ def train_and_evaluate(
     from trainer.tasks import split_snapshot, user_metrics
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
-    rl = cfg.rl
-    rl = rollout_settings(cfg)
+    rl = cfg.rl  # rl.rollout_url defaults to the serving vLLM (filled by HourglassConfig)
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
     result = run_round(
@@ -119,19 +118,6 @@ def train_and_evaluate(
     )  # fmt: skip
     result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
     return result
-
-
-def rollout_settings(cfg: HourglassConfig):
-    """``cfg.rl`` with the rollout fleet filled in: without ``rl.rollout_url`` / ``rl.rollout_urls``, rollouts and
-    evaluation go to every ``serving.replicas`` entry (:mod:`trainer.rollout_fleet`); the adapter share defaults to
-    ``serving.adapter_share_uri``."""
-    rl = cfg.rl
-    update: dict = {}
-    if rl.rollout_engine == "vllm" and rl.rollout_url is None and not rl.rollout_urls:
-        update["rollout_urls"] = list(cfg.serving.replicas)
-    if rl.adapter_share_uri is None and cfg.serving.adapter_share_uri is not None:
-        update["adapter_share_uri"] = cfg.serving.adapter_share_uri
-    return rl.model_copy(update=update) if update else rl
 
 
 def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:

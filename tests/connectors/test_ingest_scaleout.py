@@ -24,8 +24,8 @@ from connectors.kafka_admin import ensure_topics
 from connectors.schema import TraceEvent
 from connectors.sink import TraceSink
 
-from connector_helpers import wait_for
-from test_crash import _start, _write_config
+from tests.connectors.connector_helpers import wait_for
+from tests.connectors.test_crash import _start, _write_config
 
 pytestmark = pytest.mark.integration
 
