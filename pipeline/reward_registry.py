@@ -35,23 +35,22 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
+from pipeline import aliases
 from pipeline.config import HourglassConfig
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
-from pipeline.registry import (
+from pipeline.registry import _experiment_id, _find_runs, _lineage_tags, adapter_checksums
+from pipeline.registry_client import (
     TAG_CANDIDATE,
     TAG_KIND,
+    TAG_ROUND,
     TAG_SHA256,
     RegistryError,
     RegistryUnavailableError,
-    _experiment_id,
-    _find_runs,
-    _lineage_tags,
-    _short_retry,
-    _transient,
-    adapter_checksums,
     make_client,
     mlflow_reachable,
+    short_retry,
+    transient,
 )
+from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.types import RewardModelReport, RewardModelResult, RoundResult
 
 log = logging.getLogger(__name__)
@@ -87,12 +86,11 @@ def pending_reward_dir(cfg: HourglassConfig) -> Path:
 
 def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
     """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.aliases import champion_version
     from pipeline.staging import stage_options, stage_version
 
     try:
         client = client or make_client(cfg)
-        version = champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
+        version = aliases.champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
         if version is None:
             return None
         options = {**stage_options(cfg), "max_lora_rank": MAX_RANK}  # signature, size cap, adapter config: as for policies
@@ -150,8 +148,6 @@ def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
 
 
 def _find_version(client: MlflowClient, model: str, round_id: str):
-    from pipeline.registry import TAG_ROUND
-
     try:
         found = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
     except MlflowException as err:
@@ -162,8 +158,6 @@ def _find_version(client: MlflowClient, model: str, round_id: str):
 
 
 def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str], rm: RewardModelResult) -> str:
-    from pipeline.registry import TAG_ROUND
-
     experiment_id = _experiment_id(client, cfg.registry.experiment)
     parents = _find_runs(client, experiment_id, lineage[TAG_ROUND], "round")
     tags = {**lineage, TAG_KIND: ROLE, TAG_CANDIDATE: rm.name, TAG_ROLE: ROLE}
@@ -180,23 +174,20 @@ def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str]
 
 
 def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult) -> RewardRegistration:
-    from pipeline.aliases import champion_version, promote
-    from pipeline.registry import TAG_ROUND
-
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
     existing = _find_version(client, model, lineage[TAG_ROUND])
     if existing is not None:  # a retry after a crash or a blip: registered and decided already
-        version, current = str(existing.version), champion_version(client, model, alias)
+        version, current = str(existing.version), aliases.champion_version(client, model, alias)
         promoted = existing.tags.get(TAG_PROMOTE) == "true"
         if promoted and current != version:  # the alias move did not happen yet
-            promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
+            aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
         return RewardRegistration(model, version, promoted, existing.tags.get(TAG_DECISION, ""), current)
     try:
         client.create_registered_model(model, tags={TAG_ROLE: ROLE}, description=f"Reward model learned from the feedback on {cfg.serving.model_name!r} (Hourglass).")
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    current = champion_version(client, model, alias)
+    current = aliases.champion_version(client, model, alias)
     champion_auc = None
     if current is not None:
         if rm.champion_report is not None:
@@ -212,16 +203,16 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT}"
     version = str(client.create_model_version(model, source, run_id=run_id, tags=tags, description=reason).version)
     if promoted:
-        promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]}: {reason}")
+        aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]}: {reason}")
     return RewardRegistration(model, version, promoted, reason, current)
 
 
 def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient) -> RewardRegistration:
     lineage, rm = _load_pending(folder)
     try:
-        registered = _short_retry(_register_now)(cfg, client, lineage, rm)
+        registered = short_retry(_register_now)(cfg, client, lineage, rm)
     except Exception as err:
-        if _transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
+        if transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
                 f"MLflow at {cfg.registry.tracking_uri} is unreachable ({type(err).__name__}); the reward model of round "
                 f"{folder.name!r} is kept in {folder} and will be registered by retry_pending_rewards()"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from trainer.base import ResidentBase
 from trainer.config import RewardModelConfig
 from trainer.errors import TrainerConfigError
 from trainer.feedback_data import FeedbackData
-from trainer.types import RewardModelReport
+from trainer.types import PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase
 
 HEAD_FILE = "reward_head.safetensors"
 
@@ -207,14 +207,14 @@ def create_reward_model(
 
 def train_reward_model(
     model: RewardModel, data: TokenisedFeedback, cfg: RewardModelConfig, max_grad_norm: float = 1.0, seed: int = 0,
-    checkpoint: Callable[[str], None] | None = None,
+    checkpoint: PhaseHook | None = None,
 ) -> list[dict[str, float]]:  # fmt: skip
     """``cfg.steps`` AdamW steps of adapter + head on :func:`reward_loss`.
 
     Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
     ``cfg.batch_size`` pairs (without replacement within an epoch, seeded), and
-    scores them all in one forward pass. ``checkpoint("reward_model:<step>")`` is
-    called before every step (it may raise to stop the round).
+    scores them all in one forward pass. ``checkpoint`` is called with
+    ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)`` before every step (it may raise to stop the round).
 
     Returns one metrics dict per step: ``reward_model/loss``, ``/bce``, ``/bt``,
     ``/grad_norm``, ``/train_accuracy`` (labelled rows of the batch), ``/step_s``.
@@ -233,7 +233,7 @@ def train_reward_model(
     history = []
     for step in range(cfg.steps):
         if checkpoint is not None:
-            checkpoint(f"reward_model:{step}")
+            checkpoint(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
         started = time.perf_counter()
         optimizer = model.store.activate(model.name)  # type: ignore[attr-defined]
         model.base.model.train()

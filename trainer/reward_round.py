@@ -23,7 +23,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from trainer.errors import DataError, TrainerConfigError
 from trainer.feedback_data import FeedbackData, feedback_data
 from trainer.reward_model import RewardModel, create_reward_model, evaluate_reward_model, tokenise_feedback, train_reward_model
 from trainer.rewards import REWARD_MODEL_SCORE
-from trainer.types import RewardModelReport, RewardModelResult
+from trainer.types import PhaseHook, RewardModelReport, RewardModelResult
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> P
 
 def train_phase(
     base: ResidentBase, store: object, cfg: RewardModelConfig, rl: RLConfig, data: tuple[FeedbackData, FeedbackData],
-    out_dir: Path, champion: Path | None = None, checkpoint: Callable[[str], None] | None = None,
+    out_dir: Path, champion: Path | None = None, checkpoint: PhaseHook | None = None,
 ) -> RewardPhase:  # fmt: skip
     """Create, train and evaluate the round's reward model (see the module docstring).
 

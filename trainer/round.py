@@ -58,7 +58,7 @@ from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, split_snapshot
-from trainer.types import CandidateResult, RewardModelReport, RoundResult
+from trainer.types import CandidateResult, PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase, RoundResult
 from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, fit_after, logged_ids, update_step
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _prompt_ids(base: ResidentBase, prompt: Prompt, rl: RLConfig) -> list[int]:
 def train_candidates(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig],
     train_prompts: Sequence[Prompt], rl: RLConfig, out_dir: Path, progress: bool,
-    checkpoint: Callable[[str], None] | None = None, reward_model: RewardModel | None = None,
+    checkpoint: PhaseHook | None = None, reward_model: RewardModel | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
     """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
 
@@ -180,7 +180,7 @@ def train_candidates(
         task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
         for step in range(rl.steps_per_round):
             if checkpoint is not None:
-                checkpoint(f"train:{step}")
+                checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=step))
             # 1. prompts: the same draw for every online candidate (a fair race)
             step_prompts = {c.name: draw_prompts(pools[c.name], rl.prompts_per_step, rl.seed * 7919 + step) for c in online}
             groups: dict[str, list] = {}
@@ -293,7 +293,7 @@ def evaluate_and_gate(
     base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
     heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
     *, reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
-    checkpoint: Callable[[str], None] | None = None,
+    checkpoint: PhaseHook | None = None,
 ) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
     """Greedy answers of all candidates and champions on the same held-out rows, one yardstick
     (``rl.gate_metric``, see :mod:`trainer.evaluate`) per tenant, then one gate per tenant.
@@ -306,12 +306,12 @@ def evaluate_and_gate(
     tenant, and round metrics (``eval/prompts``, ``eval/<metric>/<candidate>``,
     ``eval/<metric>/champion/<tenant>``).
 
-    ``checkpoint`` is called with ``"evaluate:greedy"`` before the greedy
-    answers and ``"evaluate:score:<candidate>"`` before each candidate is
-    scored; if it raises, the champions loaded here are unloaded and the error
-    propagates.
+    ``checkpoint`` is called with ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")`` before
+    the greedy answers and ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=name)``
+    before each candidate is scored; if it raises, the champions loaded here are unloaded and the
+    error propagates.
     """
-    check = checkpoint or (lambda _phase: None)
+    check: PhaseHook = checkpoint or (lambda _boundary: None)
     metric = rl.gate_metric
     prompts = eval_prompts(heldout, rl)
     tenants = sorted({c.served_model for c in candidates})
@@ -328,7 +328,7 @@ def evaluate_and_gate(
     reference = sequence_logps(base, ids, logged, reference=True) if logged else []
     champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
     try:
-        check("evaluate:greedy")
+        check(PhaseBoundary(RoundPhase.EVALUATE, part="greedy"))
         answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl) if prompts else {}
         rm_scores: dict[str, list[float]] = {}
         if metric == "reward_model" and reward_model is not None and prompts:
@@ -350,7 +350,7 @@ def evaluate_and_gate(
 
         results: dict[str, EvalResult] = {}
         for c in candidates:
-            check(f"evaluate:score:{c.name}")
+            check(PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=c.name))
             samples = answers.get(versions[c.name], [])
             store.activate(c.name)  # type: ignore[attr-defined]
             row_values = values(versions[c.name])
@@ -414,7 +414,7 @@ def run_round(
     progress: bool = True,
     round_id: str | None = None,
     base: ResidentBase | None = None,
-    checkpoint: Callable[[str], None] | None = None,
+    checkpoint: PhaseHook | None = None,
     reward_cfg: RewardModelConfig | None = None,
     reward_champion: Path | None = None,
 ) -> RoundResult:
@@ -432,11 +432,11 @@ def run_round(
         reward_champion: the current reward champion's folder (adapter + head), re-measured
             on this round's held-out rows and, with ``start = "self"``, the start when
             there is no previous round's reward model.
-        checkpoint: called at each phase boundary, with ``"train:<step>"`` before
-            every training step, ``"reward_model:<step>"`` before every reward-model
-            step, ``"evaluate"`` before evaluation and ``"evaluate:<what>"``
-            between evaluation batches. It may raise
-            (e.g. to cancel): the round stops there and its adapters are cleaned up.
+        checkpoint: called at each :class:`~trainer.types.PhaseBoundary`: before every
+            reward-model step (``RoundPhase.REWARD_MODEL``) and every training step
+            (``RoundPhase.TRAIN``, with the step), when evaluation starts (``RoundPhase.EVALUATE``)
+            and between evaluation batches (``RoundPhase.EVALUATE`` with a ``part``). It may
+            raise (e.g. to cancel): the round stops there and its adapters are cleaned up.
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
@@ -467,7 +467,7 @@ def run_round(
             base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint, reward_model=phase.model
         )  # fmt: skip
         if checkpoint is not None:
-            checkpoint("evaluate")
+            checkpoint(PhaseBoundary(RoundPhase.EVALUATE))
         with profile.phase("time/evaluate_s"):
             results, decisions, eval_metrics = evaluate_and_gate(
                 base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
