@@ -25,6 +25,7 @@ when a process dies.
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import json
 import os
@@ -39,6 +40,7 @@ import sqlalchemy as sa
 
 from pipeline.errors import PipelineError
 from pipeline.redact import redact_data
+
 
 class UnknownStateError(PipelineError, ValueError):
     """A state name that is not a :class:`RoundState`."""
@@ -242,7 +244,7 @@ class RoundStore:
             rows = conn.execute(sa.select(_rounds.c.body).order_by(_rounds.c.created_at.desc()).limit(limit)).all()
         return [RoundRecord.from_json(r[0]) for r in rows]
 
-    def unfinished(self) -> list[RoundRecord]:
+    def unfinished(self) -> builtins.list[RoundRecord]:  # (this class's own ``list`` shadows the builtin here)
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(_rounds.c.body).where(_rounds.c.state.in_([s.value for s in STATES]))).all()
         return [RoundRecord.from_json(r[0]) for r in rows]
