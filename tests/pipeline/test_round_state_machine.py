@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from pipeline.config import HourglassConfig, load_config
-from pipeline.round_job import RoundRunner, recover
-from pipeline.rounds import (
+from pipeline.rounds.job import RoundRunner, recover
+from pipeline.rounds.records import (
     TRANSITIONS,
     IllegalTransitionError,
     RoundRecord,

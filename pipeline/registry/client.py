@@ -2,8 +2,8 @@
 transient-error retry policy and the tag names every registry module shares.
 
 It imports nothing else from the registry, so the modules that register
-versions (:mod:`pipeline.registry`) and the modules that move aliases
-(:mod:`pipeline.aliases`) both import it without importing each other.
+versions (:mod:`pipeline.registry.models`) and the modules that move aliases
+(:mod:`pipeline.registry.aliases`) both import it without importing each other.
 Source: ``mlflow.tracking.MlflowClient`` and MLflow's HTTP retry settings
 (``MLFLOW_HTTP_REQUEST_*`` environment variables).
 """

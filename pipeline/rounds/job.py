@@ -1,4 +1,4 @@
-"""One round, end to end, over the persisted state machine of :mod:`pipeline.rounds`.
+"""One round, end to end, over the persisted state machine of :mod:`pipeline.rounds.records`.
 
     snapshot → train → evaluate → gate → register → promote → done | no_winner
 
@@ -9,7 +9,7 @@ stopped, and :func:`recover` settles such records at the next start:
 - before ``register`` nothing left the process: the round failed, and the
   adapters it had published into vLLM are unloaded;
 - in ``register`` the result is write-ahead in the pending folder
-  (:mod:`pipeline.registry`): recovery finishes the registration (no alias
+  (:mod:`pipeline.registry.models`): recovery finishes the registration (no alias
   moves) and then runs the ``promote`` step;
 - in ``promote`` the versions are registered: recovery runs the ``promote`` step
   again, which is idempotent (a version that already holds the alias keeps it),
@@ -18,7 +18,7 @@ stopped, and :func:`recover` settles such records at the next start:
 Registering moves no alias; the ``promote`` step does: ``@champion``, or with
 ``serving.canary.enabled`` ``@challenger`` (``@champion`` when there is none yet).
 The round's reward model (when it trains one) is registered in the ``register``
-step too, as its own registered model (:mod:`pipeline.reward_registry`).
+step too, as its own registered model (:mod:`pipeline.registry.reward_registry`).
 
 The work of each state is a method of :class:`RoundSteps`; :class:`LiveSteps`
 does it for real (buffer, trainer, MLflow, vLLM), tests inject fakes.
@@ -40,7 +40,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.rounds import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
 from trainer.config import window_seconds
 from trainer.types import PhaseBoundary, PhaseHook, RoundPhase, RoundResult
 
@@ -410,7 +410,8 @@ class LiveSteps:
         return train_and_evaluate(self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion)
 
     def register(self, result: RoundResult) -> tuple[dict[str, str], dict[str, float]]:
-        from pipeline import registry, reward_registry
+        from pipeline.registry import models as registry
+        from pipeline.registry import reward_registry
 
         reward_registry.save_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
         started = time.perf_counter()
@@ -421,14 +422,14 @@ class LiveSteps:
         return {v.model: v.version for v in versions}, metrics
 
     def promote(self, record: RoundRecord) -> str:
-        from pipeline import registry
+        from pipeline.registry import models as registry
 
         if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
             return _challenge(self.cfg, record)
         return _describe(registry.promote_winners(self.cfg, record.round_id, record.versions))
 
     def registered_versions(self, record: RoundRecord) -> dict[str, str]:
-        from pipeline import registry
+        from pipeline.registry import models as registry
 
         finished = registry.register_pending(self.cfg, record.round_id)
         if finished is not None:
@@ -442,7 +443,8 @@ class LiveSteps:
         return versions
 
     def retry_pending_rewards(self) -> None:
-        from pipeline import registry_client, reward_registry
+        from pipeline.registry import client as registry_client
+        from pipeline.registry import reward_registry
 
         try:
             reward_registry.retry_pending_rewards(self.cfg)
@@ -450,7 +452,8 @@ class LiveSteps:
             log.warning("pending reward models not retried yet: %s", err)
 
     def retry_pending(self) -> None:
-        from pipeline import registry, registry_client
+        from pipeline.registry import client as registry_client
+        from pipeline.registry import models as registry
 
         try:
             registry.retry_pending(self.cfg)
@@ -473,9 +476,9 @@ def take_snapshot(cfg: HourglassConfig, window: str) -> tuple[pa.Table, dict[str
 
 def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_fingerprint: str) -> dict[str, Path | None]:
     """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
-    from pipeline.aliases import champion_version
-    from pipeline.registry import make_client
-    from pipeline.staging import stage_options, stage_version
+    from pipeline.registry.aliases import champion_version
+    from pipeline.registry.models import make_client
+    from pipeline.serving.staging import stage_options, stage_version
 
     client = make_client(cfg)
     out: dict[str, Path | None] = {}
@@ -502,10 +505,10 @@ def train_and_evaluate(
     """Split across users and time (per-user share capped), train the reward model (when wanted) and every
     selected candidate, evaluate against the champions, gate.
 
-    ``checkpoint`` is passed to :func:`trainer.round.run_round` (typed phase boundaries; may raise to cancel);
+    ``checkpoint`` is passed to :func:`trainer.candidates.run_round` (typed phase boundaries; may raise to cancel);
     ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
-    from trainer.round import run_round
+    from trainer.candidates import run_round
     from trainer.tasks import split_snapshot, user_metrics
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
@@ -527,7 +530,7 @@ def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint
     candidates = [c for c in cfg.candidates if c.name in names]
     if not cfg.reward_model.wanted(candidates, getattr(cfg.rl, "gate_metric", None)):
         return None
-    from pipeline.reward_registry import reward_champion
+    from pipeline.registry.reward_registry import reward_champion
 
     return reward_champion(cfg, base_fingerprint)
 
@@ -553,7 +556,7 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     Only call it while no other round runs (it matches by candidate name).
     Returns ``{replica url: [unloaded names]}``.
     """
-    from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+    from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
 
     pattern = round_adapter_names(round_id, candidates)
     urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
@@ -577,8 +580,8 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
 def _register_reward_model(cfg: HourglassConfig, result: RoundResult) -> dict[str, float]:
     """Register the round's reward model; an MLflow failure leaves it pending (retried by :func:`recover`)
     and does not fail the round. Returns ``reward_model/version`` and ``reward_model/promoted`` when registered."""
-    from pipeline.registry_client import RegistryError
-    from pipeline.reward_registry import register_reward_model
+    from pipeline.registry.client import RegistryError
+    from pipeline.registry.reward_registry import register_reward_model
 
     try:
         registered = register_reward_model(cfg, result)

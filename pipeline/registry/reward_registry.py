@@ -35,10 +35,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
-from pipeline import aliases
 from pipeline.config import HourglassConfig
-from pipeline.registry import _experiment_id, _find_runs, _lineage_tags, adapter_checksums
-from pipeline.registry_client import (
+from pipeline.registry import aliases
+from pipeline.registry.client import (
     TAG_CANDIDATE,
     TAG_KIND,
     TAG_ROUND,
@@ -50,7 +49,8 @@ from pipeline.registry_client import (
     short_retry,
     transient,
 )
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
+from pipeline.registry.models import _experiment_id, _find_runs, _lineage_tags, adapter_checksums
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.types import RewardModelReport, RewardModelResult, RoundResult
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def pending_reward_dir(cfg: HourglassConfig) -> Path:
 
 def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
     """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.staging import stage_options, stage_version
+    from pipeline.serving.staging import stage_options, stage_version
 
     try:
         client = client or make_client(cfg)

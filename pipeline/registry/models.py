@@ -15,7 +15,7 @@ Layout in MLflow (source: the MLflow tracking and model-registry APIs,
   ``{file name: sha256 hex}`` of the adapter files) so staging can verify
   what it downloads, and ``hourglass.signature``: the service's HMAC over the
   model name, round id, candidate, base fingerprint and checksums
-  (:mod:`pipeline.signing`); staging serves nothing whose signature fails.
+  (:mod:`pipeline.registry.signing`); staging serves nothing whose signature fails.
 
 Params and descriptions written here are redacted (:mod:`pipeline.redact`):
 no credential in a URI reaches MLflow.
@@ -28,8 +28,8 @@ idempotent by the round id tag, so a retry never registers a version twice.
 
 Registering moves no alias. Promotion is its own step (:func:`promote_winners`,
 the round's ``promote`` state); the alias moves themselves (promote, rollback)
-live in :mod:`pipeline.aliases`. The MLflow client factory, the registry
-errors and the tag names live in the leaf :mod:`pipeline.registry_client`,
+live in :mod:`pipeline.registry.aliases`. The MLflow client factory, the registry
+errors and the tag names live in the leaf :mod:`pipeline.registry.client`,
 which both modules import.
 """
 
@@ -49,10 +49,10 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
 from pipeline.config import HourglassConfig
 from pipeline.redact import redact
-from pipeline.registry_client import (
+from pipeline.registry import aliases
+from pipeline.registry.client import (
     TAG_CANDIDATE,
     TAG_FINGERPRINT,
     TAG_KIND,
@@ -66,9 +66,9 @@ from pipeline.registry_client import (
     make_client,
     mlflow_reachable,
 )
-from pipeline.registry_client import short_retry as _short_retry
-from pipeline.registry_client import transient as _transient
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
+from pipeline.registry.client import short_retry as _short_retry
+from pipeline.registry.client import transient as _transient
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.model_store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
@@ -258,7 +258,7 @@ def register_winner(
     The version's tags: the round's lineage, the candidate name,
     ``hourglass.sha256`` with the adapter files' checksums, and
     ``hourglass.signature`` over them made with ``signing_key``
-    (:func:`pipeline.signing.sign`), set in the same call that creates the version.
+    (:func:`pipeline.registry.signing.sign`), set in the same call that creates the version.
     """
     model = decision.served_model
     cand = next(c for c in result.candidates if c.name == decision.winner)

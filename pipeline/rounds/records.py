@@ -16,7 +16,7 @@ States (:class:`RoundState`; the allowed moves are :data:`TRANSITIONS`, nowhere 
 
 Records live in SQLite (``<state_dir>/rounds.sqlite``, SQLAlchemy core), one
 row per round, updated at every transition, so a restart after a crash can
-see where a round stopped (:func:`pipeline.round_job.recover`). Credentials in
+see where a round stopped (:func:`pipeline.rounds.job.recover`). Credentials in
 URIs (a failure reason naming the MLflow server) are redacted before a record
 is stored. The lock is an ``flock`` on ``<state_dir>/round.lock``: it holds
 across processes that share the state directory and is released by the kernel
