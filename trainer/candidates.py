@@ -277,8 +277,8 @@ def rollout_step(
     for owner, group in zip(owners, groups):
         by_candidate[owner].append(group)
     elapsed = time.perf_counter() - started
-    tokens = sum(len(s.token_ids) for g in groups for s in g)
-    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(elapsed, 1e-9)}
+    generated = sum(len(s.token_ids) for g in groups for s in g)
+    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(generated), "rollout/tokens_per_s": generated / max(elapsed, 1e-9)}
 
 
 # --- evaluation and the gate -------------------------------------------------------------------

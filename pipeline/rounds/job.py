@@ -106,6 +106,8 @@ class RoundRunner:
 
         self._step(record, RoundState.TRAIN)  # evaluate is entered at the trainer's boundary (_at_boundary)
         result = self.steps.train_and_evaluate(record, table, lambda boundary: self._at_boundary(record, boundary))
+        if record.state is RoundState.TRAIN:  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
+            self._step(record, RoundState.EVALUATE)
 
         self._step(record, RoundState.GATE)
         self._record_gate(record, result)

@@ -139,7 +139,12 @@ def test_a_round_passes_every_state_in_order_and_only_promote_moves_the_alias(cf
     steps = FakeSteps(registry, store)
     alias_at_register: list[dict[str, str]] = []
     real_register = steps.register
-    steps.register = lambda result: (alias_at_register.append(dict(registry.champion)), real_register(result))[1]  # type: ignore[method-assign]
+
+    def register(result: Any) -> tuple[dict[str, str], dict[str, float]]:
+        alias_at_register.append(dict(registry.champion))
+        return real_register(result)
+
+    steps.register = register  # type: ignore[method-assign]
     final = _run(cfg, steps, store)
     assert final.state is RoundState.DONE and final.reason == f"promoted {MODEL} v1"
     assert [s for _, s in steps.seen] == [RoundState.TRAIN, RoundState.EVALUATE, RoundState.REGISTER, RoundState.PROMOTE]
@@ -168,6 +173,15 @@ def test_no_winner_is_logged_and_ends_as_no_winner(cfg, tmp_path) -> None:
     final = _run(cfg, FakeSteps(registry, store, winner=False), store)
     assert final.state is RoundState.NO_WINNER and final.reason == f"{MODEL}: no better"
     assert registry.alias_moves == [] and final.versions == {}
+
+
+def test_a_trainer_without_an_evaluate_boundary_still_passes_evaluate_and_gate(cfg, tmp_path) -> None:
+    store, registry = RoundStore(tmp_path), FakeRegistry()
+    steps = FakeSteps(registry, store)
+    real = steps.train_and_evaluate
+    steps.train_and_evaluate = lambda record, table, on_phase: real(record, table, lambda b: None)  # type: ignore[method-assign]
+    final = _run(cfg, steps, store)
+    assert final.state is RoundState.DONE and registry.alias_moves == [(MODEL, "1")]
 
 
 def test_too_few_rows_end_at_snapshot_as_no_winner(cfg, tmp_path) -> None:

@@ -11,6 +11,7 @@ import trainer.plan as plan_module
 from trainer.config import OFFLINE_ALGORITHMS, Algorithm, CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import DataError
 from trainer.plan import PromptTokens, plan_round
+from trainer.rewards import RewardMix
 from trainer.samples import Prompt
 from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS
 
@@ -50,7 +51,12 @@ def test_prompt_tokens_tokenise_each_prompt_once_and_keep_the_newest_tokens() ->
 def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     built: list[list[str]] = []
     real = plan_module.build_reward
-    monkeypatch.setattr(plan_module, "build_reward", lambda terms: built.append([t.fn for t in terms]) or real(terms))
+
+    def counting(terms: list[RewardTerm]) -> RewardMix:
+        built.append([t.fn for t in terms])
+        return real(terms)
+
+    monkeypatch.setattr(plan_module, "build_reward", counting)
     graded = CandidateConfig(name="graded", start="champion")
     filtered = CandidateConfig(name="filtered", data_filter="2 2", start="fresh")
     offline = CandidateConfig(name="offline", algorithm=Algorithm.OFFLINE_IS, reward=[RewardTerm(fn="logged")], start="self")
