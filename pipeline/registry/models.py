@@ -376,6 +376,8 @@ def promote_winners(cfg: HourglassConfig, round_id: str, versions: Mapping[str, 
     Raises:
         MlflowException, ConnectionError: MLflow refused or could not be reached (after short retries).
     """
+    if not versions:
+        return []
     client = client or make_client(cfg)
     outcomes = []
     for model, version in versions.items():
