@@ -47,16 +47,20 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from trainer.adapter_store import AdapterStore, _peft_name, adapter_params, lora_pairs, make_adamw
 from trainer.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
+from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.profile import phase
 from trainer.update import Batch, OnePassMember, update_step_one_pass
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +213,7 @@ def live_params(store: AdapterStore, name: str) -> dict[str, torch.nn.Parameter]
     slot = getattr(store, "slot_params", None)
     if slot is not None:  # OffloadStore: the one device slot
         return dict(slot)
-    return adapter_params(store.base.model, _peft_name(name))  # ResidentStore
+    return adapter_params(store.base.model, peft_name(name))  # ResidentStore
 
 
 def _pull(store: AdapterStore, candidate: CandidateConfig) -> OnePassMember:

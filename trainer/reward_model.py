@@ -26,18 +26,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from trainer.adapter_store import AdapterStore
 from trainer.base import ResidentBase
 from trainer.config import RewardModelConfig
 from trainer.errors import TrainerConfigError
 from trainer.feedback_data import FeedbackData
 from trainer.types import PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 HEAD_FILE = "reward_head.safetensors"
 

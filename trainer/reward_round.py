@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from trainer.adapter_store import AdapterStore
 from trainer.base import ResidentBase
 from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
@@ -37,6 +37,9 @@ from trainer.feedback_data import FeedbackData, feedback_data
 from trainer.reward_model import RewardModel, create_reward_model, evaluate_reward_model, tokenise_feedback, train_reward_model
 from trainer.rewards import REWARD_MODEL_SCORE
 from trainer.types import PhaseHook, RewardModelReport, RewardModelResult
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
