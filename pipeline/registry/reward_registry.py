@@ -9,7 +9,8 @@ round's run) holding its metrics and the folder ``reward_model`` (PEFT adapter
 ``hourglass.sha256`` of its files (so staging verifies what it downloads) and
 ``hourglass.reward_auc``, its held-out AUC.
 
-``@champion`` of the reward model moves to the new version only when its
+``@champion`` of the reward model moves to the new version (in the round's
+``promote`` step, :func:`promote_reward_model`; registration records the decision) only when its
 held-out AUC is finite and not below the current reward champion's AUC by
 more than ``reward_model.auc_margin``. The champion's AUC is the one
 re-measured on this round's held-out rows when the round had its files, else
@@ -173,13 +174,13 @@ def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str]
     return run.info.run_id
 
 
-def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult) -> RewardRegistration:
+def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult, promote: bool) -> RewardRegistration:
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
     existing = _find_version(client, model, lineage[TAG_ROUND])
     if existing is not None:  # a retry after a crash or a blip: registered and decided already
         version, current = str(existing.version), aliases.champion_version(client, model, alias)
         promoted = existing.tags.get(TAG_PROMOTE) == "true"
-        if promoted and current != version:  # the alias move did not happen yet
+        if promote and promoted and current != version:  # the alias move did not happen yet
             aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
         return RewardRegistration(model, version, promoted, existing.tags.get(TAG_DECISION, ""), current)
     try:
@@ -202,15 +203,15 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
     tags[TAG_SIGNATURE] = sign(signing_keys(cfg)[0], model, tags)  # staging serves nothing unsigned, reward models included
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT}"
     version = str(client.create_model_version(model, source, run_id=run_id, tags=tags, description=reason).version)
-    if promoted:
+    if promote and promoted:
         aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]}: {reason}")
     return RewardRegistration(model, version, promoted, reason, current)
 
 
-def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient) -> RewardRegistration:
+def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient, promote: bool = True) -> RewardRegistration:
     lineage, rm = _load_pending(folder)
     try:
-        registered = short_retry(_register_now)(cfg, client, lineage, rm)
+        registered = short_retry(_register_now)(cfg, client, lineage, rm, promote)
     except Exception as err:
         if transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
@@ -222,10 +223,14 @@ def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient) -
     return registered
 
 
-def register_reward_model(cfg: HourglassConfig, result: RoundResult, client: MlflowClient | None = None) -> RewardRegistration | None:
-    """Register the round's reward model (write-ahead) and move its ``@champion`` when it earns it.
+def register_reward_model(
+    cfg: HourglassConfig, result: RoundResult, client: MlflowClient | None = None, *, promote: bool = True
+) -> RewardRegistration | None:
+    """Register the round's reward model (write-ahead) and, with ``promote``, move its ``@champion`` when it earns it.
 
-    Returns None when the round trained no reward model.
+    A round registers with ``promote=False`` (its ``register`` step moves no alias): the decision is
+    recorded on the version (``hourglass.reward_promote``) and :func:`promote_reward_model`, in the
+    round's ``promote`` step, carries it out. Returns None when the round trained no reward model.
 
     Raises:
         RegistryUnavailableError: MLflow unreachable; the reward model stays pending.
@@ -234,7 +239,25 @@ def register_reward_model(cfg: HourglassConfig, result: RoundResult, client: Mlf
     folder = save_pending(cfg, result)
     if folder is None:
         return None
-    return _register_folder(cfg, folder, client or make_client(cfg))
+    return _register_folder(cfg, folder, client or make_client(cfg), promote)
+
+
+def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None) -> bool:
+    """Carry out the recorded decision for the reward model of ``round_id``: move ``@champion`` to its
+    version when the decision says so and the alias is not there yet (idempotent). Returns whether it is champion.
+
+    Raises:
+        MlflowException, ConnectionError: MLflow refused or could not be reached.
+    """
+    client = client or make_client(cfg)
+    model = reward_model_name(cfg)
+    found = _find_version(client, model, round_id)
+    if found is None or found.tags.get(TAG_PROMOTE) != "true":
+        return False
+    version = str(found.version)
+    if aliases.champion_version(client, model, cfg.registry.champion_alias) != version:
+        aliases.promote(cfg, model, version, client=client, reason=f"round {round_id}: {found.tags.get(TAG_DECISION, '')}")
+    return True
 
 
 def retry_pending_rewards(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RewardRegistration]:

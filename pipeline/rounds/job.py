@@ -385,7 +385,10 @@ class LiveSteps:
 
     def promote(self, record: RoundRecord) -> str:
         from pipeline.registry import models as registry
+        from pipeline.registry import reward_registry
 
+        if any(k.startswith("reward_model/") for k in record.metrics):  # the round trained one: carry out its recorded decision
+            reward_registry.promote_reward_model(self.cfg, record.round_id)
         if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
             return _challenge(self.cfg, record)
         return _describe(registry.promote_winners(self.cfg, record.round_id, record.versions))

@@ -198,7 +198,7 @@ def _register_reward_model(cfg: HourglassConfig, result: RoundResult) -> dict[st
     from pipeline.registry.reward_registry import register_reward_model
 
     try:
-        registered = register_reward_model(cfg, result)
+        registered = register_reward_model(cfg, result, promote=False)  # the promote step moves its alias
     except RegistryError as err:
         log.warning("round %s: reward model not registered yet: %s", result.round_id, err)
         return {}
