@@ -42,7 +42,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
@@ -51,6 +50,8 @@ from connectors.gateway.routes import Route, read_routes, write_route
 from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
+from pipeline.serving.common import AdapterFailure as _AdapterFailure
+from pipeline.serving.common import utc_now as _now
 from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
 from pipeline.serving.staging import StagedAdapter, StagingError, base_module_names, served_name, stage_options, stage_version
 
@@ -58,10 +59,6 @@ log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
 TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 # --- controller --------------------------------------------------------------------
@@ -82,10 +79,6 @@ class ModelStatus:
     updated_at: str | None = None
     transient_errors: int = 0  # replica problems met for this model since start (retried, never refused)
     last_transient_error: str | None = None
-
-
-class _AdapterFailure(Exception):
-    """Internal: the adapter (not the network) made the hot-load fail."""
 
 
 Stager = Callable[..., StagedAdapter]
@@ -155,7 +148,7 @@ class ServingController:
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
         MLflow or replica outages (they are reported in the status)."""
-        from pipeline.canary.serving_hook import reconcile_challenger  # imports this module
+        from pipeline.canary.serving_hook import reconcile_challenger  # the canary step (it imports pipeline.serving.common, not this module)
 
         with self._lock:
             for model in self.models:
