@@ -76,3 +76,40 @@ def test_round_printout_survives_nulls_from_the_api() -> None:
     }  # fmt: skip
     _print_round(record, 96, {"trace_rows": 96})
     assert _num(None) == "-" and _num(float("nan")) == "-" and _num(0.5, "+.3f") == "+0.500"
+
+
+def test_demo_canary_settles_within_the_demos_traffic() -> None:
+    """deploy/demo.toml's canary decides on the demo's traffic: a challenger the users clearly prefer
+    (45 % vs 15 % thumbs-up) is promoted before 60 events per side; an equally good one before 200 per
+    side (the margin); a clearly worse one (10 % vs 45 %) is aborted before 60 per side."""
+    from pipeline.canary.sequential import ArmStats, decide
+    from pipeline.config import load_config
+
+    canary = load_config(Path(__file__).resolve().parents[2] / "deploy" / "demo.toml").serving.canary
+    assert canary.enabled and canary.max_duration_s <= 300 and canary.check_interval_s <= 10
+
+    def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
+        for n in range(1, limit + 1):  # exact shares at every look (no noise): when the rule can first decide
+            arms = [ArmStats.of_rewards([1.0] * round(p * n) + [-1.0] * (n - round(p * n)), binary=True) for p in (p_challenger, p_champion)]
+            verdict = decide(*arms, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback, tau=canary.mixture_sd)
+            if verdict.decision != "continue":
+                return verdict.decision, n
+        return "continue", limit
+
+    assert first_decision(0.45, 0.15, 60)[0] == "promote"
+    assert first_decision(0.40, 0.40, 200)[0] == "promote"
+    assert first_decision(0.10, 0.45, 60)[0] == "abort"
+
+
+def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.demo import _print_canary, _sides
+    from pipeline.traffic import Exchange
+
+    view = {"version": "2", "decision": "promote", "reason": "challenger not worse by more than 0.15", "elapsed_s": 41.6,
+            "lower": -0.12, "upper": 0.55, "challenger": {"n": 40, "mean": 0.45, "var": 0.25}, "champion": {"n": 38, "mean": 0.24, "var": 0.2}}  # fmt: skip
+    assert _sides(view) == "challenger 40 feedback events, 45% thumbs-up vs champion 38 feedback events, 24% thumbs-up"
+    sent = [Exchange(str(i), "q", "a", "1", True) for i in range(80)]
+    line = _print_canary("2", view, sent, 63.2)
+    assert line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)") and "[-0.12, +0.55]" in line
+    assert "undecided" not in line and "not worse by more than 0.15" in capsys.readouterr().out
+    assert "no decision" in _print_canary("3", None, sent, 300.0)
