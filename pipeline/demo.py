@@ -55,6 +55,7 @@ from pipeline.traffic import Exchange, arithmetic_questions, create_demo_key, dr
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
+CONCURRENCY = 8  # requests in flight at once, so vLLM batches them
 
 
 def _spawn(name: str, args: list[str], cfg: HourglassConfig, config: Path) -> subprocess.Popen[bytes]:
@@ -178,7 +179,7 @@ def _run_canary(api: str, gateway: str, cfg: HourglassConfig, key: str, version:
         view = look.get("canary") or {}
         if str(view.get("version")) == version and view.get("challenger"):
             console.print(f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]")
-        sent += drive(gateway, model, 16, seed=seed * 1000 + batch, concurrency=8, api_key=key)
+        sent += drive(gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key)
         batch += 1
     return sent, None
 
@@ -269,10 +270,10 @@ def _print_scoreboard(rates: list[LiveRate], canaries: dict[int, tuple[LiveRate,
 
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
-    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 3,
+    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 2,
     traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
     between: Annotated[int, typer.Option(help="Requests after each round (and its canary), served by the champion.")] = 48,
-    canary_wait: Annotated[float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")] = 300.0,
+    canary_wait: Annotated[float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")] = 660.0,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
@@ -302,7 +303,7 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, model, traffic, seed=1, api_key=key)
+        exchanges = drive(gateway, model, traffic, seed=1, concurrency=CONCURRENCY, api_key=key)
         _say_sent(exchanges, "requests (served by the base)")
         phases: list[list[str]] = [[e.trace_id for e in exchanges]]
         canaries: dict[int, list[str]] = {}
@@ -326,7 +327,7 @@ def main(
             serving = _wait_serving(api, model, None)
             hotload = serving.get("last_hotload_s")
             console.print(f"serving now: {model} -> {serving.get('serving')}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s")
-            more = drive(gateway, model, between, seed=200 + i, api_key=key)  # the phase after round i, served by its champion
+            more = drive(gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key)  # the phase after round i, served by its champion
             phases.append([e.trace_id for e in more])
             _say_sent(more, "more requests")
 

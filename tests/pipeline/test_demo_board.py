@@ -86,7 +86,7 @@ def test_demo_canary_settles_within_the_demos_traffic() -> None:
     from pipeline.config import load_config
 
     canary = load_config(Path(__file__).resolve().parents[2] / "deploy" / "demo.toml").serving.canary
-    assert canary.enabled and canary.max_duration_s <= 300 and canary.check_interval_s <= 10
+    assert canary.enabled and canary.max_duration_s <= 600 and canary.check_interval_s <= 10
 
     def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
         for n in range(1, limit + 1):  # exact shares at every look (no noise): when the rule can first decide
