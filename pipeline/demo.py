@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -284,11 +285,22 @@ def main(
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console.rule("1. local stack")
-    for service in stack.stack_services(cfg, base_model_dir(cfg)):
-        if not (stack.running_pid(service) and service.health()):
+    services = stack.stack_services(cfg, base_model_dir(cfg))
+    for service in services:
+        for attempt in range(3):  # a busy host may lack the memory for vLLM's KV cache for a while
+            if stack.running_pid(service) and service.health():
+                break
             console.print(f"starting {service.name} ...")
-            service.start()
+            try:
+                service.start()
+            except stack.StackError as err:
+                if attempt == 2:
+                    raise
+                console.print(f"[yellow]{service.name} did not start ({escape(str(err))}); again in 30 s[/]")
+                time.sleep(30)
         console.print(f"{service.name}: healthy on {service.host}:{service.port}")
+    watching = threading.Event()  # like `hourglass up --watch`: a stack process that dies (e.g. the OOM killer) is started again
+    threading.Thread(target=stack.watch, args=(services, watching), daemon=True, name="demo-watch").start()
     from connectors.kafka_admin import ensure_topics
 
     ensure_topics(cfg.kafka)
@@ -359,6 +371,7 @@ def main(
         plot_live_rates(rates, plot)
         console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s")
     finally:
+        watching.set()
         if not keep_up:
             for proc in procs.values():
                 stack.stop_group(proc.pid)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
+import openai
 import pyarrow as pa
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from pipeline.demo_board import gain_ratio, live_rates, plot_live_rates
 from pipeline.traffic import is_correct
@@ -113,3 +117,40 @@ def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: p
     assert line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)") and "[-0.12, +0.55]" in line
     assert "undecided" not in line and "not worse by more than 0.15" in capsys.readouterr().out
     assert "no decision" in _print_canary("3", None, sent, 300.0)
+
+
+def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
+    """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
+    once; a server that stays away past the patience raises instead of hanging the demo."""
+    from pipeline.traffic import FEEDBACK_HEADER, drive
+    from tests.http_helpers import serve
+
+    calls = {"chat": 0, "votes": []}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        calls["chat"] += 1
+        if calls["chat"] <= 4:  # more than the openai client's own 2 retries
+            return JSONResponse({"error": {"message": "the model server is unreachable", "type": "upstream"}}, status_code=502)
+        body = await request.json()
+        content = "7" if "3 + 4" in body["messages"][0]["content"] else "0"
+        headers = {"x-hourglass-trace-id": f"t{calls['chat']}", FEEDBACK_HEADER: "tok"}
+        return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]},
+                            headers=headers)  # fmt: skip
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict:
+        calls["votes"].append(await request.json())
+        return {"ok": True}
+
+    with serve(app, "fake gateway") as url:
+        out = drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=60)
+        assert calls["chat"] == 5 and len(out) == 1 and out[0].trace_id == "t5"
+        assert [v["trace_id"] for v in calls["votes"]] == ["t5"]
+        calls["chat"] = -1000  # away for good
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError):
+            drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=1)
+        assert time.monotonic() - started < 30
