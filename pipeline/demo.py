@@ -46,6 +46,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from pipeline import stack
 from pipeline.cli import base_model_dir
@@ -57,6 +58,15 @@ from pipeline.traffic import Exchange, arithmetic_questions, create_demo_key, dr
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
 CONCURRENCY = 8  # requests in flight at once, so vLLM batches them
+
+
+@retry(retry=retry_if_exception_type(httpx.HTTPError), wait=wait_fixed(5), stop=stop_after_delay(300), reraise=True)
+def _get(url: str, **params: Any) -> Any:
+    """GET a JSON view of the ops API; retried for up to 5 min (tenacity): under load, a round's
+    training can keep the service from answering within the timeout."""
+    response = httpx.get(url, params=params or None, timeout=30)
+    response.raise_for_status()
+    return response.json()
 
 
 def _spawn(name: str, args: list[str], cfg: HourglassConfig, config: Path) -> subprocess.Popen[bytes]:
@@ -80,7 +90,7 @@ def _wait_http(url: str, what: str, proc: subprocess.Popen[bytes], timeout_s: fl
 
 def _start_round(api: str, token: str) -> str:
     """Start a round through the ops API (``POST /rounds``); returns its id."""
-    response = httpx.post(f"{api}/rounds", json={}, headers={"authorization": f"Bearer {token}"}, timeout=30)
+    response = httpx.post(f"{api}/rounds", json={}, headers={"authorization": f"Bearer {token}"}, timeout=120)
     response.raise_for_status()
     return response.json()["round_id"]
 
@@ -90,7 +100,7 @@ def _wait_round(api: str, round_id: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     shown = None
     while time.monotonic() < deadline:
-        record = httpx.get(f"{api}/rounds/{round_id}", timeout=10).json()
+        record = _get(f"{api}/rounds/{round_id}")
         if record["state"] != shown:
             console.print(f"  [dim]{time.strftime('%H:%M:%S')} round {round_id}: {record['state']}[/]")
             shown = record["state"]
@@ -123,7 +133,7 @@ def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 
     """The service's serving status for ``model`` once it serves ``version`` (hot-loads run after the round ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        serving = httpx.get(f"{api}/status", timeout=10).json().get("serving", {}).get(model, {})
+        serving = _get(f"{api}/status").get("serving", {}).get(model, {})
         if version is None or str(serving.get("serving")) == version or time.monotonic() > deadline:
             return serving
         time.sleep(0.5)
@@ -131,7 +141,7 @@ def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 
 
 def _canary_look(api: str, model: str) -> dict[str, Any]:
     """The service's last canary look at ``model`` (``/status``: ``canary`` = running, ``last_canary`` = last decided)."""
-    return httpx.get(f"{api}/status", timeout=10).json().get("canary", {}).get(model) or {}
+    return _get(f"{api}/status").get("canary", {}).get(model) or {}
 
 
 def _sides(view: dict[str, Any]) -> str:
@@ -200,9 +210,9 @@ def _print_canary(version: str, decided: dict | None, sent: list[Exchange], took
 
 def _promote_oracle(api: str, token: str) -> None:
     """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API)."""
-    look = httpx.get(f"{api}/canary", timeout=30).json().get(ORACLE_MODEL) or {}
+    look = _get(f"{api}/canary").get(ORACLE_MODEL) or {}
     if look.get("canary"):
-        httpx.post(f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=30).raise_for_status()
+        httpx.post(f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=120).raise_for_status()
         console.print(f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)")
 
 
@@ -325,7 +335,7 @@ def main(
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, _start_round(api, token), timeout_s=1800)
             sent = sum(len(p) for p in phases) + sum(len(c) for c in canaries.values())
-            _print_round(record, sent, httpx.get(f"{api}/buffer/stats", timeout=10).json())
+            _print_round(record, sent, _get(f"{api}/buffer/stats"))
             aucs.append((record.get("metrics") or {}).get("reward_model/auc"))
             console.print(f"round: {escape(record['reason'])}")
             _promote_oracle(api, token)
