@@ -379,7 +379,8 @@ def main(
             console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
         plot = cfg.resolve(cfg.state_dir) / "demo-live-thumbs-up.png"
         plot_live_rates(rates, plot)
-        console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s")
+        loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s on {os.cpu_count()} CPUs; load average (1, 5, 15 min) {loadavg}")
     finally:
         watching.set()
         if not keep_up:
