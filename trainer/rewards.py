@@ -19,10 +19,12 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.config import RewardTerm
 from trainer.errors import RewardError
+
+if TYPE_CHECKING:
+    from trainer.config import RewardTerm  # type-only: trainer.config checks built-in names with resolve()
 
 Messages = list[dict[str, str]]
 
@@ -87,7 +89,7 @@ def first_number_answer(prompt_messages: Messages, completion: str, metadata: di
     ``metadata["reference_answer"]`` within ``tol``; 0.0 otherwise (also for a non-numeric reference).
 
     What a reader checks first ("13" in "13, because 9 + 4 = 13"); the demo's simulated
-    users judge answers this way (:func:`pipeline.traffic.is_correct`).
+    users judge answers this way (:func:`pipeline.demo.traffic.is_correct`).
 
     Raises:
         RewardError: the row has no ``reference_answer``.

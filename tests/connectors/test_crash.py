@@ -1,6 +1,6 @@
 """Crash test: the ingest process is SIGKILLed at random points and restarted; nothing is lost or doubled.
 
-A real subprocess runs the ``ingest`` CLI entry point (``python -m pipeline.cli_data ingest``)
+A real subprocess runs the ``ingest`` CLI entry point (``python -m pipeline.cli.data ingest``)
 against the real broker while a producer thread sends traces and their feedback.
 """
 
@@ -24,13 +24,13 @@ from connectors.kafka_admin import ensure_topics
 from connectors.schema import FeedbackEvent, TraceEvent
 from connectors.sink import TraceSink
 
-from connector_helpers import wait_for
+from tests.connectors.connector_helpers import wait_for
+from tests import REPO
 
 pytestmark = pytest.mark.integration
 
 N = 600
 KILLS = 4
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_config(path: Path, kafka: KafkaConfig, buffer: BufferConfig) -> None:
@@ -74,7 +74,7 @@ def _produce(kafka: KafkaConfig, acked: set[str], done: threading.Event) -> None
 def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli_data", "ingest", "--config", str(config)],
+            [sys.executable, "-m", "pipeline.cli.data", "ingest", "--config", str(config)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
 

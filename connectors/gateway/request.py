@@ -1,0 +1,277 @@
+"""What the gateway accepts from a client (body size, content type, JSON shape, allowed fields and caps),
+and how it answers a refusal (an OpenAI-style error) or streams (closing upstream whatever happens).
+
+Everything here raises :class:`RequestRefused` (an HTTP status plus an
+OpenAI-style error) and has no other I/O than reading the request body, so
+each rule is unit-testable and the gateway turns a refusal into one 4xx.
+
+Allowed request fields (OpenAI Chat Completions / Completions, plus a few
+vLLM sampling extras that are bounded by ``max_tokens``; anything else,
+e.g. ``prompt_embeds``, ``chat_template``, ``chat_template_kwargs``,
+``guided_*``, ``tools``, ``logit_bias``, ``best_of``, gets a 400 naming it):
+see :data:`ALLOWED`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from connectors.config import GatewayConfig
+from connectors.errors import ConnectorError
+from connectors.gateway.trace import Endpoint
+
+_COMMON = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "seed",
+    "presence_penalty", "frequency_penalty", "logprobs", "user", "metadata",
+    # vLLM sampling extras: bounded by max_tokens, no server-side side effects
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "return_token_ids",
+})  # fmt: skip
+ALLOWED: dict[str, frozenset[str]] = {
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    "completions": _COMMON | {"prompt", "echo"},
+}
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
+MAX_USER_CHARS = 256
+
+
+class RequestRefused(ConnectorError, ValueError):
+    """A client request the gateway refuses: ``status`` and an OpenAI-style error (type, param, code)."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type_, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def openai_error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    """An error response in the OpenAI format."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def refused(err: RequestRefused) -> JSONResponse:
+    return openai_error(err.status, err.message, type_=err.type_, param=err.param, code=err.code, headers=err.headers)
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that always runs ``on_close`` (close upstream, free the concurrency slot),
+    also when the client hangs up before or while the body streams."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._on_close()
+
+
+def check_content_type(request: Request) -> None:
+    """Only ``application/json`` bodies (a ``text/plain`` POST is what a cross-site form can send).
+
+    Raises:
+        RequestRefused: 415.
+    """
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise RequestRefused(415, f"content type {media or '(none)'!r} is not accepted; send the body as application/json",
+                             code="unsupported_media_type")  # fmt: skip
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, read in chunks and refused as soon as it passes ``max_bytes``.
+
+    Raises:
+        RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap).
+    """
+    declared = request.headers.get("content-length")
+    too_big = RequestRefused(413, f"request body is larger than gateway.max_body_bytes={max_bytes} bytes",
+                             code="request_too_large")  # fmt: skip
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """Parse a JSON body; refuse nesting deeper than ``max_depth`` and strings that are not valid Unicode.
+
+    Raises:
+        RequestRefused: 400 (not JSON, too deep, or a lone surrogate such as ``"\\ud800"``).
+    """
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise RequestRefused(400, f"request body nests deeper than gateway.max_json_depth={max_depth}") from None
+    except UnicodeDecodeError as err:
+        raise RequestRefused(400, f"request body is not UTF-8: {err.reason} at byte {err.start}") from None
+    except ValueError as err:
+        raise RequestRefused(400, f"request body is not valid JSON: {err}") from None
+    _walk(value, max_depth)
+    return value
+
+
+def _walk(value: Any, max_depth: int) -> None:
+    stack: list[tuple[Any, int, str]] = [(value, 1, "body")]
+    while stack:
+        item, depth, where = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, where)
+        elif isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise RequestRefused(400, f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})")
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for k, v in pairs:
+                if isinstance(k, str):
+                    _check_text(k, where)
+                stack.append((v, depth + 1, f"{where}.{k}"))
+
+
+def _finite(value: Any, where: str) -> None:
+    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestRefused(400, f"{where} is {value!r}: numbers must be finite", param=where.removeprefix("body."))
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(v, f"{where}.{i}")
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestRefused(400, f"request body has text that is not valid Unicode at {where}: {err.reason} at position "
+                             f"{err.start} (a lone surrogate such as \\ud800?)") from None  # fmt: skip
+
+
+def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestRefused(400, f"field {name!r} must be a positive integer, got {value!r}", param=name)
+    if value > cap:
+        raise RequestRefused(400, f"field {name!r} is {value}, above this gateway's limit {config_name}={cap}", param=name)
+
+
+def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) -> None:
+    """Allowed fields and caps of one chat / completions request (types of the rest are vLLM's to check).
+
+    Raises:
+        RequestRefused: 400 naming the field.
+    """
+    extra = sorted(set(body) - ALLOWED[endpoint])
+    if extra:
+        raise RequestRefused(400, f"field {extra[0]!r} is not accepted by this gateway; allowed fields: "
+                             f"{', '.join(sorted(ALLOWED[endpoint]))}", param=extra[0])  # fmt: skip
+    _finite(body, "body")
+    _int_cap(body, "n", cfg.max_n, "gateway.max_n")
+    _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
+    _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")
+    _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise RequestRefused(400, f"field 'user' must be a string of at most {MAX_USER_CHARS} characters", param="user")
+    meta = body.get("metadata")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise RequestRefused(400, f"field 'metadata' must be an object, got {type(meta).__name__}", param="metadata")
+        size = len(json.dumps(meta, separators=(",", ":")))
+        if size > cfg.max_metadata_bytes:
+            raise RequestRefused(400, f"field 'metadata' is {size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
+                                 param="metadata")  # fmt: skip
+    if endpoint == "chat":
+        _check_messages(body.get("messages"), cfg)
+        _check_response_format(body.get("response_format"), cfg)
+    else:
+        _check_prompt(body.get("prompt"), cfg)
+
+
+def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused(400, "field 'messages' must be a non-empty list of {role, content} objects", param="messages")
+    if len(messages) > cfg.max_messages:
+        raise RequestRefused(400, f"{len(messages)} messages, above gateway.max_messages={cfg.max_messages}", param="messages")
+    chars = 0
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise RequestRefused(400, f"{where} must be an object with role and content", param="messages")
+        extra = sorted(set(message) - _MESSAGE_KEYS)
+        if extra:
+            raise RequestRefused(400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages")
+        if message.get("role") not in _ROLES:
+            raise RequestRefused(400, f"{where}.role {message.get('role')!r} is not one of {sorted(_ROLES)}", param="messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):  # text parts only: an image_url part would make vLLM fetch a URL
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
+                    raise RequestRefused(400, f"{where}.content.{j} must be a text part {{type: 'text', text}}", param="messages")
+                chars += len(part["text"])
+        elif content is not None:
+            raise RequestRefused(400, f"{where}.content must be a string or a list of text parts", param="messages")
+    if chars > cfg.max_prompt_chars:
+        raise RequestRefused(400, f"messages hold {chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", param="messages")
+
+
+def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
+    if isinstance(prompt, str):
+        size = len(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > cfg.max_n:
+            raise RequestRefused(400, f"a batch of {len(prompt)} prompts, above gateway.max_n={cfg.max_n}", param="prompt")
+        size = sum(len(p) for p in prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        size = len(prompt)  # one prompt as token ids
+    else:
+        raise RequestRefused(400, "field 'prompt' must be a string, a list of strings, or a list of token ids", param="prompt")
+    if size > cfg.max_prompt_chars:
+        raise RequestRefused(400, f"prompt has {size} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", param="prompt")
+
+
+def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") not in _RESPONSE_FORMATS:
+        raise RequestRefused(400, f"field 'response_format' must be an object with type in {sorted(_RESPONSE_FORMATS)}",
+                             param="response_format")  # fmt: skip
+    size = len(json.dumps(fmt, separators=(",", ":")))
+    if size > cfg.max_schema_bytes:
+        raise RequestRefused(400, f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
+                             param="response_format")  # fmt: skip
+
+
+def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:
+    """Request metadata as the trace stores it: a trusted grader's ``trusted_keys`` at the top (labels),
+    everything else under ``client``; a client's ``user_hash`` is dropped (the gateway sets it)."""
+    meta = {k: v for k, v in (meta or {}).items() if k != "user_hash"}
+    top = {k: meta.pop(k) for k in list(meta) if trusted and k in trusted_keys}
+    if meta:
+        top["client"] = meta
+    return top

@@ -1,0 +1,109 @@
+"""``hourglass gateway``: serve the OpenAI-compatible gateway that emits traces.
+
+``pipeline.cli.main`` calls :func:`register` to add the command. Run standalone with
+``python -m pipeline.cli.gateway gateway --config FILE``.
+
+The gateway itself lives in :mod:`connectors.gateway.app` (which never imports
+``pipeline``); this module injects the route lookup: a
+:class:`connectors.gateway.routes.RouteResolver` over the routes file the
+serving controller writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from fastapi import FastAPI
+from rich.console import Console
+
+from connectors.gateway.auth import FeedbackSigner, KeyStore, load_or_create_secret
+from connectors.errors import ConnectorError
+from connectors.gateway.app import create_gateway_app, serve_gateway
+from connectors.gateway.routes import RouteResolver
+from connectors.kafka_admin import ensure_topics
+from connectors.schema import UserHasher
+from pipeline.config import HourglassConfig, load_config
+from pipeline.errors import ConfigError
+
+console = Console(stderr=True)
+KEYS_FILE = "gateway-keys.json"
+SIGNING_KEY_FILE = "gateway-feedback.key"
+
+
+def key_store(cfg: HourglassConfig) -> KeyStore:
+    """The gateway's API keys: ``<state_dir>/gateway-keys.json`` (0600; `hourglass keys` edits it)."""
+    return KeyStore(cfg.resolve(cfg.state_dir) / KEYS_FILE)
+
+
+def feedback_signer(cfg: HourglassConfig) -> FeedbackSigner:
+    """Signs feedback tokens with ``gateway.feedback_signing_key``, or a key generated once into
+    ``<state_dir>/gateway-feedback.key`` (0600) when that is not set."""
+    configured = cfg.gateway.feedback_signing_key
+    if configured is not None:
+        return FeedbackSigner(configured.get_secret_value().encode(), cfg.gateway.feedback_token_ttl_s)
+    path = cfg.resolve(cfg.state_dir) / SIGNING_KEY_FILE
+    try:
+        key = load_or_create_secret(path)
+    except OSError as err:  # e.g. the gateway's read-only state mount in compose
+        raise ConfigError(
+            f"gateway.feedback_signing_key is not set and {path} cannot be created ({err}); "
+            "set HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY (e.g. `openssl rand -hex 32`, the same on every gateway)"
+        ) from err
+    return FeedbackSigner(key, cfg.gateway.feedback_token_ttl_s)
+
+
+def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
+    """The gateway app for ``cfg``: upstream = first replica, routes from ``cfg.state_dir``, configured user hashing,
+    API keys from the state dir, feedback tokens signed with :func:`feedback_signer`."""
+    resolver = RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
+    upstream_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key else None
+    return create_gateway_app(
+        cfg.kafka, cfg.serving.replicas[0], resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
+        keys=key_store(cfg), signer=feedback_signer(cfg), trusted_metadata=cfg.buffer.trusted_metadata,
+        reward_spec=cfg.buffer.reward, upstream_api_key=upstream_key,
+    )  # fmt: skip
+
+
+def gateway(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")] = None,
+) -> None:
+    """Serve the OpenAI-compatible gateway on api.host:api.gateway_port (traces go to Kafka)."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        for problem in getattr(err, "problems", None) or []:
+            console.print(f"  - {problem}")
+        raise typer.Exit(2) from err
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        ensure_topics(cfg.kafka)
+    except ConnectorError as err:  # the gateway still serves; traces are counted as errors until Kafka is back
+        console.print(f"[yellow]warning:[/yellow] {err}")
+    auth = "API keys required" if cfg.gateway.require_api_key else "NO API KEYS (gateway.require_api_key = false)"
+    console.print(
+        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {cfg.serving.replicas[0]} "
+        f"(model {cfg.serving.model_name!r}, traces -> {cfg.kafka.traces_topic}, {auth})"
+    )
+    try:
+        app = build_gateway(cfg)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    serve_gateway(app, cfg.api.host, cfg.api.gateway_port)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``gateway`` command to ``app``."""
+    app.command("gateway")(gateway)
+
+
+if __name__ == "__main__":
+    _app = typer.Typer(no_args_is_help=True)
+    _app.callback()(lambda: None)  # keep `gateway` as a subcommand (typer collapses a single command)
+    register(_app)
+    _app()

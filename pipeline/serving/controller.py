@@ -1,0 +1,346 @@
+"""Serving controller: make every vLLM replica serve each model's ``@champion``.
+
+Desired state: the ``@champion`` alias of each served model in MLflow.
+Actual state: each replica's ``GET /v1/models`` and the routes file.
+:meth:`ServingController.reconcile_once` closes the gap; :meth:`start` runs it
+every ``serving.reconcile_interval_s`` on a thread (and at once on
+:meth:`trigger`). It repairs: an alias moved by anyone (CLI, API, MLflow UI),
+a replica restarted (runtime adapters are lost), a replica added.
+
+A hot-load, in order:
+1. stage the version (:mod:`pipeline.serving.staging`: download, checksums,
+   safetensors only, base fingerprint, rank, safe paths);
+2. load it under ``<model>-v<version>`` on every reachable replica (never
+   reloaded in place under an old name);
+3. probe a completion through that name on each replica; only then it counts;
+4. flip the route (``<state_dir>/routes.json``, written atomically with
+   :func:`connectors.gateway.routes.write_route`; the gateway reads it there);
+5. unload the replaced version after ``serving.drain_s``.
+
+A version on canary (``@challenger``) goes through the same steps beside the
+champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
+and the share of traffic it gets.
+
+If 1–3 fail for the adapter (staging refuses it, a replica answers the load
+or probe with a 4xx or an invalid completion, or a healthy replica cannot load
+it twice in a row), the previous champion keeps serving, the loaded copies are
+unloaded, the version is tagged ``hourglass.serve_error`` with the reason, and
+``@champion`` moves back to what is served. It is not retried until someone
+promotes it again.
+
+A replica problem (no answer, timeout, a 5xx from an unhealthy replica) is
+transient: nothing is tagged, the alias stays, the error is counted in
+``hourglass_serve_transient_errors_total{replica}`` and shown in the status,
+and the next pass tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from mlflow.tracking import MlflowClient
+from prometheus_client import Counter, Histogram
+
+from connectors.gateway.routes import Route, read_routes, write_route
+from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
+from pipeline.config import HourglassConfig
+from pipeline.registry.models import make_client
+from pipeline.serving.common import AdapterFailure as _AdapterFailure
+from pipeline.serving.common import utc_now as _now
+from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagedAdapter, StagingError, base_module_names, served_name, stage_options, stage_version
+
+log = logging.getLogger(__name__)
+
+HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
+TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
+
+
+# --- controller --------------------------------------------------------------------
+
+
+@dataclass
+class ModelStatus:
+    """What the controller knows about one served model (JSON-ready)."""
+
+    model: str
+    desired: str | None = None
+    serving: str | None = None
+    last_error: str | None = None
+    last_error_version: str | None = None
+    last_hotload_s: float | None = None
+    replicas: dict[str, object] = field(default_factory=dict)  # url -> served names, or "unreachable: ..."
+    challenger: dict | None = None  # the canary: {"version", "served_name", "fraction"} once routed
+    updated_at: str | None = None
+    transient_errors: int = 0  # replica problems met for this model since start (retried, never refused)
+    last_transient_error: str | None = None
+
+
+Stager = Callable[..., StagedAdapter]
+"""The staging step: called like :func:`pipeline.serving.staging.stage_version` (the real one); returns a
+:class:`StagedAdapter`, raises :class:`StagingError` for a version that must not be loaded."""
+
+
+class ServingController:
+    """Reconciles vLLM replicas to the ``@champion`` alias of each served model.
+
+    Args:
+        cfg: the whole config (``registry``, ``serving``, ``model``, ``state_dir``).
+        models: public model names to serve; default ``[serving.model_name]``.
+        base_fingerprint: the served base's fingerprint; default computed from
+            ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
+        replicas: the replicas to reconcile (anything with :class:`~pipeline.serving.replica.ReplicaControl`'s
+            methods); default one :class:`~pipeline.serving.replica.Replica` per ``serving.replicas`` URL.
+        stage: the staging step; default :func:`pipeline.serving.staging.stage_version`.
+    """
+
+    def __init__(
+        self, cfg: HourglassConfig, *, models: list[str] | None = None, base_fingerprint: str | None = None,
+        client: MlflowClient | None = None, replicas: list[ReplicaControl] | None = None, stage: Stager | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.models = models or [cfg.serving.model_name]
+        if base_fingerprint is None:
+            from trainer import model_store
+
+            base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
+        self.base_fingerprint = base_fingerprint
+        self.base_modules = self._base_modules(cfg)
+        self.client = client or make_client(cfg)
+        self.state_dir = cfg.resolve(cfg.state_dir)
+        self.staging_dir = cfg.resolve(cfg.serving.staging_dir)
+        api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
+        self.replicas: list[ReplicaControl] = (
+            list(replicas) if replicas is not None else [Replica(url, api_key=api_key) for url in cfg.serving.replicas]
+        )
+        self._stage: Stager = stage or stage_version
+        self._status = {m: ModelStatus(m) for m in self.models}
+        self._draining: dict[str, float] = {}  # served name -> monotonic deadline for its unload
+        self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _base_modules(cfg: HourglassConfig) -> frozenset[str] | None:
+        """The base's LoRA-targetable module names (staging checks target_modules against them), once."""
+        from trainer import model_store
+
+        try:
+            return base_module_names(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
+        except Exception as err:  # no local copy of the base: staging checks the list's shape only
+            log.warning("base model %s not readable here (%s); adapter target_modules are not checked by name", cfg.model.name, err)
+            return None
+
+    # -- public -------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict]:
+        """``{model: ModelStatus as dict}``: desired and served version, last error, replicas."""
+        return {m: asdict(s) for m, s in self._status.items()}
+
+    def reconcile_once(self) -> dict[str, dict]:
+        """One pass over every served model; returns :meth:`status`. Never raises for
+        MLflow or replica outages (they are reported in the status)."""
+        from pipeline.canary.serving_hook import reconcile_challenger  # the canary step (it imports pipeline.serving.common, not this module)
+
+        with self._lock:
+            for model in self.models:
+                try:
+                    self._reconcile_model(model)
+                    reconcile_challenger(self, model)  # the canary's @challenger beside the champion
+                except Exception as err:  # MLflow down or unexpected: report, keep serving
+                    log.warning("reconcile %s: %s", model, err)
+                    st = self._status[model]
+                    st.last_error, st.updated_at = f"{type(err).__name__}: {err}", _now()
+            self._unload_drained()
+        return self.status()
+
+    def trigger(self) -> None:
+        """Wake the loop now (e.g. right after a promote through the API)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run the reconcile loop on a daemon thread until :meth:`stop`."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="hourglass-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop and wait for the pass in progress to end."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """The loop body: reconcile, then sleep until the interval or the next unload is due.
+
+        Runs until :meth:`stop`, or until ``stop`` is set (wake it with :meth:`trigger`).
+        """
+        while not self._stop.is_set() and not (stop is not None and stop.is_set()):
+            self.reconcile_once()
+            wait_s = self.cfg.serving.reconcile_interval_s
+            if self._draining:
+                wait_s = min(wait_s, max(0.05, min(self._draining.values()) - time.monotonic()))
+            self._wake.wait(wait_s)
+            self._wake.clear()
+
+    def close(self) -> None:
+        self.stop()
+        for replica in self.replicas:
+            replica.close()
+
+    # -- one model ----------------------------------------------------------------
+
+    def _observe(self, st: ModelStatus) -> dict[ReplicaControl, set[str]]:
+        seen: dict[ReplicaControl, set[str]] = {}
+        for replica in self.replicas:
+            try:
+                names = replica.models()
+            except (ReplicaUnreachableError, ReplicaRefusedError) as err:
+                st.replicas[replica.url] = f"unreachable: {err}"
+                continue
+            seen[replica] = set(names)
+            st.replicas[replica.url] = sorted(names)
+        return seen
+
+    def _reconcile_model(self, model: str) -> None:
+        st = self._status[model]
+        route = read_routes(self.state_dir).get(model)
+        st.serving = route.version if route else None
+        desired = champion_version(self.client, model, self.cfg.registry.champion_alias)
+        st.desired, st.updated_at = desired, _now()
+        seen = self._observe(st)
+        if desired is None or not seen:
+            return
+        name = served_name(model, desired)
+        if desired != st.serving:
+            mv = self.client.get_model_version(model, desired)
+            promoted = mv.tags.get(TAG_PROMOTED_BY)
+            if TAG_SERVE_ERROR in mv.tags or (model, desired) in self._failed and self._failed[(model, desired)] == promoted:
+                reason = mv.tags.get(TAG_SERVE_ERROR, "failed before")
+                st.last_error = f"not retrying v{desired} (promote it again to retry): {reason}"
+                st.last_error_version = desired
+                revert_failed(self.client, self.cfg, model, desired, reason, st.serving)
+                return
+            self._roll_out(model, desired, seen, promoted, mv)
+        else:
+            missing = [r for r, names in seen.items() if name not in names]
+            if missing:  # a replica restarted or was added
+                try:
+                    self._load_on(model, desired, missing)
+                except _AdapterFailure as err:
+                    st.last_error, st.last_error_version = str(err), desired
+        self._unload_stale(model, seen)
+
+    def _load_on(self, model: str, version: str, replicas: list[ReplicaControl], mv=None) -> list[ReplicaControl]:
+        """Stage, load and probe on ``replicas``; returns those that now serve it.
+
+        Raises:
+            _AdapterFailure: staging refused it, or a replica refused the load or probe.
+        """
+        try:
+            staged = self._stage(
+                self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
+                base_modules=self.base_modules, model_version=mv, **stage_options(self.cfg),
+            )  # fmt: skip
+        except StagingError as err:
+            raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
+        done: list[ReplicaControl] = []
+        for replica in replicas:
+            try:
+                replica.load(staged.served_name, str(staged.path))
+                done.append(replica)
+                replica.probe(staged.served_name)
+            except ReplicaUnreachableError as err:  # the replica's problem, not the adapter's
+                self._transient(model, replica, err)
+                log.warning("%s; will load %s there on a later pass", err, staged.served_name)
+                if replica in done:
+                    done.remove(replica)
+            except ReplicaRefusedError as err:
+                for loaded in done:
+                    self._try_unload(loaded, staged.served_name)
+                raise _AdapterFailure(str(err)) from err
+        return done
+
+    def _roll_out(self, model: str, version: str, seen: dict[ReplicaControl, set[str]], promoted: str | None, mv) -> None:
+        st = self._status[model]
+        started = time.monotonic()
+        name = served_name(model, version)
+        try:
+            need = [r for r, names in seen.items() if name not in names]
+            ready = self._load_on(model, version, need, mv)
+            for replica in [r for r in seen if r not in need]:
+                try:
+                    replica.probe(name)  # already there (e.g. loaded by a previous pass): prove it
+                except ReplicaUnreachableError as err:
+                    self._transient(model, replica, err)
+                    continue
+                ready.append(replica)
+        except (_AdapterFailure, ReplicaRefusedError) as err:
+            reason = str(err)
+            log.error("not serving %s v%s: %s", model, version, reason)
+            st.last_error, st.last_error_version = reason, version
+            self._failed[(model, version)] = promoted
+            revert_failed(self.client, self.cfg, model, version, reason, st.serving)
+            return
+        if not ready:
+            return  # every replica went away or failed transiently: try again on the next pass
+        previous = read_routes(self.state_dir).get(model)
+        write_route(self.state_dir, model, Route(served_name=name, version=version, updated_at=_now()))
+        elapsed = time.monotonic() - started
+        HOTLOAD_S.observe(elapsed)
+        st.serving, st.last_hotload_s = version, elapsed
+        if st.last_error_version == version or st.last_error_version is None:
+            st.last_error, st.last_error_version = None, None
+        if previous is not None and previous.served_name != name:
+            self._draining[previous.served_name] = time.monotonic() + self.cfg.serving.drain_s
+        log.info("serving %s v%s as %s (%.2fs)", model, version, name, elapsed)
+
+    def _transient(self, model: str, replica: ReplicaControl, err: Exception) -> None:
+        st = self._status[model]
+        st.transient_errors += 1
+        st.last_transient_error = f"{_now()} {err}"
+        TRANSIENT.labels(replica.url).inc()
+
+    # -- unloads ------------------------------------------------------------------
+
+    def _try_unload(self, replica: ReplicaControl, name: str) -> bool:
+        try:
+            replica.unload(name)
+            return True
+        except (ReplicaUnreachableError, ReplicaRefusedError) as err:
+            log.warning("%s", err)
+            return False
+
+    def _unload_drained(self) -> None:
+        now = time.monotonic()
+        routed = {n for r in read_routes(self.state_dir).values() for n in (r.served_name, r.challenger_served_name) if n}
+        for name, deadline in list(self._draining.items()):
+            if deadline > now:
+                continue
+            if name not in routed:
+                for replica in self.replicas:
+                    self._try_unload(replica, name)
+            del self._draining[name]
+
+    def _unload_stale(self, model: str, seen: dict[ReplicaControl, set[str]]) -> None:
+        """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
+        st = self._status[model]
+        keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)
+        keep |= {n for r in read_routes(self.state_dir).values() for n in (r.challenger_served_name,) if n}  # the canary's
+        pattern = re.compile(rf"^{re.escape(model)}-v[0-9]+$")
+        for replica, names in seen.items():
+            for name in names:
+                if pattern.match(name) and name not in keep:
+                    self._try_unload(replica, name)

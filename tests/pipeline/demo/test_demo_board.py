@@ -1,0 +1,157 @@
+"""The demo's scoreboard helpers on small tables."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import openai
+import pyarrow as pa
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pipeline.demo.board import gain_ratio, live_rates, plot_live_rates
+from pipeline.demo.traffic import is_correct
+from trainer.rewards import first_number_answer
+from tests import REPO
+
+
+def test_live_rates_group_rated_rows_by_phase_and_serving_version() -> None:
+    table = pa.table(
+        {
+            "trace_id": ["a", "b", "c", "d", "e", "f", "g", "x"],
+            "adapter_version": [None, None, None, "3", "3", None, "3", "3"],
+            "reward": [1.0, -1.0, None, 1.0, 1.0, -1.0, -1.0, 1.0],
+        }
+    )
+    rates = live_rates(table, [["a", "b", "c"], ["d", "e", "f", "g"], ["h"]])
+    assert [(r.up, r.rated) for r in rates] == [(1, 2), (2, 4), (0, 0)]  # c has no feedback; x was not sent by the demo
+    assert rates[0].rate == 0.5 and rates[1].rate == 0.5 and math.isnan(rates[2].rate)
+    assert rates[1].served_by == {"3": (2, 3), "base": (0, 1)}  # a phase may straddle a hot-load
+
+
+def test_gain_ratio() -> None:
+    assert gain_ratio(0.1, 0.4, 0.7) == pytest.approx(0.5)
+    assert math.isnan(gain_ratio(0.5, 0.6, 0.5))
+
+
+def test_oracle_reward_is_the_users_check() -> None:
+    cases = [("13", "13"), ("13, because 9 + 4 = 13", "13"), ("9 + 4 = 13", "13"), ("1,300", "1300"), ("no idea", "4"), ("4", "four")]
+    for answer, reference in cases:
+        assert first_number_answer([], answer, {"reference_answer": reference}) == float(is_correct(answer, reference))
+    assert is_correct("13, because", "13") and not is_correct("9 + 4 = 13", "13")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    rates = live_rates(pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [-1.0, 1.0]}), [["a"], ["b"]])
+    plot_live_rates(rates, tmp_path / "live.png")
+    assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "hourglass.toml", "production.toml"])
+def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str) -> None:
+    """The served model's candidates and gate use no reference answer; only the demo's oracle does,
+    and it is its own served model (it never competes for `hourglass`)."""
+    from pipeline.config import load_config
+    from pipeline.demo.main import ORACLE_MODEL
+
+    cfg = load_config(REPO / "deploy" / name)
+    assert cfg.rl.gate_metric in ("feedback", "reward_model")
+    served = [c for c in cfg.candidates if c.served_model == cfg.serving.model_name]
+    assert {c.algorithm for c in served} >= {"grpo", "kto"}
+    assert all(t.fn not in ("exact_answer", "first_number_answer") for c in served for t in c.reward)
+    assert any(t.fn == "reward_model" for c in served for t in c.reward)
+    others = [c for c in cfg.candidates if c.served_model != cfg.serving.model_name]
+    if name == "demo.toml":
+        assert [(c.served_model, [t.fn for t in c.reward]) for c in others] == [(ORACLE_MODEL, ["first_number_answer"])]
+    else:
+        assert others == []
+
+
+def test_round_printout_survives_nulls_from_the_api() -> None:
+    """The ops API sends NaN as null (a gate without usable rows, a reward model without AUC)."""
+    from pipeline.demo.main import _num, _print_round
+
+    record = {
+        "state": "no_winner", "metrics": {"reward_model/auc": None},
+        "decisions": {"hourglass": {"winner": None, "reason": "keep base: none of the 3 held-out rows ...", "metric": "feedback",
+                                    "champion_reward": None, "candidate_rewards": {"kto": None}, "lower_bounds": {"kto": None}}},
+    }  # fmt: skip
+    _print_round(record, 96, {"trace_rows": 96})
+    assert _num(None) == "-" and _num(float("nan")) == "-" and _num(0.5, "+.3f") == "+0.500"
+
+
+def test_demo_canary_settles_within_the_demos_traffic() -> None:
+    """deploy/demo.toml's canary decides on the demo's traffic: a challenger the users clearly prefer
+    (45 % vs 15 % thumbs-up) is promoted before 60 events per side; an equally good one before 200 per
+    side (the margin); a clearly worse one (10 % vs 45 %) is aborted before 60 per side."""
+    from pipeline.canary.sequential import ArmStats, decide
+    from pipeline.config import load_config
+
+    canary = load_config(Path(__file__).resolve().parents[2] / "deploy" / "demo.toml").serving.canary
+    assert canary.enabled and canary.max_duration_s <= 600 and canary.check_interval_s <= 10
+
+    def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
+        for n in range(1, limit + 1):  # exact shares at every look (no noise): when the rule can first decide
+            arms = [ArmStats.of_rewards([1.0] * round(p * n) + [-1.0] * (n - round(p * n)), binary=True) for p in (p_challenger, p_champion)]
+            verdict = decide(*arms, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback, tau=canary.mixture_sd)
+            if verdict.decision != "continue":
+                return verdict.decision, n
+        return "continue", limit
+
+    assert first_decision(0.45, 0.15, 60)[0] == "promote"
+    assert first_decision(0.40, 0.40, 200)[0] == "promote"
+    assert first_decision(0.10, 0.45, 60)[0] == "abort"
+
+
+def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.demo import _print_canary, _sides
+    from pipeline.traffic import Exchange
+
+    view = {"version": "2", "decision": "promote", "reason": "challenger not worse by more than 0.15", "elapsed_s": 41.6,
+            "lower": -0.12, "upper": 0.55, "challenger": {"n": 40, "mean": 0.45, "var": 0.25}, "champion": {"n": 38, "mean": 0.24, "var": 0.2}}  # fmt: skip
+    assert _sides(view) == "challenger 40 feedback events, 45% thumbs-up vs champion 38 feedback events, 24% thumbs-up"
+    sent = [Exchange(str(i), "q", "a", "1", True) for i in range(80)]
+    line = _print_canary("2", view, sent, 63.2)
+    assert line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)") and "[-0.12, +0.55]" in line
+    assert "undecided" not in line and "not worse by more than 0.15" in capsys.readouterr().out
+    assert "no decision" in _print_canary("3", None, sent, 300.0)
+
+
+def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
+    """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
+    once; a server that stays away past the patience raises instead of hanging the demo."""
+    from pipeline.traffic import FEEDBACK_HEADER, drive
+    from tests.http_helpers import serve
+
+    calls = {"chat": 0, "votes": []}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        calls["chat"] += 1
+        if calls["chat"] <= 4:  # more than the openai client's own 2 retries
+            return JSONResponse({"error": {"message": "the model server is unreachable", "type": "upstream"}}, status_code=502)
+        body = await request.json()
+        content = "7" if "3 + 4" in body["messages"][0]["content"] else "0"
+        headers = {"x-hourglass-trace-id": f"t{calls['chat']}", FEEDBACK_HEADER: "tok"}
+        return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]},
+                            headers=headers)  # fmt: skip
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict:
+        calls["votes"].append(await request.json())
+        return {"ok": True}
+
+    with serve(app, "fake gateway") as url:
+        out = drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=60)
+        assert calls["chat"] == 5 and len(out) == 1 and out[0].trace_id == "t5"
+        assert [v["trace_id"] for v in calls["votes"]] == ["t5"]
+        calls["chat"] = -1000  # away for good
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError):
+            drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=1)
+        assert time.monotonic() - started < 30

@@ -1,0 +1,114 @@
+"""One user's flood cannot own a round: the held-out split is drawn across users and time,
+and no user holds more than ``rl.max_user_share`` of the train or held-out rows."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+
+from trainer.errors import DataError
+from trainer.tasks import SNAPSHOT_SCHEMA, cap_user_share, row_users, split_snapshot, user_cap, user_metrics
+
+START = datetime(2026, 5, 1, tzinfo=timezone.utc)
+
+
+def table(rows: list[tuple[str | None, int]]) -> pa.Table:
+    """Rows ``(user_hash or None, seconds after START)``, trace ids ``r<i>``."""
+    data: dict[str, list] = {name: [] for name in SNAPSHOT_SCHEMA.names}
+    for i, (user, second) in enumerate(rows):
+        data["trace_id"].append(f"r{i}")
+        data["ts"].append(START + timedelta(seconds=second))
+        data["model"].append("m")
+        data["adapter_version"].append(None)
+        data["prompt"].append(json.dumps([{"role": "user", "content": f"q{i}"}]))
+        data["completion"].append("a")
+        data["completion_token_ids"].append(None)
+        data["completion_logprobs"].append(None)
+        data["reward"].append(1.0)
+        data["metadata"].append(json.dumps({"reference_answer": "1", **({"user_hash": user} if user else {})}))
+    return pa.Table.from_pydict(data, schema=SNAPSHOT_SCHEMA)
+
+
+def shares(part: pa.Table) -> Counter[str]:
+    return Counter(row_users(part))
+
+
+def test_a_flood_just_before_the_round_owns_neither_train_nor_heldout() -> None:
+    honest = [(f"user-{u}", 60 * i + u) for u in range(10) for i in range(6)]  # 10 users x 6 rows over an hour
+    flood = [("mallory", 3600 + i) for i in range(500)]  # 500 rows in the last minutes
+    train, heldout = split_snapshot(table(honest + flood), 0.2, max_user_share=0.2)
+    for part in (train, heldout):
+        counts = shares(part)
+        assert counts["mallory"] / part.num_rows <= 0.2 + 1e-9, counts
+        assert len(counts) == 11
+    assert shares(heldout)["mallory"] >= 1 and all(shares(heldout)[f"user-{u}"] >= 1 for u in range(10))
+    metrics = user_metrics(train, heldout)
+    assert metrics["data/users"] == 11 and metrics["data/max_user_share"] <= 0.2 + 1e-9
+    assert metrics["data/heldout_users"] == 11
+
+
+def test_without_a_cap_the_flood_would_dominate() -> None:  # the attack the cap defends against is real
+    honest = [(f"user-{u}", u) for u in range(10)]
+    flood = [("mallory", 100 + i) for i in range(90)]
+    train, heldout = split_snapshot(table(honest + flood), 0.2)
+    assert shares(heldout)["mallory"] / heldout.num_rows > 0.5
+
+
+def test_heldout_is_each_users_newest_rows_in_proportion() -> None:
+    rows = [("a", i) for i in range(10)] + [("b", 100 + i) for i in range(10)]
+    train, heldout = split_snapshot(table(rows), 0.2)
+    held = sorted(zip(row_users(heldout), heldout.column("trace_id").to_pylist()))
+    assert held == [("a", "r8"), ("a", "r9"), ("b", "r18"), ("b", "r19")], "a's newest too, not only b's (the newest slice)"
+    for user in ("a", "b"):
+        t = [ts for u, ts in zip(row_users(train), train.column("ts").to_pylist()) if u == user]
+        h = [ts for u, ts in zip(row_users(heldout), heldout.column("ts").to_pylist()) if u == user]
+        assert max(t) < min(h)
+
+
+def test_rows_without_a_user_hash_are_one_anonymous_user_and_few_users_split_evenly() -> None:
+    only_anonymous = table([(None, i) for i in range(10)])
+    train, heldout = split_snapshot(only_anonymous, 0.2, max_user_share=0.2)
+    assert (train.num_rows, heldout.num_rows) == (8, 2), "one user: the cap cannot go below an even split (all of it)"
+    two = table([(None, i) for i in range(30)] + [("b", 100 + i) for i in range(5)])
+    capped = cap_user_share(two, 0.2)
+    assert shares(capped) == Counter({"anonymous": 5, "b": 5})
+
+
+def test_user_cap_is_the_largest_feasible_bound() -> None:
+    assert user_cap([100, 3, 3, 3, 3], 0.2) == 3
+    assert user_cap([5, 5, 5, 5, 5], 0.2) == 5
+    assert user_cap([100], 0.2) == 100
+    assert user_cap([50, 1, 1, 1, 1, 1, 1, 1, 1, 1], 0.2) == 2  # 2 <= 0.2 * (2 + 9)
+    with pytest.raises(DataError, match="max_user_share"):
+        split_snapshot(table([("a", 1), ("b", 2)]), 0.5, max_user_share=0.0)
+
+
+def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipeline.rounds.job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
+    import trainer.candidates
+    from pipeline.config import HourglassConfig
+    from pipeline.rounds.job import train_and_evaluate
+    from pipeline.rounds.records import RoundRecord
+    from trainer.types import RoundResult
+
+    seen = {}
+
+    def fake_run_round(model, candidates, rl, train, heldout, champions, out_dir, **kwargs):
+        seen["train"], seen["heldout"] = train, heldout
+        return RoundResult(round_id="r1", base_fingerprint="f", window_start=START, window_end=START, train_rows=train.num_rows,
+                           heldout_rows=heldout.num_rows, eval_prompt_ids=(), candidates=(), decisions={}, metrics={"round/wall_s": 1.0})  # fmt: skip
+
+    monkeypatch.setattr(trainer.candidates, "run_round", fake_run_round)
+    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
+    record = RoundRecord(round_id="r1", state="train", trigger="manual", candidates=["default"], window="1h", created_at="", updated_at="")
+    rows = [(f"user-{u}", u * 10 + i) for u in range(4) for i in range(5)] + [("mallory", 1000 + i) for i in range(200)]
+    result = train_and_evaluate(cfg, record, table(rows), {})
+    for part in ("train", "heldout"):
+        counts = shares(seen[part])
+        assert counts["mallory"] / seen[part].num_rows <= 0.25 + 1e-9, (part, counts)
+    assert result.metrics["data/users"] == 5 and result.metrics["data/max_user_share"] <= 0.25 + 1e-9
+    assert result.metrics["round/wall_s"] == 1.0
