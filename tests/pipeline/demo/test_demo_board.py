@@ -90,7 +90,7 @@ def test_demo_canary_settles_within_the_demos_traffic() -> None:
     from pipeline.canary.sequential import ArmStats, decide
     from pipeline.config import load_config
 
-    canary = load_config(Path(__file__).resolve().parents[2] / "deploy" / "demo.toml").serving.canary
+    canary = load_config(REPO / "deploy" / "demo.toml").serving.canary
     assert canary.enabled and canary.max_duration_s <= 600 and canary.check_interval_s <= 10
 
     def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
@@ -107,8 +107,8 @@ def test_demo_canary_settles_within_the_demos_traffic() -> None:
 
 
 def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.demo import _print_canary, _sides
-    from pipeline.traffic import Exchange
+    from pipeline.demo.main import _print_canary, _sides
+    from pipeline.demo.traffic import Exchange
 
     view = {"version": "2", "decision": "promote", "reason": "challenger not worse by more than 0.15", "elapsed_s": 41.6,
             "lower": -0.12, "upper": 0.55, "challenger": {"n": 40, "mean": 0.45, "var": 0.25}, "champion": {"n": 38, "mean": 0.24, "var": 0.2}}  # fmt: skip
@@ -123,7 +123,7 @@ def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: p
 def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
     """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
     once; a server that stays away past the patience raises instead of hanging the demo."""
-    from pipeline.traffic import FEEDBACK_HEADER, drive
+    from pipeline.demo.traffic import FEEDBACK_HEADER, drive
     from tests.http_helpers import serve
 
     calls = {"chat": 0, "votes": []}
