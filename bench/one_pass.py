@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer.adapter_store import make_store  # noqa: E402
+from trainer.adapter_store import AdapterStore, make_store  # noqa: E402
 from trainer.base import ResidentBase  # noqa: E402
 from trainer.config import CandidateConfig, RLConfig  # noqa: E402
 from trainer.update import Batch, update_step  # noqa: E402
@@ -77,7 +77,7 @@ def _sync(base: ResidentBase) -> None:
         torch.cuda.synchronize(base.device)
 
 
-def _step(mode: str, base: ResidentBase, store: object, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig) -> float:
+def _step(mode: str, base: ResidentBase, store: AdapterStore, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig) -> float:
     """Seconds of one step of all candidates in ``mode``."""
     from trainer.multi_lora import train_one_pass
 
@@ -85,7 +85,7 @@ def _step(mode: str, base: ResidentBase, store: object, candidates: Sequence[Can
     started = time.perf_counter()
     if mode == "sequential":
         for c, b in zip(candidates, batches):
-            update_step(base, store.activate(c.name), c, rl, b)  # type: ignore[attr-defined]
+            update_step(base, store.activate(c.name), c, rl, b)
     else:
         train_one_pass(base, store, list(zip(candidates, batches)), rl)
     _sync(base)

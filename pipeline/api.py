@@ -23,7 +23,7 @@ are cached for ``CACHE_S`` seconds.
 | method | path | what |
 | --- | --- | --- |
 | GET | /healthz | the process is up |
-| GET | /readyz | per check: each worker (ingest, scheduler, reconcile) running, ingest storage, MLflow and vLLM reachable (503 otherwise) |
+| GET | /readyz | per check: each worker (ingest, scheduler, reconcile, canary) running, ingest storage, MLflow and vLLM reachable (503 otherwise) |
 | GET | /metrics | Prometheus exposition |
 | GET | /status | rounds, champions, ingest, buffer, next scheduled round, workers (state, restarts, last error) |
 | GET | /rounds, /rounds/{id} | round records |

@@ -3,8 +3,8 @@ reconcile loop and the ops API in one process.
 
 Start order (each needs the one before): config → base model → topics →
 settle rounds a crash left (and unload what they left in vLLM) → ingest →
-reconcile loop → scheduler → API. Ingest, reconcile and scheduler run as
-supervised workers (:mod:`pipeline.supervise`): one that raises is restarted
+reconcile loop → canary monitor → scheduler → API. Ingest, reconcile, canary and
+scheduler run as supervised workers (:mod:`pipeline.supervise`): one that raises is restarted
 with backoff and shows in ``/readyz`` and ``/status`` meanwhile.
 Shutdown order is written where it happens, in :meth:`HourglassService.shutdown`;
 :func:`run_service` runs it on SIGTERM/SIGINT.
@@ -171,7 +171,7 @@ class HourglassService:
         from pipeline.canary.monitor import CanaryMonitor
 
         self.canary = canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: controller.trigger())
-        canary.start()
+        self._supervise("canary", canary.run)  # restarted with backoff if a look raises; shown in /readyz and /status
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule
@@ -244,7 +244,7 @@ class HourglassService:
            published into vLLM are unloaded;
         3. stop ingestion: the worker finishes its batch, makes it durable in
            the buffer, commits the offsets, and closes the consumer;
-        4. stop the reconcile loop (vLLM keeps serving the champion).
+        4. stop the canary monitor, then the reconcile loop (vLLM keeps serving the champion).
         """
         global _CURRENT
         grace = self.cfg.schedule.shutdown_grace_s if round_grace_s is None else round_grace_s
@@ -264,8 +264,8 @@ class HourglassService:
         if "ingest" in self.workers:  # 3
             if not self.workers["ingest"].stop(30):
                 log.warning("ingest did not stop within 30s; its uncommitted batch is redelivered at the next start")
-        if self.canary is not None:  # 4: no alias moves once the reconcile loop is gone
-            self.canary.stop()
+        if "canary" in self.workers:  # 4: no alias moves once the reconcile loop is gone
+            self.workers["canary"].stop(10)
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
         _CURRENT = None
@@ -283,7 +283,7 @@ class HourglassService:
 
         from pipeline.registry.models import mlflow_reachable
 
-        checks = {name: worker.alive for name, worker in self.workers.items()}  # ingest, reconcile, scheduler
+        checks = {name: worker.alive for name, worker in self.workers.items()}  # ingest, reconcile, canary, scheduler
         checks.setdefault("scheduler", bool(self.scheduler and self.scheduler.running))
         checks["mlflow"] = mlflow_reachable(self.cfg.registry.tracking_uri)
         health = getattr(self.ingest_worker, "health", None)

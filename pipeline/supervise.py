@@ -1,7 +1,7 @@
 """Supervised worker threads: a worker that raises is restarted with backoff.
 
 Policy (one for every long-running worker of the service: ingest, scheduler,
-reconcile): the worker runs ``target(stop)`` on a daemon thread until ``stop``
+reconcile, canary): the worker runs ``target(stop)`` on a daemon thread until ``stop``
 is set. If it raises, the error is logged with its traceback, counted in
 ``hourglass_worker_restarts_total{worker}``, and the worker is started again
 after an exponential backoff (``initial_s`` doubling to ``max_s``, tenacity's
@@ -55,7 +55,7 @@ class Worker:
     """One supervised thread.
 
     Args:
-        name: the worker's name in logs, metrics and ``/readyz`` (``ingest``, ``scheduler``, ``reconcile``).
+        name: the worker's name in logs, metrics and ``/readyz`` (``ingest``, ``scheduler``, ``reconcile``, ``canary``).
         target: ``target(stop)``; runs until ``stop`` is set, returns then. Raising means it died.
         on_stop: called by :meth:`stop` after ``stop`` is set, to wake a target blocked elsewhere.
         initial_s, max_s: the backoff between restarts, seconds.

@@ -232,18 +232,23 @@ class CanaryMonitor:
 
     # -- loop ---------------------------------------------------------------------------
 
+    def run(self, stop: threading.Event) -> None:
+        """Look every ``serving.canary.check_interval_s`` until ``stop`` is set: the target of the
+        service's supervised ``canary`` worker (:mod:`pipeline.supervise`), which restarts it with
+        backoff if anything here raises. A single look already reports MLflow or buffer errors in its
+        view and carries on (:meth:`check_once`)."""
+        while not stop.is_set():
+            self.check_once()
+            stop.wait(self.cfg.serving.canary.check_interval_s)
+
     def start(self) -> None:
-        """Look every ``serving.canary.check_interval_s`` on a daemon thread until :meth:`stop`."""
+        """:meth:`run` on a plain daemon thread until :meth:`stop` (outside the service, e.g. in tests;
+        the service runs it as a supervised worker instead)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="hourglass-canary", daemon=True)
+        self._thread = threading.Thread(target=self.run, args=(self._stop,), name="hourglass-canary", daemon=True)
         self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.check_once()
-            self._stop.wait(self.cfg.serving.canary.check_interval_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()

@@ -5,11 +5,17 @@ model learns from what its users say, and nothing else.
 2. start the always-on service and the gateway as their own processes;
 3. drive traffic through the gateway with the official ``openai`` client
    (reasoning-gym arithmetic; feedback = each simulated user's thumbs up/down);
-4. let the scheduler run rounds on a short interval, printing each one: the
-   reward model's held-out AUC, every candidate's gate value next to the
-   champion's (per served model), the winner or why none won, the promoted
-   version, the hot-load time; then more traffic, served by the new champion;
-5. the scoreboard: the users' live thumbs-up rate of each phase's traffic
+4. start each round through the ops API once a phase of traffic is in (the
+   demo's config turns the scheduler off, so phases and rounds alternate), and
+   print it: the reward model's held-out AUC, every candidate's gate value next
+   to the champion's (per served model), the winner or why none won;
+5. the canary: a round's winner serves a sticky share of the users as
+   ``@challenger`` beside the champion while traffic keeps flowing; the demo
+   prints the live evidence as it grows (feedback events and thumbs-up rate of
+   each side, the always-valid interval) and the monitor's decision (promote or
+   abort) with how long it took; then more traffic, served by the champion
+   (the first winner, with no champion to compare with, is promoted at once);
+6. the scoreboard: the users' live thumbs-up rate of each phase's traffic
    (from the reward buffer), greedy accuracy by the users' own check on fresh
    prompts for the base, the final champion and the oracle (a recipe trained on
    that very check, served as its own model so it never competes for
@@ -29,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +46,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from pipeline import stack
 from pipeline.cli.main import base_model_dir
@@ -49,6 +57,16 @@ from pipeline.demo.traffic import Exchange, arithmetic_questions, create_demo_ke
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
+CONCURRENCY = 8  # requests in flight at once, so vLLM batches them
+
+
+@retry(retry=retry_if_exception_type(httpx.HTTPError), wait=wait_fixed(5), stop=stop_after_delay(300), reraise=True)
+def _get(url: str, **params: Any) -> Any:
+    """GET a JSON view of the ops API; retried for up to 5 min (tenacity): under load, a round's
+    training can keep the service from answering within the timeout."""
+    response = httpx.get(url, params=params or None, timeout=30)
+    response.raise_for_status()
+    return response.json()
 
 
 def _spawn(name: str, args: list[str], cfg: HourglassConfig, config: Path) -> subprocess.Popen[bytes]:
@@ -70,24 +88,26 @@ def _wait_http(url: str, what: str, proc: subprocess.Popen[bytes], timeout_s: fl
     raise SystemExit(f"{what} did not answer {url} within {timeout_s:.0f}s")
 
 
-def _wait_round(api: str, seen: set[str], timeout_s: float) -> dict[str, Any]:
-    """The next round (not in ``seen``) once it has ended."""
+def _start_round(api: str, token: str) -> str:
+    """Start a round through the ops API (``POST /rounds``); returns its id."""
+    response = httpx.post(f"{api}/rounds", json={}, headers={"authorization": f"Bearer {token}"}, timeout=120)
+    response.raise_for_status()
+    return response.json()["round_id"]
+
+
+def _wait_round(api: str, round_id: str, timeout_s: float) -> dict[str, Any]:
+    """The round ``round_id`` once it has ended, its state changes printed as they come."""
     deadline = time.monotonic() + timeout_s
     shown = None
     while time.monotonic() < deadline:
-        records = httpx.get(f"{api}/rounds", params={"limit": 50}, timeout=10).json()
-        # Oldest unseen first (ids start with their UTC start time): a round that ended while the
-        # scheduler already started the next one is still shown, in order.
-        unseen = sorted((r for r in records if r["round_id"] not in seen and r["state"] != "cancelled"), key=lambda r: r["round_id"])
-        if unseen:
-            record = unseen[0]
-            if (record["round_id"], record["state"]) != shown:
-                console.print(f"  [dim]{time.strftime('%H:%M:%S')} round {record['round_id']}: {record['state']}[/]")
-                shown = (record["round_id"], record["state"])
-            if record["state"] in ("done", "no_winner", "failed"):
-                return record
+        record = _get(f"{api}/rounds/{round_id}")
+        if record["state"] != shown:
+            console.print(f"  [dim]{time.strftime('%H:%M:%S')} round {round_id}: {record['state']}[/]")
+            shown = record["state"]
+        if record["state"] in ("done", "no_winner", "failed", "cancelled"):
+            return record
         time.sleep(3)
-    raise SystemExit(f"no round ended within {timeout_s:.0f}s")
+    raise SystemExit(f"round {round_id} did not end within {timeout_s:.0f}s")
 
 
 def _greedy_accuracy(vllm_url: str, model: str, questions: list[tuple[str, str]]) -> float:
@@ -113,10 +133,87 @@ def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 
     """The service's serving status for ``model`` once it serves ``version`` (hot-loads run after the round ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        serving = httpx.get(f"{api}/status", timeout=10).json().get("serving", {}).get(model, {})
+        serving = _get(f"{api}/status").get("serving", {}).get(model, {})
         if version is None or str(serving.get("serving")) == version or time.monotonic() > deadline:
             return serving
         time.sleep(0.5)
+
+
+def _canary_look(api: str, model: str) -> dict[str, Any]:
+    """The service's last canary look at ``model`` (``/status``: ``canary`` = running, ``last_canary`` = last decided)."""
+    return _get(f"{api}/status").get("canary", {}).get(model) or {}
+
+
+def _sides(view: dict[str, Any]) -> str:
+    """'challenger n events, r up; champion n events, r up' of a canary view."""
+
+    def side(name: str) -> str:
+        arm = view.get(name) or {}
+        n, mean = arm.get("n", 0), arm.get("mean")
+        return f"{name} {n} feedback events, {'-' if not n or mean is None else f'{mean:.0%}'} thumbs-up"
+
+    return f"{side('challenger')} vs {side('champion')}"
+
+
+def _interval(view: dict[str, Any]) -> str:
+    lower, upper = view.get("lower"), view.get("upper")
+    return "-" if lower is None or upper is None else f"[{lower:+.2f}, {upper:+.2f}]"
+
+
+def _run_canary(api: str, gateway: str, cfg: HourglassConfig, key: str, version: str, seed: int, timeout_s: float) -> tuple[list[Exchange], dict | None]:
+    """Keep the users' traffic flowing while ``version`` is on canary, printing the live evidence after each
+    batch, until the service's canary monitor decided (promote or abort) or ``timeout_s`` passed.
+
+    Returns the canary phase's exchanges and the decided view (evidence, decision, reason, ``elapsed_s``), or
+    None when no decision came in time."""
+    model, canary = cfg.serving.model_name, cfg.serving.canary
+    started = time.monotonic()
+    while time.monotonic() - started < 120:  # the serving controller stages, loads and probes it first
+        challenger = _wait_serving(api, model, None).get("challenger") or {}
+        if challenger.get("served_name"):
+            break
+        time.sleep(1)
+    console.print(
+        f"canary: {model} v{version} serves {canary.fraction:.0%} of the users (sticky per user) beside the champion, "
+        f"{time.monotonic() - started:.0f} s after the round; decision rule: promote when both sides have "
+        f"{canary.min_feedback} feedback events and the {1 - canary.alpha:.0%} always-valid interval of "
+        f"(challenger - champion) thumbs-up rate is above -{canary.margin:g}; abort when it is below 0 "
+        f"or after {canary.max_duration_s:g} s"
+    )
+    sent: list[Exchange] = []
+    batch = 0
+    while time.monotonic() - started < timeout_s:
+        look = _canary_look(api, model)
+        last = look.get("last_canary") or {}
+        if str(last.get("version")) == version and last.get("decision") in ("promote", "abort"):
+            return sent, last
+        view = look.get("canary") or {}
+        if str(view.get("version")) == version and view.get("challenger"):
+            console.print(f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]")
+        sent += drive(gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key)
+        batch += 1
+    return sent, None
+
+
+def _print_canary(version: str, decided: dict | None, sent: list[Exchange], took_s: float) -> str:
+    """The canary's outcome; returns a one-line summary for the scoreboard."""
+    if decided is None:
+        line = f"v{version}: no decision within the demo's wait ({len(sent)} requests, {took_s:.0f} s); still on canary"
+        console.print(f"[bold yellow]canary {line}[/]")
+        return line
+    word = "PROMOTED" if decided["decision"] == "promote" else "ABORTED"
+    line = (f"v{version} {word} after {decided.get('elapsed_s', float('nan')):.0f} s of canary traffic "
+            f"({took_s:.0f} s after the round, {len(sent)} requests): {_sides(decided)}; interval {_interval(decided)}")  # fmt: skip
+    console.print(f"[bold]canary {line}[/]\n  reason: {escape(str(decided.get('reason')))}")
+    return line
+
+
+def _promote_oracle(api: str, token: str) -> None:
+    """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API)."""
+    look = _get(f"{api}/canary").get(ORACLE_MODEL) or {}
+    if look.get("canary"):
+        httpx.post(f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=120).raise_for_status()
+        console.print(f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)")
 
 
 def _live_verdict(cfg: HourglassConfig, phases: list[list[str]], timeout_s: float = 60.0) -> list[LiveRate]:
@@ -157,15 +254,24 @@ def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any]) -> N
         console.print(f"{model}: winner {decision.get('winner') or 'none'}; gate: {escape(decision.get('reason', '-'))}")
 
 
-def _print_scoreboard(rates: list[LiveRate], accuracy: dict[str, float], aucs: list[float | None]) -> None:
+def _print_scoreboard(rates: list[LiveRate], canaries: dict[int, tuple[LiveRate, str]], accuracy: dict[str, float],
+                      aucs: list[float | None]) -> None:  # fmt: skip
+    """The users' live verdict per phase (canary traffic on rows of its own), greedy accuracy, AUC by round."""
     live = Table("phase", "served by (version: up/rated)", "users' thumbs-up", "rate", title="The users' live verdict")
-    for r in rates:
-        label = "before round 1" if r.phase == 0 else f"after round {r.phase}"
+
+    def row(label: str, r: LiveRate) -> None:
         served = ", ".join(f"{v}: {u}/{n}" for v, (u, n) in r.served_by.items()) or "-"
         live.add_row(label, served, f"{r.up}/{r.rated}", f"{r.rate:.0%}" if r.rated else "-")
+
+    for r in rates:
+        if r.phase in canaries:
+            row(f"canary of round {r.phase}", canaries[r.phase][0])
+        row("before round 1" if r.phase == 0 else f"after round {r.phase}", r)
     console.print(live)
     if rates and rates[0].rated and rates[-1].rated and rates[0].rate > 0:
         console.print(f"last phase / first phase thumbs-up rate: {rates[-1].rate / rates[0].rate:.1f}x")
+    for i, (_, line) in sorted(canaries.items()):
+        console.print(f"canary of round {i}: {line}")
     greedy = Table("model", "greedy accuracy by the users' check (48 fresh prompts)", title="Fresh prompts")
     for label, value in accuracy.items():
         greedy.add_row(label, f"{value:.3f}")
@@ -175,51 +281,75 @@ def _print_scoreboard(rates: list[LiveRate], accuracy: dict[str, float], aucs: l
 
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
-    rounds: Annotated[int, typer.Option(help="Rounds to watch.")] = 3,
+    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 2,
     traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
-    between: Annotated[int, typer.Option(help="Requests after each round (served by its champion).")] = 32,
+    between: Annotated[int, typer.Option(help="Requests after each round (and its canary), served by the champion.")] = 48,
+    canary_wait: Annotated[float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")] = 660.0,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
+    from pipeline.service import api_token
+
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below on SIGTERM too
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console.rule("1. local stack")
-    for service in stack.stack_services(cfg, base_model_dir(cfg)):
-        if not (stack.running_pid(service) and service.health()):
+    services = stack.stack_services(cfg, base_model_dir(cfg))
+    for service in services:
+        for attempt in range(3):  # a busy host may lack the memory for vLLM's KV cache for a while
+            if stack.running_pid(service) and service.health():
+                break
             console.print(f"starting {service.name} ...")
-            service.start()
+            try:
+                service.start()
+            except stack.StackError as err:
+                if attempt == 2:
+                    raise
+                console.print(f"[yellow]{service.name} did not start ({escape(str(err))}); again in 30 s[/]")
+                time.sleep(30)
         console.print(f"{service.name}: healthy on {service.host}:{service.port}")
+    watching = threading.Event()  # like `hourglass up --watch`: a stack process that dies (e.g. the OOM killer) is started again
+    threading.Thread(target=stack.watch, args=(services, watching), daemon=True, name="demo-watch").start()
     from connectors.kafka_admin import ensure_topics
 
     ensure_topics(cfg.kafka)
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
-    vllm_url = cfg.serving.replicas[0]
+    vllm_url, model = cfg.serving.replicas[0], cfg.serving.model_name
     key = create_demo_key(cfg.resolve(cfg.state_dir))  # trusted grader: the simulated users send reference answers
     procs = {"service": _spawn("service", ["service"], cfg, config), "gateway": _spawn("gateway", ["gateway"], cfg, config)}
     try:
         _wait_http(f"{api}/healthz", "the service", procs["service"])
         _wait_http(f"{gateway}/healthz", "the gateway", procs["gateway"])
+        token = api_token(cfg)  # the ops API's token (written by the service at start)
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, cfg.serving.model_name, traffic, seed=1, api_key=key)
+        exchanges = drive(gateway, model, traffic, seed=1, concurrency=CONCURRENCY, api_key=key)
         _say_sent(exchanges, "requests (served by the base)")
-        phases, aucs, seen = [[e.trace_id for e in exchanges]], [], set[str]()
+        phases: list[list[str]] = [[e.trace_id for e in exchanges]]
+        canaries: dict[int, list[str]] = {}
+        canary_lines: dict[int, str] = {}
+        aucs: list[float | None] = []
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
-            record = _wait_round(api, seen, timeout_s=900)
-            seen.add(record["round_id"])
-            _print_round(record, sum(len(p) for p in phases), httpx.get(f"{api}/buffer/stats", timeout=10).json())
+            record = _wait_round(api, _start_round(api, token), timeout_s=1800)
+            sent = sum(len(p) for p in phases) + sum(len(c) for c in canaries.values())
+            _print_round(record, sent, _get(f"{api}/buffer/stats"))
             aucs.append((record.get("metrics") or {}).get("reward_model/auc"))
-            serving = _wait_serving(api, cfg.serving.model_name, (record.get("versions") or {}).get(cfg.serving.model_name))
+            console.print(f"round: {escape(record['reason'])}")
+            _promote_oracle(api, token)
+            version = str((record.get("versions") or {}).get(model) or "")
+            if version and f"{model} v{version} on canary" in (record.get("reason") or ""):
+                ended = time.monotonic()
+                more, decided = _run_canary(api, gateway, cfg, key, version, seed=100 + i, timeout_s=canary_wait)
+                canaries[i] = [e.trace_id for e in more]
+                canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
+                time.sleep(2 * cfg.serving.reconcile_interval_s)  # the route drops the challenger (promote: moves to it)
+            serving = _wait_serving(api, model, None)
             hotload = serving.get("last_hotload_s")
-            console.print(
-                f"round: {escape(record['reason'])}\npromoted: {record['versions'] or '-'}   serving now: {serving.get('serving')}   "
-                f"hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
-            )
-            more = drive(gateway, cfg.serving.model_name, between, seed=100 + i, api_key=key)  # the phase after round i, served by its champion
+            console.print(f"serving now: {model} -> {serving.get('serving')}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s")
+            more = drive(gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key)  # the phase after round i, served by its champion
             phases.append([e.trace_id for e in more])
             _say_sent(more, "more requests")
 
@@ -229,12 +359,15 @@ def main(
         routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
         questions = arithmetic_questions(48, seed=999)  # fresh prompts, never seen in training
         accuracy = {f"base ({cfg.serving.base_served_name})": _greedy_accuracy(vllm_url, cfg.serving.base_served_name, questions)}
-        for label, model in [("champion", cfg.serving.model_name), ("oracle", ORACLE_MODEL)]:
-            served = routes.get(model, {}).get("served_name")
+        for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
+            served = routes.get(served_model, {}).get("served_name")
             if served:
                 accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions)
-        rates = _live_verdict(cfg, phases)
-        _print_scoreboard(rates, accuracy, aucs)
+        canary_ids = sorted(canaries)
+        all_rates = _live_verdict(cfg, phases + [canaries[i] for i in canary_ids])
+        rates = all_rates[: len(phases)]
+        canary_rates = {i: (r, canary_lines[i]) for i, r in zip(canary_ids, all_rates[len(phases):])}
+        _print_scoreboard(rates, canary_rates, accuracy, aucs)
         values = list(accuracy.values())
         if len(values) == 3:
             base_acc, champion_acc, oracle_acc = values
@@ -242,12 +375,14 @@ def main(
                 f"feedback-only gain {champion_acc - base_acc:+.3f}, oracle gain {oracle_acc - base_acc:+.3f}: "
                 f"feedback-only / oracle = {gain_ratio(base_acc, champion_acc, oracle_acc):.2f}"
             )
-        for exchange in drive(gateway, cfg.serving.model_name, 3, seed=2024, concurrency=1, api_key=key):
+        for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key):
             console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
         plot = cfg.resolve(cfg.state_dir) / "demo-live-thumbs-up.png"
         plot_live_rates(rates, plot)
-        console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s")
+        loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s on {os.cpu_count()} CPUs; load average (1, 5, 15 min) {loadavg}")
     finally:
+        watching.set()
         if not keep_up:
             for proc in procs.values():
                 stack.stop_group(proc.pid)

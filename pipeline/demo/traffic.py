@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from openai import OpenAI
+from openai import APIConnectionError, InternalServerError, OpenAI
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from connectors.gateway.auth import KeyStore
 from trainer.rewards import first_number_answer
@@ -82,11 +83,21 @@ def ask(
     return Exchange(trace_id, question, answer, reference, correct)
 
 
-def drive(gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4, *, api_key: str = "demo") -> list[Exchange]:
+def drive(
+    gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4, *, api_key: str = "demo", patience_s: float = 600.0
+) -> list[Exchange]:
     """Send ``n`` questions through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
-    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`)."""
+    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`).
+
+    A user whose request fails because the model server is away (the gateway's 502/503, a connection
+    error or a timeout: e.g. vLLM restarted after the host ran out of memory) asks again every 5 s for up
+    to ``patience_s`` seconds (tenacity), then the error is raised."""
     client = OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=2, timeout=120)
     questions = arithmetic_questions(n, seed)
     users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]
+    patient = retry(
+        retry=retry_if_exception_type((APIConnectionError, InternalServerError)), wait=wait_fixed(5), stop=stop_after_delay(patience_s),
+        reraise=True,
+    )(ask)  # fmt: skip  (APITimeoutError is an APIConnectionError)
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda args: ask(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)))
+        return list(pool.map(lambda args: patient(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)))

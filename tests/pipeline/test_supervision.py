@@ -130,3 +130,32 @@ def test_up_watch_restarts_a_dead_service(tmp_path: Path) -> None:
         thread.join(10)
         svc.stop(grace_s=2)
     assert result == {"web": 1}
+
+
+def test_canary_monitor_is_a_supervised_worker(service: HourglassService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary loop runs under the same supervision as the other workers: a look that raises is
+    restarted with backoff and shows in /status and /readyz meanwhile; shutdown stops it."""
+    from pipeline.canary import monitor as canary_monitor
+
+    looks: list[float] = []
+
+    def flaky_look(self) -> dict:
+        looks.append(time.monotonic())
+        if len(looks) == 1:
+            raise RuntimeError("registry answered garbage")
+        return {}
+
+    monkeypatch.setattr(canary_monitor, "make_client", lambda cfg: object())  # no MLflow needed: the look is replaced
+    monkeypatch.setattr(canary_monitor.CanaryMonitor, "check_once", flaky_look)
+    service.start()
+    before = _restarts("canary")
+    service._start_canary(["hourglass"])
+    worker = service.workers["canary"]
+    client = TestClient(create_api(service), base_url="http://localhost")
+    status = _wait(lambda: (s := client.get("/status").json()["workers"].get("canary")) and s["state"] == "restarting" and s)
+    assert status["restarts"] == 1 and "registry answered garbage" in status["last_error"]
+    _wait(lambda: len(looks) >= 2 and worker.alive, timeout_s=5)  # restarted after the 1 s backoff
+    assert looks[1] - looks[0] >= 0.9 and _restarts("canary") - before == 1
+    assert service.readiness()["canary"] is True
+    service.shutdown(round_grace_s=1)
+    assert worker.state().state == "stopped"

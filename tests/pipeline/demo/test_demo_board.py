@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
+import openai
 import pyarrow as pa
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from pipeline.demo.board import gain_ratio, live_rates, plot_live_rates
 from pipeline.demo.traffic import is_correct
@@ -77,3 +81,77 @@ def test_round_printout_survives_nulls_from_the_api() -> None:
     }  # fmt: skip
     _print_round(record, 96, {"trace_rows": 96})
     assert _num(None) == "-" and _num(float("nan")) == "-" and _num(0.5, "+.3f") == "+0.500"
+
+
+def test_demo_canary_settles_within_the_demos_traffic() -> None:
+    """deploy/demo.toml's canary decides on the demo's traffic: a challenger the users clearly prefer
+    (45 % vs 15 % thumbs-up) is promoted before 60 events per side; an equally good one before 200 per
+    side (the margin); a clearly worse one (10 % vs 45 %) is aborted before 60 per side."""
+    from pipeline.canary.sequential import ArmStats, decide
+    from pipeline.config import load_config
+
+    canary = load_config(REPO / "deploy" / "demo.toml").serving.canary
+    assert canary.enabled and canary.max_duration_s <= 600 and canary.check_interval_s <= 10
+
+    def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
+        for n in range(1, limit + 1):  # exact shares at every look (no noise): when the rule can first decide
+            arms = [ArmStats.of_rewards([1.0] * round(p * n) + [-1.0] * (n - round(p * n)), binary=True) for p in (p_challenger, p_champion)]
+            verdict = decide(*arms, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback, tau=canary.mixture_sd)
+            if verdict.decision != "continue":
+                return verdict.decision, n
+        return "continue", limit
+
+    assert first_decision(0.45, 0.15, 60)[0] == "promote"
+    assert first_decision(0.40, 0.40, 200)[0] == "promote"
+    assert first_decision(0.10, 0.45, 60)[0] == "abort"
+
+
+def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.demo.main import _print_canary, _sides
+    from pipeline.demo.traffic import Exchange
+
+    view = {"version": "2", "decision": "promote", "reason": "challenger not worse by more than 0.15", "elapsed_s": 41.6,
+            "lower": -0.12, "upper": 0.55, "challenger": {"n": 40, "mean": 0.45, "var": 0.25}, "champion": {"n": 38, "mean": 0.24, "var": 0.2}}  # fmt: skip
+    assert _sides(view) == "challenger 40 feedback events, 45% thumbs-up vs champion 38 feedback events, 24% thumbs-up"
+    sent = [Exchange(str(i), "q", "a", "1", True) for i in range(80)]
+    line = _print_canary("2", view, sent, 63.2)
+    assert line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)") and "[-0.12, +0.55]" in line
+    assert "undecided" not in line and "not worse by more than 0.15" in capsys.readouterr().out
+    assert "no decision" in _print_canary("3", None, sent, 300.0)
+
+
+def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
+    """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
+    once; a server that stays away past the patience raises instead of hanging the demo."""
+    from pipeline.demo.traffic import FEEDBACK_HEADER, drive
+    from tests.http_helpers import serve
+
+    calls = {"chat": 0, "votes": []}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        calls["chat"] += 1
+        if calls["chat"] <= 4:  # more than the openai client's own 2 retries
+            return JSONResponse({"error": {"message": "the model server is unreachable", "type": "upstream"}}, status_code=502)
+        body = await request.json()
+        content = "7" if "3 + 4" in body["messages"][0]["content"] else "0"
+        headers = {"x-hourglass-trace-id": f"t{calls['chat']}", FEEDBACK_HEADER: "tok"}
+        return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]},
+                            headers=headers)  # fmt: skip
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict:
+        calls["votes"].append(await request.json())
+        return {"ok": True}
+
+    with serve(app, "fake gateway") as url:
+        out = drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=60)
+        assert calls["chat"] == 5 and len(out) == 1 and out[0].trace_id == "t5"
+        assert [v["trace_id"] for v in calls["votes"]] == ["t5"]
+        calls["chat"] = -1000  # away for good
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError):
+            drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=1)
+        assert time.monotonic() - started < 30
