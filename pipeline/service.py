@@ -142,7 +142,7 @@ class HourglassService:
             self.controller = controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
             self._supervise("reconcile", controller.run, on_stop=controller.trigger)
             self.runner.on_promoted.append(lambda _model, _version: controller.trigger())
-            self._start_canary(models, controller)
+            self._start_canary(models)
         _CURRENT = self
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
@@ -164,14 +164,18 @@ class HourglassService:
             if not self.scheduler.running or (thread is not None and not thread.is_alive()):
                 raise WorkerDiedError("the APScheduler thread stopped; starting a new scheduler")
 
-    def _start_canary(self, models: list[str], controller: ServingController) -> None:
+    def _start_canary(self, models: list[str]) -> None:
         """The canary and guard loop (:mod:`pipeline.canary.monitor`); its decisions wake the reconcile loop."""
         if not (self.cfg.serving.canary.enabled or self.cfg.serving.guard.enabled):
             return
         from pipeline.canary.monitor import CanaryMonitor
 
-        self.canary = canary = CanaryMonitor(self.cfg, models=models, on_change=lambda _m: controller.trigger())
+        self.canary = canary = CanaryMonitor(self.cfg, models=models, on_change=self._wake_reconcile)
         self._supervise("canary", canary.run)  # restarted with backoff if a look raises; shown in /readyz and /status
+
+    def _wake_reconcile(self, _model: str) -> None:
+        if self.controller is not None:
+            self.controller.trigger()
 
     def _make_scheduler(self) -> BackgroundScheduler:
         sched = self.cfg.schedule
