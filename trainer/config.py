@@ -218,6 +218,11 @@ class RLConfig(_Section):
         default=300.0, gt=0, le=86400,
         description="`ray` executor: how long a round waits for the placement group of all its actors before it fails with the reason.",
     )  # fmt: skip
+    ray_keep_actors: bool = Field(
+        default=False,
+        description="`ray` executor: keep a successful round's trainer actors (placement group and resident bases) for the next "
+        "round with the same model and sizing, which then skips actor start-up; a failed round always frees them.",
+    )
     ray_storage_uri: str | None = Field(
         default=None,
         description="`ray` executor: a `pyarrow.fs` URI every node can read and write (e.g. `s3://bucket/hourglass/rounds`, "

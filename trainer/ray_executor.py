@@ -23,6 +23,10 @@ What runs where (one round):
 Whatever happens (success, an actor killed mid-round, a cancel, a timeout),
 the round's actors are killed, its placement group is removed and its
 exchange folder is deleted before :meth:`RayExecutor.train` returns or raises.
+The one exception is opt-in: with ``rl.ray_keep_actors`` a *successful*
+round keeps its placement group and actors (their resident bases loaded) for
+the next round of this process with the same model and sizing, which then
+skips the actor start-up; :func:`release_kept_actors` frees them.
 Upstream API: https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
 """
 
@@ -44,7 +48,7 @@ from trainer.executor import Exchange, LocalExecutor, TrainJob, TrainOutcome, as
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayExecutor", "TrainerActor", "actor_count", "connect"]
+__all__ = ["RayExecutor", "TrainerActor", "actor_count", "connect", "release_kept_actors"]
 
 POLL_S = 1.0  # how often the driver checks actors, progress and a cancel
 
@@ -156,6 +160,7 @@ class TrainerActor:
         from trainer.round import _unload_leftovers, make_engine
 
         started = time.perf_counter()
+        self.phase = "start"
         exchange = Exchange(uri, job.round_id)
         scratch = local_scratch(f"hourglass-{job.round_id}-actor{index}-")
         rl = job.rl
@@ -207,30 +212,101 @@ class RayExecutor:
         shares = [s for s in assign(job.candidates, rl, actors_n) if s]
         exchange = Exchange(rl.ray_storage_uri or str((job.out_dir / "exchange").resolve()), job.round_id)
         bundle = {"CPU": rl.ray_actor_cpus} | ({"GPU": float(gpus)} if gpus else {})
-        group, actors = None, []
+        key = (job.model_cfg.model_dump_json(), json.dumps(bundle, sort_keys=True), len(shares))
+        pool, kept = _take_pool(key), False
         try:
             remote_starts = []
             for name, folder in job.starts.items():
                 if folder is not None:
                     exchange.put_dir(folder, "start", name)
                     remote_starts.append(name)
-            group, metrics["executor/placement_wait_s"] = _reserve(job, bundle, len(shares))
+            if pool is None:
+                pool = _Pool(key)
+                pool.group, metrics["executor/placement_wait_s"] = _reserve(job, bundle, len(shares))
+                pool.actors = [_spawn(rl, job.model_cfg, pool.group, i, gpus) for i in range(len(shares))]
+            else:
+                metrics["executor/placement_wait_s"] = 0.0
+            metrics["executor/actors_reused"] = float(pool.reused)
             started = time.perf_counter()
-            actors = [_spawn(rl, job.model_cfg, group, i, gpus) for i in range(len(shares))]
             prompts = ray.put(job.train_prompts)
             refs = {}
             for i, share in enumerate(shares):
                 sub = replace(job, candidates=tuple(share), train_prompts=(), starts={}, checkpoint=None, reward_model=None, progress=False)
-                refs[actors[i].train.remote(sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
-            paths = _await(job, actors, shares, refs)
+                refs[pool.actors[i].train.remote(sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
+            paths = _await(job, pool.actors, shares, refs)
             wall = time.perf_counter() - started
-            return _collect(job, exchange, paths, shares, store, engine, metrics, wall)
+            outcome = _collect(job, exchange, paths, shares, store, engine, metrics, wall)
+            kept = rl.ray_keep_actors
+            return outcome
         finally:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            if group is not None:
-                ray.util.remove_placement_group(group)
+            if pool is not None:
+                _keep_pool(pool) if kept else pool.close()
             exchange.remove()
+
+
+class _Pool:
+    """A round's placement group and trainer actors (kept between rounds with ``rl.ray_keep_actors``)."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key, self.group, self.actors, self.reused = key, None, [], False
+
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            ray.get([a.pid.remote() for a in self.actors], timeout=30)
+            return bool(self.actors)
+        except Exception:  # dead actor, or the cluster is gone (ray.shutdown): start afresh
+            return False
+
+    def close(self) -> None:
+        """Kill the actors and remove the placement group (best effort: the cluster may be gone)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as err:  # noqa: BLE001 - cleanup must not hide the round's own error
+                log.warning("could not kill a trainer actor: %s", err)
+        if self.group is not None:
+            try:
+                ray.util.remove_placement_group(self.group)
+            except Exception as err:  # noqa: BLE001
+                log.warning("could not remove placement group: %s", err)
+        self.actors, self.group = [], None
+
+
+_KEPT: dict[str, _Pool] = {}  # at most one pool ("pool"), kept between rounds of this process
+_KEPT_LOCK = threading.Lock()
+
+
+def _take_pool(key: tuple) -> _Pool | None:
+    """The kept pool when it fits this round (same model, bundle, size) and every actor answers; else None
+    (a kept pool that does not fit is closed)."""
+    with _KEPT_LOCK:
+        pool = _KEPT.pop("pool", None)
+    if pool is None:
+        return None
+    if pool.key == key and pool.alive():
+        pool.reused = True
+        return pool
+    pool.close()
+    return None
+
+
+def _keep_pool(pool: _Pool) -> None:
+    with _KEPT_LOCK:
+        old, _KEPT["pool"] = _KEPT.get("pool"), pool
+    if old is not None:
+        old.close()
+
+
+def release_kept_actors() -> None:
+    """Kill the trainer actors kept between rounds (``rl.ray_keep_actors``) and free their placement group."""
+    with _KEPT_LOCK:
+        pool = _KEPT.pop("pool", None)
+    if pool is not None:
+        pool.close()
 
 
 def _reserve(job: TrainJob, bundle: dict[str, float], count: int) -> tuple[object, float]:

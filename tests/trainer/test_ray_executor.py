@@ -1,6 +1,6 @@
 """The ``ray`` executor on a real local Ray cluster (2 CPUs): the same round as the local
 executor, candidate for candidate, and a round that cannot place its actors fails with the
-reason after its timeout and leaves no placement group behind."""
+reason after its timeout and leaves no placement group behind; kept actors serve the next round."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
 from trainer.executor import TrainJob
-from trainer.ray_executor import RayExecutor
+from trainer.ray_executor import RayExecutor, release_kept_actors
 from trainer.round import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
@@ -77,4 +77,26 @@ def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluste
     with pytest.raises(PlacementTimeoutError, match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s"):
         RayExecutor().train(job, None, None, None)
     assert time.monotonic() - started < 15
+    assert leftovers() == ([], [])
+
+
+def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model: Path, tmp_path: Path) -> None:
+    prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
+    cands = [CandidateConfig(name=n, start="fresh", reward=[RewardTerm(fn="format")]) for n in ("a", "b")]
+    rl = RLConfig(
+        steps_per_round=1, prompts_per_step=1, group_size=2, max_new_tokens=2, rollout_engine="hf", eval_prompts=2, bootstrap_samples=100,
+        executor="ray", ray_actors=1, ray_keep_actors=True,
+    )  # fmt: skip
+    model = ModelConfig(name=str(tiny_model))
+    first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
+    assert first.metrics["executor/actors_reused"] == 0.0
+    assert leftovers() == (["TrainerActor"], ["hourglass-r1"])  # kept for the next round
+    second = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, round_id="r2")
+    assert second.metrics["executor/actors_reused"] == 1.0 and second.metrics["executor/placement_wait_s"] == 0.0
+    assert [c.name for c in second.candidates] == ["a", "b"]
+    release_kept_actors()
+    deadline = time.monotonic() + 20
+    while leftovers() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert leftovers() == ([], [])
