@@ -28,9 +28,9 @@ import httpx
 import uvicorn
 from prometheus_client import REGISTRY
 
-from connectors.auth import KeyStore
+from connectors.gateway.auth import KeyStore
 from connectors.config import KafkaConfig
-from connectors.gateway import create_gateway_app
+from connectors.gateway.app import create_gateway_app
 from connectors.kafka_admin import ensure_topics
 from pipeline.stack import broker_service, free_port, vllm_service
 from trainer import model_store

@@ -7,7 +7,7 @@ unless --mlflow-uri and --vllm-url are given):
 
 - ``external``: someone moves the alias with the plain MLflow client; the
   controller's reconcile loop (``--interval-s``) notices it;
-- ``promote``: :func:`pipeline.aliases.promote` then ``controller.trigger()``
+- ``promote``: :func:`pipeline.registry.aliases.promote` then ``controller.trigger()``
   (what the ops API does).
 
 Every promotion loads a version that is not loaded and not staged (the staged
@@ -39,10 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pipeline
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from pipeline import aliases  # noqa: E402
-from pipeline.registry import register_round  # noqa: E402
-from pipeline.replica import Replica  # noqa: E402
-from pipeline.serving import ServingController, read_routes  # noqa: E402
+from pipeline.registry import aliases  # noqa: E402
+from pipeline.registry.models import register_round  # noqa: E402
+from pipeline.serving.replica import Replica  # noqa: E402
+from pipeline.serving.controller import ServingController  # noqa: E402
+from connectors.gateway.routes import read_routes  # noqa: E402
 from pipeline.stack import free_port, mlflow_service, vllm_service  # noqa: E402
 from serving_helpers import make_adapter, make_config, make_round  # noqa: E402
 from trainer import model_store  # noqa: E402

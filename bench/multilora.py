@@ -111,7 +111,7 @@ def start_vllm(model: Path, logs: Path, max_loras: int):
 def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, out: Path, extra=None) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
     from trainer.rollout_vllm import VLLMEngine
-    from trainer.round import run_round
+    from trainer.candidates import run_round
 
     train, heldout = tables(args)
     started = time.perf_counter()

@@ -3,7 +3,7 @@
 Two vLLM servers, one after the other, on the same model, adapters and
 requests; the only difference is ``HOURGLASS_VLLM_GROUPED_LORA`` (0 = vLLM's
 reference per-token kernels, 1 = the grouped kernels of
-``trainer/vllm_cpu_lora.py``). Each server gets the same rollout workload as a
+``pipeline/serving/vllm_cpu_lora.py``). Each server gets the same rollout workload as a
 training step (P prompts x G samples x T new tokens per adapter, all adapters'
 requests in flight together, through ``VLLMEngine``), first from the bare base
 model, then through the adapters. Prints seconds per workload and LoRA/base
@@ -33,7 +33,7 @@ from trainer import model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 from trainer.rollout import RolloutRequest  # noqa: E402
 from trainer.rollout_vllm import VLLMEngine  # noqa: E402
-from trainer.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
+from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
 
 
 def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:

@@ -53,8 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.console import mount_console, presented_token
 from pipeline.redact import redact, redact_data
-from pipeline.round_job import RoundNotCancellableError
-from pipeline.rounds import RoundInProgressError, UnknownRoundError
+from pipeline.rounds.job import RoundNotCancellableError
+from pipeline.rounds.records import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:
     from pipeline.service import HourglassService
@@ -245,8 +245,8 @@ def _registry_call(call) -> dict[str, Any]:
     request URL, ``user:password@`` of the tracking URI included)."""
     from mlflow.exceptions import MlflowException
 
-    from pipeline.aliases import UnknownVersionError
-    from pipeline.registry import RegistryError
+    from pipeline.registry.aliases import UnknownVersionError
+    from pipeline.registry.models import RegistryError
 
     try:
         return call()

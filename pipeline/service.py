@@ -33,8 +33,8 @@ from prometheus_client import Gauge
 from pipeline.config import HourglassConfig, secret_problems
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.redact import install_log_redaction
-from pipeline.round_job import RoundNotCancellableError, RoundRunner, recover
-from pipeline.rounds import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
+from pipeline.rounds.job import RoundNotCancellableError, RoundRunner, recover
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
 from pipeline.supervise import Worker
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class HourglassService:
             self.ingest_worker = IngestWorker(self.cfg.kafka, self.cfg.buffer)
             self._supervise("ingest", self.ingest_worker.run)
         if self._want_reconcile:
-            from pipeline.serving import ServingController
+            from pipeline.serving.controller import ServingController
 
             models = sorted({c.served_model for c in self.cfg.candidates} | {self.cfg.serving.model_name})
             self.controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
@@ -191,9 +191,9 @@ class HourglassService:
         """Register what an MLflow outage left pending (skipped while a round runs).
 
         Updates the records of the rounds it registers and wakes the reconcile
-        loop. Returns the :class:`~pipeline.registry.RegisteredVersion` list.
+        loop. Returns the :class:`~pipeline.registry.models.RegisteredVersion` list.
         """
-        from pipeline.registry import RegistryError, list_pending, retry_pending
+        from pipeline.registry.models import RegistryError, list_pending, retry_pending
 
         if not list_pending(self.cfg):
             return []
@@ -276,7 +276,7 @@ class HourglassService:
     def readiness(self) -> dict[str, bool]:
         import httpx
 
-        from pipeline.registry import mlflow_reachable
+        from pipeline.registry.models import mlflow_reachable
 
         checks = {name: worker.alive for name, worker in self.workers.items()}  # ingest, reconcile, scheduler
         checks.setdefault("scheduler", bool(self.scheduler and self.scheduler.running))
@@ -331,7 +331,7 @@ class HourglassService:
     # -- ops actions --------------------------------------------------------------------
 
     def promote(self, model: str | None, version: str) -> dict[str, Any]:
-        from pipeline.aliases import promote
+        from pipeline.registry.aliases import promote
 
         out = promote(self.cfg, model or self.cfg.serving.model_name, version, reason="ops api")
         if self.controller is not None:
@@ -339,7 +339,7 @@ class HourglassService:
         return out
 
     def rollback(self, model: str | None, to: str | None) -> dict[str, Any]:
-        from pipeline.aliases import rollback
+        from pipeline.registry.aliases import rollback
 
         out = rollback(self.cfg, model or self.cfg.serving.model_name, to)
         if self.controller is not None:

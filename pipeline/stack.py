@@ -270,7 +270,7 @@ def vllm_service(
     console script of the CPU wheel looks for a distribution named ``vllm``).
     ``block_size`` and ``cpu_threads`` are described in
     :class:`pipeline.config.ServingConfig`; the grouped CPU LoRA kernels come in
-    through the plugin in :mod:`trainer.vllm_cpu_lora`. ``dtype``: vLLM's
+    through the plugin in :mod:`pipeline.serving.vllm_cpu_lora`. ``dtype``: vLLM's
     ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`.
     """
     argv = [

@@ -1,4 +1,4 @@
-"""The reward model's part of a round (called by :func:`trainer.round.run_round`).
+"""The reward model's part of a round (called by :func:`trainer.candidates.run_round`).
 
 1. :func:`reward_data`: before any model work, whether this round trains a
    reward model and the feedback of its train / held-out splits.

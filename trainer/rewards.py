@@ -87,7 +87,7 @@ def first_number_answer(prompt_messages: Messages, completion: str, metadata: di
     ``metadata["reference_answer"]`` within ``tol``; 0.0 otherwise (also for a non-numeric reference).
 
     What a reader checks first ("13" in "13, because 9 + 4 = 13"); the demo's simulated
-    users judge answers this way (:func:`pipeline.traffic.is_correct`).
+    users judge answers this way (:func:`pipeline.demo.traffic.is_correct`).
 
     Raises:
         RewardError: the row has no ``reference_answer``.

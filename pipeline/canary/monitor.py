@@ -19,7 +19,7 @@ Every ``serving.canary.check_interval_s`` the service calls
 The guard (``serving.guard``): for ``period_s`` after a canary promotion the new
 champion's live rate is compared, with the same test, to the previous
 champion's rate measured during the canary; a significant drop rolls back with
-:func:`pipeline.aliases.rollback` (what ``hourglass rollback`` runs).
+:func:`pipeline.registry.aliases.rollback` (what ``hourglass rollback`` runs).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Gauge
 
-from pipeline import aliases
+from pipeline.registry import aliases
 from pipeline.canary import state
 from pipeline.canary.sequential import ArmStats, Verdict, decide
 from pipeline.config import HourglassConfig
-from pipeline.registry import make_client
+from pipeline.registry.models import make_client
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class CanaryMonitor:
     Args:
         cfg: the whole config (``serving.canary``, ``serving.guard``, ``buffer``, ``registry``).
         models: public model names to watch.
-        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
         on_change: called with the model name after an alias moved (e.g. wake the reconcile loop).
     """
 
@@ -135,7 +135,7 @@ class CanaryMonitor:
     def check_canary(self, model: str, *, act: bool = True) -> dict | None:
         """Look at ``model``'s canary and act on the decision (``act=False``: only report it,
         as ``hourglass canary status`` does); None when none runs."""
-        from pipeline.serving import read_routes
+        from connectors.gateway.routes import read_routes
 
         cfg, canary = self.cfg, self.cfg.serving.canary
         version = state.challenger_version(self.client, cfg, model)

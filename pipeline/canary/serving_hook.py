@@ -1,6 +1,6 @@
 """The serving controller's canary step: load ``@challenger`` beside the champion and route a share to it.
 
-Called by :meth:`pipeline.serving.ServingController.reconcile_once` after the
+Called by :meth:`pipeline.serving.controller.ServingController.reconcile_once` after the
 champion's own step, for each served model. The challenger goes through the
 same checks as a champion (stage: checksums, safetensors, base fingerprint,
 rank; load under ``<model>-v<version>``; probe on every replica) before the
@@ -19,20 +19,21 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from pipeline.aliases import TAG_SERVE_ERROR
+from pipeline.registry.aliases import TAG_SERVE_ERROR
 from pipeline.canary import state
-from pipeline.replica import ReplicaRefusedError
-from pipeline.staging import served_name
+from pipeline.serving.replica import ReplicaRefusedError
+from pipeline.serving.staging import served_name
 
 if TYPE_CHECKING:
-    from pipeline.serving import ServingController
+    from pipeline.serving.controller import ServingController
 
 log = logging.getLogger(__name__)
 
 
 def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
     """One pass of the canary for ``model`` (see the module doc). Raises what MLflow raises when unreachable."""
-    from pipeline.serving import _AdapterFailure, _now, read_routes, write_route
+    from pipeline.serving.controller import _AdapterFailure, _now
+    from connectors.gateway.routes import read_routes, write_route
 
     cfg = ctrl.cfg
     st = ctrl._status[model]
@@ -87,7 +88,8 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
 
 
 def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
-    from pipeline.serving import _now, write_route
+    from pipeline.serving.controller import _now
+    from connectors.gateway.routes import write_route
 
     write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
     if route.challenger_served_name != route.served_name:

@@ -23,9 +23,9 @@ from datetime import datetime, timedelta, timezone
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
+from pipeline.registry import aliases
 from pipeline.config import HourglassConfig
-from pipeline.registry import RegistryError, make_client
+from pipeline.registry.models import RegistryError, make_client
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def promote_or_challenge(cfg: HourglassConfig, model: str, version: str, *, clie
     """What a round does with its winner. Returns ``{"model", "version", "action", "reason"}``, action one of:
 
     - ``"promoted"``: canary disabled, or no ``@champion`` yet (the first version has no
-      live champion to be compared with): ``@champion`` moved at once (:func:`pipeline.aliases.promote`);
+      live champion to be compared with): ``@champion`` moved at once (:func:`pipeline.registry.aliases.promote`);
     - ``"challenger"``: ``@challenger`` now points at it; the serving controller loads it
       beside the champion and the canary monitor decides;
     - ``"not_started"``: another version is on canary; the winner stays registered, not

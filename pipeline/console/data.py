@@ -239,8 +239,8 @@ class ConsoleData:
         """Champion, promote tag and run links from MLflow (empty when MLflow is down: checked first, 2 s)."""
         from mlflow.exceptions import MlflowException
 
-        from pipeline.aliases import PREVIOUS_ALIAS, TAG_PROMOTED_BY
-        from pipeline.registry import TAG_CANDIDATE, TAG_KIND, TAG_ROUND, make_client, mlflow_reachable
+        from pipeline.registry.aliases import PREVIOUS_ALIAS, TAG_PROMOTED_BY
+        from pipeline.registry.models import TAG_CANDIDATE, TAG_KIND, TAG_ROUND, make_client, mlflow_reachable
 
         if not mlflow_reachable(self.cfg.registry.tracking_uri):
             raise ConnectionError(f"MLflow at {self.cfg.registry.tracking_uri} does not answer")

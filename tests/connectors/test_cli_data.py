@@ -1,4 +1,4 @@
-"""The data CLI commands on a throwaway typer app (``pipeline.cli_data.register``), against the real broker."""
+"""The data CLI commands on a throwaway typer app (``pipeline.cli.data.register``), against the real broker."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from connectors.config import BufferConfig, KafkaConfig
 from connectors.ingest import IngestWorker
-from pipeline.cli_data import register
+from pipeline.cli.data import register
 from pipeline.config import load_config
 
 from connector_helpers import wait_for

@@ -1,6 +1,6 @@
 """Crash test: the ingest process is SIGKILLed at random points and restarted; nothing is lost or doubled.
 
-A real subprocess runs the ``ingest`` CLI entry point (``python -m pipeline.cli_data ingest``)
+A real subprocess runs the ``ingest`` CLI entry point (``python -m pipeline.cli.data ingest``)
 against the real broker while a producer thread sends traces and their feedback.
 """
 
@@ -74,7 +74,7 @@ def _produce(kafka: KafkaConfig, acked: set[str], done: threading.Event) -> None
 def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli_data", "ingest", "--config", str(config)],
+            [sys.executable, "-m", "pipeline.cli.data", "ingest", "--config", str(config)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
 

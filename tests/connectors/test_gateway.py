@@ -22,18 +22,17 @@ from fastapi import FastAPI
 from kafka import KafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors.auth import KeyStore
+from connectors.gateway.auth import KeyStore
 from connectors.config import GatewayConfig, KafkaConfig
-from connectors.gateway import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
-from connectors.gateway_trace import (
+from connectors.gateway.app import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
+from connectors.gateway.trace import (
     ClientAsked,
     Completion,
     strip_extras,
     upstream_body,
 )
 from connectors.kafka_admin import ensure_topics
-from pipeline.cli_gateway import RouteResolver
-from pipeline.serving import Route, write_route
+from connectors.gateway.routes import RouteResolver, Route, write_route
 from pipeline.stack import free_port
 
 from connector_helpers import wait_for

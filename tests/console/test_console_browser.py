@@ -32,7 +32,7 @@ from pipeline.api import create_api
 from pipeline.config import load_config
 from pipeline.service import HourglassService
 from pipeline.stack import free_port
-from pipeline.traffic import arithmetic_questions
+from pipeline.demo.traffic import arithmetic_questions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))  # serving_helpers: real adapters, round results
 from console_browser import console_errors, start_chromium  # noqa: E402
@@ -153,7 +153,7 @@ def console(tmp_path_factory, broker: str, mlflow_uri: str, vllm_tiny: str, tiny
         record = service.runner.run("manual")  # a real round: snapshot, HF rollouts, gate
         assert record.state in ("done", "no_winner"), record.reason
         if not record.versions:  # the tiny random model rarely beats the base: promote a real adapter the way a round does
-            from pipeline.registry import register_round
+            from pipeline.registry.models import register_round
 
             adapter = make_adapter(tiny_model, tmp / "adapter", rank=4, seed=7)
             register_round(cfg, make_round(adapter, service.base_fingerprint, round_id="r-seeded", model=cfg.serving.model_name), promote=True)

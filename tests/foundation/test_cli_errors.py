@@ -2,7 +2,7 @@
 ``error:`` with the reason, exit code 1, no traceback, no credentials echoed.
 
 Runs the installed console script (``hourglass``) so the top-level handler in
-``pipeline.cli.main`` is exercised too. Nothing listens on the ports used here.
+``pipeline.cli.main.main`` is exercised too. Nothing listens on the ports used here.
 """
 
 from __future__ import annotations

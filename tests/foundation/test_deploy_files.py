@@ -18,7 +18,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from pipeline.cli.main import app
 from pipeline.config import HourglassConfig, load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

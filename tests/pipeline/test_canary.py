@@ -17,14 +17,15 @@ from mlflow.tracking import MlflowClient
 from connectors.buffer import RewardBuffer
 from connectors.schema import TraceEvent
 from connectors.segments import Coordinates
-from pipeline import aliases
+from pipeline.registry import aliases
 from pipeline.canary import state
 from pipeline.canary.monitor import CanaryMonitor
-from pipeline.cli_gateway import RouteResolver
+from connectors.gateway.routes import RouteResolver
 from pipeline.config import HourglassConfig
-from pipeline.registry import register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
+from pipeline.registry.models import register_round
+from pipeline.serving.replica import Replica
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from serving_helpers import make_adapter, make_round, wait_for
 from trainer.model_store import fingerprint_of
 

@@ -13,10 +13,9 @@ from fastapi.testclient import TestClient
 from kafka import KafkaConsumer, TopicPartition
 
 from connectors.config import GatewayConfig, KafkaConfig
-from connectors.gateway import TRACE_HEADER, create_gateway_app
+from connectors.gateway.app import TRACE_HEADER, create_gateway_app
 from connectors.kafka_admin import ensure_topics
-from pipeline.cli_gateway import RouteResolver
-from pipeline.serving import Route, write_route
+from connectors.gateway.routes import RouteResolver, Route, write_route
 
 pytestmark = pytest.mark.integration
 

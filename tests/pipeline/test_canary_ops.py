@@ -12,11 +12,12 @@ from fastapi.testclient import TestClient
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from pipeline import aliases, cli_canary
+from pipeline.registry import aliases
+from pipeline.cli import canary as cli_canary
 from pipeline.api import create_api
 from pipeline.canary import state
 from pipeline.config import load_config
-from pipeline.registry import register_round
+from pipeline.registry.models import register_round
 from pipeline.service import HourglassService
 from serving_helpers import make_adapter, make_round
 from trainer.model_store import fingerprint_of
@@ -108,7 +109,7 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
 def test_a_round_puts_its_winner_on_canary_and_says_so(versions, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow as pa
 
-    from pipeline import round_job
+    from pipeline.rounds import job as round_job
 
     config, _, mlflow_uri = versions
     cfg = load_config(config).model_copy(update={"state_dir": str(tmp_path / "state")})

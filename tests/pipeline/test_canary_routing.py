@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 
-from pipeline.cli_gateway import RouteResolver, canary_bucket
-from pipeline.serving import Route, write_route
+from connectors.gateway.routes import RouteResolver, canary_bucket, Route, write_route
 
 
 def _resolver(tmp_path, fraction: float | None) -> RouteResolver:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.demo_board import gain_ratio, live_rates, plot_live_rates
-from pipeline.traffic import is_correct
+from pipeline.demo.board import gain_ratio, live_rates, plot_live_rates
+from pipeline.demo.traffic import is_correct
 from trainer.rewards import first_number_answer
 
 
@@ -50,7 +50,7 @@ def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str
     """The served model's candidates and gate use no reference answer; only the demo's oracle does,
     and it is its own served model (it never competes for `hourglass`)."""
     from pipeline.config import load_config
-    from pipeline.demo import ORACLE_MODEL
+    from pipeline.demo.main import ORACLE_MODEL
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "deploy" / name)
     assert cfg.rl.gate_metric in ("feedback", "reward_model")
@@ -67,7 +67,7 @@ def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str
 
 def test_round_printout_survives_nulls_from_the_api() -> None:
     """The ops API sends NaN as null (a gate without usable rows, a reward model without AUC)."""
-    from pipeline.demo import _num, _print_round
+    from pipeline.demo.main import _num, _print_round
 
     record = {
         "state": "no_winner", "metrics": {"reward_model/auc": None},

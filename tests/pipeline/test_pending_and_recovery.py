@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
-from pipeline.registry import TAG_NOT_PROMOTED, RegistryUnavailableError, find_round_version, list_pending, register_round
-from pipeline.replica import Replica
-from pipeline.round_job import recover
-from pipeline.rounds import RoundStore
+from pipeline.registry import aliases
+from pipeline.registry.models import TAG_NOT_PROMOTED, RegistryUnavailableError, find_round_version, list_pending, register_round
+from pipeline.serving.replica import Replica
+from pipeline.rounds.job import recover
+from pipeline.rounds.records import RoundStore
 from pipeline.service import HourglassService
 from pipeline.stack import free_port
 from serving_helpers import make_adapter, make_config, make_round, wait_for

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
-from pipeline.registry import (
+from pipeline.registry import aliases
+from pipeline.registry.models import (
     TAG_FINGERPRINT, TAG_ROUND, TAG_SHA256, TAG_TRACES, RegistryError, RegistryUnavailableError, adapter_checksums,
     list_pending, register_round, retry_pending,
 )  # fmt: skip

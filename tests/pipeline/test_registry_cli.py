@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from pipeline import cli_registry
-from pipeline.registry import register_round
+from pipeline.cli import registry as cli_registry
+from pipeline.registry.models import register_round
 from serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
 

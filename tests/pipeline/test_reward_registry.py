@@ -17,10 +17,10 @@ import safetensors.torch
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipeline.aliases import champion_version
+from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
-from pipeline.registry import TAG_ROUND, TAG_SHA256, adapter_checksums
-from pipeline.reward_registry import (
+from pipeline.registry.models import TAG_ROUND, TAG_SHA256, adapter_checksums
+from pipeline.registry.reward_registry import (
     TAG_AUC, TAG_DECISION, TAG_ROLE, pending_reward_dir, register_reward_model, reward_champion, reward_model_name,
 )  # fmt: skip
 from serving_helpers import make_adapter, make_round
@@ -107,7 +107,7 @@ CRASH_SCRIPT = """
 import json, os, signal, sys
 import pyarrow as pa
 from pipeline.config import HourglassConfig
-from pipeline import round_job
+from pipeline.rounds import job as round_job
 from trainer import reward_round
 from trainer.model_store import fingerprint_of
 
@@ -149,8 +149,8 @@ def _feedback_table(path: Path):
 
 
 def test_crash_mid_reward_model_training_registers_nothing(tmp_path: Path, mlflow_uri: str, tiny_model: Path, monkeypatch) -> None:
-    from pipeline import round_job
-    from pipeline.rounds import RoundStore
+    from pipeline.rounds import job as round_job
+    from pipeline.rounds.records import RoundStore
 
     raw = _config(
         tmp_path, mlflow_uri, model={"name": str(tiny_model)},

@@ -14,11 +14,12 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
-from pipeline.registry import TAG_SHA256, register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
+from pipeline.registry import aliases
+from pipeline.registry.models import TAG_SHA256, register_round
+from pipeline.serving.replica import Replica
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from serving_helpers import make_adapter, make_config, make_round, wait_for
 from trainer.model_store import fingerprint_of
 

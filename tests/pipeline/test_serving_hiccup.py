@@ -11,10 +11,11 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import aliases
-from pipeline.registry import register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
+from pipeline.registry import aliases
+from pipeline.registry.models import register_round
+from pipeline.serving.replica import Replica
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.registry import register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
+from pipeline.registry.models import register_round
+from pipeline.serving.replica import Replica
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from pipeline.stack import free_port, vllm_service
 from serving_helpers import make_adapter, make_config, make_round, wait_for
 from trainer.model_store import fingerprint_of

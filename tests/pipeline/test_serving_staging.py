@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serving import Route, read_routes, write_route
-from pipeline.staging import StagingError, check_inside, verify_folder
+from connectors.gateway.routes import Route, read_routes, write_route
+from pipeline.serving.staging import StagingError, check_inside, verify_folder
 from trainer.model_store import sha256_file
 
 FP = "a" * 64

@@ -16,10 +16,11 @@ import pytest
 from mlflow.exceptions import MlflowException
 from prometheus_client import REGISTRY
 
-import pipeline.serving as serving
-from pipeline.aliases import TAG_SERVE_ERROR
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
-from pipeline.serving import ServingController, read_routes
+import pipeline.serving.controller as serving
+from pipeline.registry.aliases import TAG_SERVE_ERROR
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaServerError, ReplicaUnreachableError
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
 from serving_helpers import make_config
 
 MODEL = "hg"

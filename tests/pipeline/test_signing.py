@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
-from pipeline.signing import TAG_SIGNATURE, SignatureError, key_id, sign, signing_keys, verify
-from pipeline.staging import StagingError, base_module_names, check_adapter_config, verify_folder
+from pipeline.registry.signing import TAG_SIGNATURE, SignatureError, key_id, sign, signing_keys, verify
+from pipeline.serving.staging import StagingError, base_module_names, check_adapter_config, verify_folder
 from trainer.model_store import sha256_file
 
 KEY = b"k" * 32

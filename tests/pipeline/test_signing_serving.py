@@ -14,12 +14,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from pydantic import SecretStr
 
-from pipeline import aliases
+from pipeline.registry import aliases
 from pipeline.config import HourglassConfig
-from pipeline.registry import TAG_SHA256, register_round
-from pipeline.replica import Replica
-from pipeline.serving import ServingController, read_routes
-from pipeline.signing import TAG_SIGNATURE, SignatureError, key_id, resign, verify
+from pipeline.registry.models import TAG_SHA256, register_round
+from pipeline.serving.replica import Replica
+from pipeline.serving.controller import ServingController
+from connectors.gateway.routes import read_routes
+from pipeline.registry.signing import TAG_SIGNATURE, SignatureError, key_id, resign, verify
 from serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
 
@@ -172,7 +173,7 @@ def test_registration_writes_no_credentials_to_mlflow(tmp_path, mlflow_uri, fp, 
 def test_cli_resign_moves_a_version_to_the_new_key(tmp_path, mlflow_uri, fp, adapters, monkeypatch):
     from typer.testing import CliRunner
 
-    from pipeline.cli import app
+    from pipeline.cli.main import app
 
     model = "sig-cli"
     old = _with_keys(make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"]), OLD_KEY)
@@ -193,7 +194,7 @@ def test_cli_resign_moves_a_version_to_the_new_key(tmp_path, mlflow_uri, fp, ada
 
 
 def test_oversize_adapter_is_refused_before_download(tmp_path, mlflow_uri, fp, adapters):
-    from pipeline.staging import StagingError, stage_options, stage_version
+    from pipeline.serving.staging import StagingError, stage_options, stage_version
 
     model = "sig-size"
     cfg = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"])

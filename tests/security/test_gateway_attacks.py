@@ -18,9 +18,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from connectors.auth import FeedbackSigner, FeedbackTokenError, KeyStore
+from connectors.gateway.auth import FeedbackSigner, FeedbackTokenError, KeyStore
 from connectors.config import GatewayConfig, KafkaConfig
-from connectors.gateway import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
+from connectors.gateway.app import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
 from gateway_fakes import FakeSink, FakeUpstream, serve, wait_for
 from pipeline.stack import free_port
 
@@ -306,7 +306,7 @@ def test_feedback_tokens_expire_and_do_not_survive_a_key_rotation() -> None:
 
 
 def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp_path: Path) -> None:
-    from pipeline.cli import app
+    from pipeline.cli.main import app
 
     conf = tmp_path / "h.toml"
     conf.write_text(f'state_dir = "{tmp_path / "state"}"\n')
@@ -332,7 +332,7 @@ def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp
 def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_key(
     tmp_path: Path, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.cli_gateway import build_gateway, feedback_signer, key_store
+    from pipeline.cli.gateway import build_gateway, feedback_signer, key_store
     from pipeline.config import load_config
 
     conf = tmp_path / "h.toml"
@@ -381,10 +381,10 @@ def test_a_short_signing_key_is_refused_without_being_echoed(monkeypatch: pytest
 def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -> None:
     """Found by a red-team pass: NaN/Infinity literals in a forwarded field, a feedback token whose signature
     part is not ASCII, and a boolean rating each gave a 500 or were stored; each is a 400/403 now."""
-    from connectors.auth import FeedbackSigner, FeedbackTokenError
-    from connectors.gateway import FeedbackIn
+    from connectors.gateway.auth import FeedbackSigner, FeedbackTokenError
+    from connectors.gateway.app import FeedbackIn
     from connectors.config import GatewayConfig
-    from connectors.gateway_request import RequestRefused, check_request, parse_json
+    from connectors.gateway.request import RequestRefused, check_request, parse_json
 
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         body = parse_json(b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":' + literal + b"}", max_depth=32)

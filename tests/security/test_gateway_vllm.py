@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors.auth import KeyStore
+from connectors.gateway.auth import KeyStore
 from connectors.config import KafkaConfig
-from connectors.gateway import create_gateway_app
+from connectors.gateway.app import create_gateway_app
 from gateway_fakes import FakeSink, serve, wait_for
 
 BODY = {"model": "hourglass", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 2}

@@ -105,7 +105,7 @@ def test_expensive_status_is_cached(client: TestClient, service: HourglassServic
 
 
 def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from pipeline.serving import ServingController
+    from pipeline.serving.controller import ServingController
 
     base = load_config(None)
     cfg = base.model_copy(update={
@@ -121,7 +121,7 @@ def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: p
 
     # A round that failed because MLflow was unreachable, stored the way RoundRunner stores it.
     record = service.store.create("api", ["default"], "1h")
-    logging.getLogger("pipeline.round_job").error("round %s failed: MLflow at %s is unreachable", record.round_id, CRED_URI)
+    logging.getLogger("pipeline.rounds.job").error("round %s failed: MLflow at %s is unreachable", record.round_id, CRED_URI)
     service.store.transition(record, "failed", f"register: RegistryUnavailableError: MLflow at {CRED_URI} is unreachable")
     try:
         raise ConnectionError(f"could not reach {CRED_URI}/api/2.0")
@@ -222,7 +222,7 @@ def _completion(text: str, logprobs: list) -> dict:
     ids=["healthy", "empty", "nan", "null", "no-choices"],
 )
 def test_probe_refuses_a_broken_adapter_and_sends_the_vllm_key(completion, refusal) -> None:
-    from pipeline.replica import PROBE_TOKENS, Replica, ReplicaRefusedError
+    from pipeline.serving.replica import PROBE_TOKENS, Replica, ReplicaRefusedError
 
     assert PROBE_TOKENS >= 16
     fake = _FakeVllm(completion)

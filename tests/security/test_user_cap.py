@@ -88,11 +88,11 @@ def test_user_cap_is_the_largest_feasible_bound() -> None:
 
 
 def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """pipeline.round_job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
-    import trainer.round
+    """pipeline.rounds.job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
+    import trainer.candidates
     from pipeline.config import HourglassConfig
-    from pipeline.round_job import train_and_evaluate
-    from pipeline.rounds import RoundRecord
+    from pipeline.rounds.job import train_and_evaluate
+    from pipeline.rounds.records import RoundRecord
     from trainer.types import RoundResult
 
     seen = {}
@@ -102,7 +102,7 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path
         return RoundResult(round_id="r1", base_fingerprint="f", window_start=START, window_end=START, train_rows=train.num_rows,
                            heldout_rows=heldout.num_rows, eval_prompt_ids=(), candidates=(), decisions={}, metrics={"round/wall_s": 1.0})  # fmt: skip
 
-    monkeypatch.setattr(trainer.round, "run_round", fake_run_round)
+    monkeypatch.setattr(trainer.candidates, "run_round", fake_run_round)
     cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
     record = RoundRecord(round_id="r1", state="train", trigger="manual", candidates=["default"], window="1h", created_at="", updated_at="")
     rows = [(f"user-{u}", u * 10 + i) for u in range(4) for i in range(5)] + [("mallory", 1000 + i) for i in range(200)]

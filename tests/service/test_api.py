@@ -64,7 +64,7 @@ def test_trigger_while_another_process_runs_a_round_is_refused(client: TestClien
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from pipeline.rounds import RoundLock
+            from pipeline.rounds.records import RoundLock
             RoundLock({str(tmp_path)!r}).acquire("r-running")
             print("held", flush=True); time.sleep(60)
         """)],

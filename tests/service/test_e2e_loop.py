@@ -20,7 +20,7 @@ from openai import OpenAI
 from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
-from pipeline.traffic import create_demo_key, drive
+from pipeline.demo.traffic import create_demo_key, drive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 

@@ -15,12 +15,12 @@ import pyarrow as pa
 import pytest
 from fastapi.testclient import TestClient
 
-import pipeline.registry
-import pipeline.reward_registry
-import pipeline.round_job as round_job
+import pipeline.registry.models
+import pipeline.registry.reward_registry
+import pipeline.rounds.job as round_job
 from pipeline.api import create_api
 from pipeline.config import load_config
-from pipeline.round_job import RoundNotCancellableError, RoundRunner
+from pipeline.rounds.job import RoundNotCancellableError, RoundRunner
 from pipeline.service import HourglassService
 
 
@@ -47,9 +47,9 @@ class FakeRound:
         monkeypatch.setattr(round_job, "champion_adapters", lambda *a: {})
         monkeypatch.setattr(round_job, "reward_champion_for", lambda *a: None)
         monkeypatch.setattr(round_job, "_register_reward_model", lambda cfg, result: {})
-        monkeypatch.setattr(pipeline.reward_registry, "save_pending", lambda cfg, result: None)
+        monkeypatch.setattr(pipeline.registry.reward_registry, "save_pending", lambda cfg, result: None)
         monkeypatch.setattr(round_job, "train_and_evaluate", self.train_and_evaluate)
-        monkeypatch.setattr(pipeline.registry, "register_round", self.register_round)
+        monkeypatch.setattr(pipeline.registry.models, "register_round", self.register_round)
         monkeypatch.setattr(round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {})
 
     def _maybe_pause(self, where: str) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from pipeline.round_job import parse_window, recover
-from pipeline.rounds import RoundInProgressError, RoundLock, RoundStore
+from pipeline.rounds.job import parse_window, recover
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundStore
 
 
 def test_records_persist_every_transition(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_lock_refuses_a_second_holder_in_another_process(tmp_path: Path) -> None
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from pipeline.rounds import RoundLock
+            from pipeline.rounds.records import RoundLock
             lock = RoundLock({str(tmp_path)!r}); lock.acquire("r-other")
             print("held", flush=True); time.sleep(60)
         """)],

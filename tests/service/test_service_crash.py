@@ -28,7 +28,7 @@ from connectors.schema import TraceEvent
 from connectors.sink import TraceSink
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
-from pipeline.traffic import arithmetic_questions
+from pipeline.demo.traffic import arithmetic_questions
 
 pytestmark = pytest.mark.integration
 

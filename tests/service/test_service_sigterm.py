@@ -18,8 +18,8 @@ from kafka import KafkaConsumer, TopicPartition
 from connectors.buffer import RewardBuffer
 from connectors.kafka_admin import ensure_topics
 from pipeline.config import load_config
-from pipeline.replica import Replica
-from pipeline.rounds import RoundStore
+from pipeline.serving.replica import Replica
+from pipeline.rounds.records import RoundStore
 from pipeline.service import SHUTDOWN_MARKER
 from pipeline.stack import tail
 from test_service_crash import _hourglass, _produce, _round, _Service, _write_config

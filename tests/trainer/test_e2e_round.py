@@ -9,7 +9,7 @@ import pytest
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.rollout_vllm import VLLMEngine
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 # vLLM CPU startup alone took 4-5 min on the shared 2-core box; the round about 10 more.

@@ -10,7 +10,7 @@ import pytest
 from trainer import rewards
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.evaluate import paired_bootstrap_lower_bound
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.samples import Prompt
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
@@ -135,7 +135,7 @@ class _FakeRewardModel:
 def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(tiny_model: Path, tmp_path: Path) -> None:
     from trainer.adapter_store import make_store
     from trainer.base import load_base
-    from trainer.round import evaluate_and_gate, publish
+    from trainer.candidates import evaluate_and_gate, publish
     from trainer.rollout import HFEngine
 
     rl = RLConfig(max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="reward_model", bootstrap_samples=200, max_kl=100.0)

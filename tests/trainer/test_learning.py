@@ -12,7 +12,7 @@ from trainer import rewards
 from trainer.adapter_store import make_store
 from trainer.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.samples import Prompt
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 

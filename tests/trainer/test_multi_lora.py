@@ -194,7 +194,7 @@ def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> Non
 
 
 def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
-    from trainer.round import run_round
+    from trainer.candidates import run_round
     from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
     prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)

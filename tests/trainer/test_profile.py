@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.profile import PHASES, collect, phase
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 

@@ -28,7 +28,7 @@ from trainer.reward_model import (
     train_reward_model,
 )
 from trainer.rewards import build_reward
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.samples import Prompt
 from trainer.tasks import snapshot_table, split_snapshot
 

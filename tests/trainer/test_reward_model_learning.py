@@ -15,7 +15,7 @@ from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, Rewa
 from trainer.evaluate import greedy_answers
 from trainer.reward_model import create_reward_model
 from trainer.rollout import BASE_VERSION, HFEngine
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.samples import Prompt
 from trainer.tasks import prompts_from_table, snapshot_table, split_snapshot
 

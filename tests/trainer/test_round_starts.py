@@ -10,7 +10,7 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 RL = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=2, max_kl=100.0)
@@ -83,7 +83,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
         if phase == "train:1":
             raise _Stop
 
-    import trainer.round as round_module
+    import trainer.candidates as round_module
 
     real_make_engine = round_module.make_engine
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import vllm
 
-from trainer import vllm_cpu_lora as grouped
+from pipeline.serving import vllm_cpu_lora as grouped
 
 UPSTREAM_FILE = Path(vllm.__file__).parent / "lora/ops/torch_ops/lora_ops.py"
 

@@ -41,11 +41,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline import stack
-from pipeline.cli import base_model_dir
-from pipeline.cli_common import load
+from pipeline.cli.main import base_model_dir
+from pipeline.cli.common import load
 from pipeline.config import HourglassConfig
-from pipeline.demo_board import LiveRate, gain_ratio, live_rates, plot_live_rates
-from pipeline.traffic import Exchange, arithmetic_questions, create_demo_key, drive, is_correct
+from pipeline.demo.board import LiveRate, gain_ratio, live_rates, plot_live_rates
+from pipeline.demo.traffic import Exchange, arithmetic_questions, create_demo_key, drive, is_correct
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)

@@ -36,8 +36,8 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import HourglassConfig
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
-from pipeline.registry import (
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
+from pipeline.registry.models import (
     TAG_CANDIDATE,
     TAG_KIND,
     TAG_SHA256,
@@ -87,8 +87,8 @@ def pending_reward_dir(cfg: HourglassConfig) -> Path:
 
 def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
     """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.aliases import champion_version
-    from pipeline.staging import stage_options, stage_version
+    from pipeline.registry.aliases import champion_version
+    from pipeline.serving.staging import stage_options, stage_version
 
     try:
         client = client or make_client(cfg)
@@ -150,7 +150,7 @@ def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
 
 
 def _find_version(client: MlflowClient, model: str, round_id: str):
-    from pipeline.registry import TAG_ROUND
+    from pipeline.registry.models import TAG_ROUND
 
     try:
         found = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
@@ -162,7 +162,7 @@ def _find_version(client: MlflowClient, model: str, round_id: str):
 
 
 def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str], rm: RewardModelResult) -> str:
-    from pipeline.registry import TAG_ROUND
+    from pipeline.registry.models import TAG_ROUND
 
     experiment_id = _experiment_id(client, cfg.registry.experiment)
     parents = _find_runs(client, experiment_id, lineage[TAG_ROUND], "round")
@@ -180,8 +180,8 @@ def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str]
 
 
 def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult) -> RewardRegistration:
-    from pipeline.aliases import champion_version, promote
-    from pipeline.registry import TAG_ROUND
+    from pipeline.registry.aliases import champion_version, promote
+    from pipeline.registry.models import TAG_ROUND
 
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
     existing = _find_version(client, model, lineage[TAG_ROUND])

@@ -8,13 +8,13 @@ every ``serving.reconcile_interval_s`` on a thread (and at once on
 a replica restarted (runtime adapters are lost), a replica added.
 
 A hot-load, in order:
-1. stage the version (:mod:`pipeline.staging`: download, checksums,
+1. stage the version (:mod:`pipeline.serving.staging`: download, checksums,
    safetensors only, base fingerprint, rank, safe paths);
 2. load it under ``<model>-v<version>`` on every reachable replica (never
    reloaded in place under an old name);
 3. probe a completion through that name on each replica; only then it counts;
-4. flip the route (``<state_dir>/routes.json``, written atomically; the
-   gateway reads it with :func:`read_routes`);
+4. flip the route (``<state_dir>/routes.json``, written atomically with
+   :func:`connectors.gateway.routes.write_route`; the gateway reads it there);
 5. unload the replaced version after ``serving.drain_s``.
 
 A version on canary (``@challenger``) goes through the same steps beside the
@@ -36,71 +36,27 @@ and the next pass tries again.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
 
-from pipeline.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
+from connectors.gateway.routes import Route, read_routes, write_route
+from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
-from pipeline.registry import make_client
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.staging import StagingError, base_module_names, served_name, stage_options, stage_version
+from pipeline.registry.models import make_client
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagingError, base_module_names, served_name, stage_options, stage_version
 
 log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
 TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
-ROUTES_FILE = "routes.json"
-
-
-# --- routes file -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the public model name goes now."""
-
-    served_name: str  # the vLLM model name, e.g. "hourglass-v3"
-    version: str
-    updated_at: str  # ISO 8601, UTC
-    # The canary (pipeline.canary): a share `fraction` of routing keys goes to the challenger.
-    challenger_served_name: str | None = None
-    challenger_version: str | None = None
-    fraction: float = 0.0
-
-
-def read_routes(state_dir: str | Path) -> dict[str, Route]:
-    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent)."""
-    path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {model: Route(**entry) for model, entry in data.items()}
-
-
-def write_route(state_dir: str | Path, model: str, route: Route) -> None:
-    """Set one model's route; the file is replaced atomically (write temp, fsync, rename)."""
-    folder = Path(os.path.expanduser(str(state_dir)))
-    folder.mkdir(parents=True, exist_ok=True)
-    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
-    routes[model] = asdict(route)
-    fd, tmp = tempfile.mkstemp(prefix=".routes.", dir=folder)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(routes, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / ROUTES_FILE)
 
 
 def _now() -> str:
@@ -139,7 +95,7 @@ class ServingController:
         models: public model names to serve; default ``[serving.model_name]``.
         base_fingerprint: the served base's fingerprint; default computed from
             ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
-        client: an ``MlflowClient``; default :func:`pipeline.registry.make_client`.
+        client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
     """
 
     def __init__(

@@ -15,7 +15,7 @@ Layout in MLflow (source: the MLflow tracking and model-registry APIs,
   ``{file name: sha256 hex}`` of the adapter files) so staging can verify
   what it downloads, and ``hourglass.signature``: the service's HMAC over the
   model name, round id, candidate, base fingerprint and checksums
-  (:mod:`pipeline.signing`); staging serves nothing whose signature fails.
+  (:mod:`pipeline.registry.signing`); staging serves nothing whose signature fails.
 
 Params and descriptions written here are redacted (:mod:`pipeline.redact`):
 no credential in a URI reaches MLflow.
@@ -25,7 +25,7 @@ under ``<state_dir>/registry/pending/<round_id>/`` first and removed only once
 MLflow holds everything, so nothing is lost when MLflow is down;
 :func:`retry_pending` finishes the job on a later cycle. Every step is
 idempotent by the round id tag, so a retry never registers a version twice.
-Alias moves (promote, rollback) live in :mod:`pipeline.aliases`.
+Alias moves (promote, rollback) live in :mod:`pipeline.registry.aliases`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
 from pipeline.redact import redact
-from pipeline.signing import TAG_SIGNATURE, sign, signing_keys
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.model_store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
@@ -294,7 +294,7 @@ def register_winner(
     The version's tags: the round's lineage, the candidate name,
     ``hourglass.sha256`` with the adapter files' checksums, and
     ``hourglass.signature`` over them made with ``signing_key``
-    (:func:`pipeline.signing.sign`), set in the same call that creates the version.
+    (:func:`pipeline.registry.signing.sign`), set in the same call that creates the version.
     """
     model = decision.served_model
     cand = next(c for c in result.candidates if c.name == decision.winner)
@@ -314,7 +314,7 @@ def register_winner(
 
 
 def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResult, promote: bool) -> list[RegisteredVersion]:
-    from pipeline.aliases import promote as promote_version  # alias moves live there
+    from pipeline.registry.aliases import promote as promote_version  # alias moves live there
 
     key = signing_keys(cfg)[0]
     runs = _short_retry(log_round)(client, cfg.registry.experiment, result)
@@ -359,7 +359,7 @@ def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, version:
     Rounds are ordered by round id (``r<UTC start time>-<hex>``), falling back
     to the lineage tag ``hourglass.window_end`` when a champion has no round tag.
     """
-    from pipeline.aliases import champion_version
+    from pipeline.registry.aliases import champion_version
 
     current = champion_version(client, version.model, cfg.registry.champion_alias)
     if current is None or current == version.version:
@@ -376,7 +376,7 @@ def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, version:
 
 
 def _promote_unless_stale(cfg: HourglassConfig, client: MlflowClient, version: RegisteredVersion) -> bool:
-    from pipeline.aliases import promote as promote_version
+    from pipeline.registry.aliases import promote as promote_version
 
     stale = _short_retry(_stale_against_champion)(cfg, client, version)
     if stale is not None:

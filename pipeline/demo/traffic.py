@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from connectors.auth import KeyStore
+from connectors.gateway.auth import KeyStore
 from trainer.rewards import first_number_answer
 from trainer.tasks import reasoning_gym_prompts
 

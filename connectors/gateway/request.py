@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
-from connectors.gateway_trace import Endpoint
+from connectors.gateway.trace import Endpoint
 
 _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "seed",

@@ -1,103 +1,36 @@
 """``hourglass gateway``: serve the OpenAI-compatible gateway that emits traces.
 
-``pipeline.cli`` calls :func:`register` to add the command. Run standalone with
-``python -m pipeline.cli_gateway gateway --config FILE``.
+``pipeline.cli.main`` calls :func:`register` to add the command. Run standalone with
+``python -m pipeline.cli.gateway gateway --config FILE``.
 
-The gateway itself lives in :mod:`connectors.gateway` (which never imports
-``pipeline``); this module injects the route lookup: the routes file the
-serving controller writes (:func:`pipeline.serving.read_routes`).
+The gateway itself lives in :mod:`connectors.gateway.app` (which never imports
+``pipeline``); this module injects the route lookup: a
+:class:`connectors.gateway.routes.RouteResolver` over the routes file the
+serving controller writes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
-import time
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import Annotated
 
 import typer
 from fastapi import FastAPI
 from rich.console import Console
 
-from connectors.auth import FeedbackSigner, KeyStore, load_or_create_secret
+from connectors.gateway.auth import FeedbackSigner, KeyStore, load_or_create_secret
 from connectors.errors import ConnectorError
-from connectors.gateway import create_gateway_app, serve_gateway
+from connectors.gateway.app import create_gateway_app, serve_gateway
+from connectors.gateway.routes import RouteResolver
 from connectors.kafka_admin import ensure_topics
 from connectors.schema import UserHasher
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
-from pipeline.serving import Route, read_routes
 
 console = Console(stderr=True)
 KEYS_FILE = "gateway-keys.json"
 SIGNING_KEY_FILE = "gateway-feedback.key"
-
-
-def canary_bucket(key: str) -> int:
-    """A routing key's bucket in [0, 10000): the first 8 bytes of its SHA-256, mod 10000 (the same in every process)."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 10000
-
-
-class Resolved(NamedTuple):
-    """Where one request goes: vLLM served name, adapter version (None: base), and whether it is
-    a canary request (None when no challenger is routed for that model)."""
-
-    served_name: str
-    version: str | None
-    canary: bool | None
-
-
-class RouteResolver:
-    """Public model name -> ``(vLLM served name, adapter version)`` from ``<state_dir>/routes.json``.
-
-    A public name with a route goes to its versioned served name; the configured
-    public name without a route goes to the base (``base_served_name``, version
-    None); any other name raises ``KeyError``. The file is re-read at most every
-    ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``.
-    """
-
-    def __init__(self, state_dir: str | Path, public_name: str, base_served_name: str, ttl_s: float = 1.0) -> None:
-        self.state_dir = state_dir
-        self.public_name = public_name
-        self.base_served_name = base_served_name
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._routes: dict[str, Route] = {}
-        self._read_at = float("-inf")
-
-    def _current(self) -> dict[str, Route]:
-        with self._lock:
-            if time.monotonic() - self._read_at >= self.ttl_s:
-                routes = read_routes(self.state_dir)
-                routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
-                self._routes, self._read_at = routes, time.monotonic()
-            return self._routes
-
-    def __call__(self, public_name: str) -> tuple[str, str | None]:
-        """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed
-        nor the configured public name."""
-        served, version, _ = self.route(public_name, None)
-        return served, version
-
-    def route(self, public_name: str, key: str | None) -> Resolved:
-        """Like ``__call__``, with the canary split: when a challenger is routed, the routing ``key``
-        (the hashed user id, else the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
-        so a user stays on one side. Raises KeyError for an unknown name."""
-        try:
-            route = self._current()[public_name]
-        except KeyError:
-            raise KeyError(f"unknown model {public_name!r}") from None
-        if route.challenger_served_name is None:
-            return Resolved(route.served_name, route.version, None)
-        if key is not None and canary_bucket(key) < route.fraction * 10000:
-            return Resolved(route.challenger_served_name, route.challenger_version, True)
-        return Resolved(route.served_name, route.version, False)
-
-    def names(self) -> list[str]:
-        """The public model names, sorted."""
-        return sorted(self._current())
 
 
 def key_store(cfg: HourglassConfig) -> KeyStore:

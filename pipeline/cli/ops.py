@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.cli_common import ConfigOpt, JsonOpt, console, fail
+from pipeline.cli.common import ConfigOpt, JsonOpt, console, fail
 from pipeline.config import HourglassConfig
 
 rounds_app = typer.Typer(help="Round records.", no_args_is_help=True)

@@ -1,7 +1,7 @@
 """CLI commands for the registry: ``promote``, ``rollback`` and ``models list``.
 
 Wire them in with :func:`register`. The logic lives in
-:mod:`pipeline.aliases` (``promote``, ``rollback``, ``describe_model``) so the
+:mod:`pipeline.registry.aliases` (``promote``, ``rollback``, ``describe_model``) so the
 ops API can call the same functions.
 """
 
@@ -14,13 +14,13 @@ import typer
 from mlflow.exceptions import MlflowException
 from rich.table import Table
 
-from pipeline import aliases
-from pipeline.cli_common import ConfigOpt, JsonOpt, emit, fail, load
+from pipeline.registry import aliases
+from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.registry import make_client
-from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.serving import read_routes
+from pipeline.registry.models import make_client
+from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+from connectors.gateway.routes import read_routes
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")]
 
@@ -116,7 +116,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Re-sign VERSION with the current registry.signing_key (after a key rotation)."""
-        from pipeline.signing import resign
+        from pipeline.registry.signing import resign
 
         cfg = load(config)
         require_mlflow(cfg)

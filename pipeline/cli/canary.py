@@ -13,7 +13,7 @@ import typer
 from mlflow.exceptions import MlflowException
 from rich.table import Table
 
-from pipeline.cli_common import ConfigOpt, JsonOpt, emit, fail, load
+from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.errors import PipelineError
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: every served model).")]
@@ -39,7 +39,7 @@ def _fmt(value) -> str:
 def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Each model's canary: version, share, live counts and rates, interval, decision so far."""
     from pipeline.canary.ops import canary_status
-    from pipeline.cli_registry import require_mlflow
+    from pipeline.cli.registry import require_mlflow
 
     cfg = load(config)
     require_mlflow(cfg)
@@ -60,7 +60,7 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
 
 def _end(decision: str, model: str | None, config, as_json: bool) -> None:
     from pipeline.canary.ops import end_canary
-    from pipeline.cli_registry import require_mlflow
+    from pipeline.cli.registry import require_mlflow
 
     cfg = load(config)
     require_mlflow(cfg)

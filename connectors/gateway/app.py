@@ -10,18 +10,18 @@ Security (see the README's Security section): every ``/v1`` call needs
 ``Authorization: Bearer <API key>`` (401 without, 403 unknown or revoked)
 unless ``gateway.require_api_key`` is false; bodies must be
 ``application/json`` (415) under ``gateway.max_body_bytes`` (413), with only
-the fields of :data:`connectors.gateway_request.ALLOWED` and within the caps
+the fields of :data:`connectors.gateway.request.ALLOWED` and within the caps
 (400); each key has a request rate and a concurrency limit (429 with
 ``Retry-After``). The client's ``Authorization`` and raw ``user`` never go
 upstream; the gateway sends its own vLLM key. A client that hangs up aborts
 its upstream request, streamed or not.
 
 Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and
-``x-hourglass-feedback-token`` (see :class:`~connectors.auth.FeedbackSigner`);
+``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
 ``/v1/feedback`` requires that token and the same API key. Only the first
 choice (index 0) is traced; batches and token-id prompts are served, not traced.
 The trace event is published after the response body is produced, through
-:class:`~connectors.gateway_publish.EventPublisher`, so Kafka never slows or
+:class:`~connectors.gateway.events.EventPublisher`, so Kafka never slows or
 fails the client. Errors use the OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}`` and never name internal addresses.
 
@@ -52,11 +52,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from connectors.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, KeyStoreError, RateLimiter
+from connectors.gateway.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, KeyStoreError, RateLimiter
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.errors import ConnectorConfigError
-from connectors.gateway_publish import TRACE_ERRORS, EventPublisher
-from connectors.gateway_request import (
+from connectors.gateway.events import TRACE_ERRORS, EventPublisher
+from connectors.gateway.request import (
     ClosingStream,
     RequestRefused,
     check_content_type,
@@ -67,7 +67,7 @@ from connectors.gateway_request import (
     read_body,
     refused,
 )
-from connectors.gateway_trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
+from connectors.gateway.trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
 from connectors.reward import reward_from_signals
 from connectors.schema import FeedbackEvent, UserHasher
 from connectors.sink import TraceSink

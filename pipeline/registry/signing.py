@@ -51,7 +51,7 @@ TAG_SIGNATURE = "hourglass.signature"
 SCHEME = "hmac-sha256"
 KEY_FILE = "signing-key"
 
-# The tags that are signed (same names as pipeline.registry's TAG_* constants).
+# The tags that are signed (same names as pipeline.registry.models's TAG_* constants).
 _TAG_ROUND = "hourglass.round_id"
 _TAG_CANDIDATE = "hourglass.candidate"
 _TAG_FINGERPRINT = "hourglass.base_fingerprint"

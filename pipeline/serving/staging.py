@@ -1,7 +1,7 @@
 """Stage a registered adapter version on local disk and prove it is safe to load.
 
 Before anything is downloaded, the version's ``hourglass.signature`` must
-verify with the service's signing key (:mod:`pipeline.signing`: it covers the
+verify with the service's signing key (:mod:`pipeline.registry.signing`: it covers the
 model name, round, candidate, base fingerprint and checksums), and the artifact
 sizes MLflow lists must fit ``serving.max_adapter_bytes`` (each file and the
 total) in a flat folder. A version is then downloaded file by file (the cap
@@ -45,8 +45,8 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from pipeline.errors import PipelineError
-from pipeline.registry import TAG_FINGERPRINT, TAG_SHA256
-from pipeline.signing import SignatureError, verify
+from pipeline.registry.models import TAG_FINGERPRINT, TAG_SHA256
+from pipeline.registry.signing import SignatureError, verify
 from trainer.model_store import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -245,7 +245,7 @@ def verify_folder(
 
 def stage_options(cfg) -> dict:
     """The keyword arguments of :func:`stage_version` that come from the config (``cfg``: HourglassConfig)."""
-    from pipeline.signing import signing_keys
+    from pipeline.registry.signing import signing_keys
 
     return {
         "max_lora_rank": cfg.serving.max_lora_rank, "tracking_uri": cfg.registry.tracking_uri,
@@ -260,7 +260,7 @@ def stage_version(
 ) -> StagedAdapter:
     """Verify the signature, then download and verify a model version (idempotent: a verified folder is reused).
 
-    ``signing_keys``: :func:`pipeline.signing.signing_keys` (the first signs,
+    ``signing_keys``: :func:`pipeline.registry.signing.signing_keys` (the first signs,
     all are accepted). ``model_version``: the ``ModelVersion`` entity when the
     caller already fetched it (saves a registry round trip).
 

@@ -1,7 +1,7 @@
 """Data-path commands: ``ingest``, ``produce``, ``replay``, ``buffer stats``, ``dlq list``.
 
-``pipeline.cli`` calls :func:`register` to add them to the ``hourglass`` app.
-Run standalone with ``python -m pipeline.cli_data COMMAND ...`` (same commands).
+``pipeline.cli.main`` calls :func:`register` to add them to the ``hourglass`` app.
+Run standalone with ``python -m pipeline.cli.data COMMAND ...`` (same commands).
 Every command takes ``--config FILE`` (``hourglass.toml``; relative paths in it
 are relative to the current directory) and ``--json`` for machine output.
 """
@@ -28,7 +28,7 @@ from connectors.ingest import IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
 from connectors.replay import read_trace_jsonl, replay_sharegpt
 from connectors.sink import TraceSink, produce_events, produce_jsonl
-from pipeline.cli_common import fail, print_error
+from pipeline.cli.common import fail, print_error
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 

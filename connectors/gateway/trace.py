@@ -146,7 +146,7 @@ def build_trace(
 
     ``metadata`` = ``body["metadata"]`` as the gateway prepared it (a trusted
     grader's label keys such as ``reference_answer`` at the top, other client
-    keys under ``client``, see :func:`connectors.gateway_request.client_metadata`)
+    keys under ``client``, see :func:`connectors.gateway.request.client_metadata`)
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
     ``finish_reason``, ``latency_ms``, ``usage`` and ``user_hash`` (the caller's
     identity hash, when given). Raises pydantic.ValidationError when the event is invalid.

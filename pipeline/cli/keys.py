@@ -1,7 +1,7 @@
 """``hourglass keys create|revoke|list``: the gateway's client API keys.
 
 Keys live hashed in ``<state_dir>/gateway-keys.json`` (see
-:class:`connectors.auth.KeyStore`); a running gateway sees changes at its
+:class:`connectors.gateway.auth.KeyStore`); a running gateway sees changes at its
 next request. ``create`` prints the key once; nothing else ever prints it.
 """
 
@@ -13,9 +13,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from connectors.auth import KeyStoreError
-from pipeline.cli_common import ConfigOpt, JsonOpt, emit, fail, load
-from pipeline.cli_gateway import key_store
+from connectors.gateway.auth import KeyStoreError
+from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
+from pipeline.cli.gateway import key_store
 
 keys_app = typer.Typer(help="Client API keys of the gateway (stored hashed; a key is shown once, at creation).", no_args_is_help=True)
 

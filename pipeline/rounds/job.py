@@ -3,12 +3,12 @@
     snapshot → train (+ evaluate, inside the trainer) → gate → register → promote
 
 The round's reward model (when it trains one) is registered in the
-``register`` step too, as its own registered model (see :mod:`pipeline.reward_registry`).
+``register`` step too, as its own registered model (see :mod:`pipeline.registry.reward_registry`).
 
-Each step records its state in :class:`~pipeline.rounds.RoundStore` before it
+Each step records its state in :class:`~pipeline.rounds.records.RoundStore` before it
 starts, so a crash leaves a record that says where it stopped
 (:func:`recover` settles such records at the next start). Registration is
-write-ahead and idempotent by round id (see :mod:`pipeline.registry`), so a
+write-ahead and idempotent by round id (see :mod:`pipeline.registry.models`), so a
 resumed round is registered and promoted at most once.
 """
 
@@ -28,7 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.rounds import RoundInProgressError, RoundLock, RoundRecord, RoundStore
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundStore
 from trainer.config import window_seconds
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,9 @@ def take_snapshot(cfg: HourglassConfig, window: str) -> tuple[pa.Table, dict[str
 
 def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_fingerprint: str) -> dict[str, Path | None]:
     """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
-    from pipeline.aliases import champion_version
-    from pipeline.registry import make_client
-    from pipeline.staging import stage_options, stage_version
+    from pipeline.registry.aliases import champion_version
+    from pipeline.registry.models import make_client
+    from pipeline.serving.staging import stage_options, stage_version
 
     client = make_client(cfg)
     out: dict[str, Path | None] = {}
@@ -102,10 +102,10 @@ def train_and_evaluate(
     """Split across users and time (per-user share capped), train the reward model (when wanted) and every
     selected candidate, evaluate against the champions, gate.
 
-    ``checkpoint`` is passed to :func:`trainer.round.run_round` (phase boundaries; may raise to cancel);
+    ``checkpoint`` is passed to :func:`trainer.candidates.run_round` (phase boundaries; may raise to cancel);
     ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
-    from trainer.round import run_round
+    from trainer.candidates import run_round
     from trainer.tasks import split_snapshot, user_metrics
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
@@ -127,7 +127,7 @@ def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint
     candidates = [c for c in cfg.candidates if c.name in names]
     if not cfg.reward_model.wanted(candidates, getattr(cfg.rl, "gate_metric", None)):
         return None
-    from pipeline.reward_registry import reward_champion
+    from pipeline.registry.reward_registry import reward_champion
 
     return reward_champion(cfg, base_fingerprint)
 
@@ -288,8 +288,8 @@ class RoundRunner:
             self.lock.release()
 
     def _run(self, record: RoundRecord) -> None:
-        from pipeline.registry import register_round
-        from pipeline.reward_registry import save_pending as save_reward_pending
+        from pipeline.registry.models import register_round
+        from pipeline.registry.reward_registry import save_pending as save_reward_pending
 
         self._step(record, "snapshot")
         record.metrics["data/buffer_trace_rows"] = _buffer_trace_rows(self.cfg)  # for schedule.min_new_traces
@@ -361,7 +361,7 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     Only call it while no other round runs (it matches by candidate name).
     Returns ``{replica url: [unloaded names]}``.
     """
-    from pipeline.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+    from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
 
     pattern = round_adapter_names(round_id, candidates)
     urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
@@ -385,8 +385,8 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
 def _register_reward_model(cfg: HourglassConfig, result) -> dict[str, float]:
     """Register the round's reward model; an MLflow failure leaves it pending (retried by :func:`recover`)
     and does not fail the round. Returns ``reward_model/version`` and ``reward_model/promoted`` when registered."""
-    from pipeline.registry import RegistryError
-    from pipeline.reward_registry import register_reward_model
+    from pipeline.registry.models import RegistryError
+    from pipeline.registry.reward_registry import register_reward_model
 
     try:
         registered = register_reward_model(cfg, result)
@@ -412,14 +412,14 @@ def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
 
     Before ``register`` nothing left the process: the round is marked failed.
     From ``register`` on the result is write-ahead in the pending folder:
-    :func:`pipeline.registry.retry_pending` registers and promotes it once
+    :func:`pipeline.registry.models.retry_pending` registers and promotes it once
     (idempotent by round id), and the round is marked done. A round settled
     as failed also loses the adapters it had published into vLLM
     (:func:`unload_round_adapters`). Nothing is settled while another process
     holds the round lock (that round is alive).
     """
-    from pipeline.registry import RegistryError
-    from pipeline.reward_registry import retry_pending_rewards
+    from pipeline.registry.models import RegistryError
+    from pipeline.registry.reward_registry import retry_pending_rewards
 
     settled: list[RoundRecord] = []
     try:
@@ -442,7 +442,7 @@ def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
 
 
 def _settle(cfg: HourglassConfig, store: RoundStore, unfinished: list[RoundRecord]) -> list[RoundRecord]:
-    from pipeline.registry import RegistryError, find_round_version, list_pending, make_client, retry_pending
+    from pipeline.registry.models import RegistryError, find_round_version, list_pending, make_client, retry_pending
 
     settled: list[RoundRecord] = []
     registered = {}

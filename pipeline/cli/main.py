@@ -19,7 +19,7 @@ from rich.table import Table
 
 from connectors.errors import ConnectorError
 from pipeline import stack
-from pipeline.cli_common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
+from pipeline.cli.common import ConfigOpt, JsonOpt, console, emit, fail, load, print_error, redact
 from pipeline.config import HourglassConfig, config_warnings, load_config, secret_problems
 from pipeline.errors import ConfigError, PipelineError, StackError
 from pipeline.redact import install_log_redaction
@@ -229,20 +229,22 @@ def health(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
 
 def _register_command_groups() -> None:
     """Command groups that live next to the code they drive."""
-    from pipeline import cli_data, cli_ops, cli_registry
+    from pipeline.cli import data as cli_data
+    from pipeline.cli import ops as cli_ops
+    from pipeline.cli import registry as cli_registry
 
     cli_data.register(app)
     cli_registry.register(app, models_app)
     cli_ops.register(app, load)
-    from pipeline import cli_canary
+    from pipeline.cli import canary as cli_canary
 
     cli_canary.register(app)
     try:
-        from pipeline import cli_gateway
+        from pipeline.cli import gateway as cli_gateway
     except ImportError:  # pragma: no cover - built in a later change
         return
     cli_gateway.register(app)
-    from pipeline import cli_keys
+    from pipeline.cli import keys as cli_keys
 
     cli_keys.register(app)
 

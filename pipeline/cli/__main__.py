@@ -1,0 +1,5 @@
+"""``python -m pipeline.cli``: the ``hourglass`` command line."""
+
+from pipeline.cli.main import main
+
+main()
