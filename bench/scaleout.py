@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from trainer import model_store  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
-from trainer.round import run_round  # noqa: E402
+from trainer.candidates import run_round  # noqa: E402
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot  # noqa: E402
 
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()

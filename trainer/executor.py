@@ -1,6 +1,6 @@
 """Where a round's candidates train: the seam between the round and its workers.
 
-:func:`trainer.round.run_round` hands the training phase to an executor
+:func:`trainer.candidates.run_round` hands the training phase to an executor
 (``rl.executor``) and evaluates and gates the result itself, on its own
 resident base, with every candidate together:
 
@@ -80,7 +80,7 @@ class LocalExecutor:
     """Every candidate in this process, on the round's resident base (the default, and what each Ray actor runs)."""
 
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
-        from trainer.round import train_candidates  # round imports this module
+        from trainer.candidates import train_candidates  # candidates imports this module
 
         for c in job.candidates:
             store.create(c.name, c, job.starts.get(c.name))  # type: ignore[attr-defined]

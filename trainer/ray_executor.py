@@ -157,7 +157,7 @@ class TrainerActor:
         ``adapters/<name>/`` and the results at ``results/actor-<index>.json`` of the exchange.
         Returns the results' path relative to the exchange root."""
         from trainer.adapter_store import make_store
-        from trainer.round import _unload_leftovers, make_engine
+        from trainer.candidates import _unload_leftovers, make_engine
 
         started = time.perf_counter()
         self.phase = "start"

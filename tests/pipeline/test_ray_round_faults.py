@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import round_job
-from pipeline.aliases import champion_version
+from pipeline.rounds import job as round_job
+from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
-from pipeline.registry import register_round
+from pipeline.registry.models import register_round
 from serving_helpers import make_adapter, make_round
 from trainer import ray_executor
 from trainer.model_store import fingerprint_of

@@ -15,7 +15,7 @@ from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
 from trainer.executor import TrainJob
 from trainer.ray_executor import RayExecutor, release_kept_actors
-from trainer.round import run_round
+from trainer.candidates import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 pytestmark = pytest.mark.integration
