@@ -1,9 +1,12 @@
 """Scale-out overhead: the same round on the local executor and on Ray with 1 and 2 trainer actors.
 
 One process runs the same round (K candidates, the same data, seeds and
-settings) three times, side by side: ``rl.executor = "local"``, then
-``"ray"`` with 1 actor, then with 2 actors, on a local Ray cluster started once
-beforehand (its start-up is printed, not counted: a service keeps its cluster).
+settings) side by side: ``rl.executor = "local"``, then ``"ray"`` with 1
+actor, then with 2 actors, on a local Ray cluster started once beforehand (its
+start-up is printed, not counted: a service keeps its cluster). Each Ray
+configuration runs twice with ``rl.ray_keep_actors``: ``cold`` (the round
+starts its actors: process, imports, base load) and ``warm`` (the next round
+on the kept actors).
 Rollouts use transformers on each actor (``--engine hf``, default) or a vLLM
 server (``--engine vllm --rollout-url http://host:port``).
 
@@ -41,6 +44,7 @@ import torch  # noqa: E402
 from trainer import model_store  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
 from trainer.candidates import run_round  # noqa: E402
+from trainer.ray_executor import release_kept_actors  # noqa: E402
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot  # noqa: E402
 
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
@@ -88,13 +92,16 @@ def main() -> None:
     runs: list[tuple[str, RLConfig]] = [("local", rl)]
     for n in range(1, args.actors_max + 1):
         sizing = {"ray_actor_gpus": 1, "ray_actor_cpus": max(1, cpus // n)} if gpus else {"ray_actor_gpus": 0, "ray_actor_cpus": max(1, cpus // n)}
-        runs.append((f"ray-{n}", rl.model_copy(update={"executor": "ray", "ray_actors": n, **sizing})))
+        on_ray = rl.model_copy(update={"executor": "ray", "ray_actors": n, "ray_keep_actors": True, **sizing})
+        runs += [(f"ray-{n}-cold", on_ray), (f"ray-{n}-warm", on_ray)]  # cold: actors start; warm: the kept actors train again
     walls: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="hourglass-scaleout-") as tmp:
         for label, cfg in runs:
             t0 = time.perf_counter()
             result = run_round(model, cands, cfg, train, heldout, {}, Path(tmp) / label / "r1", progress=False, round_id="r1")
             walls[label] = time.perf_counter() - t0
+            if label.endswith("-warm"):
+                release_kept_actors()
             m = result.metrics
             actors = range(int(m.get("executor/actors", 0)))
             util = " ".join(f"actor{i} {m[f'executor/actor{i}/utilisation']:.2f}" for i in actors)
@@ -102,13 +109,13 @@ def main() -> None:
                 util += f"  (start-up and hand-over {m['executor/train_wall_s'] - max(m[f'executor/actor{i}/busy_s'] for i in actors):.1f}s)"
             train_s = m.get("executor/train_wall_s", m.get("time/train_s", float("nan")))
             print(
-                f"{label:8s} wall {walls[label]:7.1f}s  x{walls[label] / walls['local']:.2f} vs local  train phase {train_s:6.1f}s  "
+                f"{label:10s} wall {walls[label]:7.1f}s  x{walls[label] / walls['local']:.2f} vs local  train phase {train_s:6.1f}s  "
                 f"{util or '(in process)'}  winner {result.decisions['hourglass'].winner}",
                 flush=True,
             )
     ray.shutdown()
     print(f"load after: {os.getloadavg()}")
-    print(f"ray-1 / local wall time: {walls['ray-1'] / walls['local']:.2f}x")
+    print(f"ray-1 / local wall time: {walls['ray-1-warm'] / walls['local']:.2f}x warm (kept actors), {walls['ray-1-cold'] / walls['local']:.2f}x cold")
 
 
 if __name__ == "__main__":
