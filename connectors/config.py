@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from connectors.config_base import Section
 
 _TOPIC_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -20,11 +22,7 @@ def check_topic_name(topic: str) -> str:
     return topic
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class KafkaConfig(_Section):
+class KafkaConfig(Section):
     """Where traces and feedback come from (any Kafka-compatible cluster)."""
 
     bootstrap_servers: list[str] = Field(
@@ -78,7 +76,7 @@ class KafkaConfig(_Section):
         return self
 
 
-class RewardSpec(_Section):
+class RewardSpec(Section):
     """How feedback signals map to one scalar reward in [-1, 1] (before clipping).
 
     The first signal present, in ``priority`` order, gives the reward and its
@@ -103,7 +101,7 @@ class RewardSpec(_Section):
     )
 
 
-class BufferConfig(_Section):
+class BufferConfig(Section):
     """The Arrow reward buffer and the dead-letter store."""
 
     root: str = Field(
@@ -166,7 +164,7 @@ class BufferConfig(_Section):
         return key
 
 
-class GatewayConfig(_Section):
+class GatewayConfig(Section):
     """The OpenAI-compatible gateway: client authentication, request limits, feedback tokens."""
 
     require_api_key: bool = Field(

@@ -14,7 +14,7 @@ if [ -z "${HOURGLASS_TARGET:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then HOURGLASS_TARGET=gpu; else HOURGLASS_TARGET=cpu; fi
 fi
 export HF_HUB_OFFLINE=1
-# Headless Chromium for the status-page tests (tests/console); Debian packages, root only, idempotent.
+# Headless Chromium for the status-page tests (tests/pipeline/console); Debian packages, root only, idempotent.
 if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "[setup] installing chromium + chromium-driver"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; } >/dev/null \

@@ -51,13 +51,14 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.api_errors import registry_call as _registry_call
 from pipeline.console import mount_console, presented_token
-from pipeline.redact import redact, redact_data
+from pipeline.redact import redact_data
 from pipeline.rounds.job import RoundNotCancellableError
 from pipeline.rounds.records import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:
-    from pipeline.service import HourglassService
+    from pipeline.ops_service import OpsService
 
 CACHE_S = 2.0
 STATIC_PREFIX = "/console/static/"  # the status page's script and style sheet: no data, no secrets
@@ -118,7 +119,7 @@ class RollbackRequest(BaseModel):
     to: str | None = Field(default=None, pattern=r"^\d+$")
 
 
-def create_api(service: "HourglassService") -> FastAPI:
+def create_api(service: OpsService) -> FastAPI:
     """The ops API bound to one running service."""
     api_cfg = service.cfg.api
     loopback = api_cfg.loopback()
@@ -237,26 +238,3 @@ def create_api(service: "HourglassService") -> FastAPI:
 
     mount_console(app, service)  # the status page at / (pipeline.console)
     return app
-
-
-def _registry_call(call) -> dict[str, Any]:
-    """Run a registry call; its errors become 4xx/502 refusals whose detail has URL credentials,
-    secret query parameters and bearer tokens replaced by ``***`` (MLflow's messages quote the
-    request URL, ``user:password@`` of the tracking URI included)."""
-    from mlflow.exceptions import MlflowException
-
-    from pipeline.registry.aliases import UnknownVersionError
-    from pipeline.registry.models import RegistryError
-
-    try:
-        return call()
-    except UnknownVersionError as err:
-        raise HTTPException(404, redact(str(err))) from err
-    except LookupError as err:
-        raise HTTPException(404, redact(str(err))) from err
-    except RegistryError as err:  # e.g. no earlier champion to roll back to
-        raise HTTPException(409, redact(str(err))) from err
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
-            raise HTTPException(404, redact(err.message)) from err
-        raise HTTPException(502, f"MLflow: {redact(err.message)}") from err

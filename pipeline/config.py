@@ -22,10 +22,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
+from connectors.config_base import Section
 from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
@@ -35,11 +36,7 @@ MIN_SIGNING_KEY_CHARS = 32
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """When rounds run."""
 
     cron: str | None = Field(default="0 * * * *", description="Crontab (5 fields, UTC). Hourly by default.")
@@ -71,7 +68,7 @@ class ScheduleConfig(_Section):
         return cron
 
 
-class RegistryConfig(_Section):
+class RegistryConfig(Section):
     """The MLflow tracking server and model registry."""
 
     tracking_uri: str = Field(default="http://127.0.0.1:15000", description="MLflow tracking URI.")
@@ -106,7 +103,7 @@ class RegistryConfig(_Section):
         return key
 
 
-class ServingConfig(_Section):
+class ServingConfig(Section):
     """The vLLM replicas that serve the champion."""
 
     model_name: str = Field(default="hourglass", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="Public model name clients ask for.")
@@ -159,7 +156,7 @@ class ServingConfig(_Section):
         return [url.rstrip("/") for url in urls]
 
 
-class ApiConfig(_Section):
+class ApiConfig(Section):
     """The ops HTTP API and the gateway."""
 
     host: str = Field(default="127.0.0.1", description="Bind address. Loopback by default; change deliberately.")
@@ -244,6 +241,7 @@ class HourglassConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "HourglassConfig":
+        # Every default that depends on another section is resolved here, once: a round reads the config as is.
         # A candidate without a tenant competes for the public model name.
         filled = [
             c if "served_model" in c.model_fields_set else c.model_copy(update={"served_model": self.serving.model_name})
@@ -253,6 +251,8 @@ class HourglassConfig(BaseSettings):
         if self.serving.staging_dir is None:  # follows state_dir, so two instances never share it
             staged = self.serving.model_copy(update={"staging_dir": str(Path(self.state_dir) / "staging")})
             object.__setattr__(self, "serving", staged)
+        if self.rl.rollout_engine == "vllm" and self.rl.rollout_url is None:  # embedded default: the serving vLLM
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"rollout_url": self.serving.replicas[0]}))
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

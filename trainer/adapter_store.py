@@ -2,7 +2,7 @@
 
 Two stores behind one :class:`AdapterStore` Protocol:
 
-- :class:`ResidentStore`: every candidate is its own PEFT adapter on the
+- :class:`trainer.resident_store.ResidentStore`: every candidate is its own PEFT adapter on the
   device, with its own AdamW; switching is ``set_adapter(name)``.
 - :class:`trainer.offload_store.OffloadStore`: one live adapter slot on the
   device. Every other candidate's LoRA weights, accumulated gradients and
@@ -19,24 +19,16 @@ saved folder loads in PEFT and in vLLM.
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-import zlib
 from pathlib import Path
 from typing import Protocol
 
-import safetensors.torch
 import torch
 
-from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
+from trainer.base import ResidentBase
 from trainer.config import CandidateConfig
-from trainer.errors import AdapterStoreError, TrainerConfigError
-
-log = logging.getLogger(__name__)
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-SLOT = "hourglass-slot"
+from trainer.errors import TrainerConfigError
+from trainer.offload_store import OffloadStore
+from trainer.resident_store import ResidentStore
 
 
 class AdapterStore(Protocol):
@@ -51,253 +43,6 @@ class AdapterStore(Protocol):
     def close(self) -> None: ...
 
 
-def adapter_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
-    """The parameters of one PEFT adapter, keyed by PEFT's saved (adapter-free) names.
-
-    Linear LoRA tensors are named ``...q_proj.lora_A.<adapter>.weight``;
-    embedding LoRA tensors ``...embed_tokens.lora_embedding_A.<adapter>``.
-    """
-    marker, suffix = f".{adapter}.", f".{adapter}"
-    out = {}
-    for n, p in model.named_parameters():
-        if marker in n:
-            out[n.replace(marker, ".")] = p
-        elif n.endswith(suffix):
-            out[n[: -len(suffix)]] = p
-    return out
-
-
-def _seed_of(name: str, seed: int) -> int:
-    return (zlib.crc32(name.encode()) + seed) % (2**31)
-
-
-def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, init_dir: Path | None, seed: int) -> dict[str, torch.Tensor]:
-    """A candidate's starting LoRA weights on the CPU.
-
-    From ``init_dir`` (a PEFT folder, e.g. the champion) when given, else PEFT's
-    fresh init (A: Kaiming-uniform, B: zeros) seeded by ``(name, seed)`` so the
-    same candidate starts identically whoever else is in the store. A saved
-    adapter of another rank or alpha is converted by :func:`fit_adapter`, so a
-    rank-16 challenger can start from a rank-8 champion and the other way round.
-
-    Raises:
-        TrainerConfigError: the folder is missing, or the saved adapter adapts
-            modules the candidate does not target.
-    """
-    probe = f"hourglass-init-{zlib.crc32(name.encode())}"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_seed_of(name, seed))
-        base.model.add_adapter(probe, lora_config(candidate))
-    try:
-        fresh = {k: p.detach().to("cpu", copy=True) for k, p in adapter_params(base.model, probe).items()}
-    finally:
-        base.model.delete_adapter(probe)
-    if init_dir is None:
-        return fresh
-    path = Path(init_dir) / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise TrainerConfigError(f"candidate {name!r}: start adapter {path} does not exist; use start='fresh' or fix the path")
-    loaded = safetensors.torch.load_file(str(path))
-    unknown = sorted(set(loaded) - set(fresh))
-    if unknown:
-        raise TrainerConfigError(
-            f"candidate {name!r}: adapter {path} adapts modules the candidate does not target ({unknown[:3]}...); "
-            f"its target_modules {candidate.target_modules} must include the start adapter's, or use start='fresh'"
-        )
-    for key_a, key_b in lora_pairs(loaded):
-        # A is [r, in], B is [out, r]: the rank may differ, the module's in/out sizes may not
-        if loaded[key_a].shape[1] != fresh[key_a].shape[1] or loaded[key_b].shape[0] != fresh[key_b].shape[0]:
-            raise TrainerConfigError(
-                f"candidate {name!r}: start adapter {path} was not trained on this base model: {key_a} is "
-                f"{tuple(loaded[key_a].shape)} / {key_b} is {tuple(loaded[key_b].shape)}, the base needs "
-                f"[r, {fresh[key_a].shape[1]}] / [{fresh[key_b].shape[0]}, r]"
-            )
-    saved_scale = _lora_scale(Path(init_dir) / "adapter_config.json")
-    return fit_adapter(loaded, fresh, saved_scale, candidate.lora_alpha / candidate.lora_rank, name)
-
-
-def lora_pairs(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
-    """``(A key, B key)`` of every LoRA module in ``tensors`` (linear ``lora_A``/``lora_B``,
-    embedding ``lora_embedding_A``/``lora_embedding_B``; PEFT's saved names).
-
-    Raises:
-        TrainerConfigError: an A without its B.
-    """
-    pairs = []
-    for key_a in sorted(tensors):
-        for a, b in ((".lora_A.", ".lora_B."), (".lora_embedding_A", ".lora_embedding_B")):
-            if a in key_a:
-                key_b = key_a.replace(a, b)
-                if key_b not in tensors:
-                    raise TrainerConfigError(f"adapter has {key_a} but no {key_b}")
-                pairs.append((key_a, key_b))
-    return pairs
-
-
-def _lora_scale(config_path: Path) -> float:
-    """PEFT's LoRA scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) of a saved adapter."""
-    try:
-        cfg = json.loads(config_path.read_text())
-        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise TrainerConfigError(f"start adapter config {config_path} is missing or has no r / lora_alpha: {err}") from err
-    return alpha / (rank**0.5 if cfg.get("use_rslora") else rank)
-
-
-def fit_adapter(
-    saved: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], saved_scale: float, scale: float, name: str = "?"
-) -> dict[str, torch.Tensor]:
-    """Start weights of a new rank/alpha that reproduce a saved adapter's update.
-
-    LoRA adds ``dW = s * B @ A`` per module (``A [r, in]``, ``B [out, r]``,
-    ``s = alpha / r``; Hu et al. 2021, arXiv:2106.09685). For each module in
-    ``saved``:
-
-    - same rank: ``A`` kept, ``B`` rescaled by ``saved_scale / scale``; exact.
-    - higher rank: the saved ``A`` fills the first rows and the remaining rows
-      keep their fresh Kaiming init, ``B`` is zero in the new columns; the update
-      is exact and the new directions still get gradients.
-    - lower rank: the best rank-``r`` approximation of ``dW`` (truncated SVD,
-      Eckart-Young), split evenly as ``A = sqrt(S) Vh``, ``B = U sqrt(S) / s``;
-      lossy, and the relative error is logged.
-
-    Modules only in ``fresh`` keep their fresh init (``B = 0``: no update).
-
-    Args:
-        saved: PEFT-keyed tensors of the saved adapter.
-        fresh: the candidate's fresh tensors (defines the target shapes and dtype).
-        saved_scale, scale: LoRA scaling of the saved adapter and of the candidate.
-    """
-    out = {k: v.clone() for k, v in fresh.items()}
-    for key_a, key_b in lora_pairs(saved):
-        a, b = saved[key_a].float(), saved[key_b].float()
-        r_saved, r_new = a.shape[0], out[key_a].shape[0]
-        if r_new >= r_saved:
-            out[key_a][:r_saved] = a.to(out[key_a].dtype)
-            out[key_b].zero_()
-            out[key_b][:, :r_saved] = (b * (saved_scale / scale)).to(out[key_b].dtype)
-            continue
-        delta = saved_scale * (b @ a)
-        u, sing, vh = torch.linalg.svd(delta, full_matrices=False)
-        root = sing[:r_new].sqrt()
-        out[key_a] = (root[:, None] * vh[:r_new]).to(fresh[key_a].dtype)
-        out[key_b] = (u[:, :r_new] * root[None, :] / scale).to(fresh[key_b].dtype)
-        lost = float(sing[r_new:].square().sum().sqrt() / sing.square().sum().sqrt().clamp_min(1e-12))
-        log.info("candidate %r: %s truncated from rank %d to %d (relative Frobenius error %.3f)", name, key_a, r_saved, r_new, lost)
-    return out
-
-
-def write_adapter(weights: dict[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path) -> Path:
-    """Write a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = lora_config(candidate)
-    config.base_model_name_or_path = str(base.path)
-    config.save_pretrained(str(out_dir))
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    safetensors.torch.save_file(tensors, str(out_dir / ADAPTER_WEIGHTS))
-    return out_dir
-
-
-def _peft_name(name: str) -> str:
-    return f"cand-{name}"  # PEFT warns about adapter names that are substrings of 'lora_'
-
-
-def set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
-    for n, p in model.named_parameters():
-        p.requires_grad_(adapter is not None and (f".{adapter}." in n or n.endswith(f".{adapter}")))  # as adapter_params
-
-
-def _requires_grad(optimizer: torch.optim.Optimizer, flag: bool) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.requires_grad_(flag)
-
-
-def make_adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    # foreach=None: PyTorch's choice, multi-tensor kernels on CUDA (one launch per
-    # op for all LoRA tensors instead of one per tensor) and per-tensor on CPU.
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-
-class ResidentStore:
-    """All candidates' adapters on the device; switch by name (PEFT ``set_adapter``)."""
-
-    def __init__(self, base: ResidentBase, seed: int = 0) -> None:
-        self.base = base
-        self.seed = seed
-        self.candidates: dict[str, CandidateConfig] = {}
-        self.optimizers: dict[str, torch.optim.AdamW] = {}
-        self.live: str | None = None
-        self.last_swap_s = 0.0
-
-    def names(self) -> list[str]:
-        return list(self.candidates)
-
-    def create(self, name: str, candidate: CandidateConfig, init_dir: Path | None = None) -> None:
-        if name in self.candidates:
-            raise AdapterStoreError(f"candidate {name!r} already exists in the store; delete it first")
-        weights = initial_weights(self.base, name, candidate, init_dir, self.seed)
-        self.base.model.add_adapter(_peft_name(name), lora_config(candidate))
-        params = adapter_params(self.base.model, _peft_name(name))
-        with torch.no_grad():
-            for key, p in params.items():
-                p.copy_(weights[key])
-        self.candidates[name] = candidate
-        self.optimizers[name] = make_adamw(list(params.values()), candidate.learning_rate)
-        set_trainable(self.base.model, _peft_name(self.live) if self.live else None)
-
-    def delete(self, name: str) -> None:
-        self._check(name)
-        self.base.model.delete_adapter(_peft_name(name))
-        del self.candidates[name], self.optimizers[name]
-        if self.live == name:
-            self.live = None
-
-    def activate(self, name: str) -> torch.optim.Optimizer:
-        self._check(name)
-        started = time.perf_counter()
-        self.base.model.set_adapter(_peft_name(name))  # walks every LoRA layer (PEFT)
-        # Only the live adapter trains. PEFT's set_adapter does this too; made explicit
-        # here on the two optimizers' parameters instead of a sweep over the whole model.
-        if self.live is not None and self.live != name:
-            _requires_grad(self.optimizers[self.live], False)
-        _requires_grad(self.optimizers[name], True)
-        self.live = name
-        self.last_swap_s = time.perf_counter() - started
-        return self.optimizers[name]
-
-    def close(self) -> None:
-        """Remove every candidate's adapter from the base (it stays resident, clean)."""
-        for name in list(self.candidates):
-            self.delete(name)
-        self.base.model.set_adapter(BOOT_ADAPTER)
-        set_trainable(self.base.model, None)  # set_adapter made the boot adapter trainable
-
-    def save(self, name: str, out_dir: Path) -> Path:
-        self._check(name)
-        return write_adapter(adapter_params(self.base.model, _peft_name(name)), self.candidates[name], self.base, out_dir)
-
-    def snapshot(self, name: str) -> dict[str, torch.Tensor]:
-        self._check(name)
-        params = adapter_params(self.base.model, _peft_name(name))
-        return snapshot_state(params, self.optimizers[name])
-
-    def _check(self, name: str) -> None:
-        if name not in self.candidates:
-            raise AdapterStoreError(f"unknown candidate {name!r}; the store holds {sorted(self.candidates)}")
-
-
-def snapshot_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"weight/{k}": p.detach().to("cpu", copy=True) for k, p in params.items()}
-    for k, p in params.items():
-        state = optimizer.state.get(p, {})
-        for field_name in ("exp_avg", "exp_avg_sq", "step"):
-            if field_name in state:
-                out[f"{field_name}/{k}"] = torch.as_tensor(state[field_name]).detach().to("cpu", copy=True)
-    return out
-
-
 def make_store(kind: str, base: ResidentBase, seed: int = 0) -> AdapterStore:
     """``resident`` or ``offload`` (``RLConfig.adapter_store``).
 
@@ -307,9 +52,5 @@ def make_store(kind: str, base: ResidentBase, seed: int = 0) -> AdapterStore:
     if kind == "resident":
         return ResidentStore(base, seed)
     if kind == "offload":
-        from trainer.offload_store import (
-            OffloadStore,  # it builds on this module's helpers
-        )
-
         return OffloadStore(base, seed)
     raise TrainerConfigError(f"adapter_store {kind!r} must be 'resident' or 'offload'")

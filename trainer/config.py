@@ -7,16 +7,14 @@ import re
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from connectors.config_base import Section
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The base model that stays resident."""
 
     name: str = Field(
@@ -35,7 +33,7 @@ class ModelConfig(_Section):
     max_seq_len: int = Field(default=1024, ge=32, description="Longest prompt + completion, tokens.")
 
 
-class RewardTerm(_Section):
+class RewardTerm(Section):
     """One weighted term of a candidate's reward mix."""
 
     fn: str = Field(description="A built-in reward name (e.g. `exact_answer`, `logged`, `length_penalty`) or `module:function`.")
@@ -46,7 +44,7 @@ class RewardTerm(_Section):
     @classmethod
     def _known(cls, fn: str) -> str:
         if ":" not in fn:  # a built-in: check the name now (a module:function is imported when the round builds it)
-            from trainer.rewards import resolve  # rewards imports this module
+            from trainer.rewards import resolve  # imported on use: rewards is heavier than this config module
 
             resolve(fn)
         return fn
@@ -69,7 +67,7 @@ class Algorithm(StrEnum):
 OFFLINE_ALGORITHMS = frozenset({Algorithm.OFFLINE_IS, Algorithm.KTO})
 
 
-class CandidateConfig(_Section):
+class CandidateConfig(Section):
     """A named LoRA adapter and its recipe."""
 
     name: str = Field(description="Unique slug: [a-z0-9][a-z0-9_-]{0,47}.")
@@ -133,7 +131,7 @@ def window_seconds(window: str) -> int:
     return seconds
 
 
-class RLConfig(_Section):
+class RLConfig(Section):
     """How a round trains, evaluates and gates."""
 
     steps_per_round: int = Field(default=4, ge=1, description="Optimizer steps S per candidate per round.")
@@ -184,7 +182,7 @@ class RLConfig(_Section):
         default=8, ge=1, description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size)."
     )
     rollout_engine: Literal["vllm", "hf"] = Field(default="vllm", description="Rollouts from vLLM, or transformers generate.")
-    rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default: the serving one.")
+    rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default (with rollout_engine `vllm`): the first of serving.replicas.")
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
     executor: Literal["local", "ray"] = Field(
@@ -248,7 +246,7 @@ class RLConfig(_Section):
         return window
 
 
-class RewardModelConfig(_Section):
+class RewardModelConfig(Section):
     """The reward model learned from user feedback: a LoRA adapter plus a scalar head on the resident base.
 
     Trained in each round, before the policy candidates, from the round's training split

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.adapter_store import _peft_name, adapter_params, lora_pairs, make_adamw
+from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
@@ -209,7 +209,7 @@ def live_params(store: object, name: str) -> dict[str, torch.nn.Parameter]:
     slot = getattr(store, "slot_params", None)
     if slot is not None:  # OffloadStore: the one device slot
         return dict(slot)
-    return adapter_params(store.base.model, _peft_name(name))  # type: ignore[attr-defined]  # ResidentStore
+    return adapter_params(store.base.model, peft_name(name))  # type: ignore[attr-defined]  # ResidentStore
 
 
 def _pull(store: object, candidate: CandidateConfig) -> OnePassMember:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapter_store import (
+from trainer.lora_tensors import (
     SLOT,
     adapter_params,
     initial_weights,

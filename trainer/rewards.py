@@ -19,10 +19,12 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.config import RewardTerm
 from trainer.errors import RewardError
+
+if TYPE_CHECKING:
+    from trainer.config import RewardTerm  # type-only: trainer.config checks built-in names with resolve()
 
 Messages = list[dict[str, str]]
 

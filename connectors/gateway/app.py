@@ -138,6 +138,7 @@ def create_gateway_app(
     upstream_api_key: str | None = None,
     timeout_s: float | None = None,
     feedback_timeout_s: float = 15.0,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
     """Build the gateway app.
 
@@ -162,6 +163,8 @@ def create_gateway_app(
         upstream_api_key: the gateway's own vLLM key (``serving.api_key``), sent as ``Authorization``.
         timeout_s: upstream read timeout, seconds (default ``gateway.upstream_timeout_s``).
         feedback_timeout_s: how long feedback waits for the broker ack, seconds.
+        upstream_transport: the httpx transport to the model server (default: HTTP to ``upstream_url``;
+            tests pass an ``httpx.MockTransport`` or an ``httpx.ASGITransport`` of a fake server).
 
     Raises:
         ConnectorConfigError: ``gateway.require_api_key`` without a key store.
@@ -184,7 +187,9 @@ def create_gateway_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(timeout_s or cfg.upstream_timeout_s, connect=10.0))
+        app.state.client = httpx.AsyncClient(
+            base_url=base, timeout=httpx.Timeout(timeout_s or cfg.upstream_timeout_s, connect=10.0), transport=upstream_transport
+        )
         app.state.publisher = EventPublisher(kafka, sink)
         try:
             yield

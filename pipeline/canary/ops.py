@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException
 
+from pipeline.api_errors import registry_call
 from pipeline.canary import state
 from pipeline.canary.monitor import CanaryMonitor
 from pipeline.config import HourglassConfig
 
 if TYPE_CHECKING:
-    from pipeline.service import HourglassService
+    from pipeline.ops_service import OpsService
 
 
 def canary_status(cfg: HourglassConfig, models: list[str], monitor: CanaryMonitor | None = None) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def end_canary(cfg: HourglassConfig, model: str, decision: str, *, who: str, mon
     return out
 
 
-def add_canary_routes(app: FastAPI, service: "HourglassService") -> None:
+def add_canary_routes(app: FastAPI, service: OpsService) -> None:
     """``GET /canary`` (a read), ``POST /canary/{model}/promote|abort`` (state changes: the ops API's
     middleware requires the token for every POST before any route runs, see :mod:`pipeline.api`)."""
 
@@ -64,16 +65,12 @@ def add_canary_routes(app: FastAPI, service: "HourglassService") -> None:
 
     @app.get("/canary")
     def canary() -> dict[str, Any]:
-        from pipeline.api import _registry_call
-
-        return _registry_call(lambda: canary_status(service.cfg, _models(), service.canary))
+        return registry_call(lambda: canary_status(service.cfg, _models(), service.canary))
 
     def _end(model: str, decision: str) -> dict[str, Any]:
-        from pipeline.api import _registry_call
-
         if model not in _models():
             raise HTTPException(404, f"model {model!r} is not served here; served: {_models()}")
-        out = _registry_call(lambda: end_canary(service.cfg, model, decision, who="ops api", monitor=service.canary))
+        out = registry_call(lambda: end_canary(service.cfg, model, decision, who="ops api", monitor=service.canary))
         if service.controller is not None:
             service.controller.trigger()
         return out

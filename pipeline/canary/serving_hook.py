@@ -19,8 +19,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from connectors.gateway.routes import read_routes, write_route
 from pipeline.registry.aliases import TAG_SERVE_ERROR
 from pipeline.canary import state
+from pipeline.serving.common import AdapterFailure, utc_now
 from pipeline.serving.replica import ReplicaRefusedError
 from pipeline.serving.staging import served_name
 
@@ -32,9 +34,6 @@ log = logging.getLogger(__name__)
 
 def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
     """One pass of the canary for ``model`` (see the module doc). Raises what MLflow raises when unreachable."""
-    from pipeline.serving.controller import _AdapterFailure, _now
-    from connectors.gateway.routes import read_routes, write_route
-
     cfg = ctrl.cfg
     st = ctrl._status[model]
     route = read_routes(ctrl.state_dir).get(model)
@@ -65,13 +64,13 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
             for replica in [r for r in seen if r not in need]:
                 replica.probe(name)
                 ready.append(replica)
-        except (_AdapterFailure, ReplicaRefusedError) as err:
+        except (AdapterFailure, ReplicaRefusedError) as err:
             _refuse(ctrl, model, want, str(err), route)
             return
         if not ready:
             return
         old = route.challenger_served_name
-        write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=name, challenger_version=want, fraction=fraction))
+        write_route(ctrl.state_dir, model, replace(route, updated_at=utc_now(), challenger_served_name=name, challenger_version=want, fraction=fraction))
         if old is not None and old != name:
             ctrl._draining[old] = time.monotonic() + cfg.serving.drain_s
         log.info("canary: %s v%s serves %.0f%% of %s's traffic as %s (%.2fs)", model, want, 100 * fraction, model, name, time.monotonic() - started)
@@ -80,18 +79,15 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
         if missing:  # a replica restarted or was added
             try:
                 ctrl._load_on(model, want, missing, mv)
-            except _AdapterFailure as err:
+            except AdapterFailure as err:
                 st.last_error, st.last_error_version = str(err), want
         if route.fraction != fraction:
-            write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), fraction=fraction))
+            write_route(ctrl.state_dir, model, replace(route, updated_at=utc_now(), fraction=fraction))
     st.challenger = {"version": want, "served_name": name, "fraction": fraction}
 
 
 def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
-    from pipeline.serving.controller import _now
-    from connectors.gateway.routes import write_route
-
-    write_route(ctrl.state_dir, model, replace(route, updated_at=_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
+    write_route(ctrl.state_dir, model, replace(route, updated_at=utc_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
     if route.challenger_served_name != route.served_name:
         ctrl._draining[route.challenger_served_name] = time.monotonic() + ctrl.cfg.serving.drain_s
     log.info("canary: %s v%s no longer routed", model, route.challenger_version)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from connectors.config_base import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class CanaryConfig(_Section):
+class CanaryConfig(Section):
     """A round's winner first serves a slice of live traffic as ``@challenger``."""
 
     enabled: bool = Field(default=True, description="True: a round's winner becomes @challenger, promoted only on live feedback; "
@@ -25,7 +23,7 @@ class CanaryConfig(_Section):
     check_interval_s: float = Field(default=30.0, gt=0, description="How often the service looks at the live evidence.")
 
 
-class GuardConfig(_Section):
+class GuardConfig(Section):
     """After a canary promotion, watch the new champion against the previous one's live rate."""
 
     enabled: bool = Field(default=True, description="Roll back automatically when the new champion's live rate drops significantly.")

@@ -41,7 +41,7 @@ from pipeline.console.data import ConsoleData
 from pipeline.console.render import render_page, render_panels
 
 if TYPE_CHECKING:
-    from pipeline.service import HourglassService
+    from pipeline.ops_service import OpsService
 
 STATIC_DIR = Path(__file__).parent / "static"
 CSP = (
@@ -113,7 +113,7 @@ _COLLECTOR = _LiveFeedbackCollector()
 REGISTRY.register(_COLLECTOR)
 
 
-def mount_console(app: FastAPI, service: "HourglassService", *, refresh_s: int = 10) -> ConsoleData:
+def mount_console(app: FastAPI, service: OpsService, *, refresh_s: int = 10) -> ConsoleData:
     """Add the status page routes (table in the module doc) to ``app``; returns its data source."""
     data = ConsoleData(service)
     _COLLECTOR.source = weakref.ref(data)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
-    from pipeline.service import HourglassService
+    from pipeline.ops_service import OpsService
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class ConsoleData:
         wait_s: how long one page build waits for slow sources (broker, MLflow), seconds.
     """
 
-    def __init__(self, service: "HourglassService", ttl_s: float = 2.0, wait_s: float = 3.0) -> None:
+    def __init__(self, service: OpsService, ttl_s: float = 2.0, wait_s: float = 3.0) -> None:
         self.service = service
         self.cfg = service.cfg
         self.ttl_s = ttl_s

@@ -109,9 +109,7 @@ def train_and_evaluate(
     from trainer.tasks import split_snapshot, user_metrics
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
-    rl = cfg.rl
-    if rl.rollout_engine == "vllm" and rl.rollout_url is None:
-        rl = rl.model_copy(update={"rollout_url": cfg.serving.replicas[0]})  # embedded default: the serving vLLM
+    rl = cfg.rl  # rl.rollout_url defaults to the serving vLLM (filled by HourglassConfig)
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
     result = run_round(

@@ -40,8 +40,8 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
@@ -50,17 +50,15 @@ from connectors.gateway.routes import Route, read_routes, write_route
 from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
-from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.serving.staging import StagingError, base_module_names, served_name, stage_options, stage_version
+from pipeline.serving.common import AdapterFailure as _AdapterFailure
+from pipeline.serving.common import utc_now as _now
+from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
+from pipeline.serving.staging import StagedAdapter, StagingError, base_module_names, served_name, stage_options, stage_version
 
 log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
 TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 # --- controller --------------------------------------------------------------------
@@ -83,8 +81,9 @@ class ModelStatus:
     last_transient_error: str | None = None
 
 
-class _AdapterFailure(Exception):
-    """Internal: the adapter (not the network) made the hot-load fail."""
+Stager = Callable[..., StagedAdapter]
+"""The staging step: called like :func:`pipeline.serving.staging.stage_version` (the real one); returns a
+:class:`StagedAdapter`, raises :class:`StagingError` for a version that must not be loaded."""
 
 
 class ServingController:
@@ -96,11 +95,14 @@ class ServingController:
         base_fingerprint: the served base's fingerprint; default computed from
             ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
         client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
+        replicas: the replicas to reconcile (anything with :class:`~pipeline.serving.replica.ReplicaControl`'s
+            methods); default one :class:`~pipeline.serving.replica.Replica` per ``serving.replicas`` URL.
+        stage: the staging step; default :func:`pipeline.serving.staging.stage_version`.
     """
 
     def __init__(
         self, cfg: HourglassConfig, *, models: list[str] | None = None, base_fingerprint: str | None = None,
-        client: MlflowClient | None = None,
+        client: MlflowClient | None = None, replicas: list[ReplicaControl] | None = None, stage: Stager | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.models = models or [cfg.serving.model_name]
@@ -114,7 +116,10 @@ class ServingController:
         self.state_dir = cfg.resolve(cfg.state_dir)
         self.staging_dir = cfg.resolve(cfg.serving.staging_dir)
         api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
-        self.replicas = [Replica(url, api_key=api_key) for url in cfg.serving.replicas]
+        self.replicas: list[ReplicaControl] = (
+            list(replicas) if replicas is not None else [Replica(url, api_key=api_key) for url in cfg.serving.replicas]
+        )
+        self._stage: Stager = stage or stage_version
         self._status = {m: ModelStatus(m) for m in self.models}
         self._draining: dict[str, float] = {}  # served name -> monotonic deadline for its unload
         self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
@@ -143,7 +148,7 @@ class ServingController:
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
         MLflow or replica outages (they are reported in the status)."""
-        from pipeline.canary.serving_hook import reconcile_challenger  # imports this module
+        from pipeline.canary.serving_hook import reconcile_challenger  # the canary step (it imports pipeline.serving.common, not this module)
 
         with self._lock:
             for model in self.models:
@@ -197,8 +202,8 @@ class ServingController:
 
     # -- one model ----------------------------------------------------------------
 
-    def _observe(self, st: ModelStatus) -> dict[Replica, set[str]]:
-        seen: dict[Replica, set[str]] = {}
+    def _observe(self, st: ModelStatus) -> dict[ReplicaControl, set[str]]:
+        seen: dict[ReplicaControl, set[str]] = {}
         for replica in self.replicas:
             try:
                 names = replica.models()
@@ -238,20 +243,20 @@ class ServingController:
                     st.last_error, st.last_error_version = str(err), desired
         self._unload_stale(model, seen)
 
-    def _load_on(self, model: str, version: str, replicas: list[Replica], mv=None) -> list[Replica]:
+    def _load_on(self, model: str, version: str, replicas: list[ReplicaControl], mv=None) -> list[ReplicaControl]:
         """Stage, load and probe on ``replicas``; returns those that now serve it.
 
         Raises:
             _AdapterFailure: staging refused it, or a replica refused the load or probe.
         """
         try:
-            staged = stage_version(
+            staged = self._stage(
                 self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
                 base_modules=self.base_modules, model_version=mv, **stage_options(self.cfg),
             )  # fmt: skip
         except StagingError as err:
             raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
-        done: list[Replica] = []
+        done: list[ReplicaControl] = []
         for replica in replicas:
             try:
                 replica.load(staged.served_name, str(staged.path))
@@ -268,7 +273,7 @@ class ServingController:
                 raise _AdapterFailure(str(err)) from err
         return done
 
-    def _roll_out(self, model: str, version: str, seen: dict[Replica, set[str]], promoted: str | None, mv) -> None:
+    def _roll_out(self, model: str, version: str, seen: dict[ReplicaControl, set[str]], promoted: str | None, mv) -> None:
         st = self._status[model]
         started = time.monotonic()
         name = served_name(model, version)
@@ -302,7 +307,7 @@ class ServingController:
             self._draining[previous.served_name] = time.monotonic() + self.cfg.serving.drain_s
         log.info("serving %s v%s as %s (%.2fs)", model, version, name, elapsed)
 
-    def _transient(self, model: str, replica: Replica, err: Exception) -> None:
+    def _transient(self, model: str, replica: ReplicaControl, err: Exception) -> None:
         st = self._status[model]
         st.transient_errors += 1
         st.last_transient_error = f"{_now()} {err}"
@@ -310,7 +315,7 @@ class ServingController:
 
     # -- unloads ------------------------------------------------------------------
 
-    def _try_unload(self, replica: Replica, name: str) -> bool:
+    def _try_unload(self, replica: ReplicaControl, name: str) -> bool:
         try:
             replica.unload(name)
             return True
@@ -329,7 +334,7 @@ class ServingController:
                     self._try_unload(replica, name)
             del self._draining[name]
 
-    def _unload_stale(self, model: str, seen: dict[Replica, set[str]]) -> None:
+    def _unload_stale(self, model: str, seen: dict[ReplicaControl, set[str]]) -> None:
         """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
         st = self._status[model]
         keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)

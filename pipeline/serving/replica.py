@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Protocol
 
 import httpx
 
@@ -49,6 +50,26 @@ class ReplicaServerError(ReplicaUnreachableError):
 
 class ReplicaRefusedError(PipelineError, RuntimeError):
     """A vLLM replica refused a load, unload or probe for a reason that is the adapter's (4xx, invalid answer)."""
+
+
+class ReplicaControl(Protocol):
+    """What the serving controller needs from a replica (:class:`Replica` over HTTP; fakes in unit tests).
+
+    Each method raises :class:`ReplicaUnreachableError` for a replica problem
+    (transient) and :class:`ReplicaRefusedError` for the adapter's fault.
+    """
+
+    url: str
+
+    def models(self) -> list[str]: ...
+
+    def load(self, name: str, path: str) -> None: ...
+
+    def unload(self, name: str) -> None: ...
+
+    def probe(self, name: str) -> str: ...
+
+    def close(self) -> None: ...
 
 
 class Replica:

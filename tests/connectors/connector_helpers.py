@@ -1,5 +1,4 @@
-"""Helpers importable by the connectors tests (conftest.py is not importable
-as a module once tests/ has no packages)."""
+"""Helpers of the connectors tests (``from tests.connectors.connector_helpers import wait_for``)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from connectors.schema import TraceEvent
 from connectors.sink import TraceSink, produce_events
 from pipeline.stack import Service, broker_service, free_port
 
-from connector_helpers import wait_for
+from tests.connectors.connector_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 

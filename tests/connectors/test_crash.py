@@ -24,13 +24,13 @@ from connectors.kafka_admin import ensure_topics
 from connectors.schema import FeedbackEvent, TraceEvent
 from connectors.sink import TraceSink
 
-from connector_helpers import wait_for
+from tests.connectors.connector_helpers import wait_for
+from tests import REPO
 
 pytestmark = pytest.mark.integration
 
 N = 600
 KILLS = 4
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_config(path: Path, kafka: KafkaConfig, buffer: BufferConfig) -> None:

@@ -25,7 +25,7 @@ from connectors.dead_letter import DeadLetterStore
 from connectors.ingest import DEAD_LETTERS, STORAGE_OK, IngestWorker
 from connectors.kafka_admin import consumer_group_lag, ensure_topics
 
-from connector_helpers import wait_for
+from tests.connectors.connector_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from connectors.kafka_admin import ensure_topics
 from connectors.replay import iter_sharegpt_traces
 from connectors.sink import TraceSink, produce_events
 
-from connector_helpers import wait_for
+from tests.connectors.connector_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(timezone.utc)

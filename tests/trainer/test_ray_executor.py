@@ -16,25 +16,16 @@ from trainer.errors import PlacementTimeoutError
 from trainer.executor import TrainJob
 from trainer.ray_executor import RayExecutor, release_kept_actors
 from trainer.candidates import run_round
+from tests.trainer.ray_helpers import leftovers, until_clean
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 pytestmark = pytest.mark.integration
 
 
-def leftovers() -> tuple[list[str], list[str]]:
-    """Live actors and placement groups of the cluster (from its GCS tables)."""
-    import ray
-    from ray._private import state  # the GCS tables; the state API needs the dashboard, which the fixture leaves out
-
-    actors = [a["ActorClassName"] for a in state.actors().values() if a["State"] != "DEAD"]
-    groups = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-    return actors, groups
-
-
 def test_four_candidates_over_two_actors_match_the_local_executor(ray_cluster, peaked_model: Path, tmp_path: Path) -> None:
     prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
-    reward = [RewardTerm(fn="ray_rewards:no_newline")]
+    reward = [RewardTerm(fn="tests.trainer.ray_helpers:no_newline")]
     cands = [CandidateConfig(name=f"c{i}", learning_rate=lr, kl_coef=0.0, reward=reward, start="fresh") for i, lr in enumerate([2e-2, 1e-2, 5e-3, 1e-3])]
     rl = RLConfig(
         steps_per_round=2, prompts_per_step=2, group_size=4, max_new_tokens=4, rollout_engine="hf", eval_prompts=4,
@@ -65,7 +56,7 @@ def test_four_candidates_over_two_actors_match_the_local_executor(ray_cluster, p
         b = safetensors.torch.load_file(str(theirs.adapter_dir / "adapter_model.safetensors"))
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), mine.name
     assert not (tmp_path / "ray" / "r1" / "exchange" / "r1").exists()  # the exchange folder is cleaned up
-    assert leftovers() == ([], [])
+    assert until_clean() == ([], [])
     print(f"local round {local_s:.1f}s, ray round {on_ray.metrics['round/wall_s']:.1f}s")
 
 
@@ -77,7 +68,7 @@ def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluste
     with pytest.raises(PlacementTimeoutError, match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s"):
         RayExecutor().train(job, None, None, None)
     assert time.monotonic() - started < 15
-    assert leftovers() == ([], [])
+    assert until_clean() == ([], [])
 
 
 def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model: Path, tmp_path: Path) -> None:
@@ -96,7 +87,4 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     assert second.metrics["executor/actors_reused"] == 1.0 and second.metrics["executor/placement_wait_s"] == 0.0
     assert [c.name for c in second.candidates] == ["a", "b"]
     release_kept_actors()
-    deadline = time.monotonic() + 20
-    while leftovers() != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert leftovers() == ([], [])
+    assert until_clean() == ([], [])

@@ -1,0 +1,400 @@
+"""Attacks on the real gateway app (uvicorn on a real socket) in front of a recording fake upstream.
+
+Each test is one attack from the security review: what the attacker sends, what
+they get back, and what reached the model server and the trace stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from connectors.gateway.auth import FeedbackSigner, FeedbackTokenError, KeyStore
+from connectors.config import GatewayConfig, KafkaConfig
+from connectors.gateway.app import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
+from tests.connectors.gateway.gateway_fakes import FakeSink, FakeUpstream, serve, wait_for
+from pipeline.stack import free_port
+
+MESSAGES = [{"role": "user", "content": "What is 20+22?"}]
+UPSTREAM_KEY = "upstream-secret-key"
+
+
+class Keys:
+    def __init__(self, store: KeyStore) -> None:
+        self.store = store
+        self.grader = store.create("grader", trusted_grader=True)[1]
+        self.client = store.create("client")[1]
+        self.other = store.create("other client")[1]
+        self.slow = store.create("rate-limited", rate_per_min=2)[1]
+        self.single = store.create("one-at-a-time", concurrency=1)[1]
+        record, self.revoked = store.create("revoked")
+        store.revoke(record.key_id)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    return Keys(KeyStore(tmp_path_factory.mktemp("keys") / "gateway-keys.json"))
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[FakeUpstream]:
+    fake = FakeUpstream()
+    with serve(fake.app) as url:
+        fake.url = url  # type: ignore[attr-defined]
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def sink() -> FakeSink:
+    return FakeSink()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream: FakeUpstream, sink: FakeSink, keys: Keys) -> Iterator[str]:
+    kafka = KafkaConfig(bootstrap_servers=["127.0.0.1:9"])  # never used: the sink is injected
+    app = create_gateway_app(
+        kafka, upstream.url, lambda name: {"hourglass": ("base", None)}[name], sink=sink,  # type: ignore[attr-defined]
+        keys=keys.store, upstream_api_key=UPSTREAM_KEY, gateway=GatewayConfig(disconnect_poll_s=0.05),
+    )  # fmt: skip
+    with serve(app) as url:
+        yield url
+
+
+def post(url: str, path: str, key: str | None, body: Any = None, *, content: bytes | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 30) -> httpx.Response:  # fmt: skip
+    h = {"authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    if content is not None:
+        h.setdefault("content-type", "application/json")
+        return httpx.post(f"{url}{path}", content=content, headers=h, timeout=timeout)
+    return httpx.post(f"{url}{path}", json=body, headers=h, timeout=timeout)
+
+
+def chat(url: str, key: str, **extra: Any) -> httpx.Response:
+    return post(url, "/v1/chat/completions", key, {"model": "hourglass", "messages": MESSAGES, "max_tokens": 4, **extra})
+
+
+def error(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body  # OpenAI error shape
+    return body["error"]
+
+
+# --- who may call --------------------------------------------------------------------------------
+
+
+def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(gateway: str, keys: Keys, upstream: FakeUpstream) -> None:
+    seen = len(upstream.requests)
+    missing = chat(gateway, "")
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert "API key is required" in error(missing)["message"]
+    unknown = chat(gateway, keys.client[:-4] + "AAAA")
+    assert unknown.status_code == 403 and error(unknown)["code"] == "invalid_api_key"
+    revoked = chat(gateway, keys.revoked)
+    assert revoked.status_code == 403 and "revoked" in error(revoked)["message"]
+    assert httpx.get(f"{gateway}/v1/models").status_code == 401
+    assert len(upstream.requests) == seen, "refused requests must not reach the model server"
+    assert chat(gateway, keys.client).status_code == 200
+
+
+def test_client_authorization_and_raw_user_never_go_upstream(gateway: str, keys: Keys, upstream: FakeUpstream, sink: FakeSink) -> None:
+    answer = chat(gateway, keys.client, user="alice@example.com")
+    assert answer.status_code == 200
+    sent = upstream.requests[-1]
+    assert sent["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # the gateway's own vLLM key
+    assert keys.client not in json.dumps(sent) and "alice@example.com" not in json.dumps(sent)
+    assert "user" not in sent["body"] and sent["body"]["model"] == "base"
+    trace = sink.trace(answer.headers[TRACE_HEADER])
+    assert trace.metadata["user_hash"].startswith("hmac-sha256:") and "alice" not in trace.model_dump_json()
+
+
+def test_forged_reference_answer_from_an_untrusted_key_is_not_a_label(gateway: str, keys: Keys, sink: FakeSink) -> None:
+    forged = {"reference_answer": "41", "user_hash": "someone-else", "task": "x"}
+    untrusted = chat(gateway, keys.client, metadata=forged)
+    trace = sink.trace(untrusted.headers[TRACE_HEADER])
+    assert "reference_answer" not in trace.metadata, "an untrusted key's metadata is never a label"
+    assert trace.metadata["client"] == {"reference_answer": "41", "task": "x"}  # stored, not used
+    assert trace.metadata["user_hash"] != "someone-else"
+
+    graded = chat(gateway, keys.grader, metadata={"reference_answer": "42", "task": "x"})
+    graded_trace = sink.trace(graded.headers[TRACE_HEADER])
+    assert graded_trace.metadata["reference_answer"] == "42" and graded_trace.metadata["client"] == {"task": "x"}
+
+    # What a round makes of both rows: exact_answer trains and evaluates on the grader's row only.
+    from trainer.config import RewardTerm
+    from trainer.rewards import build_reward
+    from trainer.samples import Prompt
+    from trainer.tasks import prompts_from_table, snapshot_table
+
+    rows = [Prompt(prompt_id=t.trace_id, messages=MESSAGES, metadata=t.metadata) for t in (trace, graded_trace)]
+    mix = build_reward([RewardTerm(fn="exact_answer")])
+    usable = [p.prompt_id for p in prompts_from_table(snapshot_table(rows)) if mix.accepts(p.metadata)]
+    assert usable == [graded_trace.trace_id]
+
+
+def test_the_same_user_of_two_keys_is_two_identities(gateway: str, keys: Keys, sink: FakeSink) -> None:
+    a = sink.trace(chat(gateway, keys.client, user="u1").headers[TRACE_HEADER]).metadata["user_hash"]
+    b = sink.trace(chat(gateway, keys.other, user="u1").headers[TRACE_HEADER]).metadata["user_hash"]
+    c = sink.trace(chat(gateway, keys.client, user="u2").headers[TRACE_HEADER]).metadata["user_hash"]
+    assert len({a, b, c}) == 3
+
+
+# --- what may be sent -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"chat_template": "{{ 7*7 }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"n": 100_000}, "gateway.max_n"),
+        ({"max_tokens": 1_000_000_000}, "gateway.max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/"}}]}]}, "text part"),
+        ({"messages": [{"role": "user", "content": "x"}] * 300}, "gateway.max_messages"),
+        ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "gateway.max_prompt_chars"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * 9000]}}}}, "gateway.max_schema_bytes"),
+    ],
+)
+def test_disallowed_fields_and_over_cap_values_are_400_and_never_reach_upstream(
+    gateway: str, keys: Keys, upstream: FakeUpstream, extra: dict[str, Any], named: str
+) -> None:
+    seen = len(upstream.requests)
+    answer = chat(gateway, keys.client, **extra)
+    assert answer.status_code == 400, answer.text
+    assert named in error(answer)["message"]
+    assert len(upstream.requests) == seen
+
+
+def test_text_plain_is_415_oversize_is_413_deep_nesting_and_surrogates_are_400(gateway: str, keys: Keys, upstream: FakeUpstream) -> None:
+    seen = len(upstream.requests)
+    body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()
+    plain = post(gateway, "/v1/chat/completions", keys.client, content=body, headers={"content-type": "text/plain"})
+    assert plain.status_code == 415 and error(plain)["code"] == "unsupported_media_type"
+    huge = post(gateway, "/v1/chat/completions", keys.client, content=b'{"x": "' + b"a" * (2 << 20) + b'"}')
+    assert huge.status_code == 413
+    deep = post(gateway, "/v1/chat/completions", keys.client, content=b"[" * 200_000)
+    assert deep.status_code == 400 and "deeper" in error(deep)["message"]
+    deep_meta = {"model": "hourglass", "messages": MESSAGES, "metadata": {"a": json.loads("[" * 40 + "]" * 40)}}
+    assert chat(gateway, keys.client, **{k: v for k, v in deep_meta.items() if k == "metadata"}).status_code == 400
+    surrogate_model = post(gateway, "/v1/chat/completions", keys.client, content=b'{"model": "\\ud800", "messages": []}')
+    assert surrogate_model.status_code == 400 and "Unicode" in error(surrogate_model)["message"]
+    assert len(upstream.requests) == seen
+
+
+def test_rate_and_concurrency_limits_give_429_with_retry_after(gateway: str, keys: Keys) -> None:
+    codes = [chat(gateway, keys.slow).status_code for _ in range(3)]
+    assert codes[:2] == [200, 200] and codes[2] == 429
+    limited = chat(gateway, keys.slow)
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    assert error(limited)["type"] == "rate_limit_error"
+
+    import threading
+
+    slow = threading.Thread(target=lambda: chat(gateway, keys.single, messages=[{"role": "user", "content": "slow"}], stream=True), daemon=True)
+    slow.start()
+    time.sleep(1.0)
+    busy = chat(gateway, keys.single)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    assert error(busy)["code"] == "too_many_concurrent_requests"
+
+
+# --- client hang-ups -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_aborts_its_upstream_generation(gateway: str, keys: Keys, upstream: FakeUpstream, stream: bool) -> None:
+    before = len(upstream.events)
+    body = {"model": "hourglass", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 4, "stream": stream}
+    with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as http:
+        try:
+            with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {keys.other}"}) as r:
+                assert r.status_code == 200
+                next(r.iter_raw())  # the first streamed bytes, then the client hangs up
+        except httpx.ReadTimeout:  # not streamed: no answer within 1 s, the client gives up
+            assert not stream
+    started = time.monotonic()
+    wait_for(lambda: len(upstream.events) > before, 15, "the upstream to see the hang-up")
+    assert upstream.events[before] == ("cancelled" if stream else "disconnected")
+    assert time.monotonic() - started < upstream.slow_s / 2, "aborted, not run to the end"
+
+
+def test_error_bodies_do_not_name_internal_addresses(keys: Keys) -> None:
+    port = free_port()
+    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), f"http://10.1.2.3:{port}", lambda n: ("base", None),
+                             sink=FakeSink(), keys=keys.store, timeout_s=2)  # fmt: skip
+    with serve(app) as url:
+        answer = chat(url, keys.client)
+    assert answer.status_code == 502 and error(answer)["code"] == "upstream_unreachable"
+    assert "10.1.2.3" not in answer.text and str(port) not in answer.text
+
+
+# --- feedback ---------------------------------------------------------------------------------------
+
+
+def _served(gateway: str, key: str, **extra: Any) -> tuple[str, str]:
+    answer = chat(gateway, key, **extra)
+    assert answer.status_code == 200
+    return answer.headers[TRACE_HEADER], answer.headers[FEEDBACK_HEADER]
+
+
+def test_feedback_needs_the_token_of_that_trace_and_that_key(gateway: str, keys: Keys, sink: FakeSink) -> None:
+    trace_id, token = _served(gateway, keys.client)
+    other_trace, other_token = _served(gateway, keys.client)
+    stored = len(sink.feedback)
+    cases = [
+        (keys.client, {"trace_id": trace_id, "thumbs": "up"}, 400, "feedback token"),
+        (keys.client, {"trace_id": trace_id, "thumbs": "up", "feedback_token": token[:-3] + "AAA"}, 403, "signature"),
+        (keys.client, {"trace_id": trace_id, "thumbs": "up", "feedback_token": other_token}, 403, "another trace"),
+        (keys.other, {"trace_id": trace_id, "thumbs": "up", "feedback_token": token}, 403, "another API key"),
+        (keys.client, {"trace_id": "never-issued", "thumbs": "up", "feedback_token": token}, 403, "another trace"),
+        (None, {"trace_id": trace_id, "thumbs": "up", "feedback_token": token}, 401, "API key"),
+        (keys.client, {"trace_id": trace_id, "reward": 10, "feedback_token": token}, 403, "trusted-grader"),
+    ]
+    for key, body, status, says in cases:
+        answer = post(gateway, "/v1/feedback", key, body)
+        assert answer.status_code == status and says in error(answer)["message"], (body, answer.text)
+    assert len(sink.feedback) == stored, "refused feedback is never published"
+    surrogate = post(gateway, "/v1/feedback", keys.client, content=b'{"trace_id": "t", "thumbs": "up", "metadata": {"note": "\\ud800"}}')
+    assert surrogate.status_code == 400 and "Unicode" in error(surrogate)["message"]
+
+    header_token = post(gateway, "/v1/feedback", keys.client, {"trace_id": other_trace, "thumbs": "down"}, headers={FEEDBACK_HEADER: other_token})
+    assert header_token.status_code == 200
+
+
+def test_repeated_votes_carry_one_voter_identity_and_rewards_are_graders_only_and_clipped(gateway: str, keys: Keys, sink: FakeSink) -> None:
+    trace_id, token = _served(gateway, keys.client, user="carol")
+    voter = sink.trace(trace_id).metadata["user_hash"]
+    for thumbs in ("up", "down", "up"):
+        body = {"trace_id": trace_id, "thumbs": thumbs, "feedback_token": token, "metadata": {"user_hash": f"sock-{thumbs}"}}
+        assert post(gateway, "/v1/feedback", keys.client, body).status_code == 200
+    votes = [f for f in sink.feedback if f.trace_id == trace_id]
+    assert len(votes) == 3 and {v.metadata["user_hash"] for v in votes} == {voter}, "one voter: the buffer keeps one vote"
+
+    graded_id, graded_token = _served(gateway, keys.grader)
+    answer = post(gateway, "/v1/feedback", keys.grader, {"trace_id": graded_id, "reward": 10, "feedback_token": graded_token})
+    assert answer.status_code == 200
+    assert [f.reward for f in sink.feedback if f.trace_id == graded_id] == [1.0], "explicit rewards are clipped to [-1, 1]"
+    metrics = httpx.get(f"{gateway}/metrics").text
+    grader_id = keys.grader.split("-")[1]
+    assert f'hourglass_gateway_feedback_total{{key_id="{grader_id}"}}' in metrics
+    assert 'hourglass_feedback_reward_bucket{le="1.0"}' in metrics
+
+
+def test_feedback_tokens_expire_and_do_not_survive_a_key_rotation() -> None:
+    signer = FeedbackSigner(b"k" * 32, ttl_s=60)
+    token = signer.issue("t1", "key1", "user", now=1000.0)
+    assert signer.verify(token, "t1", "key1", now=1059.0).user_hash == "user"
+    with pytest.raises(FeedbackTokenError, match="expired"):
+        signer.verify(token, "t1", "key1", now=1061.0)
+    with pytest.raises(FeedbackTokenError, match="signature"):
+        FeedbackSigner(b"n" * 32, ttl_s=60).verify(token, "t1", "key1", now=1001.0)
+
+
+# --- the key store -------------------------------------------------------------------------------------
+
+
+def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp_path: Path) -> None:
+    from pipeline.cli.main import app
+
+    conf = tmp_path / "h.toml"
+    conf.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    runner = CliRunner()
+    created = runner.invoke(app, ["keys", "create", "acme", "--rate-per-min", "30", "--json", "-c", str(conf)])
+    assert created.exit_code == 0, created.output
+    record = json.loads(created.stdout)
+    key, key_id = record["key"], record["key_id"]
+    file = tmp_path / "state" / "gateway-keys.json"
+    assert stat.S_IMODE(os.stat(file).st_mode) == 0o600
+    assert key not in file.read_text() and key_id in file.read_text()
+    assert KeyStore(file).authenticate(key).rate_per_min == 30
+    listed = runner.invoke(app, ["keys", "list", "--json", "-c", str(conf)])
+    assert key not in listed.stdout and "sha256" not in listed.stdout and json.loads(listed.stdout)[0]["name"] == "acme"
+    assert runner.invoke(app, ["keys", "revoke", key_id, "-c", str(conf)]).exit_code == 0
+    assert json.loads(runner.invoke(app, ["keys", "list", "--json", "-c", str(conf)]).stdout)[0]["revoked"] is True
+    assert runner.invoke(app, ["keys", "revoke", "000000000000", "-c", str(conf)]).exit_code == 1
+
+
+# --- the configured gateway (hourglass gateway) --------------------------------------------------------
+
+
+def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_key(
+    tmp_path: Path, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.cli.gateway import build_gateway, feedback_signer, key_store
+    from pipeline.config import load_config
+
+    conf = tmp_path / "h.toml"
+    conf.write_text(f'state_dir = "{tmp_path / "state"}"\n[serving]\nreplicas = ["{upstream.url}"]\n'  # type: ignore[attr-defined]
+                    '[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')  # fmt: skip
+    monkeypatch.setenv("HOURGLASS_SERVING__API_KEY", UPSTREAM_KEY)
+    cfg = load_config(conf)
+    _, key = key_store(cfg).create("cli-made")
+    with serve(build_gateway(cfg)) as url:
+        assert chat(url, "").status_code == 401
+        answer = chat(url, key)
+        assert answer.status_code == 200 and upstream.requests[-1]["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    signing = tmp_path / "state" / "gateway-feedback.key"
+    assert stat.S_IMODE(os.stat(signing).st_mode) == 0o600
+    trace_id, token = answer.headers[TRACE_HEADER], answer.headers[FEEDBACK_HEADER]
+    key_id = key.split("-")[1]
+    assert feedback_signer(cfg).verify(token, trace_id, key_id), "a restarted gateway still verifies its tokens"
+    monkeypatch.setenv("HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY", "r" * 40)  # rotation: old tokens stop verifying
+    with pytest.raises(FeedbackTokenError, match="signature"):
+        feedback_signer(load_config(conf)).verify(token, trace_id, key_id)
+
+
+def test_a_damaged_key_file_refuses_everyone_with_503(tmp_path: Path, upstream: FakeUpstream) -> None:
+    store = KeyStore(tmp_path / "gateway-keys.json")
+    _, key = store.create("client")
+    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), upstream.url, lambda n: ("base", None),  # type: ignore[attr-defined]
+                             sink=FakeSink(), keys=store)  # fmt: skip
+    with serve(app) as url:
+        assert chat(url, key).status_code == 200
+        (tmp_path / "gateway-keys.json").write_text("{not json")
+        answer = chat(url, key)
+    assert answer.status_code == 503 and error(answer)["type"] == "service_unavailable"
+
+
+def test_a_short_signing_key_is_refused_without_being_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    monkeypatch.setenv("HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY", "short-secret-value")
+    with pytest.raises(ConfigError) as err:
+        load_config(None)
+    problems = " ".join(err.value.problems)
+    assert "gateway.feedback_signing_key" in problems and "32 characters" in problems and "short-secret-value" not in problems
+
+
+def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -> None:
+    """Found by a red-team pass: NaN/Infinity literals in a forwarded field, a feedback token whose signature
+    part is not ASCII, and a boolean rating each gave a 500 or were stored; each is a 400/403 now."""
+    from connectors.gateway.auth import FeedbackSigner, FeedbackTokenError
+    from connectors.gateway.app import FeedbackIn
+    from connectors.config import GatewayConfig
+    from connectors.gateway.request import RequestRefused, check_request, parse_json
+
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        body = parse_json(b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":' + literal + b"}", max_depth=32)
+        with pytest.raises(RequestRefused) as refused:
+            check_request("chat", body, GatewayConfig())
+        assert refused.value.status == 400 and refused.value.param == "temperature" and "finite" in refused.value.message
+    signer = FeedbackSigner(b"k" * 32, ttl_s=600)
+    token = signer.issue("trace-1", "key-1", "user-1")
+    with pytest.raises(FeedbackTokenError):
+        signer.verify(token.partition(".")[0] + ".é", trace_id="trace-1", key_id="key-1")
+    for rating in (True, 3.0):
+        with pytest.raises(ValueError):
+            FeedbackIn(trace_id="t", rating=rating)

@@ -1,0 +1,471 @@
+"""The gateway's request and trace handling in process: the real app, an in-memory model server
+(``httpx.MockTransport``), a recording sink, no socket, no broker, no vLLM.
+
+What a client sees (status, OpenAI error body, headers, stripped extras) and what the trace and
+feedback events carry (public model, adapter version, canary side, hashed user). The same paths run
+against a real vLLM and a real broker in ``test_gateway.py``, ``test_gateway_vllm.py`` and
+``test_canary_gateway.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from connectors.gateway.auth import KeyStore
+from connectors.config import GatewayConfig, KafkaConfig
+from connectors.errors import ConnectorConfigError
+from connectors.gateway.app import FEEDBACK_HEADER, TRACE_HEADER, create_gateway_app
+from connectors.gateway.events import TRACE_ERRORS
+from connectors.schema import FeedbackEvent, TraceEvent
+from tests.connectors.gateway.gateway_fakes import FakeSink, wait_for
+
+KAFKA = KafkaConfig(bootstrap_servers=["127.0.0.1:9"])  # never dialled: a sink is injected
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+UPSTREAM_KEY = "vllm-secret-key"
+ROUTES = {"hourglass": ("hourglass-v3", "3"), "plain": ("base", None)}
+
+
+class Upstream:
+    """A vLLM-shaped model server behind ``httpx.MockTransport``: records each request; ``reply`` may be
+    replaced to script an answer (an ``httpx.Response``, or an exception to raise)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.reply: Callable[[dict[str, Any]], httpx.Response] = self.answer
+        self.transport = httpx.MockTransport(self._handle)
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        return self.reply(body)
+
+    @staticmethod
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        if body.get("stream"):
+            chunks = [
+                {"id": "c", "object": "chat.completion.chunk", "model": body["model"],
+                 "choices": [{"index": 0, "delta": {"content": word}, "token_ids": [tid],
+                              "logprobs": {"content": [{"token": word, "logprob": -0.25}]}, "finish_reason": None}]}
+                for word, tid in (("fo", 11), ("ur", 12))
+            ]  # fmt: skip
+            chunks[-1]["choices"][0]["finish_reason"] = "stop"
+            sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+        if "prompt" in body:
+            choice = {"index": 0, "text": " 2", "token_ids": [7], "finish_reason": "length",
+                      "logprobs": {"tokens": [" 2"], "token_logprobs": [-0.5]}}  # fmt: skip
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": "4"}, "token_ids": [19], "finish_reason": "stop",
+                      "logprobs": {"content": [{"token": "4", "logprob": -0.1}]}}  # fmt: skip
+        return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice],
+                                         "prompt_token_ids": [1, 2], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})  # fmt: skip
+
+
+class Keys:
+    def __init__(self, folder: Path) -> None:
+        self.store = KeyStore(folder / "gateway-keys.json")
+        self.client = self.store.create("app")[1]
+        self.grader = self.store.create("grader", trusted_grader=True)[1]
+        record, self.revoked = self.store.create("old")
+        self.store.revoke(record.key_id)
+
+
+class CanaryResolver:
+    """A canary-aware resolver: routing keys in ``challenger_keys`` go to the challenger."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.challenger_keys: set[str] = set()
+
+    def __call__(self, public: str) -> tuple[str, str | None]:
+        return ROUTES[public]
+
+    def route(self, public: str, routing_key: str) -> tuple[str, str | None, bool]:
+        self.keys.append(routing_key)
+        if routing_key in self.challenger_keys:
+            return "hourglass-v4", "4", True
+        return (*ROUTES[public], False)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    return Keys(tmp_path_factory.mktemp("keys"))
+
+
+class Gateway:
+    def __init__(self, http: TestClient, upstream: Upstream, sink: FakeSink, keys: Keys) -> None:
+        self.http, self.upstream, self.sink, self.keys = http, upstream, sink, keys
+
+    def post(self, path: str, body: Any, key: str | None, **headers: str) -> httpx.Response:
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        return self.http.post(path, json=body, headers=headers)
+
+    def chat(self, key: str | None = None, **extra: Any) -> httpx.Response:
+        body = {"model": "hourglass", "messages": MESSAGES, "max_tokens": 4, **extra}
+        return self.post("/v1/chat/completions", body, self.keys.client if key is None else key)
+
+    def trace(self, response: httpx.Response) -> TraceEvent:
+        return self.sink.trace(response.headers[TRACE_HEADER])
+
+
+def make_gateway(keys: Keys, sink: Any, resolve: Any = None, **kwargs: Any) -> tuple[TestClient, Upstream]:
+    upstream = Upstream()
+    app = create_gateway_app(
+        KAFKA, "http://vllm.internal:8000", resolve or (lambda name: ROUTES[name]), sink=sink, keys=keys.store,
+        list_models=lambda: sorted(ROUTES), upstream_api_key=UPSTREAM_KEY, upstream_transport=upstream.transport, **kwargs,
+    )  # fmt: skip
+    return TestClient(app), upstream
+
+
+@pytest.fixture
+def gw(keys: Keys) -> Iterator[Gateway]:
+    sink = FakeSink()
+    http, upstream = make_gateway(keys, sink)
+    with http:
+        yield Gateway(http, upstream, sink, keys)
+
+
+def error(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# --- who may call ---------------------------------------------------------------------------------
+
+
+def test_api_keys_are_checked_before_anything_reaches_the_model_server(gw: Gateway) -> None:
+    missing = gw.chat(key="")
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert error(missing)["code"] == "missing_api_key" and error(missing)["type"] == "authentication_error"
+    unknown = gw.chat(key=gw.keys.client[:-4] + "AAAA")
+    assert unknown.status_code == 403 and error(unknown)["code"] == "invalid_api_key"
+    revoked = gw.chat(key=gw.keys.revoked)
+    assert revoked.status_code == 403 and "revoked" in error(revoked)["message"]
+    assert gw.http.get("/v1/models").status_code == 401
+    assert gw.upstream.requests == []
+
+    models = gw.http.get("/v1/models", headers={"authorization": f"Bearer {gw.keys.client}"})
+    assert [m["id"] for m in models.json()["data"]] == ["hourglass", "plain"]
+    assert gw.chat().status_code == 200
+
+
+def test_a_gateway_that_requires_keys_needs_a_key_store() -> None:
+    with pytest.raises(ConnectorConfigError, match="no API key store"):
+        create_gateway_app(KAFKA, "http://vllm.internal:8000", lambda name: ROUTES[name], sink=FakeSink())
+
+
+def test_an_open_gateway_serves_callers_without_a_key_as_anonymous() -> None:
+    sink, upstream = FakeSink(), Upstream()
+    app = create_gateway_app(KAFKA, "http://vllm.internal:8000", lambda name: ROUTES[name], sink=sink,
+                             gateway=GatewayConfig(require_api_key=False), upstream_transport=upstream.transport)  # fmt: skip
+    with TestClient(app) as http:
+        answer = http.post("/v1/chat/completions", json={"model": "hourglass", "messages": MESSAGES})
+    assert answer.status_code == 200
+    assert sink.trace(answer.headers[TRACE_HEADER]).metadata["user_hash"].startswith("hmac-sha256:")
+
+
+# --- what goes upstream, what comes back, what is traced ---------------------------------------------
+
+
+def test_a_chat_is_rewritten_for_vllm_and_its_trace_carries_the_adapter_version(gw: Gateway) -> None:
+    answer = gw.chat(user="alice@example.com", metadata={"user_id": "u-42", "reference_answer": "5"})
+
+    assert answer.status_code == 200
+    sent = gw.upstream.requests[0]
+    assert sent["path"] == "/v1/chat/completions"
+    assert sent["body"]["model"] == "hourglass-v3"  # the served name, never the public one
+    assert sent["body"]["logprobs"] is True and sent["body"]["return_token_ids"] is True
+    assert "user" not in sent["body"] and "metadata" not in sent["body"]
+    assert sent["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # the gateway's key, not the client's
+
+    body = answer.json()
+    assert body["choices"][0]["message"]["content"] == "4"
+    assert body["choices"][0]["logprobs"] is None and "token_ids" not in body["choices"][0]
+    assert "prompt_token_ids" not in body
+    assert answer.headers[TRACE_HEADER] and answer.headers[FEEDBACK_HEADER]
+
+    trace = gw.trace(answer)
+    assert (trace.model, trace.adapter_version, trace.completion) == ("hourglass", "3", "4")
+    assert trace.model_dump(mode="json")["prompt"] == MESSAGES
+    assert trace.completion_token_ids == [19] and trace.completion_logprobs == [-0.1]
+    meta = trace.metadata
+    assert meta["served_name"] == "hourglass-v3" and meta["stream"] is False and meta["finish_reason"] == "stop"
+    assert meta["endpoint"] == "chat" and meta["usage"] == {"prompt_tokens": 3, "completion_tokens": 1}
+    assert meta["user_hash"].startswith("hmac-sha256:")
+    assert meta["client"]["user_id"].startswith("hmac-sha256:")
+    assert "reference_answer" not in meta and meta["client"]["reference_answer"] == "5"  # an untrusted key labels nothing
+    assert "canary" not in meta
+    assert "alice@example.com" not in trace.model_dump_json() and "u-42" not in trace.model_dump_json()
+
+
+def test_a_trusted_graders_reference_answer_is_a_label(gw: Gateway) -> None:
+    answer = gw.chat(key=gw.keys.grader, metadata={"reference_answer": "4"})
+
+    assert gw.trace(answer).metadata["reference_answer"] == "4"
+
+
+def test_the_user_hash_is_per_key_and_per_user(gw: Gateway) -> None:
+    hashes = [gw.trace(r).metadata["user_hash"] for r in (
+        gw.chat(user="alice"), gw.chat(user="alice"), gw.chat(user="bob"), gw.chat(key=gw.keys.grader, user="alice"), gw.chat(),
+    )]  # fmt: skip
+
+    assert hashes[0] == hashes[1]
+    assert len({hashes[0], hashes[2], hashes[3], hashes[4]}) == 4
+
+
+def test_a_text_completion_of_the_base_has_no_adapter_version(gw: Gateway) -> None:
+    answer = gw.post("/v1/completions", {"model": "plain", "prompt": "1+1=", "max_tokens": 1, "logprobs": 1}, gw.keys.client)
+
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["logprobs"] == {"tokens": [" 2"], "token_logprobs": [-0.5]}  # asked for: kept
+    assert gw.upstream.requests[0]["body"]["model"] == "base"
+    trace = gw.trace(answer)
+    assert trace.adapter_version is None and trace.prompt == "1+1=" and trace.completion == " 2"
+    assert trace.completion_logprobs == [-0.5] and trace.metadata["endpoint"] == "completions"
+
+
+def test_a_stream_passes_chunks_through_stripped_and_publishes_one_full_trace(gw: Gateway) -> None:
+    answer = gw.chat(stream=True)
+
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    data = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "four"
+    assert all(c["choices"][0]["logprobs"] is None and "token_ids" not in c["choices"][0] for c in chunks)
+    trace = gw.trace(answer)
+    assert trace.completion == "four" and trace.completion_token_ids == [11, 12] and trace.completion_logprobs == [-0.25, -0.25]
+    assert trace.metadata["stream"] is True and trace.metadata["finish_reason"] == "stop"
+    assert len([t for t in gw.sink.traces if t.trace_id == trace.trace_id]) == 1
+
+
+def test_a_stream_that_ends_in_an_error_chunk_is_relayed_but_not_traced(gw: Gateway) -> None:
+    sse = 'data: {"error": {"message": "engine died", "code": 500}}\n\ndata: [DONE]\n\n'
+    gw.upstream.reply = lambda body: httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+    answer = gw.chat(stream=True)
+    gw.upstream.reply = gw.upstream.answer
+    gw.trace(gw.chat())  # a trace published after this one proves the publisher ran past the stream
+
+    assert answer.status_code == 200 and "engine died" in answer.text
+    assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+
+
+def test_batches_are_served_but_not_traced(gw: Gateway) -> None:
+    answer = gw.post("/v1/completions", {"model": "plain", "prompt": ["a", "b"], "max_tokens": 1}, gw.keys.client)
+    later = gw.chat()
+
+    assert answer.status_code == 200
+    gw.trace(later)
+    assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+
+
+# --- the canary split ---------------------------------------------------------------------------------
+
+
+def test_the_canary_side_is_in_the_trace_and_sticky_per_user(keys: Keys) -> None:
+    sink, resolver = FakeSink(), CanaryResolver()
+    http, upstream = make_gateway(keys, sink, resolver)
+    gw = Gateway(http, upstream, sink, keys)
+    with http:
+        champion_side = gw.trace(gw.chat(user="carol"))
+        carol_key = resolver.keys[-1]
+        assert carol_key == champion_side.metadata["user_hash"]  # the routing key is the hashed user
+        resolver.challenger_keys.add(carol_key)
+        first, second = gw.trace(gw.chat(user="carol")), gw.trace(gw.chat(user="carol"))
+        anonymous = gw.chat()  # no user: the trace id is the routing key
+        anon_trace = gw.trace(anonymous)
+
+    assert champion_side.metadata["canary"] is False and champion_side.adapter_version == "3"
+    assert first.metadata["canary"] is True and second.metadata["canary"] is True
+    assert first.adapter_version == "4" and first.metadata["served_name"] == "hourglass-v4"
+    assert [r["body"]["model"] for r in upstream.requests[1:3]] == ["hourglass-v4", "hourglass-v4"]
+    assert resolver.keys[-1] == anonymous.headers[TRACE_HEADER] and anon_trace.metadata["canary"] is False
+
+
+def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
+    trace = gw.trace(gw.chat(metadata={"canary": True}))
+
+    assert "canary" not in trace.metadata
+    assert trace.metadata["client"]["canary"] is True  # kept as the client's own key, never the gateway's flag
+
+
+# --- refusals: 4xx with an OpenAI error body ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "says"),
+    [
+        (b"model=hourglass", {"content-type": "text/plain"}, 415, "application/json"),
+        (b"[1, 2]", {}, 400, "must be a JSON object"),
+        (b"{not json", {}, 400, "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', {}, 400, "field 'model' is required"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}', {}, 400, "'best_of' is not accepted"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', {}, 400, "gateway.max_tokens"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', {}, 400, "finite"),
+        (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404, "`nope` does not exist"),
+    ],
+)
+def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(gw: Gateway, content: bytes, headers: dict, status: int, says: str) -> None:
+    answer = gw.http.post(
+        "/v1/chat/completions", content=content,
+        headers={"content-type": "application/json", **headers, "authorization": f"Bearer {gw.keys.client}"},
+    )  # fmt: skip
+
+    assert answer.status_code == status
+    assert says in error(answer)["message"]
+    assert gw.upstream.requests == []
+
+
+def test_an_unknown_model_is_404_model_not_found(gw: Gateway) -> None:
+    answer = gw.chat(model="nope")
+    assert answer.status_code == 404 and error(answer)["code"] == "model_not_found" and error(answer)["param"] == "model"
+
+
+# --- upstream failures ---------------------------------------------------------------------------------
+
+
+def test_an_upstream_4xx_passes_through_untraced_and_without_a_feedback_token(gw: Gateway) -> None:
+    vllm_error = {"object": "error", "message": "max_tokens is too large: the model's context is 512", "type": "BadRequestError", "code": 400}
+    gw.upstream.reply = lambda body: httpx.Response(400, json=vllm_error)
+
+    answer = gw.chat()
+
+    assert answer.status_code == 400 and answer.json() == vllm_error
+    assert answer.headers[TRACE_HEADER] and FEEDBACK_HEADER not in answer.headers
+    gw.upstream.reply = gw.upstream.answer
+    gw.trace(gw.chat())
+    assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unreachable_upstream_is_502_without_naming_it(gw: Gateway, stream: bool) -> None:
+    def refuse(body: dict[str, Any]) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused: vllm.internal:8000")
+
+    gw.upstream.reply = refuse
+    answer = gw.chat(stream=stream)
+
+    assert answer.status_code == 502
+    assert error(answer)["code"] == "upstream_unreachable" and "unreachable" in error(answer)["message"]
+    assert "vllm.internal" not in answer.text and "8000" not in answer.text
+
+
+def test_an_upstream_answer_that_is_not_json_is_502(gw: Gateway) -> None:
+    gw.upstream.reply = lambda body: httpx.Response(200, content=b"<html>proxy error</html>")
+
+    answer = gw.chat()
+
+    assert answer.status_code == 502 and error(answer)["type"] == "upstream_error"
+    assert "not JSON" in error(answer)["message"]
+
+
+def test_a_sink_that_fails_does_not_fail_the_client_and_is_counted(keys: Keys) -> None:
+    class BrokenSink(FakeSink):
+        def send_trace(self, event: TraceEvent, on_done: Callable[[Exception | None], None]) -> None:
+            raise RuntimeError("broker gone")
+
+    before = TRACE_ERRORS._value.get()
+    http, _ = make_gateway(keys, BrokenSink())
+    with http:
+        answer = Gateway(http, _, FakeSink(), keys).chat()
+        wait_for(lambda: TRACE_ERRORS._value.get() >= before + 1, 10, "the trace error to be counted")
+
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "4"
+
+
+# --- feedback -------------------------------------------------------------------------------------------
+
+
+def test_feedback_with_the_responses_token_is_stored_with_the_voter_of_the_trace(gw: Gateway) -> None:
+    answer = gw.chat(user="dave")
+    trace = gw.trace(answer)
+    vote = {"trace_id": trace.trace_id, "thumbs": "down", "rating": 2, "correction": "It is 4.",
+            "metadata": {"user_hash": "forged", "user_id": "u-9", "surface": "chat"}}  # fmt: skip
+
+    stored = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+
+    assert stored.status_code == 200 and stored.json() == {"trace_id": trace.trace_id, "status": "stored"}
+    event: FeedbackEvent = gw.sink.feedback[-1]
+    assert (event.trace_id, event.thumbs, event.rating, event.correction) == (trace.trace_id, "down", 2, "It is 4.")
+    assert event.metadata["user_hash"] == trace.metadata["user_hash"] != "forged"
+    assert event.metadata["user_id"].startswith("hmac-sha256:") and event.metadata["surface"] == "chat"
+    assert event.ts is not None
+
+
+def test_feedback_token_may_come_in_the_body(gw: Gateway) -> None:
+    answer = gw.chat()
+    vote = {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "up", "feedback_token": answer.headers[FEEDBACK_HEADER]}
+
+    assert gw.post("/v1/feedback", vote, gw.keys.client).status_code == 200
+    assert gw.sink.feedback[-1].thumbs == "up"
+
+
+def test_feedback_needs_the_token_of_that_trace_and_that_key(gw: Gateway) -> None:
+    first, second = gw.chat(), gw.chat()
+    token = first.headers[FEEDBACK_HEADER]
+    vote = {"trace_id": first.headers[TRACE_HEADER], "thumbs": "up"}
+
+    missing = gw.post("/v1/feedback", vote, gw.keys.client)
+    assert missing.status_code == 400 and error(missing)["param"] == "feedback_token"
+    other_trace = gw.post("/v1/feedback", {**vote, "trace_id": second.headers[TRACE_HEADER]}, gw.keys.client, **{FEEDBACK_HEADER: token})
+    assert other_trace.status_code == 403 and error(other_trace)["code"] == "invalid_feedback_token"
+    other_key = gw.post("/v1/feedback", vote, gw.keys.grader, **{FEEDBACK_HEADER: token})
+    assert other_key.status_code == 403 and error(other_key)["code"] == "invalid_feedback_token"
+    forged = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: token[:-3] + "abc"})
+    assert forged.status_code == 403
+    assert gw.sink.feedback == []
+
+
+def test_explicit_rewards_are_for_trusted_graders_only_and_clipped(gw: Gateway) -> None:
+    mine = gw.chat()
+    refused = gw.post("/v1/feedback", {"trace_id": mine.headers[TRACE_HEADER], "reward": 0.9}, gw.keys.client,
+                      **{FEEDBACK_HEADER: mine.headers[FEEDBACK_HEADER]})  # fmt: skip
+    assert refused.status_code == 403 and error(refused)["param"] == "reward"
+
+    graded = gw.chat(key=gw.keys.grader)
+    stored = gw.post("/v1/feedback", {"trace_id": graded.headers[TRACE_HEADER], "reward": 7.5}, gw.keys.grader,
+                     **{FEEDBACK_HEADER: graded.headers[FEEDBACK_HEADER]})  # fmt: skip
+    assert stored.status_code == 200
+    assert [e.reward for e in gw.sink.feedback] == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        ({"trace_id": "t1", "thumbs": "sideways"}, "thumbs"),
+        ({"trace_id": "t1", "rating": 6}, "rating"),
+        ({"trace_id": "t1", "rating": True}, "rating"),
+        ({"thumbs": "up"}, "trace_id"),
+        ({"trace_id": "t1"}, "at least one signal"),
+        ({"trace_id": "t1", "thumbs": "up", "stars": 3}, "stars"),
+    ],
+)
+def test_bad_feedback_is_422_naming_the_field(gw: Gateway, body: dict, complaint: str) -> None:
+    answer = gw.post("/v1/feedback", body, gw.keys.client)
+    assert answer.status_code == 422 and complaint in error(answer)["message"]
+
+
+def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
+    class NoAckSink(FakeSink):
+        def send_feedback(self, event: FeedbackEvent, on_done: Callable[[Exception | None], None]) -> None:
+            on_done(ConnectionError("broker at 10.1.2.3:9092 unreachable"))
+
+    http, upstream = make_gateway(keys, NoAckSink())
+    with http:
+        gw = Gateway(http, upstream, FakeSink(), keys)
+        answer = gw.chat()
+        vote = {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "up"}
+        refused = gw.post("/v1/feedback", vote, keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+
+    assert refused.status_code == 503 and "not stored" in error(refused)["message"]
+    assert "10.1.2.3" not in refused.text

@@ -1,0 +1,173 @@
+"""Typed configuration: every mistake reported at once, env overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli.main import app
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+from tests import REPO
+
+
+THREE_MISTAKES = """
+[kafka]
+bootstrap_servers = ["localhost"]          # no port
+[rl]
+group_size = 0                              # must be >= 1
+[api]
+prot = 18080                                # typo of `port`
+"""
+
+
+def test_example_config_is_valid_and_is_the_embedded_default() -> None:
+    cfg = load_config(REPO / "deploy" / "hourglass.toml")
+    assert cfg.kafka.embedded and cfg.registry.embedded and cfg.serving.embedded
+    assert cfg.registry.tracking_uri.startswith("http://127.0.0.1")
+    assert cfg.api.host == "127.0.0.1"
+    assert [c.name for c in cfg.candidates] == ["grpo-rm", "kto"]
+    assert cfg.rl.gate_metric == "feedback"  # learns from and is gated by user feedback by default
+
+
+def test_three_mistakes_are_all_reported_with_path_and_value(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad)
+    problems = caught.value.problems
+    assert len(problems) == 3
+    assert any(p.startswith("kafka.bootstrap_servers:") and "'localhost'" in p for p in problems)
+    assert any(p.startswith("rl.group_size:") and "got 0" in p for p in problems)
+    assert any(p.startswith("api.prot:") and "unknown field" in p for p in problems)
+
+
+def test_cli_config_check_prints_all_three_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    result = CliRunner().invoke(app, ["config", "check", str(bad)])
+    assert result.exit_code == 2
+    out = result.output
+    for path in ("kafka.bootstrap_servers", "rl.group_size", "api.prot"):
+        assert path in out
+    assert "3 problem(s)" in out
+
+
+def test_cli_config_check_json(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(THREE_MISTAKES)
+    result = CliRunner().invoke(app, ["config", "check", "--json", str(bad)])
+    assert result.exit_code == 2
+    assert '"ok": false' in result.stdout
+
+
+def test_environment_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_API__PORT", "19999")
+    monkeypatch.setenv("HOURGLASS_KAFKA__BOOTSTRAP_SERVERS", '["broker-a:9092", "broker-b:9092"]')
+    cfg = load_config(REPO / "deploy" / "hourglass.toml")
+    assert cfg.api.port == 19999
+    assert cfg.kafka.bootstrap_servers == ["broker-a:9092", "broker-b:9092"]
+
+
+def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_API__PORT", "99999")
+    with pytest.raises(ConfigError) as caught:
+        load_config(None)
+    assert any(p.startswith("api.port:") for p in caught.value.problems)
+
+
+def test_environment_value_that_is_not_json_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_KAFKA__BOOTSTRAP_SERVERS", "broker:9092")  # a list field needs JSON
+    with pytest.raises(ConfigError, match=r"kafka.*JSON"):
+        load_config(None)
+
+
+def test_cross_section_rules(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        '[[candidates]]\nname = "a"\nlora_rank = 64\n[[candidates]]\nname = "a"\n[serving]\nmax_lora_rank = 16\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    text = " ".join(caught.value.problems)
+    assert "unique" in text and "'a'" in text
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[kafka\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('[serving]\nmodel_name = "support-bot"\n[[candidates]]\nname = "a"\n[[candidates]]\nname = "b"\nserved_model = "other"\n')
+    cfg = load_config(conf)
+    assert [c.served_model for c in cfg.candidates] == ["support-bot", "other"]
+
+
+@pytest.mark.parametrize(
+    "env,problem",
+    [
+        ({"HOURGLASS_SCHEDULE__CRON": "61 * * * *"}, "schedule.cron: cron '61 * * * *'"),
+        ({"HOURGLASS_RL__WINDOW": "99999999999d"}, "rl.window: window '99999999999d' must be between"),
+        ({"HOURGLASS_RL__WINDOW": "0s"}, "rl.window: window '0s' must be between"),
+        ({"HOURGLASS_API__TOKEN": "short"}, "api.token: Value error, the API token must be at least 16"),
+        ({"HOURGLASS_API__PORT": "18500", "HOURGLASS_API__GATEWAY_PORT": "18500"}, "api: Value error, api.port and api.gateway_port must differ"),
+        ({"HOURGLASS_KAFKA__TRACES_TOPIC": "hourglass.feedback"}, "kafka: Value error, traces_topic and feedback_topic are both"),
+        ({"HOURGLASS_RL__TEMPERATURE": "inf"}, "rl.temperature: Input should be a finite number"),
+        ({"HOURGLASS_BUFFER__USER_HASH_KEY": "short"}, "buffer.user_hash_key: Value error, user_hash_key must be at least 16"),
+        (
+            {"HOURGLASS_CANDIDATES": '[{"name": "a", "reward": [{"fn": "nosuchfn"}]}]'},
+            "candidates.0.reward.0.fn: Value error, unknown reward 'nosuchfn'",
+        ),
+        ({"HOURGLASS_CANDIDATES": '[{"name": "a", "served_model": "../evil"}]'}, "candidates.0.served_model: String should match pattern"),
+    ],
+    ids=[
+        "cron-value", "window-huge", "window-zero", "token-short", "same-ports", "same-topics", "inf", "hash-key-short",
+        "unknown-reward", "served-model-path",
+    ],  # fmt: skip
+)
+def test_values_that_would_fail_at_run_time_are_caught_by_config_check(monkeypatch: pytest.MonkeyPatch, env: dict, problem: str) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None)
+    assert any(p.startswith(problem.replace("Value error, ", "")) for p in caught.value.problems), caught.value.problems
+
+
+def test_empty_token_means_unset_and_staging_follows_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOURGLASS_API__TOKEN", "")
+    monkeypatch.setenv("HOURGLASS_STATE_DIR", str(tmp_path / "s"))
+    cfg = load_config(None)
+    assert cfg.api.token is None
+    assert cfg.serving.staging_dir == str(tmp_path / "s" / "staging")
+
+
+def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default user_hash_key is in the source: with it, user-id hashes are reversible by hashing guesses.
+    A config with external services passes (deployment left "embedded") but says so; the environment key
+    silences it; with deployment = "production" (deploy/production.toml) it is refused outright."""
+    import json as _json
+
+    external = tmp_path / "external.toml"
+    external.write_text('[kafka]\nembedded = false\nbootstrap_servers = ["kafka-0:9092"]\n')
+    monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY", raising=False)
+    result = CliRunner().invoke(app, ["config", "check", "--json", str(external)])
+    assert result.exit_code == 0, result.output
+    warnings = _json.loads(result.stdout)["warnings"]
+    assert len(warnings) == 1 and "buffer.user_hash_key" in warnings[0] and "HOURGLASS_BUFFER__USER_HASH_KEY" in warnings[0]
+    result = CliRunner().invoke(app, ["config", "check", str(external)])
+    assert result.exit_code == 0 and "warning" in result.output and "user_hash_key" in result.output
+    monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "a-real-secret-of-32-characters!!")
+    assert _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(external)]).stdout)["warnings"] == []
+    monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY")
+    refused = CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "production.toml")])
+    assert refused.exit_code == 2 and "buffer.user_hash_key" in refused.stdout
+    local = _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout)
+    assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine
