@@ -356,7 +356,7 @@ def _await(job: TrainJob, actors: list, shares: list, refs: dict) -> dict[int, s
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-    pending, paths = dict(refs), {}
+    pending, paths, step = dict(refs), {}, 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
         for ref in ready:
@@ -375,10 +375,10 @@ def _await(job: TrainJob, actors: list, shares: list, refs: dict) -> dict[int, s
         if pending and job.checkpoint is not None:
             try:
                 phases = ray.get([actors[i].progress.remote() for i in pending.values()], timeout=POLL_S)
+                step = min([int(p.split(":")[1]) for p in phases if p.startswith("train:")], default=step)
             except (RayError, GetTimeoutError):
-                continue  # a dead actor is reported by its train() reference
-            steps = [int(p.split(":")[1]) for p in phases if p.startswith("train:")]
-            job.checkpoint(f"train:{min(steps) if steps else 0}")
+                pass  # still starting, or dead (its train() reference says so)
+            job.checkpoint(f"train:{step}")  # a cancel takes effect here
     return paths
 
 
