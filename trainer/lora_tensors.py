@@ -180,17 +180,21 @@ def peft_name(name: str) -> str:
 
 
 def set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
+    """Only ``adapter``'s parameters require gradients (none when ``adapter`` is None)."""
     for n, p in model.named_parameters():
         p.requires_grad_(adapter is not None and (f".{adapter}." in n or n.endswith(f".{adapter}")))  # as adapter_params
 
 
 def make_adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """One candidate's AdamW (Loshchilov & Hutter 2019, arXiv:1711.05101) over its LoRA tensors, no weight decay."""
     # foreach=None: PyTorch's choice, multi-tensor kernels on CUDA (one launch per
     # op for all LoRA tensors instead of one per tensor) and per-tensor on CPU.
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def snapshot_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """CPU copies of one candidate's weights and AdamW state: ``weight/<key>``, ``exp_avg/<key>``,
+    ``exp_avg_sq/<key>``, ``step/<key>`` (PEFT-keyed; the state fields only once a step ran)."""
     out = {f"weight/{k}": p.detach().to("cpu", copy=True) for k, p in params.items()}
     for k, p in params.items():
         state = optimizer.state.get(p, {})

@@ -21,18 +21,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.lora_tensors import (
-    SLOT,
-    adapter_params,
-    initial_weights,
-    make_adamw,
-    set_trainable,
-    snapshot_state,
-    write_adapter,
-)
 from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
 from trainer.config import CandidateConfig
 from trainer.errors import AdapterStoreError
+from trainer.lora_tensors import SLOT, adapter_params, initial_weights, make_adamw, set_trainable, snapshot_state, write_adapter
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors (torch.optim.AdamW)
 
