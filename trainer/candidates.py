@@ -39,7 +39,7 @@ from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
-from trainer.executor import Executor, TrainJob, make_executor
+from trainer.executor import Executor, LocalExecutor, Routines, TrainJob
 from trainer.evaluate import (
     EvalResult,
     auc,
@@ -80,6 +80,17 @@ def make_engine(rl: RLConfig, base: ResidentBase, store: object) -> RolloutEngin
     from trainer.rollout_vllm import VLLMEngine
 
     return VLLMEngine(rl.rollout_url)
+
+
+def make_executor(rl: RLConfig) -> Executor:
+    """The executor ``rl.executor`` names (:mod:`trainer.executor`; ``ray`` imports Ray only then),
+    running this module's training functions."""
+    routines = Routines(train_candidates=train_candidates, make_engine=make_engine, unload_leftovers=_unload_leftovers)
+    if rl.executor == "ray":
+        from trainer.ray_executor import RayExecutor
+
+        return RayExecutor(routines)
+    return LocalExecutor(routines)
 
 
 def check_candidates(candidates: Sequence[CandidateConfig]) -> None:

@@ -1,7 +1,7 @@
 """Where a round's candidates train: the seam between the round and its workers.
 
 :func:`trainer.candidates.run_round` hands the training phase to an executor
-(``rl.executor``) and evaluates and gates the result itself, on its own
+(``rl.executor``, :func:`trainer.candidates.make_executor`) and evaluates and gates the result itself, on its own
 resident base, with every candidate together:
 
 - :class:`LocalExecutor` trains every candidate in this process on the round's
@@ -33,7 +33,7 @@ from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RLC
 from trainer.errors import TrainerConfigError
 from trainer.samples import Prompt
 
-__all__ = ["Exchange", "Executor", "LocalExecutor", "TrainJob", "TrainOutcome", "assign", "estimate_cost", "make_executor"]
+__all__ = ["Exchange", "Executor", "LocalExecutor", "Routines", "TrainJob", "TrainOutcome", "assign", "estimate_cost"]
 
 
 @dataclass(frozen=True)
@@ -76,28 +76,36 @@ class Executor(Protocol):
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome: ...
 
 
+@dataclass(frozen=True)
+class Routines:
+    """The round's own training functions (from :mod:`trainer.candidates`), handed to the executors
+    so that this module and the actors never import the round (no import cycle), and so that every
+    executor runs exactly the local code. They pickle by reference (module and name).
+
+    ``train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint,
+    reward_model=)`` -> ``(history, versions, rollout metrics)``; ``make_engine(rl, base, store)``;
+    ``unload_leftovers(engine, names)``.
+    """
+
+    train_candidates: Callable
+    make_engine: Callable
+    unload_leftovers: Callable
+
+
 class LocalExecutor:
     """Every candidate in this process, on the round's resident base (the default, and what each Ray actor runs)."""
 
-    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
-        from trainer.candidates import train_candidates  # candidates imports this module
+    def __init__(self, routines: Routines) -> None:
+        self.routines = routines
 
+    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
         for c in job.candidates:
             store.create(c.name, c, job.starts.get(c.name))  # type: ignore[attr-defined]
-        history, versions, rollout = train_candidates(
+        history, versions, rollout = self.routines.train_candidates(
             base, store, engine, job.candidates, job.train_prompts, job.rl, job.out_dir, job.progress, job.checkpoint,
             reward_model=job.reward_model,
         )  # fmt: skip
         return TrainOutcome(history, versions, rollout)
-
-
-def make_executor(rl: RLConfig) -> Executor:
-    """The executor ``rl.executor`` names (``ray`` imports Ray only then)."""
-    if rl.executor == "ray":
-        from trainer.ray_executor import RayExecutor
-
-        return RayExecutor()
-    return LocalExecutor()
 
 
 def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:

@@ -44,7 +44,7 @@ from dataclasses import replace
 
 from trainer.config import ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import ExecutorError, ExecutorUnavailableError, PlacementTimeoutError, TrainerConfigError, TrainerError
-from trainer.executor import Exchange, LocalExecutor, TrainJob, TrainOutcome, assign, local_scratch
+from trainer.executor import Exchange, LocalExecutor, Routines, TrainJob, TrainOutcome, assign, local_scratch
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,11 @@ class TrainerActor:
     def _mark(self, phase: str) -> None:
         self.phase = phase
 
-    def train(self, job: TrainJob, prompts: tuple, uri: str, remote_starts: list[str], index: int) -> str:
+    def train(self, routines: Routines, job: TrainJob, prompts: tuple, uri: str, remote_starts: list[str], index: int) -> str:
         """Train ``job.candidates`` through :class:`LocalExecutor`; put each final adapter at
         ``adapters/<name>/`` and the results at ``results/actor-<index>.json`` of the exchange.
         Returns the results' path relative to the exchange root."""
         from trainer.adapter_store import make_store
-        from trainer.candidates import _unload_leftovers, make_engine
 
         started = time.perf_counter()
         self.phase = "start"
@@ -165,18 +164,18 @@ class TrainerActor:
         scratch = local_scratch(f"hourglass-{job.round_id}-actor{index}-")
         rl = job.rl
         store = make_store(rl.adapter_store, self.base, rl.seed)
-        engine = make_engine(rl, self.base, store)
+        engine = routines.make_engine(rl, self.base, store)
         names = {c.name for c in job.candidates}
         try:
             starts = {n: exchange.get_dir(scratch / "start" / n, "start", n) for n in remote_starts}
             local_job = replace(job, train_prompts=prompts, starts=starts, out_dir=scratch / "out", checkpoint=self._mark)
-            outcome = LocalExecutor().train(local_job, self.base, store, engine)
+            outcome = LocalExecutor(routines).train(local_job, self.base, store, engine)
             for c in job.candidates:
                 exchange.put_dir(store.save(c.name, scratch / "final" / c.name), "adapters", c.name)
             for version in outcome.versions.values():
                 engine.unload(version)
         finally:
-            _unload_leftovers(engine, names)
+            routines.unload_leftovers(engine, names)
             for name in list(store.names()):
                 store.delete(name)
             store.close()
@@ -191,7 +190,11 @@ class TrainerActor:
 
 
 class RayExecutor:
-    """Trains a round's candidates on trainer actors of a Ray cluster (see the module docstring)."""
+    """Trains a round's candidates on trainer actors of a Ray cluster (see the module docstring);
+    ``routines``: the round's training functions, run by each actor through :class:`LocalExecutor`."""
+
+    def __init__(self, routines: Routines) -> None:
+        self.routines = routines
 
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
         """Raises:
@@ -232,7 +235,7 @@ class RayExecutor:
             refs = {}
             for i, share in enumerate(shares):
                 sub = replace(job, candidates=tuple(share), train_prompts=(), starts={}, checkpoint=None, reward_model=None, progress=False)
-                refs[pool.actors[i].train.remote(sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
+                refs[pool.actors[i].train.remote(self.routines, sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
             paths = _await(job, pool.actors, shares, refs)
             wall = time.perf_counter() - started
             outcome = _collect(job, exchange, paths, shares, store, engine, metrics, wall)

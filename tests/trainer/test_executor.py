@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from trainer.config import CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.executor import Exchange, LocalExecutor, assign, estimate_cost, make_executor
+from trainer.candidates import make_executor
+from trainer.executor import Exchange, LocalExecutor, assign, estimate_cost
 from trainer.ray_executor import actor_count
 
 
@@ -65,6 +66,9 @@ def test_exchange_round_trips_folders_and_text_by_uri(tmp_path: Path) -> None:
 
 def test_executor_settings_are_validated_and_local_is_the_default() -> None:
     assert isinstance(make_executor(RLConfig()), LocalExecutor)
+    from trainer.ray_executor import RayExecutor
+
+    assert isinstance(make_executor(RLConfig(executor="ray")), RayExecutor)
     assert RLConfig().executor == "local" and RLConfig().ray_address == "auto"
     for bad in ({"executor": "spark"}, {"ray_actors": 0}, {"ray_actor_cpus": 0}, {"ray_actor_gpus": 2}, {"ray_connect_timeout_s": 0}):
         with pytest.raises(ValidationError):

@@ -14,8 +14,8 @@ import torch
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
 from trainer.executor import TrainJob
-from trainer.ray_executor import RayExecutor, release_kept_actors
-from trainer.candidates import run_round
+from trainer.ray_executor import release_kept_actors
+from trainer.candidates import make_executor, run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
@@ -66,7 +66,7 @@ def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluste
     job = TrainJob(ModelConfig(name="unused"), cands, (), rl, {}, tmp_path, "r-wait")
     started = time.monotonic()
     with pytest.raises(PlacementTimeoutError, match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s"):
-        RayExecutor().train(job, None, None, None)
+        make_executor(rl).train(job, None, None, None)
     assert time.monotonic() - started < 15
     assert until_clean() == ([], [])
 

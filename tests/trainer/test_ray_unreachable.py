@@ -16,7 +16,7 @@ from pipeline.stack import free_port
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import ExecutorUnavailableError
 from trainer.executor import TrainJob
-from trainer.ray_executor import RayExecutor
+from trainer.candidates import make_executor
 
 
 def _job(tmp_path: Path, address: str) -> TrainJob:
@@ -31,7 +31,7 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(ExecutorUnavailableError, match=rf"Ray cluster at rl.ray_address='{address}' is unreachable .*ConnectionRefusedError"):
-        RayExecutor().train(_job(tmp_path, address), None, None, None)
+        make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
     assert time.monotonic() - started < 3
 
     with socket.socket() as silent:  # accepts connections, never answers
@@ -40,5 +40,5 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
         with pytest.raises(ExecutorUnavailableError, match=rf"rl.ray_address='{address}' (did not answer within rl.ray_connect_timeout_s=2s|.*cannot connect)"):
-            RayExecutor().train(_job(tmp_path, address), None, None, None)
+            make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
         assert time.monotonic() - started < 10
