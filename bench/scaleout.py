@@ -11,9 +11,10 @@ last line are to the mean of the two local rounds.
 Rollouts use transformers on each actor (``--engine hf``, default) or a vLLM
 server (``--engine vllm --rollout-url http://host:port``).
 
-CPU hosts: the 1-actor run reserves every CPU for its actor (the same torch
-thread count as the local run), the 2-actor run half each. GPU hosts: one GPU
-per actor (``--actors-max`` as many as there are GPUs).
+CPU hosts: the local round and every actor use ``--threads`` torch threads
+(default 1; each actor reserves as many CPUs), so the 1-actor run does the
+local run's work with the same threads and the 2-actor run splits it over two
+processes. GPU hosts: one GPU per actor (``--actors-max`` as many as there are GPUs).
 
 Prints per run: round wall time, its ratio to the local run, the training
 phase's wall time, each actor's utilisation (busy time in its ``train`` call /
@@ -69,13 +70,18 @@ def main() -> None:
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     parser.add_argument("--rollout-url", default=None, help="vLLM base URL (--engine vllm)")
     parser.add_argument("--actors-max", type=int, default=2, help="run Ray with 1..N actors")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads of the local round and of each CPU actor (its rl.ray_actor_cpus); 1 keeps a loaded host from "
+        "oversubscribing its cores (OpenMP threads spin at barriers when another process holds a core)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import ray
 
     gpus = torch.cuda.device_count()
     cpus = os.cpu_count() or 1
-    torch.set_num_threads(cpus)
+    torch.set_num_threads(args.threads)
     model = ModelConfig(name=str(model_dir(args.model)), dtype="float32")
     prompts = reasoning_gym_prompts("basic_arithmetic", 48, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
@@ -86,13 +92,14 @@ def main() -> None:
         rollout_engine=args.engine, rollout_url=args.rollout_url, eval_prompts=8, bootstrap_samples=200, max_kl=100.0,
     )  # fmt: skip
     print(f"model {args.model}, K={args.candidates}, steps {args.steps} x {args.prompts} prompts x G={args.group}, "
-          f"{args.max_new_tokens} new tokens, engine {args.engine}; {cpus} CPUs, {gpus} GPUs, load {os.getloadavg()}")  # fmt: skip
+          f"{args.max_new_tokens} new tokens, engine {args.engine}; {cpus} CPUs, {gpus} GPUs, {args.threads} torch thread(s) "
+          f"per process, load {os.getloadavg()}")  # fmt: skip
     started = time.perf_counter()
     ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     print(f"ray cluster start {time.perf_counter() - started:.1f}s (not counted)")
     runs: list[tuple[str, RLConfig]] = [("local", rl)]
     for n in range(1, args.actors_max + 1):
-        sizing = {"ray_actor_gpus": 1, "ray_actor_cpus": max(1, cpus // n)} if gpus else {"ray_actor_gpus": 0, "ray_actor_cpus": max(1, cpus // n)}
+        sizing = {"ray_actor_gpus": 1, "ray_actor_cpus": args.threads} if gpus else {"ray_actor_gpus": 0, "ray_actor_cpus": args.threads}
         on_ray = rl.model_copy(update={"executor": "ray", "ray_actors": n, "ray_keep_actors": True, **sizing})
         runs += [(f"ray-{n}-cold", on_ray), (f"ray-{n}-warm", on_ray)]  # cold: actors start; warm: the kept actors train again
     runs.append(("local-end", rl))  # the local round again: a load that drifts during the run shows as a gap between the two
