@@ -94,6 +94,7 @@ def main() -> None:
     print(f"model {args.model}, K={args.candidates}, steps {args.steps} x {args.prompts} prompts x G={args.group}, "
           f"{args.max_new_tokens} new tokens, engine {args.engine}; {cpus} CPUs, {gpus} GPUs, {args.threads} torch thread(s) "
           f"per process, load {os.getloadavg()}")  # fmt: skip
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared host's memory must not kill the measured actors
     started = time.perf_counter()
     ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     print(f"ray cluster start {time.perf_counter() - started:.1f}s (not counted)")
