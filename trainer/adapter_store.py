@@ -32,7 +32,14 @@ from trainer.resident_store import ResidentStore
 
 
 class AdapterStore(Protocol):
-    """Holds many candidates' adapters; exactly one is live at a time."""
+    """Holds many candidates' adapters; exactly one is live at a time.
+
+    ``base`` is the resident base the adapters live on; ``last_swap_s`` the
+    wall time, in seconds, of the last :meth:`activate` (0 when nothing moved).
+    """
+
+    base: ResidentBase
+    last_swap_s: float
 
     def create(self, name: str, candidate: CandidateConfig, init_dir: Path | None = None) -> None: ...
     def delete(self, name: str) -> None: ...

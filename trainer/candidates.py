@@ -1,7 +1,13 @@
-"""The multi-LoRA round: one resident base, K candidate adapters, one rollout engine.
+"""The candidates of one round: one resident base, K candidate adapters, one rollout engine.
 
-:func:`run_round` reads top to bottom; every step is a named function that
-returns its result and a metrics dict.
+Read it top to bottom: :func:`run_round` is the round, and every step it calls
+is a named function below it that returns its result and its metrics:
+:func:`~trainer.plan.plan_round` (once per round, per candidate: its config, algorithm,
+reward mix, prompt pool and start point; the prompts' token ids are cached for
+the round), the reward model (:mod:`trainer.reward_round`),
+:func:`train_candidates`, :func:`evaluate_and_gate`, :func:`keep_adapters`.
+Phase boundaries are reported to the caller through typed hooks
+(:class:`~trainer.types.PhaseBoundary`).
 
 Folder layout under ``out_dir`` (one round)::
 
@@ -23,10 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,7 +41,7 @@ import pyarrow.compute as pc
 from rich.progress import Progress
 
 from trainer import profile, reward_round
-from trainer.adapter_store import make_store
+from trainer.adapter_store import AdapterStore, make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
@@ -53,21 +59,402 @@ from trainer.evaluate import (
     unusable_reason,
     usable_rows,
 )
-from trainer.multi_lora import one_pass_ok, train_one_pass
+from trainer.multi_lora import train_one_pass
+from trainer.plan import CandidatePlan, PromptTokens, RoundPlan, draw_prompts, plan_round
 from trainer.reward_model import RewardModel
-from trainer.rewards import build_reward
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
-from trainer.samples import Prompt
+from trainer.samples import Prompt, Sample
 from trainer.tasks import prompts_from_table, split_snapshot
-from trainer.types import CandidateResult, RewardModelReport, RoundResult
-from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, StepData, fit_after, logged_ids, update_step
+from trainer.types import CandidateResult, GateDecision, PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase, RoundResult
+from trainer.update import Batch, StepData, fit_after, logged_ids, update_step
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_engine", "run_round", "split_snapshot"]
+__all__ = ["evaluate_and_gate", "make_engine", "plan_round", "run_round", "split_snapshot", "train_candidates"]
 
 
-def make_engine(rl: RLConfig, base: ResidentBase, store: object) -> RolloutEngine:
+# --- the round, top to bottom ---------------------------------------------------------------
+
+
+def run_round(
+    model_cfg: ModelConfig,
+    candidates: list[CandidateConfig],
+    rl: RLConfig,
+    train: pa.Table,
+    heldout: pa.Table,
+    champions: dict[str, Path | None],
+    out_dir: Path,
+    *,
+    engine: RolloutEngine | None = None,
+    progress: bool = True,
+    round_id: str | None = None,
+    base: ResidentBase | None = None,
+    checkpoint: PhaseHook | None = None,
+    reward_cfg: RewardModelConfig | None = None,
+    reward_champion: Path | None = None,
+    executor: Executor | None = None,
+) -> RoundResult:
+    """Train K candidates on one resident base, evaluate them against their champions, gate.
+
+    Args:
+        train, heldout: buffer snapshot tables (see :mod:`trainer.tasks`), e.g.
+            from :func:`split_snapshot`.
+        champions: served model -> champion adapter folder (None: the base is champion).
+        engine: a rollout engine (e.g. a :class:`~trainer.rollout_vllm.VLLMEngine`);
+            default from ``rl.rollout_engine`` / ``rl.rollout_url``.
+        base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
+            its adapters are removed again at the end.
+        reward_cfg: the ``[reward_model]`` section (defaults when None).
+        reward_champion: the current reward champion's folder (adapter + head), re-measured
+            on this round's held-out rows and, with ``start = "self"``, the start when
+            there is no previous round's reward model.
+        checkpoint: called at each :class:`~trainer.types.PhaseBoundary`: before every
+            reward-model step (``RoundPhase.REWARD_MODEL``) and every training step
+            (``RoundPhase.TRAIN``, with the step), when evaluation starts (``RoundPhase.EVALUATE``)
+            and between evaluation batches (``RoundPhase.EVALUATE`` with a ``part``). It may
+            raise (e.g. to cancel): the round stops there and its adapters are cleaned up.
+
+    Raises:
+        TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
+        DataError: unreadable tables, no prompts for a candidate, or a candidate on
+            ``reward_model`` and too little labelled feedback to train one.
+    """
+    started = time.perf_counter()
+    check_candidates(candidates)
+    round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
+    out_dir = Path(out_dir)
+    train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
+    if not heldout_prompts:
+        raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
+    eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, rl))
+    reward_cfg = reward_cfg or RewardModelConfig()
+    feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work
+    base = base or load_base(model_cfg)  # 1. the resident base, loaded once
+    plan = plan_round(base, candidates, rl, train_prompts, champions, out_dir)  # 2. what each candidate learns from
+    store = make_store(rl.adapter_store, base, rl.seed)  # 3. adapters live here between turns
+    engine = engine or make_engine(rl, base, store)  # 4. one engine for every candidate
+    phase = reward_round.RewardPhase()
+    times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
+    try:
+        if feedback is not None:  # 5. the reward model, from the train split only, before the candidates
+            phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
+        job = TrainJob(
+            model_cfg, tuple(candidates), tuple(train_prompts), rl, {c.name: c.start for c in plan.candidates}, out_dir, round_id,
+            progress, checkpoint, phase.model, plan=plan,
+        )  # fmt: skip
+        done = (executor or make_executor(rl)).train(job, base, store, engine)  # 6. start points + S steps (trainer.executor)
+        trained, rollout_metrics = Trained(history=done.history, versions=done.versions), done.rollout_metrics | done.metrics
+        if checkpoint is not None:
+            checkpoint(PhaseBoundary(RoundPhase.EVALUATE))
+        with profile.phase("time/evaluate_s"):  # 7. candidates and champions on the same held-out rows, then the gate
+            results, decisions, eval_metrics = evaluate_and_gate(
+                base, store, engine, candidates, trained.versions, heldout_prompts, champions, rl, round_id,
+                reward_model=phase.model, reward_report=phase.report, checkpoint=checkpoint, tokens=plan.tokens,
+            )  # fmt: skip
+        reward_result = reward_round.finish(phase, out_dir)
+        kept = keep_adapters(store, candidates, trained, results, rl, out_dir)  # 8. final adapters, also kept as "last"
+        for version in trained.versions.values():
+            engine.unload(version)
+    finally:
+        profile.stop(times)
+        # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
+        # 1. drop candidates from the store, 2. remove the store's adapters from the base.
+        _unload_leftovers(engine, {c.name for c in candidates})
+        for name in list(store.names()):
+            store.delete(name)
+        store.close()
+    window_start, window_end = _window(train, heldout)
+    return RoundResult(
+        round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
+        train_rows=train.num_rows, heldout_rows=heldout.num_rows,
+        eval_prompt_ids=eval_ids,
+        candidates=tuple(kept), decisions=decisions,
+        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, **times.totals, "round/wall_s": time.perf_counter() - started},
+        reward_model=reward_result,
+    )  # fmt: skip
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Trained:
+    """What :func:`train_candidates` leaves: per candidate its step metrics and its last published version."""
+
+    history: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def train_candidates(
+    base: ResidentBase, store: AdapterStore, engine: RolloutEngine, plan: RoundPlan, rl: RLConfig, out_dir: Path, progress: bool,
+    checkpoint: PhaseHook | None = None, reward_model: RewardModel | None = None,
+) -> tuple[Trained, dict[str, float]]:  # fmt: skip
+    """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
+
+    With ``rl.update_mode = "one_pass"`` the one-pass algorithms' candidates (linear LoRA
+    targets only) of a step update together, ``rl.adapters_per_pass`` per forward/backward
+    (:func:`trainer.multi_lora.train_one_pass`); the others update one at a time first.
+
+    The rollouts of candidates whose reward uses ``reward_model`` are scored by
+    ``reward_model`` in one batched pass per step, before any update.
+
+    Returns the per-candidate step metrics and final published versions, and
+    round-level rollout metrics (``rollout/s``, ``rollout/tokens``, ``rollout/tokens_per_s``).
+    """
+    trained = Trained(history={c.name: [] for c in plan.candidates})
+    for c in plan.candidates:
+        trained.versions[c.name], _ = publish(engine, store, c.name, 0, out_dir, None)
+    totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
+    online, joint, tokens = plan.online, plan.one_pass(rl), plan.tokens
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("round", total=rl.steps_per_round * len(plan.candidates))
+        for step in range(rl.steps_per_round):
+            if checkpoint is not None:
+                checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=step))
+            # 1. prompts: the same draw for every online candidate (a fair race)
+            step_prompts = {c.name: draw_prompts(c.pool, rl.prompts_per_step, rl.seed * 7919 + step) for c in online}
+            groups: dict[str, list[list[Sample]]] = {}
+            rollout_metrics: dict[str, float] = {}
+            if online:
+                # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
+                with profile.phase("time/rollout_s"):
+                    groups, rollout_metrics = rollout_step(engine, tokens, {c.name: trained.versions[c.name] for c in online}, step_prompts, rl, step)
+                totals["rollout/s"] += rollout_metrics["rollout/s"]
+                totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
+            rm_scores: dict[str, list[list[dict[str, float]]]] = {}
+            scored = [c.name for c in online if uses_reward_model(c.config)]
+            if scored:
+                if reward_model is None:
+                    raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
+                rm_scores, m = reward_round.score_rollouts(reward_model, {n: tokens.many(step_prompts[n]) for n in scored}, {n: groups[n] for n in scored})
+                rollout_metrics = rollout_metrics | m
+
+            def build(c: CandidatePlan) -> tuple[Batch, dict[str, float]]:
+                rows: Sequence[Prompt]
+                if c.algorithm.online:
+                    rows, step_groups = step_prompts[c.name], groups[c.name]
+                else:
+                    rows, step_groups = draw_prompts(c.pool, rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step), None
+                return c.algorithm.build_batch(StepData(c.config, rows, tokens.many(rows), step_groups, base, c.reward, rm_scores.get(c.name)))
+
+            def finish(c: CandidatePlan, metrics: dict[str, float]) -> None:
+                # 4. publish under a new name; the old one is unloaded
+                trained.versions[c.name], m = publish(engine, store, c.name, step + 1, out_dir, trained.versions[c.name])
+                metrics |= m
+                trained.history[c.name].append(metrics)
+                bar.update(task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}")
+
+            pending: list[tuple[CandidatePlan, Batch, dict[str, float]]] = []
+            for c in plan.candidates:
+                if c.name in joint:  # one_pass mode: batches now, one forward/backward for all of them below
+                    batch, m = build(c)
+                    pending.append((c, batch, {"train/step": float(step)} | m | rollout_metrics))
+                    continue
+                # 3. score + update, one candidate at a time on the resident base
+                optimizer = store.activate(c.name)
+                metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}
+                batch, m = build(c)
+                metrics |= m | rollout_metrics
+                metrics |= update_step(base, optimizer, c.config, rl, batch)
+                finish(c, metrics)
+            if pending:
+                joint_metrics = train_one_pass(base, store, [(c.config, b) for c, b, _ in pending], rl)
+                for c, _, metrics in pending:
+                    finish(c, metrics | joint_metrics[c.name])
+    totals["rollout/tokens_per_s"] = totals["rollout/tokens"] / max(totals["rollout/s"], 1e-9)
+    return trained, totals
+
+
+def rollout_step(
+    engine: RolloutEngine, tokens: PromptTokens, versions: dict[str, str], prompts_by_name: dict[str, list[Prompt]], rl: RLConfig, step: int
+) -> tuple[dict[str, list[list[Sample]]], dict[str, float]]:
+    """G samples per prompt for every online candidate, all in one engine call (vLLM batches them together)."""
+    started = time.perf_counter()
+    requests, owners = [], []
+    for name, version in versions.items():
+        for p in prompts_by_name[name]:
+            ids = tokens(p)
+            requests.append(RolloutRequest(version=version, prompt_id=p.prompt_id, prompt_token_ids=tuple(ids), n=rl.group_size,
+                                           max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=rl.seed * 1000 + step))  # fmt: skip
+            owners.append(name)
+    groups = engine.generate(requests)
+    by_candidate: dict[str, list[list[Sample]]] = {name: [] for name in versions}
+    for owner, group in zip(owners, groups):
+        by_candidate[owner].append(group)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(s.token_ids) for g in groups for s in g)
+    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(generated), "rollout/tokens_per_s": generated / max(elapsed, 1e-9)}
+
+
+# --- evaluation and the gate -------------------------------------------------------------------
+
+
+def evaluate_and_gate(
+    base: ResidentBase, store: AdapterStore, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
+    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
+    *, reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
+    checkpoint: PhaseHook | None = None, tokens: PromptTokens | None = None,
+) -> tuple[dict[str, EvalResult], dict[str, GateDecision], dict[str, float]]:  # fmt: skip
+    """Greedy answers of all candidates and champions on the same held-out rows, one yardstick
+    (``rl.gate_metric``, see :mod:`trainer.evaluate`) per tenant, then one gate per tenant.
+
+    ``reward_model`` / ``reward_report``: the round's reward model (trained on
+    the training split) and its held-out report; the ``reward_model`` metric
+    promotes nothing without them or when the report's AUC lower bound is <= 0.5.
+    No usable held-out row is not an error: every tenant keeps its champion,
+    and the decision says why. Returns results per candidate, decisions per
+    tenant, and round metrics (``eval/prompts``, ``eval/<metric>/<candidate>``,
+    ``eval/<metric>/champion/<tenant>``).
+
+    ``checkpoint`` is called with ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")`` before
+    the greedy answers and ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=name)``
+    before each candidate is scored; if it raises, the champions loaded here are unloaded and the
+    error propagates.
+    """
+    check: PhaseHook = checkpoint or (lambda _boundary: None)
+    metric = rl.gate_metric
+    prompts = eval_prompts(heldout, rl)
+    tenants = sorted({c.served_model for c in candidates})
+    refusal = unusable_reason(prompts, len(heldout), rl)
+    if refusal is None and metric == "reward_model":
+        if reward_model is None:
+            refusal = "the gate metric is 'reward_model' but this round has no reward model"
+        elif reward_report is None or not reward_report.auc_lower_bound > 0.5:
+            lb = reward_report.auc_lower_bound if reward_report is not None else float("nan")
+            refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
+    ids = (tokens or PromptTokens(base, rl)).many(prompts)
+    mix = gate_mix(rl) if metric == "verifiable" else None  # the verifiable yardstick, built once
+    labels = feedback_labels(prompts) if metric == "feedback" else None
+    logged = [fit_after(base, i, logged_ids(base, p)) for i, p in zip(ids, prompts)] if metric == "feedback" else []
+    reference = sequence_logps(base, ids, logged, reference=True) if logged else []
+    champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
+    try:
+        check(PhaseBoundary(RoundPhase.EVALUATE, part="greedy"))
+        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl) if prompts else {}
+        rm_scores: dict[str, list[float]] = {}
+        if metric == "reward_model" and reward_model is not None and prompts:
+            order = list(answers)  # every version's greedy answers in one batched scoring call
+            flat = reward_model.score([i for _ in order for i in ids], [list(s.token_ids) or [base.tokenizer.eos_token_id] for v in order for s in answers[v]])
+            rm_scores = {v: list(flat[k * len(prompts) : (k + 1) * len(prompts)]) for k, v in enumerate(order)}
+
+        def values(version: str) -> tuple[float, ...]:
+            """Per-row values of ``version`` (its adapter must be live for ``feedback``)."""
+            if not prompts:
+                return ()
+            if metric == "verifiable":
+                assert mix is not None
+                return score(answers[version], prompts, mix)
+            if metric == "reward_model":
+                return tuple(rm_scores.get(version, [float("nan")] * len(prompts)))
+            if version == BASE_VERSION:
+                return tuple(0.0 for _ in prompts)  # the base's implicit reward against itself
+            return tuple(a - b for a, b in zip(sequence_logps(base, ids, logged), reference))
+
+        results: dict[str, EvalResult] = {}
+        for c in candidates:
+            check(PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=c.name))
+            samples = answers.get(versions[c.name], [])
+            store.activate(c.name)
+            row_values = values(versions[c.name])
+            results[c.name] = EvalResult(
+                version=versions[c.name], samples=tuple(samples), rewards=row_values,
+                mean_kl=kl_to_base(base, ids, samples) if samples else float("nan"),
+                mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
+                value=auc(row_values, labels) if labels is not None else None,
+            )  # fmt: skip
+        decisions: dict[str, GateDecision] = {}
+        round_metrics = {"eval/prompts": float(len(prompts))}
+        for tenant in tenants:
+            if tenant in champion_names:
+                store.activate(champion_names[tenant])
+            champ = values(champion_versions[tenant])
+            label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
+            members = [c for c in candidates if c.served_model == tenant]
+            decisions[tenant] = gate(tenant, members, results, champ, label, rl, labels=labels, refusal=refusal)
+            round_metrics[f"eval/{metric}/champion/{tenant}"] = decisions[tenant].champion_reward_mean
+        round_metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
+        round_metrics = {k: v for k, v in round_metrics.items() if math.isfinite(v)}  # undefined values are left out, not NaN
+    finally:
+        for version in champion_versions.values():
+            if version != BASE_VERSION:
+                engine.unload(version)
+        for name in champion_names.values():
+            store.delete(name)
+    return results, decisions, round_metrics
+
+
+def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
+    """The first ``rl.eval_prompts`` held-out rows the gate metric can use (see
+    :func:`trainer.evaluate.usable_rows`); may be empty (the gate then promotes nothing)."""
+    return usable_rows(heldout, rl)[: rl.eval_prompts]
+
+
+def _load_champions(
+    store: AdapterStore, engine: RolloutEngine, tenants: Sequence[str], champions: dict[str, Path | None], round_id: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each tenant's champion as an adapter in the store and the engine: tenant -> engine version
+    (``BASE_VERSION`` when the base is champion), tenant -> store name (tenants with an adapter only)."""
+    versions: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for i, tenant in enumerate(tenants):
+        folder = champions.get(tenant)
+        if folder is None:
+            versions[tenant] = BASE_VERSION
+            continue
+        name = f"champion-{i}"
+        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))
+        names[tenant] = name
+        versions[tenant] = f"{name}-{round_id}"
+        engine.load(name, versions[tenant], Path(folder))
+    return versions, names
+
+
+def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    targets = cfg["target_modules"]
+    return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
+
+
+# --- the round's outputs -----------------------------------------------------------------------
+
+
+def keep_adapters(
+    store: AdapterStore, candidates: Sequence[CandidateConfig], trained: Trained, results: dict[str, EvalResult], rl: RLConfig, out_dir: Path
+) -> list[CandidateResult]:
+    """Save every candidate's final adapter as ``<name>/adapter`` and as its ``last`` (the next round's
+    ``start = "self"``); one :class:`~trainer.types.CandidateResult` each, in config order."""
+    out = []
+    for c in candidates:
+        folder = store.save(c.name, out_dir / c.name / "adapter")
+        last = out_dir.parent / "last" / c.name
+        shutil.rmtree(last, ignore_errors=True)
+        shutil.copytree(folder, last)
+        r = results[c.name]
+        out.append(
+            CandidateResult(
+                name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
+                step_metrics=tuple(trained.history[c.name]), eval_rewards=r.rewards,
+                eval_metrics=r.as_metrics(rl.gate_metric),
+            )
+        )  # fmt: skip
+    return out
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def make_executor(rl: RLConfig) -> Executor:
+    """The executor ``rl.executor`` names (:mod:`trainer.executor`; ``ray`` imports Ray only then),
+    running this module's training functions."""
+    routines = Routines(train_candidates=train_candidates, make_engine=make_engine, unload_leftovers=_unload_leftovers)
+    if rl.executor == "ray":
+        from trainer.ray_executor import RayExecutor
+
+        return RayExecutor(routines)
+    return LocalExecutor(routines)
+
+
+def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> RolloutEngine:
     """The rollout engine the config asks for (``rl.rollout_engine``).
 
     Raises:
@@ -80,17 +467,6 @@ def make_engine(rl: RLConfig, base: ResidentBase, store: object) -> RolloutEngin
     from trainer.rollout_vllm import VLLMEngine
 
     return VLLMEngine(rl.rollout_url)
-
-
-def make_executor(rl: RLConfig) -> Executor:
-    """The executor ``rl.executor`` names (:mod:`trainer.executor`; ``ray`` imports Ray only then),
-    running this module's training functions."""
-    routines = Routines(train_candidates=train_candidates, make_engine=make_engine, unload_leftovers=_unload_leftovers)
-    if rl.executor == "ray":
-        from trainer.ray_executor import RayExecutor
-
-        return RayExecutor(routines)
-    return LocalExecutor(routines)
 
 
 def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
@@ -106,291 +482,16 @@ def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
         raise TrainerConfigError("; ".join(problems))
 
 
-def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out_dir: Path) -> Path | None:
-    """Where a candidate starts (see the module docstring); None = fresh."""
-    if candidate.start == "champion":
-        champion = champions.get(candidate.served_model)
-        return Path(champion) if champion else None
-    if candidate.start == "self":
-        last = out_dir.parent / "last" / candidate.name
-        return last if (last / "adapter_model.safetensors").is_file() else None
-    return None
-
-
-def _filtered(prompts: Sequence[Prompt], candidate: CandidateConfig) -> list[Prompt]:
-    """The candidate's prompts: its ``data_filter``, and only rows its reward mix can score
-    (e.g. ``exact_answer`` needs ``metadata["reference_answer"]``)."""
-    mix = build_reward(candidate.reward)
-    kept = [p for p in prompts if mix.accepts(p.metadata)]
-    if candidate.data_filter is None:
-        return kept
-    return [p for p in kept if any(candidate.data_filter in m["content"] for m in p.messages)]
-
-
-def draw_prompts(pool: Sequence[Prompt], k: int, seed: int) -> list[Prompt]:
-    """``k`` prompts from ``pool`` (with replacement only when the pool is smaller)."""
-    rng = random.Random(seed)
-    return rng.sample(list(pool), k) if len(pool) >= k else [rng.choice(list(pool)) for _ in range(k)]
-
-
-def publish(base_engine: RolloutEngine, store: object, candidate: str, step: int, out_dir: Path, previous: str | None) -> tuple[str, dict[str, float]]:
+def publish(base_engine: RolloutEngine, store: AdapterStore, candidate: str, step: int, out_dir: Path, previous: str | None) -> tuple[str, dict[str, float]]:
     """Save the live weights as ``<name>-s<step>``, load that new name, unload the previous one."""
     started = time.perf_counter()
     version = f"{candidate}-s{step}"
     with profile.phase("time/publish_s"):
-        folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")  # type: ignore[attr-defined]
+        folder = store.save(candidate, out_dir / candidate / "versions" / f"s{step}")
         base_engine.load(candidate, version, folder)
         if previous is not None:
             base_engine.unload(previous)
     return version, {"train/publish_s": time.perf_counter() - started}
-
-
-def _prompt_ids(base: ResidentBase, prompt: Prompt, rl: RLConfig) -> list[int]:
-    ids = base.chat_token_ids(prompt.messages)
-    keep = max(1, base.max_seq_len - rl.max_new_tokens)
-    return ids[-keep:]
-
-
-def train_candidates(
-    base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig],
-    train_prompts: Sequence[Prompt], rl: RLConfig, out_dir: Path, progress: bool,
-    checkpoint: Callable[[str], None] | None = None, reward_model: RewardModel | None = None,
-) -> tuple[dict[str, list[dict[str, float]]], dict[str, str], dict[str, float]]:  # fmt: skip
-    """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
-
-    With ``rl.update_mode = "one_pass"`` the grpo / ppo_clip candidates (linear LoRA
-    targets only) of a step update together, ``rl.adapters_per_pass`` per forward/backward
-    (:func:`trainer.multi_lora.train_one_pass`); the others update one at a time first.
-
-    The rollouts of candidates whose reward uses ``reward_model`` are scored by
-    ``reward_model`` in one batched pass per step, before any update.
-
-    Returns per-candidate step metrics, the final published version of each
-    candidate, and round-level rollout metrics.
-    """
-    versions: dict[str, str] = {}
-    for c in candidates:
-        versions[c.name], _ = publish(engine, store, c.name, 0, out_dir, None)
-    pools = {c.name: _filtered(train_prompts, c) for c in candidates}
-    empty = [n for n, pool in pools.items() if not pool]
-    if empty:
-        raise DataError(
-            f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
-            "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
-        )
-    specs = {c.name: ALGORITHMS[c.algorithm] for c in candidates}
-    offline_pools = {c.name: [p for p in pools[c.name] if specs[c.name].usable_row(p, c)] for c in candidates if not specs[c.name].online}
-    starved = [n for n, pool in offline_pools.items() if not pool]
-    if starved:
-        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window")
-    mixes = {c.name: build_reward(c.reward) for c in candidates}
-    history: dict[str, list[dict[str, float]]] = {c.name: [] for c in candidates}
-    rollout_totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
-    online = [c for c in candidates if specs[c.name].online]
-    joint = {c.name for c in candidates if rl.update_mode == "one_pass" and c.algorithm in ONE_PASS_ALGORITHMS and one_pass_ok(c)}
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("round", total=rl.steps_per_round * len(candidates))
-        for step in range(rl.steps_per_round):
-            if checkpoint is not None:
-                checkpoint(f"train:{step}")
-            # 1. prompts: the same draw for every online candidate (a fair race)
-            step_prompts = {c.name: draw_prompts(pools[c.name], rl.prompts_per_step, rl.seed * 7919 + step) for c in online}
-            groups: dict[str, list] = {}
-            rollout_metrics: dict[str, float] = {}
-            if online:
-                # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
-                with profile.phase("time/rollout_s"):
-                    groups, rollout_metrics = rollout_step(engine, base, {c.name: versions[c.name] for c in online}, step_prompts, rl, step)
-                rollout_totals["rollout/s"] += rollout_metrics["rollout/s"]
-                rollout_totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
-            rm_scores: dict[str, list] = {}
-            scored = [c.name for c in online if uses_reward_model(c)]
-            if scored:
-                if reward_model is None:
-                    raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
-                ids = {n: [_prompt_ids(base, p, rl) for p in step_prompts[n]] for n in scored}
-                rm_scores, m = reward_round.score_rollouts(reward_model, ids, {n: groups[n] for n in scored})
-                rollout_metrics = rollout_metrics | m
-            def build(c: CandidateConfig) -> tuple[Batch, dict[str, float]]:
-                if specs[c.name].online:
-                    rows, step_groups = step_prompts[c.name], groups[c.name]
-                else:
-                    rows = draw_prompts(offline_pools[c.name], rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step)
-                    step_groups = None
-                data = StepData(c, rows, [_prompt_ids(base, p, rl) for p in rows], step_groups, base, mixes[c.name], rm_scores.get(c.name))
-                return specs[c.name].build_batch(data)
-
-            def finish(c: CandidateConfig, metrics: dict[str, float]) -> None:
-                # 4. publish under a new name; the old one is unloaded
-                versions[c.name], m = publish(engine, store, c.name, step + 1, out_dir, versions[c.name])
-                metrics |= m
-                history[c.name].append(metrics)
-                bar.update(task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}")
-
-            pending: list[tuple[CandidateConfig, Batch, dict[str, float]]] = []
-            for c in candidates:
-                if c.name in joint:  # one_pass mode: batches now, one forward/backward for all of them below
-                    batch, m = build(c)
-                    pending.append((c, batch, {"train/step": float(step)} | m | rollout_metrics))
-                    continue
-                # 3. score + update, one candidate at a time on the resident base
-                optimizer = store.activate(c.name)  # type: ignore[attr-defined]
-                metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}  # type: ignore[attr-defined]
-                batch, m = build(c)
-                metrics |= m | rollout_metrics
-                metrics |= update_step(base, optimizer, c, rl, batch)
-                finish(c, metrics)
-            if pending:
-                joint_metrics = train_one_pass(base, store, [(c, b) for c, b, _ in pending], rl)
-                for c, _, metrics in pending:
-                    finish(c, metrics | joint_metrics[c.name])
-    rollout_totals["rollout/tokens_per_s"] = rollout_totals["rollout/tokens"] / max(rollout_totals["rollout/s"], 1e-9)
-    return history, versions, rollout_totals
-
-
-def rollout_step(
-    engine: RolloutEngine, base: ResidentBase, versions: dict[str, str], prompts_by_name: dict[str, list[Prompt]], rl: RLConfig, step: int
-) -> tuple[dict[str, list], dict[str, float]]:
-    """G samples per prompt for every online candidate, all in one engine call (vLLM batches them together)."""
-    started = time.perf_counter()
-    requests, owners = [], []
-    for name, version in versions.items():
-        for p in prompts_by_name[name]:
-            ids = _prompt_ids(base, p, rl)
-            requests.append(RolloutRequest(version=version, prompt_id=p.prompt_id, prompt_token_ids=tuple(ids), n=rl.group_size,
-                                           max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=rl.seed * 1000 + step))  # fmt: skip
-            owners.append(name)
-    groups = engine.generate(requests)
-    by_candidate: dict[str, list] = {name: [] for name in versions}
-    for owner, group in zip(owners, groups):
-        by_candidate[owner].append(group)
-    elapsed = time.perf_counter() - started
-    tokens = sum(len(s.token_ids) for g in groups for s in g)
-    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(elapsed, 1e-9)}
-
-
-def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    targets = cfg["target_modules"]
-    return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
-
-
-def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    """The first ``rl.eval_prompts`` held-out rows the gate metric can use (see
-    :func:`trainer.evaluate.usable_rows`); may be empty (the gate then promotes nothing)."""
-    return usable_rows(heldout, rl)[: rl.eval_prompts]
-
-
-def _load_champions(
-    store: object, engine: RolloutEngine, tenants: Sequence[str], champions: dict[str, Path | None], round_id: str
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Each tenant's champion as an adapter in the store and the engine: tenant -> engine version
-    (``BASE_VERSION`` when the base is champion), tenant -> store name (tenants with an adapter only)."""
-    versions: dict[str, str] = {}
-    names: dict[str, str] = {}
-    for i, tenant in enumerate(tenants):
-        folder = champions.get(tenant)
-        if folder is None:
-            versions[tenant] = BASE_VERSION
-            continue
-        name = f"champion-{i}"
-        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))  # type: ignore[attr-defined]
-        names[tenant] = name
-        versions[tenant] = f"{name}-{round_id}"
-        engine.load(name, versions[tenant], Path(folder))
-    return versions, names
-
-
-def evaluate_and_gate(
-    base: ResidentBase, store: object, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
-    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
-    *, reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
-    checkpoint: Callable[[str], None] | None = None,
-) -> tuple[dict[str, EvalResult], dict, dict[str, float]]:  # fmt: skip
-    """Greedy answers of all candidates and champions on the same held-out rows, one yardstick
-    (``rl.gate_metric``, see :mod:`trainer.evaluate`) per tenant, then one gate per tenant.
-
-    ``reward_model`` / ``reward_report``: the round's reward model (trained on
-    the training split) and its held-out report; the ``reward_model`` metric
-    promotes nothing without them or when the report's AUC lower bound is <= 0.5.
-    No usable held-out row is not an error: every tenant keeps its champion,
-    and the decision says why. Returns results per candidate, decisions per
-    tenant, and round metrics (``eval/prompts``, ``eval/<metric>/<candidate>``,
-    ``eval/<metric>/champion/<tenant>``).
-
-    ``checkpoint`` is called with ``"evaluate:greedy"`` before the greedy
-    answers and ``"evaluate:score:<candidate>"`` before each candidate is
-    scored; if it raises, the champions loaded here are unloaded and the error
-    propagates.
-    """
-    check = checkpoint or (lambda _phase: None)
-    metric = rl.gate_metric
-    prompts = eval_prompts(heldout, rl)
-    tenants = sorted({c.served_model for c in candidates})
-    refusal = unusable_reason(prompts, len(heldout), rl)
-    if refusal is None and metric == "reward_model":
-        if reward_model is None:
-            refusal = "the gate metric is 'reward_model' but this round has no reward model"
-        elif reward_report is None or not reward_report.auc_lower_bound > 0.5:
-            lb = reward_report.auc_lower_bound if reward_report is not None else float("nan")
-            refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
-    ids = [_prompt_ids(base, p, rl) for p in prompts]
-    labels = feedback_labels(prompts) if metric == "feedback" else None
-    logged = [fit_after(base, i, logged_ids(base, p)) for i, p in zip(ids, prompts)] if metric == "feedback" else []
-    reference = sequence_logps(base, ids, logged, reference=True) if logged else []
-    champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
-    try:
-        check("evaluate:greedy")
-        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl) if prompts else {}
-        rm_scores: dict[str, list[float]] = {}
-        if metric == "reward_model" and reward_model is not None and prompts:
-            order = list(answers)  # every version's greedy answers in one batched scoring call
-            flat = reward_model.score([i for _ in order for i in ids], [list(s.token_ids) or [base.tokenizer.eos_token_id] for v in order for s in answers[v]])
-            rm_scores = {v: list(flat[k * len(prompts) : (k + 1) * len(prompts)]) for k, v in enumerate(order)}
-
-        def values(version: str) -> tuple[float, ...]:
-            """Per-row values of ``version`` (its adapter must be live for ``feedback``)."""
-            if not prompts:
-                return ()
-            if metric == "verifiable":
-                return score(answers[version], prompts, gate_mix(rl))
-            if metric == "reward_model":
-                return tuple(rm_scores.get(version, [float("nan")] * len(prompts)))
-            if version == BASE_VERSION:
-                return tuple(0.0 for _ in prompts)  # the base's implicit reward against itself
-            return tuple(a - b for a, b in zip(sequence_logps(base, ids, logged), reference))
-
-        results: dict[str, EvalResult] = {}
-        for c in candidates:
-            check(f"evaluate:score:{c.name}")
-            samples = answers.get(versions[c.name], [])
-            store.activate(c.name)  # type: ignore[attr-defined]
-            row_values = values(versions[c.name])
-            results[c.name] = EvalResult(
-                version=versions[c.name], samples=tuple(samples), rewards=row_values,
-                mean_kl=kl_to_base(base, ids, samples) if samples else float("nan"),
-                mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
-                value=auc(row_values, labels) if labels is not None else None,
-            )  # fmt: skip
-        decisions = {}
-        round_metrics = {"eval/prompts": float(len(prompts))}
-        for tenant in tenants:
-            if tenant in champion_names:
-                store.activate(champion_names[tenant])  # type: ignore[attr-defined]
-            champ = values(champion_versions[tenant])
-            label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {champions[tenant]}"
-            members = [c for c in candidates if c.served_model == tenant]
-            decisions[tenant] = gate(tenant, members, results, champ, label, rl, labels=labels, refusal=refusal)
-            round_metrics[f"eval/{metric}/champion/{tenant}"] = decisions[tenant].champion_reward_mean
-        round_metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
-        round_metrics = {k: v for k, v in round_metrics.items() if math.isfinite(v)}  # undefined values are left out, not NaN
-    finally:
-        for version in champion_versions.values():
-            if version != BASE_VERSION:
-                engine.unload(version)
-        for name in champion_names.values():
-            store.delete(name)  # type: ignore[attr-defined]
-    return results, decisions, round_metrics
 
 
 def _window(train: pa.Table, heldout: pa.Table) -> tuple[datetime, datetime]:
@@ -411,114 +512,3 @@ def _unload_leftovers(engine: RolloutEngine, names: set[str]) -> None:
             engine.unload(version)
         except RolloutError as err:  # cleanup must not hide the round's own error
             log.warning("could not unload %s after the round: %s", version, err)
-
-
-def run_round(
-    model_cfg: ModelConfig,
-    candidates: list[CandidateConfig],
-    rl: RLConfig,
-    train: pa.Table,
-    heldout: pa.Table,
-    champions: dict[str, Path | None],
-    out_dir: Path,
-    *,
-    engine: RolloutEngine | None = None,
-    progress: bool = True,
-    round_id: str | None = None,
-    base: ResidentBase | None = None,
-    checkpoint: Callable[[str], None] | None = None,
-    reward_cfg: RewardModelConfig | None = None,
-    reward_champion: Path | None = None,
-    executor: Executor | None = None,
-) -> RoundResult:
-    """Train K candidates on one resident base, evaluate them against their champions, gate.
-
-    Args:
-        train, heldout: buffer snapshot tables (see :mod:`trainer.tasks`), e.g.
-            from :func:`split_snapshot`.
-        champions: served model -> champion adapter folder (None: the base is champion).
-        engine: a rollout engine (e.g. a :class:`~trainer.rollout_vllm.VLLMEngine`);
-            default from ``rl.rollout_engine`` / ``rl.rollout_url``.
-        base: an already resident base to reuse (loaded from ``model_cfg`` otherwise);
-            its adapters are removed again at the end.
-        reward_cfg: the ``[reward_model]`` section (defaults when None).
-        reward_champion: the current reward champion's folder (adapter + head), re-measured
-            on this round's held-out rows and, with ``start = "self"``, the start when
-            there is no previous round's reward model.
-        checkpoint: called at each phase boundary, with ``"train:<step>"`` before
-            every training step, ``"reward_model:<step>"`` before every reward-model
-            step, ``"evaluate"`` before evaluation and ``"evaluate:<what>"``
-            between evaluation batches. It may raise
-            (e.g. to cancel): the round stops there and its adapters are cleaned up.
-        executor: where the candidates train (:mod:`trainer.executor`); default from ``rl.executor``.
-
-    Raises:
-        TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
-        DataError: unreadable tables, no prompts for a candidate, or a candidate on
-            ``reward_model`` and too little labelled feedback to train one.
-    """
-    started = time.perf_counter()
-    check_candidates(candidates)
-    round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
-    out_dir = Path(out_dir)
-    train_prompts, heldout_prompts = prompts_from_table(train), prompts_from_table(heldout)  # fail early on bad data
-    if not heldout_prompts:
-        raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
-    eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, rl))
-    reward_cfg = reward_cfg or RewardModelConfig()
-    feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work
-    base = base or load_base(model_cfg)  # 1. the resident base, loaded once
-    store = make_store(rl.adapter_store, base, rl.seed)  # 2. adapters live here between turns
-    engine = engine or make_engine(rl, base, store)  # 3. one engine for every candidate
-    phase = reward_round.RewardPhase()
-    times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
-    try:
-        if feedback is not None:  # 4. the reward model, from the train split only, before the candidates
-            phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
-        job = TrainJob(
-            model_cfg, tuple(candidates), tuple(train_prompts), rl, {c.name: start_dir(c, champions, out_dir) for c in candidates},
-            out_dir, round_id, progress, checkpoint, phase.model,
-        )  # fmt: skip
-        trained = (executor or make_executor(rl)).train(job, base, store, engine)  # 5. start points + S steps (trainer.executor)
-        history, versions, rollout_metrics = trained.history, trained.versions, trained.rollout_metrics | trained.metrics
-        if checkpoint is not None:
-            checkpoint("evaluate")
-        with profile.phase("time/evaluate_s"):
-            results, decisions, eval_metrics = evaluate_and_gate(
-                base, store, engine, candidates, versions, heldout_prompts, champions, rl, round_id,
-                reward_model=phase.model, reward_report=phase.report, checkpoint=checkpoint,
-            )  # fmt: skip
-        reward_result = reward_round.finish(phase, out_dir)
-        out = []
-        for c in candidates:  # 6. final adapters, also kept as the candidate's "last"
-            folder = store.save(c.name, out_dir / c.name / "adapter")
-            last = out_dir.parent / "last" / c.name
-            shutil.rmtree(last, ignore_errors=True)
-            shutil.copytree(folder, last)
-            r = results[c.name]
-            out.append(
-                CandidateResult(
-                    name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
-                    step_metrics=tuple(history[c.name]), eval_rewards=r.rewards,
-                    eval_metrics=r.as_metrics(rl.gate_metric),
-                )
-            )  # fmt: skip
-        for version in versions.values():
-            engine.unload(version)
-    finally:
-        profile.stop(times)
-        # Shutdown order: 0. unload what a failed or cancelled round left loaded in the engine,
-        # 1. drop candidates from the store, 2. remove the store's adapters from the base.
-        _unload_leftovers(engine, {c.name for c in candidates})
-        for name in list(store.names()):
-            store.delete(name)
-        store.close()
-    window_start, window_end = _window(train, heldout)
-    return RoundResult(
-        round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
-        train_rows=train.num_rows, heldout_rows=heldout.num_rows,
-        eval_prompt_ids=eval_ids,
-        candidates=tuple(out), decisions=decisions,
-        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, **times.totals, "round/wall_s": time.perf_counter() - started},
-        reward_model=reward_result,
-    )  # fmt: skip

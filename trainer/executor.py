@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +31,7 @@ import pyarrow.fs as pafs
 
 from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import TrainerConfigError
+from trainer.plan import plan_round
 from trainer.samples import Prompt
 
 __all__ = ["Exchange", "Executor", "LocalExecutor", "Routines", "TrainJob", "TrainOutcome", "assign", "estimate_cost"]
@@ -42,8 +43,10 @@ class TrainJob:
 
     ``starts``: candidate name -> the folder its adapter starts from (None:
     fresh), resolved by the round (champion, ``last``, or nothing).
-    ``checkpoint``: called with ``"train:<step>"`` before every step; may raise
-    to cancel. ``reward_model``: the round's reward model (local executor only).
+    ``checkpoint``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)`` before every
+    step; may raise to cancel. ``reward_model``: the round's reward model (local executor
+    only). ``plan``: the round's :class:`trainer.plan.RoundPlan` when the caller has one
+    (the driver); None on an actor, which plans its share itself.
     """
 
     model_cfg: ModelConfig
@@ -54,8 +57,9 @@ class TrainJob:
     out_dir: Path
     round_id: str
     progress: bool = False
-    checkpoint: Callable[[str], None] | None = None
+    checkpoint: Callable[[object], None] | None = None
     reward_model: object | None = None
+    plan: object | None = None
 
 
 @dataclass
@@ -82,8 +86,8 @@ class Routines:
     so that this module and the actors never import the round (no import cycle), and so that every
     executor runs exactly the local code. They pickle by reference (module and name).
 
-    ``train_candidates(base, store, engine, candidates, train_prompts, rl, out_dir, progress, checkpoint,
-    reward_model=)`` -> ``(history, versions, rollout metrics)``; ``make_engine(rl, base, store)``;
+    ``train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=)``
+    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store)``;
     ``unload_leftovers(engine, names)``.
     """
 
@@ -99,13 +103,16 @@ class LocalExecutor:
         self.routines = routines
 
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
-        for c in job.candidates:
-            store.create(c.name, c, job.starts.get(c.name))  # type: ignore[attr-defined]
-        history, versions, rollout = self.routines.train_candidates(
-            base, store, engine, job.candidates, job.train_prompts, job.rl, job.out_dir, job.progress, job.checkpoint,
-            reward_model=job.reward_model,
+        plan = job.plan
+        if plan is None:  # a trainer actor: plan its share on its own base, starting where the job says
+            plan = plan_round(base, job.candidates, job.rl, job.train_prompts, {}, job.out_dir)  # type: ignore[arg-type]
+            plan = replace(plan, candidates=tuple(replace(c, start=job.starts.get(c.name)) for c in plan.candidates))
+        for c in plan.candidates:
+            store.create(c.name, c.config, c.start)  # type: ignore[attr-defined]
+        trained, rollout = self.routines.train_candidates(
+            base, store, engine, plan, job.rl, job.out_dir, job.progress, job.checkpoint, reward_model=job.reward_model
         )  # fmt: skip
-        return TrainOutcome(history, versions, rollout)
+        return TrainOutcome(trained.history, trained.versions, rollout)
 
 
 def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:

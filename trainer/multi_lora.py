@@ -47,16 +47,20 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
+from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.profile import phase
 from trainer.update import Batch, OnePassMember, update_step_one_pass
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +208,17 @@ class MultiLoRA:
 # --- training through the adapter store ------------------------------------------------------
 
 
-def live_params(store: object, name: str) -> dict[str, torch.nn.Parameter]:
+def live_params(store: AdapterStore, name: str) -> dict[str, torch.nn.Parameter]:
     """The live adapter's parameters after ``store.activate(name)``, keyed by PEFT's saved names."""
     slot = getattr(store, "slot_params", None)
     if slot is not None:  # OffloadStore: the one device slot
         return dict(slot)
-    return adapter_params(store.base.model, peft_name(name))  # type: ignore[attr-defined]  # ResidentStore
+    return adapter_params(store.base.model, peft_name(name))  # ResidentStore
 
 
-def _pull(store: object, candidate: CandidateConfig) -> OnePassMember:
+def _pull(store: AdapterStore, candidate: CandidateConfig) -> OnePassMember:
     """A float32 copy of a candidate's LoRA weights with an AdamW holding a copy of its state."""
-    optimizer = store.activate(candidate.name)  # type: ignore[attr-defined]
+    optimizer = store.activate(candidate.name)
     live = live_params(store, candidate.name)
     params = {k: torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for k, p in live.items()}
     mine = make_adamw(list(params.values()), candidate.learning_rate)
@@ -225,10 +229,10 @@ def _pull(store: object, candidate: CandidateConfig) -> OnePassMember:
     return OnePassMember(candidate=candidate, params=params, optimizer=mine)
 
 
-def _push(store: object, member: OnePassMember) -> None:
+def _push(store: AdapterStore, member: OnePassMember) -> None:
     """Write a member's weights and AdamW state back into the store (in place where the store has state)."""
     name = member.candidate.name
-    optimizer = store.activate(name)  # type: ignore[attr-defined]
+    optimizer = store.activate(name)
     live = live_params(store, name)
     with torch.no_grad():
         for k, p in live.items():
@@ -246,7 +250,7 @@ def _push(store: object, member: OnePassMember) -> None:
 
 
 def train_one_pass(
-    base: ResidentBase, store: object, work: Sequence[tuple[CandidateConfig, Batch]], rl: RLConfig
+    base: ResidentBase, store: AdapterStore, work: Sequence[tuple[CandidateConfig, Batch]], rl: RLConfig
 ) -> dict[str, dict[str, float]]:
     """One optimizer step for each ``(candidate, batch)``, ``rl.adapters_per_pass`` candidates per forward/backward.
 

@@ -44,6 +44,7 @@ from dataclasses import replace
 
 from trainer.config import ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import ExecutorError, ExecutorUnavailableError, PlacementTimeoutError, TrainerConfigError, TrainerError
+from trainer.types import PhaseBoundary, RoundPhase
 from trainer.executor import Exchange, LocalExecutor, Routines, TrainJob, TrainOutcome, assign, local_scratch
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,8 @@ class TrainerActor:
         """The last phase the actor's training reached (``train:<step>``)."""
         return self.phase
 
-    def _mark(self, phase: str) -> None:
-        self.phase = phase
+    def _mark(self, boundary: object) -> None:
+        self.phase = str(getattr(boundary, "label", boundary))  # a PhaseBoundary: "train:<step>"
 
     def train(self, routines: Routines, job: TrainJob, prompts: tuple, uri: str, remote_starts: list[str], index: int) -> str:
         """Train ``job.candidates`` through :class:`LocalExecutor`; put each final adapter at
@@ -234,7 +235,7 @@ class RayExecutor:
             prompts = ray.put(job.train_prompts)
             refs = {}
             for i, share in enumerate(shares):
-                sub = replace(job, candidates=tuple(share), train_prompts=(), starts={}, checkpoint=None, reward_model=None, progress=False)
+                sub = replace(job, candidates=tuple(share), train_prompts=(), starts={}, checkpoint=None, reward_model=None, progress=False, plan=None)
                 refs[pool.actors[i].train.remote(self.routines, sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
             paths = _await(job, pool.actors, shares, refs)
             wall = time.perf_counter() - started
@@ -336,7 +337,7 @@ def _reserve(job: TrainJob, bundle: dict[str, float], count: int) -> tuple[objec
                 )
             log.warning("round %s: waiting for %d trainer actor(s) of %s (cluster free: %s; %.0fs left)", job.round_id, count, bundle, free, remaining)
             if job.checkpoint is not None:
-                job.checkpoint("train:0")  # a cancel takes effect while waiting
+                job.checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=0))  # a cancel takes effect while waiting
     except BaseException:
         remove_placement_group(group)
         raise
@@ -381,7 +382,7 @@ def _await(job: TrainJob, actors: list, shares: list, refs: dict) -> dict[int, s
                 step = min([int(p.split(":")[1]) for p in phases if p.startswith("train:")], default=step)
             except (RayError, GetTimeoutError):
                 pass  # still starting, or dead (its train() reference says so)
-            job.checkpoint(f"train:{step}")  # a cancel takes effect here
+            job.checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=step))  # a cancel takes effect here
     return paths
 
 

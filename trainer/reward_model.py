@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import safetensors.torch
@@ -36,7 +37,10 @@ from trainer.base import ResidentBase
 from trainer.config import RewardModelConfig
 from trainer.errors import TrainerConfigError
 from trainer.feedback_data import FeedbackData
-from trainer.types import RewardModelReport
+from trainer.types import PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 HEAD_FILE = "reward_head.safetensors"
 
@@ -97,7 +101,7 @@ class RewardModel:
     Scoring and training need the adapter live: :meth:`score` activates it itself.
     """
 
-    def __init__(self, name: str, base: ResidentBase, store: object, head: torch.nn.Linear, batch_size: int = 16) -> None:
+    def __init__(self, name: str, base: ResidentBase, store: AdapterStore, head: torch.nn.Linear, batch_size: int = 16) -> None:
         self.name = name
         self.base = base
         self.store = store
@@ -146,7 +150,7 @@ class RewardModel:
         """
         if not prompt_ids_B:
             return []
-        self.store.activate(self.name)  # type: ignore[attr-defined]
+        self.store.activate(self.name)
         was_training = self.base.model.training
         self.base.model.eval()
         try:
@@ -159,7 +163,7 @@ class RewardModel:
 
     def save(self, out_dir: Path) -> Path:
         """The PEFT folder of the adapter plus ``reward_head.safetensors`` (``weight [1, H]``, ``bias [1]``)."""
-        folder = self.store.save(self.name, Path(out_dir))  # type: ignore[attr-defined]
+        folder = self.store.save(self.name, Path(out_dir))
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.head.state_dict().items()}
         safetensors.torch.save_file(tensors, str(Path(folder) / HEAD_FILE))
         return Path(folder)
@@ -170,7 +174,7 @@ def _hidden_size(base: ResidentBase) -> int:
 
 
 def create_reward_model(
-    base: ResidentBase, store: object, cfg: RewardModelConfig, init_dir: Path | None, seed: int = 0, *, name: str | None = None
+    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, init_dir: Path | None, seed: int = 0, *, name: str | None = None
 ) -> RewardModel:
     """Create the reward adapter in ``store`` (from ``init_dir`` or fresh) and its head.
 
@@ -182,7 +186,7 @@ def create_reward_model(
             the saved adapter does not fit (from the store).
     """
     name = name or cfg.name
-    store.create(name, cfg.as_candidate(), init_dir)  # type: ignore[attr-defined]
+    store.create(name, cfg.as_candidate(), init_dir)
     hidden = _hidden_size(base)
     head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
     with torch.random.fork_rng(devices=[]):
@@ -193,7 +197,7 @@ def create_reward_model(
     if head_file is not None and head_file.is_file():
         saved = safetensors.torch.load_file(str(head_file))
         if tuple(saved.get("weight", torch.empty(0)).shape) != (1, hidden):
-            store.delete(name)  # type: ignore[attr-defined]
+            store.delete(name)
             raise TrainerConfigError(
                 f"reward head {head_file} has weight {tuple(saved.get('weight', torch.empty(0)).shape)}, the base needs (1, {hidden}); "
                 "it was trained on another base: use [reward_model] start = 'fresh'"
@@ -207,14 +211,14 @@ def create_reward_model(
 
 def train_reward_model(
     model: RewardModel, data: TokenisedFeedback, cfg: RewardModelConfig, max_grad_norm: float = 1.0, seed: int = 0,
-    checkpoint: Callable[[str], None] | None = None,
+    checkpoint: PhaseHook | None = None,
 ) -> list[dict[str, float]]:  # fmt: skip
     """``cfg.steps`` AdamW steps of adapter + head on :func:`reward_loss`.
 
     Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
     ``cfg.batch_size`` pairs (without replacement within an epoch, seeded), and
-    scores them all in one forward pass. ``checkpoint("reward_model:<step>")`` is
-    called before every step (it may raise to stop the round).
+    scores them all in one forward pass. ``checkpoint`` is called with
+    ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)`` before every step (it may raise to stop the round).
 
     Returns one metrics dict per step: ``reward_model/loss``, ``/bce``, ``/bt``,
     ``/grad_norm``, ``/train_accuracy`` (labelled rows of the batch), ``/step_s``.
@@ -233,9 +237,9 @@ def train_reward_model(
     history = []
     for step in range(cfg.steps):
         if checkpoint is not None:
-            checkpoint(f"reward_model:{step}")
+            checkpoint(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
         started = time.perf_counter()
-        optimizer = model.store.activate(model.name)  # type: ignore[attr-defined]
+        optimizer = model.store.activate(model.name)
         model.base.model.train()
         ex = [data.examples[i] for i in draw("examples", len(data.examples), cfg.batch_size)]
         pr = [data.pairs[i] for i in draw("pairs", len(data.pairs), cfg.batch_size)]

@@ -23,19 +23,23 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from trainer.base import ResidentBase
-from trainer.config import CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
+from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
 from trainer.feedback_data import FeedbackData, feedback_data
 from trainer.reward_model import RewardModel, create_reward_model, evaluate_reward_model, tokenise_feedback, train_reward_model
 from trainer.rewards import REWARD_MODEL_SCORE
-from trainer.types import RewardModelReport, RewardModelResult
+from trainer.types import PhaseHook, RewardModelReport, RewardModelResult
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
     problems = []
     if users and cfg.enabled is False:
         problems.append(f"candidates {[c.name for c in users]} use reward 'reward_model' but [reward_model] enabled = false")
-    offline = [c.name for c in users if c.algorithm not in ("grpo", "ppo_clip")]
+    offline = [c.name for c in users if c.algorithm in OFFLINE_ALGORITHMS]
     if offline:
         problems.append(f"candidates {offline} use reward 'reward_model', which scores fresh rollouts: only grpo / ppo_clip have them")
     if any(c.name == cfg.name for c in candidates):
@@ -113,8 +117,8 @@ def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> P
 
 
 def train_phase(
-    base: ResidentBase, store: object, cfg: RewardModelConfig, rl: RLConfig, data: tuple[FeedbackData, FeedbackData],
-    out_dir: Path, champion: Path | None = None, checkpoint: Callable[[str], None] | None = None,
+    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, rl: RLConfig, data: tuple[FeedbackData, FeedbackData],
+    out_dir: Path, champion: Path | None = None, checkpoint: PhaseHook | None = None,
 ) -> RewardPhase:  # fmt: skip
     """Create, train and evaluate the round's reward model (see the module docstring).
 
@@ -136,7 +140,7 @@ def train_phase(
         try:
             champion_report = evaluate_reward_model(probe, held, rl.gate_confidence, rl.bootstrap_samples, rl.seed)
         finally:
-            store.delete(probe.name)  # type: ignore[attr-defined]
+            store.delete(probe.name)
     metrics = {
         **report.as_metrics(), "reward_model/train_examples": float(len(train_fb.examples)),
         "reward_model/train_pairs": float(len(train_fb.pairs)), "reward_model/train_s": time.perf_counter() - started,

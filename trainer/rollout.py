@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from trainer.base import ResidentBase
 from trainer.errors import RolloutError
 from trainer.samples import Sample
+
+if TYPE_CHECKING:
+    from trainer.adapter_store import AdapterStore
 
 BASE_VERSION = "base"
 
@@ -63,9 +66,9 @@ class HFEngine:
     distribution the trainer's loss uses.
     """
 
-    def __init__(self, base: ResidentBase, store: object, batch_size: int = 16) -> None:
+    def __init__(self, base: ResidentBase, store: AdapterStore, batch_size: int = 16) -> None:
         self.base = base
-        self.store = store  # an AdapterStore: activate(name)
+        self.store = store
         self.batch_size = batch_size
         self.versions: dict[str, str] = {}
 
@@ -124,7 +127,7 @@ class HFEngine:
                 with self.base.reference():
                     gen = self._run(input_BP, attn_BP, requests[0].max_new_tokens, kwargs)
             else:
-                self.store.activate(self.versions[version])  # type: ignore[attr-defined]
+                self.store.activate(self.versions[version])
                 gen = self._run(input_BP, attn_BP, requests[0].max_new_tokens, kwargs)
         finally:
             model.train(was_training)

@@ -1,13 +1,73 @@
-"""Data that crosses the trainer's boundary: what a round returns.
+"""Data that crosses the trainer's boundary: what a round returns, and the
+phase boundaries it reports while it runs.
 
-Frozen dataclasses; ``pipeline`` reads them to log, register and promote.
+Frozen dataclasses; ``pipeline`` reads them to log, register and promote, and
+moves its round state machine on the :class:`PhaseBoundary` hooks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
+
+
+class RoundPhase(StrEnum):
+    """The trainer's phases of a round, in order: the reward model (when the round trains one),
+    the candidates' training steps, then evaluation (which ends with the gate)."""
+
+    REWARD_MODEL = "reward_model"
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseBoundary:
+    """A point between two units of work where the caller may stop the round (by raising).
+
+    - ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)``: before reward-model step ``k``;
+    - ``PhaseBoundary(RoundPhase.TRAIN, step=k)``: before candidate training step ``k``;
+    - ``PhaseBoundary(RoundPhase.EVALUATE)``: evaluation starts (the candidates are trained);
+    - ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")``: before the greedy answers;
+    - ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=c)``: before candidate ``c`` is scored.
+
+    ``label`` is the short form logs and messages use (``"train:3"``, ``"evaluate:score:a"``);
+    a boundary compares equal to its label, so a hook may match either.
+    """
+
+    phase: RoundPhase
+    step: int | None = None
+    part: str | None = None
+    candidate: str | None = None
+
+    @property
+    def label(self) -> str:
+        tail = [str(x) for x in (self.step, self.part, self.candidate) if x is not None]
+        return ":".join([self.phase.value, *tail])
+
+    @property
+    def starts_phase(self) -> bool:
+        """True for the boundary that opens ``phase`` as a whole (``evaluate``), not one inside it."""
+        return self.step is None and self.part is None
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PhaseBoundary):
+            return (self.phase, self.step, self.part, self.candidate) == (other.phase, other.step, other.part, other.candidate)
+        if isinstance(other, str):
+            return self.label == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+
+PhaseHook = Callable[[PhaseBoundary], None]
+"""Called by the trainer at every :class:`PhaseBoundary`; it may raise to stop the round there."""
 
 
 @dataclass(frozen=True)

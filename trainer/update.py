@@ -1,7 +1,9 @@
 """One optimizer step of one candidate: build the batch, score it, update.
 
-:data:`ALGORITHMS` maps every :class:`~trainer.config.Algorithm` to its batch
-builder and its policy loss:
+:data:`ALGORITHMS` maps every :class:`~trainer.config.Algorithm` to its
+:class:`AlgorithmSpec` (online or offline, which logged rows it can use, its
+batch builder, its policy loss, whether it joins one-pass updates); nothing
+else compares algorithm names, so a new algorithm is one entry:
 
 - ``grpo`` / ``ppo_clip``: :func:`rollout_batch`, rollout groups -> rewards ->
   advantages (``grpo``: group-normalised, Shao et al. 2024; ``ppo_clip``:
@@ -58,15 +60,25 @@ class Batch:
     desirable: list[bool] | None = None
 
 
+Advantages = Callable[[torch.Tensor], torch.Tensor]
+"""Rewards ``rewards_PG`` (``P`` prompts x ``G`` samples) -> advantages of the same shape."""
+
+
+def mean_baseline(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """PPO-clip without a value model: each group's mean reward is the baseline (no std scaling)."""
+    return rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+
+
 def rollout_batch(
-    candidate: CandidateConfig,
     prompts: Sequence[Prompt],
     prompt_ids: Sequence[list[int]],
     groups: Sequence[Sequence[Sample]],
     reward: RewardMix,
+    advantages: Advantages,
     extra_metadata_PG: Sequence[Sequence[dict]] | None = None,
 ) -> tuple[Batch, dict[str, float]]:
-    """Score rollout groups (``P`` prompts x ``G`` samples) and compute advantages.
+    """Score rollout groups (``P`` prompts x ``G`` samples) and compute ``advantages`` of the rewards
+    (:func:`trainer.losses.group_advantages` for GRPO, :func:`mean_baseline` for PPO-clip).
 
     ``extra_metadata_PG[p][g]`` is merged into prompt ``p``'s metadata when scoring
     sample ``g`` (e.g. ``reward_model_score``, the reward model's score of that sample).
@@ -76,10 +88,7 @@ def rollout_batch(
         [[reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)] for p, group, xs in zip(prompts, groups, extra)],
         dtype=torch.float64,
     )
-    if candidate.algorithm == Algorithm.GRPO:
-        advantages_PG = group_advantages(rewards_PG)
-    else:  # ppo_clip without a value model: the group mean is the baseline
-        advantages_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    advantages_PG = advantages(rewards_PG)
     batch = Batch(
         prompt_ids=[list(ids) for ids, group in zip(prompt_ids, groups) for _ in group],
         completion_ids=[list(s.token_ids) for group in groups for s in group],
@@ -256,12 +265,14 @@ PolicyLoss = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """How an algorithm learns: ``online`` ones get fresh rollouts each step; offline ones draw
-    logged rows that ``usable_row`` accepts. ``build_batch`` and ``policy_loss`` do the rest."""
+    logged rows that ``usable_row`` accepts. ``build_batch`` and ``policy_loss`` do the rest;
+    ``one_pass`` ones may update together in one forward/backward (:func:`update_step_one_pass`)."""
 
     online: bool
     build_batch: Callable[[StepData], tuple[Batch, dict[str, float]]]
     policy_loss: PolicyLoss
     usable_row: Callable[[Prompt, CandidateConfig], bool]
+    one_pass: bool = False
 
 
 def _ppo_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
@@ -302,10 +313,17 @@ def _kto_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
     return loss, metrics
 
 
-def _rollout(data: StepData) -> tuple[Batch, dict[str, float]]:
-    if data.groups is None:
-        raise DataError(f"candidate {data.candidate.name!r} ({data.candidate.algorithm}) needs rollout groups")
-    return rollout_batch(data.candidate, data.prompts, data.prompt_ids, data.groups, data.reward, data.extra_metadata_PG)
+def _rollout(advantages: Advantages) -> Callable[[StepData], tuple[Batch, dict[str, float]]]:
+    def build(data: StepData) -> tuple[Batch, dict[str, float]]:
+        if data.groups is None:
+            raise DataError(f"candidate {data.candidate.name!r} ({data.candidate.algorithm}) needs rollout groups")
+        return rollout_batch(data.prompts, data.prompt_ids, data.groups, data.reward, advantages, data.extra_metadata_PG)
+
+    return build
+
+
+def _any_row(p: Prompt, candidate: CandidateConfig) -> bool:
+    return True
 
 
 def _logged_with_reward(p: Prompt, candidate: CandidateConfig) -> bool:
@@ -317,8 +335,8 @@ def _kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
 
 
 ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
-    Algorithm.GRPO: AlgorithmSpec(online=True, build_batch=_rollout, policy_loss=_ppo_loss, usable_row=lambda p, c: True),
-    Algorithm.PPO_CLIP: AlgorithmSpec(online=True, build_batch=_rollout, policy_loss=_ppo_loss, usable_row=lambda p, c: True),
+    Algorithm.GRPO: AlgorithmSpec(online=True, build_batch=_rollout(group_advantages), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True),
+    Algorithm.PPO_CLIP: AlgorithmSpec(online=True, build_batch=_rollout(mean_baseline), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True),
     Algorithm.OFFLINE_IS: AlgorithmSpec(
         online=False, build_batch=lambda d: offline_batch(d.prompts, d.prompt_ids, d.base, d.reward),
         policy_loss=_offline_is_loss, usable_row=_logged_with_reward,
@@ -387,7 +405,7 @@ class OnePassMember:
     optimizer: torch.optim.Optimizer
 
 
-ONE_PASS_ALGORITHMS = frozenset({Algorithm.GRPO, Algorithm.PPO_CLIP})
+ONE_PASS_ALGORITHMS = frozenset(a for a, spec in ALGORITHMS.items() if spec.one_pass)
 
 
 def update_step_one_pass(
@@ -412,7 +430,7 @@ def update_step_one_pass(
         TrainerConfigError: a member's algorithm is not in :data:`ONE_PASS_ALGORITHMS`.
     """
 
-    bad = [m.candidate.name for m in members if m.candidate.algorithm not in ONE_PASS_ALGORITHMS]
+    bad = [m.candidate.name for m in members if not ALGORITHMS[m.candidate.algorithm].one_pass]
     if bad:
         raise TrainerConfigError(f"candidates {bad}: one-pass updates support {sorted(ONE_PASS_ALGORITHMS)} only; train them sequentially")
     started = time.perf_counter()

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import HourglassConfig
 from pipeline.redact import redact
-from pipeline.registry.models import RegistryError, make_client
+from pipeline.registry.client import RegistryError, make_client
 
 TAG_HISTORY = "hourglass.champion_history"
 TAG_SERVE_ERROR = "hourglass.serve_error"

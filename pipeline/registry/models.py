@@ -25,7 +25,12 @@ under ``<state_dir>/registry/pending/<round_id>/`` first and removed only once
 MLflow holds everything, so nothing is lost when MLflow is down;
 :func:`retry_pending` finishes the job on a later cycle. Every step is
 idempotent by the round id tag, so a retry never registers a version twice.
-Alias moves (promote, rollback) live in :mod:`pipeline.registry.aliases`.
+
+Registering moves no alias. Promotion is its own step (:func:`promote_winners`,
+the round's ``promote`` state); the alias moves themselves (promote, rollback)
+live in :mod:`pipeline.registry.aliases`. The MLflow client factory, the registry
+errors and the tag names live in the leaf :mod:`pipeline.registry.client`,
+which both modules import.
 """
 
 from __future__ import annotations
@@ -35,42 +40,41 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from pipeline.config import HourglassConfig
-from pipeline.errors import PipelineError
 from pipeline.redact import redact
+from pipeline.registry import aliases
+from pipeline.registry.client import (
+    TAG_CANDIDATE,
+    TAG_FINGERPRINT,
+    TAG_KIND,
+    TAG_ROUND,
+    TAG_SHA256,
+    TAG_TRACES,
+    TAG_WINDOW_END,
+    TAG_WINDOW_START,
+    RegistryError,
+    RegistryUnavailableError,
+    make_client,
+    mlflow_reachable,
+)
+from pipeline.registry.client import short_retry as _short_retry
+from pipeline.registry.client import transient as _transient
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.model_store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
 log = logging.getLogger(__name__)
 
-TAG_ROUND = "hourglass.round_id"
-TAG_WINDOW_START = "hourglass.window_start"
-TAG_WINDOW_END = "hourglass.window_end"
-TAG_TRACES = "hourglass.trace_count"
-TAG_FINGERPRINT = "hourglass.base_fingerprint"
-TAG_CANDIDATE = "hourglass.candidate"
-TAG_SHA256 = "hourglass.sha256"
-TAG_KIND = "hourglass.run_kind"  # "round" | "candidate"
 ADAPTER_ARTIFACT = "adapter"
-
-
-class RegistryError(PipelineError, RuntimeError):
-    """MLflow refused a registry operation (the message says which and why)."""
-
-
-class RegistryUnavailableError(RegistryError, ConnectionError):
-    """MLflow could not be reached; the round waits in the pending folder."""
 
 
 @dataclass(frozen=True)
@@ -82,46 +86,6 @@ class RegisteredVersion:
     round_id: str
     candidate: str
     run_id: str
-
-
-def make_client(cfg: HourglassConfig) -> MlflowClient:
-    """An ``MlflowClient`` on ``registry.tracking_uri``.
-
-    MLflow's own HTTP retry defaults (7 retries, exponential backoff) would
-    stall a round for minutes when the server is down; unless the operator set
-    them, they are lowered so our tenacity policy and the pending folder do
-    the waiting instead.
-    """
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    return MlflowClient(tracking_uri=cfg.registry.tracking_uri, registry_uri=cfg.registry.tracking_uri)
-
-
-def mlflow_reachable(tracking_uri: str, timeout_s: float = 2.0) -> bool:
-    """True when ``GET {tracking_uri}/health`` answers 200 (always True for non-HTTP URIs)."""
-    if not tracking_uri.startswith(("http://", "https://")):
-        return True
-    try:
-        return httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _transient(err: BaseException) -> bool:
-    if isinstance(err, (ConnectionError, httpx.HTTPError)):
-        return True
-    if isinstance(err, MlflowException):
-        text = str(err)
-        return err.error_code == "TEMPORARILY_UNAVAILABLE" or "Max retries exceeded" in text or "Connection" in text
-    return type(err).__module__.startswith(("requests", "urllib3"))
-
-
-# Short retries for a blip; a longer outage is the pending folder's job.
-_short_retry = retry(
-    retry=retry_if_exception(_transient), stop=stop_after_attempt(3), wait=wait_exponential(multiplier=0.5, max=2), reraise=True
-)
 
 
 # --- pending registrations on local disk ------------------------------------------
@@ -313,29 +277,27 @@ def register_winner(
     return RegisteredVersion(model, str(version.version), result.round_id, cand.name, run_id)
 
 
-def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResult, promote: bool) -> list[RegisteredVersion]:
-    from pipeline.registry.aliases import promote as promote_version  # alias moves live there
-
+def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResult) -> list[RegisteredVersion]:
     key = signing_keys(cfg)[0]
     runs = _short_retry(log_round)(client, cfg.registry.experiment, result)
     registered = []
     for decision in result.decisions.values():
         if decision.winner is None:
             continue
-        version = _short_retry(register_winner)(client, result, decision, runs[decision.winner], signing_key=key)
-        registered.append(version)
-        if promote:
-            _short_retry(promote_version)(cfg, version.model, version.version, client=client, reason=f"round {result.round_id}")
+        registered.append(_short_retry(register_winner)(client, result, decision, runs[decision.winner], signing_key=key))
     return registered
 
 
-def register_round(
-    cfg: HourglassConfig, result: RoundResult, *, promote: bool = False, client: MlflowClient | None = None
+def register_winners(
+    cfg: HourglassConfig, result: RoundResult, *, promotion_owed: bool = False, client: MlflowClient | None = None
 ) -> list[RegisteredVersion]:
-    """Log a round, register each gate winner, and optionally move ``@champion`` to it.
+    """The ``register`` step: log a round and register each gate winner. Moves no alias.
 
     Write-ahead: the round is saved to the pending folder first and removed
-    once MLflow holds it, so an outage loses nothing.
+    once MLflow holds it, so an outage loses nothing. ``promotion_owed`` is
+    written into that folder: when this call fails and the round gives up,
+    :func:`retry_pending` later registers the folder and runs
+    :func:`promote_winners` for it (the round can no longer do so).
 
     Returns:
         One :class:`RegisteredVersion` per served model whose gate picked a winner.
@@ -345,28 +307,55 @@ def register_round(
             retries; the round stays pending for :func:`retry_pending`.
         RegistryError: MLflow refused an operation; the round stays pending.
     """
+    folder = save_pending(cfg, result, promotion_owed)
+    stored, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
+    return _register_folder(cfg, folder, stored, False, client or make_client(cfg))
+
+
+def register_round(
+    cfg: HourglassConfig, result: RoundResult, *, promote: bool = False, client: MlflowClient | None = None
+) -> list[RegisteredVersion]:
+    """Both steps at once, for callers outside a round (tests, benchmarks, tools): :func:`register_winners`,
+    then with ``promote`` :func:`promote_winners` before the pending folder is released (a failed
+    promotion stays pending and is retried by :func:`retry_pending`).
+
+    Raises:
+        RegistryUnavailableError, RegistryError: as :func:`register_winners`.
+    """
     folder = save_pending(cfg, result, promote)
     stored, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
     return _register_folder(cfg, folder, stored, promote, client or make_client(cfg))
 
 
+def register_pending(cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None) -> list[RegisteredVersion] | None:
+    """Register the pending folder of ``round_id`` without moving any alias (crash recovery of a round
+    that was in ``register``: its own ``promote`` step follows). None when the round has no pending folder.
+
+    Raises:
+        RegistryUnavailableError, RegistryError: as :func:`register_winners`; the folder stays.
+    """
+    folder = pending_dir(cfg) / round_id
+    if not (folder / "round.json").is_file():
+        return None
+    result, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
+    return _register_folder(cfg, folder, result, False, client or make_client(cfg))
+
+
 TAG_NOT_PROMOTED = "hourglass.not_promoted"
 
 
-def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, version: RegisteredVersion) -> str | None:
+def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, model: str, version: str, round_id: str) -> str | None:
     """Why ``version`` must not become champion (its round is older than the champion's), or None.
 
     Rounds are ordered by round id (``r<UTC start time>-<hex>``), falling back
     to the lineage tag ``hourglass.window_end`` when a champion has no round tag.
     """
-    from pipeline.registry.aliases import champion_version
-
-    current = champion_version(client, version.model, cfg.registry.champion_alias)
-    if current is None or current == version.version:
+    current = aliases.champion_version(client, model, cfg.registry.champion_alias)
+    if current is None or current == version:
         return None
-    champ = client.get_model_version(version.model, current)
-    mine = client.get_model_version(version.model, version.version)
-    champ_round, my_round = champ.tags.get(TAG_ROUND), mine.tags.get(TAG_ROUND, version.round_id)
+    champ = client.get_model_version(model, current)
+    mine = client.get_model_version(model, version)
+    champ_round, my_round = champ.tags.get(TAG_ROUND), mine.tags.get(TAG_ROUND, round_id)
     if champ_round and my_round and champ_round > my_round:
         return f"round {my_round} is older than the champion v{current}'s round {champ_round}"
     champ_end, my_end = champ.tags.get(TAG_WINDOW_END), mine.tags.get(TAG_WINDOW_END)
@@ -375,26 +364,41 @@ def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, version:
     return None
 
 
-def _promote_unless_stale(cfg: HourglassConfig, client: MlflowClient, version: RegisteredVersion) -> bool:
-    from pipeline.registry.aliases import promote as promote_version
+def promote_winners(cfg: HourglassConfig, round_id: str, versions: Mapping[str, str], *, client: MlflowClient | None = None) -> list[dict]:
+    """The ``promote`` step with the canary off: move ``@champion`` of each served model to its
+    registered version, unless a newer round's version is champion already (then the version is
+    tagged ``hourglass.not_promoted`` with the reason and the alias stays).
 
-    stale = _short_retry(_stale_against_champion)(cfg, client, version)
-    if stale is not None:
-        reason = f"not promoted: {stale}"
-        log.warning("%s v%s %s", version.model, version.version, reason)
-        _short_retry(client.set_model_version_tag)(version.model, version.version, TAG_NOT_PROMOTED, reason[:4900])
-        return False
-    _short_retry(promote_version)(cfg, version.model, version.version, client=client, reason=f"round {version.round_id}")
-    return True
+    Idempotent: a version that is champion already stays so (a resumed round moves nothing twice).
+    ``versions``: served model -> version. Returns one ``{"model", "version", "action", "reason"}``
+    per model, ``action`` ``"promoted"`` or ``"not_promoted"``.
+
+    Raises:
+        MlflowException, ConnectionError: MLflow refused or could not be reached (after short retries).
+    """
+    if not versions:
+        return []
+    client = client or make_client(cfg)
+    outcomes = []
+    for model, version in versions.items():
+        stale = _short_retry(_stale_against_champion)(cfg, client, model, str(version), round_id)
+        if stale is not None:
+            reason = f"not promoted: {stale}"
+            log.warning("%s v%s %s", model, version, reason)
+            _short_retry(client.set_model_version_tag)(model, str(version), TAG_NOT_PROMOTED, reason[:4900])
+            outcomes.append({"model": model, "version": str(version), "action": "not_promoted", "reason": stale})
+            continue
+        _short_retry(aliases.promote)(cfg, model, str(version), client=client, reason=f"round {round_id}")
+        outcomes.append({"model": model, "version": str(version), "action": "promoted", "reason": f"round {round_id}"})
+    return outcomes
 
 
-def _register_folder(cfg, folder: Path, result: RoundResult, promote: bool, client: MlflowClient) -> list[RegisteredVersion]:
-    """Register the pending round in ``folder``; promote each winner unless a newer round's version is champion."""
+def _register_folder(cfg: HourglassConfig, folder: Path, result: RoundResult, promote: bool, client: MlflowClient) -> list[RegisteredVersion]:
+    """Register the pending round in ``folder``; with ``promote``, run :func:`promote_winners` before the folder goes."""
     try:
-        registered = _register_now(cfg, client, result, promote=False)
+        registered = _register_now(cfg, client, result)
         if promote:
-            for version in registered:
-                _promote_unless_stale(cfg, client, version)
+            promote_winners(cfg, result.round_id, {v.model: v.version for v in registered}, client=client)
     except Exception as err:
         if _transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
@@ -412,10 +416,11 @@ def retry_pending(cfg: HourglassConfig, client: MlflowClient | None = None) -> l
     """Register every pending round, oldest first; stops at the first outage.
 
     Called at start-up and every ``schedule.pending_retry_interval_s`` by the
-    service (while no round runs). A pending round that asked for promotion is
-    promoted only if it is not older than the current champion's round;
-    otherwise it is registered, tagged ``hourglass.not_promoted`` with the
-    reason, and the alias stays.
+    service (while no round runs). A pending round that still owes its
+    promotion (its round gave up at ``register``) is promoted by
+    :func:`promote_winners`: only if it is not older than the current
+    champion's round; otherwise it is registered, tagged
+    ``hourglass.not_promoted`` with the reason, and the alias stays.
 
     Returns the versions registered in this call (already-registered ones
     included, found by their round id tag). Rounds MLflow refuses stay pending

@@ -9,7 +9,8 @@ round's run) holding its metrics and the folder ``reward_model`` (PEFT adapter
 ``hourglass.sha256`` of its files (so staging verifies what it downloads) and
 ``hourglass.reward_auc``, its held-out AUC.
 
-``@champion`` of the reward model moves to the new version only when its
+``@champion`` of the reward model moves to the new version (in the round's
+``promote`` step, :func:`promote_reward_model`; registration records the decision) only when its
 held-out AUC is finite and not below the current reward champion's AUC by
 more than ``reward_model.auc_margin``. The champion's AUC is the one
 re-measured on this round's held-out rows when the round had its files, else
@@ -36,22 +37,21 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import HourglassConfig
-from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
-from pipeline.registry.models import (
+from pipeline.registry import aliases
+from pipeline.registry.client import (
     TAG_CANDIDATE,
     TAG_KIND,
+    TAG_ROUND,
     TAG_SHA256,
     RegistryError,
     RegistryUnavailableError,
-    _experiment_id,
-    _find_runs,
-    _lineage_tags,
-    _short_retry,
-    _transient,
-    adapter_checksums,
     make_client,
     mlflow_reachable,
+    short_retry,
+    transient,
 )
+from pipeline.registry.models import _experiment_id, _find_runs, _lineage_tags, adapter_checksums
+from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.types import RewardModelReport, RewardModelResult, RoundResult
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,11 @@ def pending_reward_dir(cfg: HourglassConfig) -> Path:
 
 def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
     """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.registry.aliases import champion_version
     from pipeline.serving.staging import stage_options, stage_version
 
     try:
         client = client or make_client(cfg)
-        version = champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
+        version = aliases.champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
         if version is None:
             return None
         options = {**stage_options(cfg), "max_lora_rank": MAX_RANK}  # signature, size cap, adapter config: as for policies
@@ -150,8 +149,6 @@ def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
 
 
 def _find_version(client: MlflowClient, model: str, round_id: str):
-    from pipeline.registry.models import TAG_ROUND
-
     try:
         found = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
     except MlflowException as err:
@@ -162,8 +159,6 @@ def _find_version(client: MlflowClient, model: str, round_id: str):
 
 
 def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str], rm: RewardModelResult) -> str:
-    from pipeline.registry.models import TAG_ROUND
-
     experiment_id = _experiment_id(client, cfg.registry.experiment)
     parents = _find_runs(client, experiment_id, lineage[TAG_ROUND], "round")
     tags = {**lineage, TAG_KIND: ROLE, TAG_CANDIDATE: rm.name, TAG_ROLE: ROLE}
@@ -179,24 +174,21 @@ def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str]
     return run.info.run_id
 
 
-def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult) -> RewardRegistration:
-    from pipeline.registry.aliases import champion_version, promote
-    from pipeline.registry.models import TAG_ROUND
-
+def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult, promote: bool) -> RewardRegistration:
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
     existing = _find_version(client, model, lineage[TAG_ROUND])
     if existing is not None:  # a retry after a crash or a blip: registered and decided already
-        version, current = str(existing.version), champion_version(client, model, alias)
+        version, current = str(existing.version), aliases.champion_version(client, model, alias)
         promoted = existing.tags.get(TAG_PROMOTE) == "true"
-        if promoted and current != version:  # the alias move did not happen yet
-            promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
+        if promote and promoted and current != version:  # the alias move did not happen yet
+            aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
         return RewardRegistration(model, version, promoted, existing.tags.get(TAG_DECISION, ""), current)
     try:
         client.create_registered_model(model, tags={TAG_ROLE: ROLE}, description=f"Reward model learned from the feedback on {cfg.serving.model_name!r} (Hourglass).")
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    current = champion_version(client, model, alias)
+    current = aliases.champion_version(client, model, alias)
     champion_auc = None
     if current is not None:
         if rm.champion_report is not None:
@@ -211,17 +203,17 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
     tags[TAG_SIGNATURE] = sign(signing_keys(cfg)[0], model, tags)  # staging serves nothing unsigned, reward models included
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT}"
     version = str(client.create_model_version(model, source, run_id=run_id, tags=tags, description=reason).version)
-    if promoted:
-        promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]}: {reason}")
+    if promote and promoted:
+        aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]}: {reason}")
     return RewardRegistration(model, version, promoted, reason, current)
 
 
-def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient) -> RewardRegistration:
+def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient, promote: bool = True) -> RewardRegistration:
     lineage, rm = _load_pending(folder)
     try:
-        registered = _short_retry(_register_now)(cfg, client, lineage, rm)
+        registered = short_retry(_register_now)(cfg, client, lineage, rm, promote)
     except Exception as err:
-        if _transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
+        if transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
                 f"MLflow at {cfg.registry.tracking_uri} is unreachable ({type(err).__name__}); the reward model of round "
                 f"{folder.name!r} is kept in {folder} and will be registered by retry_pending_rewards()"
@@ -231,10 +223,14 @@ def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient) -
     return registered
 
 
-def register_reward_model(cfg: HourglassConfig, result: RoundResult, client: MlflowClient | None = None) -> RewardRegistration | None:
-    """Register the round's reward model (write-ahead) and move its ``@champion`` when it earns it.
+def register_reward_model(
+    cfg: HourglassConfig, result: RoundResult, client: MlflowClient | None = None, *, promote: bool = True
+) -> RewardRegistration | None:
+    """Register the round's reward model (write-ahead) and, with ``promote``, move its ``@champion`` when it earns it.
 
-    Returns None when the round trained no reward model.
+    A round registers with ``promote=False`` (its ``register`` step moves no alias): the decision is
+    recorded on the version (``hourglass.reward_promote``) and :func:`promote_reward_model`, in the
+    round's ``promote`` step, carries it out. Returns None when the round trained no reward model.
 
     Raises:
         RegistryUnavailableError: MLflow unreachable; the reward model stays pending.
@@ -243,7 +239,25 @@ def register_reward_model(cfg: HourglassConfig, result: RoundResult, client: Mlf
     folder = save_pending(cfg, result)
     if folder is None:
         return None
-    return _register_folder(cfg, folder, client or make_client(cfg))
+    return _register_folder(cfg, folder, client or make_client(cfg), promote)
+
+
+def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None) -> bool:
+    """Carry out the recorded decision for the reward model of ``round_id``: move ``@champion`` to its
+    version when the decision says so and the alias is not there yet (idempotent). Returns whether it is champion.
+
+    Raises:
+        MlflowException, ConnectionError: MLflow refused or could not be reached.
+    """
+    client = client or make_client(cfg)
+    model = reward_model_name(cfg)
+    found = _find_version(client, model, round_id)
+    if found is None or found.tags.get(TAG_PROMOTE) != "true":
+        return False
+    version = str(found.version)
+    if aliases.champion_version(client, model, cfg.registry.champion_alias) != version:
+        aliases.promote(cfg, model, version, client=client, reason=f"round {round_id}: {found.tags.get(TAG_DECISION, '')}")
+    return True
 
 
 def retry_pending_rewards(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RewardRegistration]:

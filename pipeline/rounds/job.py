@@ -1,26 +1,35 @@
-"""One round, end to end, as named steps over the persisted state machine.
+"""One round, end to end, over the persisted state machine of :mod:`pipeline.rounds.records`.
 
-    snapshot → train (+ evaluate, inside the trainer) → gate → register → promote
+    snapshot → train → evaluate → gate → register → promote → done | no_winner
 
-The round's reward model (when it trains one) is registered in the
-``register`` step too, as its own registered model (see :mod:`pipeline.registry.reward_registry`).
+Read :meth:`RoundRunner._run` top to bottom: it is the round. Each state is
+recorded before its work starts, so a crash leaves a record that says where it
+stopped, and :func:`recover` settles such records at the next start:
 
-Each step records its state in :class:`~pipeline.rounds.records.RoundStore` before it
-starts, so a crash leaves a record that says where it stopped
-(:func:`recover` settles such records at the next start). Registration is
-write-ahead and idempotent by round id (see :mod:`pipeline.registry.models`), so a
-resumed round is registered and promoted at most once.
+- before ``register`` nothing left the process: the round failed, and the
+  adapters it had published into vLLM are unloaded;
+- in ``register`` the result is write-ahead in the pending folder
+  (:mod:`pipeline.registry.models`): recovery finishes the registration (no alias
+  moves) and then runs the ``promote`` step;
+- in ``promote`` the versions are registered: recovery runs the ``promote`` step
+  again, which is idempotent (a version that already holds the alias keeps it),
+  so every winner is promoted exactly once.
+
+Registering moves no alias; the ``promote`` step does: ``@champion``, or with
+``serving.canary.enabled`` ``@challenger`` (``@champion`` when there is none yet).
+The round's reward model (when it trains one) is registered in the ``register``
+step too, as its own registered model (:mod:`pipeline.registry.reward_registry`).
+
+The work of each state is a method of :class:`~pipeline.rounds.steps.RoundSteps`;
+:class:`LiveSteps` does it for real (buffer, trainer, MLflow, vLLM), tests inject fakes.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -28,8 +37,24 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundStore
-from trainer.config import window_seconds
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
+
+# LiveSteps looks these up in this module at call time, so a test may replace any of them here.
+from pipeline.rounds.steps import (  # noqa: F401  (parse_window, round_adapter_names: re-exported)
+    RoundSteps,
+    _buffer_trace_rows,
+    _challenge,
+    _describe,
+    _register_reward_model,
+    champion_adapters,
+    parse_window,
+    reward_champion_for,
+    round_adapter_names,
+    take_snapshot,
+    train_and_evaluate,
+    unload_round_adapters,
+)
+from trainer.types import PhaseBoundary, PhaseHook, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -49,103 +74,17 @@ class RoundNotCancellableError(PipelineError, RuntimeError):
     """The round has started ``register``: its result may already be in MLflow and the alias may move."""
 
 
-def parse_window(window: str) -> timedelta:
-    """``"6h"`` → 6 hours. Units: s, m, h, d; 1 s to ten years.
-
-    Raises:
-        ValueError: not a number followed by one unit, or out of range.
-    """
-    return timedelta(seconds=window_seconds(window))
-
-
-# --- the steps -------------------------------------------------------------------------
-
-
-def take_snapshot(cfg: HourglassConfig, window: str) -> tuple[pa.Table, dict[str, Any]]:
-    """Sealed buffer rows of the last ``window`` (a consistent snapshot)."""
-    from connectors.buffer import RewardBuffer
-
-    end = datetime.now(timezone.utc)
-    start = end - parse_window(window)
-    table = RewardBuffer(cfg.buffer).snapshot(start, end)
-    return table, {"data/rows": table.num_rows, "data/window_start": start.isoformat(), "data/window_end": end.isoformat()}
-
-
-def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_fingerprint: str) -> dict[str, Path | None]:
-    """Served model → the staged folder of its current ``@champion`` (None: the base serves)."""
-    from pipeline.registry.aliases import champion_version
-    from pipeline.registry.models import make_client
-    from pipeline.serving.staging import stage_options, stage_version
-
-    client = make_client(cfg)
-    out: dict[str, Path | None] = {}
-    for model in sorted(served_models):
-        version = None
-        try:
-            version = champion_version(client, model, cfg.registry.champion_alias)
-        except Exception as err:  # no registered model yet is the common case
-            log.info("no champion for %s yet (%s)", model, err)
-        if version is None:
-            out[model] = None
-            continue
-        staged = stage_version(
-            client, model, version, cfg.resolve(cfg.serving.staging_dir), base_fingerprint=base_fingerprint, **stage_options(cfg),
-        )  # fmt: skip
-        out[model] = staged.path
-    return out
-
-
-def train_and_evaluate(
-    cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: Callable[[str], None] | None = None,
-    reward_champion: Path | None = None,
-):
-    """Split across users and time (per-user share capped), train the reward model (when wanted) and every
-    selected candidate, evaluate against the champions, gate.
-
-    ``checkpoint`` is passed to :func:`trainer.candidates.run_round` (phase boundaries; may raise to cancel);
-    ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
-    """
-    from trainer.candidates import run_round
-    from trainer.tasks import split_snapshot, user_metrics
-
-    train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
-    rl = cfg.rl  # rl.rollout_url defaults to the serving vLLM (filled by HourglassConfig)
-    candidates = [c for c in cfg.candidates if c.name in record.candidates]
-    out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-    result = run_round(
-        cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint,
-        reward_cfg=cfg.reward_model, reward_champion=reward_champion,
-    )  # fmt: skip
-    result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
-    return result
-
-
-def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:
-    """The staged reward champion when this round trains a reward model (None otherwise, or when there is none)."""
-    candidates = [c for c in cfg.candidates if c.name in names]
-    if not cfg.reward_model.wanted(candidates, getattr(cfg.rl, "gate_metric", None)):
-        return None
-    from pipeline.registry.reward_registry import reward_champion
-
-    return reward_champion(cfg, base_fingerprint)
-
-
-def _buffer_trace_rows(cfg: HourglassConfig) -> int:
-    from connectors.buffer import RewardBuffer
-
-    return RewardBuffer(cfg.buffer).stats().trace_rows
-
-
 # --- the round ------------------------------------------------------------------------
 
 
 class RoundRunner:
     """Runs rounds one at a time and records them; shared by the scheduler, the API and the CLI."""
 
-    def __init__(self, cfg: HourglassConfig, base_fingerprint: str, store: RoundStore | None = None) -> None:
+    def __init__(self, cfg: HourglassConfig, base_fingerprint: str, store: RoundStore | None = None, steps: RoundSteps | None = None) -> None:
         self.cfg = cfg
         self.base_fingerprint = base_fingerprint
         self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
+        self.steps: RoundSteps = steps or LiveSteps(cfg, base_fingerprint)
         self.lock = RoundLock(cfg.resolve(cfg.state_dir))
         self._cancel = threading.Event()
         self._committed = False  # True from the register step on: the round can no longer be cancelled
@@ -153,7 +92,42 @@ class RoundRunner:
         self._abandoned: str | None = None  # set by settle_abandoned(): the round thread must not write its record
         self._thread: threading.Thread | None = None
         self.current: str | None = None
-        self.on_promoted: list = []  # callbacks(model, version): e.g. wake the reconcile loop
+        self.on_promoted: list[Callable[[str, str], None]] = []  # callbacks(model, version): e.g. wake the reconcile loop
+
+    def _run(self, record: RoundRecord) -> None:
+        """The round, state by state."""
+        self._step(record, RoundState.SNAPSHOT)
+        record.metrics["data/buffer_trace_rows"] = self.steps.buffer_rows()  # for schedule.min_new_traces
+        table, data_metrics = self.steps.snapshot(record.window)
+        record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
+        if table.num_rows < 2:
+            self.store.advance(record, RoundState.NO_WINNER, f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from")
+            return
+
+        self._step(record, RoundState.TRAIN)  # evaluate is entered at the trainer's boundary (_at_boundary)
+        result = self.steps.train_and_evaluate(record, table, lambda boundary: self._at_boundary(record, boundary))
+        if record.state is RoundState.TRAIN:  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
+            self._step(record, RoundState.EVALUATE)
+
+        self._step(record, RoundState.GATE)
+        self._record_gate(record, result)
+
+        self._step(record, RoundState.REGISTER)  # write-ahead: survives an MLflow outage or a crash from here on
+        record.versions, register_metrics = self.steps.register(result)
+        record.metrics.update(register_metrics)
+        self.store.save(record)
+
+        self._step(record, RoundState.PROMOTE)
+        done = self.steps.promote(record)
+        for model, version in record.versions.items():
+            PROMOTIONS.labels(model).inc()
+            for callback in self.on_promoted:
+                callback(model, version)
+        if any(d["winner"] for d in record.decisions.values()):
+            self.store.advance(record, RoundState.DONE, done)
+        else:
+            reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
+            self.store.advance(record, RoundState.NO_WINNER, reasons)
 
     # public API -----------------------------------------------------------------
 
@@ -196,7 +170,7 @@ class RoundRunner:
 
     def cancel(self) -> bool:
         """Ask the running round to stop at its next boundary: between training steps,
-        between evaluation batches, or between phases. False when no round runs.
+        between evaluation batches, or between states. False when no round runs.
 
         Raises:
             RoundNotCancellableError: the round has started ``register`` (its
@@ -226,8 +200,9 @@ class RoundRunner:
                 return None
             self._abandoned = reason
         record = self.store.get(round_id)
-        self.store.transition(record, "failed", f"{record.state}: {reason}")
-        unload_round_adapters(self.cfg, round_id, record.candidates)
+        if not record.terminal:
+            self.store.advance(record, RoundState.FAILED, f"{record.state}: {reason}")
+        self.steps.unload(round_id, record.candidates)
         return round_id
 
     @property
@@ -245,73 +220,41 @@ class RoundRunner:
             raise ValueError(f"unknown candidate(s) {unknown}; configured: {known}")
         return [n for n in known if n in candidates]
 
-    def _step(self, record: RoundRecord, state: str) -> None:
+    def _step(self, record: RoundRecord, state: RoundState) -> None:
+        """Enter ``state`` (persisted before its work starts); a pending cancel takes effect here, before ``register``."""
         with self._state_lock:
             if self._abandoned is not None:
                 raise RoundCancelled(self._abandoned)
             if not self._committed and self._cancel.is_set():
                 raise RoundCancelled(f"cancelled before {state}")
-            if state == "register":
+            if state.committed:
                 self._committed = True  # from here on a cancel is refused
-        self.store.transition(record, state)
+        self.store.advance(record, state)
         log.info("round %s: %s", record.round_id, state)
 
-    def _checkpoint(self, record: RoundRecord, phase: str) -> None:
-        """Called by the trainer between training steps, before evaluation and between
-        evaluation batches (``"evaluate:<what>"``): a cancel takes effect here."""
-        if phase == "evaluate":
-            self._step(record, "evaluate")
+    def _at_boundary(self, record: RoundRecord, boundary: PhaseBoundary) -> None:
+        """The trainer's hook: evaluation's start moves the record to ``evaluate``; at every other
+        boundary (between training steps, between evaluation batches) a cancel takes effect."""
+        if boundary.phase is RoundPhase.EVALUATE and boundary.starts_phase:
+            self._step(record, RoundState.EVALUATE)
         elif self._abandoned is not None:
             raise RoundCancelled(self._abandoned)
         elif self._cancel.is_set():
-            if phase.startswith("evaluate:"):  # "evaluate:greedy", "evaluate:score:<candidate>"
-                raise RoundCancelled(f"cancelled during evaluate (before {phase.removeprefix('evaluate:').replace(':', ' of ')})")
-            raise RoundCancelled(f"cancelled during train (before {phase.replace(':', ' step ')})")  # "train:3", "reward_model:3"
+            if boundary.phase is RoundPhase.EVALUATE:
+                what = boundary.part if boundary.candidate is None else f"{boundary.part} of {boundary.candidate}"
+                raise RoundCancelled(f"cancelled during evaluate (before {what})")
+            raise RoundCancelled(f"cancelled during train (before {boundary.phase} step {boundary.step})")
 
-    def _run_locked(self, record: RoundRecord) -> None:
-        started = time.monotonic()
-        try:
-            self._run(record)
-        except RoundCancelled as err:
-            if self._abandoned is None:  # an abandoned round was settled by settle_abandoned()
-                self.store.transition(record, "cancelled", str(err))
-        except Exception as err:  # a failed round leaves the champion serving
-            log.exception("round %s failed", record.round_id)
-            if self._abandoned is None:
-                self.store.transition(record, "failed", f"{record.state}: {type(err).__name__}: {err}")
-        finally:
-            ROUNDS.labels(record.state).inc()
-            ROUND_SECONDS.observe(time.monotonic() - started)
-            self.current = None
-            self.lock.release()
-
-    def _run(self, record: RoundRecord) -> None:
-        from pipeline.registry.models import register_round
-        from pipeline.registry.reward_registry import save_pending as save_reward_pending
-
-        self._step(record, "snapshot")
-        record.metrics["data/buffer_trace_rows"] = _buffer_trace_rows(self.cfg)  # for schedule.min_new_traces
-        table, data_metrics = take_snapshot(self.cfg, record.window)
-        record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
-        if table.num_rows < 2:
-            self.store.transition(record, "no_winner", f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from")
-            return
-
-        self._step(record, "train")
-        served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
-        champions = champion_adapters(self.cfg, served, self.base_fingerprint)
-        reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
-        result = train_and_evaluate(
-            self.cfg, record, table, champions, checkpoint=lambda phase: self._checkpoint(record, phase), reward_champion=reward_champion
-        )  # fmt: skip
-
+    def _record_gate(self, record: RoundRecord, result: RoundResult) -> None:
+        """``gate``: the decisions per served model (made at the end of evaluation, in the gate
+        metric's unit) go into the record and the gauges."""
         record.metrics.update(result.metrics)
         record.decisions = {
             m: {"winner": d.winner, "reason": d.reason, "metric": d.metric, "champion_reward": d.champion_reward_mean,
                 "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
             for m, d in result.decisions.items()
         }  # fmt: skip
-        for model, decision in result.decisions.items():  # both in the unit of the gate metric (decision.metric)
+        for model, decision in result.decisions.items():
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
             for name, value in decision.candidate_reward_means.items():
                 CANDIDATE_REWARD.labels(name).set(value)
@@ -319,165 +262,168 @@ class RoundRunner:
             REWARD_MODEL_AUC.set(result.reward_model.report.auc)
         self.store.save(record)
 
-        self._step(record, "register")  # write-ahead: survives an MLflow outage or a crash from here on
-        save_reward_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
-        canary = self.cfg.serving.canary.enabled  # the winner goes to @challenger first (pipeline.canary)
-        started = time.perf_counter()
-        versions = register_round(self.cfg, result, promote=not canary)
-        record.metrics["time/register_s"] = time.perf_counter() - started
-        record.versions = {v.model: v.version for v in versions}
-        record.metrics.update(_register_reward_model(self.cfg, result))
-
-        self._step(record, "promote")
-        done = "promoted " + ", ".join(f"{m} v{v}" for m, v in record.versions.items())
-        if canary:
-            done = _challenge(self.cfg, record)
-        for model, version in record.versions.items():
-            PROMOTIONS.labels(model).inc()
-            for callback in self.on_promoted:
-                callback(model, version)
-        winners = {m: d["winner"] for m, d in record.decisions.items() if d["winner"]}
-        if winners:
-            self.store.transition(record, "done", done)
-        else:
-            reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
-            self.store.transition(record, "no_winner", reasons)
-
-
-def round_adapter_names(round_id: str, candidates: list[str]) -> re.Pattern[str]:
-    """The names a round publishes into the rollout engine: ``<candidate>-s<step>``
-    for its candidates and ``champion-<i>-<round_id>`` for the champions it evaluates."""
-    cands = "|".join(re.escape(c) for c in sorted(set(candidates), key=len, reverse=True)) or "(?!)"
-    return re.compile(rf"^(?:(?:{cands})-s[0-9]+|champion-[0-9]+-{re.escape(round_id)})$")
-
-
-def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
-    """Unload what a dead or abandoned round left loaded in vLLM, on every replica.
-
-    Looks at ``serving.replicas`` and ``rl.rollout_url``; a replica that does
-    not answer is skipped (a restarted vLLM has lost its runtime adapters anyway).
-    Only call it while no other round runs (it matches by candidate name).
-    Returns ``{replica url: [unloaded names]}``.
-    """
-    from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-
-    pattern = round_adapter_names(round_id, candidates)
-    urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
-    api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
-    unloaded: dict[str, list[str]] = {}
-    for url in urls:
-        replica = Replica(url, timeout_s=30, api_key=api_key)
+    def _run_locked(self, record: RoundRecord) -> None:
+        started = time.monotonic()
         try:
-            for name in [n for n in replica.models() if pattern.match(n)]:
-                replica.unload(name)
-                unloaded.setdefault(url, []).append(name)
-        except (ReplicaUnreachableError, ReplicaRefusedError) as err:
-            log.warning("round %s: could not unload its adapters from %s: %s", round_id, url, err)
+            self._run(record)
+        except RoundCancelled as err:
+            if self._abandoned is None and not record.terminal:  # an abandoned round was settled by settle_abandoned()
+                self.store.advance(record, RoundState.CANCELLED, str(err))
+        except Exception as err:  # a failed round leaves the champion serving
+            log.exception("round %s failed", record.round_id)
+            if self._abandoned is None and not record.terminal:
+                self.store.advance(record, RoundState.FAILED, f"{record.state}: {type(err).__name__}: {err}")
         finally:
-            replica.close()
-    if unloaded:
-        log.warning("round %s: unloaded adapters it left in vLLM: %s", round_id, unloaded)
-    return unloaded
+            ROUNDS.labels(record.state.value).inc()
+            ROUND_SECONDS.observe(time.monotonic() - started)
+            self.current = None
+            self.lock.release()
 
 
-def _register_reward_model(cfg: HourglassConfig, result) -> dict[str, float]:
-    """Register the round's reward model; an MLflow failure leaves it pending (retried by :func:`recover`)
-    and does not fail the round. Returns ``reward_model/version`` and ``reward_model/promoted`` when registered."""
-    from pipeline.registry.models import RegistryError
-    from pipeline.registry.reward_registry import register_reward_model
-
-    try:
-        registered = register_reward_model(cfg, result)
-    except RegistryError as err:
-        log.warning("round %s: reward model not registered yet: %s", result.round_id, err)
-        return {}
-    if registered is None:
-        return {}
-    log.info("round %s: reward model %s v%s (%s)", result.round_id, registered.model, registered.version, registered.reason)
-    return {"reward_model/version": float(registered.version), "reward_model/promoted": float(registered.promoted)}
+# --- recovery -------------------------------------------------------------------------
 
 
-def _challenge(cfg: HourglassConfig, record: RoundRecord) -> str:
-    """Canary on: each winner becomes ``@challenger`` (or ``@champion`` when there is none); the record's line."""
-    from pipeline.canary.state import describe, promote_or_challenge
+def recover(cfg: HourglassConfig, store: RoundStore, steps: RoundSteps | None = None) -> list[RoundRecord]:
+    """Settle rounds a crash left unfinished; call once at service start (see the module docstring).
 
-    reason = f"round {record.round_id}"
-    return describe([promote_or_challenge(cfg, m, v, reason=reason) for m, v in record.versions.items()])
-
-
-def recover(cfg: HourglassConfig, store: RoundStore) -> list[RoundRecord]:
-    """Settle rounds a crash left unfinished; call once at service start.
-
-    Before ``register`` nothing left the process: the round is marked failed.
-    From ``register`` on the result is write-ahead in the pending folder:
-    :func:`pipeline.registry.models.retry_pending` registers and promotes it once
-    (idempotent by round id), and the round is marked done. A round settled
-    as failed also loses the adapters it had published into vLLM
-    (:func:`unload_round_adapters`). Nothing is settled while another process
-    holds the round lock (that round is alive).
+    Pending reward models are retried first. Nothing is settled while another
+    process holds the round lock (that round is alive). A round whose registry
+    work cannot finish now (MLflow down) stays in its state for the next start.
+    Returns the records settled.
     """
-    from pipeline.registry.models import RegistryError
-    from pipeline.registry.reward_registry import retry_pending_rewards
-
-    settled: list[RoundRecord] = []
-    try:
-        retry_pending_rewards(cfg)
-    except RegistryError as err:
-        log.warning("pending reward models not retried yet: %s", err)
+    steps = steps or LiveSteps(cfg)
+    steps.retry_pending_rewards()
     unfinished = store.unfinished()
     if not unfinished:
-        return settled
+        return []
     lock = RoundLock(cfg.resolve(cfg.state_dir))
     try:
         lock.acquire("recovery")
     except RoundInProgressError as err:  # another live process runs that round: not ours to settle
         log.warning("rounds not settled now: %s", err)
-        return settled
+        return []
     try:
-        return _settle(cfg, store, unfinished)
+        settled = [record for record in unfinished if _settle(cfg, store, record, steps)]
+        steps.retry_pending()  # what the settled rounds left aside (e.g. rounds that failed at register earlier)
+        return settled
     finally:
         lock.release()
 
 
-def _settle(cfg: HourglassConfig, store: RoundStore, unfinished: list[RoundRecord]) -> list[RoundRecord]:
-    from pipeline.registry.models import RegistryError, find_round_version, list_pending, make_client, retry_pending
-
-    settled: list[RoundRecord] = []
-    registered = {}
+def _settle(cfg: HourglassConfig, store: RoundStore, record: RoundRecord, steps: RoundSteps) -> bool:
+    """Settle one unfinished round; False when it must wait for the registry."""
+    died_in = record.state
+    if not died_in.committed:
+        store.advance(record, RoundState.FAILED, f"interrupted: the process died during {died_in}; nothing was registered")
+        if died_in is not RoundState.PENDING:
+            names = sorted({*record.candidates, *(c.name for c in cfg.candidates)})
+            unloaded = steps.unload(record.round_id, names)
+            if unloaded:
+                count = sum(len(v) for v in unloaded.values())
+                store.transition(record, RoundState.FAILED, f"{record.reason}; unloaded {count} adapter(s) it had left in vLLM")
+        return True
     try:
-        registered = {v.model: v.version for v in retry_pending(cfg)}
-    except RegistryError as err:
-        log.warning("pending registrations not retried yet: %s", err)
-    for record in unfinished:
-        if record.state in ("register", "promote"):
-            if record.round_id in list_pending(cfg):
-                log.warning("round %s stays in %s: its registration is pending (MLflow unreachable)", record.round_id, record.state)
-                continue
-            client = make_client(cfg)
-            versions = {}
-            try:
-                for model in record.decisions or {}:
-                    mv = find_round_version(client, model, record.round_id)
-                    if mv is not None:
-                        versions[model] = str(mv.version)
-            except Exception as err:  # MLflow down: settle it at the next start
-                log.warning("round %s not settled yet: %s", record.round_id, err)
-                continue
-            record.versions = versions or {m: v for m, v in registered.items()}
-            note = ""
-            if cfg.serving.canary.enabled and record.versions:
-                try:
-                    note = f"; {_challenge(cfg, record)}"
-                except Exception as err:  # MLflow went away again: the operator can start it with `hourglass canary`
-                    note = f"; canary not started ({type(err).__name__}: {err})"
-            store.transition(record, "done", f"resumed after a restart (process died during {record.state}); registered {record.versions}{note}")
-        else:
-            store.transition(record, "failed", f"interrupted: the process died during {record.state}; nothing was registered")
-            if record.state != "pending":
-                names = sorted({*record.candidates, *(c.name for c in cfg.candidates)})
-                unloaded = unload_round_adapters(cfg, record.round_id, names)
-                if unloaded:
-                    count = sum(len(v) for v in unloaded.values())
-                    store.transition(record, "failed", f"{record.reason}; unloaded {count} adapter(s) it had left in vLLM")
-        settled.append(record)
-    return settled
+        record.versions = steps.registered_versions(record)  # died in register: the registration finishes, no alias moves
+    except Exception as err:  # MLflow down: settle it at the next start
+        log.warning("round %s stays in %s: its registration cannot finish now (%s: %s)", record.round_id, died_in, type(err).__name__, err)
+        return False
+    if not record.versions and any(d.get("winner") for d in record.decisions.values()):
+        store.advance(record, RoundState.FAILED, f"interrupted: the process died during {died_in} before its result was written; nothing was registered")
+        return True
+    if died_in is RoundState.REGISTER:
+        store.advance(record, RoundState.PROMOTE)
+    try:
+        line = steps.promote(record) if record.versions else "nothing to promote"
+    except Exception as err:  # MLflow went away again: the next start promotes
+        store.save(record)
+        log.warning("round %s stays in promote: %s: %s", record.round_id, type(err).__name__, err)
+        return False
+    outcome = RoundState.DONE if record.versions else RoundState.NO_WINNER
+    store.advance(record, outcome, f"resumed after a restart (process died during {died_in}); registered {record.versions}; {line}")
+    return True
+
+
+# --- the live steps -------------------------------------------------------------------
+
+
+class LiveSteps:
+    """The real work of each state: the reward buffer, the trainer, MLflow and vLLM.
+
+    ``base_fingerprint`` is needed to train (it checks what the champions were
+    trained on); recovery alone may leave it out.
+    """
+
+    def __init__(self, cfg: HourglassConfig, base_fingerprint: str | None = None) -> None:
+        self.cfg = cfg
+        self.base_fingerprint = base_fingerprint
+
+    def buffer_rows(self) -> int:
+        return _buffer_trace_rows(self.cfg)
+
+    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
+        return take_snapshot(self.cfg, window)
+
+    def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
+        if self.base_fingerprint is None:
+            raise PipelineError("a round needs the base model's fingerprint to train; construct LiveSteps with base_fingerprint")
+        served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
+        champions = champion_adapters(self.cfg, served, self.base_fingerprint)
+        reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
+        return train_and_evaluate(self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion)
+
+    def register(self, result: RoundResult) -> tuple[dict[str, str], dict[str, float]]:
+        from pipeline.registry import models as registry
+        from pipeline.registry import reward_registry
+
+        reward_registry.save_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
+        started = time.perf_counter()
+        # Without the canary, a round that gives up here still owes @champion its winner: retry_pending() promotes it later.
+        versions = registry.register_winners(self.cfg, result, promotion_owed=not self.cfg.serving.canary.enabled)
+        metrics = {"time/register_s": time.perf_counter() - started}
+        metrics.update(_register_reward_model(self.cfg, result))
+        return {v.model: v.version for v in versions}, metrics
+
+    def promote(self, record: RoundRecord) -> str:
+        from pipeline.registry import models as registry
+        from pipeline.registry import reward_registry
+
+        if any(k.startswith("reward_model/") for k in record.metrics):  # the round trained one: carry out its recorded decision
+            reward_registry.promote_reward_model(self.cfg, record.round_id)
+        if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
+            return _challenge(self.cfg, record)
+        return _describe(registry.promote_winners(self.cfg, record.round_id, record.versions))
+
+    def registered_versions(self, record: RoundRecord) -> dict[str, str]:
+        from pipeline.registry import models as registry
+
+        finished = registry.register_pending(self.cfg, record.round_id)
+        if finished is not None:
+            return {v.model: v.version for v in finished}
+        client = registry.make_client(self.cfg)
+        versions = {}
+        for model in record.decisions or {}:
+            mv = registry.find_round_version(client, model, record.round_id)
+            if mv is not None:
+                versions[model] = str(mv.version)
+        return versions
+
+    def retry_pending_rewards(self) -> None:
+        from pipeline.registry import client as registry_client
+        from pipeline.registry import reward_registry
+
+        try:
+            reward_registry.retry_pending_rewards(self.cfg)
+        except registry_client.RegistryError as err:
+            log.warning("pending reward models not retried yet: %s", err)
+
+    def retry_pending(self) -> None:
+        from pipeline.registry import client as registry_client
+        from pipeline.registry import models as registry
+
+        try:
+            registry.retry_pending(self.cfg)
+        except registry_client.RegistryError as err:
+            log.warning("pending registrations not retried yet: %s", err)
+
+    def unload(self, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
+        return unload_round_adapters(self.cfg, round_id, candidates)

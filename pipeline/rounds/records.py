@@ -1,28 +1,38 @@
 """Round records: the persisted state machine of every round, and the lock
 that keeps two rounds from running at once.
 
-States::
+States (:class:`RoundState`; the allowed moves are :data:`TRANSITIONS`, nowhere else)::
 
-    pending → snapshot → train → evaluate → register → promote → done
-                                                            ↘ no_winner
+    pending → snapshot → train → evaluate → gate → register → promote → done
+                  ↘ no_winner (too few rows)                        ↘ no_winner
     any non-terminal state → failed | cancelled
+
+- ``snapshot``: the buffer's rows of the window are read;
+- ``train``: the reward model (when wanted) and every candidate train;
+- ``evaluate``: candidates and champions answer the same held-out prompts;
+- ``gate``: the gate's decisions are recorded (one per served model);
+- ``register``: the round and its winners are written to MLflow; no alias moves;
+- ``promote``: each winner's alias moves (``@champion``, or ``@challenger`` with the canary on).
 
 Records live in SQLite (``<state_dir>/rounds.sqlite``, SQLAlchemy core), one
 row per round, updated at every transition, so a restart after a crash can
-see where a round stopped (:func:`recover`). Credentials in URIs (a failure
-reason naming the MLflow server) are redacted before a record is stored. The lock is an ``flock`` on
-``<state_dir>/round.lock``: it holds across processes that share the state
-directory and is released by the kernel when a process dies.
+see where a round stopped (:func:`pipeline.rounds.job.recover`). Credentials in
+URIs (a failure reason naming the MLflow server) are redacted before a record
+is stored. The lock is an ``flock`` on ``<state_dir>/round.lock``: it holds
+across processes that share the state directory and is released by the kernel
+when a process dies.
 """
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import json
 import os
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +41,86 @@ import sqlalchemy as sa
 from pipeline.errors import PipelineError
 from pipeline.redact import redact_data
 
-STATES = ("pending", "snapshot", "train", "evaluate", "register", "promote")
-TERMINAL = ("done", "no_winner", "failed", "cancelled")
+
+class UnknownStateError(PipelineError, ValueError):
+    """A state name that is not a :class:`RoundState`."""
+
+
+class IllegalTransitionError(PipelineError, ValueError):
+    """A move the state machine does not allow (see :data:`TRANSITIONS`)."""
+
+
+class RoundState(StrEnum):
+    """Where a round is. The values are what records, the API and the CLI show."""
+
+    PENDING = "pending"
+    SNAPSHOT = "snapshot"
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+    GATE = "gate"
+    REGISTER = "register"
+    PROMOTE = "promote"
+    DONE = "done"
+    NO_WINNER = "no_winner"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @classmethod
+    def parse(cls, name: str) -> RoundState:
+        """The state called ``name`` (as stored in a record).
+
+        Raises:
+            UnknownStateError: no such state.
+        """
+        try:
+            return cls(name)
+        except ValueError:
+            raise UnknownStateError(f"unknown round state {name!r}; known: {[s.value for s in cls]}") from None
+
+    @property
+    def terminal(self) -> bool:
+        """True for ``done``, ``no_winner``, ``failed`` and ``cancelled``."""
+        return not TRANSITIONS[self]
+
+    @property
+    def committed(self) -> bool:
+        """True from ``register`` on: the result may be in MLflow, so the round is finished, never dropped."""
+        return self in (RoundState.REGISTER, RoundState.PROMOTE)
+
+
+_STOP = frozenset({RoundState.FAILED, RoundState.CANCELLED})
+
+TRANSITIONS: dict[RoundState, frozenset[RoundState]] = {
+    RoundState.PENDING: frozenset({RoundState.SNAPSHOT}) | _STOP,
+    RoundState.SNAPSHOT: frozenset({RoundState.TRAIN, RoundState.NO_WINNER}) | _STOP,  # no_winner: too few rows
+    RoundState.TRAIN: frozenset({RoundState.EVALUATE}) | _STOP,
+    RoundState.EVALUATE: frozenset({RoundState.GATE}) | _STOP,
+    RoundState.GATE: frozenset({RoundState.REGISTER}) | _STOP,  # the round is logged in MLflow even without a winner
+    RoundState.REGISTER: frozenset({RoundState.PROMOTE}) | _STOP,
+    RoundState.PROMOTE: frozenset({RoundState.DONE, RoundState.NO_WINNER}) | _STOP,
+    RoundState.DONE: frozenset(),
+    RoundState.NO_WINNER: frozenset(),
+    RoundState.FAILED: frozenset(),
+    RoundState.CANCELLED: frozenset(),
+}
+"""Every allowed move of a round, and the only place they are written down."""
+
+STATES = tuple(s for s in RoundState if not s.terminal)
+TERMINAL = tuple(s for s in RoundState if s.terminal)
+
+
+def check_transition(current: RoundState | str, target: RoundState | str) -> RoundState:
+    """``target`` as a :class:`RoundState` when the machine may move there from ``current``.
+
+    Raises:
+        UnknownStateError: either name is not a state.
+        IllegalTransitionError: the move is not in :data:`TRANSITIONS`.
+    """
+    source, goal = RoundState.parse(current), RoundState.parse(target)
+    if goal not in TRANSITIONS[source]:
+        allowed = sorted(s.value for s in TRANSITIONS[source])
+        raise IllegalTransitionError(f"a round cannot move from {source.value!r} to {goal.value!r}; from {source.value!r} it may go to {allowed}")
+    return goal
 
 
 class RoundInProgressError(PipelineError, RuntimeError):
@@ -48,7 +136,7 @@ class RoundRecord:
     """One round as stored; ``metrics`` and ``decisions`` are JSON-able dicts."""
 
     round_id: str
-    state: str
+    state: RoundState
     trigger: str  # "schedule" | "manual" | "api"
     candidates: list[str]
     window: str
@@ -60,12 +148,20 @@ class RoundRecord:
     decisions: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.state = RoundState.parse(self.state)
+
     @property
     def terminal(self) -> bool:
-        return self.state in TERMINAL
+        return self.state.terminal
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: str) -> RoundRecord:
+        """A record as stored (every record written so far loads: no state was renamed; ``gate`` is new)."""
+        return cls(**json.loads(body))
 
 
 def _now() -> str:
@@ -100,9 +196,9 @@ class RoundStore:
     def create(self, trigger: str, candidates: list[str], window: str, round_id: str | None = None) -> RoundRecord:
         """Persist a new ``pending`` round (``round_id`` defaults to :meth:`new_round_id`)."""
         now = _now()
-        record = RoundRecord(round_id or self.new_round_id(), "pending", trigger, candidates, window, now, now)
+        record = RoundRecord(round_id or self.new_round_id(), RoundState.PENDING, trigger, candidates, window, now, now)
         with self.engine.begin() as conn:
-            conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state, created_at=now, body=json.dumps(redact_data(record.as_dict()))))
+            conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state.value, created_at=now, body=json.dumps(redact_data(record.as_dict()))))
         return record
 
     def save(self, record: RoundRecord) -> RoundRecord:
@@ -111,15 +207,27 @@ class RoundStore:
             record.finished_at = record.updated_at
         with self.engine.begin() as conn:
             conn.execute(
-                _rounds.update().where(_rounds.c.round_id == record.round_id).values(state=record.state, body=json.dumps(redact_data(record.as_dict()), default=str))
+                _rounds.update().where(_rounds.c.round_id == record.round_id).values(state=record.state.value, body=json.dumps(redact_data(record.as_dict()), default=str))
             )
         return record
 
-    def transition(self, record: RoundRecord, state: str, reason: str | None = None) -> RoundRecord:
-        """Move a round to ``state`` (and persist it at once)."""
-        if state not in STATES + TERMINAL:
-            raise ValueError(f"unknown round state {state!r}")
-        record.state = state
+    def advance(self, record: RoundRecord, state: RoundState | str, reason: str | None = None) -> RoundRecord:
+        """Move a round to ``state`` along :data:`TRANSITIONS` and persist it at once.
+
+        Raises:
+            IllegalTransitionError: the state machine does not allow that move.
+            UnknownStateError: ``state`` is not a state.
+        """
+        return self.transition(record, check_transition(record.state, state), reason)
+
+    def transition(self, record: RoundRecord, state: RoundState | str, reason: str | None = None) -> RoundRecord:
+        """Write ``state`` (and ``reason``) into the record without checking the move: for repairs and
+        notes on settled records (a terminal record keeps its state and gains a note). Rounds move with :meth:`advance`.
+
+        Raises:
+            UnknownStateError: ``state`` is not a state.
+        """
+        record.state = RoundState.parse(state)
         if reason is not None:
             record.reason = reason
         return self.save(record)
@@ -129,17 +237,17 @@ class RoundStore:
             row = conn.execute(sa.select(_rounds.c.body).where(_rounds.c.round_id == round_id)).first()
         if row is None:
             raise UnknownRoundError(f"no round {round_id!r}")
-        return RoundRecord(**json.loads(row[0]))
+        return RoundRecord.from_json(row[0])
 
     def list(self, limit: int = 50) -> list[RoundRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(_rounds.c.body).order_by(_rounds.c.created_at.desc()).limit(limit)).all()
-        return [RoundRecord(**json.loads(r[0])) for r in rows]
+        return [RoundRecord.from_json(r[0]) for r in rows]
 
-    def unfinished(self) -> list[RoundRecord]:
+    def unfinished(self) -> builtins.list[RoundRecord]:  # (this class's own ``list`` shadows the builtin here)
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(_rounds.c.body).where(_rounds.c.state.in_(STATES))).all()
-        return [RoundRecord(**json.loads(r[0])) for r in rows]
+            rows = conn.execute(sa.select(_rounds.c.body).where(_rounds.c.state.in_([s.value for s in STATES]))).all()
+        return [RoundRecord.from_json(r[0]) for r in rows]
 
 
 class RoundLock:

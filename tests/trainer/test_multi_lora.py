@@ -16,7 +16,8 @@ from trainer.adapter_store import make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.losses import kl_k3, masked_mean
-from trainer.multi_lora import MultiLoRA, _pull, live_params, train_one_pass
+from trainer.errors import TrainerConfigError
+from trainer.multi_lora import MultiLoRA, _pull, live_params, one_pass_ok, train_one_pass
 from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
 
 GRAD_TOL = 1e-5  # relative to the gradient's largest entry
@@ -42,6 +43,7 @@ def _batch(base: ResidentBase, seed: int, rows: int, nan: bool = False) -> Batch
     completions = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (rows,), generator=g)]
     with torch.no_grad(), base.reference():
         old_BT, _ = base.completion_logprobs(prompts, completions)
+    old_BT = old_BT.float().cpu()
     old = [(old_BT[b, : len(c)] + 0.05 * torch.randn(len(c), generator=g)).tolist() for b, c in enumerate(completions)]
     adv = torch.randn(rows, generator=g).tolist()
     if nan:
@@ -191,6 +193,52 @@ def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> Non
     with torch.no_grad(), base.reference():
         plain = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)[0]
     assert (plain - out[0]).abs().max() > 1e-4  # the adapters did something
+
+
+def test_embedding_targets_are_refused_and_train_sequentially(base: ResidentBase) -> None:
+    """Embedding LoRA layers have no per-row linear form here: the layer refuses them, a round keeps them sequential."""
+    assert not one_pass_ok(CandidateConfig(name="e", target_modules=["embed_tokens", "q_proj"]))
+    assert one_pass_ok(CANDIDATES[0])
+    tensors = {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 10),
+               "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 4)}  # fmt: skip
+    with pytest.raises(TrainerConfigError, match="linear LoRA layers only"):
+        MultiLoRA(base.model, [(1.0, tensors)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/device_check.sh runs it on a GPU machine")
+def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> None:
+    """On CUDA the one-pass layer uses the grouped matmul (ranks padded): its gradients equal the loop's (float32)."""
+    from trainer import multi_lora
+
+    if multi_lora._GROUPED is None:
+        pytest.skip("this torch has no grouped matmul")
+    cuda = load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cuda"))
+    store = _store(cuda, "resident")
+    members = [_pull(store, c) for c in CANDIDATES]
+    batch = _batch(cuda, seed=7, rows=6)
+    owner = [2, 0, 1, 0, 2, 1]
+    grads = []
+    try:
+        for grouped in (False, True):
+            for m in members:
+                for p in m.params.values():
+                    p.grad = None
+            multi = MultiLoRA(cuda.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)], grouped=grouped)
+            try:
+                with cuda.reference(), multi.active(owner):
+                    lp_BT, mask_BT = cuda.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+                (lp_BT * mask_BT).sum().backward()
+            finally:
+                multi.close()
+            if multi.grouped is not grouped:
+                pytest.skip("the grouped kernel refused float32 LoRA weights on this GPU; the loop ran instead (see the log)")
+            grads.append({(c.name, k): p.grad.clone() for c, m in zip(CANDIDATES, members) for k, p in m.params.items()})
+    finally:
+        _close(store)
+    for key, ref in grads[0].items():
+        assert ref.abs().max() > 0, key
+        err = float((grads[1][key] - ref).abs().max() / ref.abs().max())
+        assert err < GRAD_TOL, (key, err)
 
 
 def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:

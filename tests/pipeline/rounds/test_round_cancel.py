@@ -23,6 +23,12 @@ from pipeline.config import load_config
 from pipeline.rounds.job import RoundNotCancellableError, RoundRunner
 from pipeline.service import HourglassService
 from tests import REPO
+from trainer.types import PhaseBoundary, RoundPhase
+
+BOUNDARIES = (
+    PhaseBoundary(RoundPhase.TRAIN, step=0), PhaseBoundary(RoundPhase.TRAIN, step=1), PhaseBoundary(RoundPhase.EVALUATE),
+    PhaseBoundary(RoundPhase.EVALUATE, part="greedy"), PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate="default"),
+)  # fmt: skip
 
 
 def _wait(predicate, timeout_s: float = 10.0):
@@ -35,7 +41,7 @@ def _wait(predicate, timeout_s: float = 10.0):
 
 
 class FakeRound:
-    """Stands in for train_and_evaluate and register_round; each pauses where a test asks."""
+    """Stands in for train_and_evaluate, register_winners and promote_winners; each pauses where a test asks."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pause_at: str) -> None:
         self.pause_at = pause_at
@@ -50,7 +56,8 @@ class FakeRound:
         monkeypatch.setattr(round_job, "_register_reward_model", lambda cfg, result: {})
         monkeypatch.setattr(pipeline.registry.reward_registry, "save_pending", lambda cfg, result: None)
         monkeypatch.setattr(round_job, "train_and_evaluate", self.train_and_evaluate)
-        monkeypatch.setattr(pipeline.registry.models, "register_round", self.register_round)
+        monkeypatch.setattr(pipeline.registry.models, "register_winners", self.register_winners)
+        monkeypatch.setattr(pipeline.registry.models, "promote_winners", self.promote_winners)
         monkeypatch.setattr(round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {})
 
     def _maybe_pause(self, where: str) -> None:
@@ -59,17 +66,20 @@ class FakeRound:
             assert self.go.wait(30)
 
     def train_and_evaluate(self, cfg, record, table, champions, checkpoint, **_kwargs):
-        for phase in ("train:0", "train:1", "evaluate", "evaluate:greedy", "evaluate:score:default"):
-            self._maybe_pause(phase)
-            checkpoint(phase)
-            self.phases.append(phase)
+        for boundary in BOUNDARIES:
+            self._maybe_pause(boundary.label)
+            checkpoint(boundary)
+            self.phases.append(boundary.label)
         decision = SimpleNamespace(winner="default", reason="better", champion_reward_mean=0.1,
                                    candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2}, metric="verifiable")  # fmt: skip
         return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[], reward_model=None)
 
-    def register_round(self, cfg, result, promote):
+    def register_winners(self, cfg, result, promotion_owed):
         self._maybe_pause("register")
         return [SimpleNamespace(model="hourglass", version="7")]
+
+    def promote_winners(self, cfg, round_id, versions):
+        return [{"model": m, "version": v, "action": "promoted", "reason": f"round {round_id}"} for m, v in versions.items()]
 
 
 @pytest.fixture

@@ -1,0 +1,187 @@
+"""Update time of K candidates: one forward/backward each (``sequential``) vs all in one pass (``one_pass``).
+
+Both modes run in one process on the same base, the same K candidates and
+the same rows, alternating (sequential, one_pass, sequential, ...), each
+mode with its own copies of the candidates in one offload store (the
+round's default). A timed step is what a
+round does for the K candidates of one step:
+
+- ``sequential``: per candidate ``store.activate`` (the swap) and
+  :func:`trainer.update.update_step` (adapters-off reference forward, policy
+  forward + backward, clip, AdamW);
+- ``one_pass``: :func:`trainer.multi_lora.train_one_pass` (pull every
+  candidate's weights and AdamW state out of the store, one reference pass
+  and one forward/backward over all rows, each row through its own
+  candidate's LoRA weights, K AdamW steps, push back).
+
+Both stores take the same number of steps on the same batches, so at the
+end their weights must agree; the script prints the largest difference
+(float32: ~1e-6; a bf16 base: larger, the passes group rows differently;
+AdamW's first steps move every weight by about the learning rate whatever the
+gradient's size, so this is a sanity check: the tests are the proof).
+
+The base is either a packaged or local model (``--model``) or a randomly
+initialised Llama of a published shape (``--shape smollm2`` / ``1b``, see
+``bench/adapter_swap.py``; only a tokenizer is needed). Prints, per mode,
+the median time of one step of all K candidates, and as the last line the
+ratio sequential / one-pass (> 1: one pass is faster).
+
+    python bench/one_pass.py --device cpu --quick                  # seconds, a check that it runs
+    python bench/one_pass.py --model smollm2-135m-instruct --k 8   # real weights, dtype auto
+    python bench/one_pass.py --shape 1b --device cuda --k 8 --batch 16 --prompt-len 256 --completion-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from trainer.adapter_store import make_store  # noqa: E402
+from trainer.base import ResidentBase  # noqa: E402
+from trainer.config import CandidateConfig, RLConfig  # noqa: E402
+from trainer.update import Batch, update_step  # noqa: E402
+
+MODES = ("sequential", "one_pass")
+
+
+def make_batches(base: ResidentBase, prompts: Sequence[Sequence[int]], k: int, group: int, completion_len: int, seed: int = 0) -> list[Batch]:
+    """One batch per candidate: every prompt ``group`` times with random completions of ``completion_len``
+    tokens, behaviour log-probs = the base's own (PPO ratio 1 at the first step, as for on-policy
+    rollouts), advantages alternating +-1: what a GRPO step of these sizes costs."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [list(p) for p in prompts for _ in range(group)]
+    out = []
+    for _ in range(k):
+        completions = torch.randint(10, len(base.tokenizer), (len(rows), completion_len), generator=g).tolist()
+        with torch.no_grad(), base.reference():
+            behaviour_BT, _ = base.completion_logprobs(rows, completions)
+        adv = [1.0 if b % 2 else -1.0 for b in range(len(rows))]
+        out.append(Batch(rows, completions, behaviour_BT.float().tolist(), adv, [float(b % 2) for b in range(len(rows))], ["bench"] * len(rows)))
+    return out
+
+
+def _sync(base: ResidentBase) -> None:
+    if base.device.type == "cuda":
+        torch.cuda.synchronize(base.device)
+
+
+def _step(mode: str, base: ResidentBase, store: object, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig) -> float:
+    """Seconds of one step of all candidates in ``mode``."""
+    from trainer.multi_lora import train_one_pass
+
+    _sync(base)
+    started = time.perf_counter()
+    if mode == "sequential":
+        for c, b in zip(candidates, batches):
+            update_step(base, store.activate(c.name), c, rl, b)  # type: ignore[attr-defined]
+    else:
+        train_one_pass(base, store, list(zip(candidates, batches)), rl)
+    _sync(base)
+    return time.perf_counter() - started
+
+
+def compare_modes(
+    base: ResidentBase, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig, repeats: int
+) -> dict[str, float]:
+    """Median seconds per step of all K candidates in each mode (one warm-up step each, then ``repeats``
+    alternating timed steps), and ``max_weight_diff``: the largest |sequential - one_pass| over the
+    candidates' LoRA weights after the same steps."""
+    store = make_store("offload", base, rl.seed)  # one store (one device slot) holds both modes' copies
+    own = {m: [c.model_copy(update={"name": f"{m[0]}-{c.name}"}) for c in candidates] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:  # the same start weights in both modes
+        for s, o in zip(*own.values()):
+            store.create(s.name, s)
+            store.create(o.name, o, store.save(s.name, Path(tmp) / s.name))
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    try:
+        for r in range(repeats + 1):
+            for mode in MODES:
+                seconds = _step(mode, base, store, own[mode], batches, rl)
+                if r > 0:  # step 0 is the warm-up (AdamW state allocated, kernels chosen)
+                    times[mode].append(seconds)
+        diff = 0.0
+        for s, o in zip(*own.values()):
+            a, b = store.snapshot(s.name), store.snapshot(o.name)
+            diff = max([diff, *(float((a[k].float() - b[k].float()).abs().max()) for k in a if ".lora_" in k)])
+    finally:
+        for name in list(store.names()):
+            store.delete(name)
+        store.close()
+    return {**{m: statistics.median(t) for m, t in times.items()}, "max_weight_diff": diff}
+
+
+def report(result: dict[str, float], k: int) -> list[str]:
+    """The printed lines (the ratio last)."""
+    seq, one = result["sequential"], result["one_pass"]
+    return [
+        f"update step of {k} candidates: sequential {seq:.3f} s, one_pass {one:.3f} s (median); "
+        f"max |weight difference| after the same steps {result['max_weight_diff']:.2e}",
+        f"update time sequential / one-pass at K={k}: {seq / one:.2f}x",
+    ]
+
+
+def bench_candidates(k: int, rank: int, targets: Sequence[str] | None = None) -> list[CandidateConfig]:
+    """K rank-``rank`` candidates with learning rates 1e-4 .. 4e-4 (cycling)."""
+    extra = {"target_modules": list(targets)} if targets else {}
+    return [CandidateConfig(name=f"c{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-4 * (1 + i % 4), **extra) for i in range(k)]
+
+
+def main() -> None:
+    from bench.adapter_swap import ALL_LINEAR, DTYPES, SHAPES, random_base
+    from trainer import model_store
+    from trainer.base import load_base, pick_device, pick_dtype
+    from trainer.config import ModelConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="packaged model key or folder (real weights); default: a random --shape")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="random-weight Llama shape when --model is not given")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder for --shape (default: SmolLM2's)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="base dtype (auto: model.dtype's rule)")
+    ap.add_argument("--k", type=int, default=8, help="candidates")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default=None, help="comma-separated target modules (default: the candidates' default)")
+    ap.add_argument("--batch", type=int, default=8, help="rows per candidate (prompts x G)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--completion-len", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per mode")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape")
+    args = ap.parse_args()
+    if args.quick:
+        args.k, args.batch, args.prompt_len, args.completion_len, args.repeats = 2, 2, 8, 8, 1
+        args.shape = "tiny" if args.model is None else args.shape
+
+    device = pick_device(args.device)
+    if args.model is not None:
+        base = load_base(ModelConfig(name=args.model, dtype=args.dtype, device=device.type))
+        label = str(args.model)
+    else:
+        tokenizer = args.tokenizer or model_store.resolve("smollm2-135m-instruct", ModelConfig().cache_dir)
+        base = random_base(args.shape, tokenizer, device, pick_dtype(args.dtype, device))
+        label = f"random {args.shape}"
+    dtype = next(base.model.parameters()).dtype
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    targets = ALL_LINEAR if args.targets == "all" else (args.targets.split(",") if args.targets else None)
+    candidates = bench_candidates(args.k, args.rank, targets)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, len(base.tokenizer), (1, args.prompt_len), generator=g).tolist()
+    batches = make_batches(base, prompts, args.k, args.batch, args.completion_len)
+    print(f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
+          f"tokens per candidate; {args.repeats} timed steps per mode")  # fmt: skip
+    result = compare_modes(base, candidates, batches, RLConfig(adapters_per_pass=args.k), args.repeats)
+    print("\n".join(report(result, args.k)))
+
+
+if __name__ == "__main__":
+    main()

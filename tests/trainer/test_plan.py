@@ -1,0 +1,88 @@
+"""The round's plan (built once per round, per candidate) and the algorithm registry, with a fake base
+(no model): pools, reward mixes, start points, the prompt-token cache, and the registry's entries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import trainer.plan as plan_module
+from trainer.config import OFFLINE_ALGORITHMS, Algorithm, CandidateConfig, RewardTerm, RLConfig
+from trainer.errors import DataError
+from trainer.plan import PromptTokens, plan_round
+from trainer.rewards import RewardMix
+from trainer.samples import Prompt
+from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS
+
+
+class FakeBase:
+    """Counts tokenisations: one id per character of the chat's contents."""
+
+    max_seq_len = 12
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        self.calls += 1
+        return [ord(ch) for m in messages for ch in m["content"]]
+
+
+def _prompt(i: int, text: str, **kw) -> Prompt:
+    return Prompt(prompt_id=f"p{i}", messages=[{"role": "user", "content": text}], **kw)
+
+
+RL = RLConfig(max_new_tokens=4, rollout_engine="hf")
+GRADED = [_prompt(0, "add 1 2", metadata={"reference_answer": "3"}), _prompt(1, "add 2 2", metadata={"reference_answer": "4"})]
+LOGGED = [_prompt(2, "hello", logged_completion="hi", logged_reward=1.0), _prompt(3, "bye", logged_completion=None)]
+
+
+def test_prompt_tokens_tokenise_each_prompt_once_and_keep_the_newest_tokens() -> None:
+    base = FakeBase()
+    tokens = PromptTokens(base, RL)  # type: ignore[arg-type]
+    long = _prompt(9, "abcdefghijklmnop")
+    first = tokens.many([long, GRADED[0], long])
+    again = tokens.many([GRADED[0], long])
+    assert base.calls == 2, "two distinct prompts, tokenised once each however often they are used"
+    assert first[0] == again[1] == [ord(c) for c in "ijklmnop"]  # max_seq_len 12 - max_new_tokens 4: the last 8 tokens
+
+
+def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    built: list[list[str]] = []
+    real = plan_module.build_reward
+
+    def counting(terms: list[RewardTerm]) -> RewardMix:
+        built.append([t.fn for t in terms])
+        return real(terms)
+
+    monkeypatch.setattr(plan_module, "build_reward", counting)
+    graded = CandidateConfig(name="graded", start="champion")
+    filtered = CandidateConfig(name="filtered", data_filter="2 2", start="fresh")
+    offline = CandidateConfig(name="offline", algorithm=Algorithm.OFFLINE_IS, reward=[RewardTerm(fn="logged")], start="self")
+    champion = tmp_path / "champion"
+    plan = plan_round(FakeBase(), [graded, filtered, offline], RL, GRADED + LOGGED, {"hourglass": champion}, tmp_path / "r1")  # type: ignore[arg-type]
+    by_name = {c.name: c for c in plan.candidates}
+    assert [c.name for c in plan.candidates] == ["graded", "filtered", "offline"]  # config order
+    assert built == [["exact_answer"], ["exact_answer"], ["logged"]], "one reward mix per candidate per round"
+    assert [p.prompt_id for p in by_name["graded"].pool] == ["p0", "p1"]  # exact_answer needs a reference answer
+    assert [p.prompt_id for p in by_name["filtered"].pool] == ["p1"]
+    assert [p.prompt_id for p in by_name["offline"].pool] == ["p2"]  # only rows with a logged completion and reward
+    assert by_name["graded"].start == champion and by_name["filtered"].start is None and by_name["offline"].start is None
+    assert [c.name for c in plan.online] == ["graded", "filtered"]
+    assert plan.one_pass(RL.model_copy(update={"update_mode": "one_pass"})) == {"graded", "filtered"}
+    assert plan.one_pass(RL) == set()
+
+
+def test_plan_refuses_a_round_a_candidate_cannot_train() -> None:
+    with pytest.raises(DataError, match=r"candidates \['picky'\] have no training prompts"):
+        plan_round(FakeBase(), [CandidateConfig(name="picky", data_filter="nowhere")], RL, GRADED, {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    kto = CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=False)
+    with pytest.raises(DataError, match=r"offline candidates \['kto'\] have no logged rows"):
+        plan_round(FakeBase(), [kto], RL, [LOGGED[1]], {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+
+
+def test_every_algorithm_has_one_registry_entry_that_agrees_with_the_config() -> None:
+    assert set(ALGORITHMS) == set(Algorithm)
+    assert {a for a, spec in ALGORITHMS.items() if not spec.online} == OFFLINE_ALGORITHMS
+    assert ONE_PASS_ALGORITHMS == {Algorithm.GRPO, Algorithm.PPO_CLIP}

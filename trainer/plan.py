@@ -1,0 +1,129 @@
+"""The plan of a round, built once before any training: per candidate its config, its
+algorithm (:data:`trainer.update.ALGORITHMS`), its training reward mix, its prompt pool and
+its start point, and one cache of the prompts' token ids for the whole round.
+
+:func:`plan_round` refuses a round that cannot train (an empty pool) before any work is done.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.base import ResidentBase
+from trainer.config import CandidateConfig, RLConfig
+from trainer.errors import DataError
+from trainer.multi_lora import one_pass_ok
+from trainer.rewards import RewardMix, build_reward
+from trainer.samples import Prompt
+from trainer.update import ALGORITHMS, AlgorithmSpec
+
+
+class PromptTokens:
+    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.max_new_tokens`` still
+    fit in ``base.max_seq_len``), tokenised once per round however often a step uses the prompt.
+    The returned lists are shared: callers copy before changing them."""
+
+    def __init__(self, base: ResidentBase, rl: RLConfig) -> None:
+        self._base = base
+        self._keep = max(1, base.max_seq_len - rl.max_new_tokens)
+        self._ids: dict[int, tuple[Prompt, list[int]]] = {}  # id(prompt) -> (prompt, its ids); the prompt is kept alive
+
+    def __call__(self, prompt: Prompt) -> list[int]:
+        hit = self._ids.get(id(prompt))
+        if hit is None:
+            hit = (prompt, self._base.chat_token_ids(prompt.messages)[-self._keep :])
+            self._ids[id(prompt)] = hit
+        return hit[1]
+
+    def many(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        return [self(p) for p in prompts]
+
+
+@dataclass(frozen=True)
+class CandidatePlan:
+    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.update.ALGORITHMS`),
+    its training reward mix, its prompt pool (online: prompts to roll out; offline: logged rows its algorithm
+    can use) and where it starts (None: fresh)."""
+
+    config: CandidateConfig
+    algorithm: AlgorithmSpec
+    reward: RewardMix
+    pool: tuple[Prompt, ...]
+    start: Path | None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Every candidate's plan, in config order, and the round's prompt-token cache (the held-out
+    prompts' evaluation mix is ``rl.gate_reward``'s, built once by :func:`evaluate_and_gate`)."""
+
+    candidates: tuple[CandidatePlan, ...]
+    tokens: PromptTokens
+
+    @property
+    def online(self) -> list[CandidatePlan]:
+        return [c for c in self.candidates if c.algorithm.online]
+
+    def one_pass(self, rl: RLConfig) -> set[str]:
+        """Candidates that update together (``rl.update_mode = "one_pass"``, linear LoRA targets only)."""
+        return {c.name for c in self.candidates if rl.update_mode == "one_pass" and c.algorithm.one_pass and one_pass_ok(c.config)}
+
+
+def plan_round(
+    base: ResidentBase, candidates: Sequence[CandidateConfig], rl: RLConfig, train_prompts: Sequence[Prompt],
+    champions: dict[str, Path | None], out_dir: Path,
+) -> RoundPlan:  # fmt: skip
+    """Each candidate's plan (see :class:`CandidatePlan`). A pool keeps the prompts that pass the
+    candidate's ``data_filter`` and that its reward mix can score (e.g. ``exact_answer`` needs
+    ``metadata["reference_answer"]``); an offline algorithm's pool keeps the rows it can use.
+
+    Raises:
+        DataError: a candidate has no training prompts, or an offline one no usable logged rows.
+    """
+    plans = []
+    for c in candidates:
+        reward = build_reward(c.reward)
+        pool = [p for p in train_prompts if reward.accepts(p.metadata)]
+        if c.data_filter is not None:
+            pool = [p for p in pool if any(c.data_filter in m["content"] for m in p.messages)]
+        plans.append(CandidatePlan(c, ALGORITHMS[c.algorithm], reward, tuple(pool), start_dir(c, champions, out_dir)))
+    empty = [c.name for c in plans if not c.pool]
+    if empty:
+        raise DataError(
+            f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
+            "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
+        )
+    plans = [c if c.algorithm.online else _offline_rows(c) for c in plans]
+    starved = [c.name for c in plans if not c.pool]
+    if starved:
+        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window")
+    return RoundPlan(tuple(plans), PromptTokens(base, rl))
+
+
+def _offline_rows(plan: CandidatePlan) -> CandidatePlan:
+    rows = tuple(p for p in plan.pool if plan.algorithm.usable_row(p, plan.config))
+    return CandidatePlan(plan.config, plan.algorithm, plan.reward, rows, plan.start)
+
+
+def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out_dir: Path) -> Path | None:
+    """Where a candidate starts (see the module docstring); None = fresh."""
+    if candidate.start == "champion":
+        champion = champions.get(candidate.served_model)
+        return Path(champion) if champion else None
+    if candidate.start == "self":
+        last = out_dir.parent / "last" / candidate.name
+        return last if (last / "adapter_model.safetensors").is_file() else None
+    return None
+
+
+def draw_prompts(pool: Sequence[Prompt], k: int, seed: int) -> list[Prompt]:
+    """``k`` prompts from ``pool`` (with replacement only when the pool is smaller)."""
+    rng = random.Random(seed)
+    return rng.sample(list(pool), k) if len(pool) >= k else [rng.choice(list(pool)) for _ in range(k)]
