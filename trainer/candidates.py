@@ -113,6 +113,8 @@ def run_round(
             (``RoundPhase.TRAIN``, with the step), when evaluation starts (``RoundPhase.EVALUATE``)
             and between evaluation batches (``RoundPhase.EVALUATE`` with a ``part``). It may
             raise (e.g. to cancel): the round stops there and its adapters are cleaned up.
+        executor: where the candidates train (:mod:`trainer.executor`); default :func:`make_executor`
+            from ``rl.executor`` (``ray``: see :mod:`trainer.ray_executor` for its errors).
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
