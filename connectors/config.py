@@ -36,6 +36,11 @@ class KafkaConfig(Section):
     )
     traces_topic: str = Field(default="hourglass.traces", description="Topic of trace events.")
     feedback_topic: str = Field(default="hourglass.feedback", description="Topic of feedback events.")
+    routes_topic: str = Field(
+        default="hourglass.routes",
+        description="Compacted topic (one partition, key = public model name) the serving controller publishes routes to "
+        "when serving.routes_source = 'kafka'; every gateway reads it from the beginning, then follows it.",
+    )  # fmt: skip
     group_id: str = Field(default="hourglass-ingest", min_length=1, description="Consumer group of the ingest workers.")
     partitions: int = Field(default=3, ge=1, le=1024, description="Partitions per topic when Hourglass creates it.")
     replication_factor: int = Field(default=1, ge=1, le=16, description="Replicas per partition when Hourglass creates a topic.")
@@ -55,7 +60,7 @@ class KafkaConfig(Section):
                 raise ValueError(f"bootstrap server {server!r} is not host:port with a port in 1..65535")
         return servers
 
-    @field_validator("traces_topic", "feedback_topic")
+    @field_validator("traces_topic", "feedback_topic", "routes_topic")
     @classmethod
     def _topic_name(cls, topic: str) -> str:
         return check_topic_name(topic)
@@ -64,6 +69,8 @@ class KafkaConfig(Section):
     def _distinct_topics(self) -> "KafkaConfig":
         if self.traces_topic == self.feedback_topic:
             raise ValueError(f"traces_topic and feedback_topic are both {self.traces_topic!r}; they must differ")
+        if self.routes_topic in (self.traces_topic, self.feedback_topic):
+            raise ValueError(f"routes_topic {self.routes_topic!r} must differ from the traces and feedback topics")
         return self
 
     @model_validator(mode="after")
@@ -188,6 +195,11 @@ class GatewayConfig(Section):
         "gateway replicas). Unset: generated once into <state_dir>/gateway-feedback.key (0600).",
     )
     feedback_token_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="How long a response's feedback token stays valid, seconds.")
+    upstream_url: str | None = Field(
+        default=None, pattern=r"^https?://[^/\s]+/?$",
+        description="Base URL the gateway sends requests to. Unset: serving.replicas[0]. With several vLLM replicas: "
+        "a load-balanced address over all of them (each serves every routed version), e.g. a Kubernetes Service.",
+    )  # fmt: skip
     upstream_timeout_s: float = Field(default=600.0, gt=0, description="Upstream (vLLM) read timeout, seconds.")
     disconnect_poll_s: float = Field(default=0.25, gt=0, le=10, description="How often a non-streaming request checks that its client is still there, seconds.")
 

@@ -61,6 +61,41 @@ def ensure_topics(cfg: KafkaConfig, topics: list[str] | None = None) -> list[str
         admin.close()
 
 
+def ensure_routes_topic(cfg: KafkaConfig) -> bool:
+    """Create ``cfg.routes_topic`` when missing: one partition (one total order of route changes),
+    ``cleanup.policy=compact`` (the broker keeps at least the newest record per key, so reading it from the
+    beginning yields every model's current route). An existing topic is left as it is.
+
+    Returns:
+        True when this call created it.
+
+    Raises:
+        BrokerUnavailableError: no broker answered within 60 s, or creation failed.
+    """
+    try:
+        admin = _admin(cfg)
+    except (KafkaTimeoutError, OSError) as err:
+        raise BrokerUnavailableError(
+            f"no Kafka broker reachable at {cfg.bootstrap_servers} for 60 s: {err}; is the broker running?"
+        ) from err
+    try:
+        if cfg.routes_topic in set(admin.list_topics()):
+            return False
+        topic = NewTopic(
+            cfg.routes_topic, num_partitions=1, replication_factor=cfg.replication_factor,
+            topic_configs={"cleanup.policy": "compact"},
+        )  # fmt: skip
+        try:
+            admin.create_topics([topic])
+        except TopicAlreadyExistsError:
+            return False  # another controller created it meanwhile
+        return True
+    except KafkaError as err:
+        raise BrokerUnavailableError(f"could not create the routes topic {cfg.routes_topic!r} on {cfg.bootstrap_servers}: {err}") from err
+    finally:
+        admin.close()
+
+
 def consumer_group_lag(cfg: KafkaConfig) -> dict[str, int]:
     """Records not yet committed by ``cfg.group_id``, per ``topic:partition`` (end offset - committed offset).
 

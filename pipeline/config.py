@@ -128,6 +128,18 @@ class ServingConfig(Section):
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
     staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    routes_source: Literal["file", "kafka"] = Field(
+        default="file",
+        description="Where gateways learn routes. 'file': <state_dir>/routes.json (one host: the gateway shares the "
+        "service's state dir). 'kafka': the controller also publishes every route change to the compacted "
+        "kafka.routes_topic and each gateway follows it (any number of gateways, no shared disk).",
+    )  # fmt: skip
+    adapter_share_uri: str | None = Field(
+        default=None,
+        description="Shared adapter store (a path, or an s3:// / gs:// URI) for replicas that do not share the service's "
+        "disk: a verified version is published there and each replica fetches it through the Hourglass LoRA resolver "
+        "plugin (its HOURGLASS_ADAPTER_SHARE must name the same store). Unset: replicas load the staged folder by path.",
+    )  # fmt: skip
     max_adapter_bytes: int = Field(
         default=512 * 1024**2, ge=1024,
         description="Largest adapter staging accepts, bytes: the sum of its files and each file, checked on the sizes MLflow "
@@ -251,8 +263,11 @@ class HourglassConfig(BaseSettings):
         if self.serving.staging_dir is None:  # follows state_dir, so two instances never share it
             staged = self.serving.model_copy(update={"staging_dir": str(Path(self.state_dir) / "staging")})
             object.__setattr__(self, "serving", staged)
-        if self.rl.rollout_engine == "vllm" and self.rl.rollout_url is None:  # embedded default: the serving vLLM
-            object.__setattr__(self, "rl", self.rl.model_copy(update={"rollout_url": self.serving.replicas[0]}))
+        if self.rl.rollout_engine == "vllm" and self.rl.rollout_url is None:  # default: the serving vLLM fleet
+            fleet = {"rollout_url": self.serving.replicas[0], "rollout_urls": self.rl.rollout_urls or list(self.serving.replicas)}
+            object.__setattr__(self, "rl", self.rl.model_copy(update=fleet))
+        if self.rl.adapter_share_uri is None and self.serving.adapter_share_uri is not None:  # trainers publish there too
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"adapter_share_uri": self.serving.adapter_share_uri}))
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 PACKAGES = ("connectors", "trainer", "pipeline")
 
 # Cycles tolerated for now; each entry is one strongly connected set of modules.

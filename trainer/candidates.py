@@ -464,11 +464,12 @@ def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> Rollou
     """
     if rl.rollout_engine == "hf":
         return HFEngine(base, store)
-    if not rl.rollout_url:
+    urls = list(rl.rollout_urls) or ([rl.rollout_url] if rl.rollout_url else [])
+    if not urls:
         raise TrainerConfigError("rollout_engine 'vllm' needs rl.rollout_url (the vLLM server's base URL), or pass engine=")
-    from trainer.rollout_vllm import VLLMEngine
+    from trainer.rollout_fleet import make_vllm_engine
 
-    return VLLMEngine(rl.rollout_url)
+    return make_vllm_engine(urls, adapter_share=rl.adapter_share_uri)  # several URLs: a FleetEngine
 
 
 def check_candidates(candidates: Sequence[CandidateConfig]) -> None:

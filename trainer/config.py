@@ -183,6 +183,16 @@ class RLConfig(Section):
     )
     rollout_engine: Literal["vllm", "hf"] = Field(default="vllm", description="Rollouts from vLLM, or transformers generate.")
     rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default (with rollout_engine `vllm`): the first of serving.replicas.")
+    rollout_urls: list[str] = Field(
+        default_factory=list,
+        description="A vLLM fleet for rollouts and evaluation (each candidate's requests stay on one replica, round-robin "
+        "over candidates; trainer.rollout_fleet). Default (with rollout_engine `vllm` and no rollout_url): every serving.replicas entry.",
+    )  # fmt: skip
+    adapter_share_uri: str | None = Field(
+        default=None,
+        description="Shared adapter store (path or s3:// / gs:// URI) rollout versions are published to, for vLLM replicas "
+        "that do not share this host's disk (they fetch through the resolver plugin). Default: serving.adapter_share_uri.",
+    )  # fmt: skip
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
     executor: Literal["local", "ray"] = Field(

@@ -41,13 +41,19 @@ class VLLMEngine:
         per_request_seed: send each request's ``seed`` (reproducible sampling);
             off by default because the vLLM CPU engine crashes on seeded
             requests under chunked prefill.
+        adapter_share: a shared adapter store URI (:mod:`trainer.adapter_share`)
+            for a server that does not share this host's disk: :meth:`load`
+            publishes the folder there and a one-token completion through the
+            new name makes the server fetch it (its resolver plugin,
+            :mod:`pipeline.serving.lora_resolver`). None: the server reads the local path.
     """
 
     def __init__(
         self, url: str, *, base_name: str = BASE_VERSION, timeout_s: float = 300.0, max_in_flight: int = 64,
-        per_request_seed: bool = False,
+        per_request_seed: bool = False, adapter_share: str | None = None,
     ) -> None:  # fmt: skip
         self.url = url.rstrip("/")
+        self.adapter_share = adapter_share
         # Per-request seeds crash the vLLM 0.32 CPU engine when a seeded request
         # is chunk-prefilled ("CPU Generator does not use offset", EngineDeadError),
         # taking serving down with it; send them only where the engine supports it.
@@ -78,7 +84,13 @@ class VLLMEngine:
         if version in self.versions or version == self.base_name:
             raise RolloutError(f"version {version!r} is already loaded; publish updates under a new name")
         started = time.perf_counter()
-        self._post("/v1/load_lora_adapter", {"lora_name": version, "lora_path": str(Path(adapter_dir).resolve())})
+        if self.adapter_share is not None:
+            from trainer.adapter_share import publish
+
+            publish(adapter_dir, self.adapter_share, version)
+            self._post("/v1/completions", {"model": version, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0})
+        else:
+            self._post("/v1/load_lora_adapter", {"lora_name": version, "lora_path": str(Path(adapter_dir).resolve())})
         self.last_load_s = time.perf_counter() - started
         self.versions[version] = candidate
 
@@ -88,6 +100,10 @@ class VLLMEngine:
             raise RolloutError(f"version {version!r} is not loaded here; loaded: {sorted(self.versions)}")
         self._post("/v1/unload_lora_adapter", {"lora_name": version})
         del self.versions[version]
+        if self.adapter_share is not None:
+            from trainer.adapter_share import remove
+
+            remove(self.adapter_share, version)
 
     def served_models(self) -> list[str]:
         """Model names the server lists at ``GET /v1/models`` (base + loaded adapters)."""
@@ -105,12 +121,16 @@ class VLLMEngine:
             RolloutError: an unknown version, an HTTP error after retries, or an
                 answer without token ids / log-probs.
         """
+        self.check(requests)
+        return asyncio.run(self._generate_all(requests))
+
+    def check(self, requests: Sequence[RolloutRequest]) -> None:
+        """Raises RolloutError for a request with non-int token ids or a version not loaded here."""
         for req in requests:
             if not all(isinstance(t, int) for t in req.prompt_token_ids):
                 raise RolloutError(f"request {req.prompt_id!r}: prompt_token_ids must be ints, got {list(req.prompt_token_ids)[:4]}")
             if req.version != self.base_name and req.version not in self.versions:
                 raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
-        return asyncio.run(self._generate_all(requests))
 
     async def _generate_all(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)

@@ -3,7 +3,9 @@
 The serving controller (:mod:`pipeline.serving.controller`) is the only writer
 (:func:`write_route`); the gateway reads it through :class:`RouteResolver`. The
 file is ``<state_dir>/routes.json``: ``{public model name: Route as a JSON
-object}``, replaced atomically on every write.
+object}``, replaced atomically on every write. With ``serving.routes_source =
+"kafka"`` the same JSON objects also travel on the compacted routes topic
+(:mod:`connectors.gateway.route_feed`) to gateways on other hosts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -59,6 +62,19 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
 
 
 
+def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
+    """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
+    Unknown fields are ignored (a newer writer); an entry without ``served_name``/``version``/``updated_at`` is left out."""
+    names = set(Route.__dataclass_fields__)
+    out: dict[str, Route] = {}
+    for model, entry in entries.items():
+        try:
+            out[model] = Route(**{k: v for k, v in entry.items() if k in names})
+        except TypeError:
+            continue
+    return out
+
+
 def canary_bucket(key: str) -> int:
     """A routing key's bucket in [0, 10000): the first 8 bytes of its SHA-256, mod 10000 (the same in every process)."""
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 10000
@@ -78,12 +94,21 @@ class RouteResolver:
 
     A public name with a route goes to its versioned served name; the configured
     public name without a route goes to the base (``base_served_name``, version
-    None); any other name raises ``KeyError``. The file is re-read at most every
+    None); any other name raises ``KeyError``. The routes are re-read at most every
     ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``.
+
+    ``source``: instead of the file, a callable returning ``{model: route dict}``
+    (e.g. :meth:`connectors.gateway.route_feed.RouteFollower.routes`, the routes topic).
     """
 
-    def __init__(self, state_dir: str | Path, public_name: str, base_served_name: str, ttl_s: float = 1.0) -> None:
+    def __init__(
+        self, state_dir: str | Path | None, public_name: str, base_served_name: str, ttl_s: float = 1.0,
+        *, source: Callable[[], dict[str, dict]] | None = None,
+    ) -> None:  # fmt: skip
+        if state_dir is None and source is None:
+            raise ValueError("RouteResolver needs a state_dir (the routes file) or a source (e.g. the routes topic)")
         self.state_dir = state_dir
+        self.source = source
         self.public_name = public_name
         self.base_served_name = base_served_name
         self.ttl_s = ttl_s
@@ -94,7 +119,7 @@ class RouteResolver:
     def _current(self) -> dict[str, Route]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
-                routes = read_routes(self.state_dir)
+                routes = read_routes(self.state_dir) if self.source is None else routes_from_dicts(self.source())  # type: ignore[arg-type]
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes

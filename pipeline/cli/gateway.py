@@ -6,7 +6,8 @@
 The gateway itself lives in :mod:`connectors.gateway.app` (which never imports
 ``pipeline``); this module injects the route lookup: a
 :class:`connectors.gateway.routes.RouteResolver` over the routes file the
-serving controller writes.
+serving controller writes, or, with ``serving.routes_source = "kafka"``, over
+the routes topic it publishes to (:class:`connectors.gateway.route_feed.RouteFollower`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,25 @@ KEYS_FILE = "gateway-keys.json"
 SIGNING_KEY_FILE = "gateway-feedback.key"
 
 
+def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: float = 30.0) -> RouteResolver:
+    """The gateway's resolver for ``serving.routes_source``: the routes file, or a follower of ``kafka.routes_topic``
+    started now (waiting up to ``ready_wait_s`` to have read the current routes; it keeps following after, and is
+    the resolver's ``follower`` attribute)."""
+    if cfg.serving.routes_source == "file":
+        return RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    from connectors.gateway.route_feed import RouteFollower
+
+    follower = RouteFollower(cfg.kafka)
+    if not follower.start(wait_s=ready_wait_s):
+        logging.getLogger(__name__).warning(
+            "routes topic %s not read within %.0fs (%s); serving the base until routes arrive",
+            cfg.kafka.routes_topic, ready_wait_s, follower.last_error or "no answer",
+        )  # fmt: skip
+    resolver = RouteResolver(None, cfg.serving.model_name, cfg.serving.base_served_name, ttl_s=min(ttl_s, 0.1), source=follower.routes)
+    resolver.follower = follower  # type: ignore[attr-defined]
+    return resolver
+
+
 def key_store(cfg: HourglassConfig) -> KeyStore:
     """The gateway's API keys: ``<state_dir>/gateway-keys.json`` (0600; `hourglass keys` edits it)."""
     return KeyStore(cfg.resolve(cfg.state_dir) / KEYS_FILE)
@@ -55,14 +75,19 @@ def feedback_signer(cfg: HourglassConfig) -> FeedbackSigner:
     return FeedbackSigner(key, cfg.gateway.feedback_token_ttl_s)
 
 
+def upstream_url(cfg: HourglassConfig) -> str:
+    """Where the gateway sends requests: ``gateway.upstream_url``, else the first serving replica."""
+    return (cfg.gateway.upstream_url or cfg.serving.replicas[0]).rstrip("/")
+
+
 def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
-    """The gateway app for ``cfg``: upstream = first replica, routes from ``cfg.state_dir``, configured user hashing,
+    """The gateway app for ``cfg``: upstream = :func:`upstream_url`, routes from :func:`route_resolver`, configured user hashing,
     API keys from the state dir, feedback tokens signed with :func:`feedback_signer`."""
-    resolver = RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+    resolver = route_resolver(cfg, ttl_s=ttl_s)
     hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
     upstream_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key else None
     return create_gateway_app(
-        cfg.kafka, cfg.serving.replicas[0], resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
+        cfg.kafka, upstream_url(cfg), resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
         keys=key_store(cfg), signer=feedback_signer(cfg), trusted_metadata=cfg.buffer.trusted_metadata,
         reward_spec=cfg.buffer.reward, upstream_api_key=upstream_key,
     )  # fmt: skip
@@ -86,7 +111,7 @@ def gateway(
         console.print(f"[yellow]warning:[/yellow] {err}")
     auth = "API keys required" if cfg.gateway.require_api_key else "NO API KEYS (gateway.require_api_key = false)"
     console.print(
-        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {cfg.serving.replicas[0]} "
+        f"gateway on http://{cfg.api.host}:{cfg.api.gateway_port}/v1 -> {upstream_url(cfg)} "
         f"(model {cfg.serving.model_name!r}, traces -> {cfg.kafka.traces_topic}, {auth})"
     )
     try:

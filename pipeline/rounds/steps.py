@@ -165,7 +165,7 @@ def round_adapter_names(round_id: str, candidates: list[str]) -> re.Pattern[str]
 def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
     """Unload what a dead or abandoned round left loaded in vLLM, on every replica.
 
-    Looks at ``serving.replicas`` and ``rl.rollout_url``; a replica that does
+    Looks at ``serving.replicas``, ``rl.rollout_urls`` and ``rl.rollout_url``; a replica that does
     not answer is skipped (a restarted vLLM has lost its runtime adapters anyway).
     Only call it while no other round runs (it matches by candidate name).
     Returns ``{replica url: [unloaded names]}``.
@@ -173,7 +173,7 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
 
     pattern = round_adapter_names(round_id, candidates)
-    urls = list(dict.fromkeys([*cfg.serving.replicas, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
+    urls = list(dict.fromkeys([*cfg.serving.replicas, *cfg.rl.rollout_urls, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
     api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
     unloaded: dict[str, list[str]] = {}
     for url in urls:

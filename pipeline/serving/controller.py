@@ -11,11 +11,17 @@ A hot-load, in order:
 1. stage the version (:mod:`pipeline.serving.staging`: download, checksums,
    safetensors only, base fingerprint, rank, safe paths);
 2. load it under ``<model>-v<version>`` on every reachable replica (never
-   reloaded in place under an old name);
+   reloaded in place under an old name): by path, or, with
+   ``serving.adapter_share_uri``, published to the shared adapter store from
+   which each replica's resolver plugin fetches it (:mod:`pipeline.serving.lora_resolver`);
 3. probe a completion through that name on each replica; only then it counts;
 4. flip the route (``<state_dir>/routes.json``, written atomically with
-   :func:`connectors.gateway.routes.write_route`; the gateway reads it there);
-5. unload the replaced version after ``serving.drain_s``.
+   :func:`connectors.gateway.routes.write_route`; a gateway on the same host
+   reads it there; with ``serving.routes_source = "kafka"`` the pass also
+   publishes it to the compacted ``kafka.routes_topic`` that every gateway
+   follows, :mod:`connectors.gateway.route_feed`);
+5. unload the replaced version after ``serving.drain_s`` (and, with the
+   topic, only once the broker acknowledged the new route).
 
 A version on canary (``@challenger``) goes through the same steps beside the
 champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
@@ -46,7 +52,10 @@ from dataclasses import asdict, dataclass, field
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
 
+from connectors.errors import ConnectorError
+from connectors.gateway.route_feed import RoutePublisher
 from connectors.gateway.routes import Route, read_routes, write_route
+from connectors.kafka_admin import ensure_routes_topic
 from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
@@ -54,6 +63,8 @@ from pipeline.serving.common import AdapterFailure as _AdapterFailure
 from pipeline.serving.common import utc_now as _now
 from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
 from pipeline.serving.staging import StagedAdapter, StagingError, base_module_names, served_name, stage_options, stage_version
+from trainer.adapter_share import AdapterShareError, publish
+from trainer.adapter_share import remove as share_remove
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +134,8 @@ class ServingController:
         self._status = {m: ModelStatus(m) for m in self.models}
         self._draining: dict[str, float] = {}  # served name -> monotonic deadline for its unload
         self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
+        self._route_publisher = RoutePublisher(cfg.kafka) if cfg.serving.routes_source == "kafka" else None
+        self._published_routes: dict[str, dict] | None = None  # what the routes topic acknowledged last
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -159,8 +172,33 @@ class ServingController:
                     log.warning("reconcile %s: %s", model, err)
                     st = self._status[model]
                     st.last_error, st.updated_at = f"{type(err).__name__}: {err}", _now()
-            self._unload_drained()
+            if self._publish_routes():  # gateways must know the new route before the old version goes
+                self._unload_drained()
         return self.status()
+
+    def _publish_routes(self) -> bool:
+        """With ``serving.routes_source = "kafka"``: publish the routes that changed since the last
+        acknowledged publish (all of them on the first pass) to ``kafka.routes_topic``. Returns False while
+        a change is not acknowledged (the next pass retries; drained versions stay loaded meanwhile)."""
+        if self._route_publisher is None:
+            return True
+        current = {m: asdict(r) for m, r in read_routes(self.state_dir).items()}
+        if current == self._published_routes:
+            return True
+        before = self._published_routes or {}
+        changed: dict[str, dict | None] = {m: r for m, r in current.items() if before.get(m) != r}
+        changed.update({m: None for m in before if m not in current})
+        try:
+            if self._published_routes is None:
+                ensure_routes_topic(self.cfg.kafka)
+            self._route_publisher.publish(changed)
+        except ConnectorError as err:
+            log.warning("routes not published (gateways keep the previous ones; retried next pass): %s", err)
+            for model in self.models:
+                self._status[model].last_transient_error = f"{_now()} {err}"
+            return False
+        self._published_routes = current
+        return True
 
     def trigger(self) -> None:
         """Wake the loop now (e.g. right after a promote through the API)."""
@@ -199,6 +237,8 @@ class ServingController:
         self.stop()
         for replica in self.replicas:
             replica.close()
+        if self._route_publisher is not None:
+            self._route_publisher.close()
 
     # -- one model ----------------------------------------------------------------
 
@@ -246,6 +286,10 @@ class ServingController:
     def _load_on(self, model: str, version: str, replicas: list[ReplicaControl], mv=None) -> list[ReplicaControl]:
         """Stage, load and probe on ``replicas``; returns those that now serve it.
 
+        With ``serving.adapter_share_uri`` the staged folder is published to the
+        share and the probe itself makes each replica fetch and load it; otherwise
+        each replica loads the staged folder by path.
+
         Raises:
             _AdapterFailure: staging refused it, or a replica refused the load or probe.
         """
@@ -256,12 +300,31 @@ class ServingController:
             )  # fmt: skip
         except StagingError as err:
             raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
+        share = self.cfg.serving.adapter_share_uri
+        if share is not None and replicas:
+            try:
+                publish(staged.path, share, staged.served_name)
+            except AdapterShareError as err:  # the store's problem, not the adapter's: retried on the next pass
+                raise ReplicaUnreachableError(f"cannot publish {staged.served_name} to serving.adapter_share_uri: {err}") from err
         done: list[ReplicaControl] = []
         for replica in replicas:
             try:
-                replica.load(staged.served_name, str(staged.path))
+                if share is None:
+                    replica.load(staged.served_name, str(staged.path))
+                # With a share, the probe through the new name makes the replica fetch it (pipeline.serving.lora_resolver).
                 done.append(replica)
-                replica.probe(staged.served_name)
+                try:
+                    replica.probe(staged.served_name)
+                except ReplicaRefusedError as err:
+                    if share is None or "does not exist" not in str(err):
+                        raise
+                    # Published, yet the replica could not fetch it (its access to the share, or no resolver
+                    # plugin there): the replica's problem, retried next pass. A fetched adapter that vLLM cannot
+                    # load answers 400 instead, which stays the adapter's fault.
+                    raise ReplicaUnreachableError(
+                        f"{err} (published to {share}; the replica's Hourglass LoRA resolver plugin did not fetch it: "
+                        "check its HOURGLASS_ADAPTER_SHARE and its access to the share)"
+                    ) from err
             except ReplicaUnreachableError as err:  # the replica's problem, not the adapter's
                 self._transient(model, replica, err)
                 log.warning("%s; will load %s there on a later pass", err, staged.served_name)
@@ -332,6 +395,8 @@ class ServingController:
             if name not in routed:
                 for replica in self.replicas:
                     self._try_unload(replica, name)
+                if self.cfg.serving.adapter_share_uri is not None:
+                    share_remove(self.cfg.serving.adapter_share_uri, name)
             del self._draining[name]
 
     def _unload_stale(self, model: str, seen: dict[ReplicaControl, set[str]]) -> None:

@@ -311,9 +311,14 @@ def test_k8s_deployments_run_the_cli_with_the_secret_and_shared_state(
     assert Path(CONFIG_IN_CONTAINER).parent.as_posix() in mounts
     state = mounts[prod.state_dir]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[state["name"]]["persistentVolumeClaim"]["claimName"] == "hourglass-state"
     assert volumes["config"]["configMap"]["name"] == "hourglass-config"
-    assert state.get("readOnly", False) is (verb == "gateway")
+    if verb == "service":
+        assert volumes[state["name"]]["persistentVolumeClaim"]["claimName"] == "hourglass-state"
+        assert not state.get("readOnly", False)
+    else:  # the gateway shares no disk: its state dir is the API keys Secret, read-only
+        assert volumes[state["name"]]["secret"]["secretName"] == "hourglass-gateway-keys"
+        assert state["readOnly"] is True
+        assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
 
 
 def test_k8s_service_is_a_single_gpu_pod_with_a_long_grace_period(
@@ -330,3 +335,93 @@ def test_k8s_service_is_a_single_gpu_pod_with_a_long_grace_period(
     assert ops["type"] == "ClusterIP" and ops["ports"][0]["port"] == prod.api.port
     gateway = k8s[("Service", "hourglass-gateway")]["spec"]
     assert gateway["ports"][0]["port"] == prod.api.gateway_port
+
+
+# --- scale-out on kubernetes: vLLM fleet, gateways on the routes topic, the Ray cluster ----------
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+@pytest.fixture(scope="module")
+def raycluster() -> dict[str, Any]:
+    [doc] = list(yaml.safe_load_all((DEPLOY / "k8s" / "raycluster.yaml").read_text()))
+    return doc
+
+
+def test_k8s_service_env_overrides_make_a_valid_scaled_out_config(
+    k8s: dict[tuple[str, str], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.config import RLConfig
+
+    [container] = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"]
+    for key, value in {**REAL_SECRETS, **_env(container)}.items():
+        if key.startswith("HOURGLASS_RL__") and key.removeprefix("HOURGLASS_RL__").lower() not in RLConfig.model_fields:
+            continue  # the Ray executor's fields come with the Ray executor itself
+        monkeypatch.setenv(key, value)
+    cfg = load_config(DEPLOY / "production.toml")
+    [vllm] = [k8s[("StatefulSet", "vllm")]]
+    n = vllm["spec"]["replicas"]
+    assert n >= 2 and cfg.serving.replicas == [f"http://vllm-{i}.vllm:8000" for i in range(n)]
+    assert cfg.serving.adapter_share_uri is not None and "://" in cfg.serving.adapter_share_uri
+    assert cfg.serving.routes_source == "kafka" and cfg.kafka.routes_topic == "hourglass.routes"
+    if "executor" in RLConfig.model_fields:
+        assert cfg.rl.executor == "ray" and cfg.rl.ray_address.startswith("ray://")
+
+
+def test_k8s_vllm_fleet_is_addressable_per_pod_and_fetches_adapters_from_the_share(
+    k8s: dict[tuple[str, str], dict[str, Any]], prod: HourglassConfig
+) -> None:
+    vllm = k8s[("StatefulSet", "vllm")]["spec"]
+    headless = k8s[("Service", vllm["serviceName"])]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == vllm["selector"]["matchLabels"]
+    pod = vllm["template"]["spec"]
+    [container] = pod["containers"]
+    argv = [str(a) for a in container["args"]]
+    assert _flag(argv, "--served-model-name") == prod.serving.base_served_name
+    assert int(_flag(argv, "--max-lora-rank")) == prod.serving.max_lora_rank
+    assert int(_flag(argv, "--max-loras")) == prod.serving.max_loras
+    assert int(_flag(argv, "--max-model-len")) == prod.serving.max_model_len
+    assert "--enable-lora" in argv
+    env = _env(container)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"  # resolver plugins run only with runtime updating on
+    [service] = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"]
+    assert env["HOURGLASS_ADAPTER_SHARE"] == _env(service)["HOURGLASS_SERVING__ADAPTER_SHARE_URI"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]  # no disk shared with the service
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_k8s_gateways_follow_the_routes_topic_and_reach_every_replica(
+    k8s: dict[tuple[str, str], dict[str, Any]], prod: HourglassConfig
+) -> None:
+    assert prod.serving.routes_source == "kafka"
+    gateway = k8s[("Deployment", "hourglass-gateway")]["spec"]
+    assert gateway["replicas"] >= 2
+    [container] = gateway["template"]["spec"]["containers"]
+    upstream = _env(container)["HOURGLASS_GATEWAY__UPSTREAM_URL"]
+    host, port = upstream.removeprefix("http://").split(":")
+    lb = k8s[("Service", host)]["spec"]
+    assert lb["selector"] == k8s[("StatefulSet", "vllm")]["spec"]["selector"]["matchLabels"]
+    assert lb.get("clusterIP") != "None" and lb["ports"][0]["port"] == int(port)
+
+
+def test_k8s_raycluster_has_a_head_and_a_gpu_worker_group_the_service_connects_to(
+    raycluster: dict[str, Any], k8s: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    assert raycluster["apiVersion"] == "ray.io/v1" and raycluster["kind"] == "RayCluster"
+    head = raycluster["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    [head_container] = head["template"]["spec"]["containers"]
+    assert {"containerPort": 10001, "name": "client"} in head_container["ports"]
+    [workers] = raycluster["spec"]["workerGroupSpecs"]
+    assert workers["rayStartParams"]["num-gpus"] == "1" and workers["replicas"] >= 1
+    assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    [worker] = workers["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    [service] = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"]
+    address = f"ray://{raycluster['metadata']['name']}-head-svc:10001"  # KubeRay's head Service name
+    env = _env(service)
+    assert env["HOURGLASS_RL__RAY_ADDRESS"] == env["RAY_ADDRESS"] == address
+    # the driver and the cluster run one image (Ray client needs matching Ray and Python versions)
+    assert head_container["image"] == worker["image"] == service["image"]

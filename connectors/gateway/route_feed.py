@@ -1,0 +1,195 @@
+"""Routes over Kafka: the serving controller publishes, every gateway follows.
+
+Topic ``kafka.routes_topic`` (default ``hourglass.routes``; created by
+:func:`connectors.kafka_admin.ensure_routes_topic`: one partition,
+``cleanup.policy=compact``). One record per route change: key = the public
+model name (UTF-8), value = the route as a JSON object (the fields of
+``Route`` in the routes contract: ``served_name``, ``version``,
+``updated_at``, ``challenger_served_name``, ``challenger_version``,
+``fraction``); a null value (tombstone) removes the model's route.
+
+A gateway's :class:`RouteFollower` reads the topic from the beginning (no
+consumer group: every gateway reads everything) and keeps the last value per
+key, which is what compaction keeps, so a gateway that starts late still
+learns the current routes; it then follows new records as they come
+(``poll`` every ``poll_ms``, well under a second). A record whose value is not
+a JSON object with a string ``served_name`` is skipped and counted
+(``hourglass_gateway_route_records_refused_total``); a broker outage keeps the
+last known routes and reconnects.
+
+Tansu (the embedded broker) accepts ``cleanup.policy=compact`` at creation but
+reports no topic configs back, so it presumably keeps every record: the topic
+then grows by one record per route change, and reading it from the beginning
+still ends at the newest route per model.
+
+This module works on plain dicts; the routes contract turns them into
+``Route`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from prometheus_client import Counter
+
+from connectors.config import KafkaConfig
+from connectors.errors import BrokerUnavailableError
+
+log = logging.getLogger(__name__)
+
+REFUSED = Counter("hourglass_gateway_route_records_refused", "Route records skipped: not a JSON object with a served_name.")
+
+
+def _valid(entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("served_name"), str) and bool(entry["served_name"])
+
+
+class RoutePublisher:
+    """Publishes routes to ``kafka.routes_topic`` (acks=all, flushed before :meth:`publish` returns)."""
+
+    def __init__(self, kafka: KafkaConfig) -> None:
+        self.kafka = kafka
+        self._producer: KafkaProducer | None = None
+
+    def publish(self, routes: dict[str, dict | None]) -> None:
+        """Send ``{public model name: route dict, or None to remove it}``; returns once the broker acknowledged all.
+
+        Raises:
+            BrokerUnavailableError: the broker did not take them (the caller retries later).
+        """
+        if not routes:
+            return
+        try:
+            if self._producer is None:
+                self._producer = KafkaProducer(
+                    bootstrap_servers=self.kafka.bootstrap_servers, acks="all", retries=3, linger_ms=0,
+                    max_in_flight_requests_per_connection=1, request_timeout_ms=self.kafka.request_timeout_ms,
+                    max_block_ms=self.kafka.request_timeout_ms,
+                )  # fmt: skip
+            futures = [
+                self._producer.send(self.kafka.routes_topic, key=model.encode(), value=None if route is None else json.dumps(route, sort_keys=True).encode())
+                for model, route in sorted(routes.items())
+            ]
+            for future in futures:
+                future.get(timeout=self.kafka.request_timeout_ms / 1000)
+        except (KafkaError, OSError) as err:
+            self.close()
+            raise BrokerUnavailableError(f"could not publish routes {sorted(routes)} to {self.kafka.routes_topic!r} at {self.kafka.bootstrap_servers}: {err}") from err
+
+    def close(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=5)
+            except Exception:  # closing a broken producer must not hide the error that broke it
+                pass
+            self._producer = None
+
+
+class RouteFollower:
+    """Follows ``kafka.routes_topic`` on a daemon thread; :meth:`routes` is the current ``{model: route dict}``.
+
+    :meth:`ready` is set once the follower has read up to the end offsets it
+    found at its start (or found no topic yet: no routes published), i.e. it
+    holds the routes that were current when it started.
+    """
+
+    def __init__(self, kafka: KafkaConfig, *, poll_ms: int = 100, retry_s: float = 1.0) -> None:
+        self.kafka = kafka
+        self.poll_ms = poll_ms
+        self.retry_s = retry_s
+        self.ready = threading.Event()
+        self._routes: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    def routes(self) -> dict[str, dict]:
+        """A copy of the routes known now."""
+        with self._lock:
+            return dict(self._routes)
+
+    def start(self, wait_s: float = 0.0) -> bool:
+        """Start following; wait up to ``wait_s`` for :attr:`ready`. Returns whether it is ready."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="hourglass-route-follower", daemon=True)
+            self._thread.start()
+        return self.ready.wait(wait_s) if wait_s > 0 else self.ready.is_set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _apply(self, key: bytes | None, value: bytes | None) -> None:
+        try:
+            model = (key or b"").decode()
+        except UnicodeDecodeError:
+            model = ""
+        if not model:
+            REFUSED.inc()
+            log.warning("route record without a UTF-8 key skipped")
+            return
+        if value is None:
+            with self._lock:
+                self._routes.pop(model, None)
+            return
+        try:
+            entry = json.loads(value)
+        except (ValueError, UnicodeDecodeError):
+            entry = None
+        if not _valid(entry):
+            REFUSED.inc()
+            log.warning("route record for %r skipped: not a JSON object with a served_name: %r", model, value[:200])
+            return
+        with self._lock:
+            self._routes[model] = entry
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            consumer = None
+            try:
+                consumer = KafkaConsumer(
+                    bootstrap_servers=self.kafka.bootstrap_servers, group_id=None, enable_auto_commit=False,
+                    auto_offset_reset="earliest", request_timeout_ms=self.kafka.request_timeout_ms,
+                    client_id="hourglass-gateway-routes",
+                )  # fmt: skip
+                self._follow(consumer)
+            except (KafkaError, OSError, AssertionError) as err:  # kafka-python asserts on some broken connections
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.warning("routes topic %s: %s; keeping the last known routes, retrying", self.kafka.routes_topic, err)
+                self._stop.wait(self.retry_s)
+            finally:
+                if consumer is not None:
+                    try:
+                        consumer.close(autocommit=False)
+                    except Exception:
+                        pass
+
+    def _follow(self, consumer: KafkaConsumer) -> None:
+        topic = self.kafka.routes_topic
+        partitions = consumer.partitions_for_topic(topic)
+        while not partitions:  # not created yet: nothing was ever published, so "no routes" is current
+            self.ready.set()
+            if self._stop.wait(self.retry_s):
+                return
+            consumer.topics()  # refresh metadata
+            partitions = consumer.partitions_for_topic(topic)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        while not self._stop.is_set():
+            batches = consumer.poll(timeout_ms=self.poll_ms)
+            for records in batches.values():
+                for record in records:
+                    self._apply(record.key, record.value)
+            if not self.ready.is_set() and all(consumer.position(tp) >= ends[tp] for tp in tps):
+                self.ready.set()
+                self.last_error = None

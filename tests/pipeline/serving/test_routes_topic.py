@@ -1,0 +1,144 @@
+"""Gateways that share routes through the compacted routes topic (real broker, real MLflow).
+
+The serving controller publishes the routes file's changes to ``kafka.routes_topic``
+at the end of a reconcile pass; each gateway (the real app, with its own
+follower) reads the topic from the beginning and follows it. A recording
+upstream shows which served name each gateway asked for.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import ExitStack
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from tests.http_helpers import serve
+from kafka import KafkaProducer
+
+from connectors.config import GatewayConfig
+from connectors.gateway.app import create_gateway_app
+from connectors.gateway.routes import Route, write_route
+from pipeline.cli.gateway import route_resolver
+from pipeline.config import HourglassConfig
+from pipeline.serving.controller import ServingController
+
+pytestmark = pytest.mark.integration
+
+
+class Upstream:
+    """An OpenAI-shaped completions server that answers with the model it was asked for."""
+
+    def __init__(self) -> None:
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self._complete)
+
+    async def _complete(self, request: Request) -> dict:
+        body = await request.json()
+        return {
+            "id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "text": " ok", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }  # fmt: skip
+
+
+def _served(client: TestClient) -> str:
+    response = client.post("/v1/completions", json={"model": "hg", "prompt": "Hi", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    return response.json()["model"]
+
+
+def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClient:
+    """A gateway app with its own route follower (closed with ``stack``), running (lifespan entered)."""
+    resolver = route_resolver(cfg, ready_wait_s=30)
+    stack.callback(resolver.follower.close)
+    assert resolver.follower.ready.is_set(), resolver.follower.last_error
+    app = create_gateway_app(cfg.kafka, upstream, resolver, list_models=resolver.names, gateway=GatewayConfig(require_api_key=False))
+    client = stack.enter_context(TestClient(app))
+    client.follower = resolver.follower  # type: ignore[attr-defined]
+    return client
+
+
+def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: str, mlflow_uri: str) -> None:
+    tag = uuid.uuid4().hex[:8]
+    kafka = {"bootstrap_servers": [broker], "traces_topic": f"rt-traces-{tag}", "feedback_topic": f"rt-feedback-{tag}",
+             "routes_topic": f"rt-routes-{tag}", "partitions": 1, "embedded": False}  # fmt: skip
+    with serve(Upstream().app, "upstream") as upstream, ExitStack() as stack:
+        cfg = HourglassConfig(
+            state_dir=str(tmp_path / "state"), kafka=kafka,
+            registry={"tracking_uri": mlflow_uri, "experiment": f"rt-{tag}", "embedded": False},
+            serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
+        )  # fmt: skip
+        controller = ServingController(cfg, base_fingerprint="test-base")
+        stack.callback(controller.close)
+        write_route(cfg.state_dir, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00"))
+        controller.reconcile_once()  # no @champion in MLflow: the pass only publishes the routes file
+
+        gw_a = _gateway(cfg, upstream, stack)  # a gateway started after the publish knows the current route
+        gw_b = _gateway(cfg, upstream, stack)
+        assert _served(gw_a) == _served(gw_b) == "hg-v1"
+
+        write_route(cfg.state_dir, "hg", Route("hg-v2", "2", "2026-01-01T00:01:00+00:00"))
+        started = time.monotonic()
+        controller.reconcile_once()  # returns once the broker acknowledged the new route
+        flipped = time.monotonic()
+        while {_served(gw_a), _served(gw_b)} != {"hg-v2"}:
+            assert time.monotonic() - flipped < 1.0, "the gateways did not follow the flip within a second"
+            time.sleep(0.02)
+        took = time.monotonic() - flipped
+        print(f"both gateways on hg-v2 {took * 1000:.0f} ms after the publish (reconcile pass {(flipped - started) * 1000:.0f} ms)")
+
+        # a hostile record on the topic is skipped: the gateways keep the last good route
+        producer = KafkaProducer(bootstrap_servers=[broker], acks="all")
+        producer.send(cfg.kafka.routes_topic, key=b"hg", value=b"{not json").get(timeout=30)
+        producer.send(cfg.kafka.routes_topic, key=b"hg", value=b'{"served_name": 7}').get(timeout=30)
+        producer.close()
+        time.sleep(0.5)
+        assert _served(gw_a) == _served(gw_b) == "hg-v2"
+
+        # a gateway that starts now reads the topic from the beginning: the newest good value per key wins
+        gw_c = _gateway(cfg, upstream, stack)
+        assert _served(gw_c) == "hg-v2"
+        assert gw_c.follower.routes()["hg"]["version"] == "2"
+
+
+def test_routes_file_stays_the_single_host_default(tmp_path) -> None:
+    cfg = HourglassConfig(state_dir=str(tmp_path / "state"))
+    assert cfg.serving.routes_source == "file" and cfg.kafka.routes_topic == "hourglass.routes"
+    write_route(cfg.state_dir, "hourglass", Route("hourglass-v3", "3", "2026-01-01T00:00:00+00:00"))
+    resolver = route_resolver(cfg, ttl_s=0.0)
+    assert resolver("hourglass") == ("hourglass-v3", "3")
+    assert not hasattr(resolver, "follower")
+
+
+class _DownBroker:
+    """A route publisher whose broker never acknowledges (unit test of the controller's ordering)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def publish(self, routes: dict) -> None:
+        from connectors.errors import BrokerUnavailableError
+
+        self.calls.append(routes)
+        raise BrokerUnavailableError("broker down (test)")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_replaced_version_stays_loaded_until_the_routes_topic_took_the_new_route(tmp_path) -> None:
+    cfg = HourglassConfig(state_dir=str(tmp_path / "state"), serving={"model_name": "hg", "routes_source": "kafka", "drain_s": 0})
+    controller = ServingController(cfg, base_fingerprint="test-base", client=object())  # MLflow calls fail: reported, skipped
+    controller._route_publisher = down = _DownBroker()
+    controller._published_routes = {}  # the topic exists and holds nothing yet
+    write_route(cfg.state_dir, "hg", Route("hg-v2", "2", "2026-01-01T00:01:00+00:00"))
+    controller._draining["hg-v1"] = 0.0  # v1 was replaced and its drain time is over
+    status = controller.reconcile_once()
+    assert down.calls == [{"hg": {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:01:00+00:00",
+                                  "challenger_served_name": None, "challenger_version": None, "fraction": 0.0}}]  # fmt: skip
+    assert "hg-v1" in controller._draining  # not unloaded: gateways may still route to it
+    assert "broker down" in status["hg"]["last_transient_error"]
+    controller.close()
