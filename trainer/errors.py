@@ -37,3 +37,15 @@ class RolloutError(TrainerError, RuntimeError):
 
 class DataError(TrainerError, ValueError):
     """A snapshot table lacks a column, or a row holds unreadable JSON."""
+
+
+class ExecutorError(TrainerError, RuntimeError):
+    """A trainer worker of a distributed round failed (e.g. a Ray actor died mid-round)."""
+
+
+class ExecutorUnavailableError(TrainerError, ConnectionError):
+    """The cluster a round's executor needs (``rl.ray_address``) did not answer in time."""
+
+
+class PlacementTimeoutError(TrainerError, TimeoutError):
+    """The cluster could not reserve every trainer actor of a round within ``rl.ray_placement_timeout_s``."""

@@ -167,7 +167,9 @@ class OffloadStore:
             self.slot_shape, self.slot_layout, self.optimizer = None, None, None  # no slot until the new one is built
             if had_slot:
                 self.base.model.delete_adapter(SLOT)
-            self.base.model.add_adapter(SLOT, lora_config(candidate))
+            cuda = [self.base.device.index or 0] if self.base.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # the slot's init values are overwritten: leave the RNG (rollout seeds) alone
+                self.base.model.add_adapter(SLOT, lora_config(candidate))
             self.slot_params = adapter_params(self.base.model, SLOT)
             layout = Layout.of({k: p.detach() for k, p in self.slot_params.items()})
             self.flat = {f: layout.empty(self.base.device) for f in ("weights", "grads", *_MOMENTS)}

@@ -1,0 +1,196 @@
+"""Where a round's candidates train: the seam between the round and its workers.
+
+:func:`trainer.candidates.run_round` hands the training phase to an executor
+(``rl.executor``, :func:`trainer.candidates.make_executor`) and evaluates and gates the result itself, on its own
+resident base, with every candidate together:
+
+- :class:`LocalExecutor` trains every candidate in this process on the round's
+  resident base (step-major, one shared rollout call per step);
+- :class:`trainer.ray_executor.RayExecutor` splits the candidates over trainer
+  actors on a Ray cluster; each actor runs :class:`LocalExecutor` on its share
+  with its own resident base and adapter store, and the trained adapters come
+  back through a ``pyarrow.fs`` URI (:class:`Exchange`).
+
+Cost rule (:func:`estimate_cost`, :func:`assign`): a candidate's cost is the
+tokens it pushes through the base per round, ``steps_per_round ×
+prompts_per_step × group_size × max_new_tokens``, doubled for online
+algorithms (``grpo`` / ``ppo_clip``: the rollouts generate those tokens and the
+update scores them again); candidates go to actors greedy longest-first (the
+costliest candidate to the least-loaded actor, ties by name and actor index).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow.fs as pafs
+
+from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RLConfig
+from trainer.errors import TrainerConfigError
+from trainer.plan import plan_round
+from trainer.samples import Prompt
+
+__all__ = ["Exchange", "Executor", "LocalExecutor", "Routines", "TrainJob", "TrainOutcome", "assign", "estimate_cost"]
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """The training phase of one round, as an executor receives it.
+
+    ``starts``: candidate name -> the folder its adapter starts from (None:
+    fresh), resolved by the round (champion, ``last``, or nothing).
+    ``checkpoint``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)`` before every
+    step; may raise to cancel. ``reward_model``: the round's reward model (local executor
+    only). ``plan``: the round's :class:`trainer.plan.RoundPlan` when the caller has one
+    (the driver); None on an actor, which plans its share itself.
+    """
+
+    model_cfg: ModelConfig
+    candidates: tuple[CandidateConfig, ...]
+    train_prompts: tuple[Prompt, ...]
+    rl: RLConfig
+    starts: dict[str, Path | None]
+    out_dir: Path
+    round_id: str
+    progress: bool = False
+    checkpoint: Callable[[object], None] | None = None
+    reward_model: object | None = None
+    plan: object | None = None
+
+
+@dataclass
+class TrainOutcome:
+    """What training left behind: per-candidate step metrics, the final published version name
+    of each candidate (live in the caller's engine and store), rollout metrics, and the
+    executor's own metrics (``executor/...``)."""
+
+    history: dict[str, list[dict[str, float]]]
+    versions: dict[str, str]
+    rollout_metrics: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Trains a round's candidates; afterwards each is live in ``store`` and ``engine`` under ``versions[name]``."""
+
+    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome: ...
+
+
+@dataclass(frozen=True)
+class Routines:
+    """The round's own training functions (from :mod:`trainer.candidates`), handed to the executors
+    so that this module and the actors never import the round (no import cycle), and so that every
+    executor runs exactly the local code. They pickle by reference (module and name).
+
+    ``train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=)``
+    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store)``;
+    ``unload_leftovers(engine, names)``.
+    """
+
+    train_candidates: Callable
+    make_engine: Callable
+    unload_leftovers: Callable
+
+
+class LocalExecutor:
+    """Every candidate in this process, on the round's resident base (the default, and what each Ray actor runs)."""
+
+    def __init__(self, routines: Routines) -> None:
+        self.routines = routines
+
+    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
+        plan = job.plan
+        if plan is None:  # a trainer actor: plan its share on its own base, starting where the job says
+            plan = plan_round(base, job.candidates, job.rl, job.train_prompts, {}, job.out_dir)  # type: ignore[arg-type]
+            plan = replace(plan, candidates=tuple(replace(c, start=job.starts.get(c.name)) for c in plan.candidates))
+        for c in plan.candidates:
+            store.create(c.name, c.config, c.start)  # type: ignore[attr-defined]
+        trained, rollout = self.routines.train_candidates(
+            base, store, engine, plan, job.rl, job.out_dir, job.progress, job.checkpoint, reward_model=job.reward_model
+        )  # fmt: skip
+        return TrainOutcome(trained.history, trained.versions, rollout)
+
+
+def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:
+    """Base-token work of one candidate per round (see the module docstring); a relative unit."""
+    tokens = rl.steps_per_round * rl.prompts_per_step * rl.group_size * rl.max_new_tokens
+    return tokens if candidate.algorithm in OFFLINE_ALGORITHMS else 2 * tokens
+
+
+def assign(candidates: Sequence[CandidateConfig], rl: RLConfig, actors: int) -> list[list[CandidateConfig]]:
+    """Candidates split over ``actors`` workers, greedy longest-first by :func:`estimate_cost`.
+
+    Returns one list per actor (in the candidates' configured order within each);
+    an actor may get none when there are fewer candidates than actors.
+
+    Raises:
+        TrainerConfigError: ``actors`` < 1.
+    """
+    if actors < 1:
+        raise TrainerConfigError(f"need at least one trainer actor, got {actors}")
+    loads = [0] * actors
+    shares: list[set[str]] = [set() for _ in range(actors)]
+    for c in sorted(candidates, key=lambda c: (-estimate_cost(c, rl), c.name)):
+        target = min(range(actors), key=lambda i: (loads[i], i))
+        loads[target] += estimate_cost(c, rl)
+        shares[target].add(c.name)
+    return [[c for c in candidates if c.name in share] for share in shares]
+
+
+class Exchange:
+    """Folders and small JSON files under ``<uri>/<round_id>/`` on any ``pyarrow.fs`` filesystem.
+
+    ``uri``: ``s3://bucket/prefix``, ``gs://...``, ``hdfs://...``, ``file:///abs/path`` or an
+    absolute local path. Every party (the round driver, each trainer actor) opens it by
+    URI, so nobody assumes a shared local disk. Raises ``pyarrow`` ``OSError`` subclasses
+    on I/O failure; :class:`TrainerConfigError` for a URI ``pyarrow.fs`` cannot open.
+    """
+
+    def __init__(self, uri: str, round_id: str) -> None:
+        self.uri = uri
+        try:
+            self.fs, root = pafs.FileSystem.from_uri(uri)
+        except ValueError as err:  # pyarrow.ArrowInvalid
+            raise TrainerConfigError(f"rl.ray_storage_uri {uri!r} is not a pyarrow.fs URI ({err}); use s3://..., gs://... or file:///abs/path") from err
+        self.root = f"{root.rstrip('/')}/{round_id}"
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def put_dir(self, local: Path, *parts: str) -> None:
+        """Copy a local folder to ``<root>/<parts>``."""
+        dest = self.path(*parts)
+        self.fs.create_dir(dest, recursive=True)
+        pafs.copy_files(str(Path(local).resolve()), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+
+    def get_dir(self, local: Path, *parts: str) -> Path:
+        """Copy ``<root>/<parts>`` into the local folder ``local`` (created); returns ``local``."""
+        Path(local).mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(self.path(*parts), str(Path(local).resolve()), source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+        return Path(local)
+
+    def put_text(self, text: str, *parts: str) -> None:
+        dest = self.path(*parts)
+        self.fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        with self.fs.open_output_stream(dest) as out:
+            out.write(text.encode())
+
+    def get_text(self, *parts: str) -> str:
+        with self.fs.open_input_stream(self.path(*parts)) as src:
+            return src.read().decode()
+
+    def remove(self) -> None:
+        """Delete ``<root>`` (missing is fine)."""
+        try:
+            self.fs.delete_dir(self.root)
+        except FileNotFoundError:
+            pass
+
+
+def local_scratch(prefix: str) -> Path:
+    """A fresh local folder for one party's working files (deleted by its owner)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
