@@ -171,3 +171,12 @@ def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_
     assert refused.exit_code == 2 and "buffer.user_hash_key" in refused.stdout
     local = _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout)
     assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine
+
+
+def test_ray_executor_with_a_reward_model_candidate_is_refused_at_load() -> None:
+    from pipeline.config import HourglassConfig
+
+    scored = {"name": "rm", "algorithm": "grpo", "reward": [{"fn": "reward_model", "weight": 1.0}]}
+    with pytest.raises(ValueError, match="cannot train candidates scored by the reward model"):
+        HourglassConfig(candidates=[scored], rl={"executor": "ray"})
+    assert HourglassConfig(candidates=[scored], rl={"executor": "local"}).rl.executor == "local"
