@@ -61,10 +61,17 @@ def random_base(shape: str, tokenizer_dir: Path, device: torch.device, dtype: to
     hidden, inter, layers, heads, kv = SHAPES[shape]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -94,7 +101,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_store(kind: str, base: ResidentBase, candidates: list[CandidateConfig], batch: Batch, rounds: int) -> dict[str, float]:
+def run_store(
+    kind: str, base: ResidentBase, candidates: list[CandidateConfig], batch: Batch, rounds: int
+) -> dict[str, float]:
     """One warm-up round then ``rounds`` rounds of one step per candidate; medians per turn."""
     rl = RLConfig()
     device = base.device
@@ -157,13 +166,17 @@ def main() -> None:
     n_base = sum(p.numel() for p in base.model.parameters())
     targets = args.targets.split(",")
     candidates = [
-        CandidateConfig(name=f"cand-{i}", lora_rank=args.rank, lora_alpha=2 * args.rank, learning_rate=1e-4, target_modules=targets)
+        CandidateConfig(
+            name=f"cand-{i}", lora_rank=args.rank, lora_alpha=2 * args.rank, learning_rate=1e-4, target_modules=targets
+        )
         for i in range(args.candidates)
-    ]  # fmt: skip
+    ]
     batch = synthetic_batch(args.batch, args.prompt_len, args.completion_len, len(base.tokenizer), seed=0)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
-    print(f"base {args.shape} ({n_base / 1e6:.1f} M params, {args.dtype}) on {name}; K={args.candidates} rank {args.rank} "
-          f"on {len(targets)} module types; batch {args.batch} x ({args.prompt_len} + {args.completion_len}) tokens")  # fmt: skip
+    print(
+        f"base {args.shape} ({n_base / 1e6:.1f} M params, {args.dtype}) on {name}; K={args.candidates} rank {args.rank} "
+        f"on {len(targets)} module types; batch {args.batch} x ({args.prompt_len} + {args.completion_len}) tokens"
+    )
 
     results: dict[str, list[dict[str, float]]] = {"resident": [], "offload": []}
     for _ in range(args.repeats):
@@ -171,12 +184,20 @@ def main() -> None:
             results[kind].append(run_store(kind, base, candidates, batch, args.rounds))
     summary = {kind: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for kind, runs in results.items()}
     for kind, s in summary.items():
-        device_mem = f"  device: held {s['held_gib']:.3f} GiB, peak {s['peak_gib']:.2f} GiB above the base" if device.type == "cuda" else ""
-        print(f"{kind:>8}: swap {s['swap_s'] * 1e3:8.2f} ms  update {s['update_s'] * 1e3:9.1f} ms  step {s['step_s'] * 1e3:9.1f} ms  "
-              f"swap/update {s['swap_s'] / s['update_s']:6.2%}{device_mem}  host {s['host_gib']:.3f} GiB")  # fmt: skip
+        device_mem = (
+            f"  device: held {s['held_gib']:.3f} GiB, peak {s['peak_gib']:.2f} GiB above the base"
+            if device.type == "cuda"
+            else ""
+        )
+        print(
+            f"{kind:>8}: swap {s['swap_s'] * 1e3:8.2f} ms  update {s['update_s'] * 1e3:9.1f} ms  step {s['step_s'] * 1e3:9.1f} ms  "
+            f"swap/update {s['swap_s'] / s['update_s']:6.2%}{device_mem}  host {s['host_gib']:.3f} GiB"
+        )
     res, off = summary["resident"], summary["offload"]
     if device.type == "cuda":
-        print(f"device memory held between steps (adapters + AdamW state), offload / resident: {off['held_gib'] / res['held_gib']:.3f}")
+        print(
+            f"device memory held between steps (adapters + AdamW state), offload / resident: {off['held_gib'] / res['held_gib']:.3f}"
+        )
     print(f"step time, offload / resident: {off['step_s'] / res['step_s']:.3f}")
 
 

@@ -77,7 +77,9 @@ def main() -> None:
             services[-1].start()
             upstream = f"http://127.0.0.1:{services[-1].port}"
         tag = uuid.uuid4().hex[:8]
-        kafka = KafkaConfig(bootstrap_servers=[bootstrap], traces_topic=f"bench-traces-{tag}", feedback_topic=f"bench-fb-{tag}")
+        kafka = KafkaConfig(
+            bootstrap_servers=[bootstrap], traces_topic=f"bench-traces-{tag}", feedback_topic=f"bench-fb-{tag}"
+        )
         ensure_topics(kafka)
 
         port = free_port()
@@ -91,7 +93,11 @@ def main() -> None:
             time.sleep(0.05)
         gateway = f"http://127.0.0.1:{port}"
 
-        body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": args.max_tokens, "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": "What is 2+2?"}],
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+        }
         acked_before = _acked()
         results: dict[tuple[str, bool], list[float]] = {}
         with httpx.Client(timeout=120, headers={"authorization": f"Bearer {key}"}) as client:

@@ -72,13 +72,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s: float) -> float:
-    tiny = model_store.build_tiny_llama(CACHE / "tiny-random-llama", tokenizer_from=CACHE / "smollm2-135m-instruct").path
+    tiny = model_store.build_tiny_llama(
+        CACHE / "tiny-random-llama", tokenizer_from=CACHE / "smollm2-135m-instruct"
+    ).path
     fp = model_store.fingerprint_of(tiny)
     cfg = make_config(work, mlflow_uri, [vllm_url], interval_s=interval_s, drain_s=0.2, experiment="bench-hotload")
     versions = []
     for i in range(4):  # reused round-robin; each is unloaded and unstaged before it is promoted again
         adapter = make_adapter(tiny, work / f"adapter-{i}", seed=100 + i)
-        versions += [v.version for v in register_round(cfg, make_round(adapter, fp, round_id=f"bench-{time.time_ns()}-{i}", model=MODEL))]
+        versions += [
+            v.version
+            for v in register_round(cfg, make_round(adapter, fp, round_id=f"bench-{time.time_ns()}-{i}", model=MODEL))
+        ]
     client = MlflowClient(mlflow_uri)
     aliases.promote(cfg, MODEL, versions[0], client=client)
     controller = ServingController(cfg, models=[MODEL], base_fingerprint=fp, client=client)
@@ -112,11 +117,15 @@ def run(mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s:
                 replica.unload(name)
         http.close()
     for mode, values in samples.items():
-        print(f"{mode:>8}: n={len(values)} p50={statistics.median(values):.3f}s p95={_pct(values, 0.95):.3f}s "
-              f"max={max(values):.3f}s")  # fmt: skip
+        print(
+            f"{mode:>8}: n={len(values)} p50={statistics.median(values):.3f}s p95={_pct(values, 0.95):.3f}s "
+            f"max={max(values):.3f}s"
+        )
     print(f"stage+load+probe inside the controller: p50={statistics.median(loads):.3f}s p95={_pct(loads, 0.95):.3f}s")
-    print(f"ratio external/promote (p50): {statistics.median(samples['external']) / statistics.median(samples['promote']):.2f} "
-          f"(reconcile interval {interval_s}s)")  # fmt: skip
+    print(
+        f"ratio external/promote (p50): {statistics.median(samples['external']) / statistics.median(samples['promote']):.2f} "
+        f"(reconcile interval {interval_s}s)"
+    )
     p95 = _pct(samples["external"], 0.95)
     print(f"p95 alias move -> first completion by the new version (external path), seconds; target < 2: {p95:.3f}")
     print(f"{p95:.3f}")
@@ -142,7 +151,9 @@ def main() -> None:
                 services[-1].start()
                 mlflow_uri = f"http://127.0.0.1:{services[-1].port}"
             if vllm_url is None:
-                tiny = model_store.build_tiny_llama(CACHE / "tiny-random-llama", tokenizer_from=CACHE / "smollm2-135m-instruct").path
+                tiny = model_store.build_tiny_llama(
+                    CACHE / "tiny-random-llama", tokenizer_from=CACHE / "smollm2-135m-instruct"
+                ).path
                 services.append(vllm_service(tiny, "127.0.0.1", free_port(), work / "logs", max_model_len=512))
                 services[-1].start()
                 vllm_url = f"http://127.0.0.1:{services[-1].port}"

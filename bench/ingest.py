@@ -39,12 +39,17 @@ def _events(n: int) -> list[TraceEvent]:
     t0 = datetime.now(timezone.utc)
     return [
         TraceEvent(
-            trace_id=f"bench-{i}", ts=t0 + timedelta(milliseconds=i), model="base", adapter_version="v1",
+            trace_id=f"bench-{i}",
+            ts=t0 + timedelta(milliseconds=i),
+            model="base",
+            adapter_version="v1",
             prompt=[ChatMessage(role="user", content=f"What is {i} + {i % 7}? Answer with a number.")],
             completion=f"The answer is {i + i % 7}. " * 8,
-            completion_token_ids=list(range(40)), completion_logprobs=[-0.25] * 40,
-            thumbs="up" if i % 2 else None, metadata={"user_id": f"user-{i % 100}", "reference_answer": str(i + i % 7)},
-        )  # fmt: skip
+            completion_token_ids=list(range(40)),
+            completion_logprobs=[-0.25] * 40,
+            thumbs="up" if i % 2 else None,
+            metadata={"user_id": f"user-{i % 100}", "reference_answer": str(i + i % 7)},
+        )
         for i in range(n)
     ]
 
@@ -52,10 +57,15 @@ def _events(n: int) -> list[TraceEvent]:
 def raw_consume(cfg: KafkaConfig, n: int) -> float:
     """kafka-python consume-only (group member, no parsing, no storage): records/s."""
     consumer = KafkaConsumer(
-        cfg.traces_topic, bootstrap_servers=cfg.bootstrap_servers, group_id=f"raw-{uuid.uuid4().hex[:6]}",
-        enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=cfg.session_timeout_ms,
-        heartbeat_interval_ms=cfg.heartbeat_interval_ms, **fetch_settings(cfg),  # same fetching as the worker
-    )  # fmt: skip
+        cfg.traces_topic,
+        bootstrap_servers=cfg.bootstrap_servers,
+        group_id=f"raw-{uuid.uuid4().hex[:6]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=cfg.session_timeout_ms,
+        heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        **fetch_settings(cfg),  # same fetching as the worker
+    )
     seen, first = 0, 0.0
     while seen < n:
         for records in consumer.poll(timeout_ms=cfg.batch_timeout_ms, max_records=cfg.batch_max_records).values():
@@ -80,14 +90,18 @@ def durable_ingest(cfg: KafkaConfig, buffer: BufferConfig, n: int) -> tuple[floa
     stop.set()
     thread.join()
     if stats.first_record_unix_s is None or stats.last_commit_unix_s is None:
-        raise RuntimeError(f"the ingest worker committed {stats.commits} batch(es) but recorded no time window: {stats}")
+        raise RuntimeError(
+            f"the ingest worker committed {stats.commits} batch(es) but recorded no time window: {stats}"
+        )
     return n / (stats.last_commit_unix_s - stats.first_record_unix_s), stats.fast_parsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=20000)
-    parser.add_argument("--rounds", type=int, default=5, help="Alternating raw/durable measurements (odd: a true median).")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="Alternating raw/durable measurements (odd: a true median)."
+    )
     parser.add_argument("--bootstrap", default=None, help="Use this broker instead of starting Tansu.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,8 +115,12 @@ def main() -> None:
             bootstrap = f"127.0.0.1:{service.port}"
         try:
             tag = uuid.uuid4().hex[:6]
-            cfg = KafkaConfig(bootstrap_servers=[bootstrap], traces_topic=f"bench-traces-{tag}",
-                              feedback_topic=f"bench-feedback-{tag}", partitions=3)  # fmt: skip
+            cfg = KafkaConfig(
+                bootstrap_servers=[bootstrap],
+                traces_topic=f"bench-traces-{tag}",
+                feedback_topic=f"bench-feedback-{tag}",
+                partitions=3,
+            )
             ensure_topics(cfg)
             events = _events(args.traces)
             with TraceSink(cfg) as sink:
@@ -121,12 +139,22 @@ def main() -> None:
                     cfg, buffer.model_copy(update={"root": str(Path(tmp) / f"buffer-{i}")}), acked
                 )
                 durables.append(durable)
-                print(f"round {i}: raw {raws[-1]:.0f} traces/s, durable {durable:.0f} traces/s "
-                      f"({fast} on the fast path), ratio {durable / raws[-1]:.3f}")  # fmt: skip
+                print(
+                    f"round {i}: raw {raws[-1]:.0f} traces/s, durable {durable:.0f} traces/s "
+                    f"({fast} on the fast path), ratio {durable / raws[-1]:.3f}"
+                )
             raw, durable = statistics.median(raws), statistics.median(durables)
             ratio = statistics.median(d / r for d, r in zip(durables, raws))
-            print(json.dumps({"bench/raw_consume_traces_per_s": round(raw), "bench/durable_traces_per_s": round(durable),
-                              "bench/rounds": args.rounds, **fetch_settings(cfg)}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "bench/raw_consume_traces_per_s": round(raw),
+                        "bench/durable_traces_per_s": round(durable),
+                        "bench/rounds": args.rounds,
+                        **fetch_settings(cfg),
+                    }
+                )
+            )
             print(f"raw kafka-python consume-only: {raw:10.0f} traces/s (median of {args.rounds})")
             print(f"durable ingest into buffer:    {durable:10.0f} traces/s (median of {args.rounds})")
             print(f"durable/raw ratio (median of per-round ratios): {ratio:.3f}")

@@ -115,18 +115,32 @@ def candidates(k: int) -> list[CandidateConfig]:
     """K GRPO candidates: the demo's reward plus brevity, rank 8, learning rates cycling over LEARNING_RATES."""
     mix = [RewardTerm(fn="first_number_answer", weight=1.0), RewardTerm(fn="format", weight=0.5)]
     return [
-        CandidateConfig(name=f"c{i}", learning_rate=LEARNING_RATES[i % len(LEARNING_RATES)], lora_rank=8, lora_alpha=16,
-                        kl_coef=0.01, reward=mix, start="fresh")
+        CandidateConfig(
+            name=f"c{i}",
+            learning_rate=LEARNING_RATES[i % len(LEARNING_RATES)],
+            lora_rank=8,
+            lora_alpha=16,
+            kl_coef=0.01,
+            reward=mix,
+            start="fresh",
+        )
         for i in range(k)
-    ]  # fmt: skip
+    ]
 
 
 def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"]) -> RLConfig:
     return RLConfig(
-        steps_per_round=args.steps, prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
-        eval_prompts=args.eval_prompts, adapter_store="offload", seed=0, update_mode=update_mode, gate_reward=EVAL_REWARD,
+        steps_per_round=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        max_new_tokens=args.max_new_tokens,
+        eval_prompts=args.eval_prompts,
+        adapter_store="offload",
+        seed=0,
+        update_mode=update_mode,
+        gate_reward=EVAL_REWARD,
         max_kl=100.0,
-    )  # fmt: skip
+    )
 
 
 def tables(args: argparse.Namespace):
@@ -136,22 +150,44 @@ def tables(args: argparse.Namespace):
 
     n = max(48, 4 * args.eval_prompts + 8)
     prompts = reasoning_gym_prompts(
-        "basic_arithmetic", n, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",),
-        allow_parentheses=False, allow_negation=False,
-    )  # fmt: skip
+        "basic_arithmetic",
+        n,
+        seed=0,
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=1,
+        operators=("+",),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
 def start_vllm(model: Path, logs: Path, max_loras: int):
     service = vllm_service(
-        model, "127.0.0.1", free_port(), logs, max_model_len=512, kv_cache_gib=1, max_lora_rank=16, max_loras=max_loras,
+        model,
+        "127.0.0.1",
+        free_port(),
+        logs,
+        max_model_len=512,
+        kv_cache_gib=1,
+        max_lora_rank=16,
+        max_loras=max_loras,
         startup_timeout_s=900,  # generous: a loaded 2-core host can take minutes to import vLLM
-    )  # fmt: skip
+    )
     service.start()
     return service
 
 
-def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"], out: Path, extra=None) -> dict:
+def run_round_with_vllm(
+    model: Path,
+    cands: list[CandidateConfig],
+    args: argparse.Namespace,
+    update_mode: Literal["sequential", "one_pass"],
+    out: Path,
+    extra=None,
+) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
     from trainer.rollout_vllm import VLLMEngine
     from trainer.candidates import run_round
@@ -163,7 +199,9 @@ def run_round_with_vllm(model: Path, cands: list[CandidateConfig], args: argpars
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
         rl = rl_config(args, update_mode)
-        result = run_round(ModelConfig(name=str(model)), cands, rl, train, heldout, {}, out / "round", engine=engine, progress=False)
+        result = run_round(
+            ModelConfig(name=str(model)), cands, rl, train, heldout, {}, out / "round", engine=engine, progress=False
+        )
         metrics = [m for c in result.candidates for m in c.step_metrics]
         tenant = cands[0].served_model
         report = {
@@ -203,8 +241,18 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
         versions.append(f"bench-{c.name}")
 
     def reqs(vs: list[str]) -> list[RolloutRequest]:
-        return [RolloutRequest(version=v, prompt_id=p.prompt_id, prompt_token_ids=i, n=args.group, max_new_tokens=args.max_new_tokens, seed=1)
-                for v in vs for p, i in zip(prompts, ids)]  # fmt: skip
+        return [
+            RolloutRequest(
+                version=v,
+                prompt_id=p.prompt_id,
+                prompt_token_ids=i,
+                n=args.group,
+                max_new_tokens=args.max_new_tokens,
+                seed=1,
+            )
+            for v in vs
+            for p, i in zip(prompts, ids)
+        ]
 
     started = time.perf_counter()
     groups = engine.generate(reqs(versions))
@@ -240,7 +288,9 @@ def update_ratio(args: argparse.Namespace) -> list[str]:
 
 def phases(reports: list[dict[str, float]]) -> str:
     """``rollout 12.3 s, reference 1.0 s, ...``: phase times summed over reports."""
-    return ", ".join(f"{k.removeprefix('time/').removesuffix('_s')} {sum(r.get(k, 0.0) for r in reports):.1f} s" for k in PHASES)
+    return ", ".join(
+        f"{k.removeprefix('time/').removesuffix('_s')} {sum(r.get(k, 0.0) for r in reports):.1f} s" for k in PHASES
+    )
 
 
 def learning(reports_a: list[dict], report_b: dict, eval_prompts: int) -> list[str]:
@@ -279,17 +329,41 @@ def worker(args: argparse.Namespace) -> None:
 def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
     """(a), (b) and the update ratio of one workload; prints its lines, returns the speedup (a)/(b)."""
     out.mkdir(parents=True, exist_ok=True)
-    print(f"== workload {name}: K={args.k} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} "
-          f"eval_prompts={args.eval_prompts}; (b) update_mode={args.update_mode}; model={args.model_dir}", flush=True)  # fmt: skip
+    print(
+        f"== workload {name}: K={args.k} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} "
+        f"eval_prompts={args.eval_prompts}; (b) update_mode={args.update_mode}; model={args.model_dir}",
+        flush=True,
+    )
 
     # (a) traditional: K fresh processes, each with its own base and vLLM server
     started = time.perf_counter()
     peak_a, reports = 0, []
     for i in range(args.k):
         report_path = out / f"a-{i}.json"
-        argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path), "--model-dir", args.model_dir,
-                "--k", str(args.k), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-                "--max-new-tokens", str(args.max_new_tokens), "--eval-prompts", str(args.eval_prompts), "--out", str(out)]  # fmt: skip
+        argv = [
+            sys.executable,
+            __file__,
+            "--worker",
+            str(i),
+            "--report",
+            str(report_path),
+            "--model-dir",
+            args.model_dir,
+            "--k",
+            str(args.k),
+            "--steps",
+            str(args.steps),
+            "--prompts",
+            str(args.prompts),
+            "--group",
+            str(args.group),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--eval-prompts",
+            str(args.eval_prompts),
+            "--out",
+            str(out),
+        ]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
         with PeakRSS(proc.pid) as mem:
             if proc.wait() != 0:
@@ -297,23 +371,37 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
         peak_a = max(peak_a, mem.peak)
         reports.append(json.loads(report_path.read_text()))
     wall_a = time.perf_counter() - started
-    print(f"(a) traditional: {args.k} processes, wall {wall_a:.1f} s, peak RSS {peak_a / 2**30:.2f} GiB, "
-          f"vLLM startup total {sum(r['vllm_startup_s'] for r in reports):.1f} s", flush=True)  # fmt: skip
+    print(
+        f"(a) traditional: {args.k} processes, wall {wall_a:.1f} s, peak RSS {peak_a / 2**30:.2f} GiB, "
+        f"vLLM startup total {sum(r['vllm_startup_s'] for r in reports):.1f} s",
+        flush=True,
+    )
 
     # (b) one resident base, K adapters, one shared vLLM engine
     started = time.perf_counter()
     with PeakRSS(os.getpid()) as mem:
         report_b = run_round_with_vllm(
-            Path(args.model_dir), candidates(args.k), args, args.update_mode, out / "b", extra=lambda e, r: rollout_throughput(e, r, args)
+            Path(args.model_dir),
+            candidates(args.k),
+            args,
+            args.update_mode,
+            out / "b",
+            extra=lambda e, r: rollout_throughput(e, r, args),
         )
     # The rollout throughput probe runs after the round; it is not part of (b)'s work.
     wall_b = time.perf_counter() - started - report_b["extra_s"]
-    print(f"(b) resident base + shared vLLM: 1 process, wall {wall_b:.1f} s, peak RSS {mem.peak / 2**30:.2f} GiB, "
-          f"vLLM startup {report_b['vllm_startup_s']:.1f} s")  # fmt: skip
-    print(f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
-          f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}")  # fmt: skip
+    print(
+        f"(b) resident base + shared vLLM: 1 process, wall {wall_b:.1f} s, peak RSS {mem.peak / 2**30:.2f} GiB, "
+        f"vLLM startup {report_b['vllm_startup_s']:.1f} s"
+    )
+    print(
+        f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
+        f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}"
+    )
     together, one = report_b["rollout_together_tok_s"], report_b["rollout_one_at_a_time_tok_s"]
-    print(f"rollout tokens/s, {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: {one:.1f}; ratio {together / one:.2f}x")
+    print(
+        f"rollout tokens/s, {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: {one:.1f}; ratio {together / one:.2f}x"
+    )
     print(f"phases (a), summed: {phases([r['phases'] for r in reports])}")
     print(f"phases (b): {phases([report_b['phases']])}")
     print("\n".join(learning(reports, report_b, args.eval_prompts)))
@@ -325,16 +413,26 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="default", help="per-experiment budget preset(s)")
+    parser.add_argument(
+        "--workload", choices=[*WORKLOADS, "both"], default="default", help="per-experiment budget preset(s)"
+    )
     parser.add_argument("--k", type=int, default=8, help="candidate experiments")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps per candidate (default: the preset's)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the preset's)")
     parser.add_argument("--group", type=int, default=None, help="rollouts per prompt G (default: the preset's)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
-    parser.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)")
-    parser.add_argument("--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update_mode of (b)'s round")
-    parser.add_argument("--update-ratio", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the K candidates' update step sequential vs one-pass")  # fmt: skip
+    parser.add_argument(
+        "--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)"
+    )
+    parser.add_argument(
+        "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update_mode of (b)'s round"
+    )
+    parser.add_argument(
+        "--update-ratio",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the K candidates' update step sequential vs one-pass",
+    )
     parser.add_argument("--ratio-repeats", type=int, default=3, help="timed update steps per mode")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key or folder")
     parser.add_argument("--out", default=None, help="work folder (default: a temp dir)")
@@ -345,7 +443,11 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
-    args.model_dir = str(model_store.resolve(args.model, ModelConfig().cache_dir) if args.model in model_store.KNOWN_MODELS else Path(args.model))
+    args.model_dir = str(
+        model_store.resolve(args.model, ModelConfig().cache_dir)
+        if args.model in model_store.KNOWN_MODELS
+        else Path(args.model)
+    )
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-multilora-"))
     names = list(WORKLOADS) if args.workload == "both" else [args.workload]
     explicit = {k: v for k, v in vars(args).items() if k in WORKLOADS["default"] and v is not None}

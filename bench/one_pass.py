@@ -56,7 +56,9 @@ from trainer.update import Batch, update_step  # noqa: E402
 MODES = ("sequential", "one_pass")
 
 
-def make_batches(base: ResidentBase, prompts: Sequence[Sequence[int]], k: int, group: int, completion_len: int, seed: int = 0) -> list[Batch]:
+def make_batches(
+    base: ResidentBase, prompts: Sequence[Sequence[int]], k: int, group: int, completion_len: int, seed: int = 0
+) -> list[Batch]:
     """One batch per candidate: every prompt ``group`` times with random completions of ``completion_len``
     tokens, behaviour log-probs = the base's own (PPO ratio 1 at the first step, as for on-policy
     rollouts), advantages alternating +-1: what a GRPO step of these sizes costs."""
@@ -68,7 +70,16 @@ def make_batches(base: ResidentBase, prompts: Sequence[Sequence[int]], k: int, g
         with torch.no_grad(), base.reference():
             behaviour_BT, _ = base.completion_logprobs(rows, completions)
         adv = [1.0 if b % 2 else -1.0 for b in range(len(rows))]
-        out.append(Batch(rows, completions, behaviour_BT.float().tolist(), adv, [float(b % 2) for b in range(len(rows))], ["bench"] * len(rows)))
+        out.append(
+            Batch(
+                rows,
+                completions,
+                behaviour_BT.float().tolist(),
+                adv,
+                [float(b % 2) for b in range(len(rows))],
+                ["bench"] * len(rows),
+            )
+        )
     return out
 
 
@@ -77,7 +88,14 @@ def _sync(base: ResidentBase) -> None:
         torch.cuda.synchronize(base.device)
 
 
-def _step(mode: str, base: ResidentBase, store: AdapterStore, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig) -> float:
+def _step(
+    mode: str,
+    base: ResidentBase,
+    store: AdapterStore,
+    candidates: Sequence[CandidateConfig],
+    batches: Sequence[Batch],
+    rl: RLConfig,
+) -> float:
     """Seconds of one step of all candidates in ``mode``."""
     from trainer.multi_lora import train_one_pass
 
@@ -135,7 +153,10 @@ def report(result: dict[str, float], k: int) -> list[str]:
 def bench_candidates(k: int, rank: int, targets: Sequence[str] | None = None) -> list[CandidateConfig]:
     """K rank-``rank`` candidates with learning rates 1e-4 .. 4e-4 (cycling)."""
     extra: dict[str, Any] = {"target_modules": list(targets)} if targets else {}
-    return [CandidateConfig(name=f"c{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-4 * (1 + i % 4), **extra) for i in range(k)]
+    return [
+        CandidateConfig(name=f"c{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-4 * (1 + i % 4), **extra)
+        for i in range(k)
+    ]
 
 
 def main() -> None:
@@ -145,11 +166,17 @@ def main() -> None:
     from trainer.config import ModelConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="packaged model key or folder (real weights); default: a random --shape")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="random-weight Llama shape when --model is not given")
+    ap.add_argument(
+        "--model", default=None, help="packaged model key or folder (real weights); default: a random --shape"
+    )
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default="smollm2", help="random-weight Llama shape when --model is not given"
+    )
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder for --shape (default: SmolLM2's)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="base dtype (auto: model.dtype's rule)")
+    ap.add_argument(
+        "--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="base dtype (auto: model.dtype's rule)"
+    )
     ap.add_argument("--k", type=int, default=8, help="candidates")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default=None, help="comma-separated target modules (default: the candidates' default)")
@@ -157,7 +184,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--completion-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per mode")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape"
+    )
     args = ap.parse_args()
     if args.quick:
         args.k, args.batch, args.prompt_len, args.completion_len, args.repeats = 2, 2, 8, 8, 1
@@ -165,7 +194,9 @@ def main() -> None:
 
     device = pick_device(args.device)
     if args.model is not None:
-        base = load_base(ModelConfig(name=args.model, dtype=args.dtype, device="cuda" if device.type == "cuda" else "cpu"))
+        base = load_base(
+            ModelConfig(name=args.model, dtype=args.dtype, device="cuda" if device.type == "cuda" else "cpu")
+        )
         label = str(args.model)
     else:
         tokenizer = args.tokenizer or model_store.resolve("smollm2-135m-instruct", ModelConfig().cache_dir)
@@ -178,8 +209,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(10, len(base.tokenizer), (1, args.prompt_len), generator=g).tolist()
     batches = make_batches(base, prompts, args.k, args.batch, args.completion_len)
-    print(f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
-          f"tokens per candidate; {args.repeats} timed steps per mode")  # fmt: skip
+    print(
+        f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
+        f"tokens per candidate; {args.repeats} timed steps per mode"
+    )
     result = compare_modes(base, candidates, batches, RLConfig(adapters_per_pass=args.k), args.repeats)
     print("\n".join(report(result, args.k)))
 

@@ -73,14 +73,27 @@ def rollouts(tokenizer, n: int, completion_tokens: int, seed: int) -> tuple[list
     vocab = [i for i in range(len(tokenizer)) if i not in special]
     prompts, completions = [], []
     for i in range(n):
-        messages = [{"role": "user", "content": f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Answer with the number only."}]
+        messages = [
+            {
+                "role": "user",
+                "content": f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Answer with the number only.",
+            }
+        ]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         completions.append([rng.choice(vocab) for _ in range(completion_tokens)])
     return prompts, completions
 
 
-def run_variant(variant: str, path: Path, n: int, completion_tokens: int, batch_size: int, device: Literal["auto", "cpu", "cuda"], repeats: int = 3) -> dict:
+def run_variant(
+    variant: str,
+    path: Path,
+    n: int,
+    completion_tokens: int,
+    batch_size: int,
+    device: Literal["auto", "cpu", "cuda"],
+    repeats: int = 3,
+) -> dict:
     """One variant in this process; returns its measurements."""
     import torch
 
@@ -105,7 +118,9 @@ def run_variant(variant: str, path: Path, n: int, completion_tokens: int, batch_
     else:
         from transformers import AutoModelForSequenceClassification
 
-        second = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=next(base.model.parameters()).dtype).to(dev)
+        second = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=next(base.model.parameters()).dtype
+        ).to(dev)
         second.config.pad_token_id = base.tokenizer.pad_token_id
         second.eval()
 
@@ -137,9 +152,12 @@ def run_variant(variant: str, path: Path, n: int, completion_tokens: int, batch_
         times.append(time.perf_counter() - started)
     elapsed = sorted(times)[len(times) // 2]
     out = {
-        "variant": variant, "device": str(dev), "rollouts": len(scores), "score_s": elapsed,
+        "variant": variant,
+        "device": str(dev),
+        "rollouts": len(scores),
+        "score_s": elapsed,
         "peak_rss_delta_mib": (_peak_rss_bytes() - rss0) / 2**20,
-    }  # fmt: skip
+    }
     if dev.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
     return out
@@ -157,19 +175,52 @@ def main() -> None:
     args = parser.parse_args()
     path = model_path(args.model)
     if args.variant:
-        print(json.dumps(run_variant(args.variant, path, args.rollouts, args.completion_tokens, args.batch_size, args.device, args.repeats)))
+        print(
+            json.dumps(
+                run_variant(
+                    args.variant,
+                    path,
+                    args.rollouts,
+                    args.completion_tokens,
+                    args.batch_size,
+                    args.device,
+                    args.repeats,
+                )
+            )
+        )
         return
     rows = {}
     for variant in ("adapter", "separate"):
-        cmd = [sys.executable, __file__, "--variant", variant, "--model", str(path), "--rollouts", str(args.rollouts),
-               "--completion-tokens", str(args.completion_tokens), "--batch-size", str(args.batch_size), "--device", args.device, "--repeats", str(args.repeats)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--model",
+            str(path),
+            "--rollouts",
+            str(args.rollouts),
+            "--completion-tokens",
+            str(args.completion_tokens),
+            "--batch-size",
+            str(args.batch_size),
+            "--device",
+            args.device,
+            "--repeats",
+            str(args.repeats),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"variant {variant} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         rows[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"model {path.name}, {args.rollouts} rollouts of {args.completion_tokens} tokens, batch {args.batch_size}, device {rows['adapter']['device']}")
+    print(
+        f"model {path.name}, {args.rollouts} rollouts of {args.completion_tokens} tokens, batch {args.batch_size}, device {rows['adapter']['device']}"
+    )
     cuda = "cuda_peak_mib" in rows["adapter"]
-    print(f"{'variant':<10} {'peak RSS delta MiB':>19} {'median score s':>15} {'rollouts/s':>11}" + (f" {'CUDA peak MiB':>14}" if cuda else ""))
+    print(
+        f"{'variant':<10} {'peak RSS delta MiB':>19} {'median score s':>15} {'rollouts/s':>11}"
+        + (f" {'CUDA peak MiB':>14}" if cuda else "")
+    )
     for variant, r in rows.items():
         line = f"{variant:<10} {r['peak_rss_delta_mib']:>19.1f} {r['score_s']:>15.3f} {r['rollouts'] / r['score_s']:>11.1f}"
         print(line + (f" {r['cuda_peak_mib']:>14.1f}" if cuda else ""))

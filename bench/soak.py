@@ -63,8 +63,16 @@ def _now(delta_s: float = 0.0) -> str:
 
 
 def _trace(trace_id: str, **over) -> dict:
-    return {"schema": "hourglass.trace/v1", "trace_id": trace_id, "ts": _now(), "model": "soak",
-            "prompt": "What is 2+2?", "completion": "4", "reward": 1.0, **over}  # fmt: skip
+    return {
+        "schema": "hourglass.trace/v1",
+        "trace_id": trace_id,
+        "ts": _now(),
+        "model": "soak",
+        "prompt": "What is 2+2?",
+        "completion": "4",
+        "reward": 1.0,
+        **over,
+    }
 
 
 def bad_records(n: int, max_bytes: int) -> list[tuple[str, str, bytes]]:
@@ -72,11 +80,19 @@ def bad_records(n: int, max_bytes: int) -> list[tuple[str, str, bytes]]:
     m = lambda kind: f"soak-bad-{kind}-{n}-{uuid.uuid4().hex[:6]}"  # noqa: E731
     out = []
     k = m("surrogate")
-    out.append(("surrogate", k, json.dumps(_trace(k, metadata={"user_id": "\ud800"})).encode()))  # \ud800 escape: valid JSON text
+    out.append(
+        ("surrogate", k, json.dumps(_trace(k, metadata={"user_id": "\ud800"})).encode())
+    )  # \ud800 escape: valid JSON text
     k = m("surrogate-note")
     out.append(("surrogate-note", k, json.dumps(_trace(k, metadata={"note": "x\udfffy"})).encode()))
-    for kind, ts in (("far-future", "9999-12-31T23:59:59Z"), ("ancient", "0001-01-01T00:00:00Z"), ("ts-zero", 0),
-                     ("ts-negative", -1000), ("epoch-seconds", int(time.time())), ("old-backfill", _now(-8 * 86400))):  # fmt: skip
+    for kind, ts in (
+        ("far-future", "9999-12-31T23:59:59Z"),
+        ("ancient", "0001-01-01T00:00:00Z"),
+        ("ts-zero", 0),
+        ("ts-negative", -1000),
+        ("epoch-seconds", int(time.time())),
+        ("old-backfill", _now(-8 * 86400)),
+    ):
         k = m(kind)
         out.append((kind, k, json.dumps(_trace(k, ts=ts)).encode()))
     k = m("oversize")
@@ -121,7 +137,9 @@ class Soak:
         logs = self.work / "logs"
         broker = broker_service("127.0.0.1", free_port(), logs)
         mlflow = mlflow_service("127.0.0.1", free_port(), self.work / "mlflow", logs)
-        vllm = vllm_service(tiny, "127.0.0.1", free_port(), logs, max_model_len=512, kv_cache_gib=1, max_lora_rank=16, max_loras=4)
+        vllm = vllm_service(
+            tiny, "127.0.0.1", free_port(), logs, max_model_len=512, kv_cache_gib=1, max_lora_rank=16, max_loras=4
+        )
         for service in (broker, mlflow, vllm):
             service.start()
             self.stack.append(service)
@@ -129,7 +147,7 @@ class Soak:
         self.api_port, self.gateway_port = free_port(), free_port()
         self.conf = self.work / "hourglass.toml"
         self.conf.write_text(f"""
-state_dir = "{self.work / 'state'}"
+state_dir = "{self.work / "state"}"
 [kafka]
 bootstrap_servers = ["127.0.0.1:{broker.port}"]
 embedded = false
@@ -139,8 +157,8 @@ group_id = "soak-{suffix}"
 partitions = 3
 max_record_bytes = 65536
 [buffer]
-root = "{self.work / 'buffer'}"
-dead_letter_root = "{self.work / 'dlq'}"
+root = "{self.work / "buffer"}"
+dead_letter_root = "{self.work / "dlq"}"
 feedback_join_window_s = {JOIN_WINDOW_S}
 maintenance_interval_s = 4
 [model]
@@ -187,8 +205,13 @@ require_api_key = false
     def start(self, verb: str, health: str | None = None) -> None:
         log = (self.work / "logs" / f"{verb}.log").open("ab")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.procs[verb] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", verb, "--config", str(self.conf)],
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
+        self.procs[verb] = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", verb, "--config", str(self.conf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
         deadline = time.monotonic() + 180
         while health and time.monotonic() < deadline:
             if self.procs[verb].poll() is not None:
@@ -220,7 +243,11 @@ require_api_key = false
             self.good.add(tid)
             self.last_feedback = (tid, r.headers.get("x-hourglass-feedback-token", ""))
             if self.rng.random() < 0.5:
-                vote = {"trace_id": tid, "thumbs": self.rng.choice(["up", "down"]), "feedback_token": self.last_feedback[1]}
+                vote = {
+                    "trace_id": tid,
+                    "thumbs": self.rng.choice(["up", "down"]),
+                    "feedback_token": self.last_feedback[1],
+                }
                 self._check(http.post(f"{base}/feedback", json=vote), "feedback")
         tid, token = self.last_feedback
         bad = [  # (what, raw body, must be a 4xx); json.dumps keeps a lone surrogate as a \\ud800 escape
@@ -228,8 +255,18 @@ require_api_key = false
             ("chat", "{not json", True),
             ("feedback", json.dumps({"trace_id": tid, "thumbs": "up"}), True),  # no feedback token
             # a user id is hashed at the gateway: storing the hash (2xx) or refusing (4xx) are both fine, a 5xx is not
-            ("feedback", json.dumps({"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"user_id": "\ud800"}}), False),
-            ("feedback", json.dumps({"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"note": "\udfff"}}), False),
+            (
+                "feedback",
+                json.dumps(
+                    {"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"user_id": "\ud800"}}
+                ),
+                False,
+            ),
+            (
+                "feedback",
+                json.dumps({"trace_id": tid, "thumbs": "up", "feedback_token": token, "metadata": {"note": "\udfff"}}),
+                False,
+            ),
         ]
         what, raw, want_4xx = self.rng.choice(bad)
         path = "chat/completions" if what == "chat" else "feedback"
@@ -239,7 +276,13 @@ require_api_key = false
     def _check(self, r: httpx.Response, what: str, want_4xx: bool | None = None) -> None:
         """``want_4xx``: None = a good request (must be 2xx), True = must be a 4xx, False = anything but a 5xx."""
         self._count(f"gateway {what} {r.status_code}")
-        ok = (200 <= r.status_code < 300) if want_4xx is None else (400 <= r.status_code < 500) if want_4xx else r.status_code < 500
+        ok = (
+            (200 <= r.status_code < 300)
+            if want_4xx is None
+            else (400 <= r.status_code < 500)
+            if want_4xx
+            else r.status_code < 500
+        )
         if not ok:
             self.gateway_5xx.append(f"{what}: HTTP {r.status_code} {r.text[:200]}")
 
@@ -274,7 +317,9 @@ require_api_key = false
         big = self.cfg.kafka.max_record_bytes * 4
         producers = {"none": KafkaProducer(bootstrap_servers=servers, max_request_size=big)}
         for codec in CODECS:
-            producers[codec] = KafkaProducer(bootstrap_servers=servers, compression_type=codec, max_request_size=big, linger_ms=50)
+            producers[codec] = KafkaProducer(
+                bootstrap_servers=servers, compression_type=codec, max_request_size=big, linger_ms=50
+            )
         total = self.args.minutes * 60
         started = time.monotonic()
         kill_service_at, ingest_at, kill_ingest_at = total * 0.5, total * 0.3, total * 0.6
@@ -361,17 +406,24 @@ require_api_key = false
             ready = httpx.get(f"http://127.0.0.1:{self.api_port}/readyz", timeout=30)
             checks = ready.json().get("checks", {})
             if ready.status_code != 200:
-                violations.append(f"/readyz {ready.status_code}: failing checks {[k for k, v in checks.items() if not v]}")
+                violations.append(
+                    f"/readyz {ready.status_code}: failing checks {[k for k, v in checks.items() if not v]}"
+                )
             workers = httpx.get(f"http://127.0.0.1:{self.api_port}/status", timeout=30).json().get("workers", {})
         except httpx.HTTPError as err:
             violations.append(f"service API unreachable at the end: {err}")
             checks, workers = {}, {}
         return {
-            "minutes": self.args.minutes, "work_dir": str(self.work), "events": self.events, "sent": self.counts,
-            "good_traces": len(self.good), "bad_records": len(self.bad), "readyz": checks,
+            "minutes": self.args.minutes,
+            "work_dir": str(self.work),
+            "events": self.events,
+            "sent": self.counts,
+            "good_traces": len(self.good),
+            "bad_records": len(self.bad),
+            "readyz": checks,
             "worker_restarts": {name: w.get("restarts") for name, w in workers.items()},
             "violations": violations,
-        }  # fmt: skip
+        }
 
     def down(self) -> None:
         for verb, proc in self.procs.items():
@@ -387,7 +439,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="How long to send traffic.")
     parser.add_argument("--rate", type=float, default=10.0, help="Traffic actions per second, on average.")
-    parser.add_argument("--settle-s", type=float, default=120.0, help="How long to wait for ingest to catch up at the end.")
+    parser.add_argument(
+        "--settle-s", type=float, default=120.0, help="How long to wait for ingest to catch up at the end."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", action="store_true", help="Let the scheduler run rounds every 5 min meanwhile.")
     parser.add_argument("--workdir", help="Work folder (default: a new temporary folder).")

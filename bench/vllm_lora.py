@@ -44,7 +44,9 @@ def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
     folders = []
     for i in range(k):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        peft = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        )
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for name, param in peft.named_parameters():
@@ -62,21 +64,36 @@ def prompts(model_dir: Path, count: int) -> list[tuple[int, ...]]:
     from trainer.tasks import prompts_from_table, reasoning_gym_prompts, snapshot_table
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = prompts_from_table(snapshot_table(reasoning_gym_prompts("basic_arithmetic", count, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)))
+    rows = prompts_from_table(
+        snapshot_table(
+            reasoning_gym_prompts(
+                "basic_arithmetic", count, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+            )
+        )
+    )
     return [tuple(chat_token_ids(tok, p.messages)) for p in rows]
 
 
-def workload(engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], args: argparse.Namespace) -> tuple[float, int]:
+def workload(
+    engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], args: argparse.Namespace
+) -> tuple[float, int]:
     """(seconds, generated tokens) for every version x prompt, n=G, sent at once."""
-    reqs = [RolloutRequest(version=v, prompt_id=f"p{j}", prompt_token_ids=p, n=args.group, max_new_tokens=args.max_new_tokens)
-            for v in versions for j, p in enumerate(ids)]  # fmt: skip
+    reqs = [
+        RolloutRequest(
+            version=v, prompt_id=f"p{j}", prompt_token_ids=p, n=args.group, max_new_tokens=args.max_new_tokens
+        )
+        for v in versions
+        for j, p in enumerate(ids)
+    ]
     started = time.perf_counter()
     groups = engine.generate(reqs)
     return time.perf_counter() - started, sum(len(s.token_ids) for g in groups for s in g)
 
 
 def measure(grouped: bool, model_dir: Path, adapters: list[Path], ids, args, logs: Path) -> dict[str, float]:
-    service = vllm_service(model_dir, "127.0.0.1", free_port(), logs, max_model_len=512, max_lora_rank=16, max_loras=max(2, len(adapters)))
+    service = vllm_service(
+        model_dir, "127.0.0.1", free_port(), logs, max_model_len=512, max_lora_rank=16, max_loras=max(2, len(adapters))
+    )
     service.env[ENV_SWITCH] = "1" if grouped else "0"
     service.start()
     try:
@@ -106,7 +123,10 @@ def main() -> None:
     args = parser.parse_args()
     cache = ModelConfig().cache_dir
     if args.model == "tiny":
-        model_dir = model_store.build_tiny_llama(Path(cache).expanduser() / "tiny-random-llama", tokenizer_from=model_store.pull("smollm2-135m-instruct", cache).path).path
+        model_dir = model_store.build_tiny_llama(
+            Path(cache).expanduser() / "tiny-random-llama",
+            tokenizer_from=model_store.pull("smollm2-135m-instruct", cache).path,
+        ).path
     elif args.model in model_store.KNOWN_MODELS:
         model_dir = model_store.pull(args.model, cache).path
     else:
@@ -114,14 +134,20 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-lora-"))
     adapters = make_adapters(model_dir, work, args.adapters, args.rank)
     ids = prompts(model_dir, args.prompts)
-    print(f"model={model_dir.name} K={args.adapters} rank={args.rank} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} cores={len(os.sched_getaffinity(0))}")
+    print(
+        f"model={model_dir.name} K={args.adapters} rank={args.rank} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} cores={len(os.sched_getaffinity(0))}"
+    )
     results = {}
     for grouped in (False, True):
         label = "grouped (hourglass)" if grouped else "upstream per-token"
         r = measure(grouped, model_dir, adapters, ids, args, work / f"logs-{int(grouped)}")
         results[grouped] = r
-        print(f"{label:>20}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, LoRA/base {r['lora_s'] / r['base_s']:.2f}x")
-    print(f"LoRA rollout speedup grouped vs upstream kernels: {results[False]['lora_s'] / results[True]['lora_s']:.2f}x")
+        print(
+            f"{label:>20}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, LoRA/base {r['lora_s'] / r['base_s']:.2f}x"
+        )
+    print(
+        f"LoRA rollout speedup grouped vs upstream kernels: {results[False]['lora_s'] / results[True]['lora_s']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

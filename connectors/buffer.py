@@ -53,7 +53,7 @@ from connectors.segments import (
     segment_info,
     trace_rows_table,
     trace_table,
-)  # fmt: skip
+)
 from connectors.storage import list_files, open_location, read_bytes, write_durable
 
 MANIFEST = "manifest.json"
@@ -191,7 +191,9 @@ class RewardBuffer:
         traces = traces.filter(keep)
         traces = _first_per_trace_id(traces)
         window_s = window.total_seconds()
-        fb_segs = [s for s in listing if s.kind == FEEDBACK and overlaps(s, shift(start, -window_s), shift(end, window_s))]
+        fb_segs = [
+            s for s in listing if s.kind == FEEDBACK and overlaps(s, shift(start, -window_s), shift(end, window_s))
+        ]
         feedback = self._read(fb_segs, FEEDBACK_SEGMENT_SCHEMA)
         feedback = feedback.filter(pc.is_in(feedback["trace_id"], value_set=traces["trace_id"]))
         by_trace: dict[str, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
@@ -203,7 +205,9 @@ class RewardBuffer:
         for trace_id, ts, inline in zip(
             traces["trace_id"].to_pylist(), traces["ts"].to_pylist(), traces["signals"].to_pylist()
         ):
-            joined = _one_vote_per_user([(t, who, sig) for t, who, sig in by_trace.get(trace_id, ()) if abs(t - ts) <= window])
+            joined = _one_vote_per_user(
+                [(t, who, sig) for t, who, sig in by_trace.get(trace_id, ()) if abs(t - ts) <= window]
+            )
             merged = merge_signals(json.loads(inline) if inline else {}, joined)
             correction = merged.pop("correction", None)
             reward, source = reward_from_signals(merged, self.cfg.reward)
@@ -311,10 +315,18 @@ class RewardBuffer:
             DeadLetter(
                 UNMATCHED_FEEDBACK,
                 f"no trace {r['trace_id']!r} within feedback_join_window_s={self.cfg.feedback_join_window_s} of {r['ts'].isoformat()}",
-                r["topic"], r["partition"], r["offset"],
-                json.dumps({"trace_id": r["trace_id"], "ts": r["ts"].isoformat(), **json.loads(r["signals"]),
-                            "metadata": json.loads(r["metadata"])}).encode("utf-8"),
-            )  # fmt: skip
+                r["topic"],
+                r["partition"],
+                r["offset"],
+                json.dumps(
+                    {
+                        "trace_id": r["trace_id"],
+                        "ts": r["ts"].isoformat(),
+                        **json.loads(r["signals"]),
+                        "metadata": json.loads(r["metadata"]),
+                    }
+                ).encode("utf-8"),
+            )
             for r in rows
             if not any(abs(t - r["ts"]) <= window for t in trace_ts.get(r["trace_id"], ()))
         ]
@@ -360,8 +372,14 @@ class RewardBuffer:
             RETENTION_PARTITIONS.labels(kind).inc()
             RETENTION_ROWS.labels(kind).inc(rows)
         if deleted:
-            log.info("retention deleted %d partition(s) holding %s rows (cutoff %s, max %d bytes): %s",
-                     len(deleted), dict(rows_by_kind), cutoff.isoformat(), self.cfg.retention_max_bytes, sorted(deleted))  # fmt: skip
+            log.info(
+                "retention deleted %d partition(s) holding %s rows (cutoff %s, max %d bytes): %s",
+                len(deleted),
+                dict(rows_by_kind),
+                cutoff.isoformat(),
+                self.cfg.retention_max_bytes,
+                sorted(deleted),
+            )
         self._remove_stale_temp_files()
         return sorted(deleted)
 

@@ -40,16 +40,20 @@ class KafkaConfig(Section):
         default="hourglass.routes",
         description="Compacted topic (one partition, key = public model name) the serving controller publishes routes to "
         "when serving.routes_source = 'kafka'; every gateway reads it from the beginning, then follows it.",
-    )  # fmt: skip
+    )
     group_id: str = Field(default="hourglass-ingest", min_length=1, description="Consumer group of the ingest workers.")
     partitions: int = Field(default=3, ge=1, le=1024, description="Partitions per topic when Hourglass creates it.")
-    replication_factor: int = Field(default=1, ge=1, le=16, description="Replicas per partition when Hourglass creates a topic.")
+    replication_factor: int = Field(
+        default=1, ge=1, le=16, description="Replicas per partition when Hourglass creates a topic."
+    )
     session_timeout_ms: int = Field(default=6000, ge=1000, description="Consumer-group session timeout (ms).")
     heartbeat_interval_ms: int = Field(default=1000, ge=100, description="Consumer heartbeat interval (ms).")
     batch_max_records: int = Field(default=2000, ge=1, description="Records per poll/commit batch at most.")
     batch_timeout_ms: int = Field(default=500, ge=1, description="Longest wait for a batch to fill (ms).")
     request_timeout_ms: int = Field(default=30000, ge=1000, description="Client request timeout (ms).")
-    max_record_bytes: int = Field(default=1_048_576, ge=1024, description="Larger records are dead-lettered as oversize.")
+    max_record_bytes: int = Field(
+        default=1_048_576, ge=1024, description="Larger records are dead-lettered as oversize."
+    )
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -119,13 +123,19 @@ class BufferConfig(Section):
         min_length=1,
         description="Local folder or a pyarrow.fs URI (s3://bucket/prefix, gs://...) for segments.",
     )
-    dead_letter_root: str = Field(default=".hourglass/dead-letter", min_length=1, description="Where dead-lettered records go.")
+    dead_letter_root: str = Field(
+        default=".hourglass/dead-letter", min_length=1, description="Where dead-lettered records go."
+    )
     segment_max_rows: int = Field(default=5000, ge=1, description="Rows per segment at most.")
     feedback_join_window_s: float = Field(
-        default=3600.0, gt=0, description="How long feedback waits for its trace (and a trace for its feedback), seconds."
+        default=3600.0,
+        gt=0,
+        description="How long feedback waits for its trace (and a trace for its feedback), seconds.",
     )
     retention_hours: float = Field(default=24 * 7, gt=0, description="Hourly partitions older than this are deleted.")
-    retention_max_bytes: int = Field(default=10 * 1024**3, ge=1024, description="Oldest partitions go first above this size.")
+    retention_max_bytes: int = Field(
+        default=10 * 1024**3, ge=1024, description="Oldest partitions go first above this size."
+    )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Feedback signal to reward mapping.")
     user_hash_key: SecretStr = Field(
         default=SecretStr("hourglass-change-me"),
@@ -136,7 +146,9 @@ class BufferConfig(Section):
         description="Metadata keys (case-insensitive, at any depth) whose values are replaced by a keyed hash.",
     )
     maintenance_interval_s: float = Field(
-        default=60.0, gt=0, description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds."
+        default=60.0,
+        gt=0,
+        description="How often the ingest worker sweeps unmatched feedback and applies retention, seconds.",
     )
     trusted_metadata: list[str] = Field(
         default_factory=lambda: ["reference_answer"],
@@ -158,7 +170,9 @@ class BufferConfig(Section):
         default=4096, ge=1, description="Longest feedback correction (characters); longer ones are dead-lettered."
     )
     storage_retry_max_s: float = Field(
-        default=30.0, gt=0, description="Longest wait between retries of a batch the buffer could not store (full disk), seconds."
+        default=30.0,
+        gt=0,
+        description="Longest wait between retries of a batch the buffer could not store (full disk), seconds.",
     )
 
     @property
@@ -182,29 +196,51 @@ class GatewayConfig(Section):
         description="Clients must send `Authorization: Bearer <key>` (see `hourglass keys create`). False only for "
         "local tests: every caller is then the untrusted key id 'anonymous'.",
     )
-    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Larger request bodies get 413 (read with a cap, never buffered whole).")
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, description="Larger request bodies get 413 (read with a cap, never buffered whole)."
+    )
     max_json_depth: int = Field(default=32, ge=4, le=512, description="Deeper JSON nesting gets 400.")
-    max_n: int = Field(default=8, ge=1, description="Largest `n` (completions per request), and largest batch of prompts.")
+    max_n: int = Field(
+        default=8, ge=1, description="Largest `n` (completions per request), and largest batch of prompts."
+    )
     max_tokens: int = Field(default=4096, ge=1, description="Largest `max_tokens` / `max_completion_tokens`.")
     max_messages: int = Field(default=256, ge=1, description="Most chat messages in one request.")
-    max_prompt_chars: int = Field(default=200_000, ge=1, description="Most characters of prompt text (all messages together).")
-    max_metadata_bytes: int = Field(default=16_384, ge=64, description="Largest request `metadata` object, bytes of compact JSON.")
-    max_schema_bytes: int = Field(default=8192, ge=64, description="Largest `response_format` object (a JSON schema is compiled by vLLM), bytes.")
-    rate_per_min: int = Field(default=600, ge=1, description="Requests per minute per API key (token bucket) unless the key sets its own.")
-    concurrency: int = Field(default=16, ge=1, description="Requests in flight per API key unless the key sets its own.")
+    max_prompt_chars: int = Field(
+        default=200_000, ge=1, description="Most characters of prompt text (all messages together)."
+    )
+    max_metadata_bytes: int = Field(
+        default=16_384, ge=64, description="Largest request `metadata` object, bytes of compact JSON."
+    )
+    max_schema_bytes: int = Field(
+        default=8192, ge=64, description="Largest `response_format` object (a JSON schema is compiled by vLLM), bytes."
+    )
+    rate_per_min: int = Field(
+        default=600, ge=1, description="Requests per minute per API key (token bucket) unless the key sets its own."
+    )
+    concurrency: int = Field(
+        default=16, ge=1, description="Requests in flight per API key unless the key sets its own."
+    )
     feedback_signing_key: SecretStr | None = Field(
         default=None,
         description="HMAC-SHA256 key of feedback tokens (set HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY; share it between "
         "gateway replicas). Unset: generated once into <state_dir>/gateway-feedback.key (0600).",
     )
-    feedback_token_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="How long a response's feedback token stays valid, seconds.")
+    feedback_token_ttl_s: float = Field(
+        default=7 * 24 * 3600.0, gt=0, description="How long a response's feedback token stays valid, seconds."
+    )
     upstream_url: str | None = Field(
-        default=None, pattern=r"^https?://[^/\s]+/?$",
+        default=None,
+        pattern=r"^https?://[^/\s]+/?$",
         description="Base URL the gateway sends requests to. Unset: serving.replicas[0]. With several vLLM replicas: "
         "a load-balanced address over all of them (each serves every routed version), e.g. a Kubernetes Service.",
-    )  # fmt: skip
+    )
     upstream_timeout_s: float = Field(default=600.0, gt=0, description="Upstream (vLLM) read timeout, seconds.")
-    disconnect_poll_s: float = Field(default=0.25, gt=0, le=10, description="How often a non-streaming request checks that its client is still there, seconds.")
+    disconnect_poll_s: float = Field(
+        default=0.25,
+        gt=0,
+        le=10,
+        description="How often a non-streaming request checks that its client is still there, seconds.",
+    )
 
     @field_validator("feedback_signing_key", mode="before")
     @classmethod

@@ -49,7 +49,7 @@ from connectors.schema import (
     TsWindow,
     UserHasher,
     parse_record,
-)  # fmt: skip
+)
 from connectors.segments import (
     FEEDBACK_SEGMENT_SCHEMA,
     TRACE_SEGMENT_SCHEMA,
@@ -60,7 +60,7 @@ from connectors.segments import (
     to_json,
     trace_row,
     trace_rows_table,
-)  # fmt: skip
+)
 
 TRACES_KIND, FEEDBACK_KIND = "trace", "feedback"
 _NULL = msgspec.Raw(b"null")
@@ -214,15 +214,24 @@ class ParsedBatch:
                 elif self.token_ids is None or self.logprobs is None:
                     good.append(trace_rows_table([row], ingested_at))
                 else:
-                    columns = {"completion_token_ids": self.token_ids[index:index + 1],
-                               "completion_logprobs": self.logprobs[index:index + 1]}  # fmt: skip
+                    columns = {
+                        "completion_token_ids": self.token_ids[index : index + 1],
+                        "completion_logprobs": self.logprobs[index : index + 1],
+                    }
                     good.append(trace_rows_table([row], ingested_at, columns=columns))
             except (pa.ArrowException, ValueError, TypeError, OverflowError) as err:
                 topic, partition, offset = row[-3:]
-                self.dead_letters.append(DeadLetter(
-                    PARSE_ERROR, f"the {kind} row could not be stored ({type(err).__name__}: {str(err)[:300]}); please report it",
-                    topic, partition, offset, None, None,
-                ))  # fmt: skip
+                self.dead_letters.append(
+                    DeadLetter(
+                        PARSE_ERROR,
+                        f"the {kind} row could not be stored ({type(err).__name__}: {str(err)[:300]}); please report it",
+                        topic,
+                        partition,
+                        offset,
+                        None,
+                        None,
+                    )
+                )
         schema = TRACE_SEGMENT_SCHEMA if kind == TRACES_KIND else FEEDBACK_SEGMENT_SCHEMA
         return pa.concat_tables(good) if good else schema.empty_table()
 
@@ -311,11 +320,18 @@ def _parse(records: list[KafkaRecord], limits: _Limits, decoder: msgspec.json.De
     out = ParsedBatch()
     for record in records:
         if isinstance(record, UndecodableRecord):
-            out.dead_letters.append(DeadLetter(
-                UNDECODABLE_RECORD, f"the consumer could not decode this record: {record.error}; the producer's "
-                "codec or the stored batch is unusable (the record is skipped, its payload is not available)",
-                record.topic, record.partition, record.offset, None, None,
-            ))  # fmt: skip
+            out.dead_letters.append(
+                DeadLetter(
+                    UNDECODABLE_RECORD,
+                    f"the consumer could not decode this record: {record.error}; the producer's "
+                    "codec or the stored batch is unusable (the record is skipped, its payload is not available)",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    None,
+                    None,
+                )
+            )
             continue
         marks = (len(out.traces), len(out.feedback), len(out.dead_letters), len(out._ids_json), out.fast, out.fallback)
         try:
@@ -324,11 +340,18 @@ def _parse(records: list[KafkaRecord], limits: _Limits, decoder: msgspec.json.De
             n_traces, n_feedback, n_letters, n_lists, out.fast, out.fallback = marks
             del out.traces[n_traces:], out.feedback[n_feedback:], out.dead_letters[n_letters:]
             del out._ids_json[n_lists:], out._lps_json[n_lists:], out._ids_len[n_lists:], out._lps_len[n_lists:]
-            out.dead_letters.append(DeadLetter(
-                PARSE_ERROR, f"the parser failed on this record ({type(err).__name__}: {str(err)[:300]}); the record is kept "
-                "here, please report it", record.topic, record.partition, record.offset, _raw_only(record.value),
-                _raw_only(record.key),
-            ))  # fmt: skip
+            out.dead_letters.append(
+                DeadLetter(
+                    PARSE_ERROR,
+                    f"the parser failed on this record ({type(err).__name__}: {str(err)[:300]}); the record is kept "
+                    "here, please report it",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    _raw_only(record.value),
+                    _raw_only(record.key),
+                )
+            )
     return out
 
 
@@ -355,18 +378,35 @@ def _parse_one(out: ParsedBatch, record: KafkaRecord, limits: _Limits, decoder: 
                 out.fast += 1
                 return
     out.fallback += 1
-    result = parse_record(value, max_record_bytes=limits.max_record_bytes, hasher=hasher, window=limits.window,
-                          max_correction_chars=limits.max_correction_chars)  # fmt: skip
+    result = parse_record(
+        value,
+        max_record_bytes=limits.max_record_bytes,
+        hasher=hasher,
+        window=limits.window,
+        max_correction_chars=limits.max_correction_chars,
+    )
     if isinstance(result, Rejected):
         out.dead_letters.append(
-            DeadLetter(result.reason, result.detail, record.topic, record.partition, record.offset, _scrubbed(value, hasher), record.key)
+            DeadLetter(
+                result.reason,
+                result.detail,
+                record.topic,
+                record.partition,
+                record.offset,
+                _scrubbed(value, hasher),
+                record.key,
+            )
         )
     elif isinstance(result, TraceEvent):
         row = trace_row(result, record.topic, record.partition, record.offset)
         if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
             ids, lps = row[6] or [], row[7] or []
-            out._add_lists(_ENCODER.encode(ids) if row[6] is not None else None, len(ids),
-                           _ENCODER.encode(lps) if row[7] is not None else None, len(lps))  # fmt: skip
+            out._add_lists(
+                _ENCODER.encode(ids) if row[6] is not None else None,
+                len(ids),
+                _ENCODER.encode(lps) if row[7] is not None else None,
+                len(lps),
+            )
             row = (*row[:6], None, None, *row[8:])
         out.traces.append(row)
     else:
@@ -403,10 +443,23 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
     metadata = _metadata_json(event.metadata, hasher)
     if metadata is None:
         return False
-    out.traces.append((
-        event.trace_id, ts, event.model, event.adapter_version, _ENCODER.encode(messages).decode(), event.completion,
-        ids, lps, _signals_json(signals) if signals else None, metadata, record.topic, record.partition, record.offset,
-    ))  # fmt: skip
+    out.traces.append(
+        (
+            event.trace_id,
+            ts,
+            event.model,
+            event.adapter_version,
+            _ENCODER.encode(messages).decode(),
+            event.completion,
+            ids,
+            lps,
+            _signals_json(signals) if signals else None,
+            metadata,
+            record.topic,
+            record.partition,
+            record.offset,
+        )
+    )
     if isinstance(event.completion_token_ids, msgspec.Raw):
         out._add_lists(ids_json, n_ids, lps_json, n_lps)
     return True

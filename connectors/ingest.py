@@ -68,9 +68,13 @@ from connectors.schema import UNMATCHED_FEEDBACK, TsWindow, UserHasher
 
 log = logging.getLogger(__name__)
 
-RECORDS = Counter("hourglass_ingest_rows_stored", "Rows stored in the reward buffer, by kind (trace, feedback).", ["kind"])
+RECORDS = Counter(
+    "hourglass_ingest_rows_stored", "Rows stored in the reward buffer, by kind (trace, feedback).", ["kind"]
+)
 DEAD_LETTERS = Counter("hourglass_dead_letters", "Records sent to the dead-letter store, by reason code.", ["reason"])
-STORAGE_OK = Gauge("hourglass_ingest_storage_ok", "1 while the ingest worker can write the buffer, 0 while it retries a failed write.")
+STORAGE_OK = Gauge(
+    "hourglass_ingest_storage_ok", "1 while the ingest worker can write the buffer, 0 while it retries a failed write."
+)
 STORAGE_OK.set(1)
 
 _INFLIGHT_POLL_MS = 10  # longest poll wait while a batch is being stored or its commit is unanswered
@@ -117,8 +121,12 @@ class IngestWorker:
         self._retry: dict[TopicPartition, OffsetAndMetadata] = {}  # commits that failed retriably
         self._commits_unacked = 0
         self._commit_error: Exception | None = None
-        self._health: dict[str, Any] = {"storage_ok": True, "last_error": None, "last_error_unix_s": None,
-                                        "storage_failures": 0}  # fmt: skip
+        self._health: dict[str, Any] = {
+            "storage_ok": True,
+            "last_error": None,
+            "last_error_unix_s": None,
+            "storage_failures": 0,
+        }
 
     def health(self) -> dict[str, Any]:
         """The worker's condition, for a readiness probe (thread-safe copy).
@@ -132,8 +140,11 @@ class IngestWorker:
             maintenance error (kept after recovery, for the operator).
         """
         with self._lock:
-            return {**self._health, "last_commit_unix_s": self._stats.last_commit_unix_s,
-                    "lag_records": self._stats.lag_records}  # fmt: skip
+            return {
+                **self._health,
+                "last_commit_unix_s": self._stats.last_commit_unix_s,
+                "lag_records": self._stats.lag_records,
+            }
 
     def _set_health(self, **fields: Any) -> None:
         with self._lock:
@@ -211,7 +222,9 @@ class IngestWorker:
                 wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if count else k.batch_timeout_ms
                 if inflight or self._commits_unacked:  # commit / see its ack soon, not a silent batch_timeout_ms later
                     wait_ms = min(wait_ms, _INFLIGHT_POLL_MS)
-                _backpressure(consumer, paused=len(inflight) >= _MAX_INFLIGHT)  # the store is behind (slow or full disk)
+                _backpressure(
+                    consumer, paused=len(inflight) >= _MAX_INFLIGHT
+                )  # the store is behind (slow or full disk)
                 polled = self._poll(consumer, wait_ms, k.batch_max_records)
                 for tp, records in polled.items():
                     if not count:
@@ -222,7 +235,11 @@ class IngestWorker:
                     pending.setdefault(tp, []).extend(records)
                     count += len(records)
                     self._positions[tp] = records[-1].offset + 1
-                if count and len(inflight) < _MAX_INFLIGHT and (count >= k.batch_max_records or time.monotonic() >= deadline):
+                if (
+                    count
+                    and len(inflight) < _MAX_INFLIGHT
+                    and (count >= k.batch_max_records or time.monotonic() >= deadline)
+                ):
                     batch, pending = _split_batch(pending, k.batch_max_records)
                     inflight.append((store.submit(self._store, self._parse(batch), stop), _next_offsets(batch)))
                     count = sum(len(records) for records in pending.values())
@@ -291,8 +308,14 @@ class IngestWorker:
             if where is None:
                 raise
             tp, offset = where
-            log.error("record %s:%d at offset %d cannot be decoded (%s: %s); dead-lettering it and seeking past it",
-                      tp.topic, tp.partition, offset, type(err).__name__, err)  # fmt: skip
+            log.error(
+                "record %s:%d at offset %d cannot be decoded (%s: %s); dead-lettering it and seeking past it",
+                tp.topic,
+                tp.partition,
+                offset,
+                type(err).__name__,
+                err,
+            )
             consumer.seek(tp, offset + 1)
             return {tp: [UndecodableRecord(tp.topic, tp.partition, offset, f"{type(err).__name__}: {str(err)[:300]}")]}
 
@@ -301,10 +324,12 @@ class IngestWorker:
         under the GIL, and a CPU-bound store thread would delay this thread's socket wake-ups)."""
         cfg = self.buffer.cfg
         return parse_batch(
-            itertools.chain.from_iterable(polled.values()), max_record_bytes=self.kafka.max_record_bytes, hasher=self._hasher,
+            itertools.chain.from_iterable(polled.values()),
+            max_record_bytes=self.kafka.max_record_bytes,
+            hasher=self._hasher,
             window=TsWindow.around(datetime.now(timezone.utc), cfg.event_age_limit_s, cfg.max_clock_skew_s),
             max_correction_chars=cfg.max_correction_chars,
-        )  # fmt: skip
+        )
 
     def _store(self, batch: ParsedBatch, stop: threading.Event) -> None:
         """Write one parsed batch durably: dead letters, then buffer segments (store thread; fsync releases the GIL).
@@ -336,8 +361,13 @@ class IngestWorker:
         if not self._health["storage_ok"] or self._health["storage_failures"]:
             log.info("storage recovered: the batch is stored")
             self._set_health(storage_ok=True, storage_failures=0)
-        self._count(traces=traces.num_rows, feedback=feedback.num_rows, dead_letters=len(batch.dead_letters),
-                    batches=1, fast_parsed=batch.fast)  # fmt: skip
+        self._count(
+            traces=traces.num_rows,
+            feedback=feedback.num_rows,
+            dead_letters=len(batch.dead_letters),
+            batches=1,
+            fast_parsed=batch.fast,
+        )
         RECORDS.labels("trace").inc(traces.num_rows)
         RECORDS.labels("feedback").inc(feedback.num_rows)
         for reason, n in Tally(letter.reason for letter in batch.dead_letters).items():
@@ -345,10 +375,18 @@ class IngestWorker:
 
     def _on_storage_retry(self, state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome is not None else None
-        self._set_health(storage_ok=False, last_error=f"{type(err).__name__}: {err}", last_error_unix_s=time.time(),
-                         storage_failures=state.attempt_number)  # fmt: skip
-        log.warning("could not store a batch (attempt %d: %s); nothing is committed, retrying in %.1fs",
-                    state.attempt_number, err, state.upcoming_sleep)  # fmt: skip
+        self._set_health(
+            storage_ok=False,
+            last_error=f"{type(err).__name__}: {err}",
+            last_error_unix_s=time.time(),
+            storage_failures=state.attempt_number,
+        )
+        log.warning(
+            "could not store a batch (attempt %d: %s); nothing is committed, retrying in %.1fs",
+            state.attempt_number,
+            err,
+            state.upcoming_sleep,
+        )
 
     def _commit(self, consumer: KafkaConsumer, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         """Send the commit of a stored batch's offsets; the broker's answer comes to :meth:`_on_commit`."""
@@ -494,7 +532,7 @@ def _split_batch(
         if take:
             batch[tp] = take
         if len(take) < len(records):
-            rest[tp] = records[len(take):]
+            rest[tp] = records[len(take) :]
         room -= len(take)
     return batch, rest
 
@@ -502,7 +540,6 @@ def _split_batch(
 def _next_offsets(polled: dict[TopicPartition, list[Any]]) -> dict[TopicPartition, OffsetAndMetadata]:
     """The offsets to commit once a batch is stored: last offset + 1 per partition."""
     return {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1) for tp, records in polled.items()}
-
 
 
 def _sleeper(stop: threading.Event) -> Callable[[float], None]:

@@ -49,7 +49,9 @@ def ensure_topics(cfg: KafkaConfig, topics: list[str] | None = None) -> list[str
         existing = set(admin.list_topics())
         missing = [t for t in wanted if t not in existing]
         if missing:
-            new = [NewTopic(t, num_partitions=cfg.partitions, replication_factor=cfg.replication_factor) for t in missing]
+            new = [
+                NewTopic(t, num_partitions=cfg.partitions, replication_factor=cfg.replication_factor) for t in missing
+            ]
             try:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
@@ -82,16 +84,20 @@ def ensure_routes_topic(cfg: KafkaConfig) -> bool:
         if cfg.routes_topic in set(admin.list_topics()):
             return False
         topic = NewTopic(
-            cfg.routes_topic, num_partitions=1, replication_factor=cfg.replication_factor,
+            cfg.routes_topic,
+            num_partitions=1,
+            replication_factor=cfg.replication_factor,
             topic_configs={"cleanup.policy": "compact"},
-        )  # fmt: skip
+        )
         try:
             admin.create_topics([topic])
         except TopicAlreadyExistsError:
             return False  # another controller created it meanwhile
         return True
     except KafkaError as err:
-        raise BrokerUnavailableError(f"could not create the routes topic {cfg.routes_topic!r} on {cfg.bootstrap_servers}: {err}") from err
+        raise BrokerUnavailableError(
+            f"could not create the routes topic {cfg.routes_topic!r} on {cfg.bootstrap_servers}: {err}"
+        ) from err
     finally:
         admin.close()
 
@@ -112,9 +118,11 @@ def consumer_group_lag(cfg: KafkaConfig) -> dict[str, int]:
     consumer = None
     try:
         consumer = KafkaConsumer(
-            bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
+            bootstrap_servers=cfg.bootstrap_servers,
+            group_id=cfg.group_id,
+            enable_auto_commit=False,
             request_timeout_ms=cfg.request_timeout_ms,
-        )  # fmt: skip
+        )
         partitions = [
             TopicPartition(topic, p)
             for topic in (cfg.traces_topic, cfg.feedback_topic)
@@ -123,7 +131,9 @@ def consumer_group_lag(cfg: KafkaConfig) -> dict[str, int]:
         ends = consumer.end_offsets(partitions)
         return {f"{tp.topic}:{tp.partition}": max(0, ends[tp] - (consumer.committed(tp) or 0)) for tp in partitions}
     except KafkaError as err:
-        raise BrokerUnavailableError(f"could not read the lag of group {cfg.group_id!r} at {cfg.bootstrap_servers}: {err}") from err
+        raise BrokerUnavailableError(
+            f"could not read the lag of group {cfg.group_id!r} at {cfg.bootstrap_servers}: {err}"
+        ) from err
     finally:
         if consumer is not None:
             consumer.close(autocommit=False)

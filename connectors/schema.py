@@ -184,7 +184,9 @@ class TraceEvent(_Signals):
         if values is not None and not all(math.isfinite(v) for v in values):
             raise ValueError("completion_logprobs must all be finite (got NaN or inf)")
         if values is not None and not all(abs(v) <= FLOAT32_MAX for v in values):
-            raise ValueError(f"completion_logprobs must fit float32 (|x| <= {FLOAT32_MAX:.4g}); stored as float32 they would be infinite")
+            raise ValueError(
+                f"completion_logprobs must fit float32 (|x| <= {FLOAT32_MAX:.4g}); stored as float32 they would be infinite"
+            )
         return values
 
     @model_validator(mode="after")
@@ -418,7 +420,9 @@ def parse_record(
             return _too_deep(err.errors()[0]["msg"])
         return _diagnose(value)  # slow path: say precisely what is wrong
     if event.reward is not None and not math.isfinite(event.reward):
-        return Rejected(NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers")
+        return Rejected(
+            NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers"
+        )
     if isinstance(event, FeedbackEvent):
         too_long = correction_too_long(event.correction, max_correction_chars)
         if too_long is not None:
@@ -466,7 +470,9 @@ def _diagnose(value: bytes) -> Rejected:
             "send valid Unicode (surrogates only in pairs)",
         )
     if not isinstance(data, dict):
-        return Rejected(NOT_AN_OBJECT, f"record is a JSON {type(data).__name__}, expected an object with a 'schema' tag")
+        return Rejected(
+            NOT_AN_OBJECT, f"record is a JSON {type(data).__name__}, expected an object with a 'schema' tag"
+        )
     tag = data.get("schema")
     if tag not in KNOWN_SCHEMAS:
         return Rejected(UNKNOWN_SCHEMA, f"schema {tag!r} is not one of {list(KNOWN_SCHEMAS)}")
@@ -478,4 +484,6 @@ def _diagnose(value: bytes) -> Rejected:
         model.model_validate(data)
     except ValidationError as err:
         return Rejected(SCHEMA_VIOLATION, f"{tag}: {_first_error(err)}")
-    return Rejected(SCHEMA_VIOLATION, f"{tag}: the record does not validate as JSON (duplicate keys or non-standard numbers?)")
+    return Rejected(
+        SCHEMA_VIOLATION, f"{tag}: the record does not validate as JSON (duplicate keys or non-standard numbers?)"
+    )

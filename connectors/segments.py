@@ -48,29 +48,35 @@ _TRACE_COLUMNS = [
     pa.field("completion_logprobs", pa.list_(pa.float32())),
 ]
 
-TRACE_SEGMENT_SCHEMA = pa.schema([
-    *_TRACE_COLUMNS,
-    pa.field("signals", pa.string()),  # JSON of inline feedback signals, null when none
-    pa.field("metadata", pa.string(), nullable=False),
-    *_LINEAGE,
-])  # fmt: skip
+TRACE_SEGMENT_SCHEMA = pa.schema(
+    [
+        *_TRACE_COLUMNS,
+        pa.field("signals", pa.string()),  # JSON of inline feedback signals, null when none
+        pa.field("metadata", pa.string(), nullable=False),
+        *_LINEAGE,
+    ]
+)
 
-FEEDBACK_SEGMENT_SCHEMA = pa.schema([
-    pa.field("trace_id", pa.string(), nullable=False),
-    pa.field("ts", TS, nullable=False),
-    pa.field("signals", pa.string(), nullable=False),
-    pa.field("metadata", pa.string(), nullable=False),
-    *_LINEAGE,
-])  # fmt: skip
+FEEDBACK_SEGMENT_SCHEMA = pa.schema(
+    [
+        pa.field("trace_id", pa.string(), nullable=False),
+        pa.field("ts", TS, nullable=False),
+        pa.field("signals", pa.string(), nullable=False),
+        pa.field("metadata", pa.string(), nullable=False),
+        *_LINEAGE,
+    ]
+)
 
-SNAPSHOT_SCHEMA = pa.schema([
-    *_TRACE_COLUMNS,
-    pa.field("reward", pa.float64()),
-    pa.field("reward_source", pa.string()),
-    pa.field("correction", pa.string()),  # the latest feedback correction joined for the trace, null when none
-    pa.field("metadata", pa.string(), nullable=False),
-    *_LINEAGE,
-])  # fmt: skip
+SNAPSHOT_SCHEMA = pa.schema(
+    [
+        *_TRACE_COLUMNS,
+        pa.field("reward", pa.float64()),
+        pa.field("reward_source", pa.string()),
+        pa.field("correction", pa.string()),  # the latest feedback correction joined for the trace, null when none
+        pa.field("metadata", pa.string(), nullable=False),
+        *_LINEAGE,
+    ]
+)
 """Columns a snapshot has (the trainer's contract)."""
 
 
@@ -127,7 +133,9 @@ def overlaps(seg: SegmentInfo, start: datetime, end: datetime) -> bool:
     return seg.hour < end and seg.hour > shift(start, -3600.0)
 
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: json.dumps with options builds one per call
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":")
+)  # built once: json.dumps with options builds one per call
 
 
 def to_json(value: Any) -> str:
@@ -150,10 +158,20 @@ def trace_row(event: TraceEvent, topic: str, partition: int, offset: int) -> Tra
     """The stored row of a validated trace event (the reference every faster path must match)."""
     signals = event.signals()
     return (
-        event.trace_id, event.ts, event.model, event.adapter_version, to_json(event.messages()), event.completion,
-        event.completion_token_ids, event.completion_logprobs, to_json(signals) if signals else None,
-        to_json(event.metadata), topic, partition, offset,
-    )  # fmt: skip
+        event.trace_id,
+        event.ts,
+        event.model,
+        event.adapter_version,
+        to_json(event.messages()),
+        event.completion,
+        event.completion_token_ids,
+        event.completion_logprobs,
+        to_json(signals) if signals else None,
+        to_json(event.metadata),
+        topic,
+        partition,
+        offset,
+    )
 
 
 def feedback_row(event: FeedbackEvent, topic: str, partition: int, offset: int) -> FeedbackRow:

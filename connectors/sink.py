@@ -104,7 +104,9 @@ class TraceSink:
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:
-            raise DeliveryError(f"{len(errors)} record(s) were not acknowledged by the broker; first error: {errors[0]!r}")
+            raise DeliveryError(
+                f"{len(errors)} record(s) were not acknowledged by the broker; first error: {errors[0]!r}"
+            )
         return self.acked
 
     def close(self, timeout_s: float = 30.0) -> None:

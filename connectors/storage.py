@@ -45,7 +45,9 @@ def open_location(uri: str) -> Location:
     try:
         fs, base = pafs.FileSystem.from_uri(uri)
     except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        raise BufferStorageError(f"cannot open storage {uri!r}: {err}; use a local path or an s3:// / gs:// URI") from err
+        raise BufferStorageError(
+            f"cannot open storage {uri!r}: {err}; use a local path or an s3:// / gs:// URI"
+        ) from err
     return Location(fs, base)
 
 
@@ -107,7 +109,8 @@ def list_files(loc: Location, under: str, suffix: str) -> list[pafs.FileInfo]:
         return []
     selector = pafs.FileSelector(under, recursive=True, allow_not_found=True)
     files = [
-        f for f in loc.fs.get_file_info(selector)
+        f
+        for f in loc.fs.get_file_info(selector)
         if f.type == pafs.FileType.File and f.base_name.endswith(suffix) and not f.base_name.startswith(".tmp-")
-    ]  # fmt: skip
+    ]
     return sorted(files, key=lambda f: f.path)

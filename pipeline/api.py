@@ -104,7 +104,9 @@ def host_allowed(host_header: str | None, names: set[str]) -> bool:
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     candidates: list[str] | None = Field(default=None, description="Subset of configured candidates; all when omitted.")
-    window: str | None = Field(default=None, pattern=r"^\d+[smhd]$", description="Data window, e.g. 6h; rl.window when omitted.")
+    window: str | None = Field(
+        default=None, pattern=r"^\d+[smhd]$", description="Data window, e.g. 6h; rl.window when omitted."
+    )
 
 
 class PromoteRequest(BaseModel):
@@ -140,7 +142,9 @@ def create_api(service: OpsService) -> FastAPI:
     async def guard(request: Request, call_next):
         if not host_allowed(request.headers.get("host"), names):
             return JSONResponse(
-                {"detail": "Host header not allowed: address the API by IP, localhost, api.host or a name in api.allowed_hosts"},
+                {
+                    "detail": "Host header not allowed: address the API by IP, localhost, api.host or a name in api.allowed_hosts"
+                },
                 status_code=421,
             )
         mutation = request.method not in ("GET", "HEAD")
@@ -152,13 +156,15 @@ def create_api(service: OpsService) -> FastAPI:
                 # the status page in a browser: ask for the token as the Basic-auth password
                 return JSONResponse(
                     {"detail": f"{what}: the status page takes the API token as the password (any user name)"},
-                    status_code=401, headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
-                )  # fmt: skip
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
+                )
             if state == "missing":
                 return JSONResponse(
-                    {"detail": f"{what}: send Authorization: Bearer <token>"}, status_code=401,
+                    {"detail": f"{what}: send Authorization: Bearer <token>"},
+                    status_code=401,
                     headers={"WWW-Authenticate": "Bearer"},
-                )  # fmt: skip
+                )
             if state == "wrong":
                 return JSONResponse({"detail": "wrong API token"}, status_code=403)
         request.state.authenticated = loopback or token_state(request) == "ok"

@@ -44,12 +44,16 @@ class ScheduleConfig(Section):
     interval_s: float | None = Field(default=None, gt=0, description="Run every N seconds instead of on the cron.")
     enabled: bool = Field(default=True, description="False: rounds run only when triggered by hand.")
     misfire_grace_s: int = Field(default=600, ge=1, description="A missed run still starts if this late (coalesced).")
-    min_new_traces: int = Field(default=1, ge=0, description="A scheduled round is skipped until this many traces arrived since the last round.")
+    min_new_traces: int = Field(
+        default=1, ge=0, description="A scheduled round is skipped until this many traces arrived since the last round."
+    )
     shutdown_grace_s: float = Field(
-        default=60.0, gt=0, le=75,
+        default=60.0,
+        gt=0,
+        le=75,
         description="On SIGTERM/SIGINT, seconds a running round gets to stop at its next boundary before it is settled as "
         "failed. At most 75 s, so that with the ingest flush (30 s) and the reconcile stop (10 s) it fits the units' 120 s stop timeout.",
-    )  # fmt: skip
+    )
     pending_retry_interval_s: float = Field(
         default=60.0, gt=0, description="Seconds between retries of registrations left pending by an MLflow outage."
     )
@@ -75,18 +79,20 @@ class RegistryConfig(Section):
     tracking_uri: str = Field(default="http://127.0.0.1:15000", description="MLflow tracking URI.")
     embedded: bool = Field(default=True, description="`hourglass up` starts a local MLflow server at tracking_uri.")
     experiment: str = Field(default="hourglass", min_length=1, description="MLflow experiment of the rounds.")
-    champion_alias: str = Field(default="champion", pattern=r"^[a-zA-Z][a-zA-Z0-9_-]*$", description="Alias of the served version.")
+    champion_alias: str = Field(
+        default="champion", pattern=r"^[a-zA-Z][a-zA-Z0-9_-]*$", description="Alias of the served version."
+    )
     signing_key: SecretStr | None = Field(
         default=None,
         description="HMAC-SHA256 key that signs every registered version (tag hourglass.signature); staging serves only "
         "versions whose signature verifies. Set HOURGLASS_REGISTRY__SIGNING_KEY (>= 32 characters, e.g. `openssl rand -hex 32`); "
         "unset in the embedded deployment: generated into <state_dir>/signing-key (0600).",
-    )  # fmt: skip
+    )
     previous_signing_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Old signing keys still accepted when verifying (key rotation), never used to sign. "
         "HOURGLASS_REGISTRY__PREVIOUS_SIGNING_KEYS='[\"old-key\"]'; drop them once `hourglass models resign` re-signed every version.",
-    )  # fmt: skip
+    )
 
     @field_validator("signing_key", mode="before")
     @classmethod
@@ -100,59 +106,77 @@ class RegistryConfig(Section):
     def _key_length(cls, key: Any) -> Any:
         for one in key if isinstance(key, list) else [key]:
             if one is not None and len(one.get_secret_value()) < MIN_SIGNING_KEY_CHARS:
-                raise ValueError(f"a signing key must be at least {MIN_SIGNING_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)")
+                raise ValueError(
+                    f"a signing key must be at least {MIN_SIGNING_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)"
+                )
         return key
 
 
 class ServingConfig(Section):
     """The vLLM replicas that serve the champion."""
 
-    model_name: str = Field(default="hourglass", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="Public model name clients ask for.")
-    replicas: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:18000"], min_length=1, description="Base URLs of vLLM servers.")
+    model_name: str = Field(
+        default="hourglass", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="Public model name clients ask for."
+    )
+    replicas: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:18000"], min_length=1, description="Base URLs of vLLM servers."
+    )
     embedded: bool = Field(default=True, description="`hourglass up` starts a local vLLM on the first replica's port.")
-    base_served_name: str = Field(default="base", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$", description="vLLM --served-model-name of the bare base model.")
+    base_served_name: str = Field(
+        default="base",
+        pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$",
+        description="vLLM --served-model-name of the bare base model.",
+    )
     max_lora_rank: int = Field(default=16, ge=1, description="vLLM --max-lora-rank.")
     max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
     max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
     block_size: int = Field(
-        default=32, ge=16, multiple_of=16,
+        default=32,
+        ge=16,
+        multiple_of=16,
         description="vLLM --block-size (KV tokens per block). Prefix caching shares whole blocks only, so the n samples "
         "of one prompt share its prefill only for prompts longer than one block; vLLM's CPU default of 128 shares none of ours.",
-    )  # fmt: skip
+    )
     cpu_threads: str = Field(
-        default="all", pattern=r"^(all|auto|[0-9][0-9,-]*)$",
+        default="all",
+        pattern=r"^(all|auto|[0-9][0-9,-]*)$",
         description="CPU hosts: cores the vLLM worker binds to. 'all' = every core (vLLM's 'auto' keeps one core for its "
         "API server, half the compute on a 2-core host), 'auto' = vLLM's default, or a list such as '0-3'.",
-    )  # fmt: skip
+    )
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
     drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
-    staging_dir: str | None = Field(default=None, description="Where adapters are staged before a load (default: <state_dir>/staging).")
+    staging_dir: str | None = Field(
+        default=None, description="Where adapters are staged before a load (default: <state_dir>/staging)."
+    )
     routes_source: Literal["file", "kafka"] = Field(
         default="file",
         description="Where gateways learn routes. 'file': <state_dir>/routes.json (one host: the gateway shares the "
         "service's state dir). 'kafka': the controller also publishes every route change to the compacted "
         "kafka.routes_topic and each gateway follows it (any number of gateways, no shared disk).",
-    )  # fmt: skip
+    )
     adapter_share_uri: str | None = Field(
         default=None,
         description="Shared adapter store (a path, or an s3:// / gs:// URI) for replicas that do not share the service's "
         "disk: a verified version is published there and each replica fetches it through the Hourglass LoRA resolver "
         "plugin (its HOURGLASS_ADAPTER_SHARE must name the same store). Unset: replicas load the staged folder by path.",
-    )  # fmt: skip
+    )
     max_adapter_bytes: int = Field(
-        default=512 * 1024**2, ge=1024,
+        default=512 * 1024**2,
+        ge=1024,
         description="Largest adapter staging accepts, bytes: the sum of its files and each file, checked on the sizes MLflow "
         "lists before the download and on disk after it.",
-    )  # fmt: skip
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="vLLM's API key (its --api-key / VLLM_API_KEY): the controller sends it as Authorization: Bearer on "
         "every call to a replica, and the gateway as its own upstream key (clients' keys never go upstream). "
         "Set HOURGLASS_SERVING__API_KEY.",
-    )  # fmt: skip
-    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Canary of a round's winner on live traffic.")
+    )
+    canary: CanaryConfig = Field(
+        default_factory=CanaryConfig, description="Canary of a round's winner on live traffic."
+    )
     guard: GuardConfig = Field(default_factory=GuardConfig, description="Automatic rollback after a canary promotion.")
 
     @field_validator("api_key", mode="before")
@@ -180,12 +204,12 @@ class ApiConfig(Section):
         description="Bearer token of the ops API (set HOURGLASS_API__TOKEN; default: generated into <state_dir>/api-token). "
         "Needed by every state-changing call, and by the reads (/status, /rounds, /buffer/stats, /readyz details) when "
         "`host` is not a loopback address.",
-    )  # fmt: skip
+    )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Extra names the ops API answers to in the Host header (DNS-rebinding defence); always allowed: "
         "127.0.0.1, localhost, ::1 and `host` (unless a wildcard). Other Host headers get 421.",
-    )  # fmt: skip
+    )
 
     def loopback(self) -> bool:
         """True when the API binds to a loopback address only (then reads need no token)."""
@@ -226,7 +250,7 @@ class HourglassConfig(BaseSettings):
         description="'embedded': the local demo stack; missing secrets are generated into state_dir. 'production': "
         "`hourglass config check` and `hourglass service` refuse default, placeholder or missing secrets "
         "(buffer.user_hash_key, registry.signing_key, api.token when set).",
-    )  # fmt: skip
+    )
     state_dir: str = Field(default=".hourglass", description="Local state: logs, pids, job store, round records.")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -257,7 +281,9 @@ class HourglassConfig(BaseSettings):
         # Every default that depends on another section is resolved here, once: a round reads the config as is.
         # A candidate without a tenant competes for the public model name.
         filled = [
-            c if "served_model" in c.model_fields_set else c.model_copy(update={"served_model": self.serving.model_name})
+            c
+            if "served_model" in c.model_fields_set
+            else c.model_copy(update={"served_model": self.serving.model_name})
             for c in self.candidates
         ]
         object.__setattr__(self, "candidates", filled)  # frozen model: set once, during validation
@@ -265,10 +291,17 @@ class HourglassConfig(BaseSettings):
             staged = self.serving.model_copy(update={"staging_dir": str(Path(self.state_dir) / "staging")})
             object.__setattr__(self, "serving", staged)
         if self.rl.rollout_engine == "vllm" and self.rl.rollout_url is None:  # default: the serving vLLM fleet
-            fleet = {"rollout_url": self.serving.replicas[0], "rollout_urls": self.rl.rollout_urls or list(self.serving.replicas)}
+            fleet = {
+                "rollout_url": self.serving.replicas[0],
+                "rollout_urls": self.rl.rollout_urls or list(self.serving.replicas),
+            }
             object.__setattr__(self, "rl", self.rl.model_copy(update=fleet))
-        if self.rl.adapter_share_uri is None and self.serving.adapter_share_uri is not None:  # trainers publish there too
-            object.__setattr__(self, "rl", self.rl.model_copy(update={"adapter_share_uri": self.serving.adapter_share_uri}))
+        if (
+            self.rl.adapter_share_uri is None and self.serving.adapter_share_uri is not None
+        ):  # trainers publish there too
+            object.__setattr__(
+                self, "rl", self.rl.model_copy(update={"adapter_share_uri": self.serving.adapter_share_uri})
+            )
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -297,7 +330,9 @@ class HourglassConfig(BaseSettings):
             ConfigError: the config was built without validation and has no staging folder.
         """
         if self.serving.staging_dir is None:
-            raise ConfigError("serving.staging_dir is unset: build the config with load_config() or HourglassConfig(...)")
+            raise ConfigError(
+                "serving.staging_dir is unset: build the config with load_config() or HourglassConfig(...)"
+            )
         return self.resolve(self.serving.staging_dir)
 
 
@@ -330,9 +365,13 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
         value = secret.get_secret_value() if secret is not None else None
         if value is None:
             if name.startswith("registry.signing_key") and role == "service":
-                problems.append(f"{name}: not set; production needs a signing key only the service holds (`openssl rand -hex 32`)")
+                problems.append(
+                    f"{name}: not set; production needs a signing key only the service holds (`openssl rand -hex 32`)"
+                )
             elif name.startswith("gateway.feedback_signing_key") and role == "gateway":
-                problems.append(f"{name}: not set; production gateways share one feedback-token key (`openssl rand -hex 32`)")
+                problems.append(
+                    f"{name}: not set; production gateways share one feedback-token key (`openssl rand -hex 32`)"
+                )
         elif value == DEFAULT_USER_HASH_KEY or _PLACEHOLDER.search(value):
             problems.append(f"{name}: still the default or a placeholder; set a random value (`openssl rand -hex 32`)")
     return problems
@@ -400,5 +439,3 @@ def load_config(path: str | Path | None) -> HourglassConfig:
         raise ConfigError(
             f"environment: {err} (list and table fields take JSON, e.g. HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='[\"host:9092\"]')"
         ) from err
-
-

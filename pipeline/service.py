@@ -62,7 +62,11 @@ def scheduled_round() -> None:
     last = [r for r in service.store.list(limit=20) if "data/buffer_trace_rows" in r.metrics]
     since = rows - int(last[0].metrics["data/buffer_trace_rows"]) if last else rows
     if since < service.cfg.schedule.min_new_traces:
-        log.info("scheduled round skipped: %d new trace(s) since the last round, need %d", since, service.cfg.schedule.min_new_traces)
+        log.info(
+            "scheduled round skipped: %d new trace(s) since the last round, need %d",
+            since,
+            service.cfg.schedule.min_new_traces,
+        )
         return
     try:
         service.runner.start("schedule")
@@ -98,13 +102,17 @@ def api_token(cfg: HourglassConfig) -> str:
 class HourglassService:
     """Owns every long-running part; :meth:`start` / :meth:`shutdown`."""
 
-    def __init__(self, cfg: HourglassConfig, *, base_fingerprint: str | None = None, ingest: bool = True, reconcile: bool = True) -> None:
+    def __init__(
+        self, cfg: HourglassConfig, *, base_fingerprint: str | None = None, ingest: bool = True, reconcile: bool = True
+    ) -> None:
         from trainer import model_store
 
         install_log_redaction()  # before anything logs a URI with credentials
         problems = secret_problems(cfg)
         if problems:
-            raise ConfigError(f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems)
+            raise ConfigError(
+                f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems
+            )
         self.cfg = cfg
         if base_fingerprint is None:
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
@@ -139,7 +147,9 @@ class HourglassService:
             from pipeline.serving.controller import ServingController
 
             models = sorted({c.served_model for c in self.cfg.candidates} | {self.cfg.serving.model_name})
-            self.controller = controller = ServingController(self.cfg, models=models, base_fingerprint=self.base_fingerprint)
+            self.controller = controller = ServingController(
+                self.cfg, models=models, base_fingerprint=self.base_fingerprint
+            )
             self._supervise("reconcile", controller.run, on_stop=controller.trigger)
             self.runner.on_promoted.append(lambda _model, _version: controller.trigger())
             self._start_canary(models)
@@ -187,13 +197,21 @@ class HourglassService:
             timezone="UTC",
         )
         if sched.enabled:
-            trigger = IntervalTrigger(seconds=sched.interval_s) if sched.interval_s else CronTrigger.from_crontab(sched.cron, timezone="UTC")
+            trigger = (
+                IntervalTrigger(seconds=sched.interval_s)
+                if sched.interval_s
+                else CronTrigger.from_crontab(sched.cron, timezone="UTC")
+            )
             # replace_existing: the persisted job follows the config of this start.
             scheduler.add_job(scheduled_round, trigger, id="round", name="hourglass round", replace_existing=True)
         scheduler.add_job(
-            scheduled_retry_pending, IntervalTrigger(seconds=sched.pending_retry_interval_s), id="retry-pending",
-            name="hourglass pending registrations", replace_existing=True, next_run_time=datetime.now(timezone.utc),
-        )  # fmt: skip  (first run at once: start-up too, not only when a round was left unfinished)
+            scheduled_retry_pending,
+            IntervalTrigger(seconds=sched.pending_retry_interval_s),
+            id="retry-pending",
+            name="hourglass pending registrations",
+            replace_existing=True,
+            next_run_time=datetime.now(timezone.utc),
+        )  # first run at once: start-up too, not only when a round was left unfinished
         return scheduler
 
     def retry_pending_now(self) -> list:
@@ -262,9 +280,15 @@ class HourglassService:
             except RoundNotCancellableError as err:
                 log.warning("shutdown: %s", err)
             if not self.runner.wait(grace):
-                settled = self.runner.settle_abandoned(f"still running {grace:g}s after the shutdown request; abandoned")
-                log.warning("round %s still running after %.0fs; %s", self.runner.current, grace,
-                            "settled as failed" if settled else "left for recovery at the next start")  # fmt: skip
+                settled = self.runner.settle_abandoned(
+                    f"still running {grace:g}s after the shutdown request; abandoned"
+                )
+                log.warning(
+                    "round %s still running after %.0fs; %s",
+                    self.runner.current,
+                    grace,
+                    "settled as failed" if settled else "left for recovery at the next start",
+                )
         if "ingest" in self.workers:  # 3
             if not self.workers["ingest"].stop(30):
                 log.warning("ingest did not stop within 30s; its uncommitted batch is redelivered at the next start")
@@ -326,7 +350,9 @@ class HourglassService:
             "serving": self.controller.status() if self.controller is not None else {},
             "ingest": self.ingest_worker.stats().as_metrics() if self.ingest_worker is not None else {},
             "buffer": self._safe(self.buffer_stats),
-            "canary": self.canary.status() if self.canary is not None else {},  # per model: the last look (pipeline.canary)
+            "canary": self.canary.status()
+            if self.canary is not None
+            else {},  # per model: the last look (pipeline.canary)
             "workers": {name: worker.state().as_dict() for name, worker in self.workers.items()},
         }
 
@@ -407,7 +433,12 @@ def run_service(cfg: HourglassConfig) -> None:
     try:
         service.start()
         token_path = Path(cfg.resolve(cfg.state_dir)) / "api-token"
-        log.info("ops API on http://%s:%d (token: %s)", cfg.api.host, cfg.api.port, "api.token" if cfg.api.token else token_path)
+        log.info(
+            "ops API on http://%s:%d (token: %s)",
+            cfg.api.host,
+            cfg.api.port,
+            "api.token" if cfg.api.token else token_path,
+        )
         server = _api_server(create_api(service), cfg)
         if not received:  # a signal during start-up: go straight to the shutdown
             server.run()
@@ -417,4 +448,10 @@ def run_service(cfg: HourglassConfig) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         why = signal.Signals(received[0]).name if received else "server exit"
-        log.info("%s (%s; shutdown took %.1fs, up %.0fs)", SHUTDOWN_MARKER, why, time.monotonic() - stop_started, stop_started - started)
+        log.info(
+            "%s (%s; shutdown took %.1fs, up %.0fs)",
+            SHUTDOWN_MARKER,
+            why,
+            time.monotonic() - stop_started,
+            stop_started - started,
+        )

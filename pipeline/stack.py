@@ -239,13 +239,25 @@ def mlflow_service(host: str, port: int, store_dir: Path, log_dir: Path) -> Serv
     """An MLflow tracking server with a SQLite backend and a local artifact store."""
     store_dir.mkdir(parents=True, exist_ok=True)
     argv = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", f"sqlite:///{store_dir / 'mlflow.db'}",
-        "--artifacts-destination", str(store_dir / "artifacts"),
-        "--host", host, "--port", str(port), "--workers", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{store_dir / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(store_dir / "artifacts"),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    return Service("mlflow", argv, host, port, http_ok(f"http://{host}:{port}/health"), log_dir, env, startup_timeout_s=90)
+    return Service(
+        "mlflow", argv, host, port, http_ok(f"http://{host}:{port}/health"), log_dir, env, startup_timeout_s=90
+    )
 
 
 def vllm_service(
@@ -274,15 +286,32 @@ def vllm_service(
     ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`.
     """
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--host", host, "--port", str(port),
-        "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
-        "--max-model-len", str(max_model_len), "--max-num-seqs", "64",
-        "--dtype", vllm_dtype(dtype),
-        "--block-size", str(block_size),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--max-loras",
+        str(max_loras),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        "64",
+        "--dtype",
+        vllm_dtype(dtype),
+        "--block-size",
+        str(block_size),
         "--disable-log-stats",
-    ]  # fmt: skip
+    ]
     env = {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
@@ -291,7 +320,9 @@ def vllm_service(
         "DO_NOT_TRACK": "1",
         **_cpu_thread_env(cpu_threads),
     }
-    return Service("vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s)
+    return Service(
+        "vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s
+    )
 
 
 def vllm_dtype(choice: str = "auto") -> str:
@@ -364,7 +395,10 @@ def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Servi
         host, port = host_port(cfg.serving.replicas[0])
         services.append(
             vllm_service(
-                model_dir, host, port, logs,
+                model_dir,
+                host,
+                port,
+                logs,
                 served_name=cfg.serving.base_served_name,
                 max_lora_rank=cfg.serving.max_lora_rank,
                 max_loras=cfg.serving.max_loras,
@@ -374,7 +408,7 @@ def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Servi
                 cpu_threads=cfg.serving.cpu_threads,
                 startup_timeout_s=cfg.serving.startup_timeout_s,
             )
-        )  # fmt: skip
+        )
     return services
 
 
@@ -387,9 +421,14 @@ def running_pid(service: Service) -> int | None:
 
 
 def watch(
-    services: list[Service], stop: threading.Event, *, every_s: float = 5.0, initial_s: float = 2.0, max_s: float = 120.0,
+    services: list[Service],
+    stop: threading.Event,
+    *,
+    every_s: float = 5.0,
+    initial_s: float = 2.0,
+    max_s: float = 120.0,
     on_restart: Callable[[Service], None] | None = None,
-) -> dict[str, int]:  # fmt: skip
+) -> dict[str, int]:
     """Restart a service of the local stack whose process died, with backoff, until ``stop`` is set.
 
     Every ``every_s`` each service's process group is checked (a live but slow
@@ -411,7 +450,9 @@ def watch(
         for service in services:
             if running_pid(service) is not None or time.monotonic() < not_before[service.name]:
                 continue
-            print(f"{time.strftime('%H:%M:%S')} {service.name} is not running; restarting it", file=sys.stderr, flush=True)
+            print(
+                f"{time.strftime('%H:%M:%S')} {service.name} is not running; restarting it", file=sys.stderr, flush=True
+            )
             try:
                 service.process = None
                 service.start()
@@ -419,7 +460,9 @@ def watch(
                 failures[service.name] += 1
                 delay = float(backoff(attempt_state(failures[service.name])))
                 not_before[service.name] = time.monotonic() + delay
-                print(f"{service.name} failed to restart ({err}); next try in {delay:.0f}s", file=sys.stderr, flush=True)
+                print(
+                    f"{service.name} failed to restart ({err}); next try in {delay:.0f}s", file=sys.stderr, flush=True
+                )
                 continue
             failures[service.name] = 0
             restarts[service.name] += 1

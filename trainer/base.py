@@ -137,9 +137,11 @@ class ResidentBase:
                 targets_BT[b, T - len(c) :] = torch.tensor(list(c), dtype=torch.long)
         position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)  # positions as in generate() with left padding
         out = self.model(
-            input_ids=input_BL.to(self.device), attention_mask=attn_BL.to(self.device),
-            position_ids=position_BL.to(self.device), logits_to_keep=T + 1,
-        )  # fmt: skip
+            input_ids=input_BL.to(self.device),
+            attention_mask=attn_BL.to(self.device),
+            position_ids=position_BL.to(self.device),
+            logits_to_keep=T + 1,
+        )
         logits_BTV = out.logits[:, :T]  # position j predicts token j+1
         right_BT = token_logprobs(logits_BTV, targets_BT.to(self.device))
         # back to left-aligned: column t of row b is completion token t

@@ -65,7 +65,15 @@ from trainer.reward_model import RewardModel
 from trainer.rollout import BASE_VERSION, HFEngine, RolloutEngine, RolloutRequest
 from trainer.samples import Prompt, Sample
 from trainer.tasks import prompts_from_table, split_snapshot
-from trainer.types import CandidateResult, GateDecision, PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase, RoundResult
+from trainer.types import (
+    CandidateResult,
+    GateDecision,
+    PhaseBoundary,
+    PhaseHook,
+    RewardModelReport,
+    RoundPhase,
+    RoundResult,
+)
 from trainer.update import Batch, StepData, fit_after, logged_ids, update_step
 
 log = logging.getLogger(__name__)
@@ -139,20 +147,47 @@ def run_round(
     times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
     try:
         if feedback is not None:  # 5. the reward model, from the train split only, before the candidates
-            phase = reward_round.train_phase(base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint)
+            phase = reward_round.train_phase(
+                base, store, reward_cfg, rl, feedback, out_dir, reward_champion, checkpoint
+            )
         job = TrainJob(
-            model_cfg, tuple(candidates), tuple(train_prompts), rl, {c.name: c.start for c in plan.candidates}, out_dir, round_id,
-            progress, checkpoint, phase.model, plan=plan,
-        )  # fmt: skip
-        done = (executor or make_executor(rl)).train(job, base, store, engine)  # 6. start points + S steps (trainer.executor)
-        trained, rollout_metrics = Trained(history=done.history, versions=done.versions), done.rollout_metrics | done.metrics
+            model_cfg,
+            tuple(candidates),
+            tuple(train_prompts),
+            rl,
+            {c.name: c.start for c in plan.candidates},
+            out_dir,
+            round_id,
+            progress,
+            checkpoint,
+            phase.model,
+            plan=plan,
+        )
+        done = (executor or make_executor(rl)).train(
+            job, base, store, engine
+        )  # 6. start points + S steps (trainer.executor)
+        trained, rollout_metrics = (
+            Trained(history=done.history, versions=done.versions),
+            done.rollout_metrics | done.metrics,
+        )
         if checkpoint is not None:
             checkpoint(PhaseBoundary(RoundPhase.EVALUATE))
         with profile.phase("time/evaluate_s"):  # 7. candidates and champions on the same held-out rows, then the gate
             results, decisions, eval_metrics = evaluate_and_gate(
-                base, store, engine, candidates, trained.versions, heldout_prompts, champions, rl, round_id,
-                reward_model=phase.model, reward_report=phase.report, checkpoint=checkpoint, tokens=plan.tokens,
-            )  # fmt: skip
+                base,
+                store,
+                engine,
+                candidates,
+                trained.versions,
+                heldout_prompts,
+                champions,
+                rl,
+                round_id,
+                reward_model=phase.model,
+                reward_report=phase.report,
+                checkpoint=checkpoint,
+                tokens=plan.tokens,
+            )
         reward_result = reward_round.finish(phase, out_dir)
         kept = keep_adapters(store, candidates, trained, results, rl, out_dir)  # 8. final adapters, also kept as "last"
         for version in trained.versions.values():
@@ -167,13 +202,24 @@ def run_round(
         store.close()
     window_start, window_end = _window(train, heldout)
     return RoundResult(
-        round_id=round_id, base_fingerprint=base.fingerprint, window_start=window_start, window_end=window_end,
-        train_rows=train.num_rows, heldout_rows=heldout.num_rows,
+        round_id=round_id,
+        base_fingerprint=base.fingerprint,
+        window_start=window_start,
+        window_end=window_end,
+        train_rows=train.num_rows,
+        heldout_rows=heldout.num_rows,
         eval_prompt_ids=eval_ids,
-        candidates=tuple(kept), decisions=decisions,
-        metrics={**rollout_metrics, **eval_metrics, **phase.metrics, **times.totals, "round/wall_s": time.perf_counter() - started},
+        candidates=tuple(kept),
+        decisions=decisions,
+        metrics={
+            **rollout_metrics,
+            **eval_metrics,
+            **phase.metrics,
+            **times.totals,
+            "round/wall_s": time.perf_counter() - started,
+        },
         reward_model=reward_result,
-    )  # fmt: skip
+    )
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -188,9 +234,16 @@ class Trained:
 
 
 def train_candidates(
-    base: ResidentBase, store: AdapterStore, engine: RolloutEngine, plan: RoundPlan, rl: RLConfig, out_dir: Path, progress: bool,
-    checkpoint: PhaseHook | None = None, reward_model: RewardModel | None = None,
-) -> tuple[Trained, dict[str, float]]:  # fmt: skip
+    base: ResidentBase,
+    store: AdapterStore,
+    engine: RolloutEngine,
+    plan: RoundPlan,
+    rl: RLConfig,
+    out_dir: Path,
+    progress: bool,
+    checkpoint: PhaseHook | None = None,
+    reward_model: RewardModel | None = None,
+) -> tuple[Trained, dict[str, float]]:
     """S steps for every candidate, step-major: one shared rollout call per step, then each candidate's update.
 
     With ``rl.update_mode = "one_pass"`` the one-pass algorithms' candidates (linear LoRA
@@ -220,7 +273,9 @@ def train_candidates(
             if online:
                 # 2. rollouts of all online candidates in one engine call (prompts may differ by data_filter)
                 with profile.phase("time/rollout_s"):
-                    groups, rollout_metrics = rollout_step(engine, tokens, {c.name: trained.versions[c.name] for c in online}, step_prompts, rl, step)
+                    groups, rollout_metrics = rollout_step(
+                        engine, tokens, {c.name: trained.versions[c.name] for c in online}, step_prompts, rl, step
+                    )
                 totals["rollout/s"] += rollout_metrics["rollout/s"]
                 totals["rollout/tokens"] += rollout_metrics["rollout/tokens"]
             rm_scores: dict[str, list[list[dict[str, float]]]] = {}
@@ -228,7 +283,9 @@ def train_candidates(
             if scored:
                 if reward_model is None:
                     raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
-                rm_scores, m = reward_round.score_rollouts(reward_model, {n: tokens.many(step_prompts[n]) for n in scored}, {n: groups[n] for n in scored})
+                rm_scores, m = reward_round.score_rollouts(
+                    reward_model, {n: tokens.many(step_prompts[n]) for n in scored}, {n: groups[n] for n in scored}
+                )
                 rollout_metrics = rollout_metrics | m
 
             def build(c: CandidatePlan) -> tuple[Batch, dict[str, float]]:
@@ -236,15 +293,24 @@ def train_candidates(
                 if c.algorithm.online:
                     rows, step_groups = step_prompts[c.name], groups[c.name]
                 else:
-                    rows, step_groups = draw_prompts(c.pool, rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step), None
-                return c.algorithm.build_batch(StepData(c.config, rows, tokens.many(rows), step_groups, base, c.reward, rm_scores.get(c.name)))
+                    rows, step_groups = (
+                        draw_prompts(c.pool, rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step),
+                        None,
+                    )
+                return c.algorithm.build_batch(
+                    StepData(c.config, rows, tokens.many(rows), step_groups, base, c.reward, rm_scores.get(c.name))
+                )
 
             def finish(c: CandidatePlan, metrics: dict[str, float]) -> None:
                 # 4. publish under a new name; the old one is unloaded
-                trained.versions[c.name], m = publish(engine, store, c.name, step + 1, out_dir, trained.versions[c.name])
+                trained.versions[c.name], m = publish(
+                    engine, store, c.name, step + 1, out_dir, trained.versions[c.name]
+                )
                 metrics |= m
                 trained.history[c.name].append(metrics)
-                bar.update(task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}")
+                bar.update(
+                    task, advance=1, description=f"{c.name} s{step + 1} reward {metrics['train/reward_mean']:.3f}"
+                )
 
             pending: list[tuple[CandidatePlan, Batch, dict[str, float]]] = []
             for c in plan.candidates:
@@ -268,7 +334,12 @@ def train_candidates(
 
 
 def rollout_step(
-    engine: RolloutEngine, tokens: PromptTokens, versions: dict[str, str], prompts_by_name: dict[str, list[Prompt]], rl: RLConfig, step: int
+    engine: RolloutEngine,
+    tokens: PromptTokens,
+    versions: dict[str, str],
+    prompts_by_name: dict[str, list[Prompt]],
+    rl: RLConfig,
+    step: int,
 ) -> tuple[dict[str, list[list[Sample]]], dict[str, float]]:
     """G samples per prompt for every online candidate, all in one engine call (vLLM batches them together)."""
     started = time.perf_counter()
@@ -276,8 +347,17 @@ def rollout_step(
     for name, version in versions.items():
         for p in prompts_by_name[name]:
             ids = tokens(p)
-            requests.append(RolloutRequest(version=version, prompt_id=p.prompt_id, prompt_token_ids=tuple(ids), n=rl.group_size,
-                                           max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=rl.seed * 1000 + step))  # fmt: skip
+            requests.append(
+                RolloutRequest(
+                    version=version,
+                    prompt_id=p.prompt_id,
+                    prompt_token_ids=tuple(ids),
+                    n=rl.group_size,
+                    max_new_tokens=rl.max_new_tokens,
+                    temperature=rl.temperature,
+                    seed=rl.seed * 1000 + step,
+                )
+            )
             owners.append(name)
     groups = engine.generate(requests)
     by_candidate: dict[str, list[list[Sample]]] = {name: [] for name in versions}
@@ -285,18 +365,32 @@ def rollout_step(
         by_candidate[owner].append(group)
     elapsed = time.perf_counter() - started
     generated = sum(len(s.token_ids) for g in groups for s in g)
-    return by_candidate, {"rollout/s": elapsed, "rollout/tokens": float(generated), "rollout/tokens_per_s": generated / max(elapsed, 1e-9)}
+    return by_candidate, {
+        "rollout/s": elapsed,
+        "rollout/tokens": float(generated),
+        "rollout/tokens_per_s": generated / max(elapsed, 1e-9),
+    }
 
 
 # --- evaluation and the gate -------------------------------------------------------------------
 
 
 def evaluate_and_gate(
-    base: ResidentBase, store: AdapterStore, engine: RolloutEngine, candidates: Sequence[CandidateConfig], versions: dict[str, str],
-    heldout: Sequence[Prompt], champions: dict[str, Path | None], rl: RLConfig, round_id: str,
-    *, reward_model: RewardModel | None = None, reward_report: RewardModelReport | None = None,
-    checkpoint: PhaseHook | None = None, tokens: PromptTokens | None = None,
-) -> tuple[dict[str, EvalResult], dict[str, GateDecision], dict[str, float]]:  # fmt: skip
+    base: ResidentBase,
+    store: AdapterStore,
+    engine: RolloutEngine,
+    candidates: Sequence[CandidateConfig],
+    versions: dict[str, str],
+    heldout: Sequence[Prompt],
+    champions: dict[str, Path | None],
+    rl: RLConfig,
+    round_id: str,
+    *,
+    reward_model: RewardModel | None = None,
+    reward_report: RewardModelReport | None = None,
+    checkpoint: PhaseHook | None = None,
+    tokens: PromptTokens | None = None,
+) -> tuple[dict[str, EvalResult], dict[str, GateDecision], dict[str, float]]:
     """Greedy answers of all candidates and champions on the same held-out rows, one yardstick
     (``rl.gate_metric``, see :mod:`trainer.evaluate`) per tenant, then one gate per tenant.
 
@@ -323,7 +417,9 @@ def evaluate_and_gate(
             refusal = "the gate metric is 'reward_model' but this round has no reward model"
         elif reward_report is None or not reward_report.auc_lower_bound > 0.5:
             lb = reward_report.auc_lower_bound if reward_report is not None else float("nan")
-            refusal = f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
+            refusal = (
+                f"the reward model is not better than chance on held-out feedback (AUC lower bound {lb:.3f} <= 0.5)"
+            )
     ids = (tokens or PromptTokens(base, rl)).many(prompts)
     mix = gate_mix(rl) if metric == "verifiable" else None  # the verifiable yardstick, built once
     labels = feedback_labels(prompts) if metric == "feedback" else None
@@ -332,11 +428,18 @@ def evaluate_and_gate(
     champion_versions, champion_names = _load_champions(store, engine, tenants, champions, round_id)
     try:
         check(PhaseBoundary(RoundPhase.EVALUATE, part="greedy"))
-        answers = greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl) if prompts else {}
+        answers = (
+            greedy_answers(engine, [*versions.values(), *sorted(set(champion_versions.values()))], prompts, ids, rl)
+            if prompts
+            else {}
+        )
         rm_scores: dict[str, list[float]] = {}
         if metric == "reward_model" and reward_model is not None and prompts:
             order = list(answers)  # every version's greedy answers in one batched scoring call
-            flat = reward_model.score([i for _ in order for i in ids], [list(s.token_ids) or [base.tokenizer.eos_token_id] for v in order for s in answers[v]])
+            flat = reward_model.score(
+                [i for _ in order for i in ids],
+                [list(s.token_ids) or [base.tokenizer.eos_token_id] for v in order for s in answers[v]],
+            )
             rm_scores = {v: list(flat[k * len(prompts) : (k + 1) * len(prompts)]) for k, v in enumerate(order)}
 
         def values(version: str) -> tuple[float, ...]:
@@ -359,11 +462,13 @@ def evaluate_and_gate(
             store.activate(c.name)
             row_values = values(versions[c.name])
             results[c.name] = EvalResult(
-                version=versions[c.name], samples=tuple(samples), rewards=row_values,
+                version=versions[c.name],
+                samples=tuple(samples),
+                rewards=row_values,
                 mean_kl=kl_to_base(base, ids, samples) if samples else float("nan"),
                 mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
                 value=auc(row_values, labels) if labels is not None else None,
-            )  # fmt: skip
+            )
         decisions: dict[str, GateDecision] = {}
         round_metrics = {"eval/prompts": float(len(prompts))}
         for tenant in tenants:
@@ -375,7 +480,9 @@ def evaluate_and_gate(
             decisions[tenant] = gate(tenant, members, results, champ, label, rl, labels=labels, refusal=refusal)
             round_metrics[f"eval/{metric}/champion/{tenant}"] = decisions[tenant].champion_reward_mean
         round_metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
-        round_metrics = {k: v for k, v in round_metrics.items() if math.isfinite(v)}  # undefined values are left out, not NaN
+        round_metrics = {
+            k: v for k, v in round_metrics.items() if math.isfinite(v)
+        }  # undefined values are left out, not NaN
     finally:
         for version in champion_versions.values():
             if version != BASE_VERSION:
@@ -414,14 +521,25 @@ def _load_champions(
 def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
     cfg = json.loads((folder / "adapter_config.json").read_text())
     targets = cfg["target_modules"]
-    return CandidateConfig(name=name, lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], target_modules=sorted(targets) if isinstance(targets, list) else [targets], start="fresh")
+    return CandidateConfig(
+        name=name,
+        lora_rank=cfg["r"],
+        lora_alpha=cfg["lora_alpha"],
+        target_modules=sorted(targets) if isinstance(targets, list) else [targets],
+        start="fresh",
+    )
 
 
 # --- the round's outputs -----------------------------------------------------------------------
 
 
 def keep_adapters(
-    store: AdapterStore, candidates: Sequence[CandidateConfig], trained: Trained, results: dict[str, EvalResult], rl: RLConfig, out_dir: Path
+    store: AdapterStore,
+    candidates: Sequence[CandidateConfig],
+    trained: Trained,
+    results: dict[str, EvalResult],
+    rl: RLConfig,
+    out_dir: Path,
 ) -> list[CandidateResult]:
     """Save every candidate's final adapter as ``<name>/adapter`` and as its ``last`` (the next round's
     ``start = "self"``); one :class:`~trainer.types.CandidateResult` each, in config order."""
@@ -434,11 +552,15 @@ def keep_adapters(
         r = results[c.name]
         out.append(
             CandidateResult(
-                name=c.name, served_model=c.served_model, recipe=c.model_dump(mode="json"), adapter_dir=folder,
-                step_metrics=tuple(trained.history[c.name]), eval_rewards=r.rewards,
+                name=c.name,
+                served_model=c.served_model,
+                recipe=c.model_dump(mode="json"),
+                adapter_dir=folder,
+                step_metrics=tuple(trained.history[c.name]),
+                eval_rewards=r.rewards,
                 eval_metrics=r.as_metrics(rl.gate_metric),
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -466,7 +588,9 @@ def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> Rollou
         return HFEngine(base, store)
     urls = list(rl.rollout_urls) or ([rl.rollout_url] if rl.rollout_url else [])
     if not urls:
-        raise TrainerConfigError("rollout_engine 'vllm' needs rl.rollout_url (the vLLM server's base URL), or pass engine=")
+        raise TrainerConfigError(
+            "rollout_engine 'vllm' needs rl.rollout_url (the vLLM server's base URL), or pass engine="
+        )
     from trainer.rollout_fleet import make_vllm_engine
 
     return make_vllm_engine(urls, adapter_share=rl.adapter_share_uri)  # several URLs: a FleetEngine
@@ -485,7 +609,9 @@ def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
         raise TrainerConfigError("; ".join(problems))
 
 
-def publish(base_engine: RolloutEngine, store: AdapterStore, candidate: str, step: int, out_dir: Path, previous: str | None) -> tuple[str, dict[str, float]]:
+def publish(
+    base_engine: RolloutEngine, store: AdapterStore, candidate: str, step: int, out_dir: Path, previous: str | None
+) -> tuple[str, dict[str, float]]:
     """Save the live weights as ``<name>-s<step>``, load that new name, unload the previous one."""
     started = time.perf_counter()
     version = f"{candidate}-s{step}"

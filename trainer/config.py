@@ -36,9 +36,13 @@ class ModelConfig(Section):
 class RewardTerm(Section):
     """One weighted term of a candidate's reward mix."""
 
-    fn: str = Field(description="A built-in reward name (e.g. `exact_answer`, `logged`, `length_penalty`) or `module:function`.")
+    fn: str = Field(
+        description="A built-in reward name (e.g. `exact_answer`, `logged`, `length_penalty`) or `module:function`."
+    )
     weight: float = Field(default=1.0, description="Weight of this term in the sum.")
-    kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict, description="Keyword arguments of the function.")
+    kwargs: dict[str, float | int | str | bool] = Field(
+        default_factory=dict, description="Keyword arguments of the function."
+    )
 
     @field_validator("fn")
     @classmethod
@@ -81,22 +85,35 @@ class CandidateConfig(Section):
         description="grpo | ppo_clip (fresh rollouts, reward mix) | offline_is | kto (logged completions and their logged reward).",
     )
     learning_rate: float = Field(default=1e-4, gt=0, lt=1, description="AdamW learning rate.")
-    kl_coef: float = Field(default=0.02, ge=0, description="Weight of the k3 KL penalty to the reference (base) policy.")
+    kl_coef: float = Field(
+        default=0.02, ge=0, description="Weight of the k3 KL penalty to the reference (base) policy."
+    )
     lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r).")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Modules that get LoRA."
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Modules that get LoRA.",
     )
     reward: list[RewardTerm] = Field(
         default_factory=lambda: [RewardTerm(fn="exact_answer")], min_length=1, description="Weighted reward mix."
     )
     data_filter: str | None = Field(default=None, description="Optional substring a prompt must contain to be used.")
-    start: Literal["champion", "fresh", "self"] = Field(default="champion", description="Where the adapter starts each round.")
-    kto_beta: float = Field(default=0.1, gt=0, description="kto: beta, the scale of the implicit reward log pi/pi_ref (TRL KTOConfig.beta).")
-    kto_desirable_weight: float = Field(default=1.0, gt=0, description="kto: weight of the desirable (thumbs-up) examples' loss.")
-    kto_undesirable_weight: float = Field(default=1.0, gt=0, description="kto: weight of the undesirable (thumbs-down) examples' loss.")
+    start: Literal["champion", "fresh", "self"] = Field(
+        default="champion", description="Where the adapter starts each round."
+    )
+    kto_beta: float = Field(
+        default=0.1, gt=0, description="kto: beta, the scale of the implicit reward log pi/pi_ref (TRL KTOConfig.beta)."
+    )
+    kto_desirable_weight: float = Field(
+        default=1.0, gt=0, description="kto: weight of the desirable (thumbs-up) examples' loss."
+    )
+    kto_undesirable_weight: float = Field(
+        default=1.0, gt=0, description="kto: weight of the undesirable (thumbs-down) examples' loss."
+    )
     kto_use_corrections: bool = Field(
-        default=True, description="kto: a trace's user correction (when the snapshot has one) is an extra desirable example."
+        default=True,
+        description="kto: a trace's user correction (when the snapshot has one) is an extra desirable example.",
     )
 
     @field_validator("name")
@@ -109,7 +126,9 @@ class CandidateConfig(Section):
     @model_validator(mode="after")
     def _offline_reward(self) -> "CandidateConfig":
         if self.algorithm in OFFLINE_ALGORITHMS and not any(term.fn == "logged" for term in self.reward):
-            raise ValueError(f"algorithm {self.algorithm.value!r} learns from logged rewards: add a reward term with fn = 'logged'")
+            raise ValueError(
+                f"algorithm {self.algorithm.value!r} learns from logged rewards: add a reward term with fn = 'logged'"
+            )
         return self
 
 
@@ -143,14 +162,18 @@ class RLConfig(Section):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
     heldout_fraction: float = Field(
-        default=0.2, gt=0, lt=1,
+        default=0.2,
+        gt=0,
+        lt=1,
         description="Fraction of the snapshot kept for evaluation: each user's newest rows, in proportion to the user's rows.",
-    )  # fmt: skip
+    )
     max_user_share: float = Field(
-        default=0.2, gt=0, le=1,
+        default=0.2,
+        gt=0,
+        le=1,
         description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
         "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
-    )  # fmt: skip
+    )
     gate_metric: Literal["verifiable", "reward_model", "feedback"] = Field(
         default="verifiable",
         description=(
@@ -165,9 +188,13 @@ class RLConfig(Section):
         description="The `verifiable` gate's yardstick: one reward mix for every candidate and the champion, whatever they train on.",
     )
     gate_margin: float = Field(
-        default=0.0, ge=0, description="Margin (in the gate metric's unit: reward, or AUC) a challenger must beat the champion by."
+        default=0.0,
+        ge=0,
+        description="Margin (in the gate metric's unit: reward, or AUC) a challenger must beat the champion by.",
     )
-    gate_confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound.")
+    gate_confidence: float = Field(
+        default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound."
+    )
     bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
     max_kl: float = Field(default=1.0, gt=0, description="Guardrail: mean KL to base above this fails the gate.")
     max_mean_length: int = Field(default=512, ge=1, description="Guardrail: mean completion length above this fails.")
@@ -179,20 +206,27 @@ class RLConfig(Section):
         "candidate's LoRA weights, trainer.multi_lora); other algorithms stay sequential.",
     )
     adapters_per_pass: int = Field(
-        default=8, ge=1, description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size)."
+        default=8,
+        ge=1,
+        description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size).",
     )
-    rollout_engine: Literal["vllm", "hf"] = Field(default="vllm", description="Rollouts from vLLM, or transformers generate.")
-    rollout_url: str | None = Field(default=None, description="A separate vLLM for rollouts; default (with rollout_engine `vllm`): the first of serving.replicas.")
+    rollout_engine: Literal["vllm", "hf"] = Field(
+        default="vllm", description="Rollouts from vLLM, or transformers generate."
+    )
+    rollout_url: str | None = Field(
+        default=None,
+        description="A separate vLLM for rollouts; default (with rollout_engine `vllm`): the first of serving.replicas.",
+    )
     rollout_urls: list[str] = Field(
         default_factory=list,
         description="A vLLM fleet for rollouts and evaluation (each candidate's requests stay on one replica, round-robin "
         "over candidates; trainer.rollout_fleet). Default (with rollout_engine `vllm` and no rollout_url): every serving.replicas entry.",
-    )  # fmt: skip
+    )
     adapter_share_uri: str | None = Field(
         default=None,
         description="Shared adapter store (path or s3:// / gs:// URI) rollout versions are published to, for vLLM replicas "
         "that do not share this host's disk (they fetch through the resolver plugin). Default: serving.adapter_share_uri.",
-    )  # fmt: skip
+    )
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
     executor: Literal["local", "ray"] = Field(
@@ -207,25 +241,34 @@ class RLConfig(Section):
         "(start an in-process cluster), or an address such as `10.0.0.5:6379` / `ray://head:10001`.",
     )
     ray_actors: int | None = Field(
-        default=None, ge=1, le=256,
+        default=None,
+        ge=1,
+        le=256,
         description="`ray` executor: trainer actors per round (at most one per candidate). None: one per GPU of the cluster, "
         "or 1 on a cluster without GPUs.",
-    )  # fmt: skip
+    )
     ray_actor_cpus: float = Field(
-        default=1.0, gt=0, le=512,
+        default=1.0,
+        gt=0,
+        le=512,
         description="`ray` executor: CPUs reserved per trainer actor (also its torch thread count on CPU hosts).",
-    )  # fmt: skip
+    )
     ray_actor_gpus: Literal["auto", 0, 1] = Field(
         default="auto",
         description="`ray` executor: GPUs per trainer actor. `auto`: 1 when the cluster has GPUs, else 0 (CPU actors).",
     )
     ray_connect_timeout_s: float = Field(
-        default=30.0, gt=0, le=600, description="`ray` executor: a round fails at its start when the cluster does not answer within this."
+        default=30.0,
+        gt=0,
+        le=600,
+        description="`ray` executor: a round fails at its start when the cluster does not answer within this.",
     )
     ray_placement_timeout_s: float = Field(
-        default=300.0, gt=0, le=86400,
+        default=300.0,
+        gt=0,
+        le=86400,
         description="`ray` executor: how long a round waits for the placement group of all its actors before it fails with the reason.",
-    )  # fmt: skip
+    )
     ray_keep_actors: bool = Field(
         default=False,
         description="`ray` executor: keep a successful round's trainer actors (placement group and resident bases) for the next "
@@ -268,24 +311,42 @@ class RewardModelConfig(Section):
         description="Train a reward model each round. None (default): only when a candidate's reward uses "
         "`reward_model` (or the gate uses it); true: always when there is enough labelled feedback; false: never.",
     )
-    name: str = Field(default="reward-model", description="Its adapter name in the adapter store (a candidate-style slug).")
+    name: str = Field(
+        default="reward-model", description="Its adapter name in the adapter store (a candidate-style slug)."
+    )
     lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r of the reward adapter.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r).")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Modules that get LoRA."
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Modules that get LoRA.",
     )
-    learning_rate: float = Field(default=1e-3, gt=0, lt=1, description="AdamW learning rate of the adapter and the head.")
+    learning_rate: float = Field(
+        default=1e-3, gt=0, lt=1, description="AdamW learning rate of the adapter and the head."
+    )
     steps: int = Field(default=16, ge=1, description="Optimizer steps per round.")
-    batch_size: int = Field(default=8, ge=1, description="Labelled examples (and as many preference pairs) per training step; scoring batches are at least 16.")
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Labelled examples (and as many preference pairs) per training step; scoring batches are at least 16.",
+    )
     center_rewards_coefficient: float = Field(
-        default=0.0, ge=0, description="Weight of TRL's centering term mean((r_chosen + r_rejected)^2) on pairs; 0 = off."
+        default=0.0,
+        ge=0,
+        description="Weight of TRL's centering term mean((r_chosen + r_rejected)^2) on pairs; 0 = off.",
     )
     start: Literal["self", "fresh"] = Field(
-        default="self", description="`self`: continue from the previous round's reward model (fresh when none); `fresh`: new each round."
+        default="self",
+        description="`self`: continue from the previous round's reward model (fresh when none); `fresh`: new each round.",
     )
-    min_examples: int = Field(default=8, ge=2, description="Fewest labelled training rows (with both labels) to train at all.")
+    min_examples: int = Field(
+        default=8, ge=2, description="Fewest labelled training rows (with both labels) to train at all."
+    )
     auc_margin: float = Field(
-        default=0.02, ge=0, le=1, description="Promotion: the new reward model's held-out AUC may be at most this far below the reward champion's."
+        default=0.02,
+        ge=0,
+        le=1,
+        description="Promotion: the new reward model's held-out AUC may be at most this far below the reward champion's.",
     )
 
     @field_validator("name")
@@ -298,9 +359,14 @@ class RewardModelConfig(Section):
     def as_candidate(self) -> CandidateConfig:
         """The adapter-store view of the reward adapter (rank, alpha, targets, learning rate)."""
         return CandidateConfig(
-            name=self.name, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
-            learning_rate=self.learning_rate, kl_coef=0.0, start="fresh",
-        )  # fmt: skip
+            name=self.name,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=list(self.target_modules),
+            learning_rate=self.learning_rate,
+            kl_coef=0.0,
+            start="fresh",
+        )
 
     def wanted(self, candidates: list[CandidateConfig], gate_metric: str | None = None) -> bool:
         """Whether a round with these candidates trains a reward model."""

@@ -77,7 +77,12 @@ class EvalResult:
     def as_metrics(self, metric: str) -> dict[str, float]:
         """``eval/<metric>`` (the gate value), ``eval/reward_mean`` (mean per-row value), ``eval/kl``,
         ``eval/mean_length``; undefined ones (no usable held-out row) are left out, not NaN."""
-        out = {f"eval/{metric}": self.metric_value, "eval/reward_mean": self.reward_mean, "eval/kl": self.mean_kl, "eval/mean_length": self.mean_length}
+        out = {
+            f"eval/{metric}": self.metric_value,
+            "eval/reward_mean": self.reward_mean,
+            "eval/kl": self.mean_kl,
+            "eval/mean_length": self.mean_length,
+        }
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
@@ -120,11 +125,23 @@ def unusable_reason(rows: Sequence[Prompt], heldout_count: int, rl: RLConfig) ->
 
 
 def greedy_answers(
-    engine: RolloutEngine, versions: Sequence[str], prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]], rl: RLConfig
+    engine: RolloutEngine,
+    versions: Sequence[str],
+    prompts: Sequence[Prompt],
+    prompt_ids: Sequence[list[int]],
+    rl: RLConfig,
 ) -> dict[str, list[Sample]]:
     """Greedy completions of every version on every prompt, in one engine call."""
     requests = [
-        RolloutRequest(version=v, prompt_id=p.prompt_id, prompt_token_ids=tuple(ids), n=1, max_new_tokens=rl.max_new_tokens, temperature=0.0, seed=rl.seed)
+        RolloutRequest(
+            version=v,
+            prompt_id=p.prompt_id,
+            prompt_token_ids=tuple(ids),
+            n=1,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=0.0,
+            seed=rl.seed,
+        )
         for v in versions
         for p, ids in zip(prompts, prompt_ids)
     ]
@@ -156,7 +173,9 @@ def kl_to_base(base: ResidentBase, prompt_ids: Sequence[list[int]], samples: Seq
 
 
 @torch.no_grad()
-def sequence_logps(base: ResidentBase, prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], *, reference: bool = False) -> list[float]:
+def sequence_logps(
+    base: ResidentBase, prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], *, reference: bool = False
+) -> list[float]:
     """log pi(y|x) of each completion (sum over its tokens) under the live adapter, or the base with
     adapters disabled when ``reference``; ``EVAL_CHUNK`` sequences per forward pass."""
     out: list[float] = []
@@ -206,7 +225,12 @@ def _pairwise_wins(scores: np.ndarray) -> np.ndarray:
 
 
 def paired_auc_lower_bound(
-    candidate_N: Sequence[float], champion_N: Sequence[float], labels_N: Sequence[bool], confidence: float, resamples: int, seed: int = 0
+    candidate_N: Sequence[float],
+    champion_N: Sequence[float],
+    labels_N: Sequence[bool],
+    confidence: float,
+    resamples: int,
+    seed: int = 0,
 ) -> float:
     """Lower ``confidence`` percentile bound of AUC(candidate) - AUC(champion) by the paired bootstrap.
 
@@ -252,7 +276,9 @@ def gate(
     lists, for every candidate, why it won or lost.
     """
     unit = METRIC_UNITS[rl.gate_metric]
-    champion_value = auc(champion, labels) if labels is not None else (float(np.mean(champion)) if len(champion) else float("nan"))
+    champion_value = (
+        auc(champion, labels) if labels is not None else (float(np.mean(champion)) if len(champion) else float("nan"))
+    )
     values = {c.name: results[c.name].metric_value for c in candidates}
     bounds: dict[str, float] = {}
     verdicts: list[str] = []
@@ -262,7 +288,9 @@ def gate(
         if labels is not None:
             lb = paired_auc_lower_bound(r.rewards, champion, labels, rl.gate_confidence, rl.bootstrap_samples, rl.seed)
         else:
-            lb = paired_bootstrap_lower_bound([a - b for a, b in zip(r.rewards, champion)], rl.gate_confidence, rl.bootstrap_samples, rl.seed)
+            lb = paired_bootstrap_lower_bound(
+                [a - b for a, b in zip(r.rewards, champion)], rl.gate_confidence, rl.bootstrap_samples, rl.seed
+            )
         bounds[c.name] = lb
         if refusal is not None:
             verdicts.append(f"{c.name}: {unit} {values[c.name]:.3f}")
@@ -279,7 +307,9 @@ def gate(
             )
         else:
             eligible.append(c.name)
-            verdicts.append(f"{c.name}: beats {champion_label} on {unit} by lower bound {lb:+.3f} > margin {rl.gate_margin}")
+            verdicts.append(
+                f"{c.name}: beats {champion_label} on {unit} by lower bound {lb:+.3f} > margin {rl.gate_margin}"
+            )
     winner = max(eligible, key=lambda n: (bounds[n], values[n])) if eligible else None
     if refusal is not None:
         head = f"keep {champion_label}: {refusal}"

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow.fs as pafs
 
@@ -33,6 +33,10 @@ from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RLC
 from trainer.errors import TrainerConfigError
 from trainer.plan import plan_round
 from trainer.samples import Prompt
+from trainer.types import PhaseBoundary
+
+if TYPE_CHECKING:
+    from trainer.plan import RoundPlan
 
 __all__ = ["Exchange", "Executor", "LocalExecutor", "Routines", "TrainJob", "TrainOutcome", "assign", "estimate_cost"]
 
@@ -57,9 +61,9 @@ class TrainJob:
     out_dir: Path
     round_id: str
     progress: bool = False
-    checkpoint: Callable[[object], None] | None = None
+    checkpoint: Callable[[PhaseBoundary], None] | None = None
     reward_model: object | None = None
-    plan: object | None = None
+    plan: RoundPlan | None = None
 
 
 @dataclass
@@ -111,7 +115,7 @@ class LocalExecutor:
             store.create(c.name, c.config, c.start)  # type: ignore[attr-defined]
         trained, rollout = self.routines.train_candidates(
             base, store, engine, plan, job.rl, job.out_dir, job.progress, job.checkpoint, reward_model=job.reward_model
-        )  # fmt: skip
+        )
         return TrainOutcome(trained.history, trained.versions, rollout)
 
 
@@ -155,7 +159,9 @@ class Exchange:
         try:
             self.fs, root = pafs.FileSystem.from_uri(uri)
         except ValueError as err:  # pyarrow.ArrowInvalid
-            raise TrainerConfigError(f"rl.ray_storage_uri {uri!r} is not a pyarrow.fs URI ({err}); use s3://..., gs://... or file:///abs/path") from err
+            raise TrainerConfigError(
+                f"rl.ray_storage_uri {uri!r} is not a pyarrow.fs URI ({err}); use s3://..., gs://... or file:///abs/path"
+            ) from err
         self.root = f"{root.rstrip('/')}/{round_id}"
 
     def path(self, *parts: str) -> str:
@@ -165,12 +171,19 @@ class Exchange:
         """Copy a local folder to ``<root>/<parts>``."""
         dest = self.path(*parts)
         self.fs.create_dir(dest, recursive=True)
-        pafs.copy_files(str(Path(local).resolve()), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+        pafs.copy_files(
+            str(Path(local).resolve()), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs
+        )
 
     def get_dir(self, local: Path, *parts: str) -> Path:
         """Copy ``<root>/<parts>`` into the local folder ``local`` (created); returns ``local``."""
         Path(local).mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(self.path(*parts), str(Path(local).resolve()), source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+        pafs.copy_files(
+            self.path(*parts),
+            str(Path(local).resolve()),
+            source_filesystem=self.fs,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
         return Path(local)
 
     def put_text(self, text: str, *parts: str) -> None:

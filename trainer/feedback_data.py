@@ -93,7 +93,9 @@ def labelled_examples(table: pa.Table) -> list[LabelledExample]:
         if reward is None or p.logged_completion is None or not math.isfinite(float(reward)):
             continue
         ids = tuple(p.logged_token_ids) if p.logged_token_ids else None
-        out.append(LabelledExample(p.prompt_id, p.messages, p.logged_completion, ids, float(reward), float(reward) > 0.0))
+        out.append(
+            LabelledExample(p.prompt_id, p.messages, p.logged_completion, ids, float(reward), float(reward) > 0.0)
+        )
     return out
 
 
@@ -113,7 +115,16 @@ def feedback_pairs(examples: Sequence[LabelledExample]) -> list[PreferencePair]:
             continue
         for i in range(max(len(ups), len(downs))):
             up, down = ups[i % len(ups)], downs[i % len(downs)]
-            pairs.append(PreferencePair(up.messages, up.completion, up.completion_token_ids, down.completion, down.completion_token_ids, "feedback"))
+            pairs.append(
+                PreferencePair(
+                    up.messages,
+                    up.completion,
+                    up.completion_token_ids,
+                    down.completion,
+                    down.completion_token_ids,
+                    "feedback",
+                )
+            )
     return pairs
 
 

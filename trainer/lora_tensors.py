@@ -47,7 +47,9 @@ def _seed_of(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) + seed) % (2**31)
 
 
-def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, init_dir: Path | None, seed: int) -> dict[str, torch.Tensor]:
+def initial_weights(
+    base: ResidentBase, name: str, candidate: CandidateConfig, init_dir: Path | None, seed: int
+) -> dict[str, torch.Tensor]:
     """A candidate's starting LoRA weights on the CPU.
 
     From ``init_dir`` (a PEFT folder, e.g. the champion) when given, else PEFT's
@@ -72,7 +74,9 @@ def initial_weights(base: ResidentBase, name: str, candidate: CandidateConfig, i
         return fresh
     path = Path(init_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise TrainerConfigError(f"candidate {name!r}: start adapter {path} does not exist; use start='fresh' or fix the path")
+        raise TrainerConfigError(
+            f"candidate {name!r}: start adapter {path} does not exist; use start='fresh' or fix the path"
+        )
     loaded = safetensors.torch.load_file(str(path))
     unknown = sorted(set(loaded) - set(fresh))
     if unknown:
@@ -116,7 +120,9 @@ def _lora_scale(config_path: Path) -> float:
         cfg = json.loads(config_path.read_text())
         rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise TrainerConfigError(f"start adapter config {config_path} is missing or has no r / lora_alpha: {err}") from err
+        raise TrainerConfigError(
+            f"start adapter config {config_path} is missing or has no r / lora_alpha: {err}"
+        ) from err
     return alpha / (rank**0.5 if cfg.get("use_rslora") else rank)
 
 
@@ -159,11 +165,20 @@ def fit_adapter(
         out[key_a] = (root[:, None] * vh[:r_new]).to(fresh[key_a].dtype)
         out[key_b] = (u[:, :r_new] * root[None, :] / scale).to(fresh[key_b].dtype)
         lost = float(sing[r_new:].square().sum().sqrt() / sing.square().sum().sqrt().clamp_min(1e-12))
-        log.info("candidate %r: %s truncated from rank %d to %d (relative Frobenius error %.3f)", name, key_a, r_saved, r_new, lost)
+        log.info(
+            "candidate %r: %s truncated from rank %d to %d (relative Frobenius error %.3f)",
+            name,
+            key_a,
+            r_saved,
+            r_new,
+            lost,
+        )
     return out
 
 
-def write_adapter(weights: Mapping[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path) -> Path:
+def write_adapter(
+    weights: Mapping[str, torch.Tensor], candidate: CandidateConfig, base: ResidentBase, out_dir: Path
+) -> Path:
     """Write a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +198,9 @@ def peft_name(name: str) -> str:
 def set_trainable(model: torch.nn.Module, adapter: str | None) -> None:
     """Only ``adapter``'s parameters require gradients (none when ``adapter`` is None)."""
     for n, p in model.named_parameters():
-        p.requires_grad_(adapter is not None and (f".{adapter}." in n or n.endswith(f".{adapter}")))  # as adapter_params
+        p.requires_grad_(
+            adapter is not None and (f".{adapter}." in n or n.endswith(f".{adapter}"))
+        )  # as adapter_params
 
 
 def make_adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:

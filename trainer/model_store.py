@@ -145,12 +145,16 @@ def greedy_sample(folder: Path, max_new_tokens: int = 8) -> str:
     messages = [{"role": "user", "content": _PROBE_PROMPT}]
     input_ids: torch.Tensor
     if tokenizer.chat_template:
-        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         input_ids = ids["input_ids"]
     else:
         input_ids = tokenizer(_PROBE_PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
     text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
     assert isinstance(text, str), "one sequence of ids decodes to one string"
     return text
@@ -189,7 +193,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise ModelStoreError(f"{gguf.name}: GGUF tensors do not fit the model: missing={missing} unexpected={unexpected}")
+        raise ModelStoreError(
+            f"{gguf.name}: GGUF tensors do not fit the model: missing={missing} unexpected={unexpected}"
+        )
     model.tie_weights()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -222,7 +228,11 @@ def pull(key: str, cache_dir: str | Path, force: bool = False) -> ModelInfo:
         sample = greedy_sample(staging)
         if not sample.strip():
             raise ModelStoreError(f"{key}: the converted model produced an empty greedy sample")
-        info = _write_manifest(staging, source=f"{KNOWN_MODELS[key].distribution}:{gguf.name}:sha256={sha256_file(gguf)}", greedy_sample=sample)
+        info = _write_manifest(
+            staging,
+            source=f"{KNOWN_MODELS[key].distribution}:{gguf.name}:sha256={sha256_file(gguf)}",
+            greedy_sample=sample,
+        )
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -247,7 +257,9 @@ def resolve(name: str, cache_dir: str | Path) -> Path:
     folder = Path(os.path.expanduser(name))
     if (folder / "config.json").is_file():
         return folder
-    raise UnknownModelError(f"model {name!r} is neither a known key {sorted(KNOWN_MODELS)} nor a folder with config.json")
+    raise UnknownModelError(
+        f"model {name!r} is neither a known key {sorted(KNOWN_MODELS)} nor a folder with config.json"
+    )
 
 
 def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0) -> ModelInfo:

@@ -91,12 +91,19 @@ class MultiLoRA:
             adapts a module the model does not have.
     """
 
-    def __init__(self, model: torch.nn.Module, adapters: Sequence[tuple[float, Mapping[str, torch.Tensor]]], grouped: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        adapters: Sequence[tuple[float, Mapping[str, torch.Tensor]]],
+        grouped: bool | None = None,
+    ) -> None:
         self.by_module: dict[str, dict[int, _Lora]] = {}
         for k, (scale, tensors) in enumerate(adapters):
             pairs = lora_pairs(tensors)
             if len(pairs) * 2 != len(tensors) or any(".lora_A." not in a for a, _ in pairs):
-                raise TrainerConfigError(f"adapter {k}: one-pass training supports linear LoRA layers only, got {sorted(tensors)[:3]}...")
+                raise TrainerConfigError(
+                    f"adapter {k}: one-pass training supports linear LoRA layers only, got {sorted(tensors)[:3]}..."
+                )
             for key_a, key_b in pairs:
                 module = key_a.split(".lora_A.")[0]
                 self.by_module.setdefault(module, {})[k] = _Lora(k, tensors[key_a], tensors[key_b], scale)

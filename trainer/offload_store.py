@@ -24,7 +24,15 @@ import torch
 from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
 from trainer.config import CandidateConfig
 from trainer.errors import AdapterStoreError
-from trainer.lora_tensors import SLOT, adapter_params, initial_weights, make_adamw, set_trainable, snapshot_state, write_adapter
+from trainer.lora_tensors import (
+    SLOT,
+    adapter_params,
+    initial_weights,
+    make_adamw,
+    set_trainable,
+    snapshot_state,
+    write_adapter,
+)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors (torch.optim.AdamW)
 
@@ -53,7 +61,9 @@ class Layout:
         keys = tuple(sorted(tensors))
         dtypes = {tensors[k].dtype for k in keys}
         if len(dtypes) != 1:
-            raise AdapterStoreError(f"LoRA tensors of one adapter have several dtypes {sorted(map(str, dtypes))}; expected one")
+            raise AdapterStoreError(
+                f"LoRA tensors of one adapter have several dtypes {sorted(map(str, dtypes))}; expected one"
+            )
         offsets, total = [], 0
         for k in keys:
             offsets.append(total)
@@ -119,7 +129,9 @@ class OffloadStore:
 
     def host_bytes(self) -> int:
         """Host memory held by waiting candidates (weights, gradients, moments), bytes."""
-        buffers = (b for s in self.host.values() for b in (s.weights, s.grads, s.exp_avg, s.exp_avg_sq) if b is not None)
+        buffers = (
+            b for s in self.host.values() for b in (s.weights, s.grads, s.exp_avg, s.exp_avg_sq) if b is not None
+        )
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def _sync(self) -> None:
@@ -168,7 +180,9 @@ class OffloadStore:
             if had_slot:
                 self.base.model.delete_adapter(SLOT)
             cuda = [self.base.device.index or 0] if self.base.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda):  # the slot's init values are overwritten: leave the RNG (rollout seeds) alone
+            with torch.random.fork_rng(
+                devices=cuda
+            ):  # the slot's init values are overwritten: leave the RNG (rollout seeds) alone
                 self.base.model.add_adapter(SLOT, lora_config(candidate))
             self.slot_params = adapter_params(self.base.model, SLOT)
             layout = Layout.of({k: p.detach() for k, p in self.slot_params.items()})
@@ -186,7 +200,9 @@ class OffloadStore:
     def _copy_in(self, state: _Waiting) -> None:
         assert self.optimizer is not None and self.slot_layout is not None
         if state.layout != self.slot_layout:
-            raise AdapterStoreError(f"candidate {state.candidate.name!r}: its LoRA layout does not match the slot built for it")
+            raise AdapterStoreError(
+                f"candidate {state.candidate.name!r}: its LoRA layout does not match the slot built for it"
+            )
         self.optimizer.param_groups[0]["lr"] = state.candidate.learning_rate
         nb = self.pin
         self.flat["weights"].copy_(state.weights, non_blocking=nb)

@@ -73,13 +73,21 @@ class RoundPlan:
 
     def one_pass(self, rl: RLConfig) -> set[str]:
         """Candidates that update together (``rl.update_mode = "one_pass"``, linear LoRA targets only)."""
-        return {c.name for c in self.candidates if rl.update_mode == "one_pass" and c.algorithm.one_pass and one_pass_ok(c.config)}
+        return {
+            c.name
+            for c in self.candidates
+            if rl.update_mode == "one_pass" and c.algorithm.one_pass and one_pass_ok(c.config)
+        }
 
 
 def plan_round(
-    base: ResidentBase, candidates: Sequence[CandidateConfig], rl: RLConfig, train_prompts: Sequence[Prompt],
-    champions: dict[str, Path | None], out_dir: Path,
-) -> RoundPlan:  # fmt: skip
+    base: ResidentBase,
+    candidates: Sequence[CandidateConfig],
+    rl: RLConfig,
+    train_prompts: Sequence[Prompt],
+    champions: dict[str, Path | None],
+    out_dir: Path,
+) -> RoundPlan:
     """Each candidate's plan (see :class:`CandidatePlan`). A pool keeps the prompts that pass the
     candidate's ``data_filter`` and that its reward mix can score (e.g. ``exact_answer`` needs
     ``metadata["reference_answer"]``); an offline algorithm's pool keeps the rows it can use.
@@ -103,7 +111,9 @@ def plan_round(
     plans = [c if c.algorithm.online else _offline_rows(c) for c in plans]
     starved = [c.name for c in plans if not c.pool]
     if starved:
-        raise DataError(f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window")
+        raise DataError(
+            f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window"
+        )
     return RoundPlan(tuple(plans), PromptTokens(base, rl))
 
 

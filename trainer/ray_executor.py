@@ -41,9 +41,17 @@ import socket
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
 
 from trainer.config import ModelConfig, RLConfig, uses_reward_model
-from trainer.errors import ExecutorError, ExecutorUnavailableError, PlacementTimeoutError, TrainerConfigError, TrainerError
+from trainer.errors import (
+    ExecutorError,
+    ExecutorUnavailableError,
+    PlacementTimeoutError,
+    TrainerConfigError,
+    TrainerError,
+)
 from trainer.types import PhaseBoundary, RoundPhase
 from trainer.executor import Exchange, LocalExecutor, Routines, TrainJob, TrainOutcome, assign, local_scratch
 
@@ -153,7 +161,9 @@ class TrainerActor:
     def _mark(self, boundary: object) -> None:
         self.phase = str(getattr(boundary, "label", boundary))  # a PhaseBoundary: "train:<step>"
 
-    def train(self, routines: Routines, job: TrainJob, prompts: tuple, uri: str, remote_starts: list[str], index: int) -> str:
+    def train(
+        self, routines: Routines, job: TrainJob, prompts: tuple, uri: str, remote_starts: list[str], index: int
+    ) -> str:
         """Train ``job.candidates`` through :class:`LocalExecutor`; put each final adapter at
         ``adapters/<name>/`` and the results at ``results/actor-<index>.json`` of the exchange.
         Returns the results' path relative to the exchange root."""
@@ -168,8 +178,12 @@ class TrainerActor:
         engine = routines.make_engine(rl, self.base, store)
         names = {c.name for c in job.candidates}
         try:
-            starts = {n: exchange.get_dir(scratch / "start" / n, "start", n) for n in remote_starts}
-            local_job = replace(job, train_prompts=prompts, starts=starts, out_dir=scratch / "out", checkpoint=self._mark)
+            starts: dict[str, Path | None] = {
+                n: exchange.get_dir(scratch / "start" / n, "start", n) for n in remote_starts
+            }
+            local_job = replace(
+                job, train_prompts=prompts, starts=starts, out_dir=scratch / "out", checkpoint=self._mark
+            )
             outcome = LocalExecutor(routines).train(local_job, self.base, store, engine)
             for c in job.candidates:
                 exchange.put_dir(store.save(c.name, scratch / "final" / c.name), "adapters", c.name)
@@ -182,9 +196,14 @@ class TrainerActor:
             store.close()
             shutil.rmtree(scratch, ignore_errors=True)
         result = {
-            "candidates": sorted(names), "history": outcome.history, "versions": outcome.versions, "rollout": outcome.rollout_metrics,
-            "busy_s": time.perf_counter() - started, "load_s": self.load_s, "pid": os.getpid(),
-        }  # fmt: skip
+            "candidates": sorted(names),
+            "history": outcome.history,
+            "versions": outcome.versions,
+            "rollout": outcome.rollout_metrics,
+            "busy_s": time.perf_counter() - started,
+            "load_s": self.load_s,
+            "pid": os.getpid(),
+        }
         exchange.put_text(json.dumps(result), "results", f"actor-{index}.json")
         self.phase = "done"
         return f"results/actor-{index}.json"
@@ -209,7 +228,9 @@ class RayExecutor:
 
         scored = [c.name for c in job.candidates if uses_reward_model(c)]
         if scored:
-            raise TrainerConfigError(f"candidates {scored} use reward 'reward_model', which rl.executor = 'ray' cannot ship to actors yet; use rl.executor = 'local' for them")
+            raise TrainerConfigError(
+                f"candidates {scored} use reward 'reward_model', which rl.executor = 'ray' cannot ship to actors yet; use rl.executor = 'local' for them"
+            )
         rl = job.rl
         metrics = {"executor/connect_s": connect(rl)}
         actors_n, gpus = actor_count(rl, len(job.candidates), ray.cluster_resources())
@@ -235,8 +256,26 @@ class RayExecutor:
             prompts = ray.put(job.train_prompts)
             refs = {}
             for i, share in enumerate(shares):
-                sub = replace(job, candidates=tuple(share), train_prompts=(), starts={}, checkpoint=None, reward_model=None, progress=False, plan=None)
-                refs[pool.actors[i].train.remote(self.routines, sub, prompts, exchange.uri, [n for n in remote_starts if n in {c.name for c in share}], i)] = i
+                sub = replace(
+                    job,
+                    candidates=tuple(share),
+                    train_prompts=(),
+                    starts={},
+                    checkpoint=None,
+                    reward_model=None,
+                    progress=False,
+                    plan=None,
+                )
+                refs[
+                    pool.actors[i].train.remote(
+                        self.routines,
+                        sub,
+                        prompts,
+                        exchange.uri,
+                        [n for n in remote_starts if n in {c.name for c in share}],
+                        i,
+                    )
+                ] = i
             paths = _await(job, pool.actors, shares, refs)
             wall = time.perf_counter() - started
             outcome = _collect(job, exchange, paths, shares, store, engine, metrics, wall)
@@ -252,7 +291,9 @@ class _Pool:
     """A round's placement group and trainer actors (kept between rounds with ``rl.ray_keep_actors``)."""
 
     def __init__(self, key: tuple) -> None:
-        self.key, self.group, self.actors, self.reused = key, None, [], False
+        self.key, self.reused = key, False
+        self.group: Any = None
+        self.actors: list[Any] = []
 
     def alive(self) -> bool:
         import ray
@@ -335,7 +376,14 @@ def _reserve(job: TrainJob, bundle: dict[str, float], count: int) -> tuple[objec
                     f"{ {k: v for k, v in ray.cluster_resources().items() if k in ('CPU', 'GPU')} }); add nodes, lower "
                     "rl.ray_actors / rl.ray_actor_cpus, or raise the timeout"
                 )
-            log.warning("round %s: waiting for %d trainer actor(s) of %s (cluster free: %s; %.0fs left)", job.round_id, count, bundle, free, remaining)
+            log.warning(
+                "round %s: waiting for %d trainer actor(s) of %s (cluster free: %s; %.0fs left)",
+                job.round_id,
+                count,
+                bundle,
+                free,
+                remaining,
+            )
             if job.checkpoint is not None:
                 job.checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=0))  # a cancel takes effect while waiting
     except BaseException:
@@ -347,8 +395,14 @@ def _spawn(rl: RLConfig, model_cfg: ModelConfig, group: object, index: int, gpus
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-    options = {"num_cpus": rl.ray_actor_cpus, "num_gpus": gpus, "max_concurrency": 2, "max_restarts": 0, "max_task_retries": 0}
+    strategy = PlacementGroupSchedulingStrategy(placement_group=cast(Any, group), placement_group_bundle_index=index)
+    options = {
+        "num_cpus": rl.ray_actor_cpus,
+        "num_gpus": gpus,
+        "max_concurrency": 2,
+        "max_restarts": 0,
+        "max_task_retries": 0,
+    }
     threads = None if gpus else max(1, int(rl.ray_actor_cpus))
     return ray.remote(TrainerActor).options(scheduling_strategy=strategy, **options).remote(model_cfg, threads)
 
@@ -369,13 +423,17 @@ def _await(job: TrainJob, actors: list, shares: list, refs: dict) -> dict[int, s
             try:
                 paths[i] = ray.get(ref)
             except RayActorError as err:
-                raise ExecutorError(f"{who} died mid-round: {_first_line(err)}; the round keeps nothing it trained") from err
+                raise ExecutorError(
+                    f"{who} died mid-round: {_first_line(err)}; the round keeps nothing it trained"
+                ) from err
             except RayTaskError as err:
                 if isinstance(err.cause, TrainerError):
                     raise err.cause from err
                 raise ExecutorError(f"{who} failed: {type(err.cause).__name__}: {err.cause}") from err
             except RayError as err:  # e.g. OutOfMemoryError: Ray's memory monitor killed the worker
-                raise ExecutorError(f"{who} was lost mid-round: {type(err).__name__}: {_first_line(err)}; the round keeps nothing it trained") from err
+                raise ExecutorError(
+                    f"{who} was lost mid-round: {type(err).__name__}: {_first_line(err)}; the round keeps nothing it trained"
+                ) from err
         if pending and job.checkpoint is not None:
             try:
                 phases = ray.get([actors[i].progress.remote() for i in pending.values()], timeout=POLL_S)
@@ -391,10 +449,19 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _collect(job: TrainJob, exchange: Exchange, paths: dict[int, str], shares: list, store: object, engine: object,
-             metrics: dict[str, float], wall: float) -> TrainOutcome:  # fmt: skip
+def _collect(
+    job: TrainJob,
+    exchange: Exchange,
+    paths: dict[int, str],
+    shares: list,
+    store: object,
+    engine: object,
+    metrics: dict[str, float],
+    wall: float,
+) -> TrainOutcome:
     """Read every actor's results, load every trained adapter into the driver's store and engine."""
-    history, versions = {}, {}
+    history: dict[str, Any] = {}
+    versions: dict[str, Any] = {}
     rollout = {"rollout/s": 0.0, "rollout/tokens": 0.0}
     for i in sorted(paths):
         result = json.loads(exchange.get_text(paths[i]))
@@ -403,13 +470,16 @@ def _collect(job: TrainJob, exchange: Exchange, paths: dict[int, str], shares: l
         for key in rollout:
             rollout[key] += result["rollout"].get(key, 0.0)
         metrics |= {
-            f"executor/actor{i}/busy_s": result["busy_s"], f"executor/actor{i}/load_s": result["load_s"],
+            f"executor/actor{i}/busy_s": result["busy_s"],
+            f"executor/actor{i}/load_s": result["load_s"],
             f"executor/actor{i}/utilisation": result["busy_s"] / max(wall, 1e-9),
-        }  # fmt: skip
+        }
     rollout["rollout/tokens_per_s"] = rollout["rollout/tokens"] / max(rollout["rollout/s"], 1e-9)
     for share in shares:
         for c in share:
-            folder = exchange.get_dir(job.out_dir / c.name / "versions" / versions[c.name].rsplit("-", 1)[1], "adapters", c.name)
+            folder = exchange.get_dir(
+                job.out_dir / c.name / "versions" / versions[c.name].rsplit("-", 1)[1], "adapters", c.name
+            )
             store.create(c.name, c, folder)  # type: ignore[attr-defined]
             engine.load(c.name, versions[c.name], folder)  # type: ignore[attr-defined]
     metrics |= {"executor/actors": float(len(shares)), "executor/train_wall_s": wall}

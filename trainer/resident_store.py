@@ -11,7 +11,15 @@ import torch
 from trainer.base import BOOT_ADAPTER, ResidentBase, lora_config
 from trainer.config import CandidateConfig
 from trainer.errors import AdapterStoreError
-from trainer.lora_tensors import adapter_params, initial_weights, make_adamw, peft_name, set_trainable, snapshot_state, write_adapter
+from trainer.lora_tensors import (
+    adapter_params,
+    initial_weights,
+    make_adamw,
+    peft_name,
+    set_trainable,
+    snapshot_state,
+    write_adapter,
+)
 
 
 def _requires_grad(optimizer: torch.optim.Optimizer, flag: bool) -> None:
@@ -76,7 +84,9 @@ class ResidentStore:
 
     def save(self, name: str, out_dir: Path) -> Path:
         self._check(name)
-        return write_adapter(adapter_params(self.base.model, peft_name(name)), self.candidates[name], self.base, out_dir)
+        return write_adapter(
+            adapter_params(self.base.model, peft_name(name)), self.candidates[name], self.base, out_dir
+        )
 
     def snapshot(self, name: str) -> dict[str, torch.Tensor]:
         self._check(name)

@@ -46,13 +46,25 @@ if TYPE_CHECKING:
 HEAD_FILE = "reward_head.safetensors"
 
 __all__ = [
-    "HEAD_FILE", "RewardModel", "RewardModelReport", "TokenisedFeedback", "create_reward_model", "evaluate_reward_model",
-    "reward_loss", "roc_auc", "tokenise_feedback", "train_reward_model",
-]  # fmt: skip
+    "HEAD_FILE",
+    "RewardModel",
+    "RewardModelReport",
+    "TokenisedFeedback",
+    "create_reward_model",
+    "evaluate_reward_model",
+    "reward_loss",
+    "roc_auc",
+    "tokenise_feedback",
+    "train_reward_model",
+]
 
 
 def reward_loss(
-    scores_B: torch.Tensor, labels_B: torch.Tensor, chosen_P: torch.Tensor, rejected_P: torch.Tensor, center_rewards_coefficient: float = 0.0
+    scores_B: torch.Tensor,
+    labels_B: torch.Tensor,
+    chosen_P: torch.Tensor,
+    rejected_P: torch.Tensor,
+    center_rewards_coefficient: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Pointwise BCE + Bradley-Terry pair loss (+ TRL's centering term), see the module docstring.
 
@@ -88,11 +100,18 @@ def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedba
     def completion(text: str, ids: Sequence[int] | None) -> list[int]:
         return base.completion_ids(text, ids)
 
-    examples = tuple((base.chat_token_ids(e.messages), completion(e.completion, e.completion_token_ids), e.label) for e in data.examples)
+    examples = tuple(
+        (base.chat_token_ids(e.messages), completion(e.completion, e.completion_token_ids), e.label)
+        for e in data.examples
+    )
     pairs = tuple(
-        (base.chat_token_ids(p.messages), completion(p.chosen, p.chosen_token_ids), completion(p.rejected, p.rejected_token_ids))
+        (
+            base.chat_token_ids(p.messages),
+            completion(p.chosen, p.chosen_token_ids),
+            completion(p.rejected, p.rejected_token_ids),
+        )
         for p in data.pairs
-    )  # fmt: skip
+    )
     return TokenisedFeedback(examples, pairs)
 
 
@@ -102,7 +121,9 @@ class RewardModel:
     Scoring and training need the adapter live: :meth:`score` activates it itself.
     """
 
-    def __init__(self, name: str, base: ResidentBase, store: AdapterStore, head: torch.nn.Linear, batch_size: int = 16) -> None:
+    def __init__(
+        self, name: str, base: ResidentBase, store: AdapterStore, head: torch.nn.Linear, batch_size: int = 16
+    ) -> None:
         self.name = name
         self.base = base
         self.store = store
@@ -139,7 +160,12 @@ class RewardModel:
         position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)
         lm = _causal_lm(base)  # LoRA layers are injected in place: the backbone runs the live adapter
         backbone = getattr(lm, lm.base_model_prefix)
-        out = backbone(input_ids=input_BL.to(base.device), attention_mask=attn_BL.to(base.device), position_ids=position_BL.to(base.device), use_cache=False)
+        out = backbone(
+            input_ids=input_BL.to(base.device),
+            attention_mask=attn_BL.to(base.device),
+            position_ids=position_BL.to(base.device),
+            use_cache=False,
+        )
         hidden_BH = out.last_hidden_state[:, -1].float()
         return self.head(hidden_BH).squeeze(-1)
 
@@ -157,7 +183,9 @@ class RewardModel:
         try:
             out: list[float] = []
             for i in range(0, len(prompt_ids_B), self.batch_size):
-                out += self.forward(prompt_ids_B[i : i + self.batch_size], completion_ids_B[i : i + self.batch_size]).tolist()
+                out += self.forward(
+                    prompt_ids_B[i : i + self.batch_size], completion_ids_B[i : i + self.batch_size]
+                ).tolist()
             return out
         finally:
             self.base.model.train(was_training)
@@ -180,7 +208,13 @@ def _hidden_size(base: ResidentBase) -> int:
 
 
 def create_reward_model(
-    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, init_dir: Path | None, seed: int = 0, *, name: str | None = None
+    base: ResidentBase,
+    store: AdapterStore,
+    cfg: RewardModelConfig,
+    init_dir: Path | None,
+    seed: int = 0,
+    *,
+    name: str | None = None,
 ) -> RewardModel:
     """Create the reward adapter in ``store`` (from ``init_dir`` or fresh) and its head.
 
@@ -216,9 +250,13 @@ def create_reward_model(
 
 
 def train_reward_model(
-    model: RewardModel, data: TokenisedFeedback, cfg: RewardModelConfig, max_grad_norm: float = 1.0, seed: int = 0,
+    model: RewardModel,
+    data: TokenisedFeedback,
+    cfg: RewardModelConfig,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
     checkpoint: PhaseHook | None = None,
-) -> list[dict[str, float]]:  # fmt: skip
+) -> list[dict[str, float]]:
     """``cfg.steps`` AdamW steps of adapter + head on :func:`reward_loss`.
 
     Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
@@ -252,7 +290,11 @@ def train_reward_model(
         prompts = [e[0] for e in ex] + [p[0] for p in pr] * 2
         completions = [e[1] for e in ex] + [p[1] for p in pr] + [p[2] for p in pr]
         scores = model.forward(prompts, completions)
-        scores_B, chosen_P, rejected_P = scores[: len(ex)], scores[len(ex) : len(ex) + len(pr)], scores[len(ex) + len(pr) :]
+        scores_B, chosen_P, rejected_P = (
+            scores[: len(ex)],
+            scores[len(ex) : len(ex) + len(pr)],
+            scores[len(ex) + len(pr) :],
+        )
         labels_B = torch.tensor([float(e[2]) for e in ex], device=scores.device)
         loss, metrics = reward_loss(scores_B, labels_B, chosen_P, rejected_P, cfg.center_rewards_coefficient)
         optimizer.zero_grad(set_to_none=True)
@@ -267,9 +309,14 @@ def train_reward_model(
         model.head_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         accuracy = float(((scores_B.detach() > 0).float() == labels_B).float().mean()) if ex else float("nan")
         history.append(
-            {"reward_model/loss": float(loss.detach()), **metrics, "reward_model/grad_norm": grad_norm,
-             "reward_model/train_accuracy": accuracy, "reward_model/step_s": time.perf_counter() - started}
-        )  # fmt: skip
+            {
+                "reward_model/loss": float(loss.detach()),
+                **metrics,
+                "reward_model/grad_norm": grad_norm,
+                "reward_model/train_accuracy": accuracy,
+                "reward_model/step_s": time.perf_counter() - started,
+            }
+        )
     model.base.model.eval()
     return history
 
@@ -296,7 +343,9 @@ def roc_auc(scores_N: npt.ArrayLike, labels_N: npt.ArrayLike) -> float:
     return float((_ranks(scores)[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def auc_lower_bound(scores_N: Sequence[float], labels_N: Sequence[bool], confidence: float, resamples: int, seed: int = 0) -> float:
+def auc_lower_bound(
+    scores_N: Sequence[float], labels_N: Sequence[bool], confidence: float, resamples: int, seed: int = 0
+) -> float:
     """Lower ``confidence`` percentile bound of the AUC by the bootstrap over rows
     (Efron & Tibshirani 1993); resamples with one label only are skipped. NaN when none remain."""
     scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)
@@ -328,7 +377,9 @@ def expected_calibration_error(scores_N: Sequence[float], labels_N: Sequence[boo
     return float(ece)
 
 
-def evaluate_reward_model(model: RewardModel, data: TokenisedFeedback, confidence: float, resamples: int, seed: int = 0) -> RewardModelReport:
+def evaluate_reward_model(
+    model: RewardModel, data: TokenisedFeedback, confidence: float, resamples: int, seed: int = 0
+) -> RewardModelReport:
     """AUC (+ bootstrap lower bound), accuracy (``score > 0`` vs label), ECE and pair accuracy on held-out feedback."""
     scores = model.score([e[0] for e in data.examples], [e[1] for e in data.examples])
     labels = [e[2] for e in data.examples]
@@ -339,7 +390,11 @@ def evaluate_reward_model(model: RewardModel, data: TokenisedFeedback, confidenc
         pair_accuracy = float(np.mean([c > r for c, r in zip(chosen, rejected)]))
     accuracy = float(np.mean([(s > 0) == y for s, y in zip(scores, labels)])) if scores else float("nan")
     return RewardModelReport(
-        auc=roc_auc(scores, labels), auc_lower_bound=auc_lower_bound(scores, labels, confidence, resamples, seed),
-        accuracy=accuracy, ece=expected_calibration_error(scores, labels), pair_accuracy=pair_accuracy,
-        heldout_examples=len(labels), heldout_pairs=len(data.pairs),
-    )  # fmt: skip
+        auc=roc_auc(scores, labels),
+        auc_lower_bound=auc_lower_bound(scores, labels, confidence, resamples, seed),
+        accuracy=accuracy,
+        ece=expected_calibration_error(scores, labels),
+        pair_accuracy=pair_accuracy,
+        heldout_examples=len(labels),
+        heldout_pairs=len(data.pairs),
+    )

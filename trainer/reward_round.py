@@ -34,7 +34,13 @@ from trainer.base import ResidentBase
 from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
 from trainer.feedback_data import FeedbackData, feedback_data
-from trainer.reward_model import RewardModel, create_reward_model, evaluate_reward_model, tokenise_feedback, train_reward_model
+from trainer.reward_model import (
+    RewardModel,
+    create_reward_model,
+    evaluate_reward_model,
+    tokenise_feedback,
+    train_reward_model,
+)
 from trainer.rewards import REWARD_MODEL_SCORE
 from trainer.types import PhaseHook, RewardModelReport, RewardModelResult
 
@@ -66,10 +72,14 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
     users = [c for c in candidates if uses_reward_model(c)]
     problems = []
     if users and cfg.enabled is False:
-        problems.append(f"candidates {[c.name for c in users]} use reward 'reward_model' but [reward_model] enabled = false")
+        problems.append(
+            f"candidates {[c.name for c in users]} use reward 'reward_model' but [reward_model] enabled = false"
+        )
     offline = [c.name for c in users if c.algorithm in OFFLINE_ALGORITHMS]
     if offline:
-        problems.append(f"candidates {offline} use reward 'reward_model', which scores fresh rollouts: only grpo / ppo_clip have them")
+        problems.append(
+            f"candidates {offline} use reward 'reward_model', which scores fresh rollouts: only grpo / ppo_clip have them"
+        )
     if any(c.name == cfg.name for c in candidates):
         problems.append(f"a candidate is named {cfg.name!r} like the reward model; rename one ([reward_model] name)")
     if problems:
@@ -100,8 +110,10 @@ def reward_data(
     )
     users = [c.name for c in candidates if uses_reward_model(c)]
     if users:
-        raise DataError(f"candidates {users} learn from reward 'reward_model', but no reward model could be trained: {why}; "
-                        "widen the window, collect more feedback, or lower min_examples")  # fmt: skip
+        raise DataError(
+            f"candidates {users} learn from reward 'reward_model', but no reward model could be trained: {why}; "
+            "widen the window, collect more feedback, or lower min_examples"
+        )
     log.warning("no reward model this round: %s", why)
     return None
 
@@ -117,9 +129,15 @@ def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> P
 
 
 def train_phase(
-    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, rl: RLConfig, data: tuple[FeedbackData, FeedbackData],
-    out_dir: Path, champion: Path | None = None, checkpoint: PhaseHook | None = None,
-) -> RewardPhase:  # fmt: skip
+    base: ResidentBase,
+    store: AdapterStore,
+    cfg: RewardModelConfig,
+    rl: RLConfig,
+    data: tuple[FeedbackData, FeedbackData],
+    out_dir: Path,
+    champion: Path | None = None,
+    checkpoint: PhaseHook | None = None,
+) -> RewardPhase:
     """Create, train and evaluate the round's reward model (see the module docstring).
 
     Its round metrics (``reward_model/...``) leave out undefined values (an AUC
@@ -142,15 +160,27 @@ def train_phase(
         finally:
             store.delete(probe.name)
     metrics = {
-        **report.as_metrics(), "reward_model/train_examples": float(len(train_fb.examples)),
-        "reward_model/train_pairs": float(len(train_fb.pairs)), "reward_model/train_s": time.perf_counter() - started,
-    }  # fmt: skip
+        **report.as_metrics(),
+        "reward_model/train_examples": float(len(train_fb.examples)),
+        "reward_model/train_pairs": float(len(train_fb.pairs)),
+        "reward_model/train_s": time.perf_counter() - started,
+    }
     if history:
-        metrics |= {"reward_model/train_loss": history[-1]["reward_model/loss"], "reward_model/train_loss_first": history[0]["reward_model/loss"]}
+        metrics |= {
+            "reward_model/train_loss": history[-1]["reward_model/loss"],
+            "reward_model/train_loss_first": history[0]["reward_model/loss"],
+        }
     if champion_report is not None:
         metrics |= champion_report.as_metrics("reward_model/champion")
-    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # an AUC of one-label rows is undefined: left out, not NaN
-    log.info("reward model: held-out AUC %.3f (lower bound %.3f) on %d rows", report.auc, report.auc_lower_bound, report.heldout_examples)
+    metrics = {
+        k: v for k, v in metrics.items() if math.isfinite(v)
+    }  # an AUC of one-label rows is undefined: left out, not NaN
+    log.info(
+        "reward model: held-out AUC %.3f (lower bound %.3f) on %d rows",
+        report.auc,
+        report.auc_lower_bound,
+        report.heldout_examples,
+    )
     return RewardPhase(model, report, champion_report, history, train_fb, metrics)
 
 
@@ -187,6 +217,11 @@ def finish(phase: RewardPhase, out_dir: Path) -> RewardModelResult | None:
     shutil.rmtree(last, ignore_errors=True)
     shutil.copytree(folder, last)
     return RewardModelResult(
-        name=phase.model.name, adapter_dir=folder, report=phase.report, champion_report=phase.champion_report,
-        step_metrics=tuple(phase.history), train_examples=len(phase.train.examples), train_pairs=len(phase.train.pairs),
-    )  # fmt: skip
+        name=phase.model.name,
+        adapter_dir=folder,
+        report=phase.report,
+        champion_report=phase.champion_report,
+        step_metrics=tuple(phase.history),
+        train_examples=len(phase.train.examples),
+        train_pairs=len(phase.train.pairs),
+    )

@@ -84,7 +84,9 @@ exact_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defi
 _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def first_number_answer(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, tol: float = 1e-6) -> float:
+def first_number_answer(
+    prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, tol: float = 1e-6
+) -> float:
     """1.0 when the first number in the completion (commas removed) equals the numeric
     ``metadata["reference_answer"]`` within ``tol``; 0.0 otherwise (also for a non-numeric reference).
 
@@ -95,7 +97,9 @@ def first_number_answer(prompt_messages: Messages, completion: str, metadata: di
         RewardError: the row has no ``reference_answer``.
     """
     if "reference_answer" not in metadata:
-        raise RewardError(f"first_number_answer needs metadata['reference_answer'] on every row; got keys {sorted(metadata)}")
+        raise RewardError(
+            f"first_number_answer needs metadata['reference_answer'] on every row; got keys {sorted(metadata)}"
+        )
     match = _FIRST_NUMBER.search(completion.replace(",", ""))
     try:
         return float(match is not None and abs(float(match.group()) - float(str(metadata["reference_answer"]))) < tol)
@@ -120,7 +124,12 @@ def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, A
 
 
 def length_penalty(
-    prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, target_chars: int = 0, per_char: float = 0.01
+    prompt_messages: Messages,
+    completion: str,
+    metadata: dict[str, Any],
+    *,
+    target_chars: int = 0,
+    per_char: float = 0.01,
 ) -> float:
     """``-per_char * max(0, len(completion) - target_chars)`` (characters; <= 0)."""
     return -per_char * max(0, len(completion) - target_chars)
@@ -153,7 +162,9 @@ def logged(prompt_messages: Messages, completion: str, metadata: dict[str, Any])
 REWARD_MODEL_SCORE = "reward_model_score"  # metadata key the round fills with the reward model's score
 
 
-def reward_model(prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, probability: bool = True) -> float:
+def reward_model(
+    prompt_messages: Messages, completion: str, metadata: dict[str, Any], *, probability: bool = True
+) -> float:
     """The round's reward model on this completion: ``sigmoid(score)`` (the modelled
     probability of a thumbs-up, in [0, 1]) or, with ``probability=False``, the raw score.
 

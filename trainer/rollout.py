@@ -119,7 +119,11 @@ class HFEngine:
             input_BP[b, P - len(ids) :] = torch.tensor(ids)
             attn_BP[b, P - len(ids) :] = 1
         greedy = requests[0].temperature == 0
-        kwargs = {"do_sample": False} if greedy else {"do_sample": True, "temperature": requests[0].temperature, "top_k": 0, "top_p": 1.0}
+        kwargs = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": requests[0].temperature, "top_k": 0, "top_p": 1.0}
+        )
         torch.manual_seed(requests[0].seed)
         was_training = model.training
         model.eval()
@@ -151,11 +155,20 @@ class HFEngine:
             text = tok.decode(ids, skip_special_tokens=True)
             assert isinstance(text, str), "one sequence of ids decodes to one string"
             groups.setdefault(i, []).append(
-                Sample(prompt_id=req.prompt_id, text=text, token_ids=tuple(ids), logprobs=tuple(lps), adapter_version=version, finish_reason=reason)
+                Sample(
+                    prompt_id=req.prompt_id,
+                    text=text,
+                    token_ids=tuple(ids),
+                    logprobs=tuple(lps),
+                    adapter_version=version,
+                    finish_reason=reason,
+                )
             )
         return [groups[i] for i in range(len(requests))]
 
-    def _run(self, input_BP: torch.Tensor, attn_BP: torch.Tensor, max_new_tokens: int, kwargs: dict) -> GenerateDecoderOnlyOutput:
+    def _run(
+        self, input_BP: torch.Tensor, attn_BP: torch.Tensor, max_new_tokens: int, kwargs: dict
+    ) -> GenerateDecoderOnlyOutput:
         device = self.base.device
         return self.base.model.generate(
             input_ids=input_BP.to(device),

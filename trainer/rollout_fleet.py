@@ -47,7 +47,9 @@ class FleetEngine:
         RolloutError: no URL given.
     """
 
-    def __init__(self, urls: Sequence[str], *, order: Sequence[str] = (), adapter_share: str | None = None, **engine_kwargs) -> None:
+    def __init__(
+        self, urls: Sequence[str], *, order: Sequence[str] = (), adapter_share: str | None = None, **engine_kwargs
+    ) -> None:
         urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
         if not urls:
             raise RolloutError("a vLLM fleet needs at least one replica URL (serving.replicas or rl.rollout_urls)")
@@ -108,7 +110,11 @@ class FleetEngine:
             self.engines[index].check([requests[i] for i in positions])
 
         async def _all() -> list[list[list[Sample]]]:
-            return list(await asyncio.gather(*(self.engines[k]._generate_all([requests[i] for i in pos]) for k, pos in shares.items())))
+            return list(
+                await asyncio.gather(
+                    *(self.engines[k]._generate_all([requests[i] for i in pos]) for k, pos in shares.items())
+                )
+            )
 
         out: list[list[Sample] | None] = [None] * len(requests)
         for positions, groups in zip(shares.values(), asyncio.run(_all()), strict=True):

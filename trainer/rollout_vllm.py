@@ -49,9 +49,15 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, url: str, *, base_name: str = BASE_VERSION, timeout_s: float = 300.0, max_in_flight: int = 64,
-        per_request_seed: bool = False, adapter_share: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        url: str,
+        *,
+        base_name: str = BASE_VERSION,
+        timeout_s: float = 300.0,
+        max_in_flight: int = 64,
+        per_request_seed: bool = False,
+        adapter_share: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.adapter_share = adapter_share
         # Per-request seeds crash the vLLM 0.32 CPU engine when a seeded request
@@ -128,7 +134,9 @@ class VLLMEngine:
         """Raises RolloutError for a request with non-int token ids or a version not loaded here."""
         for req in requests:
             if not all(isinstance(t, int) for t in req.prompt_token_ids):
-                raise RolloutError(f"request {req.prompt_id!r}: prompt_token_ids must be ints, got {list(req.prompt_token_ids)[:4]}")
+                raise RolloutError(
+                    f"request {req.prompt_id!r}: prompt_token_ids must be ints, got {list(req.prompt_token_ids)[:4]}"
+                )
             if req.version != self.base_name and req.version not in self.versions:
                 raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
 
@@ -146,7 +154,9 @@ class VLLMEngine:
     async def _post_completion(self, client: httpx.AsyncClient, body: dict) -> dict:
         response = await client.post("/v1/completions", json=body)
         if response.status_code != 200:
-            raise RolloutError(f"vLLM /v1/completions for model {body['model']!r} answered {response.status_code}: {response.text[:300]}")
+            raise RolloutError(
+                f"vLLM /v1/completions for model {body['model']!r} answered {response.status_code}: {response.text[:300]}"
+            )
         return response.json()
 
     async def _one(self, client: httpx.AsyncClient, req: RolloutRequest) -> list[Sample]:

@@ -94,7 +94,11 @@ def _text_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+        return "\n".join(
+            p["text"]
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
     return ""
 
 
@@ -107,7 +111,9 @@ def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
         return [{**m, "content": _text_content(m.get("content"))} for m in value]
-    raise DataError(f"row {trace_id!r}: prompt must be JSON chat messages [{{role, content}}] or text; got {raw[:80]!r}")
+    raise DataError(
+        f"row {trace_id!r}: prompt must be JSON chat messages [{{role, content}}] or text; got {raw[:80]!r}"
+    )
 
 
 def prompts_from_table(table: pa.Table) -> list[Prompt]:
@@ -213,7 +219,9 @@ def user_metrics(train: pa.Table, heldout: pa.Table, prefix: str = "data") -> di
     return out
 
 
-def split_snapshot(table: pa.Table, heldout_fraction: float, *, max_user_share: float = 1.0) -> tuple[pa.Table, pa.Table]:
+def split_snapshot(
+    table: pa.Table, heldout_fraction: float, *, max_user_share: float = 1.0
+) -> tuple[pa.Table, pa.Table]:
     """``(train, heldout)``: the held-out set is drawn across users and time, then each part is capped per user.
 
     Rule: ``H = round(rows * heldout_fraction)`` held-out rows (at least 1, at most rows - 1) are shared among
@@ -244,7 +252,7 @@ def split_snapshot(table: pa.Table, heldout_fraction: float, *, max_user_share: 
     by_remainder = sorted(by_user, key=lambda u: (-(quotas[u] - share[u]), len(by_user[u]), u))
     for user in by_remainder[: n_heldout - sum(share.values())]:
         share[user] += 1
-    held = sorted(i for u, rows in by_user.items() for i in rows[len(rows) - share[u]:])
+    held = sorted(i for u, rows in by_user.items() for i in rows[len(rows) - share[u] :])
     held_set = set(held)
     train = ordered.take([i for i in range(ordered.num_rows) if i not in held_set])
     heldout = ordered.take(held)

@@ -57,7 +57,12 @@ class PhaseBoundary:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PhaseBoundary):
-            return (self.phase, self.step, self.part, self.candidate) == (other.phase, other.step, other.part, other.candidate)
+            return (self.phase, self.step, self.part, self.candidate) == (
+                other.phase,
+                other.step,
+                other.part,
+                other.candidate,
+            )
         if isinstance(other, str):
             return self.label == other
         return NotImplemented
@@ -151,10 +156,13 @@ class RewardModelReport:
     def as_metrics(self, prefix: str = "reward_model") -> dict[str, float]:
         """``{"reward_model/auc": ..., ...}``; ``pair_accuracy`` only when there were pairs."""
         out = {
-            f"{prefix}/auc": self.auc, f"{prefix}/auc_lower_bound": self.auc_lower_bound, f"{prefix}/accuracy": self.accuracy,
-            f"{prefix}/ece": self.ece, f"{prefix}/heldout_examples": float(self.heldout_examples),
+            f"{prefix}/auc": self.auc,
+            f"{prefix}/auc_lower_bound": self.auc_lower_bound,
+            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/ece": self.ece,
+            f"{prefix}/heldout_examples": float(self.heldout_examples),
             f"{prefix}/heldout_pairs": float(self.heldout_pairs),
-        }  # fmt: skip
+        }
         if self.pair_accuracy is not None:
             out[f"{prefix}/pair_accuracy"] = self.pair_accuracy
         return out

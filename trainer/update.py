@@ -85,7 +85,10 @@ def rollout_batch(
     """
     extra = extra_metadata_PG or [[{}] * len(group) for group in groups]
     rewards_PG = torch.tensor(
-        [[reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)] for p, group, xs in zip(prompts, groups, extra)],
+        [
+            [reward(p.messages, s.text, {**p.metadata, **x}) for s, x in zip(group, xs)]
+            for p, group, xs in zip(prompts, groups, extra)
+        ],
         dtype=torch.float64,
     )
     advantages_PG = advantages(rewards_PG)
@@ -131,12 +134,16 @@ def offline_batch(
     """
     bad = [p.prompt_id for p in prompts if p.logged_completion is None or p.logged_reward is None]
     if bad:
-        raise DataError(f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first")
+        raise DataError(
+            f"offline rows need a logged completion and reward; rows {bad[:5]} lack one: filter them out first"
+        )
     # Logged ids the base cannot embed are replaced by the tokenised text; their logprobs then no longer apply.
     completions = [logged_ids(base, p) for p in prompts]
     behaviour: list[list[float] | None] = [
         list(p.logged_logprobs)
-        if p.logged_logprobs and len(p.logged_logprobs) == len(c) and (not p.logged_token_ids or c == list(p.logged_token_ids))
+        if p.logged_logprobs
+        and len(p.logged_logprobs) == len(c)
+        and (not p.logged_token_ids or c == list(p.logged_token_ids))
         else None
         for p, c in zip(prompts, completions)
     ]
@@ -154,7 +161,8 @@ def offline_batch(
         for row, i in enumerate(missing):
             behaviour[i] = ref_BT[row, : len(completions[i])].tolist()
     rewards_B = torch.tensor(
-        [reward(p.messages, p.logged_completion or "", {**p.metadata, "reward": p.logged_reward}) for p in prompts], dtype=torch.float64
+        [reward(p.messages, p.logged_completion or "", {**p.metadata, "reward": p.logged_reward}) for p in prompts],
+        dtype=torch.float64,
     )
     advantages_B = (rewards_B - rewards_B.mean()) / (rewards_B.std(unbiased=False) + 1e-6)
     batch = Batch(
@@ -174,7 +182,11 @@ def offline_batch(
 
 
 def kto_batch(
-    candidate: CandidateConfig, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]], base: ResidentBase, reward: RewardMix
+    candidate: CandidateConfig,
+    prompts: Sequence[Prompt],
+    prompt_ids: Sequence[list[int]],
+    base: ResidentBase,
+    reward: RewardMix,
 ) -> tuple[Batch, dict[str, float]]:
     """Logged rows as KTO examples: the logged completion, desirable when the reward mix
     (e.g. ``logged``: the buffer's reward from the user's feedback) is > 0; and, with
@@ -201,19 +213,28 @@ def kto_batch(
             used = True
         if candidate.kto_use_corrections and p.logged_correction:
             ids.append(list(pids))
-            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [base.tokenizer.eos_token_id]
+            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [
+                base.tokenizer.eos_token_id
+            ]
             completions.append(fit_after(base, pids, correction))
             desirable.append(True)
             versions.append("correction")
             corrections += 1
             used = True
         if not used:
-            raise DataError(f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first")
+            raise DataError(
+                f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first"
+            )
     rewards_t = torch.tensor(rewards or [float("nan")], dtype=torch.float64)
     batch = Batch(
-        prompt_ids=ids, completion_ids=completions, behaviour_logprobs=[[] for _ in ids], advantages=[1.0 if d else -1.0 for d in desirable],
-        rewards=rewards, versions=versions, desirable=desirable,
-    )  # fmt: skip
+        prompt_ids=ids,
+        completion_ids=completions,
+        behaviour_logprobs=[[] for _ in ids],
+        advantages=[1.0 if d else -1.0 for d in desirable],
+        rewards=rewards,
+        versions=versions,
+        desirable=desirable,
+    )
     metrics = {
         "train/reward_mean": rewards_t.mean().item(),
         "train/kto_desirable_frac": sum(desirable) / len(desirable),
@@ -243,7 +264,9 @@ class StepData:
     groups: Sequence[Sequence[Sample]] | None
     base: ResidentBase
     reward: RewardMix
-    extra_metadata_PG: Sequence[Sequence[dict]] | None = None  # online: per-sample metadata for the reward (e.g. reward_model_score)
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = (
+        None  # online: per-sample metadata for the reward (e.g. reward_model_score)
+    )
 
 
 @dataclass(frozen=True)
@@ -302,9 +325,15 @@ def _kto_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
     policy_B = sequence_logprobs(x.logprobs_BT, x.mask_BT)
     reference_B = sequence_logprobs(x.ref_BT, x.mask_BT)
     loss, z0 = kto_loss(
-        policy_B, reference_B, desirable_B, sequence_logprobs(kl_BT, kl_mask_BT), sequence_logprobs(ref_kl_BT, kl_mask_BT),
-        beta=x.candidate.kto_beta, desirable_weight=x.candidate.kto_desirable_weight, undesirable_weight=x.candidate.kto_undesirable_weight,
-    )  # fmt: skip
+        policy_B,
+        reference_B,
+        desirable_B,
+        sequence_logprobs(kl_BT, kl_mask_BT),
+        sequence_logprobs(ref_kl_BT, kl_mask_BT),
+        beta=x.candidate.kto_beta,
+        desirable_weight=x.candidate.kto_desirable_weight,
+        undesirable_weight=x.candidate.kto_undesirable_weight,
+    )
     margin_B = (policy_B - reference_B).detach()
     metrics = {"train/kto_z0": z0.item()}
     if desirable_B.any():
@@ -318,7 +347,9 @@ def _rollout(advantages: Advantages) -> Callable[[StepData], tuple[Batch, dict[s
     def build(data: StepData) -> tuple[Batch, dict[str, float]]:
         if data.groups is None:
             raise DataError(f"candidate {data.candidate.name!r} ({data.candidate.algorithm}) needs rollout groups")
-        return rollout_batch(data.prompts, data.prompt_ids, data.groups, data.reward, advantages, data.extra_metadata_PG)
+        return rollout_batch(
+            data.prompts, data.prompt_ids, data.groups, data.reward, advantages, data.extra_metadata_PG
+        )
 
     return build
 
@@ -336,17 +367,25 @@ def _kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
 
 
 ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
-    Algorithm.GRPO: AlgorithmSpec(online=True, build_batch=_rollout(group_advantages), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True),
-    Algorithm.PPO_CLIP: AlgorithmSpec(online=True, build_batch=_rollout(mean_baseline), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True),
+    Algorithm.GRPO: AlgorithmSpec(
+        online=True, build_batch=_rollout(group_advantages), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True
+    ),
+    Algorithm.PPO_CLIP: AlgorithmSpec(
+        online=True, build_batch=_rollout(mean_baseline), policy_loss=_ppo_loss, usable_row=_any_row, one_pass=True
+    ),
     Algorithm.OFFLINE_IS: AlgorithmSpec(
-        online=False, build_batch=lambda d: offline_batch(d.prompts, d.prompt_ids, d.base, d.reward),
-        policy_loss=_offline_is_loss, usable_row=_logged_with_reward,
+        online=False,
+        build_batch=lambda d: offline_batch(d.prompts, d.prompt_ids, d.base, d.reward),
+        policy_loss=_offline_is_loss,
+        usable_row=_logged_with_reward,
     ),
     Algorithm.KTO: AlgorithmSpec(
-        online=False, build_batch=lambda d: kto_batch(d.candidate, d.prompts, d.prompt_ids, d.base, d.reward),
-        policy_loss=_kto_loss, usable_row=_kto_row,
+        online=False,
+        build_batch=lambda d: kto_batch(d.candidate, d.prompts, d.prompt_ids, d.base, d.reward),
+        policy_loss=_kto_loss,
+        usable_row=_kto_row,
     ),
-}  # fmt: skip
+}
 
 
 def update_step(
@@ -433,7 +472,9 @@ def update_step_one_pass(
 
     bad = [m.candidate.name for m in members if not ALGORITHMS[m.candidate.algorithm].one_pass]
     if bad:
-        raise TrainerConfigError(f"candidates {bad}: one-pass updates support {sorted(ONE_PASS_ALGORITHMS)} only; train them sequentially")
+        raise TrainerConfigError(
+            f"candidates {bad}: one-pass updates support {sorted(ONE_PASS_ALGORITHMS)} only; train them sequentially"
+        )
     started = time.perf_counter()
     for m in members:
         m.optimizer.zero_grad(set_to_none=True)
@@ -455,14 +496,23 @@ def update_step_one_pass(
         for m, batch, (s, e, T) in zip(members, batches, bounds):
             logprobs_BT, ref_BT, mask_BT = logprobs_all_BT[s:e, :T], ref_all_BT[s:e, :T], mask_all_BT[s:e, :T]
             spec = ALGORITHMS[m.candidate.algorithm]
-            pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, m.candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
+            pg_loss, loss_metrics = spec.policy_loss(
+                LossInputs(base, m.candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
+            )
             kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
             loss = pg_loss + m.candidate.kl_coef * kl
             finite = bool(torch.isfinite(loss).item())
             if finite:
                 losses.append(loss)
-            results.append({"train/loss": loss.item(), "train/pg_loss": pg_loss.item(), "train/kl": kl.item(), **loss_metrics,
-                            "_finite": float(finite)})  # fmt: skip
+            results.append(
+                {
+                    "train/loss": loss.item(),
+                    "train/pg_loss": pg_loss.item(),
+                    "train/kl": kl.item(),
+                    **loss_metrics,
+                    "_finite": float(finite),
+                }
+            )
         if losses:
             torch.stack(losses).sum().backward()
     with phase("time/optimizer_s"):

@@ -52,7 +52,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from connectors.gateway.auth import ANONYMOUS, AuthError, ConcurrencyLimiter, FeedbackSigner, KeyStore, KeyStoreError, RateLimiter
+from connectors.gateway.auth import (
+    ANONYMOUS,
+    AuthError,
+    ConcurrencyLimiter,
+    FeedbackSigner,
+    KeyStore,
+    KeyStoreError,
+    RateLimiter,
+)
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.errors import ConnectorConfigError
 from connectors.gateway.events import TRACE_ERRORS, EventPublisher
@@ -76,12 +84,17 @@ log = logging.getLogger(__name__)
 
 TRACE_HEADER = "x-hourglass-trace-id"
 FEEDBACK_HEADER = "x-hourglass-feedback-token"
-REQUESTS = Counter("hourglass_gateway_requests", "Gateway requests by endpoint and HTTP status.", ["endpoint", "status"])
-FEEDBACK_BY_KEY = Counter("hourglass_gateway_feedback", "Feedback events accepted, by API key id (topk(rate(...)) finds floods).", ["key_id"])
+REQUESTS = Counter(
+    "hourglass_gateway_requests", "Gateway requests by endpoint and HTTP status.", ["endpoint", "status"]
+)
+FEEDBACK_BY_KEY = Counter(
+    "hourglass_gateway_feedback", "Feedback events accepted, by API key id (topk(rate(...)) finds floods).", ["key_id"]
+)
 FEEDBACK_REWARD = Histogram(
-    "hourglass_feedback_reward", "Reward each accepted feedback event stands for (buffer.reward mapping).",
+    "hourglass_feedback_reward",
+    "Reward each accepted feedback event stands for (buffer.reward mapping).",
     buckets=(-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0),
-)  # fmt: skip
+)
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 # What a trace is published with: trace id, endpoint, request body (metadata hashed), public model name,
 # served name, adapter version, user hash.
@@ -96,14 +109,23 @@ class FeedbackIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trace_id: str = Field(min_length=1, max_length=256, description="The x-hourglass-trace-id of the response.")
-    feedback_token: str | None = Field(default=None, max_length=2048, description="The x-hourglass-feedback-token of the "
-                                       "response (or send it in that header).")  # fmt: skip
+    feedback_token: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="The x-hourglass-feedback-token of the response (or send it in that header).",
+    )
     thumbs: Any = Field(default=None, description='"up" or "down".')
-    rating: int | None = Field(default=None, ge=1, le=5, strict=True, description="Star rating 1..5 (an integer: true or 3.0 are refused).")
-    reward: float | None = Field(default=None, allow_inf_nan=False, description="Explicit reward (trusted-grader keys only; clipped to [-1, 1]).")
+    rating: int | None = Field(
+        default=None, ge=1, le=5, strict=True, description="Star rating 1..5 (an integer: true or 3.0 are refused)."
+    )
+    reward: float | None = Field(
+        default=None, allow_inf_nan=False, description="Explicit reward (trusted-grader keys only; clipped to [-1, 1])."
+    )
     edited: bool | None = None
     regenerated: bool | None = None
-    correction: str | None = Field(default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars).")
+    correction: str | None = Field(
+        default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars)."
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -177,7 +199,9 @@ def create_gateway_app(
     """
     cfg = gateway or GatewayConfig()
     if cfg.require_api_key and keys is None:
-        raise ConnectorConfigError("gateway.require_api_key is true but no API key store was given (keys=KeyStore(path))")
+        raise ConnectorConfigError(
+            "gateway.require_api_key is true but no API key store was given (keys=KeyStore(path))"
+        )
     hasher = user_hasher or UserHasher(BufferConfig().user_hash_key.get_secret_value(), BufferConfig().user_id_keys)
     signer = signer or FeedbackSigner(secrets.token_bytes(32), cfg.feedback_token_ttl_s)
     trusted_keys = list(BufferConfig().trusted_metadata if trusted_metadata is None else trusted_metadata)
@@ -191,7 +215,9 @@ def create_gateway_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.client = httpx.AsyncClient(
-            base_url=base, timeout=httpx.Timeout(timeout_s or cfg.upstream_timeout_s, connect=10.0), transport=upstream_transport
+            base_url=base,
+            timeout=httpx.Timeout(timeout_s or cfg.upstream_timeout_s, connect=10.0),
+            transport=upstream_transport,
         )
         app.state.publisher = EventPublisher(kafka, sink)
         try:
@@ -219,8 +245,13 @@ def create_gateway_app(
         if header is None or not header.lower().startswith("bearer ") or not header[7:].strip():
             if not cfg.require_api_key:
                 return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
-            raise RequestRefused(401, "an API key is required: send 'Authorization: Bearer <key>' (see `hourglass keys create`)",
-                                 type_="authentication_error", code="missing_api_key", headers={"www-authenticate": "Bearer"})  # fmt: skip
+            raise RequestRefused(
+                401,
+                "an API key is required: send 'Authorization: Bearer <key>' (see `hourglass keys create`)",
+                type_="authentication_error",
+                code="missing_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
         if not cfg.require_api_key and keys is None:
             return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
         try:
@@ -229,8 +260,15 @@ def create_gateway_app(
             raise RequestRefused(403, str(err), type_="permission_error", code="invalid_api_key") from None
         except KeyStoreError as err:  # a damaged key file: refuse everyone, loudly, rather than fail open
             log.error("gateway: %s", err)
-            raise RequestRefused(503, "API keys cannot be checked right now; retry later", type_="service_unavailable") from None
-        return Caller(record.key_id, record.trusted_grader, record.rate_per_min or cfg.rate_per_min, record.concurrency or cfg.concurrency)
+            raise RequestRefused(
+                503, "API keys cannot be checked right now; retry later", type_="service_unavailable"
+            ) from None
+        return Caller(
+            record.key_id,
+            record.trusted_grader,
+            record.rate_per_min or cfg.rate_per_min,
+            record.concurrency or cfg.concurrency,
+        )
 
     async def admit(request: Request) -> tuple[Caller, Any]:
         """Authenticate, rate-limit, read and parse the body; the caller holds one concurrency slot after this."""
@@ -238,13 +276,22 @@ def create_gateway_app(
         check_content_type(request)
         wait_s = rates.acquire(caller.key_id, caller.rate_per_min)
         if wait_s > 0:
-            raise RequestRefused(429, f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
-                                 f"retry in {math.ceil(wait_s)} s", type_="rate_limit_error", code="rate_limited",
-                                 headers={"retry-after": str(math.ceil(wait_s))})  # fmt: skip
+            raise RequestRefused(
+                429,
+                f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
+                f"retry in {math.ceil(wait_s)} s",
+                type_="rate_limit_error",
+                code="rate_limited",
+                headers={"retry-after": str(math.ceil(wait_s))},
+            )
         if not in_flight.try_enter(caller.key_id, caller.concurrency):
-            raise RequestRefused(429, f"{caller.concurrency} requests of this API key are already in flight; retry when one "
-                                 "finishes", type_="rate_limit_error", code="too_many_concurrent_requests",
-                                 headers={"retry-after": "1"})  # fmt: skip
+            raise RequestRefused(
+                429,
+                f"{caller.concurrency} requests of this API key are already in flight; retry when one finishes",
+                type_="rate_limit_error",
+                code="too_many_concurrent_requests",
+                headers={"retry-after": "1"},
+            )
         try:
             body = parse_json(await read_body(request, cfg.max_body_bytes), cfg.max_json_depth)
         except BaseException:
@@ -269,7 +316,9 @@ def create_gateway_app(
             return refused(err)
         names = list(list_models()) if list_models is not None else []
         REQUESTS.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "hourglass"} for n in names]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "hourglass"} for n in names]}
+        )
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
@@ -295,15 +344,25 @@ def create_gateway_app(
             raise RequestRefused(422, f"invalid request: {problems}") from None
         token = body.feedback_token or request.headers.get(FEEDBACK_HEADER)
         if not token:
-            raise RequestRefused(400, f"feedback needs the response's feedback token: send the {FEEDBACK_HEADER} header "
-                                 "of the response, or its value as 'feedback_token'", param="feedback_token")  # fmt: skip
+            raise RequestRefused(
+                400,
+                f"feedback needs the response's feedback token: send the {FEEDBACK_HEADER} header "
+                "of the response, or its value as 'feedback_token'",
+                param="feedback_token",
+            )
         try:
             claims = signer.verify(token, body.trace_id, caller.key_id)
         except AuthError as err:
-            raise RequestRefused(403, str(err), type_="permission_error", param="feedback_token", code="invalid_feedback_token") from None
+            raise RequestRefused(
+                403, str(err), type_="permission_error", param="feedback_token", code="invalid_feedback_token"
+            ) from None
         if body.reward is not None and not caller.trusted_grader:
-            raise RequestRefused(403, "an explicit 'reward' is accepted only from trusted-grader API keys; send thumbs or "
-                                 "rating instead", type_="permission_error", param="reward")  # fmt: skip
+            raise RequestRefused(
+                403,
+                "an explicit 'reward' is accepted only from trusted-grader API keys; send thumbs or rating instead",
+                type_="permission_error",
+                param="reward",
+            )
         out = body.model_dump(exclude_none=True, exclude={"feedback_token"})
         if body.reward is not None:
             out["reward"] = max(-1.0, min(1.0, body.reward))
@@ -329,8 +388,11 @@ def create_gateway_app(
             failure = TimeoutError(f"no broker acknowledgement within {feedback_timeout_s}s")
         if failure is not None:
             log.error("gateway: feedback for trace %s not stored: %s", body.trace_id, failure)
-            return openai_error(503, f"feedback for trace {body.trace_id!r} was not stored (the event store is unavailable); "
-                                "retry later", type_="service_unavailable")  # fmt: skip
+            return openai_error(
+                503,
+                f"feedback for trace {body.trace_id!r} was not stored (the event store is unavailable); retry later",
+                type_="service_unavailable",
+            )
         FEEDBACK_BY_KEY.labels(caller.key_id).inc()
         reward, _ = reward_from_signals(event.signals(), spec)
         if reward is not None:
@@ -372,14 +434,21 @@ def create_gateway_app(
         return response
 
     async def _proxy_inner(
-        request: Request, caller: Caller, body: Any, endpoint: Endpoint, path: str, started: float,
+        request: Request,
+        caller: Caller,
+        body: Any,
+        endpoint: Endpoint,
+        path: str,
+        started: float,
         release: Callable[[], Any],
-    ) -> Response:  # fmt: skip
+    ) -> Response:
         if not isinstance(body, dict):
             raise RequestRefused(400, f"request body must be a JSON object, got {type(body).__name__}")
         public = body.get("model")
         if not isinstance(public, str) or not public:
-            raise RequestRefused(400, "field 'model' is required (a public model name, see GET /v1/models)", param="model")
+            raise RequestRefused(
+                400, "field 'model' is required (a public model name, see GET /v1/models)", param="model"
+            )
         check_request(endpoint, body, cfg)
         trace_id = uuid.uuid4().hex
         user = body.get("user")
@@ -387,17 +456,30 @@ def create_gateway_app(
         route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
         routing_key = user_hash if user is not None else trace_id  # sticky per end user
         try:
-            served, version, canary = route(public, routing_key) if route is not None else (*resolve_model(public), None)
+            served, version, canary = (
+                route(public, routing_key) if route is not None else (*resolve_model(public), None)
+            )
         except LookupError:
-            raise RequestRefused(404, f"The model `{public}` does not exist; ask GET /v1/models for the served names",
-                                 param="model", code="model_not_found") from None  # fmt: skip
-        traced = {**body, "metadata": hasher(client_metadata(body.get("metadata"), trusted=caller.trusted_grader, trusted_keys=trusted_keys))}
+            raise RequestRefused(
+                404,
+                f"The model `{public}` does not exist; ask GET /v1/models for the served names",
+                param="model",
+                code="model_not_found",
+            ) from None
+        traced = {
+            **body,
+            "metadata": hasher(
+                client_metadata(body.get("metadata"), trusted=caller.trusted_grader, trusted_keys=trusted_keys)
+            ),
+        }
         if canary is not None:  # the trace records whether the challenger answered (set here, never by the client)
             traced["metadata"] = {**traced["metadata"], "canary": canary}
         asked = ClientAsked.of(endpoint, body)
         stream = bool(body.get("stream"))
         client: httpx.AsyncClient = app.state.client
-        upstream_request = client.build_request("POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers)
+        upstream_request = client.build_request(
+            "POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers
+        )
         trace_headers = {TRACE_HEADER: trace_id}
         ok_headers = {**trace_headers, FEEDBACK_HEADER: signer.issue(trace_id, caller.key_id, user_hash)}
         publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash)
@@ -409,14 +491,23 @@ def create_gateway_app(
                 raise _unreachable(err, trace_id) from None
             if upstream.status_code >= 400:
                 raw = await _read_error(upstream)
-                return Response(raw, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"), headers=trace_headers)
+                return Response(
+                    raw,
+                    status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type"),
+                    headers=trace_headers,
+                )
 
             async def on_close() -> None:
                 await upstream.aclose()
                 await release()
 
-            return ClosingStream(_relay(upstream, asked, publish_args, started), on_close,
-                                  media_type="text/event-stream", headers=ok_headers)  # fmt: skip
+            return ClosingStream(
+                _relay(upstream, asked, publish_args, started),
+                on_close,
+                media_type="text/event-stream",
+                headers=ok_headers,
+            )
 
         async def fetch() -> tuple[httpx.Response, bytes]:
             upstream = await client.send(upstream_request, stream=True)
@@ -447,13 +538,21 @@ def create_gateway_app(
         except httpx.TransportError as err:
             raise _unreachable(err, trace_id) from None
         if upstream.status_code >= 400:
-            return Response(raw, status_code=upstream.status_code, media_type=upstream.headers.get("content-type", "application/json"),
-                            headers=trace_headers)  # fmt: skip
+            return Response(
+                raw,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+                headers=trace_headers,
+            )
         try:
             payload = json.loads(raw)
         except ValueError:
-            log.error("gateway: upstream %s answered trace %s with a body that is not JSON: %r", base, trace_id, raw[:200])
-            raise RequestRefused(502, "the model server answered with a body that is not JSON", type_="upstream_error") from None
+            log.error(
+                "gateway: upstream %s answered trace %s with a body that is not JSON: %r", base, trace_id, raw[:200]
+            )
+            raise RequestRefused(
+                502, "the model server answered with a body that is not JSON", type_="upstream_error"
+            ) from None
         completion = Completion()
         completion.add_payload(endpoint, payload, delta=False)
         strip_extras(payload, asked)
@@ -462,8 +561,12 @@ def create_gateway_app(
 
     def _unreachable(err: Exception, trace_id: str) -> RequestRefused:
         log.error("gateway: upstream %s failed for trace %s: %s: %s", base, trace_id, type(err).__name__, err)
-        return RequestRefused(502, f"the model server is unreachable or failed mid-response ({type(err).__name__}); retry later",
-                              type_="upstream_error", code="upstream_unreachable")  # fmt: skip
+        return RequestRefused(
+            502,
+            f"the model server is unreachable or failed mid-response ({type(err).__name__}); retry later",
+            type_="upstream_error",
+            code="upstream_unreachable",
+        )
 
     async def _read_error(upstream: httpx.Response) -> bytes:
         try:
@@ -473,7 +576,9 @@ def create_gateway_app(
         finally:
             await upstream.aclose()
 
-    async def _relay(upstream: httpx.Response, asked: ClientAsked, publish_args: _PublishArgs, started: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        upstream: httpx.Response, asked: ClientAsked, publish_args: _PublishArgs, started: float
+    ) -> AsyncIterator[bytes]:
         """Pass SSE lines through (extras stripped) while assembling the completion.
 
         The trace is published when ``[DONE]`` arrives, before that line is passed on:
@@ -508,16 +613,31 @@ def create_gateway_app(
             log.warning("gateway: upstream stream for trace %s broke: %s", trace_id, err)
 
     def publish(
-        trace_id: str, endpoint: Endpoint, body: dict[str, Any], public: str, served: str, version: str | None,
-        user_hash: str, completion: Completion, stream: bool, started: float,
-    ) -> None:  # fmt: skip
+        trace_id: str,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        public: str,
+        served: str,
+        version: str | None,
+        user_hash: str,
+        completion: Completion,
+        stream: bool,
+        started: float,
+    ) -> None:
         """Build the trace event and queue it (non-blocking); a bad event is logged and counted, never raised."""
         try:
             event = build_trace(
-                trace_id=trace_id, endpoint=endpoint, body=body, public_name=public, served_name=served,
-                adapter_version=version, completion=completion, stream=stream,
-                latency_ms=(time.perf_counter() - started) * 1000.0, user_hash=user_hash,
-            )  # fmt: skip
+                trace_id=trace_id,
+                endpoint=endpoint,
+                body=body,
+                public_name=public,
+                served_name=served,
+                adapter_version=version,
+                completion=completion,
+                stream=stream,
+                latency_ms=(time.perf_counter() - started) * 1000.0,
+                user_hash=user_hash,
+            )
         except ValidationError as err:
             TRACE_ERRORS.inc()
             log.error("gateway: trace %s is not a valid trace event: %s", trace_id, err)

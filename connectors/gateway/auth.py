@@ -65,8 +65,12 @@ class ApiKey(BaseModel):
     created_at: str = Field(description="RFC 3339 creation time, UTC.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the whole key string.")
     revoked: bool = Field(default=False, description="A revoked key gets 403.")
-    trusted_grader: bool = Field(default=False, description="May set buffer.trusted_metadata keys and explicit rewards.")
-    rate_per_min: int | None = Field(default=None, ge=1, description="Requests per minute; None = gateway.rate_per_min.")
+    trusted_grader: bool = Field(
+        default=False, description="May set buffer.trusted_metadata keys and explicit rewards."
+    )
+    rate_per_min: int | None = Field(
+        default=None, ge=1, description="Requests per minute; None = gateway.rate_per_min."
+    )
     concurrency: int | None = Field(default=None, ge=1, description="Requests in flight; None = gateway.concurrency.")
 
     def public(self) -> dict[str, object]:
@@ -121,7 +125,9 @@ class KeyStore:
             data = json.loads(raw)
             keys = [ApiKey.model_validate(k) for k in data["keys"]]
         except (ValueError, KeyError, TypeError, ValidationError) as err:
-            raise KeyStoreError(f"the API key file {self.path} is not a valid key list ({err}); restore it from a backup") from err
+            raise KeyStoreError(
+                f"the API key file {self.path} is not a valid key list ({err}); restore it from a backup"
+            ) from err
         return {k.key_id: k for k in keys}
 
     def keys(self) -> dict[str, ApiKey]:
@@ -144,7 +150,9 @@ class KeyStore:
         """
         parts = key.split("-", 2)
         if len(parts) != 3 or parts[0] != KEY_PREFIX:
-            raise AuthError("the API key is not a Hourglass key (hg-<id>-<secret>); create one with `hourglass keys create`")
+            raise AuthError(
+                "the API key is not a Hourglass key (hg-<id>-<secret>); create one with `hourglass keys create`"
+            )
         record = self.keys().get(parts[1])
         if record is None or not hmac.compare_digest(record.sha256, _hash(key)):
             raise AuthError("the API key is not valid (unknown key id or wrong secret)")
@@ -166,15 +174,25 @@ class KeyStore:
             _atomic_write(self.path, body)
 
     def create(
-        self, name: str, *, trusted_grader: bool = False, rate_per_min: int | None = None, concurrency: int | None = None
+        self,
+        name: str,
+        *,
+        trusted_grader: bool = False,
+        rate_per_min: int | None = None,
+        concurrency: int | None = None,
     ) -> tuple[ApiKey, str]:
         """A new key: ``(record, key string)``. The key string is returned once and never stored."""
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}-{key_id}-{secrets.token_urlsafe(32)}"
         record = ApiKey(
-            key_id=key_id, name=name, created_at=datetime.now(UTC).isoformat(timespec="seconds"), sha256=_hash(key),
-            trusted_grader=trusted_grader, rate_per_min=rate_per_min, concurrency=concurrency,
-        )  # fmt: skip
+            key_id=key_id,
+            name=name,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            sha256=_hash(key),
+            trusted_grader=trusted_grader,
+            rate_per_min=rate_per_min,
+            concurrency=concurrency,
+        )
         with self._editing() as keys:
             keys[key_id] = record
         return record, key
@@ -253,9 +271,15 @@ class FeedbackSigner:
         """
         payload, sep, mac = token.partition(".")
         if not sep or not payload or not mac or len(token) > 2048:
-            raise FeedbackTokenError("the feedback token is malformed; send the x-hourglass-feedback-token header of the response as is")
-        if not mac.isascii() or not hmac.compare_digest(mac.encode(), self._mac(payload).encode()):  # str compare_digest raises on non-ASCII
-            raise FeedbackTokenError("the feedback token's signature does not verify (forged, altered, or signed with a rotated key)")
+            raise FeedbackTokenError(
+                "the feedback token is malformed; send the x-hourglass-feedback-token header of the response as is"
+            )
+        if not mac.isascii() or not hmac.compare_digest(
+            mac.encode(), self._mac(payload).encode()
+        ):  # str compare_digest raises on non-ASCII
+            raise FeedbackTokenError(
+                "the feedback token's signature does not verify (forged, altered, or signed with a rotated key)"
+            )
         try:
             claims = json.loads(_unb64(payload))
             out = FeedbackClaims(str(claims["t"]), str(claims["k"]), str(claims["u"]), float(claims["e"]))
@@ -264,9 +288,13 @@ class FeedbackSigner:
         if out.trace_id != trace_id:
             raise FeedbackTokenError(f"the feedback token was issued for another trace, not {trace_id!r}")
         if out.key_id != key_id:
-            raise FeedbackTokenError("the feedback token was issued to another API key; feedback must come from the key that made the request")
+            raise FeedbackTokenError(
+                "the feedback token was issued to another API key; feedback must come from the key that made the request"
+            )
         if out.expires_at < (time.time() if now is None else now):
-            raise FeedbackTokenError(f"the feedback token expired at {datetime.fromtimestamp(out.expires_at, UTC).isoformat()}")
+            raise FeedbackTokenError(
+                f"the feedback token expired at {datetime.fromtimestamp(out.expires_at, UTC).isoformat()}"
+            )
         return out
 
 

@@ -93,7 +93,9 @@ class EventPublisher:
             event, on_done = item
             sink = self._ensure_sink()
             if sink is None:
-                self._failed(event, ConnectorError(f"no Kafka broker reachable at {self.kafka.bootstrap_servers}"), on_done)
+                self._failed(
+                    event, ConnectorError(f"no Kafka broker reachable at {self.kafka.bootstrap_servers}"), on_done
+                )
                 continue
             done = self._done_callback(event, on_done)
             try:
@@ -130,7 +132,9 @@ class EventPublisher:
         return done
 
     @staticmethod
-    def _failed(event: TraceEvent | FeedbackEvent, err: Exception, on_done: Callable[[Exception | None], None] | None) -> None:
+    def _failed(
+        event: TraceEvent | FeedbackEvent, err: Exception, on_done: Callable[[Exception | None], None] | None
+    ) -> None:
         TRACE_ERRORS.inc()
         log.error("gateway: %s %s not published: %s", type(event).__name__, event.trace_id, err)
         if on_done is not None:

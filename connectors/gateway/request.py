@@ -28,12 +28,31 @@ from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
 from connectors.gateway.trace import Endpoint
 
-_COMMON = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "seed",
-    "presence_penalty", "frequency_penalty", "logprobs", "user", "metadata",
-    # vLLM sampling extras: bounded by max_tokens, no server-side side effects
-    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "return_token_ids",
-})  # fmt: skip
+_COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "stream",
+        "stream_options",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "user",
+        "metadata",
+        # vLLM sampling extras: bounded by max_tokens, no server-side side effects
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "return_token_ids",
+    }
+)
 ALLOWED: dict[str, frozenset[str]] = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
     "completions": _COMMON | {"prompt", "echo"},
@@ -47,15 +66,30 @@ MAX_USER_CHARS = 256
 class RequestRefused(ConnectorError, ValueError):
     """A client request the gateway refuses: ``status`` and an OpenAI-style error (type, param, code)."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type_, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
 
-def openai_error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """An error response in the OpenAI format."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -90,8 +124,11 @@ def check_content_type(request: Request) -> None:
     """
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
-        raise RequestRefused(415, f"content type {media or '(none)'!r} is not accepted; send the body as application/json",
-                             code="unsupported_media_type")  # fmt: skip
+        raise RequestRefused(
+            415,
+            f"content type {media or '(none)'!r} is not accepted; send the body as application/json",
+            code="unsupported_media_type",
+        )
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -101,8 +138,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap).
     """
     declared = request.headers.get("content-length")
-    too_big = RequestRefused(413, f"request body is larger than gateway.max_body_bytes={max_bytes} bytes",
-                             code="request_too_large")  # fmt: skip
+    too_big = RequestRefused(
+        413, f"request body is larger than gateway.max_body_bytes={max_bytes} bytes", code="request_too_large"
+    )
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_big
     chunks, size = [], 0
@@ -140,7 +178,9 @@ def _walk(value: Any, max_depth: int) -> None:
             _check_text(item, where)
         elif isinstance(item, (dict, list)):
             if depth > max_depth:
-                raise RequestRefused(400, f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})")
+                raise RequestRefused(
+                    400, f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})"
+                )
             pairs = item.items() if isinstance(item, dict) else enumerate(item)
             for k, v in pairs:
                 if isinstance(k, str):
@@ -164,8 +204,11 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise RequestRefused(400, f"request body has text that is not valid Unicode at {where}: {err.reason} at position "
-                             f"{err.start} (a lone surrogate such as \\ud800?)") from None  # fmt: skip
+        raise RequestRefused(
+            400,
+            f"request body has text that is not valid Unicode at {where}: {err.reason} at position "
+            f"{err.start} (a lone surrogate such as \\ud800?)",
+        ) from None
 
 
 def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> None:
@@ -175,7 +218,9 @@ def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> Non
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RequestRefused(400, f"field {name!r} must be a positive integer, got {value!r}", param=name)
     if value > cap:
-        raise RequestRefused(400, f"field {name!r} is {value}, above this gateway's limit {config_name}={cap}", param=name)
+        raise RequestRefused(
+            400, f"field {name!r} is {value}, above this gateway's limit {config_name}={cap}", param=name
+        )
 
 
 def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) -> None:
@@ -186,8 +231,12 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     """
     extra = sorted(set(body) - ALLOWED[endpoint])
     if extra:
-        raise RequestRefused(400, f"field {extra[0]!r} is not accepted by this gateway; allowed fields: "
-                             f"{', '.join(sorted(ALLOWED[endpoint]))}", param=extra[0])  # fmt: skip
+        raise RequestRefused(
+            400,
+            f"field {extra[0]!r} is not accepted by this gateway; allowed fields: "
+            f"{', '.join(sorted(ALLOWED[endpoint]))}",
+            param=extra[0],
+        )
     _finite(body, "body")
     _int_cap(body, "n", cfg.max_n, "gateway.max_n")
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
@@ -199,11 +248,16 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):
-            raise RequestRefused(400, f"field 'metadata' must be an object, got {type(meta).__name__}", param="metadata")
+            raise RequestRefused(
+                400, f"field 'metadata' must be an object, got {type(meta).__name__}", param="metadata"
+            )
         size = len(json.dumps(meta, separators=(",", ":")))
         if size > cfg.max_metadata_bytes:
-            raise RequestRefused(400, f"field 'metadata' is {size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
-                                 param="metadata")  # fmt: skip
+            raise RequestRefused(
+                400,
+                f"field 'metadata' is {size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
+                param="metadata",
+            )
     if endpoint == "chat":
         _check_messages(body.get("messages"), cfg)
         _check_response_format(body.get("response_format"), cfg)
@@ -213,9 +267,13 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
 
 def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RequestRefused(400, "field 'messages' must be a non-empty list of {role, content} objects", param="messages")
+        raise RequestRefused(
+            400, "field 'messages' must be a non-empty list of {role, content} objects", param="messages"
+        )
     if len(messages) > cfg.max_messages:
-        raise RequestRefused(400, f"{len(messages)} messages, above gateway.max_messages={cfg.max_messages}", param="messages")
+        raise RequestRefused(
+            400, f"{len(messages)} messages, above gateway.max_messages={cfg.max_messages}", param="messages"
+        )
     chars = 0
     for i, message in enumerate(messages):
         where = f"messages.{i}"
@@ -223,21 +281,36 @@ def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
             raise RequestRefused(400, f"{where} must be an object with role and content", param="messages")
         extra = sorted(set(message) - _MESSAGE_KEYS)
         if extra:
-            raise RequestRefused(400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages")
+            raise RequestRefused(
+                400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages"
+            )
         if message.get("role") not in _ROLES:
-            raise RequestRefused(400, f"{where}.role {message.get('role')!r} is not one of {sorted(_ROLES)}", param="messages")
+            raise RequestRefused(
+                400, f"{where}.role {message.get('role')!r} is not one of {sorted(_ROLES)}", param="messages"
+            )
         content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):  # text parts only: an image_url part would make vLLM fetch a URL
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
-                    raise RequestRefused(400, f"{where}.content.{j} must be a text part {{type: 'text', text}}", param="messages")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                    and set(part) <= {"type", "text"}
+                ):
+                    raise RequestRefused(
+                        400, f"{where}.content.{j} must be a text part {{type: 'text', text}}", param="messages"
+                    )
                 chars += len(part["text"])
         elif content is not None:
             raise RequestRefused(400, f"{where}.content must be a string or a list of text parts", param="messages")
     if chars > cfg.max_prompt_chars:
-        raise RequestRefused(400, f"messages hold {chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", param="messages")
+        raise RequestRefused(
+            400,
+            f"messages hold {chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}",
+            param="messages",
+        )
 
 
 def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
@@ -245,26 +318,38 @@ def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
         size = len(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) > cfg.max_n:
-            raise RequestRefused(400, f"a batch of {len(prompt)} prompts, above gateway.max_n={cfg.max_n}", param="prompt")
+            raise RequestRefused(
+                400, f"a batch of {len(prompt)} prompts, above gateway.max_n={cfg.max_n}", param="prompt"
+            )
         size = sum(len(p) for p in prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         size = len(prompt)  # one prompt as token ids
     else:
-        raise RequestRefused(400, "field 'prompt' must be a string, a list of strings, or a list of token ids", param="prompt")
+        raise RequestRefused(
+            400, "field 'prompt' must be a string, a list of strings, or a list of token ids", param="prompt"
+        )
     if size > cfg.max_prompt_chars:
-        raise RequestRefused(400, f"prompt has {size} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", param="prompt")
+        raise RequestRefused(
+            400, f"prompt has {size} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", param="prompt"
+        )
 
 
 def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
     if fmt is None:
         return
     if not isinstance(fmt, dict) or fmt.get("type") not in _RESPONSE_FORMATS:
-        raise RequestRefused(400, f"field 'response_format' must be an object with type in {sorted(_RESPONSE_FORMATS)}",
-                             param="response_format")  # fmt: skip
+        raise RequestRefused(
+            400,
+            f"field 'response_format' must be an object with type in {sorted(_RESPONSE_FORMATS)}",
+            param="response_format",
+        )
     size = len(json.dumps(fmt, separators=(",", ":")))
     if size > cfg.max_schema_bytes:
-        raise RequestRefused(400, f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
-                             param="response_format")  # fmt: skip
+        raise RequestRefused(
+            400,
+            f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
+            param="response_format",
+        )
 
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:

@@ -41,7 +41,9 @@ from connectors.errors import BrokerUnavailableError
 
 log = logging.getLogger(__name__)
 
-REFUSED = Counter("hourglass_gateway_route_records_refused", "Route records skipped: not a JSON object with a served_name.")
+REFUSED = Counter(
+    "hourglass_gateway_route_records_refused", "Route records skipped: not a JSON object with a served_name."
+)
 
 
 def _valid(entry: object) -> bool:
@@ -66,19 +68,29 @@ class RoutePublisher:
         try:
             if self._producer is None:
                 self._producer = KafkaProducer(
-                    bootstrap_servers=self.kafka.bootstrap_servers, acks="all", retries=3, linger_ms=0,
-                    max_in_flight_requests_per_connection=1, request_timeout_ms=self.kafka.request_timeout_ms,
+                    bootstrap_servers=self.kafka.bootstrap_servers,
+                    acks="all",
+                    retries=3,
+                    linger_ms=0,
+                    max_in_flight_requests_per_connection=1,
+                    request_timeout_ms=self.kafka.request_timeout_ms,
                     max_block_ms=self.kafka.request_timeout_ms,
-                )  # fmt: skip
+                )
             futures = [
-                self._producer.send(self.kafka.routes_topic, key=model.encode(), value=None if route is None else json.dumps(route, sort_keys=True).encode())
+                self._producer.send(
+                    self.kafka.routes_topic,
+                    key=model.encode(),
+                    value=None if route is None else json.dumps(route, sort_keys=True).encode(),
+                )
                 for model, route in sorted(routes.items())
             ]
             for future in futures:
                 future.get(timeout=self.kafka.request_timeout_ms / 1000)
         except (KafkaError, OSError) as err:
             self.close()
-            raise BrokerUnavailableError(f"could not publish routes {sorted(routes)} to {self.kafka.routes_topic!r} at {self.kafka.bootstrap_servers}: {err}") from err
+            raise BrokerUnavailableError(
+                f"could not publish routes {sorted(routes)} to {self.kafka.routes_topic!r} at {self.kafka.bootstrap_servers}: {err}"
+            ) from err
 
     def close(self) -> None:
         if self._producer is not None:
@@ -156,14 +168,19 @@ class RouteFollower:
             consumer = None
             try:
                 consumer = KafkaConsumer(
-                    bootstrap_servers=self.kafka.bootstrap_servers, group_id=None, enable_auto_commit=False,
-                    auto_offset_reset="earliest", request_timeout_ms=self.kafka.request_timeout_ms,
+                    bootstrap_servers=self.kafka.bootstrap_servers,
+                    group_id=None,
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    request_timeout_ms=self.kafka.request_timeout_ms,
                     client_id="hourglass-gateway-routes",
-                )  # fmt: skip
+                )
                 self._follow(consumer)
             except (KafkaError, OSError, AssertionError) as err:  # kafka-python asserts on some broken connections
                 self.last_error = f"{type(err).__name__}: {err}"
-                log.warning("routes topic %s: %s; keeping the last known routes, retrying", self.kafka.routes_topic, err)
+                log.warning(
+                    "routes topic %s: %s; keeping the last known routes, retrying", self.kafka.routes_topic, err
+                )
                 self._stop.wait(self.retry_s)
             finally:
                 if consumer is not None:

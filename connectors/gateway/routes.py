@@ -61,7 +61,6 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
     os.replace(tmp, folder / ROUTES_FILE)
 
 
-
 def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
     Unknown fields are ignored (a newer writer); an entry without ``served_name``/``version``/``updated_at`` is left out."""
@@ -102,9 +101,14 @@ class RouteResolver:
     """
 
     def __init__(
-        self, state_dir: str | Path | None, public_name: str, base_served_name: str, ttl_s: float = 1.0,
-        *, source: Callable[[], dict[str, dict]] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        state_dir: str | Path | None,
+        public_name: str,
+        base_served_name: str,
+        ttl_s: float = 1.0,
+        *,
+        source: Callable[[], dict[str, dict]] | None = None,
+    ) -> None:
         if state_dir is None and source is None:
             raise ValueError("RouteResolver needs a state_dir (the routes file) or a source (e.g. the routes topic)")
         self.state_dir = state_dir

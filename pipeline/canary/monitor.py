@@ -44,12 +44,21 @@ from pipeline.registry.models import make_client
 
 log = logging.getLogger(__name__)
 
-FEEDBACK_COUNT = Gauge("hourglass_canary_feedback_count", "Live feedback events since the canary started, per served version.",
-                       ["served_model", "version"])  # fmt: skip
-FEEDBACK_RATE = Gauge("hourglass_canary_feedback_rate", "Live success rate (thumbs) or mean reward since the canary started, per served version.",
-                      ["served_model", "version"])  # fmt: skip
-OUTCOMES = Counter("hourglass_canary_outcomes", "Canary and guard outcomes: promote, abort, guard_rollback, guard_passed.",
-                   ["served_model", "outcome"])  # fmt: skip
+FEEDBACK_COUNT = Gauge(
+    "hourglass_canary_feedback_count",
+    "Live feedback events since the canary started, per served version.",
+    ["served_model", "version"],
+)
+FEEDBACK_RATE = Gauge(
+    "hourglass_canary_feedback_rate",
+    "Live success rate (thumbs) or mean reward since the canary started, per served version.",
+    ["served_model", "version"],
+)
+OUTCOMES = Counter(
+    "hourglass_canary_outcomes",
+    "Canary and guard outcomes: promote, abort, guard_rollback, guard_passed.",
+    ["served_model", "outcome"],
+)
 
 _THUMBS = {"thumbs", "thumbs_up", "thumbs_down"}  # reward_source of thumbs-only feedback
 
@@ -80,9 +89,17 @@ def arm_stats(rows: dict[str | None, list[tuple[float, str]]], *versions: str | 
 
 
 def _evidence(verdict: Verdict, binary: bool, **extra) -> dict:
-    return {"decision": verdict.decision, "reason": verdict.reason, "difference": verdict.difference, "lower": verdict.lower,
-            "upper": verdict.upper, "metric": "thumbs_up_rate" if binary else "mean_reward",
-            "challenger": asdict(verdict.challenger), "champion": asdict(verdict.champion), **extra}  # fmt: skip
+    return {
+        "decision": verdict.decision,
+        "reason": verdict.reason,
+        "difference": verdict.difference,
+        "lower": verdict.lower,
+        "upper": verdict.upper,
+        "metric": "thumbs_up_rate" if binary else "mean_reward",
+        "challenger": asdict(verdict.challenger),
+        "champion": asdict(verdict.champion),
+        **extra,
+    }
 
 
 class CanaryMonitor:
@@ -95,8 +112,14 @@ class CanaryMonitor:
         on_change: called with the model name after an alias moved (e.g. wake the reconcile loop).
     """
 
-    def __init__(self, cfg: HourglassConfig, *, models: list[str], client: MlflowClient | None = None,
-                 on_change: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: HourglassConfig,
+        *,
+        models: list[str],
+        client: MlflowClient | None = None,
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.models = models
         self.client = client or make_client(cfg)
@@ -128,7 +151,10 @@ class CanaryMonitor:
                 for part in ("canary", "guard"):  # the last decision stays visible after the canary or guard ended
                     if (view[part] or {}).get("decision") in ("promote", "abort", "rollback", "passed"):
                         self._last[f"{model}/{part}"] = view[part]
-                view["last_canary"], view["last_guard"] = self._last.get(f"{model}/canary"), self._last.get(f"{model}/guard")
+                view["last_canary"], view["last_guard"] = (
+                    self._last.get(f"{model}/canary"),
+                    self._last.get(f"{model}/guard"),
+                )
                 self._views[model] = view
         return self.status()
 
@@ -153,15 +179,29 @@ class CanaryMonitor:
         if started is None:
             route = read_routes(cfg.resolve(cfg.state_dir)).get(model)
             if route is None or route.challenger_version != version or not act:
-                return {**view, "decision": "continue", "reason": "waiting for the serving controller to route traffic to it"}
+                return {
+                    **view,
+                    "decision": "continue",
+                    "reason": "waiting for the serving controller to route traffic to it",
+                }
             started = state.mark_started(self.client, model, version)
         since = _parse(started)
         elapsed = (datetime.now(timezone.utc) - since).total_seconds()
         rows = live_rewards(cfg, model, since)
         (chall, champ), binary = arm_stats(rows, version, champion)
-        verdict = decide(chall, champ, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback,
-                         tau=canary.mixture_sd, elapsed_s=elapsed, max_duration_s=canary.max_duration_s)  # fmt: skip
-        evidence = _evidence(verdict, binary, version=version, champion_version=champion, started_at=started, elapsed_s=round(elapsed, 1))
+        verdict = decide(
+            chall,
+            champ,
+            alpha=canary.alpha,
+            margin=canary.margin,
+            min_feedback=canary.min_feedback,
+            tau=canary.mixture_sd,
+            elapsed_s=elapsed,
+            max_duration_s=canary.max_duration_s,
+        )
+        evidence = _evidence(
+            verdict, binary, version=version, champion_version=champion, started_at=started, elapsed_s=round(elapsed, 1)
+        )
         for v, stats in ((version, chall), (champion, champ)):
             FEEDBACK_COUNT.labels(model, str(v)).set(stats.n)
             FEEDBACK_RATE.labels(model, str(v)).set(stats.mean)
@@ -189,21 +229,42 @@ class CanaryMonitor:
         since, until = _parse(guard["since"]), _parse(guard["until"])
         baseline = ArmStats(**guard["baseline"])
         (live,), binary = arm_stats(live_rewards(self.cfg, model, since), champion)
-        verdict = decide(live, baseline, alpha=guard_cfg.alpha, margin=0.0, min_feedback=2**62, tau=self.cfg.serving.canary.mixture_sd)
-        evidence = _evidence(verdict, binary, version=champion, previous=guard["previous"], since=guard["since"], until=guard["until"])
+        verdict = decide(
+            live,
+            baseline,
+            alpha=guard_cfg.alpha,
+            margin=0.0,
+            min_feedback=2**62,
+            tau=self.cfg.serving.canary.mixture_sd,
+        )
+        evidence = _evidence(
+            verdict, binary, version=champion, previous=guard["previous"], since=guard["since"], until=guard["until"]
+        )
         FEEDBACK_COUNT.labels(model, champion).set(live.n)
         FEEDBACK_RATE.labels(model, champion).set(live.mean)
         if verdict.decision == "abort":
-            reason = f"guard: live rate dropped after the promotion; {verdict.reason.replace('challenger', 'new champion')}"
+            reason = (
+                f"guard: live rate dropped after the promotion; {verdict.reason.replace('challenger', 'new champion')}"
+            )
             aliases.rollback(self.cfg, model, guard["previous"], client=self.client)
-            self.client.set_model_version_tag(model, champion, state.TAG_GUARD_RESULT, _dump({"decision": "rollback", "reason": reason, "evidence": evidence, "at": state.now_iso()}))
+            self.client.set_model_version_tag(
+                model,
+                champion,
+                state.TAG_GUARD_RESULT,
+                _dump({"decision": "rollback", "reason": reason, "evidence": evidence, "at": state.now_iso()}),
+            )
             self._log_run(mv.run_id, {**evidence, "decision": "guard_rollback"})
             OUTCOMES.labels(model, "guard_rollback").inc()
             log.warning("guard rolled %s back from v%s to v%s: %s", model, champion, guard["previous"], reason)
             self._changed(model)
             return {**evidence, "decision": "rollback", "reason": reason}
         if datetime.now(timezone.utc) >= until:
-            self.client.set_model_version_tag(model, champion, state.TAG_GUARD_RESULT, _dump({"decision": "passed", "evidence": evidence, "at": state.now_iso()}))
+            self.client.set_model_version_tag(
+                model,
+                champion,
+                state.TAG_GUARD_RESULT,
+                _dump({"decision": "passed", "evidence": evidence, "at": state.now_iso()}),
+            )
             OUTCOMES.labels(model, "guard_passed").inc()
             return {**evidence, "decision": "passed", "reason": "no significant drop within the guard period"}
         return {**evidence, "decision": "watching", "reason": f"watching until {guard['until']}"}
@@ -219,14 +280,21 @@ class CanaryMonitor:
         if not run_id:
             return
         now_ms = int(time.time() * 1000)
-        values = {"canary/challenger_n": evidence["challenger"]["n"], "canary/challenger_rate": evidence["challenger"]["mean"],
-                  "canary/champion_n": evidence["champion"]["n"], "canary/champion_rate": evidence["champion"]["mean"],
-                  "canary/lower": evidence["lower"], "canary/upper": evidence["upper"],
-                  "canary/promoted": 1.0 if evidence["decision"] == "promote" else 0.0}  # fmt: skip
+        values = {
+            "canary/challenger_n": evidence["challenger"]["n"],
+            "canary/challenger_rate": evidence["challenger"]["mean"],
+            "canary/champion_n": evidence["champion"]["n"],
+            "canary/champion_rate": evidence["champion"]["mean"],
+            "canary/lower": evidence["lower"],
+            "canary/upper": evidence["upper"],
+            "canary/promoted": 1.0 if evidence["decision"] == "promote" else 0.0,
+        }
         metrics = [Metric(k, float(v), now_ms, 0) for k, v in values.items() if v is not None and v == v]
         try:
             self.client.log_batch(run_id, metrics=metrics)
-            self.client.set_tag(run_id, "hourglass.canary_decision", f"{evidence['decision']}: {evidence['reason']}"[:4900])
+            self.client.set_tag(
+                run_id, "hourglass.canary_decision", f"{evidence['decision']}: {evidence['reason']}"[:4900]
+            )
         except Exception as err:  # the decision stands; the run is only a record
             log.warning("canary evidence not logged to run %s: %s", run_id, err)
 

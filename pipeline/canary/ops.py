@@ -35,7 +35,9 @@ def canary_status(cfg: HourglassConfig, models: list[str], monitor: CanaryMonito
     return out
 
 
-def end_canary(cfg: HourglassConfig, model: str, decision: str, *, who: str, monitor: CanaryMonitor | None = None) -> dict[str, Any]:
+def end_canary(
+    cfg: HourglassConfig, model: str, decision: str, *, who: str, monitor: CanaryMonitor | None = None
+) -> dict[str, Any]:
     """Promote or abort ``model``'s canary by hand, with the live evidence so far attached.
 
     Raises:
@@ -46,7 +48,9 @@ def end_canary(cfg: HourglassConfig, model: str, decision: str, *, who: str, mon
     monitor = monitor or CanaryMonitor(cfg, models=[model])
     evidence = monitor.check_canary(model, act=False)
     if evidence is None:
-        raise state.NoCanaryError(f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`")
+        raise state.NoCanaryError(
+            f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`"
+        )
     reason = f"{decision} by {who}"
     act = state.promote_challenger if decision == "promote" else state.abort_challenger
     out = act(cfg, model, client=monitor.client, reason=reason, evidence=evidence)

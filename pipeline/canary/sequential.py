@@ -96,9 +96,17 @@ def half_width(variance: float, alpha: float, tau: float) -> float:
 
 
 def decide(
-    challenger: ArmStats, champion: ArmStats, *, alpha: float, margin: float, min_feedback: int, tau: float = 0.1,
-    elapsed_s: float = 0.0, max_duration_s: float | None = None, min_events: int = MIN_EVENTS,
-) -> Verdict:  # fmt: skip
+    challenger: ArmStats,
+    champion: ArmStats,
+    *,
+    alpha: float,
+    margin: float,
+    min_feedback: int,
+    tau: float = 0.1,
+    elapsed_s: float = 0.0,
+    max_duration_s: float | None = None,
+    min_events: int = MIN_EVENTS,
+) -> Verdict:
     """One look at the evidence; see the module doc for the rule and its source.
 
     Args:
@@ -110,22 +118,41 @@ def decide(
         elapsed_s, max_duration_s: time since the canary started and its limit (None: no limit).
     """
     if max_duration_s is not None and elapsed_s >= max_duration_s:
-        return Verdict("abort", f"no decision within max_duration_s={max_duration_s:g}s "
-                       f"({challenger.n} challenger / {champion.n} champion events)", None, None, None, challenger, champion)  # fmt: skip
+        return Verdict(
+            "abort",
+            f"no decision within max_duration_s={max_duration_s:g}s "
+            f"({challenger.n} challenger / {champion.n} champion events)",
+            None,
+            None,
+            None,
+            challenger,
+            champion,
+        )
     floor = max(min_events, 1)
     if challenger.n < floor or champion.n < floor:
-        return Verdict("continue", f"waiting for {floor} events per side (challenger {challenger.n}, champion {champion.n})",
-                       None, None, None, challenger, champion)  # fmt: skip
+        return Verdict(
+            "continue",
+            f"waiting for {floor} events per side (challenger {challenger.n}, champion {champion.n})",
+            None,
+            None,
+            None,
+            challenger,
+            champion,
+        )
     diff = challenger.mean - champion.mean
     hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau)
     lower, upper = diff - hw, diff + hw
     if upper < 0:
-        reason = (f"challenger worse: rate {challenger.mean:.3f} vs champion {champion.mean:.3f}, difference "
-                  f"{diff:+.3f}, {1 - alpha:.0%} always-valid interval [{lower:+.3f}, {upper:+.3f}] is below 0")  # fmt: skip
+        reason = (
+            f"challenger worse: rate {challenger.mean:.3f} vs champion {champion.mean:.3f}, difference "
+            f"{diff:+.3f}, {1 - alpha:.0%} always-valid interval [{lower:+.3f}, {upper:+.3f}] is below 0"
+        )
         return Verdict("abort", reason, diff, lower, upper, challenger, champion)
     if challenger.n >= min_feedback and champion.n >= min_feedback and lower > -margin:
-        reason = (f"challenger not worse by more than {margin:g}: rate {challenger.mean:.3f} vs champion "
-                  f"{champion.mean:.3f}, interval [{lower:+.3f}, {upper:+.3f}] (lower bound > -{margin:g})")  # fmt: skip
+        reason = (
+            f"challenger not worse by more than {margin:g}: rate {challenger.mean:.3f} vs champion "
+            f"{champion.mean:.3f}, interval [{lower:+.3f}, {upper:+.3f}] (lower bound > -{margin:g})"
+        )
         return Verdict("promote", reason, diff, lower, upper, challenger, champion)
     reason = f"undecided: difference {diff:+.3f}, interval [{lower:+.3f}, {upper:+.3f}], margin {margin:g}, need {min_feedback} per side"
     return Verdict("continue", reason, diff, lower, upper, challenger, champion)

@@ -70,10 +70,24 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
         if not ready:
             return
         old = route.challenger_served_name
-        write_route(ctrl.state_dir, model, replace(route, updated_at=utc_now(), challenger_served_name=name, challenger_version=want, fraction=fraction))
+        write_route(
+            ctrl.state_dir,
+            model,
+            replace(
+                route, updated_at=utc_now(), challenger_served_name=name, challenger_version=want, fraction=fraction
+            ),
+        )
         if old is not None and old != name:
             ctrl._draining[old] = time.monotonic() + cfg.serving.drain_s
-        log.info("canary: %s v%s serves %.0f%% of %s's traffic as %s (%.2fs)", model, want, 100 * fraction, model, name, time.monotonic() - started)
+        log.info(
+            "canary: %s v%s serves %.0f%% of %s's traffic as %s (%.2fs)",
+            model,
+            want,
+            100 * fraction,
+            model,
+            name,
+            time.monotonic() - started,
+        )
     else:
         missing = [r for r, names in seen.items() if name not in names]
         if missing:  # a replica restarted or was added
@@ -87,7 +101,11 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
 
 
 def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
-    write_route(ctrl.state_dir, model, replace(route, updated_at=utc_now(), challenger_served_name=None, challenger_version=None, fraction=0.0))
+    write_route(
+        ctrl.state_dir,
+        model,
+        replace(route, updated_at=utc_now(), challenger_served_name=None, challenger_version=None, fraction=0.0),
+    )
     if route.challenger_served_name != route.served_name:
         ctrl._draining[route.challenger_served_name] = time.monotonic() + ctrl.cfg.serving.drain_s
     log.info("canary: %s v%s no longer routed", model, route.challenger_version)

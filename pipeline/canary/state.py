@@ -60,8 +60,9 @@ def _tag_json(client: MlflowClient, model: str, version: str, key: str, data: di
     client.set_model_version_tag(model, version, key, json.dumps(data, default=str)[:4900])
 
 
-def promote_or_challenge(cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None,
-                         reason: str = "round") -> dict:  # fmt: skip
+def promote_or_challenge(
+    cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None, reason: str = "round"
+) -> dict:
     """What a round does with its winner. Returns ``{"model", "version", "action", "reason"}``, action one of:
 
     - ``"promoted"``: canary disabled, or no ``@champion`` yet (the first version has no
@@ -87,20 +88,28 @@ def promote_or_challenge(cfg: HourglassConfig, model: str, version: str, *, clie
     if running == version:  # e.g. a resumed round: keep the canary's start time and evidence
         return {"model": model, "version": version, "action": "challenger", "reason": "already on canary"}
     if running is not None:
-        return {"model": model, "version": version, "action": "not_started",
-                "reason": f"v{running} is on canary; v{version} stays registered (promote it by hand or wait for the next round)"}  # fmt: skip
+        return {
+            "model": model,
+            "version": version,
+            "action": "not_started",
+            "reason": f"v{running} is on canary; v{version} stays registered (promote it by hand or wait for the next round)",
+        }
     return start_challenger(cfg, model, version, client=client, reason=reason)
 
 
 def describe(outcomes: list[dict]) -> str:
     """One line for a round record: what happened to each winner."""
-    words = {"promoted": "promoted {model} v{version}", "challenger": "{model} v{version} on canary",
-             "not_started": "{model} v{version} registered, no canary: {reason}"}  # fmt: skip
+    words = {
+        "promoted": "promoted {model} v{version}",
+        "challenger": "{model} v{version} on canary",
+        "not_started": "{model} v{version} registered, no canary: {reason}",
+    }
     return ", ".join(words[o["action"]].format(**o) for o in outcomes)
 
 
-def start_challenger(cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None,
-                     reason: str = "manual") -> dict:  # fmt: skip
+def start_challenger(
+    cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None, reason: str = "manual"
+) -> dict:
     """Point ``@challenger`` at ``version`` and clear its previous canary tags (a fresh start).
 
     Raises:
@@ -126,8 +135,14 @@ def mark_started(client: MlflowClient, model: str, version: str, when: str | Non
     return when
 
 
-def promote_challenger(cfg: HourglassConfig, model: str, *, client: MlflowClient | None = None, reason: str = "manual",
-                       evidence: dict | None = None) -> dict:  # fmt: skip
+def promote_challenger(
+    cfg: HourglassConfig,
+    model: str,
+    *,
+    client: MlflowClient | None = None,
+    reason: str = "manual",
+    evidence: dict | None = None,
+) -> dict:
     """Move ``@champion`` to the challenger and drop ``@challenger``; arm the guard when evidence
     of the old champion is known. Returns ``{"model", "version", "previous", "decision"}``.
 
@@ -137,21 +152,45 @@ def promote_challenger(cfg: HourglassConfig, model: str, *, client: MlflowClient
     client = client or make_client(cfg)
     version = challenger_version(client, cfg, model)
     if version is None:
-        raise NoCanaryError(f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`")
+        raise NoCanaryError(
+            f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`"
+        )
     out = aliases.promote(cfg, model, version, client=client, reason=f"canary: {reason}"[:200])
     _drop_alias(client, cfg, model)
-    _tag_json(client, model, version, TAG_RESULT, {"decision": "promote", "reason": reason, "evidence": evidence, "at": now_iso()})
+    _tag_json(
+        client,
+        model,
+        version,
+        TAG_RESULT,
+        {"decision": "promote", "reason": reason, "evidence": evidence, "at": now_iso()},
+    )
     baseline = (evidence or {}).get("champion")
     if cfg.serving.guard.enabled and out["previous"] is not None and baseline and baseline.get("n"):
         since = datetime.now(timezone.utc)
         until = since + timedelta(seconds=cfg.serving.guard.period_s)
-        _tag_json(client, model, version, TAG_GUARD, {"since": since.isoformat(timespec="milliseconds"), "until": until.isoformat(timespec="seconds"),
-                                                      "previous": out["previous"], "baseline": baseline})  # fmt: skip
+        _tag_json(
+            client,
+            model,
+            version,
+            TAG_GUARD,
+            {
+                "since": since.isoformat(timespec="milliseconds"),
+                "until": until.isoformat(timespec="seconds"),
+                "previous": out["previous"],
+                "baseline": baseline,
+            },
+        )
     return {**out, "decision": "promote"}
 
 
-def abort_challenger(cfg: HourglassConfig, model: str, *, client: MlflowClient | None = None, reason: str = "manual",
-                     evidence: dict | None = None) -> dict:  # fmt: skip
+def abort_challenger(
+    cfg: HourglassConfig,
+    model: str,
+    *,
+    client: MlflowClient | None = None,
+    reason: str = "manual",
+    evidence: dict | None = None,
+) -> dict:
     """Drop ``@challenger`` and tag the version with the reason and evidence; ``@champion`` does not move.
 
     Returns ``{"model", "version", "decision"}``.
@@ -162,9 +201,17 @@ def abort_challenger(cfg: HourglassConfig, model: str, *, client: MlflowClient |
     client = client or make_client(cfg)
     version = challenger_version(client, cfg, model)
     if version is None:
-        raise NoCanaryError(f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`")
+        raise NoCanaryError(
+            f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`"
+        )
     _drop_alias(client, cfg, model)
-    _tag_json(client, model, version, TAG_RESULT, {"decision": "abort", "reason": reason, "evidence": evidence, "at": now_iso()})
+    _tag_json(
+        client,
+        model,
+        version,
+        TAG_RESULT,
+        {"decision": "abort", "reason": reason, "evidence": evidence, "at": now_iso()},
+    )
     log.warning("canary of %s v%s aborted: %s", model, version, reason)
     return {"model": model, "version": version, "decision": "abort"}
 

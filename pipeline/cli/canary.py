@@ -17,7 +17,9 @@ from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.errors import PipelineError
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: every served model).")]
-canary_app = typer.Typer(help="Canary of a round's winner on live traffic: status, promote, abort.", no_args_is_help=True)
+canary_app = typer.Typer(
+    help="Canary of a round's winner on live traffic: status, promote, abort.", no_args_is_help=True
+)
 
 
 def _models(cfg, model: str | None) -> list[str]:
@@ -44,7 +46,17 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
     cfg = load(config)
     require_mlflow(cfg)
     data = _run(canary_status, cfg, _models(cfg, model))
-    table = Table("model", "challenger", "champion", "share", "started", "n (chall/champ)", "rate (chall/champ)", "interval", "decision")
+    table = Table(
+        "model",
+        "challenger",
+        "champion",
+        "share",
+        "started",
+        "n (chall/champ)",
+        "rate (chall/champ)",
+        "interval",
+        "decision",
+    )
     for name, entry in data.items():
         view = entry["canary"]
         if view is None:
@@ -52,9 +64,17 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
             continue
         chall, champ = view.get("challenger") or {}, view.get("champion") or {}
         interval = f"[{_fmt(view.get('lower'))}, {_fmt(view.get('upper'))}]" if view.get("lower") is not None else ""
-        table.add_row(name, f"v{view['version']}", f"v{view['champion_version']}", f"{view['fraction']:.0%}", view.get("started_at") or "",
-                      f"{chall.get('n', 0)}/{champ.get('n', 0)}", f"{_fmt(chall.get('mean'))}/{_fmt(champ.get('mean'))}", interval,
-                      f"{view['decision']}: {view.get('reason', '')}")  # fmt: skip
+        table.add_row(
+            name,
+            f"v{view['version']}",
+            f"v{view['champion_version']}",
+            f"{view['fraction']:.0%}",
+            view.get("started_at") or "",
+            f"{chall.get('n', 0)}/{champ.get('n', 0)}",
+            f"{_fmt(chall.get('mean'))}/{_fmt(champ.get('mean'))}",
+            interval,
+            f"{view['decision']}: {view.get('reason', '')}",
+        )
     emit(data, as_json, table)
 
 
@@ -71,15 +91,25 @@ def _end(decision: str, model: str | None, config, as_json: bool) -> None:
 
 
 @canary_app.command("promote")
-def promote_cmd(model: Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")] = None,
-                config: ConfigOpt = None, as_json: JsonOpt = False) -> None:  # fmt: skip
+def promote_cmd(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")
+    ] = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Promote the challenger now: @champion moves to it, @challenger is dropped."""
     _end("promote", model, config, as_json)
 
 
 @canary_app.command("abort")
-def abort_cmd(model: Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")] = None,
-              config: ConfigOpt = None, as_json: JsonOpt = False) -> None:  # fmt: skip
+def abort_cmd(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")
+    ] = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Abort the canary now: @challenger is dropped and the version tagged; @champion does not move."""
     _end("abort", model, config, as_json)
 

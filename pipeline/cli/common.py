@@ -18,7 +18,9 @@ from pipeline.redact import redact  # noqa: F401  (re-exported: the commands mas
 
 console = Console(stderr=True, soft_wrap=True)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded default).")]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded default).")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 
 

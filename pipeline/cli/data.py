@@ -32,7 +32,9 @@ from pipeline.cli.common import fail, print_error
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 console = Console(stderr=True)
@@ -55,7 +57,9 @@ def _emit(as_json: bool, data: dict[str, Any], title: str) -> None:
         return
     table = Table(title=title, show_header=False)
     for key, value in data.items():  # Text: values may quote traffic or errors; never read as Rich markup
-        table.add_row(Text(str(key)), Text(json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)))
+        table.add_row(
+            Text(str(key)), Text(json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value))
+        )
     Console().print(table)
 
 
@@ -94,7 +98,9 @@ def _readable_file(path: Path) -> None:
 
 def produce(
     file: Annotated[Path, typer.Argument(help="JSON-lines file, one event per line (sent verbatim).")],
-    topic: Annotated[str | None, typer.Option("--topic", "-t", help="Target topic (default: the traces topic).")] = None,
+    topic: Annotated[
+        str | None, typer.Option("--topic", "-t", help="Target topic (default: the traces topic).")
+    ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -115,11 +121,18 @@ def produce(
 
 
 def replay(
-    sharegpt: Annotated[int | None, typer.Option("--sharegpt", help="Publish at most this many ShareGPT conversations.")] = None,
-    sharegpt_file: Annotated[Path | None, typer.Option(
-        "--sharegpt-file", help="ShareGPT file to replay (a JSON array or JSON lines; default: the shipped dump)."
-    )] = None,
-    jsonl: Annotated[Path | None, typer.Option("--jsonl", help="Publish validated trace events from this file.")] = None,
+    sharegpt: Annotated[
+        int | None, typer.Option("--sharegpt", help="Publish at most this many ShareGPT conversations.")
+    ] = None,
+    sharegpt_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--sharegpt-file", help="ShareGPT file to replay (a JSON array or JSON lines; default: the shipped dump)."
+        ),
+    ] = None,
+    jsonl: Annotated[
+        Path | None, typer.Option("--jsonl", help="Publish validated trace events from this file.")
+    ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -194,14 +207,19 @@ def dlq_list(
     store = DeadLetterStore(cfg.buffer.dead_letter_root)
     rows = store.list(limit=limit, reason=reason)
     if store.skipped_lines:
-        console.print(f"[yellow]warning:[/yellow] skipped {store.skipped_lines} damaged line(s) in {cfg.buffer.dead_letter_root}")
+        console.print(
+            f"[yellow]warning:[/yellow] skipped {store.skipped_lines} damaged line(s) in {cfg.buffer.dead_letter_root}"
+        )
     if as_json:
         typer.echo(json.dumps({"count": len(rows), "skipped_lines": store.skipped_lines, "dead_letters": rows}))
         return
     table = Table("reason", "topic", "partition", "offset", "detail", title=f"dead letters ({len(rows)})")
     for row in rows:
         # Text cells: details quote traffic (a ShareGPT role, a field value); never read as Rich markup
-        table.add_row(*(Text(str(row.get(k))) for k in ("reason", "topic", "partition", "offset")), Text(str(row.get("detail"))[:100]))
+        table.add_row(
+            *(Text(str(row.get(k))) for k in ("reason", "topic", "partition", "offset")),
+            Text(str(row.get("detail"))[:100]),
+        )
     Console().print(table)
 
 

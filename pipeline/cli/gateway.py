@@ -46,9 +46,13 @@ def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: fl
     if not follower.start(wait_s=ready_wait_s):
         logging.getLogger(__name__).warning(
             "routes topic %s not read within %.0fs (%s); serving the base until routes arrive",
-            cfg.kafka.routes_topic, ready_wait_s, follower.last_error or "no answer",
-        )  # fmt: skip
-    resolver = RouteResolver(None, cfg.serving.model_name, cfg.serving.base_served_name, ttl_s=min(ttl_s, 0.1), source=follower.routes)
+            cfg.kafka.routes_topic,
+            ready_wait_s,
+            follower.last_error or "no answer",
+        )
+    resolver = RouteResolver(
+        None, cfg.serving.model_name, cfg.serving.base_served_name, ttl_s=min(ttl_s, 0.1), source=follower.routes
+    )
     resolver.follower = follower  # type: ignore[attr-defined]
     return resolver
 
@@ -87,14 +91,24 @@ def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
     hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
     upstream_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key else None
     return create_gateway_app(
-        cfg.kafka, upstream_url(cfg), resolver, list_models=resolver.names, user_hasher=hasher, gateway=cfg.gateway,
-        keys=key_store(cfg), signer=feedback_signer(cfg), trusted_metadata=cfg.buffer.trusted_metadata,
-        reward_spec=cfg.buffer.reward, upstream_api_key=upstream_key,
-    )  # fmt: skip
+        cfg.kafka,
+        upstream_url(cfg),
+        resolver,
+        list_models=resolver.names,
+        user_hasher=hasher,
+        gateway=cfg.gateway,
+        keys=key_store(cfg),
+        signer=feedback_signer(cfg),
+        trusted_metadata=cfg.buffer.trusted_metadata,
+        reward_spec=cfg.buffer.reward,
+        upstream_api_key=upstream_key,
+    )
 
 
 def gateway(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="hourglass.toml (default: built-in embedded settings).")
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible gateway on api.host:api.gateway_port (traces go to Kafka)."""
     try:

@@ -17,32 +17,53 @@ from connectors.gateway.auth import KeyStoreError
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.cli.gateway import key_store
 
-keys_app = typer.Typer(help="Client API keys of the gateway (stored hashed; a key is shown once, at creation).", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="Client API keys of the gateway (stored hashed; a key is shown once, at creation).", no_args_is_help=True
+)
 
 
 @keys_app.command("create")
 def keys_create(
     name: Annotated[str, typer.Argument(help="Who the key is for (a client, a grader, 'demo').")],
-    trusted_grader: Annotated[bool, typer.Option("--trusted-grader", help="May set buffer.trusted_metadata labels (e.g. reference_answer) and explicit rewards.")] = False,
-    rate_per_min: Annotated[int | None, typer.Option("--rate-per-min", min=1, help="Requests per minute (default gateway.rate_per_min).")] = None,
-    concurrency: Annotated[int | None, typer.Option("--concurrency", min=1, help="Requests in flight (default gateway.concurrency).")] = None,
+    trusted_grader: Annotated[
+        bool,
+        typer.Option(
+            "--trusted-grader",
+            help="May set buffer.trusted_metadata labels (e.g. reference_answer) and explicit rewards.",
+        ),
+    ] = False,
+    rate_per_min: Annotated[
+        int | None, typer.Option("--rate-per-min", min=1, help="Requests per minute (default gateway.rate_per_min).")
+    ] = None,
+    concurrency: Annotated[
+        int | None, typer.Option("--concurrency", min=1, help="Requests in flight (default gateway.concurrency).")
+    ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a key and print it once (store it now: only its hash is kept)."""
     cfg = load(config)
     try:
-        record, key = key_store(cfg).create(name, trusted_grader=trusted_grader, rate_per_min=rate_per_min, concurrency=concurrency)
+        record, key = key_store(cfg).create(
+            name, trusted_grader=trusted_grader, rate_per_min=rate_per_min, concurrency=concurrency
+        )
     except (KeyStoreError, OSError) as err:
         fail(str(err))
         return
-    emit({**record.public(), "key": key}, as_json,
-         f"key {record.key_id} for {escape(name)}{' (trusted grader)' if trusted_grader else ''}:\n{key}\n"
-         "[yellow]shown once; send it as 'Authorization: Bearer <key>'[/]")  # fmt: skip
+    emit(
+        {**record.public(), "key": key},
+        as_json,
+        f"key {record.key_id} for {escape(name)}{' (trusted grader)' if trusted_grader else ''}:\n{key}\n"
+        "[yellow]shown once; send it as 'Authorization: Bearer <key>'[/]",
+    )
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key id (see `keys list`).")], config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id (see `keys list`).")],
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Revoke a key: its next request gets 403."""
     cfg = load(config)
     try:
@@ -64,8 +85,15 @@ def keys_list(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
         return
     table = Table("key id", "name", "created", "trusted grader", "rate/min", "concurrency", "revoked")
     for k in records:
-        table.add_row(k.key_id, escape(k.name), k.created_at, "yes" if k.trusted_grader else "", str(k.rate_per_min or "default"),
-                      str(k.concurrency or "default"), "[red]revoked[/]" if k.revoked else "")  # fmt: skip
+        table.add_row(
+            k.key_id,
+            escape(k.name),
+            k.created_at,
+            "yes" if k.trusted_grader else "",
+            str(k.rate_per_min or "default"),
+            str(k.concurrency or "default"),
+            "[red]revoked[/]" if k.revoked else "",
+        )
     emit([k.public() for k in records], as_json, table)
 
 

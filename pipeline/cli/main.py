@@ -29,12 +29,13 @@ from trainer.errors import TrainerError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-app = typer.Typer(name="hourglass", help="Continual learning for LLMs: ingest, train, promote, serve.", no_args_is_help=True)
+app = typer.Typer(
+    name="hourglass", help="Continual learning for LLMs: ingest, train, promote, serve.", no_args_is_help=True
+)
 config_app = typer.Typer(help="Check and show the configuration.", no_args_is_help=True)
 models_app = typer.Typer(help="Base models and registered adapter versions.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(models_app, name="models")
-
 
 
 def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
@@ -50,7 +51,9 @@ def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     install_log_redaction()  # no credentials in URIs reach a log line
     if not verbose:  # one INFO line per HTTP request would bury the commands' own output
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -62,7 +65,9 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 @config_app.command("check")
 def config_check(
     file: Annotated[Path, typer.Argument(help="The TOML file to validate.")],
-    role: Annotated[str, typer.Option(help="Whose secrets to check: service (needs the signing key) or gateway.")] = "service",
+    role: Annotated[
+        str, typer.Option(help="Whose secrets to check: service (needs the signing key) or gateway.")
+    ] = "service",
     as_json: JsonOpt = False,
 ) -> None:
     """Validate FILE and report every problem at once (exit 2 when invalid).
@@ -93,7 +98,9 @@ def config_check(
 def config_show(config: ConfigOpt = None) -> None:
     """Print the effective configuration (file + environment + defaults) as JSON."""
     cfg = load(config)
-    sys.stdout.write(redact(cfg.model_dump_json(indent=2)) + "\n")  # secrets are SecretStr; URIs lose their user:password
+    sys.stdout.write(
+        redact(cfg.model_dump_json(indent=2)) + "\n"
+    )  # secrets are SecretStr; URIs lose their user:password
 
 
 # --- models -----------------------------------------------------------------------
@@ -112,8 +119,18 @@ def models_pull(
     except TrainerError as err:
         fail(str(err))
         return
-    data = {"name": name, "path": str(info.path), "fingerprint": info.fingerprint, "source": info.source, "greedy_sample": info.greedy_sample}
-    emit(data, as_json, f"[green]{name}[/] at {info.path}\n  fingerprint {info.fingerprint}\n  greedy sample: {info.greedy_sample!r}")
+    data = {
+        "name": name,
+        "path": str(info.path),
+        "fingerprint": info.fingerprint,
+        "source": info.source,
+        "greedy_sample": info.greedy_sample,
+    }
+    emit(
+        data,
+        as_json,
+        f"[green]{name}[/] at {info.path}\n  fingerprint {info.fingerprint}\n  greedy sample: {info.greedy_sample!r}",
+    )
 
 
 # --- local stack ------------------------------------------------------------------
@@ -151,9 +168,16 @@ def _table(rows: list[dict[str, Any]]) -> Table:
 
 @app.command()
 def up(
-    config: ConfigOpt = None, as_json: JsonOpt = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Stay in the foreground and restart a service that dies (backoff); Ctrl-C stops watching, not the services.")] = False,
-) -> None:  # fmt: skip
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="Stay in the foreground and restart a service that dies (backoff); Ctrl-C stops watching, not the services.",
+        ),
+    ] = False,
+) -> None:
     """Start the embedded local stack (broker, MLflow, vLLM) and wait until healthy."""
     cfg = load(config)
     try:
@@ -192,7 +216,9 @@ def _watch(cfg: HourglassConfig, services: list[stack.Service]) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    console.print(f"watching {', '.join(s.name for s in services)} (Ctrl-C stops watching; `hourglass down` stops the services)")
+    console.print(
+        f"watching {', '.join(s.name for s in services)} (Ctrl-C stops watching; `hourglass down` stops the services)"
+    )
     restarts = stack.watch(services, stop, on_restart=lambda s: _ensure_topics(cfg) if s.name == "broker" else None)
     console.print(f"stopped watching; restarts: {restarts}")
 

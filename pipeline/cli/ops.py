@@ -24,7 +24,6 @@ from pipeline.config import HourglassConfig
 rounds_app = typer.Typer(help="Round records.", no_args_is_help=True)
 
 
-
 class ApiClient:
     """A thin httpx client for the ops API that turns errors into exit messages."""
 
@@ -66,7 +65,15 @@ def _out(data: Any, as_json: bool) -> bool:
 def _round_table(records: list[dict[str, Any]]) -> Table:
     table = Table("round", "state", "trigger", "candidates", "window", "created", "reason")
     for r in records:
-        table.add_row(r["round_id"], r["state"], r["trigger"], ",".join(r["candidates"]), r["window"], r["created_at"], escape(r["reason"][:80]))
+        table.add_row(
+            r["round_id"],
+            r["state"],
+            r["trigger"],
+            ",".join(r["candidates"]),
+            r["window"],
+            r["created_at"],
+            escape(r["reason"][:80]),
+        )
     return table
 
 

@@ -68,11 +68,14 @@ def require_mlflow(cfg: HourglassConfig) -> None:
     try:
         httpx.get(f"{uri.rstrip('/')}/health", timeout=5.0)  # any HTTP answer means a server is there
     except httpx.TransportError as err:
-        fail(f"no MLflow tracking server answers at {uri} ({type(err).__name__}); start it with `hourglass up` or set registry.tracking_uri")
+        fail(
+            f"no MLflow tracking server answers at {uri} ({type(err).__name__}); start it with `hourglass up` or set registry.tracking_uri"
+        )
 
 
 def register(app: typer.Typer, models_app: typer.Typer) -> None:
     """Add ``promote`` and ``rollback`` to ``app`` and ``list`` to ``models_app``."""
+
     def run(fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -90,12 +93,18 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         cfg = load(config)
         require_mlflow(cfg)
         result = run(aliases.promote, cfg, model or cfg.serving.model_name, version, reason="cli promote")
-        emit(result, as_json, f"[green]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
-                              f"(was {result['previous']})")  # fmt: skip
+        emit(
+            result,
+            as_json,
+            f"[green]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
+            f"(was {result['previous']})",
+        )
 
     @app.command("rollback")
     def rollback_cmd(
-        to: Annotated[str | None, typer.Option("--to", help="Version to return to (default: the previous champion).")] = None,
+        to: Annotated[
+            str | None, typer.Option("--to", help="Version to return to (default: the previous champion).")
+        ] = None,
         model: ModelOpt = None,
         config: ConfigOpt = None,
         as_json: JsonOpt = False,
@@ -104,14 +113,20 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         cfg = load(config)
         require_mlflow(cfg)
         result = run(aliases.rollback, cfg, model or cfg.serving.model_name, to)
-        emit(result, as_json, f"[yellow]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
-                              f"(was {result['previous']})")  # fmt: skip
+        emit(
+            result,
+            as_json,
+            f"[yellow]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
+            f"(was {result['previous']})",
+        )
 
     @models_app.command("resign")
     def resign_cmd(
         version: Annotated[str, typer.Argument(help="The model version to re-sign.")],
         model: ModelOpt = None,
-        adopt: Annotated[bool, typer.Option("--adopt", help="Sign a version with no valid signature (you vouch for it).")] = False,
+        adopt: Annotated[
+            bool, typer.Option("--adopt", help="Sign a version with no valid signature (you vouch for it).")
+        ] = False,
         config: ConfigOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
@@ -121,7 +136,11 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         cfg = load(config)
         require_mlflow(cfg)
         result = run(resign, cfg, make_client(cfg), model or cfg.serving.model_name, version, adopt=adopt)
-        emit(result, as_json, f"[green]{result['model']}[/] v{result['version']}: signed with key {result['now']} (was {result['was']})")
+        emit(
+            result,
+            as_json,
+            f"[green]{result['model']}[/] v{result['version']}: signed with key {result['now']} (was {result['was']})",
+        )
 
     @models_app.command("list")
     def list_cmd(
@@ -142,9 +161,13 @@ def _table(data: dict) -> Table:
         for v in entry["versions"]:
             tags = v["tags"]
             table.add_row(
-                entry["model"], v["version"], ",".join(v["aliases"]), tags.get("hourglass.round_id", ""),
-                tags.get("hourglass.base_fingerprint", "")[:12], tags.get(aliases.TAG_SERVE_ERROR, "")[:60],
-            )  # fmt: skip
+                entry["model"],
+                v["version"],
+                ",".join(v["aliases"]),
+                tags.get("hourglass.round_id", ""),
+                tags.get("hourglass.base_fingerprint", "")[:12],
+                tags.get(aliases.TAG_SERVE_ERROR, "")[:60],
+            )
     for url, served in data["replicas"].items():
         table.caption = (table.caption or "") + f"{url}: {served}\n"
     return table

@@ -48,7 +48,12 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
 )
-_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
 
 
 def is_loopback(host: str) -> bool:
@@ -70,7 +75,10 @@ def presented_token(request: Request) -> str | None:
     if scheme.lower() == "basic":
         try:
             return base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
-        except (binascii.Error, ValueError):  # ValueError: not base64 text at all (e.g. non-ASCII); covers UnicodeDecodeError
+        except (
+            binascii.Error,
+            ValueError,
+        ):  # ValueError: not base64 text at all (e.g. non-ASCII); covers UnicodeDecodeError
             return None
     return None
 
@@ -98,7 +106,7 @@ class _LiveFeedbackCollector:
             "hourglass_live_feedback_rate",
             "Thumbs-up share (reward > 0) of the last hour's rewarded traces, per served model and adapter version.",
             labels=["served_model", "version"],
-        )  # fmt: skip
+        )
         data = self.source() if self.source is not None else None
         if data is not None:
             for row in data.live_feedback():
@@ -125,7 +133,11 @@ def mount_console(app: FastAPI, service: OpsService, *, refresh_s: int = 10) -> 
             return
         presented = presented_token(request)
         if presented is None or not secrets.compare_digest(presented.encode(), service.api_token.encode()):
-            raise HTTPException(401, "the status page needs the API token on a non-loopback address", headers={"WWW-Authenticate": 'Basic realm="hourglass console"'})
+            raise HTTPException(
+                401,
+                "the status page needs the API token on a non-loopback address",
+                headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
+            )
 
     def canary_abort_path() -> str | None:
         """The canary abort endpoint when the API has one (the button is hidden otherwise); a ``{model}``
@@ -133,15 +145,24 @@ def mount_console(app: FastAPI, service: OpsService, *, refresh_s: int = 10) -> 
         for route in app.routes:
             path = getattr(route, "path", "")
             params = set(re.findall(r"\{(\w+)\}", path))
-            if "canary" in path and "abort" in path and "POST" in getattr(route, "methods", ()) and params <= {"model", "served_model", "name"}:
+            if (
+                "canary" in path
+                and "abort" in path
+                and "POST" in getattr(route, "methods", ())
+                and params <= {"model", "served_model", "name"}
+            ):
                 return path
         return None
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False, dependencies=[Depends(require_view)])
     def console_page() -> HTMLResponse:
-        return HTMLResponse(render_page(data.collect(), canary_abort=canary_abort_path(), refresh_s=refresh_s), headers=_HEADERS)
+        return HTMLResponse(
+            render_page(data.collect(), canary_abort=canary_abort_path(), refresh_s=refresh_s), headers=_HEADERS
+        )
 
-    @app.get("/console/panels", response_class=HTMLResponse, include_in_schema=False, dependencies=[Depends(require_view)])
+    @app.get(
+        "/console/panels", response_class=HTMLResponse, include_in_schema=False, dependencies=[Depends(require_view)]
+    )
     def console_panels() -> HTMLResponse:
         return HTMLResponse(render_panels(data.collect(), canary_abort=canary_abort_path()), headers=_HEADERS)
 

@@ -32,7 +32,9 @@ def _frame(lo: float, hi: float, title: str, y_format: Callable[[float], str]) -
         v = lo + (hi - lo) * i / 4
         y = TOP + (H - TOP - BOTTOM) * (1 - i / 4)
         out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>')
-        out.append(f'<text x="{LEFT - 4}" y="{y + 3:.1f}" font-size="10" text-anchor="end" fill="#6b7280">{escape(y_format(v))}</text>')
+        out.append(
+            f'<text x="{LEFT - 4}" y="{y + 3:.1f}" font-size="10" text-anchor="end" fill="#6b7280">{escape(y_format(v))}</text>'
+        )
     out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{H - BOTTOM}" stroke="#9ca3af"/>')
     return out
 
@@ -69,10 +71,18 @@ def line_chart(
 
     Returns an ``<svg class="chart" data-chart=kind>`` string; empty series give a chart that says so.
     """
-    clean = {name: [(float(x), float(y)) for x, y in pts if y is not None and math.isfinite(float(y))] for name, pts in series.items()}
+    clean = {
+        name: [(float(x), float(y)) for x, y in pts if y is not None and math.isfinite(float(y))]
+        for name, pts in series.items()
+    }
     points = [p for pts in clean.values() for p in pts]
     if not points:
-        return _svg(_frame(0, 1, title, y_format) + [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" fill="#6b7280">no data yet</text>'], title, kind)
+        return _svg(
+            _frame(0, 1, title, y_format)
+            + [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" fill="#6b7280">no data yet</text>'],
+            title,
+            kind,
+        )
     xs = sorted({x for x, _ in points})
     x_lo, x_hi = xs[0], xs[-1]
     lo, hi = _nice_range([y for _, y in points], y_range)
@@ -86,7 +96,9 @@ def line_chart(
     body = _frame(lo, hi, title, y_format)
     step = max(1, len(xs) // 8)
     for x in xs[::step]:
-        body.append(f'<text x="{px(x):.1f}" y="{H - BOTTOM + 14}" font-size="10" text-anchor="middle" fill="#6b7280">{escape(x_format(x))}</text>')
+        body.append(
+            f'<text x="{px(x):.1f}" y="{H - BOTTOM + 14}" font-size="10" text-anchor="middle" fill="#6b7280">{escape(x_format(x))}</text>'
+        )
     for i, (name, pts) in enumerate(clean.items()):
         colour = PALETTE[i % len(PALETTE)]
         if len(pts) > 1:
@@ -95,7 +107,9 @@ def line_chart(
             body.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
         for x, y in pts:
             tip = f"{name}: {y_format(y)} at {x_format(x)}"
-            body.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{colour}"><title>{escape(tip)}</title></circle>')
+            body.append(
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{colour}"><title>{escape(tip)}</title></circle>'
+            )
     return _svg(body + _legend(list(clean)), title, kind)
 
 
@@ -103,7 +117,12 @@ def bar_chart(labels: Sequence[str], series: dict[str, Sequence[float]], *, titl
     """Grouped bars: one group per label, one bar per series (``{name: [value per label]}``)."""
     values = [v for vals in series.values() for v in vals]
     if not labels or not values:
-        return _svg(_frame(0, 1, title, lambda y: f"{y:g}") + [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" fill="#6b7280">no data yet</text>'], title, kind)
+        return _svg(
+            _frame(0, 1, title, lambda y: f"{y:g}")
+            + [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" fill="#6b7280">no data yet</text>'],
+            title,
+            kind,
+        )
     hi = max(values) or 1.0
     body = _frame(0, hi * 1.08, title, lambda y: f"{y:,.0f}")
     group = (W - LEFT - RIGHT) / len(labels)
@@ -111,7 +130,9 @@ def bar_chart(labels: Sequence[str], series: dict[str, Sequence[float]], *, titl
     step = max(1, len(labels) // 8)
     for j, label in enumerate(labels):
         if j % step == 0:
-            body.append(f'<text x="{LEFT + group * (j + 0.5):.1f}" y="{H - BOTTOM + 14}" font-size="10" text-anchor="middle" fill="#6b7280">{escape(label)}</text>')
+            body.append(
+                f'<text x="{LEFT + group * (j + 0.5):.1f}" y="{H - BOTTOM + 14}" font-size="10" text-anchor="middle" fill="#6b7280">{escape(label)}</text>'
+            )
         for i, (name, vals) in enumerate(series.items()):
             v = vals[j]
             h = (H - TOP - BOTTOM) * v / (hi * 1.08)

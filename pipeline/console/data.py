@@ -41,7 +41,9 @@ MAX_VERSIONS = 8  # the feedback chart shows at most this many versions (the mos
 LIVE_RATE_WINDOW = timedelta(hours=1)  # hourglass_live_feedback_rate: thumbs-up share over this window
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-_SECRET_PARAM = re.compile(r"(?i)\b(token|password|passwd|secret|api[_-]?key|key|sig|signature|access_key)=([^&\s\"']+)")
+_SECRET_PARAM = re.compile(
+    r"(?i)\b(token|password|passwd|secret|api[_-]?key|key|sig|signature|access_key)=([^&\s\"']+)"
+)
 _BEARER = re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+")
 
 
@@ -101,7 +103,9 @@ class _Sources:
                 future = self._inflight[key] = self._pool.submit(self._refresh, key, compute)
             return future
 
-    def get(self, key: str, ttl_s: float, compute: Callable[[], Any], default: Any, deadline: float) -> tuple[Any, bool]:
+    def get(
+        self, key: str, ttl_s: float, compute: Callable[[], Any], default: Any, deadline: float
+    ) -> tuple[Any, bool]:
         """``(value, stale)``; see the class doc."""
         future = self.start(key, ttl_s, compute)
         if future is not None:
@@ -174,7 +178,10 @@ class ConsoleData:
         }
         if self.service.ingest_worker is None:
             del plan["consumer lag"]  # no ingestion in this process: no group to ask about
-        computes = {what: (lambda what=what, call=call, default=default: _safe(what, call, default)) for what, (call, default, _) in plan.items()}
+        computes = {
+            what: (lambda what=what, call=call, default=default: _safe(what, call, default))
+            for what, (call, default, _) in plan.items()
+        }
         for what, (_, _, ttl_s) in plan.items():  # all refreshes run at once
             self._sources.start(what, ttl_s, computes[what])
         deadline = time.monotonic() + self.wait_s
@@ -187,7 +194,12 @@ class ConsoleData:
             elif error:
                 errors.append(error)
         status, rounds, registry = got["status"], got["rounds"], got["MLflow registry"]
-        feedback, hourly, lag, dead = got["live feedback"], got["buffer listing"], got["consumer lag"], got["dead letters"]
+        feedback, hourly, lag, dead = (
+            got["live feedback"],
+            got["buffer listing"],
+            got["consumer lag"],
+            got["dead letters"],
+        )
         ui = mlflow_ui_base(self.cfg.registry.tracking_uri)
         return {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -219,20 +231,25 @@ class ConsoleData:
         for model in sorted(set(self._served_models()) | set(serving)):
             st = serving.get(model, {})
             reg = registry.get(model, {})
-            replicas = {redact(url): (names if isinstance(names, list) else redact(str(names))) for url, names in (st.get("replicas") or {}).items()}
-            out.append({
-                "model": model,
-                "champion": reg.get("champion", st.get("desired")),
-                "serving": st.get("serving"),
-                "promoted": reg.get("promoted"),
-                "promoted_at": reg.get("promoted_at"),
-                "previous": reg.get("previous"),
-                "run_link": reg.get("run_link"),
-                "candidate": reg.get("candidate"),
-                "last_hotload_s": st.get("last_hotload_s"),
-                "last_error": redact(st["last_error"]) if st.get("last_error") else None,
-                "replicas": replicas,
-            })  # fmt: skip
+            replicas = {
+                redact(url): (names if isinstance(names, list) else redact(str(names)))
+                for url, names in (st.get("replicas") or {}).items()
+            }
+            out.append(
+                {
+                    "model": model,
+                    "champion": reg.get("champion", st.get("desired")),
+                    "serving": st.get("serving"),
+                    "promoted": reg.get("promoted"),
+                    "promoted_at": reg.get("promoted_at"),
+                    "previous": reg.get("previous"),
+                    "run_link": reg.get("run_link"),
+                    "candidate": reg.get("candidate"),
+                    "last_hotload_s": st.get("last_hotload_s"),
+                    "last_error": redact(st["last_error"]) if st.get("last_error") else None,
+                    "replicas": replicas,
+                }
+            )
         return out
 
     def _registry(self) -> dict[str, Any]:
@@ -249,13 +266,21 @@ class ConsoleData:
         runs: dict[str, dict[str, str]] = {}
         experiment = client.get_experiment_by_name(self.cfg.registry.experiment)
         if experiment is not None:
-            for run in client.search_runs([experiment.experiment_id], max_results=200, order_by=["attributes.start_time DESC"]):
+            for run in client.search_runs(
+                [experiment.experiment_id], max_results=200, order_by=["attributes.start_time DESC"]
+            ):
                 round_id = run.data.tags.get(TAG_ROUND)
                 if not round_id:
                     continue
-                key = "round" if run.data.tags.get(TAG_KIND) == "round" else f"candidate:{run.data.tags.get(TAG_CANDIDATE, '')}"
+                key = (
+                    "round"
+                    if run.data.tags.get(TAG_KIND) == "round"
+                    else f"candidate:{run.data.tags.get(TAG_CANDIDATE, '')}"
+                )
                 if ui:
-                    runs.setdefault(round_id, {})[key] = f"{ui}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+                    runs.setdefault(round_id, {})[key] = (
+                        f"{ui}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+                    )
         models: dict[str, Any] = {}
         for model in self._served_models():
             info: dict[str, Any] = {}
@@ -268,7 +293,9 @@ class ConsoleData:
             promoted_at = None
             if reason and " at " in reason:
                 reason, promoted_at = reason.rsplit(" at ", 1)
-            info.update(champion=str(mv.version), promoted=reason, promoted_at=promoted_at, candidate=mv.tags.get(TAG_CANDIDATE))
+            info.update(
+                champion=str(mv.version), promoted=reason, promoted_at=promoted_at, candidate=mv.tags.get(TAG_CANDIDATE)
+            )
             if ui and mv.run_id and experiment is not None:
                 info["run_link"] = f"{ui}/#/experiments/{experiment.experiment_id}/runs/{mv.run_id}"
             try:
@@ -288,16 +315,23 @@ class ConsoleData:
         decisions = []
         for model, d in sorted((record.get("decisions") or {}).items()):
             lower = d.get("lower_bounds") or {}
-            decisions.append({
-                "model": model,
-                "champion_reward": d.get("champion_reward"),
-                "winner": d.get("winner"),
-                "reason": d.get("reason", ""),
-                "candidates": [
-                    {"name": name, "reward": reward, "lower_bound": lower.get(name), "link": links.get(f"candidate:{name}")}
-                    for name, reward in sorted((d.get("candidate_rewards") or {}).items())
-                ],
-            })  # fmt: skip
+            decisions.append(
+                {
+                    "model": model,
+                    "champion_reward": d.get("champion_reward"),
+                    "winner": d.get("winner"),
+                    "reason": d.get("reason", ""),
+                    "candidates": [
+                        {
+                            "name": name,
+                            "reward": reward,
+                            "lower_bound": lower.get(name),
+                            "link": links.get(f"candidate:{name}"),
+                        }
+                        for name, reward in sorted((d.get("candidate_rewards") or {}).items())
+                    ],
+                }
+            )
         metrics = record.get("metrics") or {}
         return {
             "round_id": record["round_id"],
@@ -336,7 +370,11 @@ class ConsoleData:
         from connectors.buffer import RewardBuffer
 
         now = datetime.now(timezone.utc)
-        table = RewardBuffer(self.cfg.buffer).snapshot(now - FEEDBACK_WINDOW, now).select(["ts", "model", "adapter_version", "reward"])
+        table = (
+            RewardBuffer(self.cfg.buffer)
+            .snapshot(now - FEEDBACK_WINDOW, now)
+            .select(["ts", "model", "adapter_version", "reward"])
+        )
         rows = [r for r in table.to_pylist() if r["reward"] is not None]
         if not rows:
             return {"series": {}, "live": [], "bucket_s": None}
@@ -363,14 +401,18 @@ class ConsoleData:
         series = {v: [[t, up / n, n] for t, (up, n) in sorted(buckets[v].items())] for v in sorted(recent)}
         return {
             "series": series,
-            "live": [{"model": m, "version": v, "rate": up / n, "traces": n} for (m, v), (up, n) in sorted(live.items())],
+            "live": [
+                {"model": m, "version": v, "rate": up / n, "traces": n} for (m, v), (up, n) in sorted(live.items())
+            ],
             "bucket_s": bucket_s,
         }
 
     def live_feedback(self) -> list[dict[str, Any]]:
         """``[{model, version, rate, traces}]`` of the last hour (cached 30 s; [] when the buffer is unreadable)."""
         compute = lambda: _safe("live feedback", self._feedback, {"series": {}, "live": [], "bucket_s": None})  # noqa: E731
-        (value, _), _ = self._sources.get("live feedback", 30.0, compute, ({"live": []}, None), time.monotonic() + self.wait_s)
+        (value, _), _ = self._sources.get(
+            "live feedback", 30.0, compute, ({"live": []}, None), time.monotonic() + self.wait_s
+        )
         return list(value.get("live", []))
 
     # -- ingestion ------------------------------------------------------------------------
@@ -435,7 +477,12 @@ def canary_view(status_canary: Any) -> dict[str, str]:
     for model, entry in sorted((status_canary or {}).items()) if isinstance(status_canary, dict) else []:
         if not isinstance(entry, dict):
             continue
-        for part, label in (("canary", "canary"), ("guard", "guard"), ("last_canary", "last canary"), ("last_guard", "last guard")):
+        for part, label in (
+            ("canary", "canary"),
+            ("guard", "guard"),
+            ("last_canary", "last canary"),
+            ("last_guard", "last guard"),
+        ):
             view = entry.get(part)
             if isinstance(view, dict) and view:
                 keys = ("version", "champion_version", "fraction", "decision", "reason", "error")

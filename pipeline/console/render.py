@@ -16,7 +16,10 @@ from markupsafe import Markup
 
 from pipeline.console.charts import bar_chart, line_chart
 
-_ENV = Environment(loader=PackageLoader("pipeline.console", "templates"), autoescape=select_autoescape(default=True, default_for_string=True))
+_ENV = Environment(
+    loader=PackageLoader("pipeline.console", "templates"),
+    autoescape=select_autoescape(default=True, default_for_string=True),
+)
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -60,31 +63,49 @@ def charts(data: dict[str, Any]) -> dict[str, Markup]:
     champion: dict[str, list[tuple[float, float | None]]] = {}  # None: no finite reward (not drawn)
     for i, r in enumerate(rounds, start=1):
         for d in r["decisions"]:
-            best = max((c["reward"] for c in d["candidates"] if c["reward"] is not None and math.isfinite(c["reward"])), default=None)
+            best = max(
+                (c["reward"] for c in d["candidates"] if c["reward"] is not None and math.isfinite(c["reward"])),
+                default=None,
+            )
             champion.setdefault(f"{d['model']} champion", []).append((i, d["champion_reward"]))
             champion.setdefault(f"{d['model']} best candidate", []).append((i, best))
     labels = {i: _round_label(i, r["round_id"]) for i, r in enumerate(rounds, start=1)}
     out = {
         "heldout": line_chart(
-            champion, title="held-out reward by round (champion vs best candidate)", kind="heldout",
+            champion,
+            title="held-out reward by round (champion vs best candidate)",
+            kind="heldout",
             x_format=lambda x: labels.get(int(x), f"{x:g}"),
             dashed=[k for k in champion if k.endswith("best candidate")],
         ),
         "feedback": line_chart(
-            {f"v{v}" if v != "base" else "base": [(t, rate) for t, rate, _ in pts] for v, pts in data["feedback"]["series"].items()},
-            title="live thumbs-up rate by served version", kind="feedback", x_format=_clock,
-            y_format=lambda y: f"{y:.0%}", y_range=(0.0, 1.0),
+            {
+                f"v{v}" if v != "base" else "base": [(t, rate) for t, rate, _ in pts]
+                for v, pts in data["feedback"]["series"].items()
+            },
+            title="live thumbs-up rate by served version",
+            kind="feedback",
+            x_format=_clock,
+            y_format=lambda y: f"{y:.0%}",
+            y_range=(0.0, 1.0),
         ),
-    }  # fmt: skip
-    auc = [(i, r["reward_model_auc"]) for i, r in enumerate(reversed(data["rounds"]), start=1) if r["reward_model_auc"] is not None]
+    }
+    auc = [
+        (i, r["reward_model_auc"])
+        for i, r in enumerate(reversed(data["rounds"]), start=1)
+        if r["reward_model_auc"] is not None
+    ]
     if auc:
-        out["auc"] = line_chart({"reward model AUC": auc}, title="reward model held-out AUC by round", kind="auc", y_range=(0.0, 1.0))
+        out["auc"] = line_chart(
+            {"reward model AUC": auc}, title="reward model held-out AUC by round", kind="auc", y_range=(0.0, 1.0)
+        )
     hourly = data["ingest"]["hourly"]
     out["hourly"] = bar_chart(
         [h["hour"][11:16] for h in hourly],
         {"traces": [h["traces"] for h in hourly], "feedback": [h["feedback"] for h in hourly]},
-        title="traces and feedback per hour (UTC)", kind="hourly",
-    )  # fmt: skip
+        title="traces and feedback per hour (UTC)",
+        kind="hourly",
+    )
     return {name: Markup(svg) for name, svg in out.items()}
 
 
@@ -97,4 +118,6 @@ def render_page(data: dict[str, Any], *, canary_abort: str | None = None, refres
     """The whole page (HTML document)."""
     panels = Markup(render_panels(data, canary_abort=canary_abort))
     models = [m["model"] for m in data["models"]]
-    return _ENV.get_template("page.html.j2").render(d=data, panels=panels, models=models, canary_abort=canary_abort, refresh_s=refresh_s)
+    return _ENV.get_template("page.html.j2").render(
+        d=data, panels=panels, models=models, canary_abort=canary_abort, refresh_s=refresh_s
+    )

@@ -52,9 +52,11 @@ def live_rates(table: pa.Table, phases: Sequence[Sequence[str]]) -> list[LiveRat
         up_rated[1] += 1
     return [
         LiveRate(
-            phase=i, served_by={v: (c[0], c[1]) for v, c in sorted(by_version.items())},
-            up=sum(c[0] for c in by_version.values()), rated=sum(c[1] for c in by_version.values()),
-        )  # fmt: skip
+            phase=i,
+            served_by={v: (c[0], c[1]) for v, c in sorted(by_version.items())},
+            up=sum(c[0] for c in by_version.values()),
+            rated=sum(c[1] for c in by_version.values()),
+        )
         for i, by_version in enumerate(counts)
     ]
 
@@ -76,7 +78,9 @@ def plot_live_rates(rates: Sequence[LiveRate], out: Path) -> None:
     xs = [r.phase for r in rates]
     ax.plot(xs, [r.rate for r in rates], "o-", label="users' thumbs-up rate (live traffic)")
     for r in rates:
-        ax.annotate(f"{r.up}/{r.rated}", (r.phase, r.rate), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(
+            f"{r.up}/{r.rated}", (r.phase, r.rate), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8
+        )
     ax.set_xlabel("round (0 = before the first round)")
     ax.set_ylabel("thumbs-up rate")
     ax.set_ylim(0, 1)

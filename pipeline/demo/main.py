@@ -71,7 +71,12 @@ def _get(url: str, **params: Any) -> Any:
 
 def _spawn(name: str, args: list[str], cfg: HourglassConfig, config: Path) -> subprocess.Popen[bytes]:
     log = (stack.run_dir(cfg.state_dir) / f"{name}.log").open("ab")
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args, "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait_http(url: str, what: str, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
@@ -119,7 +124,12 @@ def _greedy_accuracy(vllm_url: str, model: str, questions: list[tuple[str, str]]
         question, reference = item
         response = httpx.post(
             f"{vllm_url}/v1/chat/completions",
-            json={"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0.0},
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 16,
+                "temperature": 0.0,
+            },
             timeout=300,
         )
         response.raise_for_status()
@@ -160,7 +170,9 @@ def _interval(view: dict[str, Any]) -> str:
     return "-" if lower is None or upper is None else f"[{lower:+.2f}, {upper:+.2f}]"
 
 
-def _run_canary(api: str, gateway: str, cfg: HourglassConfig, key: str, version: str, seed: int, timeout_s: float) -> tuple[list[Exchange], dict | None]:
+def _run_canary(
+    api: str, gateway: str, cfg: HourglassConfig, key: str, version: str, seed: int, timeout_s: float
+) -> tuple[list[Exchange], dict | None]:
     """Keep the users' traffic flowing while ``version`` is on canary, printing the live evidence after each
     batch, until the service's canary monitor decided (promote or abort) or ``timeout_s`` passed.
 
@@ -189,7 +201,9 @@ def _run_canary(api: str, gateway: str, cfg: HourglassConfig, key: str, version:
             return sent, last
         view = look.get("canary") or {}
         if str(view.get("version")) == version and view.get("challenger"):
-            console.print(f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]")
+            console.print(
+                f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]"
+            )
         sent += drive(gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key)
         batch += 1
     return sent, None
@@ -202,8 +216,10 @@ def _print_canary(version: str, decided: dict | None, sent: list[Exchange], took
         console.print(f"[bold yellow]canary {line}[/]")
         return line
     word = "PROMOTED" if decided["decision"] == "promote" else "ABORTED"
-    line = (f"v{version} {word} after {decided.get('elapsed_s', float('nan')):.0f} s of canary traffic "
-            f"({took_s:.0f} s after the round, {len(sent)} requests): {_sides(decided)}; interval {_interval(decided)}")  # fmt: skip
+    line = (
+        f"v{version} {word} after {decided.get('elapsed_s', float('nan')):.0f} s of canary traffic "
+        f"({took_s:.0f} s after the round, {len(sent)} requests): {_sides(decided)}; interval {_interval(decided)}"
+    )
     console.print(f"[bold]canary {line}[/]\n  reason: {escape(str(decided.get('reason')))}")
     return line
 
@@ -212,8 +228,12 @@ def _promote_oracle(api: str, token: str) -> None:
     """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API)."""
     look = _get(f"{api}/canary").get(ORACLE_MODEL) or {}
     if look.get("canary"):
-        httpx.post(f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=120).raise_for_status()
-        console.print(f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)")
+        httpx.post(
+            f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=120
+        ).raise_for_status()
+        console.print(
+            f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)"
+        )
 
 
 def _live_verdict(cfg: HourglassConfig, phases: list[list[str]], timeout_s: float = 60.0) -> list[LiveRate]:
@@ -251,11 +271,17 @@ def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any]) -> N
         for name, value in (decision.get("candidate_rewards") or {}).items():
             table.add_row(name, _num(value), _num((decision.get("lower_bounds") or {}).get(name), "+.3f"))
         console.print(table)
-        console.print(f"{model}: winner {decision.get('winner') or 'none'}; gate: {escape(decision.get('reason', '-'))}")
+        console.print(
+            f"{model}: winner {decision.get('winner') or 'none'}; gate: {escape(decision.get('reason', '-'))}"
+        )
 
 
-def _print_scoreboard(rates: list[LiveRate], canaries: dict[int, tuple[LiveRate, str]], accuracy: dict[str, float],
-                      aucs: list[float | None]) -> None:  # fmt: skip
+def _print_scoreboard(
+    rates: list[LiveRate],
+    canaries: dict[int, tuple[LiveRate, str]],
+    accuracy: dict[str, float],
+    aucs: list[float | None],
+) -> None:
     """The users' live verdict per phase (canary traffic on rows of its own), greedy accuracy, AUC by round."""
     live = Table("phase", "served by (version: up/rated)", "users' thumbs-up", "rate", title="The users' live verdict")
 
@@ -283,8 +309,12 @@ def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
     rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 2,
     traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
-    between: Annotated[int, typer.Option(help="Requests after each round (and its canary), served by the champion.")] = 48,
-    canary_wait: Annotated[float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")] = 660.0,
+    between: Annotated[
+        int, typer.Option(help="Requests after each round (and its canary), served by the champion.")
+    ] = 48,
+    canary_wait: Annotated[
+        float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")
+    ] = 660.0,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
@@ -309,7 +339,9 @@ def main(
                 console.print(f"[yellow]{service.name} did not start ({escape(str(err))}); again in 30 s[/]")
                 time.sleep(30)
         console.print(f"{service.name}: healthy on {service.host}:{service.port}")
-    watching = threading.Event()  # like `hourglass up --watch`: a stack process that dies (e.g. the OOM killer) is started again
+    watching = (
+        threading.Event()
+    )  # like `hourglass up --watch`: a stack process that dies (e.g. the OOM killer) is started again
     threading.Thread(target=stack.watch, args=(services, watching), daemon=True, name="demo-watch").start()
     from connectors.kafka_admin import ensure_topics
 
@@ -317,7 +349,10 @@ def main(
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
     vllm_url, model = cfg.serving.replicas[0], cfg.serving.model_name
     key = create_demo_key(cfg.resolve(cfg.state_dir))  # trusted grader: the simulated users send reference answers
-    procs = {"service": _spawn("service", ["service"], cfg, config), "gateway": _spawn("gateway", ["gateway"], cfg, config)}
+    procs = {
+        "service": _spawn("service", ["service"], cfg, config),
+        "gateway": _spawn("gateway", ["gateway"], cfg, config),
+    }
     try:
         _wait_http(f"{api}/healthz", "the service", procs["service"])
         _wait_http(f"{gateway}/healthz", "the gateway", procs["gateway"])
@@ -345,11 +380,17 @@ def main(
                 more, decided = _run_canary(api, gateway, cfg, key, version, seed=100 + i, timeout_s=canary_wait)
                 canaries[i] = [e.trace_id for e in more]
                 canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
-                time.sleep(2 * cfg.serving.reconcile_interval_s)  # the route drops the challenger (promote: moves to it)
+                time.sleep(
+                    2 * cfg.serving.reconcile_interval_s
+                )  # the route drops the challenger (promote: moves to it)
             serving = _wait_serving(api, model, None)
             hotload = serving.get("last_hotload_s")
-            console.print(f"serving now: {model} -> {serving.get('serving')}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s")
-            more = drive(gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key)  # the phase after round i, served by its champion
+            console.print(
+                f"serving now: {model} -> {serving.get('serving')}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
+            )
+            more = drive(
+                gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key
+            )  # the phase after round i, served by its champion
             phases.append([e.trace_id for e in more])
             _say_sent(more, "more requests")
 
@@ -358,7 +399,11 @@ def main(
         routes_file = cfg.resolve(cfg.state_dir) / "routes.json"
         routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
         questions = arithmetic_questions(48, seed=999)  # fresh prompts, never seen in training
-        accuracy = {f"base ({cfg.serving.base_served_name})": _greedy_accuracy(vllm_url, cfg.serving.base_served_name, questions)}
+        accuracy = {
+            f"base ({cfg.serving.base_served_name})": _greedy_accuracy(
+                vllm_url, cfg.serving.base_served_name, questions
+            )
+        }
         for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
             served = routes.get(served_model, {}).get("served_name")
             if served:
@@ -366,7 +411,7 @@ def main(
         canary_ids = sorted(canaries)
         all_rates = _live_verdict(cfg, phases + [canaries[i] for i in canary_ids])
         rates = all_rates[: len(phases)]
-        canary_rates = {i: (r, canary_lines[i]) for i, r in zip(canary_ids, all_rates[len(phases):])}
+        canary_rates = {i: (r, canary_lines[i]) for i, r in zip(canary_ids, all_rates[len(phases) :])}
         _print_scoreboard(rates, canary_rates, accuracy, aucs)
         values = list(accuracy.values())
         if len(values) == 3:
@@ -376,11 +421,15 @@ def main(
                 f"feedback-only / oracle = {gain_ratio(base_acc, champion_acc, oracle_acc):.2f}"
             )
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key):
-            console.print(f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})")
+            console.print(
+                f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})"
+            )
         plot = cfg.resolve(cfg.state_dir) / "demo-live-thumbs-up.png"
         plot_live_rates(rates, plot)
         loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        console.print(f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s on {os.cpu_count()} CPUs; load average (1, 5, 15 min) {loadavg}")
+        console.print(
+            f"plot: {plot}\ntotal time {time.monotonic() - started:.0f} s on {os.cpu_count()} CPUs; load average (1, 5, 15 min) {loadavg}"
+        )
     finally:
         watching.set()
         if not keep_up:
@@ -389,7 +438,9 @@ def main(
             for service in reversed(stack.stack_services(cfg, Path("-"))):
                 service.stop()
         else:
-            console.print(f"left running; status page: {api}/ — stop with `hourglass down` and by ending the service and gateway processes")
+            console.print(
+                f"left running; status page: {api}/ — stop with `hourglass down` and by ending the service and gateway processes"
+            )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,17 @@ def is_correct(answer: str, reference: str) -> bool:
 def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:
     """``n`` (question, reference answer) pairs of one-digit additions."""
     prompts = reasoning_gym_prompts(
-        "basic_arithmetic", n, seed, min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",),
-        allow_parentheses=False, allow_negation=False,
-    )  # fmt: skip
+        "basic_arithmetic",
+        n,
+        seed,
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=1,
+        operators=("+",),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
     return [(p.messages[0]["content"], p.metadata["reference_answer"]) for p in prompts]
 
 
@@ -64,7 +72,14 @@ def create_demo_key(state_dir: str | Path, name: str = "demo") -> str:
 
 
 def ask(
-    client: OpenAI, gateway_url: str, model: str, question: str, reference: str, max_tokens: int = 16, *, user: str | None = None
+    client: OpenAI,
+    gateway_url: str,
+    model: str,
+    question: str,
+    reference: str,
+    max_tokens: int = 16,
+    *,
+    user: str | None = None,
 ) -> Exchange:
     """One chat completion through the gateway, then the user's feedback (same API key, the response's token)."""
     raw = client.chat.completions.with_raw_response.create(
@@ -72,19 +87,33 @@ def ask(
         messages=[{"role": "user", "content": question}],
         max_tokens=max_tokens,
         temperature=0.7,
-        extra_body={"metadata": {"reference_answer": reference, "task": "basic_arithmetic"}, **({"user": user} if user else {})},
+        extra_body={
+            "metadata": {"reference_answer": reference, "task": "basic_arithmetic"},
+            **({"user": user} if user else {}),
+        },
     )
     trace_id = raw.headers.get("x-hourglass-trace-id", "")
     answer = raw.parse().choices[0].message.content or ""
     correct = is_correct(answer, reference)
-    vote = {"trace_id": trace_id, "thumbs": "up" if correct else "down", "feedback_token": raw.headers.get(FEEDBACK_HEADER, "")}
+    vote = {
+        "trace_id": trace_id,
+        "thumbs": "up" if correct else "down",
+        "feedback_token": raw.headers.get(FEEDBACK_HEADER, ""),
+    }
     headers = {"authorization": f"Bearer {client.api_key}"}
     httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
     return Exchange(trace_id, question, answer, reference, correct)
 
 
 def drive(
-    gateway_url: str, model: str, n: int, seed: int, concurrency: int = 4, *, api_key: str = "demo", patience_s: float = 600.0
+    gateway_url: str,
+    model: str,
+    n: int,
+    seed: int,
+    concurrency: int = 4,
+    *,
+    api_key: str = "demo",
+    patience_s: float = 600.0,
 ) -> list[Exchange]:
     """Send ``n`` questions through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
     ``api_key`` (a trusted-grader key, see :func:`create_demo_key`).
@@ -96,8 +125,12 @@ def drive(
     questions = arithmetic_questions(n, seed)
     users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]
     patient = retry(
-        retry=retry_if_exception_type((APIConnectionError, InternalServerError)), wait=wait_fixed(5), stop=stop_after_delay(patience_s),
+        retry=retry_if_exception_type((APIConnectionError, InternalServerError)),
+        wait=wait_fixed(5),
+        stop=stop_after_delay(patience_s),
         reraise=True,
-    )(ask)  # fmt: skip  (APITimeoutError is an APIConnectionError)
+    )(ask)  # APITimeoutError is an APIConnectionError
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda args: patient(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)))
+        return list(
+            pool.map(lambda args: patient(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users))
+        )

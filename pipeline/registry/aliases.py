@@ -83,7 +83,9 @@ def _require_version(client: MlflowClient, model: str, version: str):
         raise
 
 
-def promote(cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None, reason: str = "manual") -> dict:
+def promote(
+    cfg: HourglassConfig, model: str, version: str, *, client: MlflowClient | None = None, reason: str = "manual"
+) -> dict:
     """Move ``@champion`` of ``model`` to ``version``; the old champion becomes ``previous-champion``.
 
     Clears the version's ``hourglass.serve_error`` tag (an explicit promote is
@@ -107,14 +109,14 @@ def promote(cfg: HourglassConfig, model: str, version: str, *, client: MlflowCli
         _set_previous(client, model, current)
         past.append(version)
     _set_history(client, model, past)
-    client.set_model_version_tag(model, version, TAG_PROMOTED_BY, f"{reason} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+    client.set_model_version_tag(
+        model, version, TAG_PROMOTED_BY, f"{reason} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+    )
     client.set_registered_model_alias(model, alias, version)
     return {"model": model, "version": version, "previous": current}
 
 
-def rollback(
-    cfg: HourglassConfig, model: str, to: str | None = None, *, client: MlflowClient | None = None
-) -> dict:
+def rollback(cfg: HourglassConfig, model: str, to: str | None = None, *, client: MlflowClient | None = None) -> dict:
     """Move ``@champion`` back: to ``to``, or to the most recent earlier champion that served fine.
 
     Returns ``{"model", "version", "previous"}`` (``previous`` = the champion
@@ -135,7 +137,11 @@ def rollback(
             client.delete_model_version_tag(model, target, TAG_SERVE_ERROR)
     else:
         earlier = next(
-            (v for v in reversed(past) if v != current and TAG_SERVE_ERROR not in client.get_model_version(model, v).tags),
+            (
+                v
+                for v in reversed(past)
+                if v != current and TAG_SERVE_ERROR not in client.get_model_version(model, v).tags
+            ),
             None,
         )
         if earlier is None:
@@ -154,7 +160,9 @@ def rollback(
     return {"model": model, "version": target, "previous": current}
 
 
-def revert_failed(client: MlflowClient, cfg: HourglassConfig, model: str, failed: str, reason: str, last_good: str | None) -> None:
+def revert_failed(
+    client: MlflowClient, cfg: HourglassConfig, model: str, failed: str, reason: str, last_good: str | None
+) -> None:
     """Mark ``failed`` unservable and move ``@champion`` back to ``last_good`` (or drop the alias).
 
     Called by the serving controller after a stage, load or probe failure.

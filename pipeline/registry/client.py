@@ -74,4 +74,9 @@ def transient(err: BaseException) -> bool:
 
 
 # Short retries for a blip; a longer outage is the pending folder's job.
-short_retry = retry(retry=retry_if_exception(transient), stop=stop_after_attempt(3), wait=wait_exponential(multiplier=0.5, max=2), reraise=True)
+short_retry = retry(
+    retry=retry_if_exception(transient),
+    stop=stop_after_attempt(3),
+    wait=wait_exponential(multiplier=0.5, max=2),
+    reraise=True,
+)

@@ -108,10 +108,16 @@ def _result_to_json(result: RoundResult, adapters_root: Path, promote: bool) -> 
 
 def _result_from_json(data: dict) -> tuple[RoundResult, bool]:
     candidates = tuple(
-        CandidateResult(**{**c, "adapter_dir": Path(c["adapter_dir"]), "step_metrics": tuple(c["step_metrics"]),
-                           "eval_rewards": tuple(c["eval_rewards"])})
+        CandidateResult(
+            **{
+                **c,
+                "adapter_dir": Path(c["adapter_dir"]),
+                "step_metrics": tuple(c["step_metrics"]),
+                "eval_rewards": tuple(c["eval_rewards"]),
+            }
+        )
         for c in data["candidates"]
-    )  # fmt: skip
+    )
     result = RoundResult(
         round_id=data["round_id"],
         base_fingerprint=data["base_fingerprint"],
@@ -195,16 +201,16 @@ def _find_runs(client: MlflowClient, experiment_id: str, round_id: str, kind: st
     return client.search_runs([experiment_id], filter_string=query, max_results=1000)
 
 
-def _log_candidate(client: MlflowClient, experiment_id: str, parent_id: str, result: RoundResult, cand: CandidateResult) -> str:
+def _log_candidate(
+    client: MlflowClient, experiment_id: str, parent_id: str, result: RoundResult, cand: CandidateResult
+) -> str:
     tags = {**_lineage_tags(result), TAG_KIND: "candidate", TAG_CANDIDATE: cand.name, "mlflow.parentRunId": parent_id}
     run = client.create_run(experiment_id, tags=tags, run_name=f"{result.round_id}/{cand.name}")
     run_id = run.info.run_id
     params = [Param(k, redact(str(v))[:6000]) for k, v in sorted(cand.recipe.items())]
     metrics = [
-        Metric(key, float(value), 0, step)
-        for step, row in enumerate(cand.step_metrics)
-        for key, value in row.items()
-    ]  # fmt: skip
+        Metric(key, float(value), 0, step) for step, row in enumerate(cand.step_metrics) for key, value in row.items()
+    ]
     metrics += [Metric(key, float(value), 0, 0) for key, value in cand.eval_metrics.items()]
     for start in range(0, max(len(metrics), 1), 900):  # log_batch takes at most 1000 entries
         client.log_batch(run_id, metrics=metrics[start : start + 900], params=params if start == 0 else [])
@@ -223,11 +229,16 @@ def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dic
         MlflowException: MLflow refused or could not be reached.
     """
     experiment_id = _experiment_id(client, experiment)
-    done = {r.data.tags.get(TAG_CANDIDATE): r.info.run_id for r in _find_runs(client, experiment_id, result.round_id, "candidate")}
+    done = {
+        r.data.tags.get(TAG_CANDIDATE): r.info.run_id
+        for r in _find_runs(client, experiment_id, result.round_id, "candidate")
+    }
     parents = _find_runs(client, experiment_id, result.round_id, "round")
     if parents and all(c.name in done for c in result.candidates):
         return {c.name: done[c.name] for c in result.candidates}
-    parent = client.create_run(experiment_id, tags={**_lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id)
+    parent = client.create_run(
+        experiment_id, tags={**_lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id
+    )
     parent_id = parent.info.run_id
     round_metrics = [Metric(k, float(v), 0, 0) for k, v in result.metrics.items()]
     decisions = [Param(f"gate/{m}/winner", redact(str(d.winner))) for m, d in sorted(result.decisions.items())]
@@ -270,10 +281,16 @@ def register_winner(
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    tags = {**_lineage_tags(result), TAG_CANDIDATE: cand.name, TAG_SHA256: json.dumps(adapter_checksums(cand.adapter_dir))}
+    tags = {
+        **_lineage_tags(result),
+        TAG_CANDIDATE: cand.name,
+        TAG_SHA256: json.dumps(adapter_checksums(cand.adapter_dir)),
+    }
     tags[TAG_SIGNATURE] = sign(signing_key, model, tags)
     source = f"{client.get_run(run_id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-    version = client.create_model_version(model, source, run_id=run_id, tags=tags, description=redact(decision.reason)[:5000])
+    version = client.create_model_version(
+        model, source, run_id=run_id, tags=tags, description=redact(decision.reason)[:5000]
+    )
     return RegisteredVersion(model, str(version.version), result.round_id, cand.name, run_id)
 
 
@@ -284,7 +301,9 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, result: RoundResul
     for decision in result.decisions.values():
         if decision.winner is None:
             continue
-        registered.append(_short_retry(register_winner)(client, result, decision, runs[decision.winner], signing_key=key))
+        registered.append(
+            _short_retry(register_winner)(client, result, decision, runs[decision.winner], signing_key=key)
+        )
     return registered
 
 
@@ -327,7 +346,9 @@ def register_round(
     return _register_folder(cfg, folder, stored, promote, client or make_client(cfg))
 
 
-def register_pending(cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None) -> list[RegisteredVersion] | None:
+def register_pending(
+    cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None
+) -> list[RegisteredVersion] | None:
     """Register the pending folder of ``round_id`` without moving any alias (crash recovery of a round
     that was in ``register``: its own ``promote`` step follows). None when the round has no pending folder.
 
@@ -344,7 +365,9 @@ def register_pending(cfg: HourglassConfig, round_id: str, client: MlflowClient |
 TAG_NOT_PROMOTED = "hourglass.not_promoted"
 
 
-def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, model: str, version: str, round_id: str) -> str | None:
+def _stale_against_champion(
+    cfg: HourglassConfig, client: MlflowClient, model: str, version: str, round_id: str
+) -> str | None:
     """Why ``version`` must not become champion (its round is older than the champion's), or None.
 
     Rounds are ordered by round id (``r<UTC start time>-<hex>``), falling back
@@ -364,7 +387,9 @@ def _stale_against_champion(cfg: HourglassConfig, client: MlflowClient, model: s
     return None
 
 
-def promote_winners(cfg: HourglassConfig, round_id: str, versions: Mapping[str, str], *, client: MlflowClient | None = None) -> list[dict]:
+def promote_winners(
+    cfg: HourglassConfig, round_id: str, versions: Mapping[str, str], *, client: MlflowClient | None = None
+) -> list[dict]:
     """The ``promote`` step with the canary off: move ``@champion`` of each served model to its
     registered version, unless a newer round's version is champion already (then the version is
     tagged ``hourglass.not_promoted`` with the reason and the alias stays).
@@ -393,7 +418,9 @@ def promote_winners(cfg: HourglassConfig, round_id: str, versions: Mapping[str, 
     return outcomes
 
 
-def _register_folder(cfg: HourglassConfig, folder: Path, result: RoundResult, promote: bool, client: MlflowClient) -> list[RegisteredVersion]:
+def _register_folder(
+    cfg: HourglassConfig, folder: Path, result: RoundResult, promote: bool, client: MlflowClient
+) -> list[RegisteredVersion]:
     """Register the pending round in ``folder``; with ``promote``, run :func:`promote_winners` before the folder goes."""
     try:
         registered = _register_now(cfg, client, result)

@@ -94,11 +94,18 @@ def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowC
         version = aliases.champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
         if version is None:
             return None
-        options = {**stage_options(cfg), "max_lora_rank": MAX_RANK}  # signature, size cap, adapter config: as for policies
+        options = {
+            **stage_options(cfg),
+            "max_lora_rank": MAX_RANK,
+        }  # signature, size cap, adapter config: as for policies
         staged = stage_version(
-            client, reward_model_name(cfg), version, cfg.staging_root(), base_fingerprint=base_fingerprint,
+            client,
+            reward_model_name(cfg),
+            version,
+            cfg.staging_root(),
+            base_fingerprint=base_fingerprint,
             **options,
-        )  # fmt: skip
+        )
         return staged.path
     except Exception as err:  # the round still trains; without the champion's files its recorded AUC is used
         log.warning("reward champion not staged (%s: %s); its recorded AUC will be used", type(err).__name__, err)
@@ -108,7 +115,10 @@ def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowC
 def decide(new: RewardModelReport, champion_auc: float | None, margin: float) -> tuple[bool, str]:
     """Whether the new reward model becomes ``@champion``, and why (see the module docstring)."""
     if not math.isfinite(new.auc):
-        return False, f"held-out AUC undefined ({new.heldout_examples} held-out rows without both labels); champion kept"
+        return (
+            False,
+            f"held-out AUC undefined ({new.heldout_examples} held-out rows without both labels); champion kept",
+        )
     if champion_auc is None or not math.isfinite(champion_auc):
         return True, f"held-out AUC {new.auc:.3f}; no comparable reward champion"
     if new.auc >= champion_auc - margin:
@@ -142,10 +152,14 @@ def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
     raw = data["reward_model"]
     champion = raw["champion_report"]
     rm = RewardModelResult(
-        name=raw["name"], adapter_dir=Path(raw["adapter_dir"]), report=RewardModelReport(**raw["report"]),
+        name=raw["name"],
+        adapter_dir=Path(raw["adapter_dir"]),
+        report=RewardModelReport(**raw["report"]),
         champion_report=RewardModelReport(**champion) if champion else None,
-        step_metrics=tuple(raw["step_metrics"]), train_examples=raw["train_examples"], train_pairs=raw["train_pairs"],
-    )  # fmt: skip
+        step_metrics=tuple(raw["step_metrics"]),
+        train_examples=raw["train_examples"],
+        train_pairs=raw["train_pairs"],
+    )
     return data["lineage"], rm
 
 
@@ -175,7 +189,9 @@ def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str]
     return run.info.run_id
 
 
-def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult, promote: bool) -> RewardRegistration:
+def _register_now(
+    cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult, promote: bool
+) -> RewardRegistration:
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
     existing = _find_version(client, model, lineage[TAG_ROUND])
     if existing is not None:  # a retry after a crash or a blip: registered and decided already
@@ -185,7 +201,11 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
             aliases.promote(cfg, model, version, client=client, reason=f"round {lineage[TAG_ROUND]} (resumed)")
         return RewardRegistration(model, version, promoted, existing.tags.get(TAG_DECISION, ""), current)
     try:
-        client.create_registered_model(model, tags={TAG_ROLE: ROLE}, description=f"Reward model learned from the feedback on {cfg.serving.model_name!r} (Hourglass).")
+        client.create_registered_model(
+            model,
+            tags={TAG_ROLE: ROLE},
+            description=f"Reward model learned from the feedback on {cfg.serving.model_name!r} (Hourglass).",
+        )
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -199,9 +219,18 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
             champion_auc = float(recorded) if recorded is not None else None
     promoted, reason = decide(rm.report, champion_auc, cfg.reward_model.auc_margin)
     run_id = _log_run(client, cfg, lineage, rm)
-    tags = {**lineage, TAG_ROLE: ROLE, TAG_CANDIDATE: rm.name, TAG_SHA256: json.dumps(adapter_checksums(rm.adapter_dir)),
-            TAG_AUC: repr(rm.report.auc), TAG_DECISION: reason, TAG_PROMOTE: str(promoted).lower()}  # fmt: skip
-    tags[TAG_SIGNATURE] = sign(signing_keys(cfg)[0], model, tags)  # staging serves nothing unsigned, reward models included
+    tags = {
+        **lineage,
+        TAG_ROLE: ROLE,
+        TAG_CANDIDATE: rm.name,
+        TAG_SHA256: json.dumps(adapter_checksums(rm.adapter_dir)),
+        TAG_AUC: repr(rm.report.auc),
+        TAG_DECISION: reason,
+        TAG_PROMOTE: str(promoted).lower(),
+    }
+    tags[TAG_SIGNATURE] = sign(
+        signing_keys(cfg)[0], model, tags
+    )  # staging serves nothing unsigned, reward models included
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT}"
     version = str(client.create_model_version(model, source, run_id=run_id, tags=tags, description=reason).version)
     if promote and promoted:
@@ -209,7 +238,9 @@ def _register_now(cfg: HourglassConfig, client: MlflowClient, lineage: dict[str,
     return RewardRegistration(model, version, promoted, reason, current)
 
 
-def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient, promote: bool = True) -> RewardRegistration:
+def _register_folder(
+    cfg: HourglassConfig, folder: Path, client: MlflowClient, promote: bool = True
+) -> RewardRegistration:
     lineage, rm = _load_pending(folder)
     try:
         registered = short_retry(_register_now)(cfg, client, lineage, rm, promote)
@@ -219,7 +250,9 @@ def _register_folder(cfg: HourglassConfig, folder: Path, client: MlflowClient, p
                 f"MLflow at {cfg.registry.tracking_uri} is unreachable ({type(err).__name__}); the reward model of round "
                 f"{folder.name!r} is kept in {folder} and will be registered by retry_pending_rewards()"
             ) from err
-        raise RegistryError(f"MLflow refused to register the reward model of round {folder.name!r}: {err}; kept in {folder}") from err
+        raise RegistryError(
+            f"MLflow refused to register the reward model of round {folder.name!r}: {err}; kept in {folder}"
+        ) from err
     shutil.rmtree(folder, ignore_errors=True)
     return registered
 
@@ -257,14 +290,20 @@ def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClie
         return False
     version = str(found.version)
     if aliases.champion_version(client, model, cfg.registry.champion_alias) != version:
-        aliases.promote(cfg, model, version, client=client, reason=f"round {round_id}: {found.tags.get(TAG_DECISION, '')}")
+        aliases.promote(
+            cfg, model, version, client=client, reason=f"round {round_id}: {found.tags.get(TAG_DECISION, '')}"
+        )
     return True
 
 
 def retry_pending_rewards(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RewardRegistration]:
     """Register every pending reward model, oldest first; stops at the first outage."""
     root = pending_reward_dir(cfg)
-    folders = sorted((p for p in root.iterdir() if (p / "reward.json").is_file()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    folders = (
+        sorted((p for p in root.iterdir() if (p / "reward.json").is_file()), key=lambda p: p.stat().st_mtime)
+        if root.is_dir()
+        else []
+    )
     out: list[RewardRegistration] = []
     for folder in folders:
         try:

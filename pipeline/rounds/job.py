@@ -58,11 +58,25 @@ from trainer.types import PhaseBoundary, PhaseHook, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)
 
-ROUND_SECONDS = Histogram("hourglass_round_duration_seconds", "Wall time of a round, seconds.", buckets=(30, 60, 120, 300, 600, 1200, 3600, 7200))
+ROUND_SECONDS = Histogram(
+    "hourglass_round_duration_seconds",
+    "Wall time of a round, seconds.",
+    buckets=(30, 60, 120, 300, 600, 1200, 3600, 7200),
+)
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
-CANDIDATE_REWARD = Gauge("hourglass_round_candidate_reward", "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.", ["candidate"])
-CHAMPION_REWARD = Gauge("hourglass_round_champion_reward", "Held-out gate value of the champion in the last round (same unit as the candidates').", ["served_model"])
-REWARD_MODEL_AUC = Gauge("hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined).")
+CANDIDATE_REWARD = Gauge(
+    "hourglass_round_candidate_reward",
+    "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.",
+    ["candidate"],
+)
+CHAMPION_REWARD = Gauge(
+    "hourglass_round_champion_reward",
+    "Held-out gate value of the champion in the last round (same unit as the candidates').",
+    ["served_model"],
+)
+REWARD_MODEL_AUC = Gauge(
+    "hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined)."
+)
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
 
 
@@ -80,7 +94,13 @@ class RoundNotCancellableError(PipelineError, RuntimeError):
 class RoundRunner:
     """Runs rounds one at a time and records them; shared by the scheduler, the API and the CLI."""
 
-    def __init__(self, cfg: HourglassConfig, base_fingerprint: str, store: RoundStore | None = None, steps: RoundSteps | None = None) -> None:
+    def __init__(
+        self,
+        cfg: HourglassConfig,
+        base_fingerprint: str,
+        store: RoundStore | None = None,
+        steps: RoundSteps | None = None,
+    ) -> None:
         self.cfg = cfg
         self.base_fingerprint = base_fingerprint
         self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
@@ -92,7 +112,9 @@ class RoundRunner:
         self._abandoned: str | None = None  # set by settle_abandoned(): the round thread must not write its record
         self._thread: threading.Thread | None = None
         self.current: str | None = None
-        self.on_promoted: list[Callable[[str, str], None]] = []  # callbacks(model, version): e.g. wake the reconcile loop
+        self.on_promoted: list[
+            Callable[[str, str], None]
+        ] = []  # callbacks(model, version): e.g. wake the reconcile loop
 
     def _run(self, record: RoundRecord) -> None:
         """The round, state by state."""
@@ -101,12 +123,18 @@ class RoundRunner:
         table, data_metrics = self.steps.snapshot(record.window)
         record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
         if table.num_rows < 2:
-            self.store.advance(record, RoundState.NO_WINNER, f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from")
+            self.store.advance(
+                record,
+                RoundState.NO_WINNER,
+                f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from",
+            )
             return
 
         self._step(record, RoundState.TRAIN)  # evaluate is entered at the trainer's boundary (_at_boundary)
         result = self.steps.train_and_evaluate(record, table, lambda boundary: self._at_boundary(record, boundary))
-        if record.state is RoundState.TRAIN:  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
+        if (
+            record.state is RoundState.TRAIN
+        ):  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
             self._step(record, RoundState.EVALUATE)
 
         self._step(record, RoundState.GATE)
@@ -151,7 +179,9 @@ class RoundRunner:
         self._cancel.clear()
         self._committed, self._abandoned = False, None
         self.current = record.round_id
-        self._thread = threading.Thread(target=self._run_locked, args=(record,), name=f"round-{record.round_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_locked, args=(record,), name=f"round-{record.round_id}", daemon=True
+        )
         self._thread.start()
         return record
 
@@ -250,10 +280,16 @@ class RoundRunner:
         metric's unit) go into the record and the gauges."""
         record.metrics.update(result.metrics)
         record.decisions = {
-            m: {"winner": d.winner, "reason": d.reason, "metric": d.metric, "champion_reward": d.champion_reward_mean,
-                "candidate_rewards": d.candidate_reward_means, "lower_bounds": d.lower_bounds}
+            m: {
+                "winner": d.winner,
+                "reason": d.reason,
+                "metric": d.metric,
+                "champion_reward": d.champion_reward_mean,
+                "candidate_rewards": d.candidate_reward_means,
+                "lower_bounds": d.lower_bounds,
+            }
             for m, d in result.decisions.items()
-        }  # fmt: skip
+        }
         for model, decision in result.decisions.items():
             CHAMPION_REWARD.labels(model).set(decision.champion_reward_mean)
             for name, value in decision.candidate_reward_means.items():
@@ -314,21 +350,37 @@ def _settle(cfg: HourglassConfig, store: RoundStore, record: RoundRecord, steps:
     """Settle one unfinished round; False when it must wait for the registry."""
     died_in = record.state
     if not died_in.committed:
-        store.advance(record, RoundState.FAILED, f"interrupted: the process died during {died_in}; nothing was registered")
+        store.advance(
+            record, RoundState.FAILED, f"interrupted: the process died during {died_in}; nothing was registered"
+        )
         if died_in is not RoundState.PENDING:
             names = sorted({*record.candidates, *(c.name for c in cfg.candidates)})
             unloaded = steps.unload(record.round_id, names)
             if unloaded:
                 count = sum(len(v) for v in unloaded.values())
-                store.transition(record, RoundState.FAILED, f"{record.reason}; unloaded {count} adapter(s) it had left in vLLM")
+                store.transition(
+                    record, RoundState.FAILED, f"{record.reason}; unloaded {count} adapter(s) it had left in vLLM"
+                )
         return True
     try:
-        record.versions = steps.registered_versions(record)  # died in register: the registration finishes, no alias moves
+        record.versions = steps.registered_versions(
+            record
+        )  # died in register: the registration finishes, no alias moves
     except Exception as err:  # MLflow down: settle it at the next start
-        log.warning("round %s stays in %s: its registration cannot finish now (%s: %s)", record.round_id, died_in, type(err).__name__, err)
+        log.warning(
+            "round %s stays in %s: its registration cannot finish now (%s: %s)",
+            record.round_id,
+            died_in,
+            type(err).__name__,
+            err,
+        )
         return False
     if not record.versions and any(d.get("winner") for d in record.decisions.values()):
-        store.advance(record, RoundState.FAILED, f"interrupted: the process died during {died_in} before its result was written; nothing was registered")
+        store.advance(
+            record,
+            RoundState.FAILED,
+            f"interrupted: the process died during {died_in} before its result was written; nothing was registered",
+        )
         return True
     if died_in is RoundState.REGISTER:
         store.advance(record, RoundState.PROMOTE)
@@ -339,7 +391,11 @@ def _settle(cfg: HourglassConfig, store: RoundStore, record: RoundRecord, steps:
         log.warning("round %s stays in promote: %s: %s", record.round_id, type(err).__name__, err)
         return False
     outcome = RoundState.DONE if record.versions else RoundState.NO_WINNER
-    store.advance(record, outcome, f"resumed after a restart (process died during {died_in}); registered {record.versions}; {line}")
+    store.advance(
+        record,
+        outcome,
+        f"resumed after a restart (process died during {died_in}); registered {record.versions}; {line}",
+    )
     return True
 
 
@@ -365,17 +421,23 @@ class LiveSteps:
 
     def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
         if self.base_fingerprint is None:
-            raise PipelineError("a round needs the base model's fingerprint to train; construct LiveSteps with base_fingerprint")
+            raise PipelineError(
+                "a round needs the base model's fingerprint to train; construct LiveSteps with base_fingerprint"
+            )
         served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
         champions = champion_adapters(self.cfg, served, self.base_fingerprint)
         reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
-        return train_and_evaluate(self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion)
+        return train_and_evaluate(
+            self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion
+        )
 
     def register(self, result: RoundResult) -> tuple[dict[str, str], dict[str, float]]:
         from pipeline.registry import models as registry
         from pipeline.registry import reward_registry
 
-        reward_registry.save_pending(self.cfg, result)  # write-ahead too: recover() registers it after a crash from here on
+        reward_registry.save_pending(
+            self.cfg, result
+        )  # write-ahead too: recover() registers it after a crash from here on
         started = time.perf_counter()
         # Without the canary, a round that gives up here still owes @champion its winner: retry_pending() promotes it later.
         versions = registry.register_winners(self.cfg, result, promotion_owed=not self.cfg.serving.canary.enabled)
@@ -387,7 +449,9 @@ class LiveSteps:
         from pipeline.registry import models as registry
         from pipeline.registry import reward_registry
 
-        if any(k.startswith("reward_model/") for k in record.metrics):  # the round trained one: carry out its recorded decision
+        if any(
+            k.startswith("reward_model/") for k in record.metrics
+        ):  # the round trained one: carry out its recorded decision
             reward_registry.promote_reward_model(self.cfg, record.round_id)
         if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
             return _challenge(self.cfg, record)

@@ -119,7 +119,9 @@ def check_transition(current: RoundState | str, target: RoundState | str) -> Rou
     source, goal = RoundState.parse(current), RoundState.parse(target)
     if goal not in TRANSITIONS[source]:
         allowed = sorted(s.value for s in TRANSITIONS[source])
-        raise IllegalTransitionError(f"a round cannot move from {source.value!r} to {goal.value!r}; from {source.value!r} it may go to {allowed}")
+        raise IllegalTransitionError(
+            f"a round cannot move from {source.value!r} to {goal.value!r}; from {source.value!r} it may go to {allowed}"
+        )
     return goal
 
 
@@ -198,7 +200,14 @@ class RoundStore:
         now = _now()
         record = RoundRecord(round_id or self.new_round_id(), RoundState.PENDING, trigger, candidates, window, now, now)
         with self.engine.begin() as conn:
-            conn.execute(_rounds.insert().values(round_id=record.round_id, state=record.state.value, created_at=now, body=json.dumps(redact_data(record.as_dict()))))
+            conn.execute(
+                _rounds.insert().values(
+                    round_id=record.round_id,
+                    state=record.state.value,
+                    created_at=now,
+                    body=json.dumps(redact_data(record.as_dict())),
+                )
+            )
         return record
 
     def save(self, record: RoundRecord) -> RoundRecord:
@@ -207,7 +216,9 @@ class RoundStore:
             record.finished_at = record.updated_at
         with self.engine.begin() as conn:
             conn.execute(
-                _rounds.update().where(_rounds.c.round_id == record.round_id).values(state=record.state.value, body=json.dumps(redact_data(record.as_dict()), default=str))
+                _rounds.update()
+                .where(_rounds.c.round_id == record.round_id)
+                .values(state=record.state.value, body=json.dumps(redact_data(record.as_dict()), default=str))
             )
         return record
 

@@ -87,7 +87,11 @@ def take_snapshot(cfg: HourglassConfig, window: str) -> tuple[pa.Table, dict[str
     end = datetime.now(timezone.utc)
     start = end - parse_window(window)
     table = RewardBuffer(cfg.buffer).snapshot(start, end)
-    return table, {"data/rows": table.num_rows, "data/window_start": start.isoformat(), "data/window_end": end.isoformat()}
+    return table, {
+        "data/rows": table.num_rows,
+        "data/window_start": start.isoformat(),
+        "data/window_end": end.isoformat(),
+    }
 
 
 def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_fingerprint: str) -> dict[str, Path | None]:
@@ -108,14 +112,23 @@ def champion_adapters(cfg: HourglassConfig, served_models: set[str], base_finger
             out[model] = None
             continue
         staged = stage_version(
-            client, model, version, cfg.staging_root(), base_fingerprint=base_fingerprint, **stage_options(cfg),
-        )  # fmt: skip
+            client,
+            model,
+            version,
+            cfg.staging_root(),
+            base_fingerprint=base_fingerprint,
+            **stage_options(cfg),
+        )
         out[model] = staged.path
     return out
 
 
 def train_and_evaluate(
-    cfg: HourglassConfig, record: RoundRecord, table: pa.Table, champions: dict[str, Path | None], checkpoint: PhaseHook | None = None,
+    cfg: HourglassConfig,
+    record: RoundRecord,
+    table: pa.Table,
+    champions: dict[str, Path | None],
+    checkpoint: PhaseHook | None = None,
     reward_champion: Path | None = None,
 ) -> RoundResult:
     """Split across users and time (per-user share capped), train the reward model (when wanted) and every
@@ -132,9 +145,19 @@ def train_and_evaluate(
     candidates = [c for c in cfg.candidates if c.name in record.candidates]
     out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
     result = run_round(
-        cfg.model, candidates, rl, train, heldout, champions, out_dir, progress=False, round_id=record.round_id, checkpoint=checkpoint,
-        reward_cfg=cfg.reward_model, reward_champion=reward_champion,
-    )  # fmt: skip
+        cfg.model,
+        candidates,
+        rl,
+        train,
+        heldout,
+        champions,
+        out_dir,
+        progress=False,
+        round_id=record.round_id,
+        checkpoint=checkpoint,
+        reward_cfg=cfg.reward_model,
+        reward_champion=reward_champion,
+    )
     result.metrics.update(user_metrics(train, heldout))  # data/users, data/max_user_share: logged with the round's run
     return result
 
@@ -173,7 +196,11 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
 
     pattern = round_adapter_names(round_id, candidates)
-    urls = list(dict.fromkeys([*cfg.serving.replicas, *cfg.rl.rollout_urls, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]))
+    urls = list(
+        dict.fromkeys(
+            [*cfg.serving.replicas, *cfg.rl.rollout_urls, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]
+        )
+    )
     api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None
     unloaded: dict[str, list[str]] = {}
     for url in urls:
@@ -204,14 +231,18 @@ def _register_reward_model(cfg: HourglassConfig, result: RoundResult) -> dict[st
         return {}
     if registered is None:
         return {}
-    log.info("round %s: reward model %s v%s (%s)", result.round_id, registered.model, registered.version, registered.reason)
+    log.info(
+        "round %s: reward model %s v%s (%s)", result.round_id, registered.model, registered.version, registered.reason
+    )
     return {"reward_model/version": float(registered.version), "reward_model/promoted": float(registered.promoted)}
 
 
 def _describe(outcomes: list[dict]) -> str:
     """One line for the record: what the promote step did with each winner."""
     return ", ".join(
-        f"promoted {o['model']} v{o['version']}" if o["action"] == "promoted" else f"{o['model']} v{o['version']} not promoted: {o['reason']}"
+        f"promoted {o['model']} v{o['version']}"
+        if o["action"] == "promoted"
+        else f"{o['model']} v{o['version']} not promoted: {o['reason']}"
         for o in outcomes
     )
 

@@ -62,14 +62,25 @@ from pipeline.registry.models import make_client
 from pipeline.serving.common import AdapterFailure as _AdapterFailure
 from pipeline.serving.common import utc_now as _now
 from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
-from pipeline.serving.staging import StagedAdapter, StagingError, base_module_names, served_name, stage_options, stage_version
+from pipeline.serving.staging import (
+    StagedAdapter,
+    StagingError,
+    base_module_names,
+    served_name,
+    stage_options,
+    stage_version,
+)
 from trainer.adapter_share import AdapterShareError, publish
 from trainer.adapter_share import remove as share_remove
 
 log = logging.getLogger(__name__)
 
 HOTLOAD_S = Histogram("hourglass_serve_hotload_seconds", "Stage + load + probe time of a new version, seconds.")
-TRANSIENT = Counter("hourglass_serve_transient_errors", "Replica problems (no answer, 5xx) met while loading or probing; retried.", ["replica"])
+TRANSIENT = Counter(
+    "hourglass_serve_transient_errors",
+    "Replica problems (no answer, 5xx) met while loading or probing; retried.",
+    ["replica"],
+)
 
 
 # --- controller --------------------------------------------------------------------
@@ -112,9 +123,15 @@ class ServingController:
     """
 
     def __init__(
-        self, cfg: HourglassConfig, *, models: list[str] | None = None, base_fingerprint: str | None = None,
-        client: MlflowClient | None = None, replicas: list[ReplicaControl] | None = None, stage: Stager | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: HourglassConfig,
+        *,
+        models: list[str] | None = None,
+        base_fingerprint: str | None = None,
+        client: MlflowClient | None = None,
+        replicas: list[ReplicaControl] | None = None,
+        stage: Stager | None = None,
+    ) -> None:
         self.cfg = cfg
         self.models = models or [cfg.serving.model_name]
         if base_fingerprint is None:
@@ -149,7 +166,11 @@ class ServingController:
         try:
             return base_module_names(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
         except Exception as err:  # no local copy of the base: staging checks the list's shape only
-            log.warning("base model %s not readable here (%s); adapter target_modules are not checked by name", cfg.model.name, err)
+            log.warning(
+                "base model %s not readable here (%s); adapter target_modules are not checked by name",
+                cfg.model.name,
+                err,
+            )
             return None
 
     # -- public -------------------------------------------------------------------
@@ -161,7 +182,9 @@ class ServingController:
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
         MLflow or replica outages (they are reported in the status)."""
-        from pipeline.canary.serving_hook import reconcile_challenger  # the canary step (it imports pipeline.serving.common, not this module)
+        from pipeline.canary.serving_hook import (
+            reconcile_challenger,
+        )  # the canary step (it imports pipeline.serving.common, not this module)
 
         with self._lock:
             for model in self.models:
@@ -267,7 +290,11 @@ class ServingController:
         if desired != st.serving:
             mv = self.client.get_model_version(model, desired)
             promoted = mv.tags.get(TAG_PROMOTED_BY)
-            if TAG_SERVE_ERROR in mv.tags or (model, desired) in self._failed and self._failed[(model, desired)] == promoted:
+            if (
+                TAG_SERVE_ERROR in mv.tags
+                or (model, desired) in self._failed
+                and self._failed[(model, desired)] == promoted
+            ):
                 reason = mv.tags.get(TAG_SERVE_ERROR, "failed before")
                 st.last_error = f"not retrying v{desired} (promote it again to retry): {reason}"
                 st.last_error_version = desired
@@ -295,9 +322,15 @@ class ServingController:
         """
         try:
             staged = self._stage(
-                self.client, model, version, self.staging_dir, base_fingerprint=self.base_fingerprint,
-                base_modules=self.base_modules, model_version=mv, **stage_options(self.cfg),
-            )  # fmt: skip
+                self.client,
+                model,
+                version,
+                self.staging_dir,
+                base_fingerprint=self.base_fingerprint,
+                base_modules=self.base_modules,
+                model_version=mv,
+                **stage_options(self.cfg),
+            )
         except StagingError as err:
             raise _AdapterFailure(f"staging refused {model} v{version}: {err}") from err
         share = self.cfg.serving.adapter_share_uri
@@ -305,7 +338,9 @@ class ServingController:
             try:
                 publish(staged.path, share, staged.served_name)
             except AdapterShareError as err:  # the store's problem, not the adapter's: retried on the next pass
-                raise ReplicaUnreachableError(f"cannot publish {staged.served_name} to serving.adapter_share_uri: {err}") from err
+                raise ReplicaUnreachableError(
+                    f"cannot publish {staged.served_name} to serving.adapter_share_uri: {err}"
+                ) from err
         done: list[ReplicaControl] = []
         for replica in replicas:
             try:
@@ -336,7 +371,9 @@ class ServingController:
                 raise _AdapterFailure(str(err)) from err
         return done
 
-    def _roll_out(self, model: str, version: str, seen: dict[ReplicaControl, set[str]], promoted: str | None, mv) -> None:
+    def _roll_out(
+        self, model: str, version: str, seen: dict[ReplicaControl, set[str]], promoted: str | None, mv
+    ) -> None:
         st = self._status[model]
         started = time.monotonic()
         name = served_name(model, version)
@@ -388,7 +425,9 @@ class ServingController:
 
     def _unload_drained(self) -> None:
         now = time.monotonic()
-        routed = {n for r in read_routes(self.state_dir).values() for n in (r.served_name, r.challenger_served_name) if n}
+        routed = {
+            n for r in read_routes(self.state_dir).values() for n in (r.served_name, r.challenger_served_name) if n
+        }
         for name, deadline in list(self._draining.items()):
             if deadline > now:
                 continue
@@ -403,7 +442,9 @@ class ServingController:
         """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
         st = self._status[model]
         keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)
-        keep |= {n for r in read_routes(self.state_dir).values() for n in (r.challenger_served_name,) if n}  # the canary's
+        keep |= {
+            n for r in read_routes(self.state_dir).values() for n in (r.challenger_served_name,) if n
+        }  # the canary's
         pattern = re.compile(rf"^{re.escape(model)}-v[0-9]+$")
         for replica, names in seen.items():
             for name in names:

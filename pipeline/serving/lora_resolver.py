@@ -73,7 +73,9 @@ def make_resolver(share_uri: str, cache_dir: str, keep: int = 64):
             if path is None:
                 return None
             log.info("hourglass resolver: fetched %r from %s into %s", lora_name, share_uri, path)
-            return LoRARequest(lora_name=lora_name, lora_int_id=abs(hash(lora_name)) % (1 << 30) + 1, lora_path=str(path))
+            return LoRARequest(
+                lora_name=lora_name, lora_int_id=abs(hash(lora_name)) % (1 << 30) + 1, lora_path=str(path)
+            )
 
     return AdapterShareResolver()
 

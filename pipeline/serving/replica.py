@@ -87,10 +87,13 @@ class Replica:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as err:
-            raise ReplicaUnreachableError(f"vLLM at {self.url} did not answer {what}: {type(err).__name__}: {err}") from err
+            raise ReplicaUnreachableError(
+                f"vLLM at {self.url} did not answer {what}: {type(err).__name__}: {err}"
+            ) from err
         if response.status_code >= 500:
             raise ReplicaServerError(
-                f"vLLM at {self.url} failed {what}: HTTP {response.status_code}: {response.text[:500]}", response.status_code
+                f"vLLM at {self.url} failed {what}: HTTP {response.status_code}: {response.text[:500]}",
+                response.status_code,
             )
         if response.status_code >= 400:
             raise ReplicaRefusedError(
@@ -179,16 +182,24 @@ class Replica:
         try:
             data = response.json()
         except ValueError:
-            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} with non-JSON: {response.text[:200]!r}") from None
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url} answered the probe through {name!r} with non-JSON: {response.text[:200]!r}"
+            ) from None
         if not isinstance(data, dict):
-            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data!r:.300}")
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url} answered the probe through {name!r} without a completion: {data!r:.300}"
+            )
         choices = data.get("choices") or []
         if not choices or data.get("model") not in (None, name):
-            raise ReplicaRefusedError(f"vLLM at {self.url} answered the probe through {name!r} without a completion: {str(data)[:500]}")
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url} answered the probe through {name!r} without a completion: {str(data)[:500]}"
+            )
         text = str(choices[0].get("text") or "")
         logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
         if not text or not logprobs:
-            raise ReplicaRefusedError(f"vLLM at {self.url}: the probe through {name!r} generated nothing; the adapter is broken")
+            raise ReplicaRefusedError(
+                f"vLLM at {self.url}: the probe through {name!r} generated nothing; the adapter is broken"
+            )
         bad = [lp for lp in logprobs if not isinstance(lp, (int, float)) or not math.isfinite(lp)]
         if bad:
             raise ReplicaRefusedError(

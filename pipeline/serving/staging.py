@@ -86,7 +86,9 @@ def check_inside(root: Path, folder: Path) -> None:
         for name in dirnames + filenames:
             entry = Path(dirpath) / name
             if entry.is_symlink():
-                raise StagingError(f"unsafe path {entry}: symlinks are refused in staged adapters; re-upload real files")
+                raise StagingError(
+                    f"unsafe path {entry}: symlinks are refused in staged adapters; re-upload real files"
+                )
             if not entry.resolve().is_relative_to(root):
                 raise StagingError(f"unsafe path {entry}: resolves outside the staging dir {root}")
 
@@ -138,7 +140,9 @@ def check_adapter_config(config: object, *, max_lora_rank: int, base_modules: fr
     if not isinstance(config, dict):
         raise StagingError(f"adapter_config.json must be a JSON object, got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
-        raise StagingError(f"adapter_config.json peft_type={config.get('peft_type')!r}: only plain LoRA adapters ('LORA') are served")
+        raise StagingError(
+            f"adapter_config.json peft_type={config.get('peft_type')!r}: only plain LoRA adapters ('LORA') are served"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise StagingError(f"adapter_config.json r={rank!r}: the LoRA rank must be a positive integer")
@@ -152,7 +156,9 @@ def check_adapter_config(config: object, *, max_lora_rank: int, base_modules: fr
         if not isinstance(pattern, dict) or not all(_is_number(v) and v > 0 for v in pattern.values()):
             raise StagingError(f"adapter_config.json {name}={pattern!r}: must map module names to positive numbers")
         if name == "rank_pattern" and any(v > max_lora_rank or v != int(v) for v in pattern.values()):
-            raise StagingError(f"adapter_config.json rank_pattern={pattern!r}: ranks must be integers <= {max_lora_rank}")
+            raise StagingError(
+                f"adapter_config.json rank_pattern={pattern!r}: ranks must be integers <= {max_lora_rank}"
+            )
     alpha = config.get("lora_alpha")
     if not _is_number(alpha) or alpha <= 0:
         raise StagingError(f"adapter_config.json lora_alpha={alpha!r}: must be a positive number")
@@ -196,8 +202,15 @@ def _check_listed(what: str, sizes: Mapping[str, int | None], max_bytes: int) ->
 
 
 def verify_folder(
-    root: Path, folder: Path, checksums: dict[str, str], *, expected_fingerprint: str, fingerprint: str | None,
-    max_lora_rank: int, max_adapter_bytes: int = 512 * 1024**2, base_modules: frozenset[str] | None = None,
+    root: Path,
+    folder: Path,
+    checksums: dict[str, str],
+    *,
+    expected_fingerprint: str,
+    fingerprint: str | None,
+    max_lora_rank: int,
+    max_adapter_bytes: int = 512 * 1024**2,
+    base_modules: frozenset[str] | None = None,
 ) -> int:
     """Run checks 1–6 on a downloaded adapter folder; returns its LoRA rank.
 
@@ -250,15 +263,26 @@ def stage_options(cfg) -> dict:
     from pipeline.registry.signing import signing_keys
 
     return {
-        "max_lora_rank": cfg.serving.max_lora_rank, "tracking_uri": cfg.registry.tracking_uri,
-        "signing_keys": signing_keys(cfg), "max_adapter_bytes": cfg.serving.max_adapter_bytes,
-    }  # fmt: skip
+        "max_lora_rank": cfg.serving.max_lora_rank,
+        "tracking_uri": cfg.registry.tracking_uri,
+        "signing_keys": signing_keys(cfg),
+        "max_adapter_bytes": cfg.serving.max_adapter_bytes,
+    }
 
 
 def stage_version(
-    client: MlflowClient, model: str, version: str, staging_dir: Path, *, base_fingerprint: str, max_lora_rank: int,
-    tracking_uri: str, signing_keys: list[bytes], max_adapter_bytes: int = 512 * 1024**2,
-    base_modules: frozenset[str] | None = None, model_version=None,
+    client: MlflowClient,
+    model: str,
+    version: str,
+    staging_dir: Path,
+    *,
+    base_fingerprint: str,
+    max_lora_rank: int,
+    tracking_uri: str,
+    signing_keys: list[bytes],
+    max_adapter_bytes: int = 512 * 1024**2,
+    base_modules: frozenset[str] | None = None,
+    model_version=None,
 ) -> StagedAdapter:
     """Verify the signature, then download and verify a model version (idempotent: a verified folder is reused).
 
@@ -289,9 +313,12 @@ def stage_version(
     if not isinstance(checksums, dict):
         raise StagingError(f"{model} v{version}: the {TAG_SHA256} tag must be a JSON object of file -> sha256")
     kwargs: dict[str, Any] = dict(
-        expected_fingerprint=base_fingerprint, fingerprint=mv.tags.get(TAG_FINGERPRINT), max_lora_rank=max_lora_rank,
-        max_adapter_bytes=max_adapter_bytes, base_modules=base_modules,
-    )  # fmt: skip
+        expected_fingerprint=base_fingerprint,
+        fingerprint=mv.tags.get(TAG_FINGERPRINT),
+        max_lora_rank=max_lora_rank,
+        max_adapter_bytes=max_adapter_bytes,
+        base_modules=base_modules,
+    )
     if target.is_dir():
         try:
             rank = verify_folder(root, target, checksums, **kwargs)
@@ -302,7 +329,9 @@ def stage_version(
     listed = mlflow.artifacts.list_artifacts(artifact_uri=uri, tracking_uri=tracking_uri)
     nested = sorted(f.path for f in listed if f.is_dir)
     if nested:
-        raise StagingError(f"{model} v{version}: the adapter artifact has sub-folders {nested}; adapters are flat folders")
+        raise StagingError(
+            f"{model} v{version}: the adapter artifact has sub-folders {nested}; adapters are flat folders"
+        )
     _check_listed(f"{model} v{version}", {Path(f.path).name: f.file_size for f in listed}, max_adapter_bytes)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=target.parent))
@@ -314,7 +343,7 @@ def stage_version(
             _safe_name(root, local, name)
             mlflow.artifacts.download_artifacts(
                 artifact_uri=f"{uri.rstrip('/')}/{name}", dst_path=str(local), tracking_uri=tracking_uri
-            )  # fmt: skip
+            )
             check_inside(root, tmp)
             _check_sizes(local, max_adapter_bytes)
         rank = verify_folder(root, local, checksums, **kwargs)

@@ -41,7 +41,9 @@ log = logging.getLogger("vllm.plugins.hourglass")
 ENV_SWITCH = "HOURGLASS_VLLM_GROUPED_LORA"
 
 
-def grouped_lora_matmul(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_lora_matmul(
+    inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """``y[t] = W[indices[t]] @ x[t]`` computed with one matmul per distinct slot.
 
     Args:
@@ -86,7 +88,15 @@ def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_
         output_tensor[:, :common] = outputs[:limit, :common]
 
 
-def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int, slice_size: int, add_inputs: bool = True):
+def bgmv_expand_slice(
+    inputs,
+    lora_b_weights,
+    output_tensor,
+    lora_indices_tensor,
+    slice_offset: int,
+    slice_size: int,
+    add_inputs: bool = True,
+):
     outputs = grouped_lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     if add_inputs:
         output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
@@ -98,20 +108,58 @@ def _per_token(lora_indices_tensor: torch.Tensor, seq_len_tensor: torch.Tensor) 
     return torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
 
 
-def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches, max_seq_length, token_nums, scaling):
+def sgmv_shrink(
+    inputs,
+    lora_a_weights,
+    output_tensor,
+    b_seq_start_loc,
+    seq_len_tensor,
+    lora_indices_tensor,
+    batches,
+    max_seq_length,
+    token_nums,
+    scaling,
+):
     bgmv_shrink(inputs, lora_a_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor), scaling)
 
 
-def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches, max_seq_length, token_nums, add_inputs=False):
+def sgmv_expand(
+    inputs,
+    lora_b_weights,
+    output_tensor,
+    b_seq_start_loc,
+    seq_len_tensor,
+    lora_indices_tensor,
+    batches,
+    max_seq_length,
+    token_nums,
+    add_inputs=False,
+):
     bgmv_expand(inputs, lora_b_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor), add_inputs)
 
 
 def sgmv_expand_slice(
-    inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
-    batches, max_seq_length, token_nums, slice_offset, slice_size, add_inputs=False,
-):  # fmt: skip
+    inputs,
+    lora_b_weights,
+    output_tensor,
+    b_seq_start_loc,
+    seq_len_tensor,
+    lora_indices_tensor,
+    batches,
+    max_seq_length,
+    token_nums,
+    slice_offset,
+    slice_size,
+    add_inputs=False,
+):
     bgmv_expand_slice(
-        inputs, lora_b_weights, output_tensor, _per_token(lora_indices_tensor, seq_len_tensor), slice_offset, slice_size, add_inputs
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        _per_token(lora_indices_tensor, seq_len_tensor),
+        slice_offset,
+        slice_size,
+        add_inputs,
     )
 
 

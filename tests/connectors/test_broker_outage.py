@@ -45,9 +45,15 @@ def _traces(prefix: str, n: int) -> list[TraceEvent]:
 
 
 def test_worker_survives_broker_outage(own_broker: Service, buffer_cfg: BufferConfig) -> None:
-    kafka = KafkaConfig(bootstrap_servers=[f"127.0.0.1:{own_broker.port}"], traces_topic="r-traces",
-                        feedback_topic="r-feedback", group_id="r-ingest", partitions=1,
-                        batch_timeout_ms=200, request_timeout_ms=5000)  # fmt: skip
+    kafka = KafkaConfig(
+        bootstrap_servers=[f"127.0.0.1:{own_broker.port}"],
+        traces_topic="r-traces",
+        feedback_topic="r-feedback",
+        group_id="r-ingest",
+        partitions=1,
+        batch_timeout_ms=200,
+        request_timeout_ms=5000,
+    )
     ensure_topics(kafka)
     with TraceSink(kafka) as sink:
         assert produce_events(sink, _traces("before", 20)) == 20

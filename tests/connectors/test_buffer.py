@@ -18,14 +18,23 @@ T0 = datetime(2026, 3, 1, 10, 15, tzinfo=timezone.utc)
 
 
 def _cfg(tmp_path: Path, **over: object) -> BufferConfig:
-    return BufferConfig(root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"),
-                        feedback_join_window_s=600, **over)  # fmt: skip
+    return BufferConfig(
+        root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"), feedback_join_window_s=600, **over
+    )
 
 
 def _trace(i: int, ts: datetime = T0, **over: object) -> tuple[TraceEvent, Coordinates]:
-    event = TraceEvent(trace_id=f"t{i}", ts=ts, model="m", prompt=f"q{i}", completion=f"a{i}",
-                       completion_token_ids=[1, 2], completion_logprobs=[-0.5, -0.25],
-                       metadata={"reference_answer": str(i)}, **over)  # fmt: skip
+    event = TraceEvent(
+        trace_id=f"t{i}",
+        ts=ts,
+        model="m",
+        prompt=f"q{i}",
+        completion=f"a{i}",
+        completion_token_ids=[1, 2],
+        completion_logprobs=[-0.5, -0.25],
+        metadata={"reference_answer": str(i)},
+        **over,
+    )
     return event, Coordinates("traces", 0, i)
 
 
@@ -40,7 +49,10 @@ def test_segments_are_hour_partitioned_sealed_arrow_files(tmp_path: Path) -> Non
     root = tmp_path / "buf"
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*.arrow"))
     assert [f.rsplit("/", 1)[0] for f in files] == [
-        "feedback/dt=2026-03-01/hour=10", "traces/dt=2026-03-01/hour=10", "traces/dt=2026-03-01/hour=11"]
+        "feedback/dt=2026-03-01/hour=10",
+        "traces/dt=2026-03-01/hour=10",
+        "traces/dt=2026-03-01/hour=11",
+    ]
     assert not list(root.rglob(".tmp-*"))  # nothing half-written is left behind
 
 
@@ -71,9 +83,14 @@ def test_feedback_joins_before_after_and_outside_window(tmp_path: Path) -> None:
     buf = RewardBuffer(_cfg(tmp_path))
     buf.append([], [_fb(1, T0 - timedelta(seconds=30), thumbs="up")])  # feedback before its trace
     buf.append([_trace(1), _trace(2), _trace(3), _trace(4, reward=0.3)], [])
-    buf.append([], [_fb(2, T0 + timedelta(minutes=5), rating=1),  # after
-                    _fb(3, T0 + timedelta(hours=2), thumbs="up"),  # too late: outside the window
-                    _fb(4, T0 + timedelta(minutes=1), thumbs="down")])  # overrides nothing: reward has priority
+    buf.append(
+        [],
+        [
+            _fb(2, T0 + timedelta(minutes=5), rating=1),  # after
+            _fb(3, T0 + timedelta(hours=2), thumbs="up"),  # too late: outside the window
+            _fb(4, T0 + timedelta(minutes=1), thumbs="down"),
+        ],
+    )  # overrides nothing: reward has priority
     rows = {r["trace_id"]: (r["reward"], r["reward_source"]) for r in buf.snapshot().to_pylist()}
     assert rows == {"t1": (1.0, "thumbs"), "t2": (-1.0, "rating"), "t3": (None, None), "t4": (0.3, "reward")}
 
@@ -89,8 +106,10 @@ def test_snapshot_window_and_consistency(tmp_path: Path) -> None:
 def test_unmatched_feedback_past_window_is_dead_lettered_once(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     buf, dlq = RewardBuffer(cfg), DeadLetterStore(cfg.dead_letter_root)
-    buf.append([_trace(1)], [_fb(1, T0, 0, thumbs="up"), _fb(9, T0, 7, thumbs="down"),
-                             _fb(8, T0 + timedelta(hours=3), 8, thumbs="up")])  # fmt: skip
+    buf.append(
+        [_trace(1)],
+        [_fb(1, T0, 0, thumbs="up"), _fb(9, T0, 7, thumbs="down"), _fb(8, T0 + timedelta(hours=3), 8, thumbs="up")],
+    )
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(minutes=5)) == 0  # window not over yet
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=1)) == 1
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=1, minutes=5)) == 0  # not twice
@@ -133,26 +152,41 @@ def test_retention_removes_stale_temp_files_of_a_crashed_write(tmp_path: Path) -
 def test_one_vote_per_user_and_the_latest_correction(tmp_path: Path) -> None:
     buf = RewardBuffer(_cfg(tmp_path))
     alice, bob = {"user_hash": "hmac-sha256:a"}, {"user_hash": "hmac-sha256:b"}
-    buf.append([_trace(1), _trace(2), _trace(3)], [
-        _fb(1, T0 + timedelta(seconds=1), thumbs="up", metadata=alice),
-        _fb(1, T0 + timedelta(seconds=2), thumbs="up", metadata=alice),  # the same vote again: replaces, never stacks
-        _fb(1, T0 + timedelta(seconds=3), thumbs="down", metadata=alice, correction="it is 4"),  # changed mind
-        _fb(2, T0 + timedelta(seconds=1), reward=1.0, metadata=alice),
-        _fb(2, T0 + timedelta(seconds=2), edited=True, metadata=bob, correction="first"),
-        _fb(2, T0 + timedelta(seconds=4), edited=True, metadata=bob, correction="second"),
-        _fb(3, T0 + timedelta(seconds=1), thumbs="down"),
-        _fb(3, T0 + timedelta(seconds=2), thumbs="up"),  # anonymous: one voter, the latest counts
-    ])  # fmt: skip
+    buf.append(
+        [_trace(1), _trace(2), _trace(3)],
+        [
+            _fb(1, T0 + timedelta(seconds=1), thumbs="up", metadata=alice),
+            _fb(
+                1, T0 + timedelta(seconds=2), thumbs="up", metadata=alice
+            ),  # the same vote again: replaces, never stacks
+            _fb(1, T0 + timedelta(seconds=3), thumbs="down", metadata=alice, correction="it is 4"),  # changed mind
+            _fb(2, T0 + timedelta(seconds=1), reward=1.0, metadata=alice),
+            _fb(2, T0 + timedelta(seconds=2), edited=True, metadata=bob, correction="first"),
+            _fb(2, T0 + timedelta(seconds=4), edited=True, metadata=bob, correction="second"),
+            _fb(3, T0 + timedelta(seconds=1), thumbs="down"),
+            _fb(3, T0 + timedelta(seconds=2), thumbs="up"),  # anonymous: one voter, the latest counts
+        ],
+    )
     rows = {r["trace_id"]: (r["reward"], r["reward_source"], r["correction"]) for r in buf.snapshot().to_pylist()}
-    assert rows == {"t1": (-1.0, "thumbs", "it is 4"), "t2": (0.5, "reward+edited", "second"), "t3": (1.0, "thumbs", None)}
+    assert rows == {
+        "t1": (-1.0, "thumbs", "it is 4"),
+        "t2": (0.5, "reward+edited", "second"),
+        "t3": (1.0, "thumbs", None),
+    }
 
 
 def test_retention_never_overflows_and_counts_what_it_deletes(tmp_path: Path) -> None:
     from connectors.buffer import RETENTION_ROWS
 
     buf = RewardBuffer(_cfg(tmp_path))
-    buf.append([_trace(1, datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)),
-                _trace(2, datetime(1, 1, 1, tzinfo=timezone.utc)), _trace(3)], [])  # fmt: skip
+    buf.append(
+        [
+            _trace(1, datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)),
+            _trace(2, datetime(1, 1, 1, tzinfo=timezone.utc)),
+            _trace(3),
+        ],
+        [],
+    )
     dirs = sorted(str(p.parent.relative_to(tmp_path / "buf")) for p in (tmp_path / "buf").rglob("*.arrow"))
     assert "traces/dt=0001-01-01/hour=00" in dirs and "traces/dt=9999-12-31/hour=23" in dirs
     assert buf.stats().trace_rows == 3  # every partition is seen by the listing
@@ -171,8 +205,9 @@ def test_late_feedback_below_the_watermark_is_still_swept(tmp_path: Path) -> Non
     buf.append([_trace(1)], [_fb(1, T0, 0, thumbs="up")])
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2)) == 0  # watermark: T0 + 1h50
     # Arrives late: its ts is already behind the watermark (a late client, consumer lag).
-    RewardBuffer(cfg).append([], [_fb(7, T0 + timedelta(minutes=30), 5, thumbs="down"),
-                                  _fb(1, T0 + timedelta(minutes=1), 6, rating=4)])  # fmt: skip
+    RewardBuffer(cfg).append(
+        [], [_fb(7, T0 + timedelta(minutes=30), 5, thumbs="down"), _fb(1, T0 + timedelta(minutes=1), 6, rating=4)]
+    )
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2, minutes=1)) == 1
     assert buf.sweep_unmatched_feedback(dlq, now=T0 + timedelta(hours=2, minutes=2)) == 0  # not twice
     assert [(d["reason"], d["offset"]) for d in dlq.list()] == [(UNMATCHED_FEEDBACK, 5)]

@@ -55,8 +55,13 @@ def _produce(kafka: KafkaConfig, acked: set[str], done: threading.Event) -> None
     with TraceSink(kafka) as sink:
         for start in range(0, N, 25):
             for i in range(start, start + 25):
-                trace = TraceEvent(trace_id=f"crash-{i}", ts=t0 + timedelta(milliseconds=i), model="base",
-                                   prompt=f"q{i}", completion=f"a{i}")  # fmt: skip
+                trace = TraceEvent(
+                    trace_id=f"crash-{i}",
+                    ts=t0 + timedelta(milliseconds=i),
+                    model="base",
+                    prompt=f"q{i}",
+                    completion=f"a{i}",
+                )
                 signals = {0: {"thumbs": "up"}, 1: {"thumbs": "down"}, 2: {"rating": i % 5 + 1}}[i % 3]
                 fb = FeedbackEvent(trace_id=trace.trace_id, ts=trace.ts + timedelta(seconds=1), **signals)
                 on_ack = (lambda tid: lambda err: acked.add(tid) if err is None else None)(trace.trace_id)
@@ -75,11 +80,16 @@ def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli.data", "ingest", "--config", str(config)],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
-def test_sigkill_restarts_lose_and_double_nothing(kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, tmp_path: Path) -> None:
+def test_sigkill_restarts_lose_and_double_nothing(
+    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, tmp_path: Path
+) -> None:
     rng = random.Random(1234)
     ensure_topics(kafka_cfg)
     config, log = tmp_path / "hourglass.toml", tmp_path / "ingest.log"
@@ -95,8 +105,11 @@ def test_sigkill_restarts_lose_and_double_nothing(kafka_cfg: KafkaConfig, buffer
         proc = _start(config, log)
         try:
             # kill while it is writing: once this incarnation has stored something new (or the input ran dry)
-            wait_for(lambda: buffer.stats().trace_rows > before or (done.is_set() and kill > 1), 60,
-                     f"incarnation {kill} to ingest")  # fmt: skip
+            wait_for(
+                lambda: buffer.stats().trace_rows > before or (done.is_set() and kill > 1),
+                60,
+                f"incarnation {kill} to ingest",
+            )
             time.sleep(rng.uniform(0.0, 1.5))
         finally:
             proc.send_signal(signal.SIGKILL)

@@ -28,10 +28,18 @@ class Record:
 
 
 def _trace(i: int, **over: object) -> dict:
-    event = {"schema": s.TRACE_SCHEMA, "trace_id": f"t{i}", "ts": "2026-01-02T03:04:05.123456Z", "model": "base",
-             "adapter_version": "v1", "prompt": [{"role": "user", "content": f"what is {i}+1?"}],
-             "completion": f"{i + 1}", "completion_token_ids": [5, 6, i], "completion_logprobs": [-0.25, -1.5, -3e-05],
-             "metadata": {"user_id": f"u{i % 3}", "task": "add"}}  # fmt: skip
+    event = {
+        "schema": s.TRACE_SCHEMA,
+        "trace_id": f"t{i}",
+        "ts": "2026-01-02T03:04:05.123456Z",
+        "model": "base",
+        "adapter_version": "v1",
+        "prompt": [{"role": "user", "content": f"what is {i}+1?"}],
+        "completion": f"{i + 1}",
+        "completion_token_ids": [5, 6, i],
+        "completion_logprobs": [-0.25, -1.5, -3e-05],
+        "metadata": {"user_id": f"u{i % 3}", "task": "add"},
+    }
     event.update(over)
     return event
 
@@ -102,8 +110,11 @@ BAD = [
     (s.INVALID_UNICODE, _enc(_trace(41)).replace(b'"u2"', b'"\\ud800"').replace(b'"u1"', b'"\\ud800"')),
     (s.INVALID_UNICODE, _enc(_feedback(42, metadata={"note": "@"})).replace(b'"@"', b'"a\\udfffb"')),
     (s.INVALID_UNICODE, _enc(_trace(43, prompt="@")).replace(b'"@"', b'"\\ud83d"')),  # half an emoji
-    (s.SCHEMA_VIOLATION, b'{"schema":"hourglass.trace/v1","trace_id":"t34","ts":"2026-01-02T03:04:05Z","model":"m",'
-                         b'"prompt":"p","completion":"c","completion_logprobs":[1e999]}'),
+    (
+        s.SCHEMA_VIOLATION,
+        b'{"schema":"hourglass.trace/v1","trace_id":"t34","ts":"2026-01-02T03:04:05Z","model":"m",'
+        b'"prompt":"p","completion":"c","completion_logprobs":[1e999]}',
+    ),
 ]
 
 
@@ -129,9 +140,18 @@ def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None
     by_coordinates = {(r.partition, r.offset): r for r in records}
     got = {by_coordinates[(letter.partition, letter.offset)].value: letter.reason for letter in fast.dead_letters}
     assert got == expected
-    assert set(got.values()) == {s.EMPTY_VALUE, s.OVERSIZE, s.NOT_UTF8, s.INVALID_JSON, s.NOT_AN_OBJECT,
-                                 s.UNKNOWN_SCHEMA, s.NON_FINITE_REWARD, s.SCHEMA_VIOLATION, s.OVERSIZE_CORRECTION,
-                                 s.INVALID_UNICODE}  # fmt: skip
+    assert set(got.values()) == {
+        s.EMPTY_VALUE,
+        s.OVERSIZE,
+        s.NOT_UTF8,
+        s.INVALID_JSON,
+        s.NOT_AN_OBJECT,
+        s.UNKNOWN_SCHEMA,
+        s.NON_FINITE_REWARD,
+        s.SCHEMA_VIOLATION,
+        s.OVERSIZE_CORRECTION,
+        s.INVALID_UNICODE,
+    }
     for letter in fast.dead_letters:  # Kafka coordinates and key travel with the dead letter
         record = by_coordinates[(letter.partition, letter.offset)]
         assert (letter.topic, letter.key) == (record.topic, record.key)
@@ -143,7 +163,11 @@ def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert batch.fallback == 0
     assert [row[0] for row in batch.traces] == [f"t{i}" for i in range(6)]
-    assert json.loads(batch.feedback[4][2]) == {"thumbs": "up", "rating": 1, "correction": "the answer is 5, not 6 é \u2028"}
+    assert json.loads(batch.feedback[4][2]) == {
+        "thumbs": "up",
+        "rating": 1,
+        "correction": "the answer is 5, not 6 é \u2028",
+    }
     assert [row[-1] for row in batch.traces] == list(range(6))  # offsets, in record order
     md = json.loads(batch.traces[3][9])
     assert md["Email"] == HASHER.digest("a@x.org") and md["nested"][0]["user"] == HASHER.digest("bob")
@@ -154,7 +178,7 @@ def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
     assert batch.feedback_table(INGESTED)["ts"][1].as_py() == INGESTED
 
 
-@pytest.mark.parametrize("value", [1e16, 1e-07, 5e-05, 0.1, -0.0, 123456789012345.6, 2**64, "é\u2028\x00\"\\"])
+@pytest.mark.parametrize("value", [1e16, 1e-07, 5e-05, 0.1, -0.0, 123456789012345.6, 2**64, 'é\u2028\x00"\\'])
 def test_to_json_matches_json_dumps(value: object) -> None:
     assert to_json({"v": [value]}) == json.dumps({"v": [value]}, ensure_ascii=False, separators=(",", ":"))
 
@@ -171,7 +195,10 @@ def test_canonical_batch_carries_lists_as_arrow_columns_equal_to_the_reference()
     values = [_enc(v) for v in FAST]
     values.append(json.dumps(_trace(40, completion_token_ids=[], completion_logprobs=[])).encode())  # ", " separators
     values.append(_enc(_trace(41, completion_logprobs=None)))  # one list null, the other not
-    extremes = {"completion_token_ids": [-0, 2**31 - 1, -(2**31)], "completion_logprobs": [-0.0, 1e-300, -3e38]}  # -3e38: float32 range
+    extremes = {
+        "completion_token_ids": [-0, 2**31 - 1, -(2**31)],
+        "completion_logprobs": [-0.0, 1e-300, -3e38],
+    }  # -3e38: float32 range
     values.append(_enc(_trace(42, **extremes)))
     fast, slow = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
     assert fast.token_ids is not None and fast.logprobs is not None and slow.token_ids is None
@@ -188,10 +215,16 @@ def test_random_logprobs_read_by_arrow_equal_the_reference_float32_values() -> N
     rng = random.Random(7)
     values = []
     for i in range(300):
-        lps = [rng.choice([-rng.expovariate(0.3), -rng.random() * 10.0 ** rng.randint(-30, 30), -0.0])
-               for _ in range(5)]  # fmt: skip
-        values.append(_enc(_trace(i, completion_token_ids=[rng.randrange(-(2**31), 2**31) for _ in range(5)],
-                                  completion_logprobs=lps)))  # fmt: skip
+        lps = [
+            rng.choice([-rng.expovariate(0.3), -rng.random() * 10.0 ** rng.randint(-30, 30), -0.0]) for _ in range(5)
+        ]
+        values.append(
+            _enc(
+                _trace(
+                    i, completion_token_ids=[rng.randrange(-(2**31), 2**31) for _ in range(5)], completion_logprobs=lps
+                )
+            )
+        )
     fast, _ = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
     assert fast.logprobs is not None and fast.fallback == 0
 
@@ -217,14 +250,23 @@ def test_an_odd_list_gets_the_reference_verdict(name: str, text: bytes, columns_
 
 def test_dead_letters_keep_no_raw_user_ids() -> None:
     """A rejected record is stored with its user identifiers hashed, like the buffer's rows."""
-    bad_schema = _trace(1, schema="hourglass.trace/v9", metadata={"user_id": "carol@example.com", "nested": {"email": "c@x.org"}})
+    bad_schema = _trace(
+        1, schema="hourglass.trace/v9", metadata={"user_id": "carol@example.com", "nested": {"email": "c@x.org"}}
+    )
     no_ids = _trace(2, schema="hourglass.trace/v9", metadata={"task": "add"})
-    records = [Record("traces", 0, 0, None, _enc(bad_schema)), Record("traces", 0, 1, None, _enc(no_ids)), Record("traces", 0, 2, None, b"\xff{user_id")]
+    records = [
+        Record("traces", 0, 0, None, _enc(bad_schema)),
+        Record("traces", 0, 1, None, _enc(no_ids)),
+        Record("traces", 0, 2, None, b"\xff{user_id"),
+    ]
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert len(batch.dead_letters) == 3
     stored = json.loads(batch.dead_letters[0].payload)
     assert b"carol@example.com" not in batch.dead_letters[0].payload and b"c@x.org" not in batch.dead_letters[0].payload
-    assert stored["metadata"] == {"user_id": HASHER.digest("carol@example.com"), "nested": {"email": HASHER.digest("c@x.org")}}
+    assert stored["metadata"] == {
+        "user_id": HASHER.digest("carol@example.com"),
+        "nested": {"email": HASHER.digest("c@x.org")},
+    }
     assert batch.dead_letters[0].reason == s.UNKNOWN_SCHEMA
     assert batch.dead_letters[1].payload == _enc(no_ids)  # nothing to hash: the exact bytes are kept
     assert batch.dead_letters[2].payload == b"\xff{user_id"  # not JSON: kept for diagnosis
@@ -270,7 +312,9 @@ def test_ts_window_dead_letters_too_old_and_too_new_events_on_both_paths() -> No
         assert got == {name: reason for name, (_, reason) in cases.items() if reason}
         assert len(batch.traces) + len(batch.feedback) == 3
     detail = next(d.detail for d in batch.dead_letters if d.offset == 4)
-    assert "9999-12-31T23:59:59+00:00" in detail and "2026-12-01T00:05:00+00:00" in detail and "max_clock_skew_s" in detail
+    assert (
+        "9999-12-31T23:59:59+00:00" in detail and "2026-12-01T00:05:00+00:00" in detail and "max_clock_skew_s" in detail
+    )
 
 
 def test_an_unexpected_parser_failure_dead_letters_only_that_record(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -294,10 +338,15 @@ def test_an_unexpected_parser_failure_dead_letters_only_that_record(monkeypatch:
 def test_undecodable_records_become_dead_letters_with_coordinates() -> None:
     from connectors.fast_parse import UndecodableRecord
 
-    records = [Record("traces", 0, 0, None, _enc(_trace(0))), UndecodableRecord("traces", 1, 7, "UnsupportedCodecError: x")]
+    records = [
+        Record("traces", 0, 0, None, _enc(_trace(0))),
+        UndecodableRecord("traces", 1, 7, "UnsupportedCodecError: x"),
+    ]
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert len(batch.traces) == 1
-    assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [(s.UNDECODABLE_RECORD, "traces", 1, 7)]
+    assert [(d.reason, d.topic, d.partition, d.offset) for d in batch.dead_letters] == [
+        (s.UNDECODABLE_RECORD, "traces", 1, 7)
+    ]
 
 
 def test_a_row_arrow_refuses_becomes_a_dead_letter_not_a_failed_batch() -> None:

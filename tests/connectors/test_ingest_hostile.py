@@ -35,7 +35,9 @@ def _trace(trace_id: str, ts: datetime | None = None, **over: object) -> bytes:
     return s.TraceEvent(trace_id=trace_id, ts=ts or datetime.now(timezone.utc), **fields).to_json_bytes()
 
 
-def _produce(kafka: KafkaConfig, values: list[bytes], topic: str | None = None, key: bytes = b"k", **settings: object) -> None:
+def _produce(
+    kafka: KafkaConfig, values: list[bytes], topic: str | None = None, key: bytes = b"k", **settings: object
+) -> None:
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=100, **settings)
     try:  # sent together, acknowledged together: one record batch (compressed as a whole)
         futures = [producer.send(topic or kafka.traces_topic, value=value, key=key) for value in values]
@@ -60,7 +62,11 @@ def test_batches_of_every_codec_are_stored(
     ensure_topics(kafka_cfg)
     codecs = ("gzip", "snappy", "lz4", "zstd")
     for codec in codecs:
-        _produce(kafka_cfg, [_trace(f"{codec}-{i}", completion="compressible " * 50) for i in range(3)], compression_type=codec)
+        _produce(
+            kafka_cfg,
+            [_trace(f"{codec}-{i}", completion="compressible " * 50) for i in range(3)],
+            compression_type=codec,
+        )
     worker = run_worker(kafka_cfg, buffer_cfg)
     wait_for(lambda: worker.stats().traces >= 12, 60, "12 compressed traces stored")
     assert _stored_ids(buffer_cfg) == sorted(f"{c}-{i}" for c in codecs for i in range(3))
@@ -68,19 +74,27 @@ def test_batches_of_every_codec_are_stored(
 
 
 def test_an_undecodable_batch_is_dead_lettered_and_skipped(
-    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, run_worker: Callable[..., IngestWorker],
+    kafka_cfg: KafkaConfig,
+    buffer_cfg: BufferConfig,
+    run_worker: Callable[..., IngestWorker],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kafka.codec
 
     ensure_topics(kafka_cfg)
     _produce(kafka_cfg, [_trace("before")])
-    _produce(kafka_cfg, [_trace(f"snappy-{i}", completion="compressible " * 50) for i in range(2)], compression_type="snappy")
+    _produce(
+        kafka_cfg, [_trace(f"snappy-{i}", completion="compressible " * 50) for i in range(2)], compression_type="snappy"
+    )
     _produce(kafka_cfg, [_trace("after")])
     monkeypatch.setattr(kafka.codec, "has_snappy", lambda: False)  # the consumer host lacks the codec
     before = DEAD_LETTERS.labels(s.UNDECODABLE_RECORD)._value.get()
     worker = run_worker(kafka_cfg, buffer_cfg)
-    wait_for(lambda: worker.stats().traces >= 2 and worker.stats().dead_letters >= 2, 30, f"2 traces + 2 dead letters {worker.stats()}")
+    wait_for(
+        lambda: worker.stats().traces >= 2 and worker.stats().dead_letters >= 2,
+        30,
+        f"2 traces + 2 dead letters {worker.stats()}",
+    )
     assert _stored_ids(buffer_cfg) == ["after", "before"]
     letters = DeadLetterStore(buffer_cfg.dead_letter_root).list()
     assert [d["reason"] for d in letters] == [s.UNDECODABLE_RECORD] * 2
@@ -100,7 +114,9 @@ def test_poison_records_are_dead_lettered_and_the_worker_keeps_going(
     ensure_topics(kafka_cfg)
     now = datetime.now(timezone.utc)
     good = json.loads(_trace("x"))
-    surrogate = json.dumps({**good, "trace_id": "t", "metadata": {"user_id": "@"}}).encode().replace(b'"@"', b'"\\ud800"')
+    surrogate = (
+        json.dumps({**good, "trace_id": "t", "metadata": {"user_id": "@"}}).encode().replace(b'"@"', b'"\\ud800"')
+    )
     poison = {
         s.INVALID_UNICODE: surrogate,
         s.TS_OUT_OF_RANGE: json.dumps({**good, "trace_id": "future", "ts": "9999-12-31T23:59:59Z"}).encode(),
@@ -115,8 +131,12 @@ def test_poison_records_are_dead_lettered_and_the_worker_keeps_going(
     assert _stored_ids(buffer_cfg) == ["good-after"]
     letters = {json.loads(d["payload"])["trace_id"]: d for d in DeadLetterStore(buffer_cfg.dead_letter_root).list()}
     assert {k: d["reason"] for k, d in letters.items()} == {
-        "t": s.INVALID_UNICODE, "future": s.TS_OUT_OF_RANGE, "ancient": s.TS_OUT_OF_RANGE, "secs": s.TS_OUT_OF_RANGE,
-        "numstr": s.SCHEMA_VIOLATION}  # fmt: skip
+        "t": s.INVALID_UNICODE,
+        "future": s.TS_OUT_OF_RANGE,
+        "ancient": s.TS_OUT_OF_RANGE,
+        "secs": s.TS_OUT_OF_RANGE,
+        "numstr": s.SCHEMA_VIOLATION,
+    }
     assert letters["t"]["detail"].startswith("metadata.user_id:")
     assert json.loads(letters["t"]["payload"])["metadata"]["user_id"].startswith("hmac-sha256:")
     assert "max_event_age_s" in letters["ancient"]["detail"] and "numeric string" in letters["numstr"]["detail"]
@@ -127,14 +147,21 @@ def test_late_feedback_is_dead_lettered_when_unmatched(
     kafka_cfg: KafkaConfig, tmp_path: Path, run_worker: Callable[..., IngestWorker]
 ) -> None:
     """Feedback whose ts is already behind the sweep watermark when it arrives (join window 2 s, ts now - 6 s)."""
-    buffer = BufferConfig(root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"),
-                          feedback_join_window_s=2, maintenance_interval_s=0.3)  # fmt: skip
+    buffer = BufferConfig(
+        root=str(tmp_path / "buf"),
+        dead_letter_root=str(tmp_path / "dlq"),
+        feedback_join_window_s=2,
+        maintenance_interval_s=0.3,
+    )
     ensure_topics(kafka_cfg)
     worker = run_worker(kafka_cfg, buffer)
     wait_for(lambda: "feedback_swept_until_ms" in RewardBuffer(buffer).read_manifest(), 30, "a first sweep")
     late = (datetime.now(timezone.utc) - timedelta(seconds=6)).isoformat()
-    _produce(kafka_cfg, [json.dumps({"schema": s.FEEDBACK_SCHEMA, "trace_id": "ghost-old", "ts": late, "thumbs": "up"}).encode()],
-             topic=kafka_cfg.feedback_topic)  # fmt: skip
+    _produce(
+        kafka_cfg,
+        [json.dumps({"schema": s.FEEDBACK_SCHEMA, "trace_id": "ghost-old", "ts": late, "thumbs": "up"}).encode()],
+        topic=kafka_cfg.feedback_topic,
+    )
     store = DeadLetterStore(buffer.dead_letter_root)
     wait_for(lambda: store.count_by_reason().get(s.UNMATCHED_FEEDBACK) == 1, 30, "the late feedback dead-lettered")
     assert json.loads(store.list()[0]["payload"])["trace_id"] == "ghost-old"
@@ -166,10 +193,16 @@ def test_a_full_disk_is_retried_until_it_clears_and_nothing_is_lost(
     assert worker.stats().traces == 0 and worker.stats().commits == 0
     assert not list(tmp_path.rglob(".tmp-*"))  # failed writes clean up after themselves
     full["on"] = False
-    wait_for(lambda: worker.stats().traces == 5 and worker.health()["storage_ok"], 30, "the batch stored after the disk cleared")
+    wait_for(
+        lambda: worker.stats().traces == 5 and worker.health()["storage_ok"],
+        30,
+        "the batch stored after the disk cleared",
+    )
     assert STORAGE_OK._value.get() == 1 and worker.health()["storage_failures"] == 0
     assert _stored_ids(buffer) == [f"t{i}" for i in range(5)]
-    assert [d["reason"] for d in DeadLetterStore(buffer.dead_letter_root).list()] == [s.INVALID_JSON]  # once, not per retry
+    assert [d["reason"] for d in DeadLetterStore(buffer.dead_letter_root).list()] == [
+        s.INVALID_JSON
+    ]  # once, not per retry
     wait_for(lambda: _all_committed(kafka_cfg), 30, "offsets committed after the retry")
 
 
@@ -197,7 +230,9 @@ def test_a_real_full_tmpfs_backs_off_then_recovers(
                 f.write(os.urandom(4096))
         except OSError as err:
             assert err.errno == errno.ENOSPC
-    buffer = BufferConfig(root=str(small_tmpfs / "buf"), dead_letter_root=str(tmp_path / "dlq"), storage_retry_max_s=0.3)
+    buffer = BufferConfig(
+        root=str(small_tmpfs / "buf"), dead_letter_root=str(tmp_path / "dlq"), storage_retry_max_s=0.3
+    )
     ensure_topics(kafka_cfg)
     ids = [f"tmpfs-{uuid.uuid4().hex[:6]}-{i}" for i in range(20)]
     _produce(kafka_cfg, [_trace(i, completion="x" * 2000) for i in ids])

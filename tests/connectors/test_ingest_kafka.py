@@ -26,8 +26,15 @@ NOW = datetime.now(timezone.utc)
 
 
 def _trace(i: int, **over: object) -> s.TraceEvent:
-    return s.TraceEvent(trace_id=f"good-{i}", ts=NOW, model="base", prompt=f"q{i}", completion=f"a{i}",
-                        metadata={"user_id": f"u{i}"}, **over)  # fmt: skip
+    return s.TraceEvent(
+        trace_id=f"good-{i}",
+        ts=NOW,
+        model="base",
+        prompt=f"q{i}",
+        completion=f"a{i}",
+        metadata={"user_id": f"u{i}"},
+        **over,
+    )
 
 
 def test_bad_records_are_dead_lettered_and_good_ones_kept(
@@ -76,10 +83,15 @@ def test_bad_records_are_dead_lettered_and_good_ones_kept(
     hasher = s.UserHasher(buffer_cfg.user_hash_key.get_secret_value(), buffer_cfg.user_id_keys)
     for reason, raw in bad.items():
         stored = _scrubbed(raw, hasher)  # user ids hashed, as in the buffer
-        assert (b'"user_id": "u0"' in raw) == (reason in (s.SCHEMA_VIOLATION, s.OVERSIZE, s.NON_FINITE_REWARD, s.UNKNOWN_SCHEMA))
+        assert (b'"user_id": "u0"' in raw) == (
+            reason in (s.SCHEMA_VIOLATION, s.OVERSIZE, s.NON_FINITE_REWARD, s.UNKNOWN_SCHEMA)
+        )
         assert b'"user_id": "u0"' not in stored
-        found = [d for d in by_reason[reason] if d.get("payload", "").encode() == stored
-                 or base64.b64decode(d.get("payload_b64") or "") == stored]  # fmt: skip
+        found = [
+            d
+            for d in by_reason[reason]
+            if d.get("payload", "").encode() == stored or base64.b64decode(d.get("payload_b64") or "") == stored
+        ]
         assert len(found) == 1, f"{reason}: {by_reason[reason]}"
         letter = found[0]
         assert letter["topic"] == kafka.traces_topic and letter["offset"] >= 0 and letter["partition"] in (0, 1)
@@ -190,8 +202,10 @@ def test_graceful_stop_leaves_every_stored_record_committed(kafka_cfg: KafkaConf
     assert stats.commit_failures == 0 and stats.commits >= 1
 
     snap = RewardBuffer(buffer_cfg).snapshot()
-    stored_next = {p: max(o for q, o in zip(snap["partition"].to_pylist(), snap["offset"].to_pylist()) if q == p) + 1
-                   for p in set(snap["partition"].to_pylist())}  # fmt: skip
+    stored_next = {
+        p: max(o for q, o in zip(snap["partition"].to_pylist(), snap["offset"].to_pylist()) if q == p) + 1
+        for p in set(snap["partition"].to_pylist())
+    }
     probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id, enable_auto_commit=False)
     try:
         committed = {p: probe.committed(TopicPartition(kafka.traces_topic, p)) for p in range(kafka.partitions)}

@@ -39,8 +39,16 @@ def _produce(kafka: KafkaConfig, acked: set[str], done: threading.Event) -> None
     with TraceSink(kafka) as sink:
         for start in range(0, N, 15):
             for i in range(start, start + 15):
-                trace = TraceEvent(trace_id=f"scale-{i}", ts=t0 + timedelta(milliseconds=i), model="base", prompt=f"q{i}", completion=f"a{i}")
-                sink.send_trace(trace, on_done=(lambda tid: lambda err: acked.add(tid) if err is None else None)(trace.trace_id))
+                trace = TraceEvent(
+                    trace_id=f"scale-{i}",
+                    ts=t0 + timedelta(milliseconds=i),
+                    model="base",
+                    prompt=f"q{i}",
+                    completion=f"a{i}",
+                )
+                sink.send_trace(
+                    trace, on_done=(lambda tid: lambda err: acked.add(tid) if err is None else None)(trace.trace_id)
+                )
             sink.flush()
             time.sleep(0.3)
     done.set()
@@ -51,7 +59,9 @@ def _writers(buffer_cfg: BufferConfig) -> set[str]:
     return {p.name.split("-")[2] for p in Path(buffer_cfg.root, "traces").rglob("seg-*.arrow")}
 
 
-def test_three_ingest_processes_one_killed_every_trace_once(kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, tmp_path: Path) -> None:
+def test_three_ingest_processes_one_killed_every_trace_once(
+    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, tmp_path: Path
+) -> None:
     kafka = kafka_cfg.model_copy(update={"partitions": 3})
     ensure_topics(kafka)
     config = tmp_path / "hourglass.toml"
@@ -59,8 +69,14 @@ def test_three_ingest_processes_one_killed_every_trace_once(kafka_cfg: KafkaConf
     logs = [tmp_path / f"ingest-{i}.log" for i in range(WORKERS)]
     procs = [_start(config, log) for log in logs]
     try:
-        wait_for(lambda: all("ingesting " in log.read_text() for log in logs if log.exists()) and all(log.exists() for log in logs),
-                 90, "three ingest processes to start")  # fmt: skip
+        wait_for(
+            lambda: (
+                all("ingesting " in log.read_text() for log in logs if log.exists())
+                and all(log.exists() for log in logs)
+            ),
+            90,
+            "three ingest processes to start",
+        )
         buffer = RewardBuffer(buffer_cfg)
         acked: set[str] = set()
         done = threading.Event()

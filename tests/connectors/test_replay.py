@@ -38,11 +38,16 @@ def test_not_an_array_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_conversation_to_trace() -> None:
-    event = sharegpt_trace(_conv(1, [("system", "s"), ("human", "h1"), ("human", "h2"), ("gpt", "g1"), ("human", "h3")]), TS)
+    event = sharegpt_trace(
+        _conv(1, [("system", "s"), ("human", "h1"), ("human", "h2"), ("gpt", "g1"), ("human", "h3")]), TS
+    )
     assert event is not None
     assert event.trace_id == "sharegpt-c1" and event.completion == "g1"
-    assert event.messages() == [{"role": "system", "content": "s"}, {"role": "user", "content": "h1"},
-                                {"role": "user", "content": "h2"}]  # fmt: skip
+    assert event.messages() == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "h1"},
+        {"role": "user", "content": "h2"},
+    ]
     assert sharegpt_trace(_conv(2, [("gpt", "no question")]), TS) is None
     assert sharegpt_trace(_conv(3, [("human", "unanswered")]), TS) is None
 
@@ -101,9 +106,14 @@ def test_sharegpt_jsonl_file_accounts_for_every_line(tmp_path: Path) -> None:
     from connectors import replay as r
     from connectors.schema import TraceEvent
 
-    lines = [json.dumps(_conv(1, [("human", "h"), ("gpt", "g")])), "{oops", "",
-             json.dumps(_conv(1, [("human", "h2"), ("gpt", "g2")])),  # same id again
-             json.dumps({"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]}), "42"]  # fmt: skip
+    lines = [
+        json.dumps(_conv(1, [("human", "h"), ("gpt", "g")])),
+        "{oops",
+        "",
+        json.dumps(_conv(1, [("human", "h2"), ("gpt", "g2")])),  # same id again
+        json.dumps({"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]}),
+        "42",
+    ]
     path = tmp_path / "mine.jsonl"
     path.write_text("\n".join(lines) + "\n")
     out = [(n, v.reason if not isinstance(v, TraceEvent) else v.trace_id) for n, _, v in r.iter_sharegpt(path)]
@@ -122,7 +132,10 @@ def test_json_array_file_with_a_utf8_bom_is_read_as_an_array(tmp_path: Path) -> 
 
     path = tmp_path / "bom.json"
     path.write_text(json.dumps([{"id": "a", **_CONV}, {"id": "b", **_CONV}]), encoding="utf-8-sig")
-    assert [(n, getattr(v, "trace_id", None)) for n, _, v in iter_sharegpt(path)] == [(1, "sharegpt-a"), (2, "sharegpt-b")]
+    assert [(n, getattr(v, "trace_id", None)) for n, _, v in iter_sharegpt(path)] == [
+        (1, "sharegpt-a"),
+        (2, "sharegpt-b"),
+    ]
 
 
 def test_json_array_element_nested_too_deep_is_a_clear_error(tmp_path: Path) -> None:

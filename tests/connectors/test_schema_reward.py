@@ -15,8 +15,15 @@ HASHER = s.UserHasher("secret", ["user", "user_id", "email"])
 
 
 def _trace(**over: object) -> dict:
-    base = {"schema": s.TRACE_SCHEMA, "trace_id": "t1", "ts": "2026-01-02T03:04:05Z", "model": "m",
-            "adapter_version": None, "prompt": "hello", "completion": "hi"}  # fmt: skip
+    base = {
+        "schema": s.TRACE_SCHEMA,
+        "trace_id": "t1",
+        "ts": "2026-01-02T03:04:05Z",
+        "model": "m",
+        "adapter_version": None,
+        "prompt": "hello",
+        "completion": "hi",
+    }
     base.update(over)
     return base
 
@@ -160,4 +167,8 @@ def test_json_booleans_are_not_numbers(over: dict) -> None:
             topic, partition, offset, key, value = "t", 0, 7, None, json.dumps(event).encode()
 
         batch = parse_batch([Rec()], max_record_bytes=10_000, hasher=HASHER)
-        assert batch.traces == [] and batch.feedback == [] and [d.reason for d in batch.dead_letters] == [s.SCHEMA_VIOLATION]
+        assert (
+            batch.traces == []
+            and batch.feedback == []
+            and [d.reason for d in batch.dead_letters] == [s.SCHEMA_VIOLATION]
+        )

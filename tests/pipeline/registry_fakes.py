@@ -77,9 +77,13 @@ class FakeRegistry:
     def _entity(self, name: str, version: str) -> SimpleNamespace:
         entry = self.models[name]
         return SimpleNamespace(
-            name=name, version=str(version), tags=dict(entry.versions[str(version)]), run_id=f"run-{version}",
-            creation_timestamp=int(version), aliases=[a for a, v in entry.aliases.items() if v == str(version)],
-        )  # fmt: skip
+            name=name,
+            version=str(version),
+            tags=dict(entry.versions[str(version)]),
+            run_id=f"run-{version}",
+            creation_timestamp=int(version),
+            aliases=[a for a, v in entry.aliases.items() if v == str(version)],
+        )
 
     def get_model_version(self, name: str, version: str) -> SimpleNamespace:
         self._version(name, version, "get_model_version")
@@ -197,4 +201,6 @@ class FakeStager:
         reason = self.refuse.get((model, str(version)))
         if reason is not None:
             raise StagingError(f"{model} v{version}: {reason}")
-        return StagedAdapter(model, str(version), Path(staging_dir) / model / f"v{version}", 8, served_name(model, str(version)))
+        return StagedAdapter(
+            model, str(version), Path(staging_dir) / model / f"v{version}", 8, served_name(model, str(version))
+        )

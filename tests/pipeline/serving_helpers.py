@@ -31,9 +31,14 @@ def make_adapter(base_dir: Path, out: Path, *, rank: int = 8, seed: int = 0, pic
 
 
 def make_round(
-    adapter_dir: Path, fingerprint: str, *, round_id: str, model: str = "hourglass", candidate: str = "cand-a",
+    adapter_dir: Path,
+    fingerprint: str,
+    *,
+    round_id: str,
+    model: str = "hourglass",
+    candidate: str = "cand-a",
     winner: bool = True,
-) -> RoundResult:  # fmt: skip
+) -> RoundResult:
     """A RoundResult with one candidate, as the trainer returns it."""
     cand = CandidateResult(
         name=candidate,
@@ -47,7 +52,9 @@ def make_round(
     decision = GateDecision(
         served_model=model,
         winner=candidate if winner else None,
-        reason="beats the champion by 0.1 (lower bound 0.02 > margin 0.0)" if winner else "no candidate beat the champion",
+        reason="beats the champion by 0.1 (lower bound 0.02 > margin 0.0)"
+        if winner
+        else "no candidate beat the champion",
         champion_reward_mean=0.5,
         candidate_reward_means={candidate: 0.6},
         lower_bounds={candidate: 0.02},
@@ -66,14 +73,27 @@ def make_round(
     )
 
 
-def make_config(tmp: Path, mlflow_uri: str, replicas: list[str], *, interval_s: float = 0.3, drain_s: float = 0.5,
-                experiment: str = "hourglass-tests") -> HourglassConfig:  # fmt: skip
+def make_config(
+    tmp: Path,
+    mlflow_uri: str,
+    replicas: list[str],
+    *,
+    interval_s: float = 0.3,
+    drain_s: float = 0.5,
+    experiment: str = "hourglass-tests",
+) -> HourglassConfig:
     return HourglassConfig(
         state_dir=str(tmp / "state"),
         registry={"tracking_uri": mlflow_uri, "experiment": experiment, "embedded": False},
-        serving={"replicas": replicas, "reconcile_interval_s": interval_s, "drain_s": drain_s,
-                 "staging_dir": str(tmp / "staging"), "embedded": False, "max_lora_rank": 16},
-    )  # fmt: skip
+        serving={
+            "replicas": replicas,
+            "reconcile_interval_s": interval_s,
+            "drain_s": drain_s,
+            "staging_dir": str(tmp / "staging"),
+            "embedded": False,
+            "max_lora_rank": 16,
+        },
+    )
 
 
 def wait_for(predicate, timeout_s: float = 30.0, every_s: float = 0.1):

@@ -60,16 +60,23 @@ def test_reads_need_no_token(client: TestClient) -> None:
     assert "hourglass_rounds_total" in metrics and "hourglass_buffer_rows" in metrics
 
 
-def test_trigger_while_another_process_runs_a_round_is_refused(client: TestClient, service: HourglassService, tmp_path: Path) -> None:
+def test_trigger_while_another_process_runs_a_round_is_refused(
+    client: TestClient, service: HourglassService, tmp_path: Path
+) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import time
             from pipeline.rounds.records import RoundLock
             RoundLock({str(tmp_path)!r}).acquire("r-running")
             print("held", flush=True); time.sleep(60)
-        """)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         auth = {"Authorization": f"Bearer {service.api_token}"}
@@ -92,12 +99,18 @@ def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, servi
     assert response.status_code == 409 and "not running" in response.json()["detail"]
 
 
-@pytest.mark.parametrize(("path", "body"), [("/promote", {"version": "99999999999999999999"}), ("/promote", {"version": "1"}),
-                                            ("/rollback", {})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/promote", {"version": "99999999999999999999"}), ("/promote", {"version": "1"}), ("/rollback", {})],
+)
 def test_registry_errors_never_echo_the_tracking_uri_credentials(tmp_path: Path, path: str, body: dict) -> None:
     """MLflow's error messages quote the request URL, user:password included: the API's refusal must not."""
     cfg = load_config(None).model_copy(update={"state_dir": str(tmp_path)})
-    cfg = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"tracking_uri": "http://ops:s3cret-pass@127.0.0.1:1/mlflow"})})
+    cfg = cfg.model_copy(
+        update={
+            "registry": cfg.registry.model_copy(update={"tracking_uri": "http://ops:s3cret-pass@127.0.0.1:1/mlflow"})
+        }
+    )
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
     with TestClient(create_api(service)) as client:
         response = client.post(path, json=body, headers={"Authorization": f"Bearer {service.api_token}"})

@@ -106,7 +106,9 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
 
 def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
-    conf.write_text('[serving]\nmodel_name = "support-bot"\n[[candidates]]\nname = "a"\n[[candidates]]\nname = "b"\nserved_model = "other"\n')
+    conf.write_text(
+        '[serving]\nmodel_name = "support-bot"\n[[candidates]]\nname = "a"\n[[candidates]]\nname = "b"\nserved_model = "other"\n'
+    )
     cfg = load_config(conf)
     assert [c.served_model for c in cfg.candidates] == ["support-bot", "other"]
 
@@ -118,22 +120,44 @@ def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path)
         ({"HOURGLASS_RL__WINDOW": "99999999999d"}, "rl.window: window '99999999999d' must be between"),
         ({"HOURGLASS_RL__WINDOW": "0s"}, "rl.window: window '0s' must be between"),
         ({"HOURGLASS_API__TOKEN": "short"}, "api.token: Value error, the API token must be at least 16"),
-        ({"HOURGLASS_API__PORT": "18500", "HOURGLASS_API__GATEWAY_PORT": "18500"}, "api: Value error, api.port and api.gateway_port must differ"),
-        ({"HOURGLASS_KAFKA__TRACES_TOPIC": "hourglass.feedback"}, "kafka: Value error, traces_topic and feedback_topic are both"),
+        (
+            {"HOURGLASS_API__PORT": "18500", "HOURGLASS_API__GATEWAY_PORT": "18500"},
+            "api: Value error, api.port and api.gateway_port must differ",
+        ),
+        (
+            {"HOURGLASS_KAFKA__TRACES_TOPIC": "hourglass.feedback"},
+            "kafka: Value error, traces_topic and feedback_topic are both",
+        ),
         ({"HOURGLASS_RL__TEMPERATURE": "inf"}, "rl.temperature: Input should be a finite number"),
-        ({"HOURGLASS_BUFFER__USER_HASH_KEY": "short"}, "buffer.user_hash_key: Value error, user_hash_key must be at least 16"),
+        (
+            {"HOURGLASS_BUFFER__USER_HASH_KEY": "short"},
+            "buffer.user_hash_key: Value error, user_hash_key must be at least 16",
+        ),
         (
             {"HOURGLASS_CANDIDATES": '[{"name": "a", "reward": [{"fn": "nosuchfn"}]}]'},
             "candidates.0.reward.0.fn: Value error, unknown reward 'nosuchfn'",
         ),
-        ({"HOURGLASS_CANDIDATES": '[{"name": "a", "served_model": "../evil"}]'}, "candidates.0.served_model: String should match pattern"),
+        (
+            {"HOURGLASS_CANDIDATES": '[{"name": "a", "served_model": "../evil"}]'},
+            "candidates.0.served_model: String should match pattern",
+        ),
     ],
     ids=[
-        "cron-value", "window-huge", "window-zero", "token-short", "same-ports", "same-topics", "inf", "hash-key-short",
-        "unknown-reward", "served-model-path",
-    ],  # fmt: skip
+        "cron-value",
+        "window-huge",
+        "window-zero",
+        "token-short",
+        "same-ports",
+        "same-topics",
+        "inf",
+        "hash-key-short",
+        "unknown-reward",
+        "served-model-path",
+    ],
 )
-def test_values_that_would_fail_at_run_time_are_caught_by_config_check(monkeypatch: pytest.MonkeyPatch, env: dict, problem: str) -> None:
+def test_values_that_would_fail_at_run_time_are_caught_by_config_check(
+    monkeypatch: pytest.MonkeyPatch, env: dict, problem: str
+) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as caught:
@@ -149,7 +173,9 @@ def test_empty_token_means_unset_and_staging_follows_state_dir(monkeypatch: pyte
     assert cfg.serving.staging_dir == str(tmp_path / "s" / "staging")
 
 
-def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_check_warns_when_external_services_keep_the_public_hash_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default user_hash_key is in the source: with it, user-id hashes are reversible by hashing guesses.
     A config with external services passes (deployment left "embedded") but says so; the environment key
     silences it; with deployment = "production" (deploy/production.toml) it is refused outright."""
@@ -161,7 +187,11 @@ def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_
     result = CliRunner().invoke(app, ["config", "check", "--json", str(external)])
     assert result.exit_code == 0, result.output
     warnings = _json.loads(result.stdout)["warnings"]
-    assert len(warnings) == 1 and "buffer.user_hash_key" in warnings[0] and "HOURGLASS_BUFFER__USER_HASH_KEY" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "buffer.user_hash_key" in warnings[0]
+        and "HOURGLASS_BUFFER__USER_HASH_KEY" in warnings[0]
+    )
     result = CliRunner().invoke(app, ["config", "check", str(external)])
     assert result.exit_code == 0 and "warning" in result.output and "user_hash_key" in result.output
     monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "a-real-secret-of-32-characters!!")
@@ -169,7 +199,9 @@ def test_config_check_warns_when_external_services_keep_the_public_hash_key(tmp_
     monkeypatch.delenv("HOURGLASS_BUFFER__USER_HASH_KEY")
     refused = CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "production.toml")])
     assert refused.exit_code == 2 and "buffer.user_hash_key" in refused.stdout
-    local = _json.loads(CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout)
+    local = _json.loads(
+        CliRunner().invoke(app, ["config", "check", "--json", str(REPO / "deploy" / "hourglass.toml")]).stdout
+    )
     assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine
 
 

@@ -38,7 +38,7 @@ def _write_config(tmp_path: Path, broker: str, mlflow_uri: str, vllm_url: str, m
     conf = tmp_path / "hourglass.toml"
     conf.write_text(
         f"""
-state_dir = "{tmp_path / 'state'}"
+state_dir = "{tmp_path / "state"}"
 [kafka]
 bootstrap_servers = ["{broker}"]
 embedded = false
@@ -47,8 +47,8 @@ feedback_topic = "svc.feedback.{suffix}"
 group_id = "svc-{suffix}"
 partitions = 2
 [buffer]
-root = "{tmp_path / 'buffer'}"
-dead_letter_root = "{tmp_path / 'dlq'}"
+root = "{tmp_path / "buffer"}"
+dead_letter_root = "{tmp_path / "dlq"}"
 [model]
 name = "{model}"
 [[candidates]]
@@ -90,10 +90,14 @@ def _produce(cfg, n: int, seed: int) -> set[str]:
         for i, (question, reference) in enumerate(arithmetic_questions(n, seed)):
             trace_id = f"t{seed}-{i}"
             event = TraceEvent(
-                trace_id=trace_id, ts=datetime.now(timezone.utc), model=cfg.serving.model_name,
-                prompt=[{"role": "user", "content": question}], completion=reference, reward=1.0,
+                trace_id=trace_id,
+                ts=datetime.now(timezone.utc),
+                model=cfg.serving.model_name,
+                prompt=[{"role": "user", "content": question}],
+                completion=reference,
+                reward=1.0,
                 metadata={"reference_answer": reference},
-            )  # fmt: skip
+            )
             sink.send_trace(event)
             ids.add(trace_id)
         assert sink.flush() == len(ids)  # every record acknowledged by the broker
@@ -101,7 +105,12 @@ def _produce(cfg, n: int, seed: int) -> set[str]:
 
 
 def _hourglass(conf: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args, "--config", str(conf)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args, "--config", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 class _Service:
@@ -113,8 +122,11 @@ class _Service:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "service", "--config", str(self.conf)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ,
-            )  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=os.environ,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, tail(self.log)
@@ -149,7 +161,9 @@ def _round(api: str, round_id: str) -> dict:
     return httpx.get(f"{api}/rounds/{round_id}", timeout=10).json()
 
 
-def test_sigkill_mid_round_then_restart(tmp_path: Path, broker: str, mlflow_uri: str, vllm_tiny: str, tiny_model: Path) -> None:
+def test_sigkill_mid_round_then_restart(
+    tmp_path: Path, broker: str, mlflow_uri: str, vllm_tiny: str, tiny_model: Path
+) -> None:
     conf = _write_config(tmp_path, broker, mlflow_uri, vllm_tiny, tiny_model, steps=500)
     cfg = load_config(conf)
     ensure_topics(cfg.kafka)
@@ -166,7 +180,9 @@ def test_sigkill_mid_round_then_restart(tmp_path: Path, broker: str, mlflow_uri:
         round_id = json.loads(started.stdout)["round_id"]
         again = _hourglass(conf, "retrain")
         assert again.returncode == 1 and "already running" in again.stderr
-        assert [r["round_id"] for r in httpx.get(f"{api}/rounds", timeout=10).json()] == [round_id]  # the refusal left no record
+        assert [r["round_id"] for r in httpx.get(f"{api}/rounds", timeout=10).json()] == [
+            round_id
+        ]  # the refusal left no record
         service.wait_for(lambda: _round(api, round_id)["state"] == "train", "the round to reach train")
         time.sleep(2)
         service.kill()  # SIGKILL mid-round: no shutdown code runs

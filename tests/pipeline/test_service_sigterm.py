@@ -29,16 +29,22 @@ pytestmark = pytest.mark.integration
 
 def _committed(cfg) -> dict[int, int | None]:
     """Committed offset of the ingest group per partition of the traces topic."""
-    probe = KafkaConsumer(bootstrap_servers=cfg.kafka.bootstrap_servers, group_id=cfg.kafka.group_id, enable_auto_commit=False)
+    probe = KafkaConsumer(
+        bootstrap_servers=cfg.kafka.bootstrap_servers, group_id=cfg.kafka.group_id, enable_auto_commit=False
+    )
     try:
         return {p: probe.committed(TopicPartition(cfg.kafka.traces_topic, p)) for p in range(cfg.kafka.partitions)}
     finally:
         probe.close(autocommit=False)
 
 
-def test_sigterm_mid_round_shuts_down_in_order(tmp_path: Path, broker: str, mlflow_uri: str, vllm_tiny: str, tiny_model: Path) -> None:
+def test_sigterm_mid_round_shuts_down_in_order(
+    tmp_path: Path, broker: str, mlflow_uri: str, vllm_tiny: str, tiny_model: Path
+) -> None:
     conf = _write_config(tmp_path, broker, mlflow_uri, vllm_tiny, tiny_model, steps=500)
-    conf.write_text(conf.read_text().replace('rollout_engine = "hf"', 'rollout_engine = "vllm"'))  # the round publishes into vLLM
+    conf.write_text(
+        conf.read_text().replace('rollout_engine = "hf"', 'rollout_engine = "vllm"')
+    )  # the round publishes into vLLM
     cfg = load_config(conf)
     ensure_topics(cfg.kafka)
     api = f"http://127.0.0.1:{cfg.api.port}"
@@ -47,14 +53,20 @@ def test_sigterm_mid_round_shuts_down_in_order(tmp_path: Path, broker: str, mlfl
     service.start()
     published = re.compile(r"^slow-s[0-9]+$")
     try:
-        service.wait_for(lambda: RewardBuffer(cfg.buffer).snapshot().num_rows >= len(sent), "the first traces in the buffer")
+        service.wait_for(
+            lambda: RewardBuffer(cfg.buffer).snapshot().num_rows >= len(sent), "the first traces in the buffer"
+        )
         started = _hourglass(conf, "retrain", "--json")
         assert started.returncode == 0, started.stderr
         round_id = json.loads(started.stdout)["round_id"]
-        service.wait_for(lambda: any(published.match(n) for n in Replica(vllm_tiny).models()), "the round to publish into vLLM")
+        service.wait_for(
+            lambda: any(published.match(n) for n in Replica(vllm_tiny).models()), "the round to publish into vLLM"
+        )
         assert _round(api, round_id)["state"] == "train"
         sent |= _produce(cfg, 16, seed=2)
-        service.wait_for(lambda: RewardBuffer(cfg.buffer).snapshot().num_rows >= len(sent), "the new traces in the buffer")
+        service.wait_for(
+            lambda: RewardBuffer(cfg.buffer).snapshot().num_rows >= len(sent), "the new traces in the buffer"
+        )
 
         service.proc.send_signal(signal.SIGTERM)  # the main process only, as systemd's KillMode=mixed does
         code = service.proc.wait(timeout=cfg.schedule.shutdown_grace_s + 60)
@@ -73,7 +85,9 @@ def test_sigterm_mid_round_shuts_down_in_order(tmp_path: Path, broker: str, mlfl
     parts, offsets = snap.column("partition").to_pylist(), snap.column("offset").to_pylist()
     stored_next = {p: max(o for q, o in zip(parts, offsets) if q == p) + 1 for p in set(parts)}
     committed = _committed(cfg)  # the shutdown committed everything it had stored, nothing more
-    assert {p: o for p, o in committed.items() if o is not None} == stored_next and sum(stored_next.values()) == len(sent)
+    assert {p: o for p, o in committed.items() if o is not None} == stored_next and sum(stored_next.values()) == len(
+        sent
+    )
 
     leftovers = [n for n in Replica(vllm_tiny).models() if published.match(n) or n.startswith("champion-")]
     assert leftovers == []

@@ -21,7 +21,7 @@ def _config(tmp_path: Path, model: Path) -> Path:
     conf = tmp_path / "hourglass.toml"
     conf.write_text(
         f"""
-state_dir = "{tmp_path / 'state'}"
+state_dir = "{tmp_path / "state"}"
 [kafka]
 bootstrap_servers = ["127.0.0.1:{kafka}"]
 [registry]

@@ -97,7 +97,7 @@ def test_dead_worker_shows_in_readyz_and_status_then_recovers(service: Hourglass
     assert status["state"] == "restarting" and status["restarts"] == 1 and "poison record" in status["last_error"]
     _wait(lambda: worker.alive, timeout_s=5)
     _wait(lambda: client.get("/readyz").json()["checks"]["ingest"] is True, timeout_s=8)  # /readyz is cached ~2 s
-    assert "hourglass_worker_restarts_total{worker=\"ingest\"}" in client.get("/metrics").text
+    assert 'hourglass_worker_restarts_total{worker="ingest"}' in client.get("/metrics").text
 
 
 def test_scheduler_whose_thread_dies_is_recreated(service: HourglassService) -> None:
@@ -152,7 +152,9 @@ def test_canary_monitor_is_a_supervised_worker(service: HourglassService, monkey
     service._start_canary(["hourglass"])
     worker = service.workers["canary"]
     client = TestClient(create_api(service), base_url="http://localhost")
-    status = _wait(lambda: (s := client.get("/status").json()["workers"].get("canary")) and s["state"] == "restarting" and s)
+    status = _wait(
+        lambda: (s := client.get("/status").json()["workers"].get("canary")) and s["state"] == "restarting" and s
+    )
     assert status["restarts"] == 1 and "registry answered garbage" in status["last_error"]
     _wait(lambda: len(looks) >= 2 and worker.alive, timeout_s=5)  # restarted after the 1 s backoff
     assert looks[1] - looks[0] >= 0.9 and _restarts("canary") - before == 1

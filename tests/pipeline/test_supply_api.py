@@ -19,7 +19,9 @@ from pipeline.redact import redact
 from pipeline.service import HourglassService
 
 SECRET = "S3cretPW"
-CRED_URI = f"http://alice:{SECRET}@127.0.0.1:1"  # nothing listens on port 1: every call fails, with the URI in the error
+CRED_URI = (
+    f"http://alice:{SECRET}@127.0.0.1:1"  # nothing listens on port 1: every call fails, with the URI in the error
+)
 REPLICA = "http://bob:R3plicaPW@127.0.0.1:9"
 
 
@@ -46,10 +48,15 @@ def test_auth_is_checked_before_the_body_is_parsed(client: TestClient, service: 
         response = client.post(path, **malformed)
         assert response.status_code == 401, (path, response.text)
         assert response.headers["WWW-Authenticate"] == "Bearer"
-        wrong = client.post(path, content=malformed["content"], headers={**malformed["headers"], "Authorization": "Bearer nope"})
+        wrong = client.post(
+            path, content=malformed["content"], headers={**malformed["headers"], "Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 403, path
-        right = client.post(path, content=malformed["content"],
-                            headers={**malformed["headers"], "Authorization": f"Bearer {service.api_token}"})  # fmt: skip
+        right = client.post(
+            path,
+            content=malformed["content"],
+            headers={**malformed["headers"], "Authorization": f"Bearer {service.api_token}"},
+        )
         assert right.status_code == 422, path  # only now is the body looked at
     assert service.store.list() == []
 
@@ -86,7 +93,9 @@ def test_off_loopback_reads_need_the_token(tmp_path: Path) -> None:
         assert client.get("/status", headers={"Host": "other.internal"}).status_code == 421
 
 
-def test_expensive_status_is_cached(client: TestClient, service: HourglassService, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_expensive_status_is_cached(
+    client: TestClient, service: HourglassService, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = []
     real = service.buffer_stats
 
@@ -108,11 +117,13 @@ def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: p
     from pipeline.serving.controller import ServingController
 
     base = load_config(None)
-    cfg = base.model_copy(update={
-        "state_dir": str(tmp_path),
-        "registry": base.registry.model_copy(update={"tracking_uri": CRED_URI, "embedded": False}),
-        "serving": base.serving.model_copy(update={"replicas": [REPLICA], "embedded": False}),
-    })  # fmt: skip
+    cfg = base.model_copy(
+        update={
+            "state_dir": str(tmp_path),
+            "registry": base.registry.model_copy(update={"tracking_uri": CRED_URI, "embedded": False}),
+            "serving": base.serving.model_copy(update={"replicas": [REPLICA], "embedded": False}),
+        }
+    )
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
     service.controller = ServingController(cfg, base_fingerprint="f" * 64)
     caplog.set_level(logging.INFO)
@@ -121,8 +132,12 @@ def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: p
 
     # A round that failed because MLflow was unreachable, stored the way RoundRunner stores it.
     record = service.store.create("api", ["default"], "1h")
-    logging.getLogger("pipeline.rounds.job").error("round %s failed: MLflow at %s is unreachable", record.round_id, CRED_URI)
-    service.store.transition(record, "failed", f"register: RegistryUnavailableError: MLflow at {CRED_URI} is unreachable")
+    logging.getLogger("pipeline.rounds.job").error(
+        "round %s failed: MLflow at %s is unreachable", record.round_id, CRED_URI
+    )
+    service.store.transition(
+        record, "failed", f"register: RegistryUnavailableError: MLflow at {CRED_URI} is unreachable"
+    )
     try:
         raise ConnectionError(f"could not reach {CRED_URI}/api/2.0")
     except ConnectionError:
@@ -145,27 +160,45 @@ def test_credentials_never_reach_status_rounds_or_logs(tmp_path: Path, caplog: p
 def test_redact_masks_userinfo_and_secret_query_values() -> None:
     assert redact("http://alice:S3cretPW@host:5000/x") == "http://***@host:5000/x"
     assert redact("postgresql://mlflow:pw@postgres:5432/mlflow") == "postgresql://***@postgres:5432/mlflow"
-    assert redact("https://s3/x?X-Amz-Signature=abc&page=2&token=t") == "https://s3/x?X-Amz-Signature=***&page=2&token=***"
+    assert (
+        redact("https://s3/x?X-Amz-Signature=abc&page=2&token=t") == "https://s3/x?X-Amz-Signature=***&page=2&token=***"
+    )
     assert redact("http://host:5000/health and a=b") == "http://host:5000/health and a=b"
 
 
-def test_production_service_refuses_default_or_placeholder_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_production_service_refuses_default_or_placeholder_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ConfigError) as err:
-        HourglassService(HourglassConfig(state_dir=str(tmp_path), deployment="production"), base_fingerprint="f" * 64,
-                         ingest=False, reconcile=False)  # fmt: skip
+        HourglassService(
+            HourglassConfig(state_dir=str(tmp_path), deployment="production"),
+            base_fingerprint="f" * 64,
+            ingest=False,
+            reconcile=False,
+        )
     message = str(err.value)
     assert "buffer.user_hash_key" in message and "registry.signing_key" in message
     monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "change-me-openssl-rand-hex-32")
     monkeypatch.setenv("HOURGLASS_REGISTRY__SIGNING_KEY", "0123456789abcdef" * 4)
     with pytest.raises(ConfigError, match="buffer.user_hash_key .*placeholder"):
-        HourglassService(HourglassConfig(state_dir=str(tmp_path), deployment="production"), base_fingerprint="f" * 64,
-                         ingest=False, reconcile=False)  # fmt: skip
+        HourglassService(
+            HourglassConfig(state_dir=str(tmp_path), deployment="production"),
+            base_fingerprint="f" * 64,
+            ingest=False,
+            reconcile=False,
+        )
     monkeypatch.setenv("HOURGLASS_BUFFER__USER_HASH_KEY", "fedcba9876543210" * 2)
-    ok = HourglassService(HourglassConfig(state_dir=str(tmp_path), deployment="production"), base_fingerprint="f" * 64,
-                          ingest=False, reconcile=False)  # fmt: skip
+    ok = HourglassService(
+        HourglassConfig(state_dir=str(tmp_path), deployment="production"),
+        base_fingerprint="f" * 64,
+        ingest=False,
+        reconcile=False,
+    )
     assert ok.cfg.deployment == "production"
     # the embedded default starts with no secret set at all
-    assert HourglassService(HourglassConfig(state_dir=str(tmp_path / "e")), base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    assert HourglassService(
+        HourglassConfig(state_dir=str(tmp_path / "e")), base_fingerprint="f" * 64, ingest=False, reconcile=False
+    )
 
 
 class _FakeVllm:

@@ -179,7 +179,9 @@ def test_embedding_lora_is_trained_swapped_and_saved(fresh_base, tmp_path: Path)
     _train(base, store, "e", 0)
     store.activate("a")  # e now waits in host memory
     weights = {k: v for k, v in store.snapshot("e").items() if k.startswith("weight/") and "lora_embedding_A" in k}
-    assert weights and all(v.abs().sum() > 0 for v in weights.values())  # PEFT starts embedding A at zero: it was trained
+    assert weights and all(
+        v.abs().sum() > 0 for v in weights.values()
+    )  # PEFT starts embedding A at zero: it was trained
     saved = safetensors.torch.load_file(str(store.save("e", tmp_path / "e") / ADAPTER_WEIGHTS))
     assert {k for k in saved if "lora_embedding" in k} == {k.removeprefix("weight/") for k in weights} | {
         k.removeprefix("weight/").replace("lora_embedding_A", "lora_embedding_B") for k in weights
@@ -190,8 +192,14 @@ def _deltas(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.T
     return {a: scale * weights[a.replace(".lora_A.", ".lora_B.")] @ weights[a] for a in weights if ".lora_A." in a}
 
 
-@pytest.mark.parametrize("new_rank,new_alpha", [(4, 16), (8, 8), (16, 32)], ids=["same-rank-new-alpha", "higher-rank", "higher-rank-same-scale"])
-def test_start_from_an_adapter_of_another_shape_keeps_its_update(fresh_base, tmp_path: Path, new_rank: int, new_alpha: int) -> None:
+@pytest.mark.parametrize(
+    "new_rank,new_alpha",
+    [(4, 16), (8, 8), (16, 32)],
+    ids=["same-rank-new-alpha", "higher-rank", "higher-rank-same-scale"],
+)
+def test_start_from_an_adapter_of_another_shape_keeps_its_update(
+    fresh_base, tmp_path: Path, new_rank: int, new_alpha: int
+) -> None:
     """A challenger of rank >= the champion's starts exactly where the champion is (same dW = s B A)."""
     base = fresh_base()
     store = make_store("offload", base)
@@ -224,4 +232,6 @@ def test_lower_rank_start_is_the_best_low_rank_approximation() -> None:
     approx = 0.5 * got["m.lora_B.weight"] @ got["m.lora_A.weight"]
     sing = torch.linalg.svdvals(delta)
     # Eckart-Young: the error of the best rank-3 approximation is the norm of the dropped singular values
-    torch.testing.assert_close(torch.linalg.matrix_norm(delta - approx), sing[3:].square().sum().sqrt(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.linalg.matrix_norm(delta - approx), sing[3:].square().sum().sqrt(), rtol=1e-4, atol=1e-4
+    )

@@ -41,7 +41,9 @@ def test_cpu_flags_are_read_from_proc() -> None:
 def _batch(base, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(4, 9, (8,), generator=g)]
-    completions = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (8,), generator=g)]
+    completions = [
+        torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (8,), generator=g)
+    ]
     with torch.no_grad():
         old_BT, _ = base.completion_logprobs(prompts, completions)
     old = [old_BT[b, : len(c)].tolist() for b, c in enumerate(completions)]
@@ -55,7 +57,9 @@ def _step(model: Path, dtype: str) -> tuple[dict[str, float], torch.Tensor, obje
     cand = CandidateConfig(name="c", learning_rate=1e-2, kl_coef=0.1, start="fresh")
     store.create("c", cand)
     optimizer = store.activate("c")
-    batch = _batch(load_base(ModelConfig(name=str(model), dtype="float32", device="cpu")))  # the same sequences and old log-probs
+    batch = _batch(
+        load_base(ModelConfig(name=str(model), dtype="float32", device="cpu"))
+    )  # the same sequences and old log-probs
     with torch.no_grad():
         lp_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
     metrics = update_step(base, optimizer, cand, RLConfig(), batch)
@@ -71,9 +75,13 @@ def test_bf16_base_keeps_lora_and_adamw_in_float32_and_matches_float32(peaked_mo
     assert lora and all(p.dtype == torch.float32 for p in lora)
     states = [optimizer.state[p] for p in lora]
     assert all(s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32 for s in states)
-    assert all(p.dtype == torch.float32 for n, p in base.model.named_parameters() if "lora_" in n)  # every adapter, boot too
+    assert all(
+        p.dtype == torch.float32 for n, p in base.model.named_parameters() if "lora_" in n
+    )  # every adapter, boot too
     mae = float((lp16 - lp32).abs().sum() / mask.sum())
-    print(f"bf16 vs fp32 per-token log-prob mean abs diff {mae:.4f} nats; loss {m16['train/loss']:.5f} vs {m32['train/loss']:.5f}")
+    print(
+        f"bf16 vs fp32 per-token log-prob mean abs diff {mae:.4f} nats; loss {m16['train/loss']:.5f} vs {m32['train/loss']:.5f}"
+    )
     assert 0 < mae < LOGPROB_MAE_TOL, mae
     assert abs(m16["train/loss"] - m32["train/loss"]) < LOSS_TOL, (m16["train/loss"], m32["train/loss"])
     assert m16["train/skipped_nonfinite"] == 0.0
@@ -100,8 +108,18 @@ def test_trainer_logprobs_of_vllm_samples_fp32_and_bf16(vllm_tiny: str, tiny_mod
     engine = VLLMEngine(vllm_tiny)
     b32 = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu"))
     prompts = [b32.chat_token_ids([{"role": "user", "content": f"What is {i} + {2 * i}?"}]) for i in range(3)]
-    requests = [RolloutRequest(version=BASE_VERSION, prompt_id=str(i), prompt_token_ids=tuple(p), n=4, max_new_tokens=12, temperature=1.0, seed=3)
-                for i, p in enumerate(prompts)]  # fmt: skip
+    requests = [
+        RolloutRequest(
+            version=BASE_VERSION,
+            prompt_id=str(i),
+            prompt_token_ids=tuple(p),
+            n=4,
+            max_new_tokens=12,
+            temperature=1.0,
+            seed=3,
+        )
+        for i, p in enumerate(prompts)
+    ]
     groups = engine.generate(requests)
     ids = [prompts[i] for i, g in enumerate(groups) for _ in g]
     comps = [list(s.token_ids) for g in groups for s in g]
@@ -109,7 +127,10 @@ def test_trainer_logprobs_of_vllm_samples_fp32_and_bf16(vllm_tiny: str, tiny_mod
     for b, s in enumerate(s for g in groups for s in g):
         vllm_BT[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
     report = {}
-    for dtype, base in (("float32", b32), ("bfloat16", load_base(ModelConfig(name=str(tiny_model), dtype="bfloat16", device="cpu")))):
+    for dtype, base in (
+        ("float32", b32),
+        ("bfloat16", load_base(ModelConfig(name=str(tiny_model), dtype="bfloat16", device="cpu"))),
+    ):
         with torch.no_grad(), base.reference():
             lp_BT, mask_BT = base.completion_logprobs(ids, comps)
         mae = float(((lp_BT - vllm_BT).abs() * mask_BT).sum() / mask_BT.sum())

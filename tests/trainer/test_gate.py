@@ -60,7 +60,9 @@ def test_auc_counts_ties_as_half_and_is_nan_without_both_classes() -> None:
 def test_paired_auc_bound_is_exact_for_a_perfect_ranker_against_the_base() -> None:
     labels = [True, False] * 10
     perfect = [1.0 if y else -1.0 for y in labels]
-    assert paired_auc_lower_bound(perfect, [0.0] * 20, labels, 0.9, 300) == pytest.approx(0.5)  # 1.0 - 0.5 in every resample
+    assert paired_auc_lower_bound(perfect, [0.0] * 20, labels, 0.9, 300) == pytest.approx(
+        0.5
+    )  # 1.0 - 0.5 in every resample
     noisy = [1.0 if (y ^ (i % 5 == 0)) else -1.0 for i, y in enumerate(labels)]
     lb = paired_auc_lower_bound(noisy, [0.0] * 20, labels, 0.9, 1000)
     assert 0.0 < lb < auc(noisy, labels) - 0.5

@@ -20,20 +20,36 @@ def _newline_share(prompt_messages, completion: str, metadata) -> float:
     return completion.count("\n") / 4
 
 
-def test_an_inverted_reward_candidate_is_never_promoted(peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_inverted_reward_candidate_is_never_promoted(
+    peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both candidates are judged by the tenant's yardstick (rl.gate_reward), not by their own rewards:
     the inverted one learned to avoid what the yardstick counts, so it loses - by its own inverted
     reward it would have beaten the base."""
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
-    prompts = reasoning_gym_prompts("basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
-    normal = CandidateConfig(name="normal", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh")
+    normal = CandidateConfig(
+        name="normal", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh"
+    )
     inverted = normal.model_copy(update={"name": "inverted", "reward": [RewardTerm(fn="newline_share", weight=-1.0)]})
     rl = RLConfig(
-        steps_per_round=12, prompts_per_step=2, group_size=8, max_new_tokens=4, rollout_engine="hf", eval_prompts=6,
-        max_kl=100.0, gate_reward=[RewardTerm(fn="newline_share")], bootstrap_samples=200, seed=0,
-    )  # fmt: skip
-    result = run_round(ModelConfig(name=str(peaked_model)), [normal, inverted], rl, train, heldout, {}, tmp_path / "r1", progress=False)
+        steps_per_round=12,
+        prompts_per_step=2,
+        group_size=8,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=6,
+        max_kl=100.0,
+        gate_reward=[RewardTerm(fn="newline_share")],
+        bootstrap_samples=200,
+        seed=0,
+    )
+    result = run_round(
+        ModelConfig(name=str(peaked_model)), [normal, inverted], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    )
 
     decision = result.decisions["hourglass"]
     assert decision.metric == "verifiable" and decision.winner != "inverted", decision.reason
@@ -44,7 +60,9 @@ def test_an_inverted_reward_candidate_is_never_promoted(peaked_model: Path, tmp_
     # The old rule - each candidate scored by its own reward, the champion by that same mix - promotes it:
     champion = [decision.champion_reward_mean] * len(by_name["inverted"].eval_rewards)  # mean is enough for the sign
     own = [-x for x in by_name["inverted"].eval_rewards]
-    assert paired_bootstrap_lower_bound([a + b for a, b in zip(own, champion)], 0.9, 200) > 0, "the test needs an inverted candidate that learned"
+    assert paired_bootstrap_lower_bound([a + b for a, b in zip(own, champion)], 0.9, 200) > 0, (
+        "the test needs an inverted candidate that learned"
+    )
 
 
 def _thumbs_rows(n: int, *, corrections: bool = False) -> list[Prompt]:
@@ -54,22 +72,47 @@ def _thumbs_rows(n: int, *, corrections: bool = False) -> list[Prompt]:
     for i in range(n):
         good = i % 2 == 0
         rows.append(
-            Prompt(prompt_id=f"row{i:02d}", messages=[{"role": "user", "content": f"Is {i} fine?"}], metadata={},
-                   logged_completion="yes" if good else "no", logged_reward=1.0 if good else -1.0, logged_adapter_version="base",
-                   logged_correction=None if good or not corrections else "yes")
-        )  # fmt: skip
+            Prompt(
+                prompt_id=f"row{i:02d}",
+                messages=[{"role": "user", "content": f"Is {i} fine?"}],
+                metadata={},
+                logged_completion="yes" if good else "no",
+                logged_reward=1.0 if good else -1.0,
+                logged_adapter_version="base",
+                logged_correction=None if good or not corrections else "yes",
+            )
+        )
     return rows
 
 
 def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_model: Path, tmp_path: Path) -> None:
     train, heldout = split_snapshot(snapshot_table(_thumbs_rows(24, corrections=True)), 0.25)
-    kto = CandidateConfig(name="kto", algorithm="kto", learning_rate=5e-3, kl_coef=0.0, kto_beta=1.0, reward=[RewardTerm(fn="logged")], start="fresh")
-    inverse = kto.model_copy(update={"name": "kto-inverse", "reward": [RewardTerm(fn="logged", weight=-1.0)], "kto_use_corrections": False})
+    kto = CandidateConfig(
+        name="kto",
+        algorithm="kto",
+        learning_rate=5e-3,
+        kl_coef=0.0,
+        kto_beta=1.0,
+        reward=[RewardTerm(fn="logged")],
+        start="fresh",
+    )
+    inverse = kto.model_copy(
+        update={"name": "kto-inverse", "reward": [RewardTerm(fn="logged", weight=-1.0)], "kto_use_corrections": False}
+    )
     rl = RLConfig(
-        steps_per_round=6, prompts_per_step=2, group_size=4, max_new_tokens=4, rollout_engine="hf", eval_prompts=6,
-        max_kl=100.0, gate_metric="feedback", bootstrap_samples=200,
-    )  # fmt: skip
-    result = run_round(ModelConfig(name=str(tiny_model)), [kto, inverse], rl, train, heldout, {}, tmp_path / "r1", progress=False)
+        steps_per_round=6,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=6,
+        max_kl=100.0,
+        gate_metric="feedback",
+        bootstrap_samples=200,
+    )
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), [kto, inverse], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    )
 
     by_name = {c.name: c for c in result.candidates}
     assert sum(m["train/kto_corrections"] for m in by_name["kto"].step_metrics) > 0
@@ -85,7 +128,9 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
 
     # next round: the promoted adapter is the champion, measured against the base by the same yardstick
     champion = {"hourglass": by_name["kto"].adapter_dir}
-    again = run_round(ModelConfig(name=str(tiny_model)), [inverse], rl, train, heldout, champion, tmp_path / "r2", progress=False)
+    again = run_round(
+        ModelConfig(name=str(tiny_model)), [inverse], rl, train, heldout, champion, tmp_path / "r2", progress=False
+    )
     decision = again.decisions["hourglass"]
     assert decision.champion_reward_mean == 1.0 and decision.winner is None
     assert f"kto-inverse: feedback AUC 0.000 vs champion {by_name['kto'].adapter_dir} 1.000" in decision.reason
@@ -98,16 +143,30 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     table = snapshot_table(rows[:8] + unrated)
     train, heldout = split_snapshot(table, 0.25)  # the newest 4 rows carry no completion and no reward
     kto = CandidateConfig(name="kto", algorithm="kto", reward=[RewardTerm(fn="logged")], start="fresh")
-    rl = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="feedback")
-    result = run_round(ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False)
+    rl = RLConfig(
+        steps_per_round=1,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=3,
+        rollout_engine="hf",
+        eval_prompts=4,
+        gate_metric="feedback",
+    )
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    )
     decision = result.decisions["hourglass"]
     assert decision.winner is None
     assert "none of the 3 held-out rows carries a logged completion with a reward (user feedback)" in decision.reason
     assert result.eval_prompt_ids == () and result.metrics["eval/prompts"] == 0.0
-    assert "eval/feedback/kto" not in result.metrics and "eval/feedback" not in result.candidates[0].eval_metrics  # undefined: left out
+    assert (
+        "eval/feedback/kto" not in result.metrics and "eval/feedback" not in result.candidates[0].eval_metrics
+    )  # undefined: left out
 
     verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
-    result = run_round(ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False)
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False
+    )
     assert "carries the metadata ['reference_answer'] of rl.gate_reward" in result.decisions["hourglass"].reason
 
 
@@ -132,14 +191,25 @@ class _FakeRewardModel:
         return [float(len(c)) for c in completion_ids_B]
 
 
-def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(tiny_model: Path, tmp_path: Path) -> None:
+def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     from trainer.adapter_store import make_store
     from trainer.base import load_base
     from trainer.candidates import evaluate_and_gate, publish
     from trainer.rollout import HFEngine
 
-    rl = RLConfig(max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="reward_model", bootstrap_samples=200, max_kl=100.0)
-    heldout = [Prompt(prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={}) for i in range(5)]  # no references needed
+    rl = RLConfig(
+        max_new_tokens=3,
+        rollout_engine="hf",
+        eval_prompts=4,
+        gate_metric="reward_model",
+        bootstrap_samples=200,
+        max_kl=100.0,
+    )
+    heldout = [
+        Prompt(prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={}) for i in range(5)
+    ]  # no references needed
     base = load_base(ModelConfig(name=str(tiny_model)))
     store = make_store("offload", base)
     engine = HFEngine(base, store)
@@ -155,7 +225,9 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
 
     model = _FakeRewardModel()
     results, decisions, _ = run(reward_model=model, reward_report=_FakeReport(0.48))
-    assert decisions["hourglass"].reason.startswith("keep base: the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)")
+    assert decisions["hourglass"].reason.startswith(
+        "keep base: the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)"
+    )
 
     model = _FakeRewardModel()
     results, decisions, metrics = run(reward_model=model, reward_report=_FakeReport(0.8))
@@ -164,7 +236,11 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
     assert decision.metric == "reward_model" and decision.winner is None
     assert results["a"].rewards == tuple(float(len(s.token_ids) or 1) for s in results["a"].samples)
     # a fresh adapter answers as the base does: same scores, no gain
-    assert decision.candidate_reward_means["a"] == decision.champion_reward_mean == metrics["eval/reward_model/champion/hourglass"]
+    assert (
+        decision.candidate_reward_means["a"]
+        == decision.champion_reward_mean
+        == metrics["eval/reward_model/champion/hourglass"]
+    )
     assert "a: reward-model score" in decision.reason and "does not exceed margin" in decision.reason
     store.close()
 
@@ -175,32 +251,60 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
     from trainer.config import RewardModelConfig
 
     rows = [
-        Prompt(prompt_id=f"s{i:02d}", messages=[{"role": "user", "content": "Say something."}], metadata={},
-               logged_completion="something", logged_reward=1.0 if i % 2 else -1.0, logged_adapter_version="base")
+        Prompt(
+            prompt_id=f"s{i:02d}",
+            messages=[{"role": "user", "content": "Say something."}],
+            metadata={},
+            logged_completion="something",
+            logged_reward=1.0 if i % 2 else -1.0,
+            logged_adapter_version="base",
+        )
         for i in range(32)
-    ]  # fmt: skip
+    ]
     train, heldout = split_snapshot(snapshot_table(rows), 0.25)
     kto = CandidateConfig(name="kto", algorithm="kto", reward=[RewardTerm(fn="logged")], start="fresh")
-    rl = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=4, gate_metric="reward_model")
+    rl = RLConfig(
+        steps_per_round=1,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=3,
+        rollout_engine="hf",
+        eval_prompts=4,
+        gate_metric="reward_model",
+    )
     result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False,
+        ModelConfig(name=str(tiny_model)),
+        [kto],
+        rl,
+        train,
+        heldout,
+        {},
+        tmp_path / "r1",
+        progress=False,
         reward_cfg=RewardModelConfig(steps=2, batch_size=8, start="fresh"),
-    )  # fmt: skip
+    )
     assert result.reward_model is not None and result.reward_model.report.auc_lower_bound <= 0.5
     decision = result.decisions["hourglass"]
     assert decision.winner is None and decision.metric == "reward_model"
     assert "the reward model is not better than chance on held-out feedback (AUC lower bound" in decision.reason
 
 
-def test_evaluation_forward_passes_in_chunks_give_the_same_values(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_forward_passes_in_chunks_give_the_same_values(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from trainer import evaluate
     from trainer.base import load_base
     from trainer.samples import Sample
 
-    base = load_base(ModelConfig(name=str(tiny_model), dtype="float32"))  # bf16 results shift with batch padding (~1e-3)
+    base = load_base(
+        ModelConfig(name=str(tiny_model), dtype="float32")
+    )  # bf16 results shift with batch padding (~1e-3)
     ids = [base.chat_token_ids([{"role": "user", "content": f"q{i}" * (i + 1)}]) for i in range(5)]
     comps = [[11 + i, 12, 13][: 1 + i % 3] for i in range(5)]
-    samples = [Sample(prompt_id=str(i), text="", token_ids=tuple(c), logprobs=(), adapter_version="base") for i, c in enumerate(comps)]
+    samples = [
+        Sample(prompt_id=str(i), text="", token_ids=tuple(c), logprobs=(), adapter_version="base")
+        for i, c in enumerate(comps)
+    ]
     whole = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)
     monkeypatch.setattr(evaluate, "EVAL_CHUNK", 2)
     chunked = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)

@@ -13,7 +13,9 @@ from trainer.config import Algorithm, CandidateConfig, ModelConfig, RewardTerm
 from trainer.losses import kto_loss
 
 
-def _trl_kto_reference(policy_chosen, policy_rejected, policy_kl, ref_chosen, ref_rejected, ref_kl, beta, w_d, w_u) -> float:
+def _trl_kto_reference(
+    policy_chosen, policy_rejected, policy_kl, ref_chosen, ref_rejected, ref_kl, beta, w_d, w_u
+) -> float:
     """TRL ``KTOTrainer.kto_loss`` (loss_type "kto") written out on Python floats:
     kl = clamp(mean(policy_KL - ref_KL), min=0) (detached);
     chosen: 1 - sigmoid(beta * ((policy - ref) - kl)); rejected: 1 - sigmoid(beta * (kl - (policy - ref)));
@@ -33,25 +35,49 @@ def test_kto_loss_equals_trl_formula(kl_shift: float) -> None:
     desirable_B = torch.tensor([True, False, True, False, True])
     policy_kl_B = torch.tensor([-15.0, -10.0, -22.0, -6.0, -12.0]) + kl_shift
     reference_kl_B = torch.tensor([-14.0, -10.5, -21.0, -7.0, -11.0])
-    loss, z0 = kto_loss(policy_B, reference_B, desirable_B, policy_kl_B, reference_kl_B, beta=0.5, desirable_weight=1.33, undesirable_weight=0.7)
+    loss, z0 = kto_loss(
+        policy_B,
+        reference_B,
+        desirable_B,
+        policy_kl_B,
+        reference_kl_B,
+        beta=0.5,
+        desirable_weight=1.33,
+        undesirable_weight=0.7,
+    )
     d, u = desirable_B.tolist(), [not x for x in desirable_B.tolist()]
     pick = lambda t, m: [v for v, keep in zip(t.tolist(), m) if keep]  # noqa: E731
     expected = _trl_kto_reference(
-        pick(policy_B.detach(), d), pick(policy_B.detach(), u), policy_kl_B.tolist(), pick(reference_B, d), pick(reference_B, u),
-        reference_kl_B.tolist(), 0.5, 1.33, 0.7,
-    )  # fmt: skip
+        pick(policy_B.detach(), d),
+        pick(policy_B.detach(), u),
+        policy_kl_B.tolist(),
+        pick(reference_B, d),
+        pick(reference_B, u),
+        reference_kl_B.tolist(),
+        0.5,
+        1.33,
+        0.7,
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert z0.item() == pytest.approx(max(0.0, (policy_kl_B - reference_kl_B).mean().item()))
     assert (z0.item() == 0.0) == (kl_shift == 0.0)
     loss.backward()
     grad = policy_B.grad
-    assert (grad[desirable_B] < 0).all() and (grad[~desirable_B] > 0).all()  # raise desirable, lower undesirable log-probs
+    assert (grad[desirable_B] < 0).all() and (
+        grad[~desirable_B] > 0
+    ).all()  # raise desirable, lower undesirable log-probs
 
 
 def test_kto_reference_point_carries_no_gradient() -> None:
     policy_kl_B = torch.tensor([-1.0, -2.0], requires_grad=True)
-    loss, _ = kto_loss(torch.tensor([-1.0, -2.0], requires_grad=True), torch.tensor([-2.0, -1.0]), torch.tensor([True, False]),
-                       policy_kl_B, torch.tensor([-3.0, -3.0]), beta=0.1)  # fmt: skip
+    loss, _ = kto_loss(
+        torch.tensor([-1.0, -2.0], requires_grad=True),
+        torch.tensor([-2.0, -1.0]),
+        torch.tensor([True, False]),
+        policy_kl_B,
+        torch.tensor([-3.0, -3.0]),
+        beta=0.1,
+    )
     loss.backward()
     assert policy_kl_B.grad is None
 
@@ -72,10 +98,18 @@ def test_kto_batch_cuts_long_logged_completions_and_corrections_to_the_window(ti
     from trainer.update import kto_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=64))
-    candidate = CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=True)
+    candidate = CandidateConfig(
+        name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=True
+    )
     long_text = "word " * 3000
-    row = Prompt(prompt_id="p", messages=[{"role": "user", "content": "hi"}], logged_completion=long_text, logged_reward=1.0,
-                 logged_token_ids=list(range(5, 2005)), logged_correction=long_text)  # fmt: skip
+    row = Prompt(
+        prompt_id="p",
+        messages=[{"role": "user", "content": "hi"}],
+        logged_completion=long_text,
+        logged_reward=1.0,
+        logged_token_ids=list(range(5, 2005)),
+        logged_correction=long_text,
+    )
     prompt_ids = [base.chat_token_ids(row.messages)]
     batch, _ = kto_batch(candidate, [row], prompt_ids, base, build_reward(candidate.reward))
     assert len(batch.completion_ids) == 2  # the completion and the correction

@@ -24,20 +24,41 @@ def _newline_share(prompt_messages, completion: str, metadata) -> float:
 
 def test_grpo_raises_reward_on_a_toy_task(peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
-    prompts = reasoning_gym_prompts("basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
-    candidate = CandidateConfig(name="nl", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh")
+    candidate = CandidateConfig(
+        name="nl", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh"
+    )
     rl = RLConfig(
-        steps_per_round=16, prompts_per_step=2, group_size=8, max_new_tokens=4, rollout_engine="hf", adapter_store="offload",
-        eval_prompts=4, max_kl=100.0, seed=0,
-    )  # fmt: skip
-    result = run_round(ModelConfig(name=str(peaked_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False)
+        steps_per_round=16,
+        prompts_per_step=2,
+        group_size=8,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        adapter_store="offload",
+        eval_prompts=4,
+        max_kl=100.0,
+        seed=0,
+    )
+    result = run_round(
+        ModelConfig(name=str(peaked_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    )
 
     curve = [m["train/reward_mean"] for m in result.candidates[0].step_metrics]
     first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
     assert last > first + 0.1, f"reward did not rise: {curve}"
     metrics = result.candidates[0].step_metrics[-1]
-    for key in ("train/loss", "train/reward_std", "train/kl", "train/clip_frac", "train/grad_norm", "train/tokens_per_s", "train/swap_s"):
+    for key in (
+        "train/loss",
+        "train/reward_std",
+        "train/kl",
+        "train/clip_frac",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/swap_s",
+    ):
         assert key in metrics
     assert (result.candidates[0].adapter_dir / "adapter_model.safetensors").is_file()
     assert (tmp_path / "last" / "nl" / "adapter_config.json").is_file()  # where start="self" resumes
@@ -57,14 +78,36 @@ def test_offline_is_learns_from_logged_rewards(tiny_model: Path, tmp_path: Path)
     for i in range(24):
         good = i % 2 == 0
         rows.append(
-            Prompt(prompt_id=f"row{i:02d}", messages=[{"role": "user", "content": f"Is {i} fine?"}],
-                   metadata={"reference_answer": "yes"}, logged_completion="yes" if good else "no",
-                   logged_reward=1.0 if good else 0.0, logged_adapter_version="base")
-        )  # fmt: skip
+            Prompt(
+                prompt_id=f"row{i:02d}",
+                messages=[{"role": "user", "content": f"Is {i} fine?"}],
+                metadata={"reference_answer": "yes"},
+                logged_completion="yes" if good else "no",
+                logged_reward=1.0 if good else 0.0,
+                logged_adapter_version="base",
+            )
+        )
     train, heldout = split_snapshot(snapshot_table(rows), 0.25)
-    candidate = CandidateConfig(name="off", algorithm="offline_is", learning_rate=5e-3, kl_coef=0.0, reward=[RewardTerm(fn="logged")], start="fresh")
-    rl = RLConfig(steps_per_round=8, prompts_per_step=2, group_size=4, max_new_tokens=4, rollout_engine="hf", eval_prompts=2, max_kl=100.0)
-    result = run_round(ModelConfig(name=str(tiny_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False)
+    candidate = CandidateConfig(
+        name="off",
+        algorithm="offline_is",
+        learning_rate=5e-3,
+        kl_coef=0.0,
+        reward=[RewardTerm(fn="logged")],
+        start="fresh",
+    )
+    rl = RLConfig(
+        steps_per_round=8,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=2,
+        max_kl=100.0,
+    )
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    )
     assert all(m["train/behaviour_from_reference"] == 1.0 for m in result.candidates[0].step_metrics)
 
     base = load_base(ModelConfig(name=str(tiny_model)))
@@ -85,12 +128,29 @@ def test_offline_batch_cuts_logged_completions_to_max_seq_len(tiny_model: Path) 
 
     base = load_base(ModelConfig(name=str(tiny_model), max_seq_len=64))
     prompts = [
-        Prompt(prompt_id="long", messages=[{"role": "user", "content": "hi"}], logged_completion="x",
-               logged_token_ids=[7] * 5000, logged_logprobs=[-0.5] * 5000, logged_reward=1.0),
-        Prompt(prompt_id="text", messages=[{"role": "user", "content": "hi"}], logged_completion="word " * 3000, logged_reward=-1.0),
-        Prompt(prompt_id="short", messages=[{"role": "user", "content": "hi"}], logged_completion="ok", logged_token_ids=[5, 6],
-               logged_logprobs=[-0.1, -0.2], logged_reward=0.5),
-    ]  # fmt: skip
+        Prompt(
+            prompt_id="long",
+            messages=[{"role": "user", "content": "hi"}],
+            logged_completion="x",
+            logged_token_ids=[7] * 5000,
+            logged_logprobs=[-0.5] * 5000,
+            logged_reward=1.0,
+        ),
+        Prompt(
+            prompt_id="text",
+            messages=[{"role": "user", "content": "hi"}],
+            logged_completion="word " * 3000,
+            logged_reward=-1.0,
+        ),
+        Prompt(
+            prompt_id="short",
+            messages=[{"role": "user", "content": "hi"}],
+            logged_completion="ok",
+            logged_token_ids=[5, 6],
+            logged_logprobs=[-0.1, -0.2],
+            logged_reward=0.5,
+        ),
+    ]
     prompt_ids = [base.chat_token_ids(p.messages) for p in prompts]
     batch, _ = offline_batch(prompts, prompt_ids, base, build_reward([RewardTerm(fn="logged")]))
     for p, c, b in zip(batch.prompt_ids, batch.completion_ids, batch.behaviour_logprobs):

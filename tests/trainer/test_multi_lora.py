@@ -24,10 +24,26 @@ GRAD_TOL = 1e-5  # relative to the gradient's largest entry
 WEIGHT_TOL = 1e-6
 
 CANDIDATES = [
-    CandidateConfig(name="a", lora_rank=4, lora_alpha=8, learning_rate=1e-2, kl_coef=0.1, target_modules=["q_proj", "v_proj"]),
-    CandidateConfig(name="b", lora_rank=8, lora_alpha=32, learning_rate=3e-3, kl_coef=0.0, algorithm="ppo_clip",
-                    target_modules=["k_proj", "o_proj", "down_proj"]),  # fmt: skip
-    CandidateConfig(name="c", lora_rank=2, lora_alpha=2, learning_rate=5e-3, kl_coef=0.05, target_modules=["q_proj", "up_proj", "gate_proj"]),
+    CandidateConfig(
+        name="a", lora_rank=4, lora_alpha=8, learning_rate=1e-2, kl_coef=0.1, target_modules=["q_proj", "v_proj"]
+    ),
+    CandidateConfig(
+        name="b",
+        lora_rank=8,
+        lora_alpha=32,
+        learning_rate=3e-3,
+        kl_coef=0.0,
+        algorithm="ppo_clip",
+        target_modules=["k_proj", "o_proj", "down_proj"],
+    ),
+    CandidateConfig(
+        name="c",
+        lora_rank=2,
+        lora_alpha=2,
+        learning_rate=5e-3,
+        kl_coef=0.05,
+        target_modules=["q_proj", "up_proj", "gate_proj"],
+    ),
 ]
 RL = RLConfig(adapters_per_pass=2)  # per-candidate clipping at 1.0 is part of what must match
 
@@ -39,8 +55,12 @@ def base(peaked_model: Path) -> ResidentBase:
 
 def _batch(base: ResidentBase, seed: int, rows: int, nan: bool = False) -> Batch:
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (rows,), generator=g)]
-    completions = [torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (rows,), generator=g)]
+    prompts = [
+        torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (rows,), generator=g)
+    ]
+    completions = [
+        torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (rows,), generator=g)
+    ]
     with torch.no_grad(), base.reference():
         old_BT, _ = base.completion_logprobs(prompts, completions)
     old_BT = old_BT.float().cpu()
@@ -122,7 +142,9 @@ def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> No
             assert err < GRAD_TOL, (c.name, k, err)
 
 
-def _two_steps(base: ResidentBase, kind: str, one_pass: bool, batches: list[list[Batch]]) -> dict[str, dict[str, torch.Tensor]]:
+def _two_steps(
+    base: ResidentBase, kind: str, one_pass: bool, batches: list[list[Batch]]
+) -> dict[str, dict[str, torch.Tensor]]:
     store = _store(base, kind)
     metrics = {}
     try:
@@ -130,7 +152,10 @@ def _two_steps(base: ResidentBase, kind: str, one_pass: bool, batches: list[list
             if one_pass:
                 metrics = train_one_pass(base, store, list(zip(CANDIDATES, step_batches)), RL)
             else:
-                metrics = {c.name: update_step(base, store.activate(c.name), c, RL, b) for c, b in zip(CANDIDATES, step_batches)}
+                metrics = {
+                    c.name: update_step(base, store.activate(c.name), c, RL, b)
+                    for c, b in zip(CANDIDATES, step_batches)
+                }
         return {c.name: store.snapshot(c.name) for c in CANDIDATES}, metrics
     finally:
         _close(store)
@@ -146,7 +171,11 @@ def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str) ->
         assert set(joint[c.name]) == set(seq[c.name])
         assert any(k.startswith("exp_avg/") for k in seq[c.name])
         for k, v in seq[c.name].items():
-            assert torch.allclose(joint[c.name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (c.name, k, float((joint[c.name][k] - v).abs().max()))
+            assert torch.allclose(joint[c.name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (
+                c.name,
+                k,
+                float((joint[c.name][k] - v).abs().max()),
+            )
         moved = max(float((seq[c.name][k] - start[c.name][k]).abs().max()) for k in start[c.name] if ".lora_A." in k)
         assert moved > 1e-4, (c.name, moved)  # the test compares weights that really changed
         assert joint_m[c.name]["train/loss"] == pytest.approx(seq_m[c.name]["train/loss"], rel=1e-4, abs=1e-6)
@@ -181,7 +210,9 @@ def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> Non
     owner = [2, 0, 1, 0, 2, 1]
     out = []
     for grouped in (False, True):
-        multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)], grouped=grouped)
+        multi = MultiLoRA(
+            base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)], grouped=grouped
+        )
         try:
             with torch.no_grad(), base.reference(), multi.active(owner):
                 out.append(base.completion_logprobs(batch.prompt_ids, batch.completion_ids)[0])
@@ -199,8 +230,10 @@ def test_embedding_targets_are_refused_and_train_sequentially(base: ResidentBase
     """Embedding LoRA layers have no per-row linear form here: the layer refuses them, a round keeps them sequential."""
     assert not one_pass_ok(CandidateConfig(name="e", target_modules=["embed_tokens", "q_proj"]))
     assert one_pass_ok(CANDIDATES[0])
-    tensors = {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 10),
-               "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 4)}  # fmt: skip
+    tensors = {
+        "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 10),
+        "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 4),
+    }
     with pytest.raises(TrainerConfigError, match="linear LoRA layers only"):
         MultiLoRA(base.model, [(1.0, tensors)])
 
@@ -223,7 +256,11 @@ def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> 
             for m in members:
                 for p in m.params.values():
                     p.grad = None
-            multi = MultiLoRA(cuda.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)], grouped=grouped)
+            multi = MultiLoRA(
+                cuda.model,
+                [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)],
+                grouped=grouped,
+            )
             try:
                 with cuda.reference(), multi.active(owner):
                     lp_BT, mask_BT = cuda.completion_logprobs(batch.prompt_ids, batch.completion_ids)
@@ -231,8 +268,12 @@ def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> 
             finally:
                 multi.close()
             if multi.grouped is not grouped:
-                pytest.skip("the grouped kernel refused float32 LoRA weights on this GPU; the loop ran instead (see the log)")
-            grads.append({(c.name, k): p.grad.clone() for c, m in zip(CANDIDATES, members) for k, p in m.params.items()})
+                pytest.skip(
+                    "the grouped kernel refused float32 LoRA weights on this GPU; the loop ran instead (see the log)"
+                )
+            grads.append(
+                {(c.name, k): p.grad.clone() for c, m in zip(CANDIDATES, members) for k, p in m.params.items()}
+            )
     finally:
         _close(store)
     for key, ref in grads[0].items():
@@ -245,12 +286,32 @@ def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
     from trainer.candidates import run_round
     from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
-    prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     cands = [c.model_copy(update={"reward": [RewardTerm(fn="exact_answer")], "start": "fresh"}) for c in CANDIDATES]
-    rl = RLConfig(steps_per_round=2, prompts_per_step=2, group_size=2, max_new_tokens=4, rollout_engine="hf", eval_prompts=2,
-                  max_kl=100.0, update_mode="one_pass", adapters_per_pass=2)  # fmt: skip
-    result = run_round(ModelConfig(name=str(tiny_model), dtype="float32"), cands, rl, train, heldout, {}, tmp_path / "r1", progress=False)
+    rl = RLConfig(
+        steps_per_round=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=2,
+        max_kl=100.0,
+        update_mode="one_pass",
+        adapters_per_pass=2,
+    )
+    result = run_round(
+        ModelConfig(name=str(tiny_model), dtype="float32"),
+        cands,
+        rl,
+        train,
+        heldout,
+        {},
+        tmp_path / "r1",
+        progress=False,
+    )
     assert [c.name for c in result.candidates] == ["a", "b", "c"]
     for c in result.candidates:
         assert len(c.step_metrics) == 2

@@ -34,7 +34,10 @@ def _prompt(i: int, text: str, **kw) -> Prompt:
 
 
 RL = RLConfig(max_new_tokens=4, rollout_engine="hf")
-GRADED = [_prompt(0, "add 1 2", metadata={"reference_answer": "3"}), _prompt(1, "add 2 2", metadata={"reference_answer": "4"})]
+GRADED = [
+    _prompt(0, "add 1 2", metadata={"reference_answer": "3"}),
+    _prompt(1, "add 2 2", metadata={"reference_answer": "4"}),
+]
 LOGGED = [_prompt(2, "hello", logged_completion="hi", logged_reward=1.0), _prompt(3, "bye", logged_completion=None)]
 
 
@@ -59,16 +62,22 @@ def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest
     monkeypatch.setattr(plan_module, "build_reward", counting)
     graded = CandidateConfig(name="graded", start="champion")
     filtered = CandidateConfig(name="filtered", data_filter="2 2", start="fresh")
-    offline = CandidateConfig(name="offline", algorithm=Algorithm.OFFLINE_IS, reward=[RewardTerm(fn="logged")], start="self")
+    offline = CandidateConfig(
+        name="offline", algorithm=Algorithm.OFFLINE_IS, reward=[RewardTerm(fn="logged")], start="self"
+    )
     champion = tmp_path / "champion"
-    plan = plan_round(FakeBase(), [graded, filtered, offline], RL, GRADED + LOGGED, {"hourglass": champion}, tmp_path / "r1")  # type: ignore[arg-type]
+    plan = plan_round(
+        FakeBase(), [graded, filtered, offline], RL, GRADED + LOGGED, {"hourglass": champion}, tmp_path / "r1"
+    )  # type: ignore[arg-type]
     by_name = {c.name: c for c in plan.candidates}
     assert [c.name for c in plan.candidates] == ["graded", "filtered", "offline"]  # config order
     assert built == [["exact_answer"], ["exact_answer"], ["logged"]], "one reward mix per candidate per round"
     assert [p.prompt_id for p in by_name["graded"].pool] == ["p0", "p1"]  # exact_answer needs a reference answer
     assert [p.prompt_id for p in by_name["filtered"].pool] == ["p1"]
     assert [p.prompt_id for p in by_name["offline"].pool] == ["p2"]  # only rows with a logged completion and reward
-    assert by_name["graded"].start == champion and by_name["filtered"].start is None and by_name["offline"].start is None
+    assert (
+        by_name["graded"].start == champion and by_name["filtered"].start is None and by_name["offline"].start is None
+    )
     assert [c.name for c in plan.online] == ["graded", "filtered"]
     assert plan.one_pass(RL.model_copy(update={"update_mode": "one_pass"})) == {"graded", "filtered"}
     assert plan.one_pass(RL) == set()
@@ -76,8 +85,12 @@ def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest
 
 def test_plan_refuses_a_round_a_candidate_cannot_train() -> None:
     with pytest.raises(DataError, match=r"candidates \['picky'\] have no training prompts"):
-        plan_round(FakeBase(), [CandidateConfig(name="picky", data_filter="nowhere")], RL, GRADED, {}, Path("/tmp/unused"))  # type: ignore[arg-type]
-    kto = CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=False)
+        plan_round(
+            FakeBase(), [CandidateConfig(name="picky", data_filter="nowhere")], RL, GRADED, {}, Path("/tmp/unused")
+        )  # type: ignore[arg-type]
+    kto = CandidateConfig(
+        name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=False
+    )
     with pytest.raises(DataError, match=r"offline candidates \['kto'\] have no logged rows"):
         plan_round(FakeBase(), [kto], RL, [LOGGED[1]], {}, Path("/tmp/unused"))  # type: ignore[arg-type]
 

@@ -27,11 +27,30 @@ def test_phases_add_up_and_do_not_nest() -> None:
 
 
 def test_round_metrics_hold_every_phase(tiny_model: Path, tmp_path: Path) -> None:
-    prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     cands = [CandidateConfig(name=n, reward=[RewardTerm(fn="exact_answer")], start="fresh") for n in ("a", "b")]
-    rl = RLConfig(steps_per_round=2, prompts_per_step=2, group_size=2, max_new_tokens=4, rollout_engine="hf", eval_prompts=2, max_kl=100.0)
-    result = run_round(ModelConfig(name=str(tiny_model), dtype="float32"), cands, rl, train, heldout, {}, tmp_path / "r1", progress=False)
+    rl = RLConfig(
+        steps_per_round=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=2,
+        max_kl=100.0,
+    )
+    result = run_round(
+        ModelConfig(name=str(tiny_model), dtype="float32"),
+        cands,
+        rl,
+        train,
+        heldout,
+        {},
+        tmp_path / "r1",
+        progress=False,
+    )
     m = result.metrics
     assert all(key in m for key in PHASES), sorted(m)
     assert all(m[key] > 0 for key in PHASES), {k: m[k] for k in PHASES}

@@ -22,36 +22,69 @@ from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 pytestmark = pytest.mark.integration
 
 
-def test_four_candidates_over_two_actors_match_the_local_executor(ray_cluster, peaked_model: Path, tmp_path: Path) -> None:
-    prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+def test_four_candidates_over_two_actors_match_the_local_executor(
+    ray_cluster, peaked_model: Path, tmp_path: Path
+) -> None:
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     reward = [RewardTerm(fn="tests.trainer.ray_helpers:no_newline")]
-    cands = [CandidateConfig(name=f"c{i}", learning_rate=lr, kl_coef=0.0, reward=reward, start="fresh") for i, lr in enumerate([2e-2, 1e-2, 5e-3, 1e-3])]
+    cands = [
+        CandidateConfig(name=f"c{i}", learning_rate=lr, kl_coef=0.0, reward=reward, start="fresh")
+        for i, lr in enumerate([2e-2, 1e-2, 5e-3, 1e-3])
+    ]
     rl = RLConfig(
-        steps_per_round=2, prompts_per_step=2, group_size=4, max_new_tokens=4, rollout_engine="hf", eval_prompts=4,
-        max_kl=100.0, gate_reward=reward, bootstrap_samples=100, adapter_store="offload",
-    )  # fmt: skip
+        steps_per_round=2,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=4,
+        max_kl=100.0,
+        gate_reward=reward,
+        bootstrap_samples=100,
+        adapter_store="offload",
+    )
     model = ModelConfig(name=str(peaked_model), dtype="float32")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each actor (rl.ray_actor_cpus = 1): CPU sampling draws depend on the thread count
     try:
         started = time.perf_counter()
-        local = run_round(model, cands, rl, train, heldout, {}, tmp_path / "local" / "r1", progress=False, round_id="r1")
+        local = run_round(
+            model, cands, rl, train, heldout, {}, tmp_path / "local" / "r1", progress=False, round_id="r1"
+        )
         local_s = time.perf_counter() - started
     finally:
         torch.set_num_threads(threads)
-    on_ray = run_round(model, cands, rl.model_copy(update={"executor": "ray", "ray_actors": 2}), train, heldout, {}, tmp_path / "ray" / "r1",
-                       progress=False, round_id="r1")  # fmt: skip
+    on_ray = run_round(
+        model,
+        cands,
+        rl.model_copy(update={"executor": "ray", "ray_actors": 2}),
+        train,
+        heldout,
+        {},
+        tmp_path / "ray" / "r1",
+        progress=False,
+        round_id="r1",
+    )
 
-    assert local.decisions["hourglass"].winner is not None, local.decisions["hourglass"].reason  # the test needs a winner
+    assert local.decisions["hourglass"].winner is not None, local.decisions[
+        "hourglass"
+    ].reason  # the test needs a winner
     assert on_ray.decisions["hourglass"].winner == local.decisions["hourglass"].winner
     assert on_ray.metrics["executor/actors"] == 2.0
-    assert 0 < on_ray.metrics["executor/actor0/utilisation"] <= 1 and 0 < on_ray.metrics["executor/actor1/utilisation"] <= 1
+    assert (
+        0 < on_ray.metrics["executor/actor0/utilisation"] <= 1
+        and 0 < on_ray.metrics["executor/actor1/utilisation"] <= 1
+    )
     by_name = {c.name: c for c in on_ray.candidates}
     for mine in local.candidates:
         theirs = by_name[mine.name]
         assert theirs.eval_rewards == mine.eval_rewards, mine.name
-        assert [m["train/reward_mean"] for m in theirs.step_metrics] == [m["train/reward_mean"] for m in mine.step_metrics]
+        assert [m["train/reward_mean"] for m in theirs.step_metrics] == [
+            m["train/reward_mean"] for m in mine.step_metrics
+        ]
         a = safetensors.torch.load_file(str(mine.adapter_dir / "adapter_model.safetensors"))
         b = safetensors.torch.load_file(str(theirs.adapter_dir / "adapter_model.safetensors"))
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), mine.name
@@ -61,11 +94,16 @@ def test_four_candidates_over_two_actors_match_the_local_executor(ray_cluster, p
 
 
 def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluster, tmp_path: Path) -> None:
-    rl = RLConfig(executor="ray", ray_actors=2, ray_actor_cpus=2, ray_placement_timeout_s=1.5)  # 4 CPUs on a 2-CPU cluster
+    rl = RLConfig(
+        executor="ray", ray_actors=2, ray_actor_cpus=2, ray_placement_timeout_s=1.5
+    )  # 4 CPUs on a 2-CPU cluster
     cands = (CandidateConfig(name="a", start="fresh"), CandidateConfig(name="b", start="fresh"))
     job = TrainJob(ModelConfig(name="unused"), cands, (), rl, {}, tmp_path, "r-wait")
     started = time.monotonic()
-    with pytest.raises(PlacementTimeoutError, match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s"):
+    with pytest.raises(
+        PlacementTimeoutError,
+        match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s",
+    ):
         make_executor(rl).train(job, None, None, None)
     assert time.monotonic() - started < 15
     assert until_clean() == ([], [])
@@ -76,9 +114,17 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     cands = [CandidateConfig(name=n, start="fresh", reward=[RewardTerm(fn="format")]) for n in ("a", "b")]
     rl = RLConfig(
-        steps_per_round=1, prompts_per_step=1, group_size=2, max_new_tokens=2, rollout_engine="hf", eval_prompts=2, bootstrap_samples=100,
-        executor="ray", ray_actors=1, ray_keep_actors=True,
-    )  # fmt: skip
+        steps_per_round=1,
+        prompts_per_step=1,
+        group_size=2,
+        max_new_tokens=2,
+        rollout_engine="hf",
+        eval_prompts=2,
+        bootstrap_samples=100,
+        executor="ray",
+        ray_actors=1,
+        ray_keep_actors=True,
+    )
     model = ModelConfig(name=str(tiny_model))
     first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
     assert first.metrics["executor/actors_reused"] == 0.0

@@ -21,7 +21,9 @@ from trainer.candidates import make_executor
 
 def _job(tmp_path: Path, address: str) -> TrainJob:
     rl = RLConfig(executor="ray", ray_address=address, ray_connect_timeout_s=2)
-    return TrainJob(ModelConfig(name="unused"), (CandidateConfig(name="a", start="fresh"),), (), rl, {}, tmp_path, "r-unreachable")
+    return TrainJob(
+        ModelConfig(name="unused"), (CandidateConfig(name="a", start="fresh"),), (), rl, {}, tmp_path, "r-unreachable"
+    )
 
 
 def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
@@ -30,7 +32,10 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
     assert not ray.is_initialized()
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    with pytest.raises(ExecutorUnavailableError, match=rf"Ray cluster at rl.ray_address='{address}' is unreachable .*ConnectionRefusedError"):
+    with pytest.raises(
+        ExecutorUnavailableError,
+        match=rf"Ray cluster at rl.ray_address='{address}' is unreachable .*ConnectionRefusedError",
+    ):
         make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
     assert time.monotonic() - started < 3
 
@@ -39,6 +44,9 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
         silent.listen(8)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
-        with pytest.raises(ExecutorUnavailableError, match=rf"rl.ray_address='{address}' (did not answer within rl.ray_connect_timeout_s=2s|.*cannot connect)"):
+        with pytest.raises(
+            ExecutorUnavailableError,
+            match=rf"rl.ray_address='{address}' (did not answer within rl.ray_connect_timeout_s=2s|.*cannot connect)",
+        ):
             make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
         assert time.monotonic() - started < 10

@@ -34,20 +34,33 @@ from trainer.tasks import snapshot_table, split_snapshot
 
 
 def _row(i: int, prompt: str, completion: str | None, reward: float | None) -> Prompt:
-    return Prompt(prompt_id=f"t{i:03d}", messages=[{"role": "user", "content": prompt}], logged_completion=completion, logged_reward=reward)
+    return Prompt(
+        prompt_id=f"t{i:03d}",
+        messages=[{"role": "user", "content": prompt}],
+        logged_completion=completion,
+        logged_reward=reward,
+    )
 
 
 def test_feedback_rows_give_examples_pairs_and_correction_pairs() -> None:
     rows = [
-        _row(0, "2+2?", "4", 1.0), _row(1, "2+2?", "5", -1.0), _row(2, "2+2?", "four", 0.5),  # 2 up, 1 down: 2 pairs
+        _row(0, "2+2?", "4", 1.0),
+        _row(1, "2+2?", "5", -1.0),
+        _row(2, "2+2?", "four", 0.5),  # 2 up, 1 down: 2 pairs
         _row(3, "3+3?", "6", 1.0),  # one label only: no pair
         _row(4, "4+4?", "9", None),  # no feedback: no example
         _row(5, "5+5?", "11", 0.0),  # reward 0 -> thumbs down
         _row(6, "6+6?", "12", float("nan")),  # not a finite reward: skipped
-    ]  # fmt: skip
+    ]
     table = snapshot_table(rows)
     data = feedback_data(table)  # no correction column: read the same way
-    assert [(e.trace_id, e.label) for e in data.examples] == [("t000", True), ("t001", False), ("t002", True), ("t003", True), ("t005", False)]
+    assert [(e.trace_id, e.label) for e in data.examples] == [
+        ("t000", True),
+        ("t001", False),
+        ("t002", True),
+        ("t003", True),
+        ("t005", False),
+    ]
     assert [(p.chosen, p.rejected, p.source) for p in data.pairs] == [("4", "5", "feedback"), ("four", "5", "feedback")]
     assert (data.positives, data.negatives) == (3, 2)
 
@@ -68,9 +81,16 @@ def test_loss_equals_the_reference_formula() -> None:
     loss, metrics = reward_loss(scores, labels, chosen, rejected, coef)
 
     sig = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
-    bce = -sum(y * math.log(sig(s)) + (1 - y) * math.log(1 - sig(s)) for s, y in zip(scores.tolist(), labels.tolist())) / 3
-    bt = -sum(math.log(sig(c - r)) for c, r in zip(chosen.tolist(), rejected.tolist())) / 2  # Bradley-Terry / TRL RewardTrainer
-    center = sum((c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())) / 2  # TRL's center_rewards_coefficient term
+    bce = (
+        -sum(y * math.log(sig(s)) + (1 - y) * math.log(1 - sig(s)) for s, y in zip(scores.tolist(), labels.tolist()))
+        / 3
+    )
+    bt = (
+        -sum(math.log(sig(c - r)) for c, r in zip(chosen.tolist(), rejected.tolist())) / 2
+    )  # Bradley-Terry / TRL RewardTrainer
+    center = (
+        sum((c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())) / 2
+    )  # TRL's center_rewards_coefficient term
     assert loss.item() == pytest.approx(bce + bt + coef * center, rel=1e-12)
     assert metrics["reward_model/bce"] == pytest.approx(bce) and metrics["reward_model/bt"] == pytest.approx(bt)
     # no pairs: BCE only; no labelled rows: pairs only
@@ -115,7 +135,9 @@ def _planted(n: int, seed: int = 0) -> list[Prompt]:
 def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: Path) -> None:
     rows = _planted(64)
     # every fourth down-voted answer was corrected by its user into a liked one: correction pairs
-    corrections = [" ".join(r.logged_completion.split()[:-1] + ["banana"]) if i % 8 == 1 else None for i, r in enumerate(rows)]
+    corrections = [
+        " ".join(r.logged_completion.split()[:-1] + ["banana"]) if i % 8 == 1 else None for i, r in enumerate(rows)
+    ]
     table = snapshot_table(rows).append_column("correction", pa.array(corrections, type=pa.string()))
     train, heldout = split_snapshot(table, 0.25)
     base = load_base(ModelConfig(name=str(tiny_model)))
@@ -129,7 +151,9 @@ def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: 
     assert after.auc >= 0.9 and after.heldout_examples == 16, (before, after)
     assert after.accuracy > before.accuracy and history[-1]["reward_model/loss"] < history[0]["reward_model/loss"]
     assert after.heldout_pairs == 2 and after.pair_accuracy == 1.0 and all(h["reward_model/bt"] > 0 for h in history)
-    assert after.as_metrics()["reward_model/auc"] == after.auc and after.as_metrics()["reward_model/pair_accuracy"] == 1.0
+    assert (
+        after.as_metrics()["reward_model/auc"] == after.auc and after.as_metrics()["reward_model/pair_accuracy"] == 1.0
+    )
 
     # saved beside its adapter, the head reloads to the same scores (the continual start)
     folder = model.save(tmp_path / "rm")
@@ -142,18 +166,39 @@ def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: 
 
 def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_model: Path, tmp_path: Path) -> None:
     rows = _planted(8)
-    rows = [Prompt(r.prompt_id, r.messages, {"reference_answer": "1"}, r.logged_completion, logged_reward=r.logged_reward if i < 3 else None)
-            for i, r in enumerate(rows)]  # fmt: skip
+    rows = [
+        Prompt(
+            r.prompt_id,
+            r.messages,
+            {"reference_answer": "1"},
+            r.logged_completion,
+            logged_reward=r.logged_reward if i < 3 else None,
+        )
+        for i, r in enumerate(rows)
+    ]
     train, heldout = split_snapshot(snapshot_table(rows), 0.25)
-    cand = CandidateConfig(name="rm-user", reward=[RewardTerm(fn="reward_model"), RewardTerm(fn="format")], start="fresh")
+    cand = CandidateConfig(
+        name="rm-user", reward=[RewardTerm(fn="reward_model"), RewardTerm(fn="format")], start="fresh"
+    )
     rl = RLConfig(rollout_engine="hf", eval_prompts=2)
     # format is verifiable on every row, so evaluation has prompts; the reward model has 3 labelled rows
     with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
         run_round(ModelConfig(name=str(tiny_model)), [cand], rl, train, heldout, {}, tmp_path, progress=False)
     with pytest.raises(TrainerConfigError, match="enabled = false"):
-        run_round(ModelConfig(name=str(tiny_model)), [cand], rl, train, heldout, {}, tmp_path, progress=False,
-                  reward_cfg=RewardModelConfig(enabled=False))  # fmt: skip
-    offline = CandidateConfig(name="off", algorithm="offline_is", reward=[RewardTerm(fn="logged"), RewardTerm(fn="reward_model")])
+        run_round(
+            ModelConfig(name=str(tiny_model)),
+            [cand],
+            rl,
+            train,
+            heldout,
+            {},
+            tmp_path,
+            progress=False,
+            reward_cfg=RewardModelConfig(enabled=False),
+        )
+    offline = CandidateConfig(
+        name="off", algorithm="offline_is", reward=[RewardTerm(fn="logged"), RewardTerm(fn="reward_model")]
+    )
     with pytest.raises(TrainerConfigError, match="only grpo / ppo_clip"):
         run_round(ModelConfig(name=str(tiny_model)), [offline], rl, train, heldout, {}, tmp_path, progress=False)
     assert not (tmp_path / "rm-user").exists()  # refused before any work
@@ -164,10 +209,18 @@ def test_logged_token_ids_outside_the_vocabulary_do_not_crash_reward_training(ti
     embed (negative, >= vocab) must not stop the round; the row is read from its completion text instead."""
     base = load_base(ModelConfig(name=str(tiny_model)))
     vocab = base.model.get_input_embeddings().num_embeddings
-    rows = [Prompt(prompt_id=f"t{i}", messages=[{"role": "user", "content": "2+2?"}], logged_completion=text,
-                   logged_token_ids=ids, logged_reward=reward)
-            for i, (text, ids, reward) in enumerate([("4", [vocab + 5], 1.0), ("5", [-3, 7], -1.0), ("four", [2**31 - 1], 1.0),
-                                                     ("x", [1, 2], -1.0)])]  # fmt: skip
+    rows = [
+        Prompt(
+            prompt_id=f"t{i}",
+            messages=[{"role": "user", "content": "2+2?"}],
+            logged_completion=text,
+            logged_token_ids=ids,
+            logged_reward=reward,
+        )
+        for i, (text, ids, reward) in enumerate(
+            [("4", [vocab + 5], 1.0), ("5", [-3, 7], -1.0), ("four", [2**31 - 1], 1.0), ("x", [1, 2], -1.0)]
+        )
+    ]
     data = tokenise_feedback(base, feedback_data(snapshot_table(rows)))
     text_ids = list(base.tokenizer("4", add_special_tokens=False)["input_ids"])
     assert data.examples[0][1] == text_ids  # out-of-vocabulary logged ids: the text's tokens

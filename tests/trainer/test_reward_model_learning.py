@@ -29,9 +29,14 @@ def _feedback_rows(n: int) -> list[Prompt]:
         good = i % 2 == 0
         text = " ".join(rng.sample(words, 3) + (["banana"] if good else [rng.choice(words)]))
         rows.append(
-            Prompt(prompt_id=f"f{i:03d}", messages=[{"role": "user", "content": f"Say a few words about thing {i}."}],
-                   metadata={"reference_answer": "banana"}, logged_completion=text, logged_reward=1.0 if good else -1.0)
-        )  # fmt: skip
+            Prompt(
+                prompt_id=f"f{i:03d}",
+                messages=[{"role": "user", "content": f"Say a few words about thing {i}."}],
+                metadata={"reference_answer": "banana"},
+                logged_completion=text,
+                logged_reward=1.0 if good else -1.0,
+            )
+        )
     return rows
 
 
@@ -39,13 +44,34 @@ def test_grpo_on_the_reward_model_raises_its_score(peaked_model: Path, tmp_path:
     train, heldout = split_snapshot(snapshot_table(_feedback_rows(48)), 0.25)
     reward_cfg = RewardModelConfig(steps=12, batch_size=16, learning_rate=5e-3, start="fresh")
     candidate = CandidateConfig(
-        name="rm-grpo", learning_rate=3e-3, kl_coef=0.0, start="fresh", reward=[RewardTerm(fn="reward_model", kwargs={"probability": False})]
-    )  # fmt: skip
+        name="rm-grpo",
+        learning_rate=3e-3,
+        kl_coef=0.0,
+        start="fresh",
+        reward=[RewardTerm(fn="reward_model", kwargs={"probability": False})],
+    )
     rl = RLConfig(
-        steps_per_round=12, prompts_per_step=2, group_size=8, max_new_tokens=4, rollout_engine="hf", adapter_store="offload",
-        eval_prompts=6, max_kl=100.0, seed=0,
-    )  # fmt: skip
-    result = run_round(ModelConfig(name=str(peaked_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False, reward_cfg=reward_cfg)
+        steps_per_round=12,
+        prompts_per_step=2,
+        group_size=8,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        adapter_store="offload",
+        eval_prompts=6,
+        max_kl=100.0,
+        seed=0,
+    )
+    result = run_round(
+        ModelConfig(name=str(peaked_model)),
+        [candidate],
+        rl,
+        train,
+        heldout,
+        {},
+        tmp_path / "r1",
+        progress=False,
+        reward_cfg=reward_cfg,
+    )
 
     rm = result.reward_model
     assert rm is not None and rm.train_examples == 36 and rm.report.heldout_examples == 12

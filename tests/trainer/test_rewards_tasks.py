@@ -31,9 +31,12 @@ def test_builtin_rewards() -> None:
 
 def test_weighted_mix_import_paths_and_logged() -> None:
     mix = build_reward(
-        [RewardTerm(fn="exact_answer", weight=2.0), RewardTerm(fn="trainer.rewards:json_valid", weight=0.5),
-         RewardTerm(fn="logged", weight=1.0)]
-    )  # fmt: skip
+        [
+            RewardTerm(fn="exact_answer", weight=2.0),
+            RewardTerm(fn="trainer.rewards:json_valid", weight=0.5),
+            RewardTerm(fn="logged", weight=1.0),
+        ]
+    )
     assert mix(MSG, "4", {"reference_answer": "4", "reward": -1.0}) == pytest.approx(2.0 + 0.5 - 1.0)
     with pytest.raises(RewardError, match="fresh rollouts have none"):
         mix(MSG, "4", {"reference_answer": "4"})
@@ -56,10 +59,17 @@ def test_reasoning_gym_prompts_are_verifiable() -> None:
 def test_snapshot_round_trip_and_time_split() -> None:
     start = datetime(2026, 3, 1, tzinfo=timezone.utc)
     prompts = [
-        Prompt(prompt_id=f"t{i}", messages=[{"role": "user", "content": f"q{i}"}], metadata={"reference_answer": str(i)},
-               logged_completion=str(i), logged_token_ids=[5, 6], logged_logprobs=[-0.5, -0.25], logged_reward=float(i))
+        Prompt(
+            prompt_id=f"t{i}",
+            messages=[{"role": "user", "content": f"q{i}"}],
+            metadata={"reference_answer": str(i)},
+            logged_completion=str(i),
+            logged_token_ids=[5, 6],
+            logged_logprobs=[-0.5, -0.25],
+            logged_reward=float(i),
+        )
         for i in range(10)
-    ]  # fmt: skip
+    ]
     table = snapshot_table(prompts[::-1], start=start)  # newest row first in the table: t0 is newest
     train, heldout = split_snapshot(table, 0.2)
     assert (train.num_rows, heldout.num_rows) == (8, 2)
@@ -95,17 +105,34 @@ def test_every_prompt_form_ingest_accepts_is_readable_as_chat_messages(tmp_path)
     now = datetime.now(timezone.utc)
     forms = {
         "null": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
-        "parts": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
-                                               {"type": "text", "text": "b"}]}],
+        "parts": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "b"},
+                ],
+            }
+        ],
         "named": [{"role": "user", "content": "x", "name": "n"}],
         "empty": [],
         "text": "plain",
-    }  # fmt: skip
+    }
     hasher = s.UserHasher("k" * 16, ["user"])
     events = []
     for i, (name, prompt) in enumerate(forms.items()):
-        raw = json.dumps({"schema": s.TRACE_SCHEMA, "trace_id": name, "ts": now.isoformat(), "model": "m", "prompt": prompt,
-                          "completion": "c", "thumbs": "up"}).encode()  # fmt: skip
+        raw = json.dumps(
+            {
+                "schema": s.TRACE_SCHEMA,
+                "trace_id": name,
+                "ts": now.isoformat(),
+                "model": "m",
+                "prompt": prompt,
+                "completion": "c",
+                "thumbs": "up",
+            }
+        ).encode()
         event = s.parse_record(raw, max_record_bytes=1 << 20, hasher=hasher)
         assert isinstance(event, s.TraceEvent), event  # ingest accepts every form
         events.append((event, Coordinates("traces", 0, i)))

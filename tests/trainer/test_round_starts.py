@@ -13,7 +13,15 @@ from trainer.errors import TrainerConfigError
 from trainer.candidates import run_round
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
-RL = RLConfig(steps_per_round=1, prompts_per_step=2, group_size=2, max_new_tokens=3, rollout_engine="hf", eval_prompts=2, max_kl=100.0)
+RL = RLConfig(
+    steps_per_round=1,
+    prompts_per_step=2,
+    group_size=2,
+    max_new_tokens=3,
+    rollout_engine="hf",
+    eval_prompts=2,
+    max_kl=100.0,
+)
 MIX = [RewardTerm(fn="format")]
 
 
@@ -25,7 +33,16 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
     prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     model = ModelConfig(name=str(tiny_model))
-    first = run_round(model, [CandidateConfig(name="x", reward=MIX, start="fresh", learning_rate=1e-2)], RL, train, heldout, {}, tmp_path / "r1", progress=False)
+    first = run_round(
+        model,
+        [CandidateConfig(name="x", reward=MIX, start="fresh", learning_rate=1e-2)],
+        RL,
+        train,
+        heldout,
+        {},
+        tmp_path / "r1",
+        progress=False,
+    )
     champion = first.candidates[0].adapter_dir
 
     candidates = [
@@ -33,7 +50,9 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
         CandidateConfig(name="x", reward=MIX, start="self", served_model="t2"),
         CandidateConfig(name="new", reward=MIX, start="fresh", served_model="t2", lora_rank=4),
     ]
-    second = run_round(model, candidates, RL, train, heldout, {"t1": champion, "t2": None}, tmp_path / "r2", progress=False)
+    second = run_round(
+        model, candidates, RL, train, heldout, {"t1": champion, "t2": None}, tmp_path / "r2", progress=False
+    )
     start_champ = _weights(tmp_path / "r2" / "from-champ" / "versions" / "s0")
     start_self = _weights(tmp_path / "r2" / "x" / "versions" / "s0")
     for key, value in _weights(champion).items():
@@ -53,7 +72,16 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
     with pytest.raises(TrainerConfigError, match=r"duplicate candidate names \['a'\]"):
         run_round(ModelConfig(name=str(tiny_model)), twice, RL, train, heldout, {}, tmp_path, progress=False)
     with pytest.raises(TrainerConfigError, match="rollout_url"):
-        run_round(ModelConfig(name=str(tiny_model)), twice[:1], RL.model_copy(update={"rollout_engine": "vllm"}), train, heldout, {}, tmp_path, progress=False)
+        run_round(
+            ModelConfig(name=str(tiny_model)),
+            twice[:1],
+            RL.model_copy(update={"rollout_engine": "vllm"}),
+            train,
+            heldout,
+            {},
+            tmp_path,
+            progress=False,
+        )
 
 
 class _Stop(Exception):
@@ -68,11 +96,22 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
     prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     model, rl = ModelConfig(name=str(tiny_model)), RL.model_copy(update={"steps_per_round": 3})
-    cands = [CandidateConfig(name="a", reward=MIX, start="fresh"), CandidateConfig(name="b", reward=MIX, start="fresh", lora_rank=4)]
+    cands = [
+        CandidateConfig(name="a", reward=MIX, start="fresh"),
+        CandidateConfig(name="b", reward=MIX, start="fresh", lora_rank=4),
+    ]
 
     phases: list[str] = []
     run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, checkpoint=phases.append)
-    assert phases == ["train:0", "train:1", "train:2", "evaluate", "evaluate:greedy", "evaluate:score:a", "evaluate:score:b"]
+    assert phases == [
+        "train:0",
+        "train:1",
+        "train:2",
+        "evaluate",
+        "evaluate:greedy",
+        "evaluate:score:a",
+        "evaluate:score:b",
+    ]
 
     base = load_base(model)
     adapters_before = set(getattr(base.model, "peft_config", {}))
@@ -95,10 +134,23 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(round_module, "make_engine", spy_engine)
         with pytest.raises(_Stop):
-            run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, base=base, checkpoint=stop_at_step_1)
+            run_round(
+                model,
+                cands,
+                rl,
+                train,
+                heldout,
+                {},
+                tmp_path / "r2",
+                progress=False,
+                base=base,
+                checkpoint=stop_at_step_1,
+            )
     assert phases == ["train:0", "train:1"]
     assert engines and engines[0].versions == {}, "versions published before the stop are unloaded"
-    assert set(getattr(base.model, "peft_config", {})) == adapters_before, "the candidates' adapters are removed from the base"
+    assert set(getattr(base.model, "peft_config", {})) == adapters_before, (
+        "the candidates' adapters are removed from the base"
+    )
     assert not (tmp_path / "r2" / "a" / "adapter").exists()
 
 
@@ -108,14 +160,30 @@ def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_m
     from trainer.samples import Prompt
 
     graded = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
-    plain = [Prompt(prompt_id=f"chat-{i}", messages=[{"role": "user", "content": f"hello {i}"}], metadata={"endpoint": "chat"}) for i in range(8)]
+    plain = [
+        Prompt(
+            prompt_id=f"chat-{i}", messages=[{"role": "user", "content": f"hello {i}"}], metadata={"endpoint": "chat"}
+        )
+        for i in range(8)
+    ]
     mixed = [x for pair in zip(graded, plain) for x in pair]
     train, heldout = split_snapshot(snapshot_table(mixed), 0.5)
     exact = [CandidateConfig(name="exact", reward=[RewardTerm(fn="exact_answer")], start="fresh")]
-    result = run_round(ModelConfig(name=str(tiny_model)), exact, RL, train, heldout, {}, tmp_path / "r1", progress=False)
+    result = run_round(
+        ModelConfig(name=str(tiny_model)), exact, RL, train, heldout, {}, tmp_path / "r1", progress=False
+    )
     assert result.eval_prompt_ids and all(not pid.startswith("chat-") for pid in result.eval_prompt_ids)
     assert len(result.candidates[0].step_metrics) == 1
 
     only_plain_train, only_plain_heldout = split_snapshot(snapshot_table(plain), 0.5)
     with pytest.raises(DataError, match="reference_answer"):
-        run_round(ModelConfig(name=str(tiny_model)), exact, RL, only_plain_train, only_plain_heldout, {}, tmp_path / "r2", progress=False)
+        run_round(
+            ModelConfig(name=str(tiny_model)),
+            exact,
+            RL,
+            only_plain_train,
+            only_plain_heldout,
+            {},
+            tmp_path / "r2",
+            progress=False,
+        )

@@ -62,7 +62,9 @@ def test_heldout_is_each_users_newest_rows_in_proportion() -> None:
     rows = [("a", i) for i in range(10)] + [("b", 100 + i) for i in range(10)]
     train, heldout = split_snapshot(table(rows), 0.2)
     held = sorted(zip(row_users(heldout), heldout.column("trace_id").to_pylist()))
-    assert held == [("a", "r8"), ("a", "r9"), ("b", "r18"), ("b", "r19")], "a's newest too, not only b's (the newest slice)"
+    assert held == [("a", "r8"), ("a", "r9"), ("b", "r18"), ("b", "r19")], (
+        "a's newest too, not only b's (the newest slice)"
+    )
     for user in ("a", "b"):
         t = [ts for u, ts in zip(row_users(train), train.column("ts").to_pylist()) if u == user]
         h = [ts for u, ts in zip(row_users(heldout), heldout.column("ts").to_pylist()) if u == user]
@@ -87,7 +89,9 @@ def test_user_cap_is_the_largest_feasible_bound() -> None:
         split_snapshot(table([("a", 1), ("b", 2)]), 0.5, max_user_share=0.0)
 
 
-def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """pipeline.rounds.job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
     import trainer.candidates
     from pipeline.config import HourglassConfig
@@ -99,12 +103,30 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path
 
     def fake_run_round(model, candidates, rl, train, heldout, champions, out_dir, **kwargs):
         seen["train"], seen["heldout"] = train, heldout
-        return RoundResult(round_id="r1", base_fingerprint="f", window_start=START, window_end=START, train_rows=train.num_rows,
-                           heldout_rows=heldout.num_rows, eval_prompt_ids=(), candidates=(), decisions={}, metrics={"round/wall_s": 1.0})  # fmt: skip
+        return RoundResult(
+            round_id="r1",
+            base_fingerprint="f",
+            window_start=START,
+            window_end=START,
+            train_rows=train.num_rows,
+            heldout_rows=heldout.num_rows,
+            eval_prompt_ids=(),
+            candidates=(),
+            decisions={},
+            metrics={"round/wall_s": 1.0},
+        )
 
     monkeypatch.setattr(trainer.candidates, "run_round", fake_run_round)
     cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
-    record = RoundRecord(round_id="r1", state="train", trigger="manual", candidates=["default"], window="1h", created_at="", updated_at="")
+    record = RoundRecord(
+        round_id="r1",
+        state="train",
+        trigger="manual",
+        candidates=["default"],
+        window="1h",
+        created_at="",
+        updated_at="",
+    )
     rows = [(f"user-{u}", u * 10 + i) for u in range(4) for i in range(5)] + [("mallory", 1000 + i) for i in range(200)]
     result = train_and_evaluate(cfg, record, table(rows), {})
     for part in ("train", "heldout"):

@@ -53,7 +53,9 @@ def test_two_adapters_in_flight_logprobs_and_versioned_push(vllm_tiny: str, tiny
     try:
         prompt = tuple(base.chat_token_ids([{"role": "user", "content": "Count to three."}]))
         requests = [
-            RolloutRequest(version=v, prompt_id=f"p{i}", prompt_token_ids=prompt, n=3, max_new_tokens=6, temperature=1.0, seed=i)
+            RolloutRequest(
+                version=v, prompt_id=f"p{i}", prompt_token_ids=prompt, n=3, max_new_tokens=6, temperature=1.0, seed=i
+            )
             for i, v in enumerate(["a-s0", "b-s0", "a-s0", "b-s0"])
         ]
         groups = engine.generate(requests)
@@ -84,14 +86,26 @@ def test_two_adapters_in_flight_logprobs_and_versioned_push(vllm_tiny: str, tiny
         with pytest.raises(RolloutError, match="already loaded"):
             engine.load("a", "a-s1", tmp_path / "a-s1")
         with pytest.raises(RolloutError, match="not loaded"):
-            engine.generate([RolloutRequest(version="a-s0", prompt_id="x", prompt_token_ids=prompt, n=1, max_new_tokens=2)])
-        stale = httpx.post(f"{vllm_tiny}/v1/completions", json={"model": "a-s0", "prompt": list(prompt), "max_tokens": 2})
+            engine.generate(
+                [RolloutRequest(version="a-s0", prompt_id="x", prompt_token_ids=prompt, n=1, max_new_tokens=2)]
+            )
+        stale = httpx.post(
+            f"{vllm_tiny}/v1/completions", json={"model": "a-s0", "prompt": list(prompt), "max_tokens": 2}
+        )
         assert stale.status_code == 404
-        greedy = engine.generate([RolloutRequest(version="a-s1", prompt_id="g", prompt_token_ids=prompt, n=1, max_new_tokens=4, temperature=0.0)])
+        greedy = engine.generate(
+            [
+                RolloutRequest(
+                    version="a-s1", prompt_id="g", prompt_token_ids=prompt, n=1, max_new_tokens=4, temperature=0.0
+                )
+            ]
+        )
         store.activate("a")
         with torch.no_grad():
             lp_BT, _ = base.completion_logprobs([list(prompt)], [list(greedy[0][0].token_ids)])
-        torch.testing.assert_close(lp_BT[0, : len(greedy[0][0].logprobs)], torch.tensor(greedy[0][0].logprobs), atol=2e-2, rtol=0)
+        torch.testing.assert_close(
+            lp_BT[0, : len(greedy[0][0].logprobs)], torch.tensor(greedy[0][0].logprobs), atol=2e-2, rtol=0
+        )
     finally:
         for version in list(engine.versions):
             engine.unload(version)

@@ -31,11 +31,21 @@ serve = http_serve  # the app on a free port (tests/http_helpers.py)
 
 def _completion(model: str) -> dict[str, Any]:
     return {
-        "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "4"}, "finish_reason": "stop",
-                     "logprobs": {"content": [{"token": "4", "logprob": -0.1}]}, "token_ids": [19]}],
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "4"},
+                "finish_reason": "stop",
+                "logprobs": {"content": [{"token": "4", "logprob": -0.1}]},
+                "token_ids": [19],
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-    }  # fmt: skip
+    }
 
 
 class FakeUpstream:
@@ -72,9 +82,20 @@ class FakeUpstream:
         steps = int(self.slow_s / 0.1) if slow else 1
         try:
             for _ in range(steps):
-                chunk = {"id": "c", "object": "chat.completion.chunk", "model": body["model"],
-                         "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [7],
-                                      "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}, "finish_reason": None}]}  # fmt: skip
+                chunk = {
+                    "id": "c",
+                    "object": "chat.completion.chunk",
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": "x"},
+                            "token_ids": [7],
+                            "logprobs": {"content": [{"token": "x", "logprob": -0.5}]},
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(0.1 if slow else 0)
             yield "data: [DONE]\n\n"

@@ -42,5 +42,7 @@ def test_no_challenger_means_no_canary_flag_and_unknown_names_refused(tmp_path) 
 
 
 def test_bucket_is_stable_across_processes() -> None:
-    assert canary_bucket("user-a") == int.from_bytes(__import__("hashlib").sha256(b"user-a").digest()[:8], "big") % 10000
+    assert (
+        canary_bucket("user-a") == int.from_bytes(__import__("hashlib").sha256(b"user-a").digest()[:8], "big") % 10000
+    )
     assert 0 <= canary_bucket("") < 10000

@@ -56,8 +56,12 @@ class TopicReader:
     """Reads a topic from the beginning (no consumer group) and indexes records by key."""
 
     def __init__(self, kafka: KafkaConfig, topic: str) -> None:
-        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=None,
-                                      auto_offset_reset="earliest", enable_auto_commit=False)  # fmt: skip
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=kafka.bootstrap_servers,
+            group_id=None,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
         self.consumer.assign([TopicPartition(topic, p) for p in range(kafka.partitions)])
         self.by_key: dict[str, list[dict[str, Any]]] = {}
 
@@ -82,8 +86,9 @@ class TopicReader:
 @pytest.fixture(scope="module")
 def kafka(broker: str) -> KafkaConfig:
     tag = uuid.uuid4().hex[:8]
-    cfg = KafkaConfig(bootstrap_servers=[broker], traces_topic=f"gw-traces-{tag}", feedback_topic=f"gw-feedback-{tag}",
-                      partitions=2)  # fmt: skip
+    cfg = KafkaConfig(
+        bootstrap_servers=[broker], traces_topic=f"gw-traces-{tag}", feedback_topic=f"gw-feedback-{tag}", partitions=2
+    )
     ensure_topics(cfg)
     return cfg
 
@@ -140,12 +145,17 @@ def _assert_token_fields(trace: dict[str, Any]) -> None:
 
 
 @pytest.mark.integration
-def test_chat_completion_returns_text_and_publishes_its_trace(client: openai.OpenAI, gateway: str, traces: TopicReader) -> None:
+def test_chat_completion_returns_text_and_publishes_its_trace(
+    client: openai.OpenAI, gateway: str, traces: TopicReader
+) -> None:
     before = metric(gateway, "hourglass_gateway_requests_total", endpoint="/v1/chat/completions", status="200")
     raw = client.chat.completions.with_raw_response.create(
-        model="hourglass", messages=MESSAGES, max_tokens=N_TOKENS, user="alice@example.com",
+        model="hourglass",
+        messages=MESSAGES,
+        max_tokens=N_TOKENS,
+        user="alice@example.com",
         extra_body={"metadata": {"reference_answer": "4", "user_id": "u-42"}, "ignore_eos": True},
-    )  # fmt: skip
+    )
     trace_id = raw.headers[TRACE_HEADER]
     response = raw.parse()
     text = response.choices[0].message.content
@@ -163,11 +173,15 @@ def test_chat_completion_returns_text_and_publishes_its_trace(client: openai.Ope
     assert meta["user_hash"].startswith("hmac-sha256:") and meta["client"]["user_id"].startswith("hmac-sha256:")
     assert raw.headers[FEEDBACK_HEADER]
     assert "alice@example.com" not in json.dumps(trace) and "u-42" not in json.dumps(trace)
-    assert metric(gateway, "hourglass_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == before + 1
+    assert (
+        metric(gateway, "hourglass_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == before + 1
+    )
 
 
 @pytest.mark.integration
-def test_text_completion_keeps_asked_logprobs_and_tags_adapter_version(client: openai.OpenAI, traces: TopicReader) -> None:
+def test_text_completion_keeps_asked_logprobs_and_tags_adapter_version(
+    client: openai.OpenAI, traces: TopicReader
+) -> None:
     raw = client.completions.with_raw_response.create(
         model="tagged", prompt="1+1=", max_tokens=N_TOKENS, logprobs=1, extra_body={"ignore_eos": True}
     )
@@ -185,7 +199,9 @@ def test_text_completion_keeps_asked_logprobs_and_tags_adapter_version(client: o
 
 
 @pytest.mark.integration
-def test_streamed_chat_passes_chunks_through_and_publishes_one_full_trace(client: openai.OpenAI, traces: TopicReader) -> None:
+def test_streamed_chat_passes_chunks_through_and_publishes_one_full_trace(
+    client: openai.OpenAI, traces: TopicReader
+) -> None:
     with client.chat.completions.with_streaming_response.create(
         model="hourglass", messages=MESSAGES, max_tokens=N_TOKENS, stream=True, extra_body={"ignore_eos": True}
     ) as response:
@@ -220,7 +236,9 @@ def test_upstream_error_passes_through_with_its_status(client: openai.OpenAI) ->
 def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: str, grader_key: str) -> None:
     body = b'{"model": "hourglass", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
     auth = {"authorization": f"Bearer {grader_key}"}
-    with httpx.Client(base_url=gateway, timeout=60, headers=auth) as http:  # one keep-alive connection for both requests
+    with httpx.Client(
+        base_url=gateway, timeout=60, headers=auth
+    ) as http:  # one keep-alive connection for both requests
         bad = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         assert "Unicode" in bad.json()["error"]["message"]
@@ -232,11 +250,21 @@ def test_text_that_is_not_unicode_is_a_400_and_the_connection_survives(gateway: 
 
 
 @pytest.mark.integration
-def test_feedback_is_published_and_joins_by_trace_id(client: openai.OpenAI, gateway: str, kafka: KafkaConfig, grader_key: str) -> None:
-    raw = client.chat.completions.with_raw_response.create(model="hourglass", messages=MESSAGES, max_tokens=2, user="bob")
+def test_feedback_is_published_and_joins_by_trace_id(
+    client: openai.OpenAI, gateway: str, kafka: KafkaConfig, grader_key: str
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="hourglass", messages=MESSAGES, max_tokens=2, user="bob"
+    )
     trace_id = raw.headers[TRACE_HEADER]
-    body = {"trace_id": trace_id, "thumbs": "up", "rating": 5, "reward": 0.5, "edited": False,
-            "metadata": {"user_id": "u-1", "surface": "chat", "user_hash": "forged"}}  # fmt: skip
+    body = {
+        "trace_id": trace_id,
+        "thumbs": "up",
+        "rating": 5,
+        "reward": 0.5,
+        "edited": False,
+        "metadata": {"user_id": "u-1", "surface": "chat", "user_hash": "forged"},
+    }
     headers = {"authorization": f"Bearer {grader_key}", FEEDBACK_HEADER: raw.headers[FEEDBACK_HEADER]}
     answer = httpx.post(f"{gateway}/v1/feedback", json=body, headers=headers, timeout=30)
     assert answer.status_code == 200, answer.text
@@ -300,7 +328,9 @@ def test_broken_sink_does_not_fail_the_client_and_is_counted(vllm_tiny: str) -> 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         tokens = {}
         for stream in (False, True):
-            raw = client.chat.completions.with_raw_response.create(model="hourglass", messages=MESSAGES, max_tokens=3, stream=stream)
+            raw = client.chat.completions.with_raw_response.create(
+                model="hourglass", messages=MESSAGES, max_tokens=3, stream=stream
+            )
             tokens[raw.headers[TRACE_HEADER]] = raw.headers[FEEDBACK_HEADER]
             response = raw.parse()
             if stream:
@@ -308,7 +338,9 @@ def test_broken_sink_does_not_fail_the_client_and_is_counted(vllm_tiny: str) -> 
             else:
                 text = response.choices[0].message.content
             assert text, f"no answer with a broken sink (stream={stream})"
-        wait_for(lambda: metric(url, "hourglass_gateway_trace_errors_total") >= before + 2, 60, "2 trace errors counted")
+        wait_for(
+            lambda: metric(url, "hourglass_gateway_trace_errors_total") >= before + 2, 60, "2 trace errors counted"
+        )
         trace_id, token = next(iter(tokens.items()))
         vote = {"trace_id": trace_id, "thumbs": "up", "feedback_token": token}
         answer = httpx.post(f"{url}/v1/feedback", json=vote, timeout=60)
@@ -327,13 +359,25 @@ def test_upstream_body_asks_for_logprobs_and_ids_and_strip_removes_them() -> Non
     assert upstream_body("completions", {"model": "m", "prompt": "p", "logprobs": 0}, "b")["logprobs"] == 0
     assert upstream_body("completions", {"model": "m", "prompt": "p"}, "b")["logprobs"] == 1
 
-    response = {"prompt_token_ids": [1], "choices": [{"index": 0, "message": {"content": "hi"}, "token_ids": [5, 6],
-                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}]}, "finish_reason": "stop"}]}  # fmt: skip
+    response = {
+        "prompt_token_ids": [1],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "hi"},
+                "token_ids": [5, 6],
+                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}]},
+                "finish_reason": "stop",
+            }
+        ],
+    }
     completion = Completion()
     completion.add_payload("chat", response, delta=False)
     assert completion.text == "hi" and completion.token_fields() == ([5, 6], [-0.5, -1.0])
     stripped = strip_extras(response, ClientAsked.of("chat", body))
-    assert stripped == {"choices": [{"index": 0, "message": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}]}
+    assert stripped == {
+        "choices": [{"index": 0, "message": {"content": "hi"}, "logprobs": None, "finish_reason": "stop"}]
+    }
 
 
 def test_misaligned_or_nonfinite_logprobs_are_dropped_not_published() -> None:
@@ -347,7 +391,9 @@ def test_route_resolver_follows_the_routes_file_and_falls_back_to_base(tmp_path:
     assert resolver("hourglass") == ("base", None) and resolver.names() == ["hourglass"]
     with pytest.raises(KeyError, match="nope"):
         resolver("nope")
-    write_route(tmp_path, "hourglass", Route(served_name="hourglass-v3", version="3", updated_at="2026-01-01T00:00:00+00:00"))
+    write_route(
+        tmp_path, "hourglass", Route(served_name="hourglass-v3", version="3", updated_at="2026-01-01T00:00:00+00:00")
+    )
     write_route(tmp_path, "other", Route(served_name="other-v1", version="1", updated_at="2026-01-01T00:00:00+00:00"))
     assert resolver("hourglass") == ("hourglass-v3", "3") and resolver("other") == ("other-v1", "1")
     assert resolver.names() == ["hourglass", "other"]

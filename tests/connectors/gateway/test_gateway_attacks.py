@@ -62,15 +62,28 @@ def sink() -> FakeSink:
 def gateway(upstream: FakeUpstream, sink: FakeSink, keys: Keys) -> Iterator[str]:
     kafka = KafkaConfig(bootstrap_servers=["127.0.0.1:9"])  # never used: the sink is injected
     app = create_gateway_app(
-        kafka, upstream.url, lambda name: {"hourglass": ("base", None)}[name], sink=sink,  # type: ignore[attr-defined]
-        keys=keys.store, upstream_api_key=UPSTREAM_KEY, gateway=GatewayConfig(disconnect_poll_s=0.05),
-    )  # fmt: skip
+        kafka,
+        upstream.url,
+        lambda name: {"hourglass": ("base", None)}[name],
+        sink=sink,  # type: ignore[attr-defined]
+        keys=keys.store,
+        upstream_api_key=UPSTREAM_KEY,
+        gateway=GatewayConfig(disconnect_poll_s=0.05),
+    )
     with serve(app) as url:
         yield url
 
 
-def post(url: str, path: str, key: str | None, body: Any = None, *, content: bytes | None = None,
-         headers: dict[str, str] | None = None, timeout: float = 30) -> httpx.Response:  # fmt: skip
+def post(
+    url: str,
+    path: str,
+    key: str | None,
+    body: Any = None,
+    *,
+    content: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> httpx.Response:
     h = {"authorization": f"Bearer {key}"} if key else {}
     h.update(headers or {})
     if content is not None:
@@ -80,7 +93,9 @@ def post(url: str, path: str, key: str | None, body: Any = None, *, content: byt
 
 
 def chat(url: str, key: str, **extra: Any) -> httpx.Response:
-    return post(url, "/v1/chat/completions", key, {"model": "hourglass", "messages": MESSAGES, "max_tokens": 4, **extra})
+    return post(
+        url, "/v1/chat/completions", key, {"model": "hourglass", "messages": MESSAGES, "max_tokens": 4, **extra}
+    )
 
 
 def error(response: httpx.Response) -> dict[str, Any]:
@@ -106,7 +121,9 @@ def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(gateway: str, keys
     assert chat(gateway, keys.client).status_code == 200
 
 
-def test_client_authorization_and_raw_user_never_go_upstream(gateway: str, keys: Keys, upstream: FakeUpstream, sink: FakeSink) -> None:
+def test_client_authorization_and_raw_user_never_go_upstream(
+    gateway: str, keys: Keys, upstream: FakeUpstream, sink: FakeSink
+) -> None:
     answer = chat(gateway, keys.client, user="alice@example.com")
     assert answer.status_code == 200
     sent = upstream.requests[-1]
@@ -161,10 +178,20 @@ def test_the_same_user_of_two_keys_is_two_identities(gateway: str, keys: Keys, s
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"n": 100_000}, "gateway.max_n"),
         ({"max_tokens": 1_000_000_000}, "gateway.max_tokens"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/"}}]}]}, "text part"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/"}}]}
+                ]
+            },
+            "text part",
+        ),
         ({"messages": [{"role": "user", "content": "x"}] * 300}, "gateway.max_messages"),
         ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "gateway.max_prompt_chars"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * 9000]}}}}, "gateway.max_schema_bytes"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * 9000]}}}},
+            "gateway.max_schema_bytes",
+        ),
     ],
 )
 def test_disallowed_fields_and_over_cap_values_are_400_and_never_reach_upstream(
@@ -177,7 +204,9 @@ def test_disallowed_fields_and_over_cap_values_are_400_and_never_reach_upstream(
     assert len(upstream.requests) == seen
 
 
-def test_text_plain_is_415_oversize_is_413_deep_nesting_and_surrogates_are_400(gateway: str, keys: Keys, upstream: FakeUpstream) -> None:
+def test_text_plain_is_415_oversize_is_413_deep_nesting_and_surrogates_are_400(
+    gateway: str, keys: Keys, upstream: FakeUpstream
+) -> None:
     seen = len(upstream.requests)
     body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()
     plain = post(gateway, "/v1/chat/completions", keys.client, content=body, headers={"content-type": "text/plain"})
@@ -188,7 +217,9 @@ def test_text_plain_is_415_oversize_is_413_deep_nesting_and_surrogates_are_400(g
     assert deep.status_code == 400 and "deeper" in error(deep)["message"]
     deep_meta = {"model": "hourglass", "messages": MESSAGES, "metadata": {"a": json.loads("[" * 40 + "]" * 40)}}
     assert chat(gateway, keys.client, **{k: v for k, v in deep_meta.items() if k == "metadata"}).status_code == 400
-    surrogate_model = post(gateway, "/v1/chat/completions", keys.client, content=b'{"model": "\\ud800", "messages": []}')
+    surrogate_model = post(
+        gateway, "/v1/chat/completions", keys.client, content=b'{"model": "\\ud800", "messages": []}'
+    )
     assert surrogate_model.status_code == 400 and "Unicode" in error(surrogate_model)["message"]
     assert len(upstream.requests) == seen
 
@@ -202,7 +233,10 @@ def test_rate_and_concurrency_limits_give_429_with_retry_after(gateway: str, key
 
     import threading
 
-    slow = threading.Thread(target=lambda: chat(gateway, keys.single, messages=[{"role": "user", "content": "slow"}], stream=True), daemon=True)
+    slow = threading.Thread(
+        target=lambda: chat(gateway, keys.single, messages=[{"role": "user", "content": "slow"}], stream=True),
+        daemon=True,
+    )
     slow.start()
     time.sleep(1.0)
     busy = chat(gateway, keys.single)
@@ -214,12 +248,16 @@ def test_rate_and_concurrency_limits_give_429_with_retry_after(gateway: str, key
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_hangs_up_aborts_its_upstream_generation(gateway: str, keys: Keys, upstream: FakeUpstream, stream: bool) -> None:
+def test_a_client_that_hangs_up_aborts_its_upstream_generation(
+    gateway: str, keys: Keys, upstream: FakeUpstream, stream: bool
+) -> None:
     before = len(upstream.events)
     body = {"model": "hourglass", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 4, "stream": stream}
     with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as http:
         try:
-            with http.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {keys.other}"}) as r:
+            with http.stream(
+                "POST", f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {keys.other}"}
+            ) as r:
                 assert r.status_code == 200
                 next(r.iter_raw())  # the first streamed bytes, then the client hangs up
         except httpx.ReadTimeout:  # not streamed: no answer within 1 s, the client gives up
@@ -232,8 +270,14 @@ def test_a_client_that_hangs_up_aborts_its_upstream_generation(gateway: str, key
 
 def test_error_bodies_do_not_name_internal_addresses(keys: Keys) -> None:
     port = free_port()
-    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), f"http://10.1.2.3:{port}", lambda n: ("base", None),
-                             sink=FakeSink(), keys=keys.store, timeout_s=2)  # fmt: skip
+    app = create_gateway_app(
+        KafkaConfig(bootstrap_servers=["127.0.0.1:9"]),
+        f"http://10.1.2.3:{port}",
+        lambda n: ("base", None),
+        sink=FakeSink(),
+        keys=keys.store,
+        timeout_s=2,
+    )
     with serve(app) as url:
         answer = chat(url, keys.client)
     assert answer.status_code == 502 and error(answer)["code"] == "upstream_unreachable"
@@ -266,26 +310,50 @@ def test_feedback_needs_the_token_of_that_trace_and_that_key(gateway: str, keys:
         answer = post(gateway, "/v1/feedback", key, body)
         assert answer.status_code == status and says in error(answer)["message"], (body, answer.text)
     assert len(sink.feedback) == stored, "refused feedback is never published"
-    surrogate = post(gateway, "/v1/feedback", keys.client, content=b'{"trace_id": "t", "thumbs": "up", "metadata": {"note": "\\ud800"}}')
+    surrogate = post(
+        gateway,
+        "/v1/feedback",
+        keys.client,
+        content=b'{"trace_id": "t", "thumbs": "up", "metadata": {"note": "\\ud800"}}',
+    )
     assert surrogate.status_code == 400 and "Unicode" in error(surrogate)["message"]
 
-    header_token = post(gateway, "/v1/feedback", keys.client, {"trace_id": other_trace, "thumbs": "down"}, headers={FEEDBACK_HEADER: other_token})
+    header_token = post(
+        gateway,
+        "/v1/feedback",
+        keys.client,
+        {"trace_id": other_trace, "thumbs": "down"},
+        headers={FEEDBACK_HEADER: other_token},
+    )
     assert header_token.status_code == 200
 
 
-def test_repeated_votes_carry_one_voter_identity_and_rewards_are_graders_only_and_clipped(gateway: str, keys: Keys, sink: FakeSink) -> None:
+def test_repeated_votes_carry_one_voter_identity_and_rewards_are_graders_only_and_clipped(
+    gateway: str, keys: Keys, sink: FakeSink
+) -> None:
     trace_id, token = _served(gateway, keys.client, user="carol")
     voter = sink.trace(trace_id).metadata["user_hash"]
     for thumbs in ("up", "down", "up"):
-        body = {"trace_id": trace_id, "thumbs": thumbs, "feedback_token": token, "metadata": {"user_hash": f"sock-{thumbs}"}}
+        body = {
+            "trace_id": trace_id,
+            "thumbs": thumbs,
+            "feedback_token": token,
+            "metadata": {"user_hash": f"sock-{thumbs}"},
+        }
         assert post(gateway, "/v1/feedback", keys.client, body).status_code == 200
     votes = [f for f in sink.feedback if f.trace_id == trace_id]
-    assert len(votes) == 3 and {v.metadata["user_hash"] for v in votes} == {voter}, "one voter: the buffer keeps one vote"
+    assert len(votes) == 3 and {v.metadata["user_hash"] for v in votes} == {voter}, (
+        "one voter: the buffer keeps one vote"
+    )
 
     graded_id, graded_token = _served(gateway, keys.grader)
-    answer = post(gateway, "/v1/feedback", keys.grader, {"trace_id": graded_id, "reward": 10, "feedback_token": graded_token})
+    answer = post(
+        gateway, "/v1/feedback", keys.grader, {"trace_id": graded_id, "reward": 10, "feedback_token": graded_token}
+    )
     assert answer.status_code == 200
-    assert [f.reward for f in sink.feedback if f.trace_id == graded_id] == [1.0], "explicit rewards are clipped to [-1, 1]"
+    assert [f.reward for f in sink.feedback if f.trace_id == graded_id] == [1.0], (
+        "explicit rewards are clipped to [-1, 1]"
+    )
     metrics = httpx.get(f"{gateway}/metrics").text
     grader_id = keys.grader.split("-")[1]
     assert f'hourglass_gateway_feedback_total{{key_id="{grader_id}"}}' in metrics
@@ -336,15 +404,19 @@ def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_ke
     from pipeline.config import load_config
 
     conf = tmp_path / "h.toml"
-    conf.write_text(f'state_dir = "{tmp_path / "state"}"\n[serving]\nreplicas = ["{upstream.url}"]\n'  # type: ignore[attr-defined]
-                    '[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')  # fmt: skip
+    conf.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[serving]\nreplicas = ["{upstream.url}"]\n'  # type: ignore[attr-defined]
+        '[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n'
+    )
     monkeypatch.setenv("HOURGLASS_SERVING__API_KEY", UPSTREAM_KEY)
     cfg = load_config(conf)
     _, key = key_store(cfg).create("cli-made")
     with serve(build_gateway(cfg)) as url:
         assert chat(url, "").status_code == 401
         answer = chat(url, key)
-        assert answer.status_code == 200 and upstream.requests[-1]["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
+        assert (
+            answer.status_code == 200 and upstream.requests[-1]["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
+        )
     signing = tmp_path / "state" / "gateway-feedback.key"
     assert stat.S_IMODE(os.stat(signing).st_mode) == 0o600
     trace_id, token = answer.headers[TRACE_HEADER], answer.headers[FEEDBACK_HEADER]
@@ -358,8 +430,13 @@ def test_the_configured_gateway_uses_the_state_dir_keys_and_a_private_signing_ke
 def test_a_damaged_key_file_refuses_everyone_with_503(tmp_path: Path, upstream: FakeUpstream) -> None:
     store = KeyStore(tmp_path / "gateway-keys.json")
     _, key = store.create("client")
-    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), upstream.url, lambda n: ("base", None),  # type: ignore[attr-defined]
-                             sink=FakeSink(), keys=store)  # fmt: skip
+    app = create_gateway_app(
+        KafkaConfig(bootstrap_servers=["127.0.0.1:9"]),
+        upstream.url,
+        lambda n: ("base", None),  # type: ignore[attr-defined]
+        sink=FakeSink(),
+        keys=store,
+    )
     with serve(app) as url:
         assert chat(url, key).status_code == 200
         (tmp_path / "gateway-keys.json").write_text("{not json")
@@ -375,7 +452,11 @@ def test_a_short_signing_key_is_refused_without_being_echoed(monkeypatch: pytest
     with pytest.raises(ConfigError) as err:
         load_config(None)
     problems = " ".join(err.value.problems)
-    assert "gateway.feedback_signing_key" in problems and "32 characters" in problems and "short-secret-value" not in problems
+    assert (
+        "gateway.feedback_signing_key" in problems
+        and "32 characters" in problems
+        and "short-secret-value" not in problems
+    )
 
 
 def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -> None:
@@ -387,10 +468,14 @@ def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -
     from connectors.gateway.request import RequestRefused, check_request, parse_json
 
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
-        body = parse_json(b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":' + literal + b"}", max_depth=32)
+        body = parse_json(
+            b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":' + literal + b"}", max_depth=32
+        )
         with pytest.raises(RequestRefused) as refused:
             check_request("chat", body, GatewayConfig())
-        assert refused.value.status == 400 and refused.value.param == "temperature" and "finite" in refused.value.message
+        assert (
+            refused.value.status == 400 and refused.value.param == "temperature" and "finite" in refused.value.message
+        )
     signer = FeedbackSigner(b"k" * 32, ttl_s=600)
     token = signer.issue("trace-1", "key-1", "user-1")
     with pytest.raises(FeedbackTokenError):

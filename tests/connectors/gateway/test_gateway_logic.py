@@ -50,22 +50,52 @@ class Upstream:
     def answer(body: dict[str, Any]) -> httpx.Response:
         if body.get("stream"):
             chunks = [
-                {"id": "c", "object": "chat.completion.chunk", "model": body["model"],
-                 "choices": [{"index": 0, "delta": {"content": word}, "token_ids": [tid],
-                              "logprobs": {"content": [{"token": word, "logprob": -0.25}]}, "finish_reason": None}]}
+                {
+                    "id": "c",
+                    "object": "chat.completion.chunk",
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": word},
+                            "token_ids": [tid],
+                            "logprobs": {"content": [{"token": word, "logprob": -0.25}]},
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 for word, tid in (("fo", 11), ("ur", 12))
-            ]  # fmt: skip
+            ]
             chunks[-1]["choices"][0]["finish_reason"] = "stop"
             sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
             return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
         if "prompt" in body:
-            choice = {"index": 0, "text": " 2", "token_ids": [7], "finish_reason": "length",
-                      "logprobs": {"tokens": [" 2"], "token_logprobs": [-0.5]}}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": " 2",
+                "token_ids": [7],
+                "finish_reason": "length",
+                "logprobs": {"tokens": [" 2"], "token_logprobs": [-0.5]},
+            }
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": "4"}, "token_ids": [19], "finish_reason": "stop",
-                      "logprobs": {"content": [{"token": "4", "logprob": -0.1}]}}  # fmt: skip
-        return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice],
-                                         "prompt_token_ids": [1, 2], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": "4"},
+                "token_ids": [19],
+                "finish_reason": "stop",
+                "logprobs": {"content": [{"token": "4", "logprob": -0.1}]},
+            }
+        return httpx.Response(
+            200,
+            json={
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [choice],
+                "prompt_token_ids": [1, 2],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            },
+        )
 
 
 class Keys:
@@ -119,9 +149,16 @@ class Gateway:
 def make_gateway(keys: Keys, sink: Any, resolve: Any = None, **kwargs: Any) -> tuple[TestClient, Upstream]:
     upstream = Upstream()
     app = create_gateway_app(
-        KAFKA, "http://vllm.internal:8000", resolve or (lambda name: ROUTES[name]), sink=sink, keys=keys.store,
-        list_models=lambda: sorted(ROUTES), upstream_api_key=UPSTREAM_KEY, upstream_transport=upstream.transport, **kwargs,
-    )  # fmt: skip
+        KAFKA,
+        "http://vllm.internal:8000",
+        resolve or (lambda name: ROUTES[name]),
+        sink=sink,
+        keys=keys.store,
+        list_models=lambda: sorted(ROUTES),
+        upstream_api_key=UPSTREAM_KEY,
+        upstream_transport=upstream.transport,
+        **kwargs,
+    )
     return TestClient(app), upstream
 
 
@@ -165,8 +202,14 @@ def test_a_gateway_that_requires_keys_needs_a_key_store() -> None:
 
 def test_an_open_gateway_serves_callers_without_a_key_as_anonymous() -> None:
     sink, upstream = FakeSink(), Upstream()
-    app = create_gateway_app(KAFKA, "http://vllm.internal:8000", lambda name: ROUTES[name], sink=sink,
-                             gateway=GatewayConfig(require_api_key=False), upstream_transport=upstream.transport)  # fmt: skip
+    app = create_gateway_app(
+        KAFKA,
+        "http://vllm.internal:8000",
+        lambda name: ROUTES[name],
+        sink=sink,
+        gateway=GatewayConfig(require_api_key=False),
+        upstream_transport=upstream.transport,
+    )
     with TestClient(app) as http:
         answer = http.post("/v1/chat/completions", json={"model": "hourglass", "messages": MESSAGES})
     assert answer.status_code == 200
@@ -202,7 +245,9 @@ def test_a_chat_is_rewritten_for_vllm_and_its_trace_carries_the_adapter_version(
     assert meta["endpoint"] == "chat" and meta["usage"] == {"prompt_tokens": 3, "completion_tokens": 1}
     assert meta["user_hash"].startswith("hmac-sha256:")
     assert meta["client"]["user_id"].startswith("hmac-sha256:")
-    assert "reference_answer" not in meta and meta["client"]["reference_answer"] == "5"  # an untrusted key labels nothing
+    assert (
+        "reference_answer" not in meta and meta["client"]["reference_answer"] == "5"
+    )  # an untrusted key labels nothing
     assert "canary" not in meta
     assert "alice@example.com" not in trace.model_dump_json() and "u-42" not in trace.model_dump_json()
 
@@ -214,16 +259,25 @@ def test_a_trusted_graders_reference_answer_is_a_label(gw: Gateway) -> None:
 
 
 def test_the_user_hash_is_per_key_and_per_user(gw: Gateway) -> None:
-    hashes = [gw.trace(r).metadata["user_hash"] for r in (
-        gw.chat(user="alice"), gw.chat(user="alice"), gw.chat(user="bob"), gw.chat(key=gw.keys.grader, user="alice"), gw.chat(),
-    )]  # fmt: skip
+    hashes = [
+        gw.trace(r).metadata["user_hash"]
+        for r in (
+            gw.chat(user="alice"),
+            gw.chat(user="alice"),
+            gw.chat(user="bob"),
+            gw.chat(key=gw.keys.grader, user="alice"),
+            gw.chat(),
+        )
+    ]
 
     assert hashes[0] == hashes[1]
     assert len({hashes[0], hashes[2], hashes[3], hashes[4]}) == 4
 
 
 def test_a_text_completion_of_the_base_has_no_adapter_version(gw: Gateway) -> None:
-    answer = gw.post("/v1/completions", {"model": "plain", "prompt": "1+1=", "max_tokens": 1, "logprobs": 1}, gw.keys.client)
+    answer = gw.post(
+        "/v1/completions", {"model": "plain", "prompt": "1+1=", "max_tokens": 1, "logprobs": 1}, gw.keys.client
+    )
 
     assert answer.status_code == 200
     assert answer.json()["choices"][0]["logprobs"] == {"tokens": [" 2"], "token_logprobs": [-0.5]}  # asked for: kept
@@ -243,14 +297,20 @@ def test_a_stream_passes_chunks_through_stripped_and_publishes_one_full_trace(gw
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "four"
     assert all(c["choices"][0]["logprobs"] is None and "token_ids" not in c["choices"][0] for c in chunks)
     trace = gw.trace(answer)
-    assert trace.completion == "four" and trace.completion_token_ids == [11, 12] and trace.completion_logprobs == [-0.25, -0.25]
+    assert (
+        trace.completion == "four"
+        and trace.completion_token_ids == [11, 12]
+        and trace.completion_logprobs == [-0.25, -0.25]
+    )
     assert trace.metadata["stream"] is True and trace.metadata["finish_reason"] == "stop"
     assert len([t for t in gw.sink.traces if t.trace_id == trace.trace_id]) == 1
 
 
 def test_a_stream_that_ends_in_an_error_chunk_is_relayed_but_not_traced(gw: Gateway) -> None:
     sse = 'data: {"error": {"message": "engine died", "code": 500}}\n\ndata: [DONE]\n\n'
-    gw.upstream.reply = lambda body: httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+    gw.upstream.reply = lambda body: httpx.Response(
+        200, content=sse.encode(), headers={"content-type": "text/event-stream"}
+    )
 
     answer = gw.chat(stream=True)
     gw.upstream.reply = gw.upstream.answer
@@ -309,17 +369,35 @@ def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
         (b"[1, 2]", {}, 400, "must be a JSON object"),
         (b"{not json", {}, 400, "not valid JSON"),
         (b'{"messages": [{"role": "user", "content": "hi"}]}', {}, 400, "field 'model' is required"),
-        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}', {}, 400, "'best_of' is not accepted"),
-        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', {}, 400, "gateway.max_tokens"),
-        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', {}, 400, "finite"),
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}',
+            {},
+            400,
+            "'best_of' is not accepted",
+        ),
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}',
+            {},
+            400,
+            "gateway.max_tokens",
+        ),
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            {},
+            400,
+            "finite",
+        ),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404, "`nope` does not exist"),
     ],
 )
-def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(gw: Gateway, content: bytes, headers: dict, status: int, says: str) -> None:
+def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(
+    gw: Gateway, content: bytes, headers: dict, status: int, says: str
+) -> None:
     answer = gw.http.post(
-        "/v1/chat/completions", content=content,
+        "/v1/chat/completions",
+        content=content,
         headers={"content-type": "application/json", **headers, "authorization": f"Bearer {gw.keys.client}"},
-    )  # fmt: skip
+    )
 
     assert answer.status_code == status
     assert says in error(answer)["message"]
@@ -328,14 +406,21 @@ def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(gw: Gateway, content:
 
 def test_an_unknown_model_is_404_model_not_found(gw: Gateway) -> None:
     answer = gw.chat(model="nope")
-    assert answer.status_code == 404 and error(answer)["code"] == "model_not_found" and error(answer)["param"] == "model"
+    assert (
+        answer.status_code == 404 and error(answer)["code"] == "model_not_found" and error(answer)["param"] == "model"
+    )
 
 
 # --- upstream failures ---------------------------------------------------------------------------------
 
 
 def test_an_upstream_4xx_passes_through_untraced_and_without_a_feedback_token(gw: Gateway) -> None:
-    vllm_error = {"object": "error", "message": "max_tokens is too large: the model's context is 512", "type": "BadRequestError", "code": 400}
+    vllm_error = {
+        "object": "error",
+        "message": "max_tokens is too large: the model's context is 512",
+        "type": "BadRequestError",
+        "code": 400,
+    }
     gw.upstream.reply = lambda body: httpx.Response(400, json=vllm_error)
 
     answer = gw.chat()
@@ -389,8 +474,13 @@ def test_a_sink_that_fails_does_not_fail_the_client_and_is_counted(keys: Keys) -
 def test_feedback_with_the_responses_token_is_stored_with_the_voter_of_the_trace(gw: Gateway) -> None:
     answer = gw.chat(user="dave")
     trace = gw.trace(answer)
-    vote = {"trace_id": trace.trace_id, "thumbs": "down", "rating": 2, "correction": "It is 4.",
-            "metadata": {"user_hash": "forged", "user_id": "u-9", "surface": "chat"}}  # fmt: skip
+    vote = {
+        "trace_id": trace.trace_id,
+        "thumbs": "down",
+        "rating": 2,
+        "correction": "It is 4.",
+        "metadata": {"user_hash": "forged", "user_id": "u-9", "surface": "chat"},
+    }
 
     stored = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
 
@@ -417,7 +507,9 @@ def test_feedback_needs_the_token_of_that_trace_and_that_key(gw: Gateway) -> Non
 
     missing = gw.post("/v1/feedback", vote, gw.keys.client)
     assert missing.status_code == 400 and error(missing)["param"] == "feedback_token"
-    other_trace = gw.post("/v1/feedback", {**vote, "trace_id": second.headers[TRACE_HEADER]}, gw.keys.client, **{FEEDBACK_HEADER: token})
+    other_trace = gw.post(
+        "/v1/feedback", {**vote, "trace_id": second.headers[TRACE_HEADER]}, gw.keys.client, **{FEEDBACK_HEADER: token}
+    )
     assert other_trace.status_code == 403 and error(other_trace)["code"] == "invalid_feedback_token"
     other_key = gw.post("/v1/feedback", vote, gw.keys.grader, **{FEEDBACK_HEADER: token})
     assert other_key.status_code == 403 and error(other_key)["code"] == "invalid_feedback_token"
@@ -428,13 +520,21 @@ def test_feedback_needs_the_token_of_that_trace_and_that_key(gw: Gateway) -> Non
 
 def test_explicit_rewards_are_for_trusted_graders_only_and_clipped(gw: Gateway) -> None:
     mine = gw.chat()
-    refused = gw.post("/v1/feedback", {"trace_id": mine.headers[TRACE_HEADER], "reward": 0.9}, gw.keys.client,
-                      **{FEEDBACK_HEADER: mine.headers[FEEDBACK_HEADER]})  # fmt: skip
+    refused = gw.post(
+        "/v1/feedback",
+        {"trace_id": mine.headers[TRACE_HEADER], "reward": 0.9},
+        gw.keys.client,
+        **{FEEDBACK_HEADER: mine.headers[FEEDBACK_HEADER]},
+    )
     assert refused.status_code == 403 and error(refused)["param"] == "reward"
 
     graded = gw.chat(key=gw.keys.grader)
-    stored = gw.post("/v1/feedback", {"trace_id": graded.headers[TRACE_HEADER], "reward": 7.5}, gw.keys.grader,
-                     **{FEEDBACK_HEADER: graded.headers[FEEDBACK_HEADER]})  # fmt: skip
+    stored = gw.post(
+        "/v1/feedback",
+        {"trace_id": graded.headers[TRACE_HEADER], "reward": 7.5},
+        gw.keys.grader,
+        **{FEEDBACK_HEADER: graded.headers[FEEDBACK_HEADER]},
+    )
     assert stored.status_code == 200
     assert [e.reward for e in gw.sink.feedback] == [1.0]
 

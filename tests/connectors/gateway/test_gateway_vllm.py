@@ -32,7 +32,9 @@ def vllm_chat_requests(url: str) -> float:
 def setup(vllm_tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     keys = KeyStore(tmp_path_factory.mktemp("keys") / "gateway-keys.json")
     _, key = keys.create("client")
-    app = create_gateway_app(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), vllm_tiny, lambda n: ("base", None), sink=FakeSink(), keys=keys)
+    app = create_gateway_app(
+        KafkaConfig(bootstrap_servers=["127.0.0.1:9"]), vllm_tiny, lambda n: ("base", None), sink=FakeSink(), keys=keys
+    )
     with serve(app) as url:
         yield url, key
 
@@ -40,8 +42,13 @@ def setup(vllm_tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "extra",
-    [{"chat_template_kwargs": {"enable_thinking": True}}, {"prompt_embeds": "AAAA"}, {"n": 100_000}, {"max_tokens": 10**9},
-     {"chat_template": "{{ raise('x') }}"}],  # fmt: skip
+    [
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"prompt_embeds": "AAAA"},
+        {"n": 100_000},
+        {"max_tokens": 10**9},
+        {"chat_template": "{{ raise('x') }}"},
+    ],
 )
 def test_refused_requests_never_reach_vllm(setup: tuple[str, str], vllm_tiny: str, extra: dict) -> None:
     gateway, key = setup

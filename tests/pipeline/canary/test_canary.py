@@ -48,11 +48,17 @@ def _config(tmp: Path, mlflow_uri: str, vllm: str) -> HourglassConfig:
         state_dir=str(tmp / "state"),
         registry={"tracking_uri": mlflow_uri, "experiment": "hourglass-canary-tests", "embedded": False},
         buffer={"root": str(tmp / "buffer"), "dead_letter_root": str(tmp / "dlq")},
-        serving={"replicas": [vllm], "reconcile_interval_s": 0.3, "drain_s": 0.3, "staging_dir": str(tmp / "staging"),
-                 "embedded": False, "max_lora_rank": 16,
-                 "canary": {"fraction": 0.5, "min_feedback": 20, "margin": 0.1, "alpha": 0.05, "check_interval_s": 0.2},
-                 "guard": {"period_s": 600, "alpha": 0.05}},
-    )  # fmt: skip
+        serving={
+            "replicas": [vllm],
+            "reconcile_interval_s": 0.3,
+            "drain_s": 0.3,
+            "staging_dir": str(tmp / "staging"),
+            "embedded": False,
+            "max_lora_rank": 16,
+            "canary": {"fraction": 0.5, "min_feedback": 20, "margin": 0.1, "alpha": 0.05, "check_interval_s": 0.2},
+            "guard": {"period_s": 600, "alpha": 0.05},
+        },
+    )
 
 
 @pytest.fixture
@@ -87,10 +93,20 @@ def _feedback(cfg, model: str, version: str, ups: int, downs: int, *, trace_ids:
     ids = trace_ids or [uuid.uuid4().hex for _ in range(ups + downs)]
     now = datetime.now(timezone.utc)
     events = [
-        (TraceEvent(trace_id=tid, ts=now, model=model, adapter_version=version, prompt="hi", completion="ok",
-                    thumbs="up" if i < ups else "down"), Coordinates("traces", 0, i))
+        (
+            TraceEvent(
+                trace_id=tid,
+                ts=now,
+                model=model,
+                adapter_version=version,
+                prompt="hi",
+                completion="ok",
+                thumbs="up" if i < ups else "down",
+            ),
+            Coordinates("traces", 0, i),
+        )
         for i, tid in enumerate(ids)
-    ]  # fmt: skip
+    ]
     RewardBuffer(cfg.buffer).append(events, [])
     return ids
 
@@ -100,7 +116,9 @@ def _complete(base_url: str, name: str) -> None:
     assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).status_code == 200
 
 
-def test_rejected_challenger_is_aborted_and_champion_keeps_serving(tmp_path, mlflow_uri, vllm_tiny, fp, adapters, made) -> None:
+def test_rejected_challenger_is_aborted_and_champion_keeps_serving(
+    tmp_path, mlflow_uri, vllm_tiny, fp, adapters, made
+) -> None:
     model = "can-abort"
     cfg = _config(tmp_path, mlflow_uri, vllm_tiny)
     v1, v2, controller = _setup(cfg, model, fp, adapters, made)
@@ -146,7 +164,7 @@ def test_rejected_challenger_is_aborted_and_champion_keeps_serving(tmp_path, mlf
 
 def test_preferred_challenger_promoted_resumed_after_restart_then_guard_rolls_back(
     tmp_path, mlflow_uri, vllm_tiny, fp, adapters, made
-) -> None:  # fmt: skip
+) -> None:
     model = "can-promote"
     cfg = _config(tmp_path, mlflow_uri, vllm_tiny)
     v1, v2, controller = _setup(cfg, model, fp, adapters, made)

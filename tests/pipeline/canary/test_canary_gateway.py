@@ -21,7 +21,9 @@ pytestmark = pytest.mark.integration
 
 
 def _traces(kafka: KafkaConfig, wanted: set[str], timeout_s: float = 60.0) -> dict[str, dict]:
-    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        bootstrap_servers=kafka.bootstrap_servers, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False
+    )
     consumer.assign([TopicPartition(kafka.traces_topic, p) for p in range(kafka.partitions)])
     seen: dict[str, dict] = {}
     deadline = time.monotonic() + timeout_s
@@ -38,7 +40,9 @@ def _traces(kafka: KafkaConfig, wanted: set[str], timeout_s: float = 60.0) -> di
 
 def test_gateway_splits_sticky_per_user_and_traces_say_which_side(tmp_path, broker: str, vllm_tiny: str) -> None:
     tag = uuid.uuid4().hex[:8]
-    kafka = KafkaConfig(bootstrap_servers=[broker], traces_topic=f"cg-traces-{tag}", feedback_topic=f"cg-feedback-{tag}", partitions=1)
+    kafka = KafkaConfig(
+        bootstrap_servers=[broker], traces_topic=f"cg-traces-{tag}", feedback_topic=f"cg-feedback-{tag}", partitions=1
+    )
     ensure_topics(kafka)
     write_route(tmp_path, "hg", Route("base", "1", "2026-01-01T00:00:00+00:00", "base", "2", 0.5))
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def versions(tiny_model: Path, mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], str]:
+def versions(
+    tiny_model: Path, mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[str], str]:
     """A config file and four registered versions of model ``can-ops`` (nothing promoted)."""
     tmp = tmp_path_factory.mktemp("canary-ops")
     config = tmp / "hourglass.toml"
@@ -39,7 +41,10 @@ def versions(tiny_model: Path, mlflow_uri: str, tmp_path_factory: pytest.TempPat
     cfg = load_config(config)
     adapter = make_adapter(tiny_model, tmp / "a", seed=21)
     fp = fingerprint_of(tiny_model)
-    made = [register_round(cfg, make_round(adapter, fp, round_id=f"can-ops-{i}", model="can-ops"))[0].version for i in range(4)]
+    made = [
+        register_round(cfg, make_round(adapter, fp, round_id=f"can-ops-{i}", model="can-ops"))[0].version
+        for i in range(4)
+    ]
     return config, made, mlflow_uri
 
 
@@ -47,15 +52,22 @@ def test_round_winner_goes_to_challenger_and_never_replaces_a_running_canary(ver
     config, (v1, v2, v3, _), mlflow_uri = versions
     cfg = load_config(config)
     client = MlflowClient(mlflow_uri)
-    assert state.promote_or_challenge(cfg, "can-ops", v1)["action"] == "promoted"  # no champion yet: nothing to compare with
+    assert (
+        state.promote_or_challenge(cfg, "can-ops", v1)["action"] == "promoted"
+    )  # no champion yet: nothing to compare with
     assert aliases.champion_version(client, "can-ops", "champion") == v1
     assert state.promote_or_challenge(cfg, "can-ops", v2)["action"] == "challenger"
     client.set_model_version_tag("can-ops", v2, state.TAG_STARTED, "2026-01-01T00:00:00.000+00:00")
     again = state.promote_or_challenge(cfg, "can-ops", v2)  # a resumed round: the canary keeps its start
-    assert again["action"] == "challenger" and client.get_model_version("can-ops", v2).tags[state.TAG_STARTED].startswith("2026-01-01")
+    assert again["action"] == "challenger" and client.get_model_version("can-ops", v2).tags[
+        state.TAG_STARTED
+    ].startswith("2026-01-01")
     waiting = state.promote_or_challenge(cfg, "can-ops", v3)
     assert waiting["action"] == "not_started" and f"v{v2} is on canary" in waiting["reason"]
-    assert state.challenger_version(client, cfg, "can-ops") == v2 and aliases.champion_version(client, "can-ops", "champion") == v1
+    assert (
+        state.challenger_version(client, cfg, "can-ops") == v2
+        and aliases.champion_version(client, "can-ops", "champion") == v1
+    )
     assert "can-ops v3 registered, no canary" in state.describe([waiting])
 
     canary_off = cfg.serving.canary.model_copy(update={"enabled": False})
@@ -83,7 +95,11 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
         return json.loads(result.stdout) if code == 0 else result.output
 
     status = run("status", "--model", "can-ops")["can-ops"]["canary"]
-    assert status["version"] == v2 and status["decision"] == "continue" and status["fraction"] == cfg.serving.canary.fraction
+    assert (
+        status["version"] == v2
+        and status["decision"] == "continue"
+        and status["fraction"] == cfg.serving.canary.fraction
+    )
     out = run("abort", "--model", "can-ops")
     assert out == {"model": "can-ops", "version": v2, "decision": "abort"}
     assert json.loads(client.get_model_version("can-ops", v2).tags[state.TAG_RESULT])["reason"] == "abort by cli"
@@ -106,7 +122,9 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
     assert state.challenger_version(client, cfg, "can-ops") is None
 
 
-def test_a_round_puts_its_winner_on_canary_and_says_so(versions, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_round_puts_its_winner_on_canary_and_says_so(
+    versions, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import pyarrow as pa
 
     from pipeline.rounds import job as round_job

@@ -19,7 +19,9 @@ FRACTION = 0.2  # the challenger's share of the events
 SLACK = 3 * math.sqrt(ALPHA * (1 - ALPHA) / RUNS)  # Monte Carlo error of the estimated rate
 
 
-def _simulate(p_challenger: float, p_champion: float, *, seed: int, runs: int = RUNS, min_feedback: int = 50) -> dict[str, int]:
+def _simulate(
+    p_challenger: float, p_champion: float, *, seed: int, runs: int = RUNS, min_feedback: int = 50
+) -> dict[str, int]:
     """Outcome counts of ``runs`` canaries, each looked at every LOOK_EVERY events until a decision."""
     rng = np.random.default_rng(seed)
     outcomes = {"promote": 0, "abort": 0, "continue": 0}
@@ -72,7 +74,9 @@ def test_rules_min_feedback_floor_and_max_duration() -> None:
     good, base = _arm(40, 36), _arm(400, 240)
     assert decide(good, base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "continue"  # 40 < 50
     assert decide(_arm(60, 54), base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "promote"
-    assert decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "continue"  # below the floor
+    assert (
+        decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50).decision == "continue"
+    )  # below the floor
     verdict = decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50, elapsed_s=61, max_duration_s=60)
     assert verdict.decision == "abort" and "max_duration_s=60" in verdict.reason
     bad = decide(_arm(60, 10), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)

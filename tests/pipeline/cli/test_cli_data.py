@@ -28,7 +28,10 @@ def _app() -> typer.Typer:
 
 
 def test_produce_replay_stats_and_dlq_commands(
-    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, tmp_path: Path, run_worker: Callable[..., IngestWorker],
+    kafka_cfg: KafkaConfig,
+    buffer_cfg: BufferConfig,
+    tmp_path: Path,
+    run_worker: Callable[..., IngestWorker],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(tmp_path)  # relative paths in the config are relative to the cwd
@@ -45,7 +48,9 @@ def test_produce_replay_stats_and_dlq_commands(
     data.write_text("\n".join([*lines, '{"schema": "hourglass.trace/v1", oops']) + "\n")
     runner = CliRunner()
 
-    out = runner.invoke(_app(), ["produce", "--config", str(config), "--topic", kafka_cfg.traces_topic, str(data), "--json"])
+    out = runner.invoke(
+        _app(), ["produce", "--config", str(config), "--topic", kafka_cfg.traces_topic, str(data), "--json"]
+    )
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout) == {"topic": kafka_cfg.traces_topic, "acknowledged": 4}
     out = runner.invoke(_app(), ["replay", "--config", str(config), "--sharegpt", "20", "--json"])
@@ -95,8 +100,14 @@ def test_replay_a_sharegpt_file_of_my_choice_accounts_for_every_record(kafka_cfg
         f'[buffer]\ndead_letter_root = "{tmp_path / "dlq"}"\n'
     )
     good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
-    records = [good, good, {"id": "x", "conversations": ["human: hi"]}, {"id": "y", "conversations": []},
-               {"id": "z", "conversations": [{"from": "bing", "value": "1\u20282"}]}, 7]  # fmt: skip
+    records = [
+        good,
+        good,
+        {"id": "x", "conversations": ["human: hi"]},
+        {"id": "y", "conversations": []},
+        {"id": "z", "conversations": [{"from": "bing", "value": "1\u20282"}]},
+        7,
+    ]
     data = tmp_path / "mine.json"
     data.write_text(json.dumps(records, ensure_ascii=False))
     runner = CliRunner()
@@ -104,8 +115,12 @@ def test_replay_a_sharegpt_file_of_my_choice_accounts_for_every_record(kafka_cfg
     assert out.exit_code == 0, out.output
     result = json.loads(out.stdout)
     assert result["replayed"] == 2 == result["acknowledged"]  # two records without id: two distinct traces
-    assert result["dead_lettered"] == {"sharegpt_bad_turn": 1, "sharegpt_no_conversation": 1,
-                                       "sharegpt_not_an_object": 1, "sharegpt_unknown_role": 1}  # fmt: skip
+    assert result["dead_lettered"] == {
+        "sharegpt_bad_turn": 1,
+        "sharegpt_no_conversation": 1,
+        "sharegpt_not_an_object": 1,
+        "sharegpt_unknown_role": 1,
+    }
     out = runner.invoke(_app(), ["dlq", "list", "--config", str(config), "--json"])  # U+2028 in a payload
     assert out.exit_code == 0, out.output
     listing = json.loads(out.stdout)
@@ -134,7 +149,9 @@ def test_dlq_list_prints_hostile_details_as_text(tmp_path: Path) -> None:
     from connectors.dead_letter import DeadLetter, DeadLetterStore
 
     hostile = "role '[/bold] [link=https://evil.example]click[/link] [red]' is not one of ['gpt', 'human']"
-    DeadLetterStore(str(tmp_path / "dlq")).write([DeadLetter("sharegpt_unknown_role", hostile, "replay:sharegpt", 0, 1, b"{}")])
+    DeadLetterStore(str(tmp_path / "dlq")).write(
+        [DeadLetter("sharegpt_unknown_role", hostile, "replay:sharegpt", 0, 1, b"{}")]
+    )
     config = tmp_path / "hourglass.toml"
     config.write_text(f'[buffer]\nroot = "{tmp_path / "buf"}"\ndead_letter_root = "{tmp_path / "dlq"}"\n')
     out = CliRunner().invoke(_app(), ["dlq", "list", "--config", str(config)])

@@ -21,9 +21,13 @@ HOURGLASS = Path(sys.executable).with_name("hourglass")
 
 def _run(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(HOURGLASS), *args], capture_output=True, text=True, timeout=60, cwd=cwd,
+        [str(HOURGLASS), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
         env={**os.environ, "HOURGLASS_STATE_DIR": str(cwd / "state"), **(env or {})},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,7 +41,9 @@ def _run(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess
     ],
     ids=["produce-missing", "produce-dir", "replay-negative", "buffer-root-file", "state-dir-file"],
 )
-def test_bad_paths_and_values_get_one_clear_line(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:
+def test_bad_paths_and_values_get_one_clear_line(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
     (tmp_path / "not-a-dir.txt").write_text("x")
     # produce and replay must refuse before talking to a broker: none listens on this port
     env = {"HOURGLASS_KAFKA__BOOTSTRAP_SERVERS": f'["127.0.0.1:{free_port()}"]', **env}

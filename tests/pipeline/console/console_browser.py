@@ -15,9 +15,17 @@ import pytest
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 DRIVER_CANDIDATES = ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
 FLAGS = (
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1360,2000",
-)  # fmt: skip
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1360,2000",
+)
 
 
 def _first(paths: tuple[str, ...], name: str) -> str | None:
@@ -36,14 +44,19 @@ def start_chromium(profile_dir: Path):
         pytest.skip("selenium is not installed (pip install -e '.[test]')")
     binary, driver = _first(CHROMIUM_CANDIDATES, "chromium"), _first(DRIVER_CANDIDATES, "chromedriver")
     if binary is None or driver is None:
-        pytest.skip("headless Chromium not found: install Debian's `chromium` and `chromium-driver` (deploy/setup.sh does as root)")
+        pytest.skip(
+            "headless Chromium not found: install Debian's `chromium` and `chromium-driver` (deploy/setup.sh does as root)"
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for flag in FLAGS:
         options.add_argument(flag)
     options.add_argument(f"--user-data-dir={profile_dir}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(options=options, service=Service(executable_path=driver, log_output=str(profile_dir.parent / "chromedriver.log")))
+    return webdriver.Chrome(
+        options=options,
+        service=Service(executable_path=driver, log_output=str(profile_dir.parent / "chromedriver.log")),
+    )
 
 
 def console_errors(driver) -> list[dict]:

@@ -49,7 +49,7 @@ def _config(tmp: Path, broker: str, mlflow_uri: str, vllm_url: str, model: Path)
     suffix = uuid.uuid4().hex[:8]
     conf = tmp / "hourglass.toml"
     conf.write_text(f"""
-state_dir = "{tmp / 'state'}"
+state_dir = "{tmp / "state"}"
 [kafka]
 bootstrap_servers = ["{broker}"]
 embedded = false
@@ -59,8 +59,8 @@ group_id = "console-{suffix}"
 partitions = 2
 batch_timeout_ms = 200
 [buffer]
-root = "{tmp / 'buffer'}"
-dead_letter_root = "{tmp / 'dlq'}"
+root = "{tmp / "buffer"}"
+dead_letter_root = "{tmp / "dlq"}"
 [model]
 name = "{model}"
 [[candidates]]
@@ -89,7 +89,7 @@ model_name = "console-{suffix}"
 replicas = ["{vllm_url}"]
 embedded = false
 reconcile_interval_s = 1
-staging_dir = "{tmp / 'staging'}"
+staging_dir = "{tmp / "staging"}"
 [api]
 port = {free_port()}
 """)
@@ -102,22 +102,40 @@ def _produce(cfg) -> int:
     sent = 0
     with TraceSink(cfg.kafka) as sink:
         for i, (question, reference) in enumerate(arithmetic_questions(16, seed=3)):
-            sink.send_trace(TraceEvent(
-                trace_id=f"c-{i}", ts=datetime.now(timezone.utc), model=cfg.serving.model_name,
-                adapter_version="1" if i % 2 else None, prompt=[{"role": "user", "content": question}],
-                completion=reference if i % 3 else SCRIPT, thumbs="up" if i % 4 else "down",
-                metadata={"reference_answer": reference, "user_id": RAW_USER},
-            ))  # fmt: skip
+            sink.send_trace(
+                TraceEvent(
+                    trace_id=f"c-{i}",
+                    ts=datetime.now(timezone.utc),
+                    model=cfg.serving.model_name,
+                    adapter_version="1" if i % 2 else None,
+                    prompt=[{"role": "user", "content": question}],
+                    completion=reference if i % 3 else SCRIPT,
+                    thumbs="up" if i % 4 else "down",
+                    metadata={"reference_answer": reference, "user_id": RAW_USER},
+                )
+            )
             sent += 1
-        sink.send_trace(TraceEvent(
-            trace_id="c-hostile", ts=datetime.now(timezone.utc), model=cfg.serving.model_name, adapter_version=IMG,
-            prompt=[{"role": "user", "content": SCRIPT}], completion=SCRIPT + IMG, thumbs="up",
-        ))  # fmt: skip
+        sink.send_trace(
+            TraceEvent(
+                trace_id="c-hostile",
+                ts=datetime.now(timezone.utc),
+                model=cfg.serving.model_name,
+                adapter_version=IMG,
+                prompt=[{"role": "user", "content": SCRIPT}],
+                completion=SCRIPT + IMG,
+                thumbs="up",
+            )
+        )
         sent += 1
         for i in range(0, 16, 4):  # thumbs down given later, as separate feedback events
             sink.send_feedback(FeedbackEvent(trace_id=f"c-{i}", thumbs="down", metadata={"user_id": RAW_USER}))
             sent += 1
-        bad = {"schema": "hourglass.trace/v1", "trace_id": "c-bad", "completion": SCRIPT + IMG, "metadata": {"user_id": RAW_USER}}
+        bad = {
+            "schema": "hourglass.trace/v1",
+            "trace_id": "c-bad",
+            "completion": SCRIPT + IMG,
+            "metadata": {"user_id": RAW_USER},
+        }
         sink.send_raw(cfg.kafka.traces_topic, json.dumps(bad).encode(), b"c-bad")  # no ts/model/prompt: dead-lettered
         assert sink.flush() == sent + 1
     return sent
@@ -142,20 +160,34 @@ def console(tmp_path_factory, broker: str, mlflow_uri: str, vllm_tiny: str, tiny
     sent = _produce(cfg)
     service = HourglassService(cfg)
     service.start()
-    server = uvicorn.Server(uvicorn.Config(create_api(service), host=cfg.api.host, port=cfg.api.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_api(service), host=cfg.api.host, port=cfg.api.port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     api = f"http://127.0.0.1:{cfg.api.port}"
     try:
         _wait(lambda: server.started, "the API")
-        _wait(lambda: sum(service.buffer_stats()[k] for k in ("trace_rows", "feedback_rows")) >= sent and service.ingest_worker.stats().dead_letters >= 1, "ingestion")
+        _wait(
+            lambda: (
+                sum(service.buffer_stats()[k] for k in ("trace_rows", "feedback_rows")) >= sent
+                and service.ingest_worker.stats().dead_letters >= 1
+            ),
+            "ingestion",
+        )
         record = service.runner.run("manual")  # a real round: snapshot, HF rollouts, gate
         assert record.state in ("done", "no_winner"), record.reason
-        if not record.versions:  # the tiny random model rarely beats the base: promote a real adapter the way a round does
+        if (
+            not record.versions
+        ):  # the tiny random model rarely beats the base: promote a real adapter the way a round does
             from pipeline.registry.models import register_round
 
             adapter = make_adapter(tiny_model, tmp / "adapter", rank=4, seed=7)
-            register_round(cfg, make_round(adapter, service.base_fingerprint, round_id="r-seeded", model=cfg.serving.model_name), promote=True)
+            register_round(
+                cfg,
+                make_round(adapter, service.base_fingerprint, round_id="r-seeded", model=cfg.serving.model_name),
+                promote=True,
+            )
         service.controller.trigger()
         _wait(lambda: service.controller.status()[cfg.serving.model_name]["serving"], "the champion to be served", 180)
         assert service.runner.run("manual").state in ("done", "no_winner")  # a second round, against that champion
@@ -215,10 +247,14 @@ def test_page_matches_the_api_and_draws_charts(console, browser, tmp_path: Path)
         assert tr.find_element(By.CSS_SELECTOR, '[data-field="reason"]').text.startswith(record["reason"])
         for served, decision in record["decisions"].items():
             block = tr.find_element(By.CSS_SELECTOR, f'[data-decision="{served}"]')
-            assert block.find_element(By.CSS_SELECTOR, '[data-field="champion-reward"]').text == _fmt(decision["champion_reward"])
+            assert block.find_element(By.CSS_SELECTOR, '[data-field="champion-reward"]').text == _fmt(
+                decision["champion_reward"]
+            )
             for name, reward in decision["candidate_rewards"].items():
                 assert block.find_element(By.CSS_SELECTOR, f'[data-candidate="{name}"]').text == _fmt(reward)
-            assert block.find_element(By.CSS_SELECTOR, '[data-field="gate-reason"]').text == f"gate: {decision['reason']}"
+            assert (
+                block.find_element(By.CSS_SELECTOR, '[data-field="gate-reason"]').text == f"gate: {decision['reason']}"
+            )
     assert any(r["decisions"] for r in rounds)  # the real round evaluated its candidate against the champion
 
     ingest = status["ingest"]
@@ -273,7 +309,13 @@ def test_rollback_without_a_token_is_refused_on_the_page(console, browser) -> No
     browser.find_element(By.CSS_SELECTOR, 'button[data-action="rollback"]').click()
     WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "token-dialog").is_displayed())
     browser.find_element(By.ID, "token-ok").click()  # no token typed
-    result = WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "action-result").text if "refused" in d.find_element(By.ID, "action-result").text else None)
+    result = WebDriverWait(browser, 20).until(
+        lambda d: (
+            d.find_element(By.ID, "action-result").text
+            if "refused" in d.find_element(By.ID, "action-result").text
+            else None
+        )
+    )
     refusal = httpx.post(f"{api}/rollback", json={"model": model}, timeout=30).json()["detail"]
     assert result == f"rollback refused (401): {refusal}"  # the API's own words
     assert httpx.get(f"{api}/status", timeout=30).json()["serving"][model]["desired"] == before
@@ -284,7 +326,13 @@ def test_rollback_without_a_token_is_refused_on_the_page(console, browser) -> No
     WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "token-dialog").is_displayed())
     browser.find_element(By.ID, "token-input").send_keys(service.api_token)
     browser.find_element(By.ID, "token-ok").click()
-    result = WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "action-result").text if "accepted" in d.find_element(By.ID, "action-result").text else None)
+    result = WebDriverWait(browser, 30).until(
+        lambda d: (
+            d.find_element(By.ID, "action-result").text
+            if "accepted" in d.find_element(By.ID, "action-result").text
+            else None
+        )
+    )
     assert result.startswith("promote accepted (200)") and f'"version":"{before}"' in result
     assert service.api_token not in browser.page_source  # the token is not written into the page
 
@@ -305,6 +353,14 @@ def test_every_dashboard_metric_is_exported(console) -> None:
             exported.add(f"{family.name}_total")
     assert queried <= exported, sorted(queried - exported)
     model = console[1].cfg.serving.model_name
-    rates = {s.labels["version"]: s.value for f in text_string_to_metric_families(httpx.get(f"{api}/metrics", timeout=60).text)
-             if f.name == "hourglass_live_feedback_rate" for s in f.samples if s.labels["served_model"] == model}  # fmt: skip
-    assert rates == {"base": 0.5, "1": 1.0}  # thumbs of _produce: base answers half up, v1 answers all up; hostile version left out
+    rates = {
+        s.labels["version"]: s.value
+        for f in text_string_to_metric_families(httpx.get(f"{api}/metrics", timeout=60).text)
+        if f.name == "hourglass_live_feedback_rate"
+        for s in f.samples
+        if s.labels["served_model"] == model
+    }
+    assert rates == {
+        "base": 0.5,
+        "1": 1.0,
+    }  # thumbs of _produce: base answers half up, v1 answers all up; hostile version left out

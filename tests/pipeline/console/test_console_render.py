@@ -38,25 +38,44 @@ def _service(tmp_path: Path, host: str = "127.0.0.1") -> HourglassService:
         buffer={"root": str(tmp_path / "buffer"), "dead_letter_root": str(tmp_path / "dlq")},
         registry={"tracking_uri": "http://ops:s3cret-pass@127.0.0.1:1/mlflow", "embedded": False},
         api={"host": host},
-    )  # fmt: skip
+    )
     return HourglassService(cfg, base_fingerprint="ab" * 32, ingest=False, reconcile=False)
 
 
 def _hostile_traffic(service: HourglassService) -> None:
     now = datetime.now(timezone.utc)
     traces = [
-        (TraceEvent(trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=IMG if i == 0 else "2",
-                    prompt=SCRIPT, completion=SCRIPT + IMG, thumbs="up" if i % 2 else "down"), Coordinates("traces", 0, i))
+        (
+            TraceEvent(
+                trace_id=f"t{i}",
+                ts=now,
+                model="hourglass",
+                adapter_version=IMG if i == 0 else "2",
+                prompt=SCRIPT,
+                completion=SCRIPT + IMG,
+                thumbs="up" if i % 2 else "down",
+            ),
+            Coordinates("traces", 0, i),
+        )
         for i in range(4)
-    ]  # fmt: skip
+    ]
     RewardBuffer(service.cfg.buffer).append(traces, [])
-    DeadLetterStore(service.cfg.buffer.dead_letter_root).write([
-        DeadLetter(f"bad_{SCRIPT}", f"detail {IMG}", "traces", 1, 7, (SCRIPT + IMG + "x" * 500).encode()),
-        DeadLetter("not_utf8", "bytes", "traces", 1, 8, b"\xff\xfe<script>"),
-    ])  # fmt: skip
+    DeadLetterStore(service.cfg.buffer.dead_letter_root).write(
+        [
+            DeadLetter(f"bad_{SCRIPT}", f"detail {IMG}", "traces", 1, 7, (SCRIPT + IMG + "x" * 500).encode()),
+            DeadLetter("not_utf8", "bytes", "traces", 1, 8, b"\xff\xfe<script>"),
+        ]
+    )
     record = service.store.create("api", ["default"], "1h")
-    record.decisions = {"hourglass": {"winner": None, "reason": f"gate {SCRIPT}", "champion_reward": 0.25,
-                                      "candidate_rewards": {"default": 0.5, "diverged": float("nan")}, "lower_bounds": {"default": -0.1}}}  # fmt: skip
+    record.decisions = {
+        "hourglass": {
+            "winner": None,
+            "reason": f"gate {SCRIPT}",
+            "champion_reward": 0.25,
+            "candidate_rewards": {"default": 0.5, "diverged": float("nan")},
+            "lower_bounds": {"default": -0.1},
+        }
+    }
     record.metrics = {"reward_model/auc": 0.75}
     service.store.save(record)
     service.store.transition(record, "no_winner", f"hourglass: {SCRIPT}{IMG}")
@@ -84,10 +103,15 @@ def test_hostile_strings_are_escaped_everywhere(tmp_path: Path) -> None:
     assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 0.6666' in metrics
     assert "onerror" not in metrics
     assert data["rounds"][0]["reward_model_auc"] == 0.75 and data["rounds"][0]["state"] == "no_winner"
-    assert [(c["name"], c["reward"]) for c in data["rounds"][0]["decisions"][0]["candidates"]] == [("default", 0.5), ("diverged", None)]
+    assert [(c["name"], c["reward"]) for c in data["rounds"][0]["decisions"][0]["candidates"]] == [
+        ("default", 0.5),
+        ("diverged", None),
+    ]
     assert data["ingest"]["dead_letters"]["by_reason"] == {f"bad_{SCRIPT}": 1, "not_utf8": 1}
     assert data["feedback"]["series"].keys() == {IMG, "2"}  # the chart shows what traffic says, escaped
-    assert [(r["model"], r["version"], r["traces"]) for r in data["feedback"]["live"]] == [("hourglass", "2", 3)]  # the gauge: known labels only
+    assert [(r["model"], r["version"], r["traces"]) for r in data["feedback"]["live"]] == [
+        ("hourglass", "2", 3)
+    ]  # the gauge: known labels only
     assert any("MLflow registry" in e and "***@" in e for e in data["errors"]), data["errors"]  # unreachable, redacted
 
 
@@ -112,7 +136,9 @@ def test_viewing_needs_the_token_off_loopback(tmp_path: Path) -> None:
         assert client.get("/console/data", headers={"Authorization": "Bearer wrong-token"}).status_code == 401
         basic = base64.b64encode(f"ops:{service.api_token}".encode()).decode()
         assert client.get("/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
-        assert client.get("/console/panels", headers={"Authorization": f"Bearer {service.api_token}"}).status_code == 200
+        assert (
+            client.get("/console/panels", headers={"Authorization": f"Bearer {service.api_token}"}).status_code == 200
+        )
         assert client.get("/console/static/console.js").status_code == 200  # no secrets in the static files
     with TestClient(create_api(_service(tmp_path / "lo")), base_url="http://127.0.0.1") as client:
         assert client.get("/").status_code == 200
@@ -138,7 +164,9 @@ def test_grafana_and_prometheus_files_agree_with_compose() -> None:
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     port = load_config(DEPLOY / "production.toml").api.port
     assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == [f"service:{port}"]
-    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())[
+        "datasources"
+    ][0]
     assert datasource["url"] == "http://prometheus:9090"
     dashboard = json.loads((DEPLOY / "grafana/dashboards/hourglass.json").read_text())
     targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -148,7 +176,9 @@ def test_grafana_and_prometheus_files_agree_with_compose() -> None:
 
 @pytest.mark.parametrize("text", [SCRIPT, IMG])
 def test_chart_labels_are_escaped(text: str) -> None:
-    svg = line_chart({text: [(1, 0.5), (2, 0.7)]}, title=text, kind="k") + bar_chart([text], {text: [1]}, title=text, kind="k")
+    svg = line_chart({text: [(1, 0.5), (2, 0.7)]}, title=text, kind="k") + bar_chart(
+        [text], {text: [1]}, title=text, kind="k"
+    )
     assert "<script" not in svg and "<img" not in svg
 
 
@@ -187,15 +217,24 @@ def test_live_feedback_gauge_labels_stay_bounded_under_forged_versions(tmp_path:
     service = _service(tmp_path)
     now = datetime.now(timezone.utc)
     versions = ["2"] * 5 + [str(10_000 + i) for i in range(40)] + ["²", "٣"]
-    traces = [(TraceEvent(trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=v, prompt="p", completion="c", thumbs="up"),
-               Coordinates("traces", 0, i)) for i, v in enumerate(versions)]  # fmt: skip
+    traces = [
+        (
+            TraceEvent(
+                trace_id=f"t{i}", ts=now, model="hourglass", adapter_version=v, prompt="p", completion="c", thumbs="up"
+            ),
+            Coordinates("traces", 0, i),
+        )
+        for i, v in enumerate(versions)
+    ]
     RewardBuffer(service.cfg.buffer).append(traces, [])
     with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         metrics = client.get("/metrics").text
         live = client.get("/console/data").json()["feedback"]["live"]
     series = [line for line in metrics.splitlines() if line.startswith("hourglass_live_feedback_rate{")]
     assert len(series) == len(live) == MAX_VERSIONS, series
-    assert 'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 1.0' in metrics  # the busiest version stays
+    assert (
+        'hourglass_live_feedback_rate{served_model="hourglass",version="2"} 1.0' in metrics
+    )  # the busiest version stays
     assert "²" not in metrics and "٣" not in metrics
 
 
@@ -203,13 +242,17 @@ def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: 
     """Dead-letter files are JSON lines split on \\n only: a payload with U+2028 / U+0085 / \\x0c (kept raw by
     ensure_ascii=False) must still count, not vanish from the page's counts and newest list."""
     service = _service(tmp_path)
-    DeadLetterStore(service.cfg.buffer.dead_letter_root).write([
-        DeadLetter("schema_violation", "d", "traces", 0, 1, "a\u2028b\x85c\x0cd".encode()),
-        DeadLetter("invalid_json", "d", "traces", 0, 2, b"plain"),
-    ])  # fmt: skip
+    DeadLetterStore(service.cfg.buffer.dead_letter_root).write(
+        [
+            DeadLetter("schema_violation", "d", "traces", 0, 1, "a\u2028b\x85c\x0cd".encode()),
+            DeadLetter("invalid_json", "d", "traces", 0, 2, b"plain"),
+        ]
+    )
     damaged = Path(service.cfg.buffer.dead_letter_root) / "dt=2000-01-01" / "dlq-0000000000000-x-000000.jsonl"
     damaged.parent.mkdir(parents=True)
-    damaged.write_text('5\n["a"]\n{"reason": "not_utf8", "topic": "t", "partition": 0, "offset": 0}\n')  # a damaged file
+    damaged.write_text(
+        '5\n["a"]\n{"reason": "not_utf8", "topic": "t", "partition": 0, "offset": 0}\n'
+    )  # a damaged file
     with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
         dead = client.get("/console/data").json()["ingest"]["dead_letters"]
     assert dead["by_reason"] == {"schema_violation": 1, "invalid_json": 1, "not_utf8": 1}
@@ -219,8 +262,16 @@ def test_dead_letters_whose_payload_holds_line_separators_are_counted(tmp_path: 
 def test_canary_panel_lists_running_canaries_and_last_decisions() -> None:
     from pipeline.console.data import canary_view
 
-    running = {"version": "3", "champion_version": "2", "fraction": 0.2, "decision": "continue", "reason": "12 vs 10 events"}
-    view = canary_view({"hg": {"canary": running, "guard": None, "last_canary": None, "last_guard": {"decision": "passed"}}})
+    running = {
+        "version": "3",
+        "champion_version": "2",
+        "fraction": 0.2,
+        "decision": "continue",
+        "reason": "12 vs 10 events",
+    }
+    view = canary_view(
+        {"hg": {"canary": running, "guard": None, "last_canary": None, "last_guard": {"decision": "passed"}}}
+    )
     assert view == {
         "hg canary": "version 3; champion_version 2; fraction 0.2; decision continue; reason 12 vs 10 events",
         "hg last guard": "decision passed",

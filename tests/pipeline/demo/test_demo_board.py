@@ -38,14 +38,23 @@ def test_gain_ratio() -> None:
 
 
 def test_oracle_reward_is_the_users_check() -> None:
-    cases = [("13", "13"), ("13, because 9 + 4 = 13", "13"), ("9 + 4 = 13", "13"), ("1,300", "1300"), ("no idea", "4"), ("4", "four")]
+    cases = [
+        ("13", "13"),
+        ("13, because 9 + 4 = 13", "13"),
+        ("9 + 4 = 13", "13"),
+        ("1,300", "1300"),
+        ("no idea", "4"),
+        ("4", "four"),
+    ]
     for answer, reference in cases:
         assert first_number_answer([], answer, {"reference_answer": reference}) == float(is_correct(answer, reference))
     assert is_correct("13, because", "13") and not is_correct("9 + 4 = 13", "13")
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    rates = live_rates(pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [-1.0, 1.0]}), [["a"], ["b"]])
+    rates = live_rates(
+        pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [-1.0, 1.0]}), [["a"], ["b"]]
+    )
     plot_live_rates(rates, tmp_path / "live.png")
     assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -75,10 +84,19 @@ def test_round_printout_survives_nulls_from_the_api() -> None:
     from pipeline.demo.main import _num, _print_round
 
     record = {
-        "state": "no_winner", "metrics": {"reward_model/auc": None},
-        "decisions": {"hourglass": {"winner": None, "reason": "keep base: none of the 3 held-out rows ...", "metric": "feedback",
-                                    "champion_reward": None, "candidate_rewards": {"kto": None}, "lower_bounds": {"kto": None}}},
-    }  # fmt: skip
+        "state": "no_winner",
+        "metrics": {"reward_model/auc": None},
+        "decisions": {
+            "hourglass": {
+                "winner": None,
+                "reason": "keep base: none of the 3 held-out rows ...",
+                "metric": "feedback",
+                "champion_reward": None,
+                "candidate_rewards": {"kto": None},
+                "lower_bounds": {"kto": None},
+            }
+        },
+    }
     _print_round(record, 96, {"trace_rows": 96})
     assert _num(None) == "-" and _num(float("nan")) == "-" and _num(0.5, "+.3f") == "+0.500"
 
@@ -95,8 +113,13 @@ def test_demo_canary_settles_within_the_demos_traffic() -> None:
 
     def first_decision(p_challenger: float, p_champion: float, limit: int) -> tuple[str, int]:
         for n in range(1, limit + 1):  # exact shares at every look (no noise): when the rule can first decide
-            arms = [ArmStats.of_rewards([1.0] * round(p * n) + [-1.0] * (n - round(p * n)), binary=True) for p in (p_challenger, p_champion)]
-            verdict = decide(*arms, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback, tau=canary.mixture_sd)
+            arms = [
+                ArmStats.of_rewards([1.0] * round(p * n) + [-1.0] * (n - round(p * n)), binary=True)
+                for p in (p_challenger, p_champion)
+            ]
+            verdict = decide(
+                *arms, alpha=canary.alpha, margin=canary.margin, min_feedback=canary.min_feedback, tau=canary.mixture_sd
+            )
             if verdict.decision != "continue":
                 return verdict.decision, n
         return "continue", limit
@@ -110,12 +133,23 @@ def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: p
     from pipeline.demo.main import _print_canary, _sides
     from pipeline.demo.traffic import Exchange
 
-    view = {"version": "2", "decision": "promote", "reason": "challenger not worse by more than 0.15", "elapsed_s": 41.6,
-            "lower": -0.12, "upper": 0.55, "challenger": {"n": 40, "mean": 0.45, "var": 0.25}, "champion": {"n": 38, "mean": 0.24, "var": 0.2}}  # fmt: skip
+    view = {
+        "version": "2",
+        "decision": "promote",
+        "reason": "challenger not worse by more than 0.15",
+        "elapsed_s": 41.6,
+        "lower": -0.12,
+        "upper": 0.55,
+        "challenger": {"n": 40, "mean": 0.45, "var": 0.25},
+        "champion": {"n": 38, "mean": 0.24, "var": 0.2},
+    }
     assert _sides(view) == "challenger 40 feedback events, 45% thumbs-up vs champion 38 feedback events, 24% thumbs-up"
     sent = [Exchange(str(i), "q", "a", "1", True) for i in range(80)]
     line = _print_canary("2", view, sent, 63.2)
-    assert line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)") and "[-0.12, +0.55]" in line
+    assert (
+        line.startswith("v2 PROMOTED after 42 s of canary traffic (63 s after the round, 80 requests)")
+        and "[-0.12, +0.55]" in line
+    )
     assert "undecided" not in line and "not worse by more than 0.15" in capsys.readouterr().out
     assert "no decision" in _print_canary("3", None, sent, 300.0)
 
@@ -133,13 +167,24 @@ def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
     async def chat(request: Request) -> JSONResponse:
         calls["chat"] += 1
         if calls["chat"] <= 4:  # more than the openai client's own 2 retries
-            return JSONResponse({"error": {"message": "the model server is unreachable", "type": "upstream"}}, status_code=502)
+            return JSONResponse(
+                {"error": {"message": "the model server is unreachable", "type": "upstream"}}, status_code=502
+            )
         body = await request.json()
         content = "7" if "3 + 4" in body["messages"][0]["content"] else "0"
         headers = {"x-hourglass-trace-id": f"t{calls['chat']}", FEEDBACK_HEADER: "tok"}
-        return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]},
-                            headers=headers)  # fmt: skip
+        return JSONResponse(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+            },
+            headers=headers,
+        )
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict:

@@ -55,7 +55,9 @@ def test_each_promote_appends_and_names_the_previous_champion(cfg: HourglassConf
     assert reg.alias(MODEL, PREVIOUS_ALIAS) == "2"
 
 
-def test_promoting_the_champion_again_does_not_repeat_it_in_the_history(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_promoting_the_champion_again_does_not_repeat_it_in_the_history(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     aliases.promote(cfg, MODEL, "1", client=reg)
     aliases.promote(cfg, MODEL, "2", client=reg)
     out = aliases.promote(cfg, MODEL, "2", client=reg)
@@ -65,7 +67,9 @@ def test_promoting_the_champion_again_does_not_repeat_it_in_the_history(cfg: Hou
     assert reg.alias(MODEL, PREVIOUS_ALIAS) == "1"
 
 
-def test_an_alias_moved_outside_hourglass_is_remembered_at_the_next_promote(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_an_alias_moved_outside_hourglass_is_remembered_at_the_next_promote(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     aliases.promote(cfg, MODEL, "1", client=reg)
     reg.set_registered_model_alias(MODEL, "champion", "4")  # e.g. moved in the MLflow UI
 
@@ -171,7 +175,9 @@ def test_rollback_when_every_earlier_champion_failed_is_refused(cfg: HourglassCo
     assert champion(reg) == "3"
 
 
-def test_rollback_to_a_named_version_clears_its_serve_error_and_records_it(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_rollback_to_a_named_version_clears_its_serve_error_and_records_it(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     aliases.promote(cfg, MODEL, "1", client=reg)
     aliases.promote(cfg, MODEL, "2", client=reg)
     reg.set_model_version_tag(MODEL, "5", TAG_SERVE_ERROR, "replica refused the load")
@@ -191,7 +197,9 @@ def test_rollback_to_an_unknown_version_is_refused(cfg: HourglassConfig, reg: Fa
     assert champion(reg) == "1"
 
 
-def test_revert_failed_tags_the_version_and_returns_the_alias_to_the_served_one(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_revert_failed_tags_the_version_and_returns_the_alias_to_the_served_one(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     aliases.promote(cfg, MODEL, "1", client=reg)
     aliases.promote(cfg, MODEL, "2", client=reg)
     aliases.promote(cfg, MODEL, "3", client=reg)
@@ -225,7 +233,9 @@ def test_revert_failed_without_a_served_version_drops_the_alias(cfg: HourglassCo
     assert aliases.history(reg, MODEL) == []
 
 
-def test_revert_failed_puts_a_served_version_missing_from_the_history_back_on_top(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_revert_failed_puts_a_served_version_missing_from_the_history_back_on_top(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     reg.set_registered_model_alias(MODEL, "champion", "3")  # moved by hand: no history
 
     aliases.revert_failed(reg, cfg, MODEL, "3", "load refused", "2")
@@ -234,7 +244,9 @@ def test_revert_failed_puts_a_served_version_missing_from_the_history_back_on_to
     assert aliases.history(reg, MODEL) == ["2"]
 
 
-def test_champion_version_is_none_when_absent_and_raises_when_mlflow_is_down(cfg: HourglassConfig, reg: FakeRegistry) -> None:
+def test_champion_version_is_none_when_absent_and_raises_when_mlflow_is_down(
+    cfg: HourglassConfig, reg: FakeRegistry
+) -> None:
     assert aliases.champion_version(reg, MODEL, "champion") is None
     assert aliases.champion_version(reg, "no-such-model", "champion") is None
 

@@ -15,7 +15,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.registry import aliases
-from pipeline.registry.models import TAG_NOT_PROMOTED, RegistryUnavailableError, find_round_version, list_pending, register_round
+from pipeline.registry.models import (
+    TAG_NOT_PROMOTED,
+    RegistryUnavailableError,
+    find_round_version,
+    list_pending,
+    register_round,
+)
 from pipeline.serving.replica import Replica
 from pipeline.rounds.job import recover
 from pipeline.rounds.records import RoundStore
@@ -32,7 +38,9 @@ def adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_adapter(tiny_model, tmp_path_factory.mktemp("adapters") / "a", seed=1)
 
 
-def test_stranded_registration_is_retried_and_never_promoted_over_a_newer_champion(tmp_path, mlflow_uri, tiny_model, adapter):
+def test_stranded_registration_is_retried_and_never_promoted_over_a_newer_champion(
+    tmp_path, mlflow_uri, tiny_model, adapter
+):
     model, fp = "pend-stale", fingerprint_of(tiny_model)
     old = make_round(adapter, fp, round_id="r20260101T000000-aaaaaa", model=model)
     down = make_config(tmp_path, f"http://127.0.0.1:{free_port()}", ["http://127.0.0.1:1"], experiment="pend-stale")
@@ -43,7 +51,9 @@ def test_stranded_registration_is_retried_and_never_promoted_over_a_newer_champi
     store.transition(record, "failed", "register: RegistryUnavailableError: MLflow unreachable")
 
     up = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"], experiment="pend-stale")  # same state_dir
-    up = up.model_copy(update={"schedule": up.schedule.model_copy(update={"enabled": False, "pending_retry_interval_s": 0.5})})
+    up = up.model_copy(
+        update={"schedule": up.schedule.model_copy(update={"enabled": False, "pending_retry_interval_s": 0.5})}
+    )
     [newer] = register_round(up, make_round(adapter, fp, round_id="r20260102T000000-bbbbbb", model=model), promote=True)
     client = MlflowClient(mlflow_uri)
     assert aliases.champion_version(client, model, "champion") == newer.version

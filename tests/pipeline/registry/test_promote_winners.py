@@ -25,7 +25,11 @@ def test_promote_moves_the_champion_once_however_often_it_runs(cfg: HourglassCon
     [v1] = reg.add_versions(MODEL, 1, **{TAG_ROUND: "r20260101T000000-aaaaaa"})
     first = promote_winners(cfg, "r20260101T000000-aaaaaa", {MODEL: v1}, client=reg)  # type: ignore[arg-type]
     again = promote_winners(cfg, "r20260101T000000-aaaaaa", {MODEL: v1}, client=reg)  # type: ignore[arg-type]
-    assert first == again == [{"model": MODEL, "version": v1, "action": "promoted", "reason": "round r20260101T000000-aaaaaa"}]
+    assert (
+        first
+        == again
+        == [{"model": MODEL, "version": v1, "action": "promoted", "reason": "round r20260101T000000-aaaaaa"}]
+    )
     assert reg.alias(MODEL, "champion") == v1
     assert reg.models[MODEL].tags[TAG_HISTORY] == f'["{v1}"]'  # the second run added nothing
 

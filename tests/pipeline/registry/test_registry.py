@@ -12,9 +12,17 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.registry import aliases
 from pipeline.registry.models import (
-    TAG_FINGERPRINT, TAG_ROUND, TAG_SHA256, TAG_TRACES, RegistryError, RegistryUnavailableError, adapter_checksums,
-    list_pending, register_round, retry_pending,
-)  # fmt: skip
+    TAG_FINGERPRINT,
+    TAG_ROUND,
+    TAG_SHA256,
+    TAG_TRACES,
+    RegistryError,
+    RegistryUnavailableError,
+    adapter_checksums,
+    list_pending,
+    register_round,
+    retry_pending,
+)
 from pipeline.stack import free_port
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
 from trainer.model_store import fingerprint_of
@@ -41,7 +49,9 @@ def test_round_is_logged_and_winner_registered_once(tmp_path, mlflow_uri, tiny_m
     assert [(m.step, m.value) for m in sorted(losses, key=lambda m: m.step)] == [(0, 1.5), (1, 1.2)]
     assert run.data.metrics["eval/reward_mean"] == pytest.approx(0.6)
     assert {f.path for f in client.list_artifacts(version.run_id, "adapter")} >= {
-        "adapter/adapter_config.json", "adapter/adapter_model.safetensors"}  # fmt: skip
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+    }
     assert run.data.tags[TAG_ROUND] == "round-log-1" and run.data.tags[TAG_TRACES] == "50"
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
     assert parent.data.tags[TAG_FINGERPRINT] == fp and parent.data.params["gate/reg-log/winner"] == "cand-a"
@@ -89,8 +99,10 @@ def test_unreachable_mlflow_keeps_round_pending_until_retry(tmp_path, mlflow_uri
 def test_promote_rollback_and_history(tmp_path, mlflow_uri, tiny_model, adapter):
     cfg = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"], experiment="reg-alias")
     fp = fingerprint_of(tiny_model)
-    versions = [register_round(cfg, make_round(adapter, fp, round_id=f"alias-{i}", model="reg-alias"))[0].version
-                for i in range(3)]  # fmt: skip
+    versions = [
+        register_round(cfg, make_round(adapter, fp, round_id=f"alias-{i}", model="reg-alias"))[0].version
+        for i in range(3)
+    ]
     client = MlflowClient(mlflow_uri)
     v1, v2, v3 = versions
     for v in versions:

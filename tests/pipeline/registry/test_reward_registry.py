@@ -21,8 +21,14 @@ from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import TAG_ROUND, TAG_SHA256, adapter_checksums
 from pipeline.registry.reward_registry import (
-    TAG_AUC, TAG_DECISION, TAG_ROLE, pending_reward_dir, register_reward_model, reward_champion, reward_model_name,
-)  # fmt: skip
+    TAG_AUC,
+    TAG_DECISION,
+    TAG_ROLE,
+    pending_reward_dir,
+    register_reward_model,
+    reward_champion,
+    reward_model_name,
+)
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from trainer.model_store import fingerprint_of
 from trainer.reward_model import HEAD_FILE
@@ -43,22 +49,40 @@ def _config(tmp_path: Path, mlflow_uri: str, **extra) -> dict:
     return {
         "state_dir": str(tmp_path / "state"),
         "registry": {"tracking_uri": mlflow_uri, "experiment": name, "embedded": False},
-        "serving": {"model_name": name, "replicas": ["http://127.0.0.1:1"], "embedded": False, "staging_dir": str(tmp_path / "staging")},
+        "serving": {
+            "model_name": name,
+            "replicas": ["http://127.0.0.1:1"],
+            "embedded": False,
+            "staging_dir": str(tmp_path / "staging"),
+        },
         "reward_model": {"auc_margin": 0.05},
         **extra,
     }
 
 
 def _report(auc: float) -> RewardModelReport:
-    return RewardModelReport(auc=auc, auc_lower_bound=auc - 0.1, accuracy=0.7, ece=0.1, pair_accuracy=None, heldout_examples=20, heldout_pairs=0)
+    return RewardModelReport(
+        auc=auc,
+        auc_lower_bound=auc - 0.1,
+        accuracy=0.7,
+        ece=0.1,
+        pair_accuracy=None,
+        heldout_examples=20,
+        heldout_pairs=0,
+    )
 
 
 def _round(cfg: HourglassConfig, folder: Path, fp: str, round_id: str, auc: float, champion_auc: float | None = None):
     result = make_round(folder, fp, round_id=round_id, model=cfg.serving.model_name, winner=False)
     rm = RewardModelResult(
-        name="reward-model", adapter_dir=folder, report=_report(auc), champion_report=_report(champion_auc) if champion_auc is not None else None,
-        step_metrics=({"reward_model/loss": 0.9}, {"reward_model/loss": 0.5}), train_examples=40, train_pairs=3,
-    )  # fmt: skip
+        name="reward-model",
+        adapter_dir=folder,
+        report=_report(auc),
+        champion_report=_report(champion_auc) if champion_auc is not None else None,
+        step_metrics=({"reward_model/loss": 0.9}, {"reward_model/loss": 0.5}),
+        train_examples=40,
+        train_pairs=3,
+    )
     return dataclasses.replace(result, reward_model=rm)
 
 
@@ -75,7 +99,9 @@ def test_reward_champion_moves_only_within_the_auc_margin(tmp_path: Path, mlflow
     assert client.get_registered_model(name).tags[TAG_ROLE] == "reward_model"
     run = client.get_run(mv.run_id)
     assert run.data.metrics["reward_model/auc"] == pytest.approx(0.80)
-    assert [m.value for m in sorted(client.get_metric_history(mv.run_id, "reward_model/loss"), key=lambda m: m.step)] == [0.9, 0.5]
+    assert [
+        m.value for m in sorted(client.get_metric_history(mv.run_id, "reward_model/loss"), key=lambda m: m.step)
+    ] == [0.9, 0.5]
 
     # 0.70 < 0.80 (recorded on v1) - 0.05: registered, champion kept
     second = register_reward_model(cfg, _round(cfg, folder, fp, "rr-2", auc=0.70))
@@ -90,7 +116,9 @@ def test_reward_champion_moves_only_within_the_auc_margin(tmp_path: Path, mlflow
     # the champion re-measured on this round's held-out rows (0.72) wins over its recorded AUC (0.78)
     fourth = register_reward_model(cfg, _round(cfg, folder, fp, "rr-4", auc=0.70, champion_auc=0.72))
     assert fourth.promoted and champion_version(client, name, "champion") == "4"
-    again = register_reward_model(cfg, _round(cfg, folder, fp, "rr-4", auc=0.70, champion_auc=0.72))  # idempotent by round id
+    again = register_reward_model(
+        cfg, _round(cfg, folder, fp, "rr-4", auc=0.70, champion_auc=0.72)
+    )  # idempotent by round id
     assert again.version == "4" and len(client.search_model_versions(f"name = '{name}'")) == 4
     assert not any(pending_reward_dir(cfg).iterdir())
 
@@ -138,37 +166,69 @@ def _feedback_table(path: Path):
     from trainer.tasks import snapshot_table
 
     rows = [
-        Prompt(prompt_id=f"c{i:03d}", messages=[{"role": "user", "content": f"Word {i}?"}], metadata={"reference_answer": "1"},
-               logged_completion="ok banana" if i % 2 == 0 else "ok apple", logged_reward=1.0 if i % 2 == 0 else -1.0)
+        Prompt(
+            prompt_id=f"c{i:03d}",
+            messages=[{"role": "user", "content": f"Word {i}?"}],
+            metadata={"reference_answer": "1"},
+            logged_completion="ok banana" if i % 2 == 0 else "ok apple",
+            logged_reward=1.0 if i % 2 == 0 else -1.0,
+        )
         for i in range(30)
-    ]  # fmt: skip
+    ]
     table = snapshot_table(rows)
     with pa.ipc.new_file(str(path), table.schema) as writer:
         writer.write_table(table)
     return table
 
 
-def test_crash_mid_reward_model_training_registers_nothing(tmp_path: Path, mlflow_uri: str, tiny_model: Path, monkeypatch) -> None:
+def test_crash_mid_reward_model_training_registers_nothing(
+    tmp_path: Path, mlflow_uri: str, tiny_model: Path, monkeypatch
+) -> None:
     from pipeline.rounds import job as round_job
     from pipeline.rounds.records import RoundStore
 
     raw = _config(
-        tmp_path, mlflow_uri, model={"name": str(tiny_model)},
-        candidates=[{"name": "rm-user", "learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "start": "fresh",
-                     "reward": [{"fn": "reward_model"}, {"fn": "format", "weight": 0.5}]}],
-        rl={"steps_per_round": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "eval_prompts": 4,
-            "rollout_engine": "hf", "adapter_store": "offload", "max_kl": 100.0, "bootstrap_samples": 100},
+        tmp_path,
+        mlflow_uri,
+        model={"name": str(tiny_model)},
+        candidates=[
+            {
+                "name": "rm-user",
+                "learning_rate": 1e-3,
+                "lora_rank": 4,
+                "lora_alpha": 8,
+                "start": "fresh",
+                "reward": [{"fn": "reward_model"}, {"fn": "format", "weight": 0.5}],
+            }
+        ],
+        rl={
+            "steps_per_round": 2,
+            "prompts_per_step": 2,
+            "group_size": 2,
+            "max_new_tokens": 4,
+            "eval_prompts": 4,
+            "rollout_engine": "hf",
+            "adapter_store": "offload",
+            "max_kl": 100.0,
+            "bootstrap_samples": 100,
+        },
         reward_model={"auc_margin": 0.05, "steps": 4, "batch_size": 8, "min_examples": 8},
         schedule={"enabled": False},
-    )  # fmt: skip
+    )
     cfg = HourglassConfig(**raw)
     fp, client, name = fingerprint_of(tiny_model), MlflowClient(mlflow_uri), reward_model_name(cfg)
-    champion = register_reward_model(cfg, _round(cfg, _reward_folder(tiny_model, tmp_path / "rm"), fp, "before-crash", auc=0.6))
+    champion = register_reward_model(
+        cfg, _round(cfg, _reward_folder(tiny_model, tmp_path / "rm"), fp, "before-crash", auc=0.6)
+    )
     assert champion.promoted and champion.version == "1"
     table = _feedback_table(tmp_path / "snapshot.arrow")
 
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CRASH_SCRIPT), json.dumps(raw), str(tmp_path / "snapshot.arrow")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CRASH_SCRIPT), json.dumps(raw), str(tmp_path / "snapshot.arrow")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9 and "dying" in proc.stdout and "finished" not in proc.stdout, proc.stderr[-3000:]
 
     store = RoundStore(cfg.resolve(cfg.state_dir))
@@ -189,10 +249,16 @@ def test_crash_mid_reward_model_training_registers_nothing(tmp_path: Path, mlflo
     record = round_job.RoundRunner(cfg, fp).run("manual")
     assert record.state in ("done", "no_winner"), record.reason
     assert record.metrics["reward_model/version"] == 2.0 and "reward_model/auc" in record.metrics
-    assert "reward_model/champion/auc" in record.metrics  # the staged champion (v1) re-measured on this round's held-out rows
+    assert (
+        "reward_model/champion/auc" in record.metrics
+    )  # the staged champion (v1) re-measured on this round's held-out rows
     experiment = client.get_experiment_by_name(cfg.registry.experiment).experiment_id
-    [parent] = client.search_runs([experiment], f"tags.`{TAG_ROUND}` = '{record.round_id}' and tags.`hourglass.run_kind` = 'round'")
-    assert parent.data.metrics["reward_model/auc"] == pytest.approx(record.metrics["reward_model/auc"])  # on the round's run
+    [parent] = client.search_runs(
+        [experiment], f"tags.`{TAG_ROUND}` = '{record.round_id}' and tags.`hourglass.run_kind` = 'round'"
+    )
+    assert parent.data.metrics["reward_model/auc"] == pytest.approx(
+        record.metrics["reward_model/auc"]
+    )  # on the round's run
     mv = client.get_model_version(name, "2")
     assert mv.tags[TAG_ROUND] == record.round_id
     promoted = champion_version(client, name, "champion") == "2"

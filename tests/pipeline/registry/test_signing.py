@@ -33,7 +33,10 @@ def test_signature_verifies_and_names_its_key() -> None:
     assert verify([KEY], "m", _signed()) == key_id(KEY)
     assert verify([OTHER, KEY], "m", _signed()) == key_id(KEY)  # an old key still accepted during rotation
     # the checksum map is signed canonically: key order in the JSON does not matter
-    reordered = {**_signed(), "hourglass.sha256": json.dumps(dict(reversed(json.loads(TAGS["hourglass.sha256"]).items())))}
+    reordered = {
+        **_signed(),
+        "hourglass.sha256": json.dumps(dict(reversed(json.loads(TAGS["hourglass.sha256"]).items()))),
+    }
     assert verify([KEY], "m", reordered) == key_id(KEY)
 
 
@@ -42,7 +45,10 @@ def test_signature_verifies_and_names_its_key() -> None:
     [
         (lambda t: t.pop(TAG_SIGNATURE), "has no hourglass.signature tag"),
         (lambda t: t.update({TAG_SIGNATURE: sign(OTHER, "m", TAGS)}), f"signed with key {key_id(OTHER)}"),
-        (lambda t: t.update({"hourglass.sha256": json.dumps({"adapter_model.safetensors": "0" * 64})}), "does not match"),
+        (
+            lambda t: t.update({"hourglass.sha256": json.dumps({"adapter_model.safetensors": "0" * 64})}),
+            "does not match",
+        ),
         (lambda t: t.update({"hourglass.base_fingerprint": "0" * 64}), "does not match"),
         (lambda t: t.update({"hourglass.round_id": "r2"}), "does not match"),
         (lambda t: t.update({"hourglass.candidate": "evil"}), "does not match"),
@@ -93,8 +99,16 @@ def test_configured_keys_win_and_production_needs_one(tmp_path: Path, monkeypatc
 
 
 def _config(**changes) -> dict:
-    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_rslora": False, "use_dora": False,
-              "target_modules": ["q_proj", "v_proj"], "modules_to_save": None, "bias": "none"}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "use_rslora": False,
+        "use_dora": False,
+        "target_modules": ["q_proj", "v_proj"],
+        "modules_to_save": None,
+        "bias": "none",
+    }
     config.update(changes)
     return config
 
@@ -148,7 +162,9 @@ def test_oversize_artifacts_are_refused(tmp_path: Path) -> None:
     sums = {p.name: sha256_file(p) for p in folder.iterdir()}
     kwargs = dict(expected_fingerprint="f", fingerprint="f", max_lora_rank=16, base_modules=MODULES)
     assert verify_folder(tmp_path, folder, sums, max_adapter_bytes=10_000, **kwargs) == 8
-    with pytest.raises(StagingError, match="'adapter_model.safetensors' is 5000 bytes, over serving.max_adapter_bytes=4096"):
+    with pytest.raises(
+        StagingError, match="'adapter_model.safetensors' is 5000 bytes, over serving.max_adapter_bytes=4096"
+    ):
         verify_folder(tmp_path, folder, sums, max_adapter_bytes=4096, **kwargs)
     (folder / "adapter_model.safetensors").write_bytes(b"\0" * 3000)
     sums = {p.name: sha256_file(p) for p in folder.iterdir()}

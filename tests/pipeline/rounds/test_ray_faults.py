@@ -36,19 +36,43 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     cfg = HourglassConfig(
         state_dir=str(tmp_path / "state"),
         registry={"tracking_uri": mlflow_uri, "experiment": name, "embedded": False},
-        serving={"model_name": name, "replicas": ["http://127.0.0.1:1"], "embedded": False, "staging_dir": str(tmp_path / "staging"),
-                 "canary": {"enabled": False}},
+        serving={
+            "model_name": name,
+            "replicas": ["http://127.0.0.1:1"],
+            "embedded": False,
+            "staging_dir": str(tmp_path / "staging"),
+            "canary": {"enabled": False},
+        },
         model={"name": str(tiny_model)},
-        candidates=[{"name": "from-champion", "start": "champion", "reward": [{"fn": "format"}]},
-                    {"name": "fresh", "start": "fresh", "learning_rate": 1e-3, "reward": [{"fn": "format"}]}],
-        rl={"steps_per_round": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "eval_prompts": 4, "rollout_engine": "hf",
-            "max_kl": 100.0, "bootstrap_samples": 100, "executor": "ray", "ray_actors": 2, "ray_storage_uri": f"file://{tmp_path / 'exchange'}"},
+        candidates=[
+            {"name": "from-champion", "start": "champion", "reward": [{"fn": "format"}]},
+            {"name": "fresh", "start": "fresh", "learning_rate": 1e-3, "reward": [{"fn": "format"}]},
+        ],
+        rl={
+            "steps_per_round": 3,
+            "prompts_per_step": 2,
+            "group_size": 2,
+            "max_new_tokens": 4,
+            "eval_prompts": 4,
+            "rollout_engine": "hf",
+            "max_kl": 100.0,
+            "bootstrap_samples": 100,
+            "executor": "ray",
+            "ray_actors": 2,
+            "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+        },
         schedule={"enabled": False},
-    )  # fmt: skip
+    )
     fp, client = fingerprint_of(tiny_model), MlflowClient(mlflow_uri)
-    [champion] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "champion"), fp, round_id="before", model=name), promote=True)
+    [champion] = register_round(
+        cfg,
+        make_round(make_adapter(tiny_model, tmp_path / "champion"), fp, round_id="before", model=name),
+        promote=True,
+    )
     assert champion_version(client, name, "champion") == champion.version == "1"
-    prompts = reasoning_gym_prompts("basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     table = snapshot_table(prompts)
     monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
     monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
@@ -60,7 +84,10 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     def kill_mid_round() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if spawned and ray.get(spawned[0].progress.remote(), timeout=60) in ("train:1", "train:2"):  # a step done, more to go
+            if spawned and ray.get(spawned[0].progress.remote(), timeout=60) in (
+                "train:1",
+                "train:2",
+            ):  # a step done, more to go
                 killed["pid"] = ray.get(spawned[0].pid.remote(), timeout=60)
                 os.kill(killed["pid"], signal.SIGKILL)
                 return

@@ -26,9 +26,12 @@ from tests import REPO
 from trainer.types import PhaseBoundary, RoundPhase
 
 BOUNDARIES = (
-    PhaseBoundary(RoundPhase.TRAIN, step=0), PhaseBoundary(RoundPhase.TRAIN, step=1), PhaseBoundary(RoundPhase.EVALUATE),
-    PhaseBoundary(RoundPhase.EVALUATE, part="greedy"), PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate="default"),
-)  # fmt: skip
+    PhaseBoundary(RoundPhase.TRAIN, step=0),
+    PhaseBoundary(RoundPhase.TRAIN, step=1),
+    PhaseBoundary(RoundPhase.EVALUATE),
+    PhaseBoundary(RoundPhase.EVALUATE, part="greedy"),
+    PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate="default"),
+)
 
 
 def _wait(predicate, timeout_s: float = 10.0):
@@ -49,7 +52,9 @@ class FakeRound:
         self.go = threading.Event()
         self.phases: list[str] = []
         self.unloaded: list[tuple[str, list[str]]] = []
-        monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (pa.table({"x": list(range(10))}), {"data/rows": 10}))
+        monkeypatch.setattr(
+            round_job, "take_snapshot", lambda cfg, window: (pa.table({"x": list(range(10))}), {"data/rows": 10})
+        )
         monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: 10)
         monkeypatch.setattr(round_job, "champion_adapters", lambda *a: {})
         monkeypatch.setattr(round_job, "reward_champion_for", lambda *a: None)
@@ -58,7 +63,9 @@ class FakeRound:
         monkeypatch.setattr(round_job, "train_and_evaluate", self.train_and_evaluate)
         monkeypatch.setattr(pipeline.registry.models, "register_winners", self.register_winners)
         monkeypatch.setattr(pipeline.registry.models, "promote_winners", self.promote_winners)
-        monkeypatch.setattr(round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {})
+        monkeypatch.setattr(
+            round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {}
+        )
 
     def _maybe_pause(self, where: str) -> None:
         if where == self.pause_at:
@@ -70,8 +77,14 @@ class FakeRound:
             self._maybe_pause(boundary.label)
             checkpoint(boundary)
             self.phases.append(boundary.label)
-        decision = SimpleNamespace(winner="default", reason="better", champion_reward_mean=0.1,
-                                   candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2}, metric="verifiable")  # fmt: skip
+        decision = SimpleNamespace(
+            winner="default",
+            reason="better",
+            champion_reward_mean=0.1,
+            candidate_reward_means={"default": 0.5},
+            lower_bounds={"default": 0.2},
+            metric="verifiable",
+        )
         return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[], reward_model=None)
 
     def register_winners(self, cfg, result, promotion_owed):
@@ -79,7 +92,9 @@ class FakeRound:
         return [SimpleNamespace(model="hourglass", version="7")]
 
     def promote_winners(self, cfg, round_id, versions):
-        return [{"model": m, "version": v, "action": "promoted", "reason": f"round {round_id}"} for m, v in versions.items()]
+        return [
+            {"model": m, "version": v, "action": "promoted", "reason": f"round {round_id}"} for m, v in versions.items()
+        ]
 
 
 @pytest.fixture

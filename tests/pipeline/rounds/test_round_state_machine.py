@@ -53,7 +53,15 @@ class FakeRegistry:
 class FakeSteps:
     """Every step of a round over a :class:`FakeRegistry`; ``die_at`` names the point where the process dies."""
 
-    def __init__(self, registry: FakeRegistry, store: RoundStore, *, die_at: str | None = None, winner: bool = True, rows: int = 10) -> None:
+    def __init__(
+        self,
+        registry: FakeRegistry,
+        store: RoundStore,
+        *,
+        die_at: str | None = None,
+        winner: bool = True,
+        rows: int = 10,
+    ) -> None:
         self.registry, self.store, self.die_at, self.winner, self.rows = registry, store, die_at, winner, rows
         self.seen: list[tuple[str, RoundState]] = []  # (step, the record's persisted state when it ran)
         self.unloaded: list[str] = []
@@ -74,16 +82,28 @@ class FakeSteps:
 
     def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> Any:
         self._at("train", record.round_id)
-        for boundary in (PhaseBoundary(RoundPhase.TRAIN, step=0), PhaseBoundary(RoundPhase.TRAIN, step=1), PhaseBoundary(RoundPhase.EVALUATE),
-                         PhaseBoundary(RoundPhase.EVALUATE, part="greedy"), PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate="default")):  # fmt: skip
+        for boundary in (
+            PhaseBoundary(RoundPhase.TRAIN, step=0),
+            PhaseBoundary(RoundPhase.TRAIN, step=1),
+            PhaseBoundary(RoundPhase.EVALUATE),
+            PhaseBoundary(RoundPhase.EVALUATE, part="greedy"),
+            PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate="default"),
+        ):
             if self.on_boundary is not None:
                 self.on_boundary(boundary)
             on_phase(boundary)
         self._at("evaluate", record.round_id)
-        decision = SimpleNamespace(winner="default" if self.winner else None, reason="better" if self.winner else "no better",
-                                   champion_reward_mean=0.1, candidate_reward_means={"default": 0.5}, lower_bounds={"default": 0.2},
-                                   metric="verifiable")  # fmt: skip
-        return SimpleNamespace(round_id=record.round_id, metrics={"eval/prompts": 4.0}, decisions={MODEL: decision}, reward_model=None)
+        decision = SimpleNamespace(
+            winner="default" if self.winner else None,
+            reason="better" if self.winner else "no better",
+            champion_reward_mean=0.1,
+            candidate_reward_means={"default": 0.5},
+            lower_bounds={"default": 0.2},
+            metric="verifiable",
+        )
+        return SimpleNamespace(
+            round_id=record.round_id, metrics={"eval/prompts": 4.0}, decisions={MODEL: decision}, reward_model=None
+        )
 
     def register(self, result: Any) -> tuple[dict[str, str], dict[str, float]]:
         self._at("register:start", result.round_id)
@@ -147,7 +167,12 @@ def test_a_round_passes_every_state_in_order_and_only_promote_moves_the_alias(cf
     steps.register = register  # type: ignore[method-assign]
     final = _run(cfg, steps, store)
     assert final.state is RoundState.DONE and final.reason == f"promoted {MODEL} v1"
-    assert [s for _, s in steps.seen] == [RoundState.TRAIN, RoundState.EVALUATE, RoundState.REGISTER, RoundState.PROMOTE]
+    assert [s for _, s in steps.seen] == [
+        RoundState.TRAIN,
+        RoundState.EVALUATE,
+        RoundState.REGISTER,
+        RoundState.PROMOTE,
+    ]
     assert alias_at_register == [{}]  # registering moved no alias
     assert registry.alias_moves == [(MODEL, "1")] and final.versions == {MODEL: "1"}
     assert final.decisions[MODEL]["winner"] == "default" and final.metrics["eval/prompts"] == 4.0  # recorded by gate
@@ -164,8 +189,15 @@ def test_gate_is_a_persisted_state_between_evaluate_and_register(cfg, tmp_path) 
 
     store.advance = spy  # type: ignore[method-assign]
     _run(cfg, FakeSteps(registry, store), store)
-    assert states == [RoundState.SNAPSHOT, RoundState.TRAIN, RoundState.EVALUATE, RoundState.GATE, RoundState.REGISTER,
-                      RoundState.PROMOTE, RoundState.DONE]  # fmt: skip
+    assert states == [
+        RoundState.SNAPSHOT,
+        RoundState.TRAIN,
+        RoundState.EVALUATE,
+        RoundState.GATE,
+        RoundState.REGISTER,
+        RoundState.PROMOTE,
+        RoundState.DONE,
+    ]
 
 
 def test_no_winner_is_logged_and_ends_as_no_winner(cfg, tmp_path) -> None:
@@ -215,13 +247,19 @@ def test_a_cancel_lands_at_the_next_boundary(cfg, tmp_path, at: str, reason: str
     ("die_at", "died_in"),
     [("snapshot", RoundState.SNAPSHOT), ("train", RoundState.TRAIN), ("evaluate", RoundState.EVALUATE)],
 )
-def test_a_crash_before_register_fails_the_round_and_unloads_its_adapters(cfg, tmp_path, die_at: str, died_in: RoundState) -> None:
+def test_a_crash_before_register_fails_the_round_and_unloads_its_adapters(
+    cfg, tmp_path, die_at: str, died_in: RoundState
+) -> None:
     store, registry = RoundStore(tmp_path), FakeRegistry()
     dead = _run(cfg, FakeSteps(registry, store, die_at=die_at), store)
     assert dead.state is died_in
     steps = FakeSteps(registry, store)
     [settled] = recover(cfg, store, steps=steps)
-    assert settled.state is RoundState.FAILED and f"died during {died_in}" in settled.reason and "nothing was registered" in settled.reason
+    assert (
+        settled.state is RoundState.FAILED
+        and f"died during {died_in}" in settled.reason
+        and "nothing was registered" in settled.reason
+    )
     assert "unloaded 1 adapter(s)" in settled.reason and steps.unloaded == [dead.round_id]
     assert registry.versions == {} and registry.alias_moves == []
 
@@ -251,9 +289,13 @@ def test_a_crash_from_register_on_is_promoted_exactly_once(cfg, tmp_path, die_at
         assert registry.versions == {} and registry.alias_moves == []
         return
     assert settled.state is RoundState.DONE and settled.versions == {MODEL: "1"}
-    assert settled.reason.startswith(f"resumed after a restart (process died during {died_in}); registered {{'{MODEL}': '1'}}")
+    assert settled.reason.startswith(
+        f"resumed after a restart (process died during {died_in}); registered {{'{MODEL}': '1'}}"
+    )
     assert registry.alias_moves == [(MODEL, "1")] and registry.champion == {MODEL: "1"}  # exactly once
-    assert recover(cfg, store, steps=FakeSteps(registry, store)) == [] and registry.alias_moves == [(MODEL, "1")]  # nothing left to settle
+    assert recover(cfg, store, steps=FakeSteps(registry, store)) == [] and registry.alias_moves == [
+        (MODEL, "1")
+    ]  # nothing left to settle
     assert steps.unloaded == []  # a committed round's adapters are the winners': not a leak
 
 
@@ -270,12 +312,22 @@ def test_a_round_that_died_in_register_waits_while_the_registry_is_down(cfg, tmp
 
 
 def test_transitions_are_one_table() -> None:
-    order = [RoundState.PENDING, RoundState.SNAPSHOT, RoundState.TRAIN, RoundState.EVALUATE, RoundState.GATE, RoundState.REGISTER,
-             RoundState.PROMOTE, RoundState.DONE]  # fmt: skip
+    order = [
+        RoundState.PENDING,
+        RoundState.SNAPSHOT,
+        RoundState.TRAIN,
+        RoundState.EVALUATE,
+        RoundState.GATE,
+        RoundState.REGISTER,
+        RoundState.PROMOTE,
+        RoundState.DONE,
+    ]
     for here, there in zip(order, order[1:]):
         assert check_transition(here, there) is there
     for state in RoundState:
-        assert state.terminal == (state in (RoundState.DONE, RoundState.NO_WINNER, RoundState.FAILED, RoundState.CANCELLED))
+        assert state.terminal == (
+            state in (RoundState.DONE, RoundState.NO_WINNER, RoundState.FAILED, RoundState.CANCELLED)
+        )
         if not state.terminal:
             assert {RoundState.FAILED, RoundState.CANCELLED} <= TRANSITIONS[state]
     with pytest.raises(IllegalTransitionError, match="cannot move from 'train' to 'register'"):
@@ -291,7 +343,10 @@ def test_records_written_before_gate_existed_still_load(tmp_path) -> None:
     record = store.create("manual", ["default"], "1h")
     old_body = {**record.as_dict(), "state": "register", "versions": {MODEL: "3"}}  # as an older release stored it
     with store.engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE rounds SET state = ?, body = ? WHERE round_id = ?", ("register", json.dumps(old_body), record.round_id))
+        conn.exec_driver_sql(
+            "UPDATE rounds SET state = ?, body = ? WHERE round_id = ?",
+            ("register", json.dumps(old_body), record.round_id),
+        )
     loaded = store.get(record.round_id)
     assert loaded.state is RoundState.REGISTER and loaded.versions == {MODEL: "3"}
     assert [r.round_id for r in store.unfinished()] == [record.round_id]

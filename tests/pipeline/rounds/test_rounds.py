@@ -33,14 +33,19 @@ def test_records_persist_every_transition(tmp_path: Path) -> None:
 
 def test_lock_refuses_a_second_holder_in_another_process(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import time
             from pipeline.rounds.records import RoundLock
             lock = RoundLock({str(tmp_path)!r}); lock.acquire("r-other")
             print("held", flush=True); time.sleep(60)
-        """)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RoundInProgressError, match="r-other"):

@@ -38,10 +38,13 @@ class Upstream:
     async def _complete(self, request: Request) -> dict:
         body = await request.json()
         return {
-            "id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": body["model"],
             "choices": [{"index": 0, "text": " ok", "finish_reason": "stop", "logprobs": None}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }  # fmt: skip
+        }
 
 
 def _served(client: TestClient) -> str:
@@ -55,7 +58,9 @@ def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClien
     resolver = route_resolver(cfg, ready_wait_s=30)
     stack.callback(resolver.follower.close)
     assert resolver.follower.ready.is_set(), resolver.follower.last_error
-    app = create_gateway_app(cfg.kafka, upstream, resolver, list_models=resolver.names, gateway=GatewayConfig(require_api_key=False))
+    app = create_gateway_app(
+        cfg.kafka, upstream, resolver, list_models=resolver.names, gateway=GatewayConfig(require_api_key=False)
+    )
     client = stack.enter_context(TestClient(app))
     client.follower = resolver.follower  # type: ignore[attr-defined]
     return client
@@ -63,14 +68,21 @@ def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClien
 
 def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: str, mlflow_uri: str) -> None:
     tag = uuid.uuid4().hex[:8]
-    kafka = {"bootstrap_servers": [broker], "traces_topic": f"rt-traces-{tag}", "feedback_topic": f"rt-feedback-{tag}",
-             "routes_topic": f"rt-routes-{tag}", "partitions": 1, "embedded": False}  # fmt: skip
+    kafka = {
+        "bootstrap_servers": [broker],
+        "traces_topic": f"rt-traces-{tag}",
+        "feedback_topic": f"rt-feedback-{tag}",
+        "routes_topic": f"rt-routes-{tag}",
+        "partitions": 1,
+        "embedded": False,
+    }
     with serve(Upstream().app, "upstream") as upstream, ExitStack() as stack:
         cfg = HourglassConfig(
-            state_dir=str(tmp_path / "state"), kafka=kafka,
+            state_dir=str(tmp_path / "state"),
+            kafka=kafka,
             registry={"tracking_uri": mlflow_uri, "experiment": f"rt-{tag}", "embedded": False},
             serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
-        )  # fmt: skip
+        )
         controller = ServingController(cfg, base_fingerprint="test-base")
         stack.callback(controller.close)
         write_route(cfg.state_dir, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00"))
@@ -88,7 +100,9 @@ def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: st
             assert time.monotonic() - flipped < 1.0, "the gateways did not follow the flip within a second"
             time.sleep(0.02)
         took = time.monotonic() - flipped
-        print(f"both gateways on hg-v2 {took * 1000:.0f} ms after the publish (reconcile pass {(flipped - started) * 1000:.0f} ms)")
+        print(
+            f"both gateways on hg-v2 {took * 1000:.0f} ms after the publish (reconcile pass {(flipped - started) * 1000:.0f} ms)"
+        )
 
         # a hostile record on the topic is skipped: the gateways keep the last good route
         producer = KafkaProducer(bootstrap_servers=[broker], acks="all")
@@ -130,15 +144,29 @@ class _DownBroker:
 
 
 def test_a_replaced_version_stays_loaded_until_the_routes_topic_took_the_new_route(tmp_path) -> None:
-    cfg = HourglassConfig(state_dir=str(tmp_path / "state"), serving={"model_name": "hg", "routes_source": "kafka", "drain_s": 0})
-    controller = ServingController(cfg, base_fingerprint="test-base", client=object())  # MLflow calls fail: reported, skipped
+    cfg = HourglassConfig(
+        state_dir=str(tmp_path / "state"), serving={"model_name": "hg", "routes_source": "kafka", "drain_s": 0}
+    )
+    controller = ServingController(
+        cfg, base_fingerprint="test-base", client=object()
+    )  # MLflow calls fail: reported, skipped
     controller._route_publisher = down = _DownBroker()
     controller._published_routes = {}  # the topic exists and holds nothing yet
     write_route(cfg.state_dir, "hg", Route("hg-v2", "2", "2026-01-01T00:01:00+00:00"))
     controller._draining["hg-v1"] = 0.0  # v1 was replaced and its drain time is over
     status = controller.reconcile_once()
-    assert down.calls == [{"hg": {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:01:00+00:00",
-                                  "challenger_served_name": None, "challenger_version": None, "fraction": 0.0}}]  # fmt: skip
+    assert down.calls == [
+        {
+            "hg": {
+                "served_name": "hg-v2",
+                "version": "2",
+                "updated_at": "2026-01-01T00:01:00+00:00",
+                "challenger_served_name": None,
+                "challenger_version": None,
+                "fraction": 0.0,
+            }
+        }
+    ]
     assert "hg-v1" in controller._draining  # not unloaded: gateways may still route to it
     assert "broker down" in status["hg"]["last_transient_error"]
     controller.close()

@@ -34,14 +34,14 @@ class Stack:
             state_dir=str(tmp / "state"),
             registry={"tracking_uri": "http://mlflow.invalid", "embedded": False},
             serving={"replicas": urls, "staging_dir": str(tmp / "staging"), "drain_s": drain_s, "embedded": False},
-        )  # fmt: skip
+        )
         self.reg = FakeRegistry()
         self.reg.add_versions(MODEL, 5)
         self.replicas = [FakeReplica(url) for url in urls]
         self.stage = FakeStager()
         self.ctrl = ServingController(
             self.cfg, base_fingerprint="fp-test", client=self.reg, replicas=self.replicas, stage=self.stage
-        )  # fmt: skip
+        )
 
     def promote(self, version: str, reason: str = "test") -> None:
         aliases.promote(self.cfg, MODEL, version, client=self.reg, reason=reason)
@@ -278,7 +278,11 @@ def test_a_challenger_is_loaded_beside_the_champion_and_gets_its_share(stack: St
     st = stack.reconcile()
 
     route = stack.route()
-    assert (route.served_name, route.challenger_served_name, route.challenger_version) == ("hourglass-v1", "hourglass-v2", "2")
+    assert (route.served_name, route.challenger_served_name, route.challenger_version) == (
+        "hourglass-v1",
+        "hourglass-v2",
+        "2",
+    )
     assert route.fraction == stack.cfg.serving.canary.fraction
     assert st["challenger"] == {"version": "2", "served_name": "hourglass-v2", "fraction": route.fraction}
     assert all(r.loaded == {"hourglass-v1", "hourglass-v2"} for r in stack.replicas)

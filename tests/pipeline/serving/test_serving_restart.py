@@ -37,8 +37,9 @@ def test_replica_added_and_restarted_gets_the_champion(tmp_path, mlflow_uri, vll
     model = "srv-restart"
     fp = fingerprint_of(tiny_model)
     cfg = make_config(tmp_path, mlflow_uri, [vllm_tiny, extra_url])
-    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=5), fp, round_id="r-1",
-                                          model=model), promote=True)  # fmt: skip
+    [v1] = register_round(
+        cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=5), fp, round_id="r-1", model=model), promote=True
+    )
     name = f"{model}-v{v1.version}"
     controller = ServingController(cfg, models=[model], base_fingerprint=fp)
     controller.start()

@@ -17,8 +17,16 @@ FP = "a" * 64
 
 def _adapter(folder: Path, rank: int = 8, weights: str = "adapter_model.safetensors") -> dict[str, str]:
     folder.mkdir(parents=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "use_rslora": False, "use_dora": False,
-              "target_modules": ["q_proj", "v_proj"], "modules_to_save": None, "bias": "none"}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 16,
+        "use_rslora": False,
+        "use_dora": False,
+        "target_modules": ["q_proj", "v_proj"],
+        "modules_to_save": None,
+        "bias": "none",
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config))
     (folder / weights).write_bytes(b"weights")
     return {p.name: sha256_file(p) for p in folder.iterdir()}

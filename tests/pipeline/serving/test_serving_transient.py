@@ -31,7 +31,9 @@ def setup(tmp_path: Path):
     client.add_versions(MODEL, 2)
     promote(cfg, MODEL, "1", client=client)
     replica = FakeReplica("http://replica-a:8000")
-    controller = ServingController(cfg, models=[MODEL], base_fingerprint="f" * 64, client=client, replicas=[replica], stage=FakeStager())
+    controller = ServingController(
+        cfg, models=[MODEL], base_fingerprint="f" * 64, client=client, replicas=[replica], stage=FakeStager()
+    )
     controller.reconcile_once()  # v1 serves
     assert read_routes(cfg.state_dir)[MODEL].version == "1"
     promote(cfg, MODEL, "2", client=client, reason="round r2")  # a round promotes v2
@@ -39,7 +41,9 @@ def setup(tmp_path: Path):
 
 
 def _transient_count() -> float:
-    return REGISTRY.get_sample_value("hourglass_serve_transient_errors_total", {"replica": "http://replica-a:8000"}) or 0.0
+    return (
+        REGISTRY.get_sample_value("hourglass_serve_transient_errors_total", {"replica": "http://replica-a:8000"}) or 0.0
+    )
 
 
 TRANSIENT = {
@@ -73,7 +77,10 @@ def test_replica_problem_is_retried_not_refused(case, setup) -> None:
 
 REFUSED = {
     "load 400": ("load", ReplicaRefusedError("vLLM refused load 'hg-v2': HTTP 400: bad adapter")),
-    "load 500 from a healthy replica twice": ("load", ReplicaRefusedError("vLLM refused load 'hg-v2' twice while healthy: HTTP 500")),
+    "load 500 from a healthy replica twice": (
+        "load",
+        ReplicaRefusedError("vLLM refused load 'hg-v2' twice while healthy: HTTP 500"),
+    ),
     "probe 404": ("probe", ReplicaRefusedError("vLLM refused a probe: HTTP 404")),
     "probe without a completion": ("probe", ReplicaRefusedError("answered the probe without a completion")),
 }
@@ -129,12 +136,15 @@ def test_load_500_once_then_success_loads() -> None:
     assert calls.count("/v1/load_lora_adapter") == 2
 
 
-@pytest.mark.parametrize(("response", "error"), [
-    (httpx.Response(503, text="overloaded"), ReplicaServerError),
-    (httpx.Response(404, json={"error": {"message": "model does not exist"}}), ReplicaRefusedError),
-    (httpx.Response(200, text="<html>not json"), ReplicaRefusedError),
-    (httpx.Response(200, json={"choices": []}), ReplicaRefusedError),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("response", "error"),
+    [
+        (httpx.Response(503, text="overloaded"), ReplicaServerError),
+        (httpx.Response(404, json={"error": {"message": "model does not exist"}}), ReplicaRefusedError),
+        (httpx.Response(200, text="<html>not json"), ReplicaRefusedError),
+        (httpx.Response(200, json={"choices": []}), ReplicaRefusedError),
+    ],
+)
 def test_probe_outcomes(response, error) -> None:
     replica, _ = _replica(lambda req, calls: response)
     with pytest.raises(error):

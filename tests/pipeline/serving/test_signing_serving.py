@@ -42,7 +42,10 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def _with_keys(cfg: HourglassConfig, key: str | None, previous: list[str] | None = None) -> HourglassConfig:
     registry = cfg.registry.model_copy(
-        update={"signing_key": SecretStr(key) if key else None, "previous_signing_keys": [SecretStr(k) for k in previous or []]}
+        update={
+            "signing_key": SecretStr(key) if key else None,
+            "previous_signing_keys": [SecretStr(k) for k in previous or []],
+        }
     )
     return cfg.model_copy(update={"registry": registry})
 
@@ -137,7 +140,11 @@ def test_key_rotation_with_resign(tmp_path, mlflow_uri, fp, adapters):
 
     rotating = _with_keys(old, NEW_KEY, [OLD_KEY])
     assert resign(rotating, client, model, v.version) == {
-        "model": model, "version": v.version, "was": key_id(OLD_KEY.encode()), "now": key_id(NEW_KEY.encode())}  # fmt: skip
+        "model": model,
+        "version": v.version,
+        "was": key_id(OLD_KEY.encode()),
+        "now": key_id(NEW_KEY.encode()),
+    }
     tags = client.get_model_version(model, v.version).tags
     assert verify([NEW_KEY.encode()], model, tags) == key_id(NEW_KEY.encode())
     with pytest.raises(SignatureError):
@@ -155,8 +162,13 @@ def test_registration_writes_no_credentials_to_mlflow(tmp_path, mlflow_uri, fp, 
     model = "sig-creds"
     cfg = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"])
     result = make_round(adapters["good1"], fp, round_id="cred-1", model=model)
-    cand = dataclasses.replace(result.candidates[0], recipe={**result.candidates[0].recipe, "grader": "http://carol:Gr4derPW@grader:80/score?token=T0kenPW"})
-    decision = dataclasses.replace(result.decisions[model], reason="beats the champion; judged by http://carol:Gr4derPW@grader:80")
+    cand = dataclasses.replace(
+        result.candidates[0],
+        recipe={**result.candidates[0].recipe, "grader": "http://carol:Gr4derPW@grader:80/score?token=T0kenPW"},
+    )
+    decision = dataclasses.replace(
+        result.decisions[model], reason="beats the champion; judged by http://carol:Gr4derPW@grader:80"
+    )
     result = dataclasses.replace(result, candidates=(cand,), decisions={model: decision})
     [v] = register_round(cfg, result)
 
@@ -164,7 +176,9 @@ def test_registration_writes_no_credentials_to_mlflow(tmp_path, mlflow_uri, fp, 
     mv = client.get_model_version(model, v.version)
     run = client.get_run(v.run_id)
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
-    written = json.dumps([mv.description, mv.tags, run.data.params, run.data.tags, parent.data.params, parent.data.tags])
+    written = json.dumps(
+        [mv.description, mv.tags, run.data.params, run.data.tags, parent.data.params, parent.data.tags]
+    )
     assert "Gr4derPW" not in written and "T0kenPW" not in written
     assert run.data.params["grader"] == "http://***@grader:80/score?token=***"
     assert "http://***@grader:80" in mv.description
@@ -179,10 +193,14 @@ def test_cli_resign_moves_a_version_to_the_new_key(tmp_path, mlflow_uri, fp, ada
     old = _with_keys(make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"]), OLD_KEY)
     [v] = register_round(old, make_round(adapters["good2"], fp, round_id="cli-1", model=model))
     config = tmp_path / "hourglass.toml"
-    config.write_text(f'state_dir = "{tmp_path / "state"}"\n[registry]\ntracking_uri = "{mlflow_uri}"\nembedded = false\n')
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[registry]\ntracking_uri = "{mlflow_uri}"\nembedded = false\n'
+    )
     monkeypatch.setenv("HOURGLASS_REGISTRY__SIGNING_KEY", NEW_KEY)
     monkeypatch.setenv("HOURGLASS_REGISTRY__PREVIOUS_SIGNING_KEYS", json.dumps([OLD_KEY]))
-    result = CliRunner().invoke(app, ["models", "resign", v.version, "--model", model, "--config", str(config), "--json"])
+    result = CliRunner().invoke(
+        app, ["models", "resign", v.version, "--model", model, "--config", str(config), "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["now"] == key_id(NEW_KEY.encode())
     assert verify([NEW_KEY.encode()], model, MlflowClient(mlflow_uri).get_model_version(model, v.version).tags)
@@ -202,7 +220,10 @@ def test_oversize_adapter_is_refused_before_download(tmp_path, mlflow_uri, fp, a
     weights = (adapters["good1"] / "adapter_model.safetensors").stat().st_size
     options = {**stage_options(cfg), "max_adapter_bytes": weights - 1}
     staging = tmp_path / "staging-size"
-    with pytest.raises(StagingError, match=rf"'adapter_model.safetensors' is {weights} bytes, over serving.max_adapter_bytes={weights - 1}"):
+    with pytest.raises(
+        StagingError,
+        match=rf"'adapter_model.safetensors' is {weights} bytes, over serving.max_adapter_bytes={weights - 1}",
+    ):
         stage_version(MlflowClient(mlflow_uri), model, v.version, staging, base_fingerprint=fp, **options)
     assert not [p for p in staging.rglob("*") if p.is_file()]  # refused on the listing: nothing downloaded
     options["max_adapter_bytes"] = sum(f.stat().st_size for f in adapters["good1"].iterdir())  # exactly the total: fits

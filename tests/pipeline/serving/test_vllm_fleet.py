@@ -61,9 +61,17 @@ def fleet(tmp_path_factory, tiny_model: Path):
     for i in range(2):
         cache = root / f"cache-{i}"
         service = vllm_service(
-            tiny_model, "127.0.0.1", free_port(), root / f"logs-{i}", max_model_len=512, max_lora_rank=16, startup_timeout_s=900
-        )  # fmt: skip
-        service.env.update({"HOURGLASS_ADAPTER_SHARE": str(share), "HOURGLASS_ADAPTER_CACHE": str(cache), "PYTHONPATH": pythonpath})
+            tiny_model,
+            "127.0.0.1",
+            free_port(),
+            root / f"logs-{i}",
+            max_model_len=512,
+            max_lora_rank=16,
+            startup_timeout_s=900,
+        )
+        service.env.update(
+            {"HOURGLASS_ADAPTER_SHARE": str(share), "HOURGLASS_ADAPTER_CACHE": str(cache), "PYTHONPATH": pythonpath}
+        )
         services.append(service)
         caches.append(cache)
     try:
@@ -122,7 +130,9 @@ def test_champion_reaches_every_replica_through_the_share(fleet, tiny_model: Pat
     fp = fingerprint_of(tiny_model)
     base = make_config(tmp_path, mlflow_uri, urls, experiment="fleet-share")
     cfg = base.model_copy(update={"serving": base.serving.model_copy(update={"adapter_share_uri": str(share)})})
-    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=7), fp, round_id="r-1", model=model), promote=True)
+    [v1] = register_round(
+        cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=7), fp, round_id="r-1", model=model), promote=True
+    )
     name = f"{model}-v{v1.version}"
     controller = ServingController(cfg, models=[model], base_fingerprint=fp)
     try:
@@ -149,14 +159,22 @@ def test_champion_reaches_every_replica_through_the_share(fleet, tiny_model: Pat
             Replica(url).unload(name)
 
 
-def test_a_replica_that_cannot_fetch_is_a_transient_problem_not_the_adapters(fleet, tiny_model: Path, tmp_path, mlflow_uri):
+def test_a_replica_that_cannot_fetch_is_a_transient_problem_not_the_adapters(
+    fleet, tiny_model: Path, tmp_path, mlflow_uri
+):
     urls, share, _ = fleet
     model = "srv-fleet-miss"
     fp = fingerprint_of(tiny_model)
-    base = make_config(tmp_path, mlflow_uri, urls, experiment="fleet-miss")  # its own rounds (round ids are per experiment)
+    base = make_config(
+        tmp_path, mlflow_uri, urls, experiment="fleet-miss"
+    )  # its own rounds (round ids are per experiment)
     elsewhere = tmp_path / "elsewhere"  # the service publishes here; the replicas read `share`
     cfg = base.model_copy(update={"serving": base.serving.model_copy(update={"adapter_share_uri": str(elsewhere)})})
-    [v1] = register_round(cfg, make_round(make_adapter(tiny_model, tmp_path / "a", seed=9), fp, round_id="r-miss", model=model), promote=True)
+    [v1] = register_round(
+        cfg,
+        make_round(make_adapter(tiny_model, tmp_path / "a", seed=9), fp, round_id="r-miss", model=model),
+        promote=True,
+    )
     controller = ServingController(cfg, models=[model], base_fingerprint=fp)
     try:
         st = controller.reconcile_once()[model]
@@ -181,7 +199,9 @@ def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny
 
     publish(a, str(share), "torn-s0")
     (share / "torn-s0" / "adapter_model.safetensors").write_bytes(b"not the published bytes")
-    response = httpx.post(f"{urls[1]}/v1/completions", json={"model": "torn-s0", "prompt": "Hi", "max_tokens": 1}, timeout=30)
+    response = httpx.post(
+        f"{urls[1]}/v1/completions", json={"model": "torn-s0", "prompt": "Hi", "max_tokens": 1}, timeout=30
+    )
     assert response.status_code == 404 and "torn-s0" not in _models(urls[1])
 
 
@@ -191,7 +211,9 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
     fleet = ["http://vllm-0:8000", "http://vllm-1:8000"]
     rl = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet, "adapter_share_uri": "s3://b/share"}).rl
     assert rl.rollout_urls == fleet and rl.rollout_url == fleet[0] and rl.adapter_share_uri == "s3://b/share"
-    own = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_url": "http://rollouts:8000"}).rl
+    own = HourglassConfig(
+        state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_url": "http://rollouts:8000"}
+    ).rl
     assert own.rollout_urls == [] and own.adapter_share_uri is None  # a separate rollout server is used alone
     hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_engine": "hf"}).rl
     assert hf.rollout_urls == [] and hf.rollout_url is None

@@ -28,7 +28,9 @@ def _greedy(base_url: str, model: str) -> str:
 def _random_lora(model_dir: Path, out: Path) -> Path:
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # make the adapter's effect large on a random model
         for name, param in peft_model.named_parameters():
