@@ -134,7 +134,12 @@ def test_traffic_round_promotion_and_serving(
         exchanges = drive(gateway, cfg.serving.model_name, 48, seed=1, api_key=key)  # the official openai client
         assert len({e.trace_id for e in exchanges}) == 48
         buffer = RewardBuffer(cfg.buffer)
-        traces = _wait(lambda: (t := buffer.snapshot()).num_rows >= 48 and t, "traces in the buffer", 300, logs)
+
+        def joined():  # every trace and its feedback (sent after the answer, so it may land a moment later)
+            t = buffer.snapshot()
+            return t.num_rows >= 48 and t.column("reward").null_count == 0 and t
+
+        traces = _wait(joined, "traces with their feedback in the buffer", 300, logs)
         rewards = dict(zip(traces.column("trace_id").to_pylist(), traces.column("reward").to_pylist()))
         assert {e.trace_id: (1.0 if e.correct else -1.0) for e in exchanges} == {
             e.trace_id: rewards[e.trace_id] for e in exchanges
