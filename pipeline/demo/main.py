@@ -307,7 +307,7 @@ def _print_scoreboard(
 
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
-    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 3,
     traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
     between: Annotated[
         int, typer.Option(help="Requests after each round (and its canary), served by the champion.")
@@ -416,9 +416,11 @@ def main(
         values = list(accuracy.values())
         if len(values) == 3:
             base_acc, champion_acc, oracle_acc = values
+            ratio = gain_ratio(base_acc, champion_acc, oracle_acc)
+            verdict = f"{ratio:.2f}" if ratio == ratio else "undefined (the oracle gained nothing over the base)"
             console.print(
                 f"feedback-only gain {champion_acc - base_acc:+.3f}, oracle gain {oracle_acc - base_acc:+.3f}: "
-                f"feedback-only / oracle = {gain_ratio(base_acc, champion_acc, oracle_acc):.2f}"
+                f"feedback-only / oracle = {verdict}"
             )
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key):
             console.print(
