@@ -6,6 +6,12 @@ file is ``<state_dir>/routes.json``: ``{public model name: Route as a JSON
 object}``, replaced atomically on every write. With ``serving.routes_source =
 "kafka"`` the same JSON objects also travel on the compacted routes topic
 (:mod:`connectors.gateway.route_feed`) to gateways on other hosts.
+
+A route whose ``version`` is None names the base model (``served_name`` = the
+base's vLLM name): the serving controller writes one only while a model with
+no ``@champion`` yet has a version on canary, so that the base keeps the rest
+of the traffic; traces answered by the base record ``adapter_version`` null.
+Records written before the canary fields existed load with their defaults.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ ROUTES_FILE = "routes.json"
 class Route:
     """Where the public model name goes now."""
 
-    served_name: str  # the vLLM model name, e.g. "hourglass-v3"
-    version: str
+    served_name: str  # the vLLM model name, e.g. "hourglass-v3"; the base's served name when ``version`` is None
+    version: str | None  # None: the base model (a canary with no champion yet splits base vs challenger)
     updated_at: str  # ISO 8601, UTC
     # The canary (pipeline.canary): a share `fraction` of routing keys goes to the challenger.
     challenger_served_name: str | None = None
@@ -44,7 +50,7 @@ def read_routes(state_dir: str | Path) -> dict[str, Route]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {model: Route(**entry) for model, entry in data.items()}
+    return routes_from_dicts(data) if isinstance(data, dict) else {}
 
 
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
@@ -53,6 +59,10 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     routes = {name: asdict(r) for name, r in read_routes(folder).items()}
     routes[model] = asdict(route)
+    _write_all(folder, routes)
+
+
+def _write_all(folder: Path, routes: dict[str, dict]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".routes.", dir=folder)
     with os.fdopen(fd, "w") as handle:
         json.dump(routes, handle, indent=2)
@@ -61,12 +71,24 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
     os.replace(tmp, folder / ROUTES_FILE)
 
 
+def remove_route(state_dir: str | Path, model: str) -> None:
+    """Remove one model's route (the gateway then serves the configured public name by the base, as
+    before any route existed); nothing happens when it has none. Replaced atomically like :func:`write_route`."""
+    folder = Path(os.path.expanduser(str(state_dir)))
+    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
+    if routes.pop(model, None) is None:
+        return
+    _write_all(folder, routes)
+
+
 def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
     Unknown fields are ignored (a newer writer); an entry without ``served_name``/``version``/``updated_at`` is left out."""
     names = set(Route.__dataclass_fields__)
     out: dict[str, Route] = {}
     for model, entry in entries.items():
+        if not isinstance(entry, dict):
+            continue
         try:
             out[model] = Route(**{k: v for k, v in entry.items() if k in names})
         except TypeError:
@@ -124,7 +146,7 @@ class RouteResolver:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
                 routes = read_routes(self.state_dir) if self.source is None else routes_from_dicts(self.source())  # type: ignore[arg-type]
-                routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
+                routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
 

@@ -9,7 +9,10 @@ Every ``serving.canary.check_interval_s`` the service calls
    de-duplicated by ``trace_id``, feedback joined; see
    :meth:`connectors.buffer.RewardBuffer.snapshot`), rows of this public
    model with a reward, split by ``adapter_version``: the challenger's vs the
-   champion's. Thumbs-only feedback is a success rate (reward > 0); anything
+   champion's; with no ``@champion`` yet, vs the base model's (the rows whose
+   ``adapter_version`` is null: what the gateway's base route answered), shown
+   as the version ``"base"`` (``control`` in the view, the ``version`` label of
+   the gauges). Thumbs-only feedback is a success rate (reward > 0); anything
    else is the mean reward. Nothing is kept in memory, so a restarted service
    resumes with the same evidence and counts nothing twice;
 3. :func:`pipeline.canary.sequential.decide` says promote, abort or continue;
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 
 FEEDBACK_COUNT = Gauge(
     "hourglass_canary_feedback_count",
-    "Live feedback events since the canary started, per served version.",
+    'Live feedback events since the canary started, per served version ("base": the base model, no champion yet).',
     ["served_model", "version"],
 )
 FEEDBACK_RATE = Gauge(
@@ -61,6 +64,7 @@ OUTCOMES = Counter(
 )
 
 _THUMBS = {"thumbs", "thumbs_up", "thumbs_down"}  # reward_source of thumbs-only feedback
+BASE = "base"  # the control arm's name when the model has no champion (its traces' adapter_version is null)
 
 
 def _parse(ts: str) -> datetime:
@@ -168,7 +172,8 @@ class CanaryMonitor:
         if version is None:
             return None
         champion = aliases.champion_version(self.client, model, cfg.registry.champion_alias)
-        view = {"version": version, "champion_version": champion, "fraction": canary.fraction}
+        control = champion if champion is not None else BASE  # no champion: the base serves the other side
+        view = {"version": version, "champion_version": champion, "control": control, "fraction": canary.fraction}
         mv = self.client.get_model_version(model, version)
         if act and state.TAG_RESULT in mv.tags:  # @challenger set again by hand after an earlier canary: start afresh
             for tag in (state.TAG_RESULT, state.TAG_STARTED):
@@ -198,13 +203,20 @@ class CanaryMonitor:
             tau=canary.mixture_sd,
             elapsed_s=elapsed,
             max_duration_s=canary.max_duration_s,
+            control="champion" if champion is not None else "base",
         )
         evidence = _evidence(
-            verdict, binary, version=version, champion_version=champion, started_at=started, elapsed_s=round(elapsed, 1)
+            verdict,
+            binary,
+            version=version,
+            champion_version=champion,
+            control=control,
+            started_at=started,
+            elapsed_s=round(elapsed, 1),
         )
-        for v, stats in ((version, chall), (champion, champ)):
-            FEEDBACK_COUNT.labels(model, str(v)).set(stats.n)
-            FEEDBACK_RATE.labels(model, str(v)).set(stats.mean)
+        for v, stats in ((version, chall), (control, champ)):
+            FEEDBACK_COUNT.labels(model, v).set(stats.n)
+            FEEDBACK_RATE.labels(model, v).set(stats.mean)
         if verdict.decision != "continue" and act:
             self._log_run(mv.run_id, evidence)
             move = state.promote_challenger if verdict.decision == "promote" else state.abort_challenger

@@ -1,11 +1,12 @@
 """Operator actions on canaries, shared by the CLI (``hourglass canary``) and the ops API
-(``GET /canary``, ``POST /canary/{model}/promote``, ``POST /canary/{model}/abort``)."""
+(``GET /canary``, ``POST /canary/{model}/promote``, ``POST /canary/{model}/abort``, each POST with an
+optional ``?reason=`` recorded with the decision)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Query
 
 from pipeline.api_errors import registry_call
 from pipeline.canary import state
@@ -36,9 +37,19 @@ def canary_status(cfg: HourglassConfig, models: list[str], monitor: CanaryMonito
 
 
 def end_canary(
-    cfg: HourglassConfig, model: str, decision: str, *, who: str, monitor: CanaryMonitor | None = None
+    cfg: HourglassConfig,
+    model: str,
+    decision: str,
+    *,
+    who: str,
+    monitor: CanaryMonitor | None = None,
+    note: str | None = None,
 ) -> dict[str, Any]:
-    """Promote or abort ``model``'s canary by hand, with the live evidence so far attached.
+    """Promote or abort ``model``'s canary by hand, with the live evidence so far attached; the version's
+    ``hourglass.canary_result`` reason is ``"<decision> by <who>"``, then ``": <note>"`` when given.
+
+    With no champion (the canary compares the challenger with the base), promote makes the challenger
+    the first ``@champion``; abort leaves the base serving everything.
 
     Raises:
         NoCanaryError: no version is on canary. ValueError: ``decision`` is not promote/abort.
@@ -51,7 +62,7 @@ def end_canary(
         raise state.NoCanaryError(
             f"model {model!r} has no version on canary (no @{cfg.serving.canary.alias}); see `hourglass canary status`"
         )
-    reason = f"{decision} by {who}"
+    reason = f"{decision} by {who}" + (f": {note}" if note else "")
     act = state.promote_challenger if decision == "promote" else state.abort_challenger
     out = act(cfg, model, client=monitor.client, reason=reason, evidence=evidence)
     from pipeline.canary.monitor import OUTCOMES
@@ -71,18 +82,22 @@ def add_canary_routes(app: FastAPI, service: OpsService) -> None:
     def canary() -> dict[str, Any]:
         return registry_call(lambda: canary_status(service.cfg, _models(), service.canary))
 
-    def _end(model: str, decision: str) -> dict[str, Any]:
+    def _end(model: str, decision: str, reason: str | None) -> dict[str, Any]:
         if model not in _models():
             raise HTTPException(404, f"model {model!r} is not served here; served: {_models()}")
-        out = registry_call(lambda: end_canary(service.cfg, model, decision, who="ops api", monitor=service.canary))
+        out = registry_call(
+            lambda: end_canary(service.cfg, model, decision, who="ops api", monitor=service.canary, note=reason)
+        )
         if service.controller is not None:
             service.controller.trigger()
         return out
 
+    Reason = Annotated[str | None, Query(max_length=500, description="Why, recorded with the decision.")]
+
     @app.post("/canary/{model}/promote")
-    def promote(model: str) -> dict[str, Any]:
-        return _end(model, "promote")
+    def promote(model: str, reason: Reason = None) -> dict[str, Any]:
+        return _end(model, "promote", reason)
 
     @app.post("/canary/{model}/abort")
-    def abort(model: str) -> dict[str, Any]:
-        return _end(model, "abort")
+    def abort(model: str, reason: Reason = None) -> dict[str, Any]:
+        return _end(model, "abort", reason)

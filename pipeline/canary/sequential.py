@@ -106,6 +106,7 @@ def decide(
     elapsed_s: float = 0.0,
     max_duration_s: float | None = None,
     min_events: int = MIN_EVENTS,
+    control: str = "champion",
 ) -> Verdict:
     """One look at the evidence; see the module doc for the rule and its source.
 
@@ -116,12 +117,14 @@ def decide(
         min_feedback: events each side needs before a promotion.
         tau: standard deviation of the mixing distribution (the effect size the test is tuned for).
         elapsed_s, max_duration_s: time since the canary started and its limit (None: no limit).
+        control: what the ``champion`` side is called in the reasons (``"base"`` when the model has no
+            champion yet and the base model serves that side).
     """
     if max_duration_s is not None and elapsed_s >= max_duration_s:
         return Verdict(
             "abort",
             f"no decision within max_duration_s={max_duration_s:g}s "
-            f"({challenger.n} challenger / {champion.n} champion events)",
+            f"({challenger.n} challenger / {champion.n} {control} events)",
             None,
             None,
             None,
@@ -132,7 +135,7 @@ def decide(
     if challenger.n < floor or champion.n < floor:
         return Verdict(
             "continue",
-            f"waiting for {floor} events per side (challenger {challenger.n}, champion {champion.n})",
+            f"waiting for {floor} events per side (challenger {challenger.n}, {control} {champion.n})",
             None,
             None,
             None,
@@ -144,13 +147,13 @@ def decide(
     lower, upper = diff - hw, diff + hw
     if upper < 0:
         reason = (
-            f"challenger worse: rate {challenger.mean:.3f} vs champion {champion.mean:.3f}, difference "
+            f"challenger worse: rate {challenger.mean:.3f} vs {control} {champion.mean:.3f}, difference "
             f"{diff:+.3f}, {1 - alpha:.0%} always-valid interval [{lower:+.3f}, {upper:+.3f}] is below 0"
         )
         return Verdict("abort", reason, diff, lower, upper, challenger, champion)
     if challenger.n >= min_feedback and champion.n >= min_feedback and lower > -margin:
         reason = (
-            f"challenger not worse by more than {margin:g}: rate {challenger.mean:.3f} vs champion "
+            f"challenger not worse by more than {margin:g}: rate {challenger.mean:.3f} vs {control} "
             f"{champion.mean:.3f}, interval [{lower:+.3f}, {upper:+.3f}] (lower bound > -{margin:g})"
         )
         return Verdict("promote", reason, diff, lower, upper, challenger, champion)

@@ -10,6 +10,15 @@ tagged ``hourglass.serve_error`` and ``hourglass.canary_result``,
 ``@challenger`` is dropped and the champion keeps all traffic. When the alias
 goes away (promoted, aborted, moved by hand) the route loses the challenger
 and its copy is unloaded after ``serving.drain_s``.
+
+A model with no ``@champion`` yet is served by the base model (the gateway
+sends its public name to ``serving.base_served_name`` when it has no route).
+Its challenger is then compared with the base: the route written names the
+base (``served_name`` = ``serving.base_served_name``, ``version`` None) and the
+challenger beside it, so the base keeps ``1 - fraction`` of the users and its
+traces record ``adapter_version`` null. When that canary ends by an abort the
+route is removed again (the base serves everything, as before); a promotion
+makes the challenger the champion, whose own step replaces the route.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from connectors.gateway.routes import read_routes, write_route
+from connectors.gateway.routes import Route, read_routes, remove_route, write_route
 from pipeline.registry.aliases import TAG_SERVE_ERROR
 from pipeline.canary import state
 from pipeline.serving.common import AdapterFailure, utc_now
@@ -41,6 +50,8 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
     if want is not None and route is not None and want == route.version:
         state._drop_alias(ctrl.client, cfg, model)  # it became the champion by other means: nothing to compare
         want = None
+    if want is not None and st.desired is None and (route is None or route.version is None):
+        route = route or base_route(ctrl)  # no champion: the base, as served without a route, is the other side
     if want is None or route is None or route.version != st.desired:
         # no canary, or no champion served yet, or the champion itself is changing: champion only for now
         if route is not None and route.challenger_served_name is not None and want != route.challenger_version:
@@ -100,18 +111,26 @@ def reconcile_challenger(ctrl: "ServingController", model: str) -> None:
     st.challenger = {"version": want, "served_name": name, "fraction": fraction}
 
 
-def _drop_from_route(ctrl: "ServingController", model: str, route) -> None:
-    write_route(
-        ctrl.state_dir,
-        model,
-        replace(route, updated_at=utc_now(), challenger_served_name=None, challenger_version=None, fraction=0.0),
-    )
-    if route.challenger_served_name != route.served_name:
+def base_route(ctrl: "ServingController") -> Route:
+    """The route of a model served by the base (no champion): what the gateway does without a route."""
+    return Route(served_name=ctrl.cfg.serving.base_served_name, version=None, updated_at=utc_now())
+
+
+def _drop_from_route(ctrl: "ServingController", model: str, route: Route) -> None:
+    if route.version is None:  # the base's side of a first canary: back to no route, the base serves all
+        remove_route(ctrl.state_dir, model)
+    else:
+        write_route(
+            ctrl.state_dir,
+            model,
+            replace(route, updated_at=utc_now(), challenger_served_name=None, challenger_version=None, fraction=0.0),
+        )
+    if route.challenger_served_name is not None and route.challenger_served_name != route.served_name:
         ctrl._draining[route.challenger_served_name] = time.monotonic() + ctrl.cfg.serving.drain_s
     log.info("canary: %s v%s no longer routed", model, route.challenger_version)
 
 
-def _refuse(ctrl: "ServingController", model: str, version: str, reason: str, route) -> None:
+def _refuse(ctrl: "ServingController", model: str, version: str, reason: str, route: Route) -> None:
     """The challenger cannot be served: tag it, drop ``@challenger``, keep the champion serving."""
     st = ctrl._status[model]
     log.error("canary: not serving %s v%s: %s", model, version, reason)

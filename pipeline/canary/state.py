@@ -65,10 +65,11 @@ def promote_or_challenge(
 ) -> dict:
     """What a round does with its winner. Returns ``{"model", "version", "action", "reason"}``, action one of:
 
-    - ``"promoted"``: canary disabled, or no ``@champion`` yet (the first version has no
-      live champion to be compared with): ``@champion`` moved at once (:func:`pipeline.registry.aliases.promote`);
-    - ``"challenger"``: ``@challenger`` now points at it; the serving controller loads it
-      beside the champion and the canary monitor decides;
+    - ``"promoted"``: canary disabled: ``@champion`` moved at once (:func:`pipeline.registry.aliases.promote`);
+    - ``"challenger"``: ``@challenger`` now points at it (the outcome's ``control`` says against what:
+      the champion's version, or ``"base"``); the serving controller loads it
+      beside the champion, or beside the base model when there is no ``@champion`` yet (the
+      first winner is compared with what serves the users today), and the canary monitor decides;
     - ``"not_started"``: another version is on canary; the winner stays registered, not
       served (promote or challenge it by hand, or let the next round's winner try).
 
@@ -78,15 +79,20 @@ def promote_or_challenge(
     client = client or make_client(cfg)
     version = str(version)
     champion = aliases.champion_version(client, model, cfg.registry.champion_alias)
-    if not cfg.serving.canary.enabled or champion is None:
+    if not cfg.serving.canary.enabled:
         aliases.promote(cfg, model, version, client=client, reason=reason)
-        why = "canary disabled" if not cfg.serving.canary.enabled else "no champion yet to compare with"
-        return {"model": model, "version": version, "action": "promoted", "reason": why}
+        return {"model": model, "version": version, "action": "promoted", "reason": "canary disabled"}
     if champion == version:
         return {"model": model, "version": version, "action": "promoted", "reason": "already the champion"}
     running = challenger_version(client, cfg, model)
     if running == version:  # e.g. a resumed round: keep the canary's start time and evidence
-        return {"model": model, "version": version, "action": "challenger", "reason": "already on canary"}
+        return {
+            "model": model,
+            "version": version,
+            "action": "challenger",
+            "reason": "already on canary",
+            "control": "base" if champion is None else champion,
+        }
     if running is not None:
         return {
             "model": model,
@@ -94,17 +100,21 @@ def promote_or_challenge(
             "action": "not_started",
             "reason": f"v{running} is on canary; v{version} stays registered (promote it by hand or wait for the next round)",
         }
-    return start_challenger(cfg, model, version, client=client, reason=reason)
+    out = start_challenger(cfg, model, version, client=client, reason=reason)
+    return {**out, "control": "base" if champion is None else champion}
 
 
 def describe(outcomes: list[dict]) -> str:
-    """One line for a round record: what happened to each winner."""
+    """One line for a round record: what happened to each winner (a canary against the base, i.e. with no
+    champion yet, says so)."""
     words = {
         "promoted": "promoted {model} v{version}",
         "challenger": "{model} v{version} on canary",
         "not_started": "{model} v{version} registered, no canary: {reason}",
     }
-    return ", ".join(words[o["action"]].format(**o) for o in outcomes)
+    return ", ".join(
+        words[o["action"]].format(**o) + (" against the base" if o.get("control") == "base" else "") for o in outcomes
+    )
 
 
 def start_challenger(
@@ -145,6 +155,9 @@ def promote_challenger(
 ) -> dict:
     """Move ``@champion`` to the challenger and drop ``@challenger``; arm the guard when evidence
     of the old champion is known. Returns ``{"model", "version", "previous", "decision"}``.
+
+    A challenger compared with the base (no champion before: ``previous`` None) arms no guard:
+    the base is not a registered version a rollback could return to.
 
     Raises:
         NoCanaryError: no version is on canary.

@@ -67,7 +67,7 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
         table.add_row(
             name,
             f"v{view['version']}",
-            f"v{view['champion_version']}",
+            "base (no champion)" if view.get("control") == "base" else f"v{view.get('champion_version')}",
             f"{view['fraction']:.0%}",
             view.get("started_at") or "",
             f"{chall.get('n', 0)}/{champ.get('n', 0)}",
@@ -78,14 +78,17 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
     emit(data, as_json, table)
 
 
-def _end(decision: str, model: str | None, config, as_json: bool) -> None:
+ReasonOpt = Annotated[str | None, typer.Option("--reason", help="Why, recorded with the decision on the version.")]
+
+
+def _end(decision: str, model: str | None, config, as_json: bool, reason: str | None) -> None:
     from pipeline.canary.ops import end_canary
     from pipeline.cli.registry import require_mlflow
 
     cfg = load(config)
     require_mlflow(cfg)
     name = model or cfg.serving.model_name
-    out = _run(end_canary, cfg, name, decision, who="cli")
+    out = _run(end_canary, cfg, name, decision, who="cli", note=reason)
     colour = "green" if decision == "promote" else "yellow"
     emit(out, as_json, f"[{colour}]{name}[/]: canary of v{out['version']} ended: {decision}")
 
@@ -97,9 +100,11 @@ def promote_cmd(
     ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
+    reason: ReasonOpt = None,
 ) -> None:
-    """Promote the challenger now: @champion moves to it, @challenger is dropped."""
-    _end("promote", model, config, as_json)
+    """Promote the challenger now: @champion moves to it (its first champion when the base was the
+    other side), @challenger is dropped."""
+    _end("promote", model, config, as_json, reason)
 
 
 @canary_app.command("abort")
@@ -109,9 +114,11 @@ def abort_cmd(
     ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
+    reason: ReasonOpt = None,
 ) -> None:
-    """Abort the canary now: @challenger is dropped and the version tagged; @champion does not move."""
-    _end("abort", model, config, as_json)
+    """Abort the canary now: @challenger is dropped and the version tagged; @champion does not move
+    (with no champion, the base serves everything again)."""
+    _end("abort", model, config, as_json, reason)
 
 
 def register(app: typer.Typer) -> None:

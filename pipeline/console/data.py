@@ -471,7 +471,8 @@ def _letter_view(row: dict[str, Any]) -> dict[str, Any]:
 
 def canary_view(status_canary: Any) -> dict[str, str]:
     """``{"<model> canary" | "<model> guard" | "<model> last canary" | ...: one line of text}`` for the page:
-    the running canaries and guards, and the last decision of each, from ``GET /status``'s ``canary`` entry
+    the running canaries and guards, and the last decision of each (``control base`` when the model has no
+    champion and the base serves the other side), from ``GET /status``'s ``canary`` entry
     (:meth:`pipeline.canary.monitor.CanaryMonitor.status`); empty when nothing runs or ran."""
     out: dict[str, str] = {}
     for model, entry in sorted((status_canary or {}).items()) if isinstance(status_canary, dict) else []:
@@ -485,6 +486,7 @@ def canary_view(status_canary: Any) -> dict[str, str]:
         ):
             view = entry.get(part)
             if isinstance(view, dict) and view:
-                keys = ("version", "champion_version", "fraction", "decision", "reason", "error")
-                out[f"{model} {label}"] = "; ".join(f"{k} {view[k]}" for k in keys if view.get(k) is not None)
+                keys = ("version", "champion_version", "control", "fraction", "decision", "reason", "error")
+                shown = {**view, "control": view.get("control") if view.get("control") == "base" else None}
+                out[f"{model} {label}"] = "; ".join(f"{k} {shown[k]}" for k in keys if shown.get(k) is not None)
     return out

@@ -10,11 +10,15 @@ model learns from what its users say, and nothing else.
    print it: the reward model's held-out AUC, every candidate's gate value next
    to the champion's (per served model), the winner or why none won;
 5. the canary: a round's winner serves a sticky share of the users as
-   ``@challenger`` beside the champion while traffic keeps flowing; the demo
-   prints the live evidence as it grows (feedback events and thumbs-up rate of
-   each side, the always-valid interval) and the monitor's decision (promote or
-   abort) with how long it took; then more traffic, served by the champion
-   (the first winner, with no champion to compare with, is promoted at once);
+   ``@challenger`` beside the champion (the first winner: beside the base
+   model, which serves the users until a champion exists) while traffic keeps
+   flowing; the demo prints the live evidence as it grows (feedback events and
+   thumbs-up rate of each side, the always-valid interval) and the monitor's
+   decision (promote or abort) with how long it took; then more traffic,
+   served by the champion (the base while none was promoted). The oracle's
+   served model gets no users, so its canary could never decide: after each
+   round the demo promotes the oracle's challenger by hand through the ops API,
+   with that reason recorded on the version;
 6. the scoreboard: the users' live thumbs-up rate of each phase's traffic
    (from the reward buffer), greedy accuracy by the users' own check on fresh
    prompts for the base, the final champion and the oracle (a recipe trained on
@@ -155,14 +159,20 @@ def _canary_look(api: str, model: str) -> dict[str, Any]:
 
 
 def _sides(view: dict[str, Any]) -> str:
-    """'challenger n events, r up; champion n events, r up' of a canary view."""
+    """'challenger n events, r up vs champion n events, r up' of a canary view ('base' instead of
+    'champion' when the model had no champion and the base served the other side)."""
 
-    def side(name: str) -> str:
+    def side(name: str, label: str) -> str:
         arm = view.get(name) or {}
         n, mean = arm.get("n", 0), arm.get("mean")
-        return f"{name} {n} feedback events, {'-' if not n or mean is None else f'{mean:.0%}'} thumbs-up"
+        return f"{label} {n} feedback events, {'-' if not n or mean is None else f'{mean:.0%}'} thumbs-up"
 
-    return f"{side('challenger')} vs {side('champion')}"
+    return f"{side('challenger', 'challenger')} vs {side('champion', _control(view))}"
+
+
+def _control(view: dict[str, Any]) -> str:
+    """What the challenger is compared with: 'champion', or 'base' (the model had no champion yet)."""
+    return "base" if view.get("control") == "base" else "champion"
 
 
 def _interval(view: dict[str, Any]) -> str:
@@ -180,16 +190,20 @@ def _run_canary(
     None when no decision came in time."""
     model, canary = cfg.serving.model_name, cfg.serving.canary
     started = time.monotonic()
+    serving: dict[str, Any] = {}
     while time.monotonic() - started < 120:  # the serving controller stages, loads and probes it first
-        challenger = _wait_serving(api, model, None).get("challenger") or {}
-        if challenger.get("served_name"):
+        serving = _wait_serving(api, model, None)
+        if (serving.get("challenger") or {}).get("served_name"):
             break
         time.sleep(1)
+    other = "champion" if serving.get("desired") else "base"  # no champion yet: the base serves the other users
+    beside = "the champion" if other == "champion" else "the base model (no champion yet)"
     console.print(
-        f"canary: {model} v{version} serves {canary.fraction:.0%} of the users (sticky per user) beside the champion, "
+        f"canary: {model} v{version} serves {canary.fraction:.0%} of the users (sticky per user) beside {beside}, "
         f"{time.monotonic() - started:.0f} s after the round; decision rule: promote when both sides have "
         f"{canary.min_feedback} feedback events and the {1 - canary.alpha:.0%} always-valid interval of "
-        f"(challenger - champion) thumbs-up rate is above -{canary.margin:g}; abort when it is below 0 "
+        f"(challenger - {other}) thumbs-up rate is above -{canary.margin:g}; "
+        "abort when it is below 0 "
         f"or after {canary.max_duration_s:g} s"
     )
     sent: list[Exchange] = []
@@ -224,12 +238,20 @@ def _print_canary(version: str, decided: dict | None, sent: list[Exchange], took
     return line
 
 
+ORACLE_REASON = "the oracle serves no users, so no live evidence can decide its canary; a reference for the scoreboard"
+
+
 def _promote_oracle(api: str, token: str) -> None:
-    """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API)."""
+    """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API),
+    its first winner too (no champion: its canary would compare it with the base, on no traffic either), with
+    :data:`ORACLE_REASON` recorded on the version (``hourglass.canary_result``)."""
     look = _get(f"{api}/canary").get(ORACLE_MODEL) or {}
     if look.get("canary"):
         httpx.post(
-            f"{api}/canary/{ORACLE_MODEL}/promote", headers={"authorization": f"Bearer {token}"}, timeout=120
+            f"{api}/canary/{ORACLE_MODEL}/promote",
+            params={"reason": ORACLE_REASON},
+            headers={"authorization": f"Bearer {token}"},
+            timeout=120,
         ).raise_for_status()
         console.print(
             f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)"
@@ -386,7 +408,7 @@ def main(
             serving = _wait_serving(api, model, None)
             hotload = serving.get("last_hotload_s")
             console.print(
-                f"serving now: {model} -> {serving.get('serving')}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
+                f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
             more = drive(
                 gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key
@@ -405,8 +427,9 @@ def main(
             )
         }
         for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
-            served = routes.get(served_model, {}).get("served_name")
-            if served:
+            route = routes.get(served_model, {})
+            served = route.get("served_name")
+            if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
                 accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions)
         canary_ids = sorted(canaries)
         all_rates = _live_verdict(cfg, phases + [canaries[i] for i in canary_ids])

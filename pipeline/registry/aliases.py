@@ -124,7 +124,8 @@ def rollback(cfg: HourglassConfig, model: str, to: str | None = None, *, client:
 
     Raises:
         UnknownVersionError: ``to`` does not exist.
-        RegistryError: no earlier champion is known; name one with ``to``.
+        RegistryError: no earlier champion is known (the message says what serves now: with no
+            champion, the base, and a version on canary if one runs); name one with ``to``.
     """
     client = client or make_client(cfg)
     alias = cfg.registry.champion_alias
@@ -145,10 +146,7 @@ def rollback(cfg: HourglassConfig, model: str, to: str | None = None, *, client:
             None,
         )
         if earlier is None:
-            raise RegistryError(
-                f"model {model!r} has no earlier champion to roll back to (history {past}, champion {current}); "
-                "name one with --to VERSION"
-            )
+            raise RegistryError(_nothing_to_roll_back(client, cfg, model, current, past))
         target = earlier
     if target in past:
         past = past[: len(past) - past[::-1].index(target)]  # cut after the last occurrence of target
@@ -158,6 +156,28 @@ def rollback(cfg: HourglassConfig, model: str, to: str | None = None, *, client:
     _set_previous(client, model, past[-2] if len(past) >= 2 else None)
     client.set_registered_model_alias(model, alias, target)
     return {"model": model, "version": target, "previous": current}
+
+
+def _nothing_to_roll_back(
+    client: MlflowClient, cfg: HourglassConfig, model: str, current: str | None, past: list[str]
+) -> str:
+    """Why a plain rollback of ``model`` has no target: what serves now and what the operator can do."""
+    if current is not None:
+        return (
+            f"model {model!r} has no earlier champion to roll back to (history {past}, champion v{current}; "
+            "the base model is not a registered version, so a rollback cannot return to it); name one with --to VERSION"
+        )
+    on_canary = champion_version(client, model, cfg.serving.canary.alias)
+    canary = (
+        f"; v{on_canary} is on canary (@{cfg.serving.canary.alias}) beside the base: "
+        "`hourglass canary abort` ends that canary, `hourglass canary promote` makes it the champion"
+        if on_canary is not None
+        else ""
+    )
+    return (
+        f"model {model!r} has no champion: the base model serves it, so there is nothing to roll back{canary}; "
+        "nothing was changed (name a version with --to VERSION to serve it)"
+    )
 
 
 def revert_failed(

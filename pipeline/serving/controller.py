@@ -25,7 +25,9 @@ A hot-load, in order:
 
 A version on canary (``@challenger``) goes through the same steps beside the
 champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
-and the share of traffic it gets.
+and the share of traffic it gets. A model with no ``@champion`` yet has the
+base model as the other side: its route names the base (version None) until
+the canary ends.
 
 If 1–3 fail for the adapter (staging refuses it, a replica answers the load
 or probe with a 4xx or an invalid completion, or a healthy replica cannot load
@@ -403,7 +405,8 @@ class ServingController:
         st.serving, st.last_hotload_s = version, elapsed
         if st.last_error_version == version or st.last_error_version is None:
             st.last_error, st.last_error_version = None, None
-        if previous is not None and previous.served_name != name:
+        if previous is not None and previous.version is not None and previous.served_name != name:
+            # (a route with no version is the base, routed during a first canary: never unloaded)
             self._draining[previous.served_name] = time.monotonic() + self.cfg.serving.drain_s
         log.info("serving %s v%s as %s (%.2fs)", model, version, name, elapsed)
 

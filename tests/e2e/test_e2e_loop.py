@@ -1,6 +1,8 @@
 """The whole loop on SmolLM2 with every real service: traffic through the
 gateway reaches the buffer, a scheduled round trains two candidates, the
-winner is registered and hot-loaded, and the gateway then answers with it."""
+winner is registered and hot-loaded as the challenger of a canary against the
+base (no champion yet), the operator promotes it through the ops API, and the
+gateway then answers with it."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
 from pipeline.demo.traffic import create_demo_key, drive
+from pipeline.service import api_token
 
 # Generous waits: on a loaded 2-core CI host the service alone takes minutes to import and start,
 # and the fixtures' vLLM on SmolLM2 up to 15 min; each wait returns as soon as its condition holds.
@@ -159,6 +162,24 @@ def test_traffic_round_promotion_and_serving(
 
         served = f"{cfg.serving.model_name}-v{version}"
         routes = cfg.resolve(cfg.state_dir) / "routes.json"
+        assert f"v{version} on canary against the base" in record["reason"], record["reason"]  # no champion yet
+        _wait(
+            lambda: (
+                routes.exists()
+                and json.loads(routes.read_text()).get(cfg.serving.model_name, {}).get("challenger_served_name")
+                == served
+            ),
+            "the challenger's hot-load beside the base",
+            300,
+            logs,
+        )
+        promoted = httpx.post(  # the operator ends the canary (the users' live verdict would take longer)
+            f"{api}/canary/{cfg.serving.model_name}/promote",
+            params={"reason": "e2e test"},
+            headers={"authorization": f"Bearer {api_token(cfg)}"},
+            timeout=120,
+        )
+        assert promoted.status_code == 200 and promoted.json()["previous"] is None, promoted.text
         _wait(
             lambda: routes.exists() and json.loads(routes.read_text())[cfg.serving.model_name]["served_name"] == served,
             "the hot-load",

@@ -1,7 +1,8 @@
 """The canary end to end against real MLflow and a real vLLM (tiny model): a challenger users reject
 is aborted while the champion keeps serving; a preferred one is promoted (the old champion unloaded
 after draining); the guard rolls back a champion whose live rate drops; a restarted monitor resumes
-from the buffer without counting anything twice."""
+from the buffer without counting anything twice; a model with no champion yet puts its first winner on
+canary against the base (with the real gateway and broker: the traces say which side answered)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from mlflow.tracking import MlflowClient
 
 from connectors.buffer import RewardBuffer
+from connectors.config import GatewayConfig, KafkaConfig
+from connectors.gateway.app import TRACE_HEADER, create_gateway_app
+from connectors.kafka_admin import ensure_topics
 from connectors.schema import TraceEvent
 from connectors.segments import Coordinates
 from pipeline.registry import aliases
@@ -26,6 +31,7 @@ from pipeline.registry.models import register_round
 from pipeline.serving.replica import Replica
 from pipeline.serving.controller import ServingController
 from connectors.gateway.routes import read_routes
+from tests.pipeline.canary.test_canary_gateway import _traces
 from tests.pipeline.serving_helpers import make_adapter, make_round, wait_for
 from trainer.model_store import fingerprint_of
 
@@ -88,7 +94,9 @@ def _setup(cfg, model: str, fp: str, adapters, made) -> tuple[str, str, ServingC
     return v1.version, v2.version, controller
 
 
-def _feedback(cfg, model: str, version: str, ups: int, downs: int, *, trace_ids: list[str] | None = None) -> list[str]:
+def _feedback(
+    cfg, model: str, version: str | None, ups: int, downs: int, *, trace_ids: list[str] | None = None
+) -> list[str]:
     """Traces answered by ``version`` with inline thumbs, written to the buffer as ingestion does."""
     ids = trace_ids or [uuid.uuid4().hex for _ in range(ups + downs)]
     now = datetime.now(timezone.utc)
@@ -208,3 +216,83 @@ def test_preferred_challenger_promoted_resumed_after_restart_then_guard_rolls_ba
     controller.reconcile_once()
     assert read_routes(cfg.resolve(cfg.state_dir))[model].served_name == f"{model}-v{v1}"
     _complete(vllm_tiny, f"{model}-v{v1}")
+
+
+def _ask(gateway, model: str, users: list[str]) -> dict[str, str]:
+    """One completion per user through the gateway; ``{trace id: user}``."""
+    ids = {}
+    for user in users:
+        body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "user": user}
+        response = gateway.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        ids[response.headers[TRACE_HEADER]] = user
+    return ids
+
+
+def test_first_winner_goes_through_a_canary_against_the_base(
+    tmp_path, broker, mlflow_uri, vllm_tiny, fp, adapters, made
+) -> None:
+    """No champion yet: the winner is @challenger, the gateway splits users between the base and it (the
+    traces say which answered); rejected, it is aborted without an operator while the base serves on and
+    @champion is never set; the next winner, liked, becomes the first champion."""
+    model = "can-first"
+    cfg = _config(tmp_path, mlflow_uri, vllm_tiny)
+    client = MlflowClient(mlflow_uri)
+    [v1] = register_round(cfg, make_round(adapters["a"], fp, round_id=f"{model}-1", model=model))
+    [v2] = register_round(cfg, make_round(adapters["b"], fp, round_id=f"{model}-2", model=model))
+    out = state.promote_or_challenge(cfg, model, v1.version, reason="test round")
+    assert (out["action"], out["control"]) == ("challenger", "base"), out
+    controller = ServingController(cfg, models=[model], base_fingerprint=fp)
+    made.append((controller, model))
+    controller.reconcile_once()
+    route = read_routes(cfg.resolve(cfg.state_dir))[model]
+    assert (route.served_name, route.version, route.challenger_version) == ("base", None, v1.version)
+
+    tag = uuid.uuid4().hex[:8]
+    kafka = KafkaConfig(
+        bootstrap_servers=[broker], traces_topic=f"cf-traces-{tag}", feedback_topic=f"cf-feedback-{tag}", partitions=1
+    )
+    ensure_topics(kafka)
+    resolver = RouteResolver(cfg.resolve(cfg.state_dir), model, cfg.serving.base_served_name, ttl_s=0.0)
+    app = create_gateway_app(kafka, vllm_tiny, resolver, gateway=GatewayConfig(require_api_key=False))
+    with TestClient(app) as gateway:
+        ids = _ask(gateway, model, [f"user-{i}" for i in range(16)])
+        traces = _traces(kafka, set(ids))
+        answered = {(t["adapter_version"], t["metadata"]["canary"]) for t in traces.values()}
+        assert answered == {(None, False), (v1.version, True)}, answered  # the base (null) and the challenger
+
+        monitor = CanaryMonitor(cfg, models=[model], on_change=lambda _m: controller.trigger())
+        assert monitor.check_once()[model]["canary"]["control"] == "base"
+        _feedback(cfg, model, v1.version, ups=2, downs=18)  # users reject the challenger's answers
+        _feedback(cfg, model, None, ups=16, downs=4)  # and like the base's
+        monitor.start()  # no operator from here: the loops decide and apply
+        controller.start()
+        try:
+            wait_for(lambda: model not in read_routes(cfg.resolve(cfg.state_dir)), 30, 0.2)
+        finally:
+            monitor.stop()
+            controller.stop()
+        view = monitor.status()[model]["last_canary"]
+        assert view["decision"] == "abort" and (view["challenger"]["n"], view["champion"]["n"]) == (20, 20), view
+        assert aliases.champion_version(client, model, "champion") is None  # never set
+        assert state.challenger_version(client, cfg, model) is None
+        result = json.loads(client.get_model_version(model, v1.version).tags[state.TAG_RESULT])
+        assert result["decision"] == "abort" and "worse" in result["reason"]
+        later = _ask(gateway, model, ["user-0", "user-1", "user-2"])  # the base serves everyone again
+        got = _traces(kafka, set(later))
+        assert {(got[t]["adapter_version"], got[t]["metadata"].get("canary")) for t in later} == {(None, None)}
+
+        # the next winner, which the users like, becomes the first champion
+        state.promote_or_challenge(cfg, model, v2.version, reason="test round 2")
+        controller.reconcile_once()
+        monitor.check_once()  # the canary starts now: the evidence counts from here
+        _feedback(cfg, model, v2.version, ups=20, downs=2)
+        _feedback(cfg, model, None, ups=5, downs=17)
+        assert monitor.check_once()[model]["last_canary"]["decision"] == "promote"
+        assert aliases.champion_version(client, model, "champion") == v2.version
+        controller.reconcile_once()
+        assert read_routes(cfg.resolve(cfg.state_dir))[model].served_name == f"{model}-v{v2.version}"
+        later = _ask(gateway, model, ["user-0", "user-1"])
+        got = _traces(kafka, set(later))
+        assert {got[t]["adapter_version"] for t in later} == {v2.version}
+    assert "base" in Replica(vllm_tiny).models()

@@ -52,9 +52,10 @@ def test_round_winner_goes_to_challenger_and_never_replaces_a_running_canary(ver
     config, (v1, v2, v3, _), mlflow_uri = versions
     cfg = load_config(config)
     client = MlflowClient(mlflow_uri)
-    assert (
-        state.promote_or_challenge(cfg, "can-ops", v1)["action"] == "promoted"
-    )  # no champion yet: nothing to compare with
+    first = state.promote_or_challenge(cfg, "can-ops", v1)  # no champion yet: a canary against the base
+    assert (first["action"], first["control"]) == ("challenger", "base")
+    assert aliases.champion_version(client, "can-ops", "champion") is None
+    assert state.promote_challenger(cfg, "can-ops", client=client, reason="test")["previous"] is None
     assert aliases.champion_version(client, "can-ops", "champion") == v1
     assert state.promote_or_challenge(cfg, "can-ops", v2)["action"] == "challenger"
     client.set_model_version_tag("can-ops", v2, state.TAG_STARTED, "2026-01-01T00:00:00.000+00:00")
@@ -114,8 +115,10 @@ def test_cli_status_and_abort_then_api_needs_a_token_to_promote(versions, tmp_pa
         assert api.get("/canary").json()["can-ops"]["canary"]["version"] == v4
         auth = {"Authorization": f"Bearer {service.api_token}"}
         assert api.post("/canary/nope/abort", headers=auth).status_code == 404
-        promoted = api.post("/canary/can-ops/promote", headers=auth)
+        promoted = api.post("/canary/can-ops/promote", params={"reason": "looked fine"}, headers=auth)
         assert promoted.status_code == 200 and promoted.json()["version"] == v4, promoted.text
+        result = json.loads(client.get_model_version("can-ops", v4).tags[state.TAG_RESULT])
+        assert result["reason"] == "promote by ops api: looked fine"
         assert api.post("/canary/can-ops/abort", headers=auth).status_code == 404  # nothing on canary any more
         assert "hourglass_canary_outcomes_total" in api.get("/metrics").text
     assert aliases.champion_version(client, "can-ops", "champion") == v4
@@ -140,10 +143,13 @@ def test_a_round_puts_its_winner_on_canary_and_says_so(
     monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda _cfg: 2)
     runner = round_job.RoundRunner(cfg, fp)
     first = runner.run("test")
-    assert first.state == "done" and first.reason.startswith("promoted can-rr v"), first.reason  # no champion yet
+    v1 = first.versions["can-rr"]
+    assert first.state == "done" and first.reason == f"can-rr v{v1} on canary against the base", first.reason
+    client = MlflowClient(mlflow_uri)
+    assert aliases.champion_version(client, "can-rr", "champion") is None  # no champion yet: the base serves
+    state.promote_challenger(cfg, "can-rr", client=client, reason="users liked it")
     second = runner.run("test")
     version = second.versions["can-rr"]
     assert second.state == "done" and second.reason == f"can-rr v{version} on canary", second.reason
-    client = MlflowClient(mlflow_uri)
     assert state.challenger_version(client, cfg, "can-rr") == version
-    assert aliases.champion_version(client, "can-rr", "champion") == first.versions["can-rr"]
+    assert aliases.champion_version(client, "can-rr", "champion") == v1
