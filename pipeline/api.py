@@ -34,7 +34,7 @@ are cached for ``CACHE_S`` seconds.
 | GET | /buffer/stats | rows, partitions, bytes, reward coverage |
 | GET | /, /console/panels, /console/data | the status page and its data (:mod:`pipeline.console`; viewing rule there) |
 | GET | /canary | each model's canary: version, fraction, live counts and rates, bound, decision so far |
-| POST | /canary/{model}/promote, /canary/{model}/abort | end a canary by hand (the evidence is attached) |
+| POST | /canary/{model}/promote, /canary/{model}/abort | end a canary by hand (the evidence is attached; optional `?reason=` is recorded with it) |
 """
 
 from __future__ import annotations

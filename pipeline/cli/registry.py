@@ -97,7 +97,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
             result,
             as_json,
             f"[green]{result['model']}[/]: @{cfg.registry.champion_alias} -> v{result['version']} "
-            f"(was {result['previous']})",
+            f"(was {'v' + result['previous'] if result['previous'] else 'the base model: no champion'})",
         )
 
     @app.command("rollback")

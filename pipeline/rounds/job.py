@@ -16,7 +16,8 @@ stopped, and :func:`recover` settles such records at the next start:
   so every winner is promoted exactly once.
 
 Registering moves no alias; the ``promote`` step does: ``@champion``, or with
-``serving.canary.enabled`` ``@challenger`` (``@champion`` when there is none yet).
+``serving.canary.enabled`` ``@challenger``, compared live with the champion (or with the base model when
+there is no champion yet).
 The round's reward model (when it trains one) is registered in the ``register``
 step too, as its own registered model (:mod:`pipeline.registry.reward_registry`).
 

@@ -16,6 +16,8 @@ from pipeline.registry import aliases
 from pipeline.cli import canary as cli_canary
 from pipeline.api import create_api
 from pipeline.canary import state
+from pipeline.canary.ops import canary_status
+from pipeline.registry.client import RegistryError
 from pipeline.config import load_config
 from pipeline.registry.models import register_round
 from pipeline.service import HourglassService
@@ -55,6 +57,10 @@ def test_round_winner_goes_to_challenger_and_never_replaces_a_running_canary(ver
     first = state.promote_or_challenge(cfg, "can-ops", v1)  # no champion yet: a canary against the base
     assert (first["action"], first["control"]) == ("challenger", "base")
     assert aliases.champion_version(client, "can-ops", "champion") is None
+    view = canary_status(cfg, ["can-ops"])["can-ops"]["canary"]
+    assert (view["version"], view["control"], view["champion_version"]) == (v1, "base", None), view
+    with pytest.raises(RegistryError, match="no champion: the base model serves it"):
+        aliases.rollback(cfg, "can-ops")
     assert state.promote_challenger(cfg, "can-ops", client=client, reason="test")["previous"] is None
     assert aliases.champion_version(client, "can-ops", "champion") == v1
     assert state.promote_or_challenge(cfg, "can-ops", v2)["action"] == "challenger"

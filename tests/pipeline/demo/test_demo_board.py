@@ -154,6 +154,41 @@ def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: p
     assert "no decision" in _print_canary("3", None, sent, 300.0)
 
 
+def test_a_first_canary_is_shown_against_the_base_and_the_oracle_is_promoted_by_hand_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no champion the other side of the canary is the base (the scoreboard's "base" rows); the
+    oracle's canary, which no user traffic could decide, is promoted through the ops API with a reason."""
+    import httpx
+
+    from pipeline.demo import main as demo
+
+    view = {"control": "base", "challenger": {"n": 20, "mean": 0.1}, "champion": {"n": 18, "mean": 0.5}}
+    assert demo._sides(view) == "challenger 20 feedback events, 10% thumbs-up vs base 18 feedback events, 50% thumbs-up"
+    rates = live_rates(
+        pa.table({"trace_id": ["a", "b"], "adapter_version": [None, "1"], "reward": [1.0, -1.0]}), [["a", "b"]]
+    )
+    assert rates[0].served_by == {"base": (1, 1), "1": (0, 1)}
+
+    posted: list[tuple[str, dict]] = []
+
+    class Answer:
+        def raise_for_status(self) -> None:
+            pass
+
+    monkeypatch.setattr(
+        demo, "_get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": {"version": "1", "control": "base"}}}
+    )
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: posted.append((url, kw)) or Answer())
+    demo._promote_oracle("http://api", "tok")
+    [(url, kw)] = posted
+    assert url == f"http://api/canary/{demo.ORACLE_MODEL}/promote" and kw["params"] == {"reason": demo.ORACLE_REASON}
+    assert kw["headers"] == {"authorization": "Bearer tok"}
+    monkeypatch.setattr(demo, "_get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": None}})
+    demo._promote_oracle("http://api", "tok")
+    assert len(posted) == 1  # nothing on canary: nothing to promote
+
+
 def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
     """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
     once; a server that stays away past the patience raises instead of hanging the demo."""
