@@ -251,3 +251,16 @@ def test_rollback_without_a_champion_says_what_serves_and_changes_nothing(stack:
     with pytest.raises(RegistryError, match="no earlier champion.*base model is not a registered version"):
         aliases.rollback(stack.cfg, MODEL, client=stack.reg)  # type: ignore[arg-type]
     assert stack.alias("champion") == "1"
+
+
+def test_a_champion_promoted_by_hand_during_a_canary_against_the_base_takes_the_base_side(stack: Stack) -> None:
+    stack.first_canary()
+    aliases.promote(stack.cfg, MODEL, "2", client=stack.reg, reason="operator")  # type: ignore[arg-type]
+
+    stack.reconcile()
+    stack.reconcile()
+
+    route = stack.route()
+    assert (route.served_name, route.version, route.challenger_version) == (f"{MODEL}-v2", "2", "1")
+    assert stack.monitor.check_canary(MODEL, act=False)["control"] == "2"
+    assert all(r.loaded == {f"{MODEL}-v1", f"{MODEL}-v2"} for r in stack.replicas) and stack.base_untouched()
