@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from pipeline.ops_service import OpsService
 
 
+Reason = Annotated[str | None, Query(max_length=500, description="Why, recorded with the decision.")]
+"""The optional ``?reason=`` of ``POST /canary/{model}/promote|abort`` (module level: FastAPI resolves it by name)."""
+
+
 def canary_status(cfg: HourglassConfig, models: list[str], monitor: CanaryMonitor | None = None) -> dict[str, Any]:
     """``{model: {"canary": view | None, "guard": view | None}}``, read-only (nothing moves).
 
@@ -91,8 +95,6 @@ def add_canary_routes(app: FastAPI, service: OpsService) -> None:
         if service.controller is not None:
             service.controller.trigger()
         return out
-
-    Reason = Annotated[str | None, Query(max_length=500, description="Why, recorded with the decision.")]
 
     @app.post("/canary/{model}/promote")
     def promote(model: str, reason: Reason = None) -> dict[str, Any]:
