@@ -115,6 +115,7 @@ class RoundRunner:
         self.on_promoted: list[
             Callable[[str, str], None]
         ] = []  # callbacks(model, version): e.g. wake the reconcile loop
+        self.on_finished: list[Callable[[RoundRecord], None]] = []  # callbacks(final record): e.g. re-warm trainers
 
     def _run(self, record: RoundRecord) -> None:
         """The round, state by state."""
@@ -314,6 +315,11 @@ class RoundRunner:
             ROUND_SECONDS.observe(time.monotonic() - started)
             self.current = None
             self.lock.release()
+            for callback in self.on_finished:
+                try:
+                    callback(record)
+                except Exception:  # noqa: BLE001 - a callback must not break the runner
+                    log.exception("round %s: an on_finished callback failed", record.round_id)
 
 
 # --- recovery -------------------------------------------------------------------------
