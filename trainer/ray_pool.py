@@ -1,7 +1,7 @@
 """The trainer actors of the ``ray`` executor and their lifetime: connect, place, start, keep, warm.
 
 A *pool* is one placement group (one bundle per actor, ``SPREAD``) and one
-:class:`trainer.ray_executor.TrainerActor` per bundle. Creating a pool does
+:class:`trainer.ray_actor.TrainerActor` per bundle. Creating a pool does
 not wait: the placement group is requested and the actors are submitted into
 it at once, so their start-up (process, imports, base load) runs while the
 caller does other work; :func:`wait_placed` and :func:`wait_started` wait for
@@ -32,6 +32,7 @@ from typing import Any, cast
 
 from trainer.config import ModelConfig, RLConfig
 from trainer.errors import ExecutorError, ExecutorUnavailableError, PlacementTimeoutError
+from trainer.ray_actor import TrainerActor
 from trainer.types import PhaseBoundary, RoundPhase
 
 log = logging.getLogger(__name__)
@@ -126,15 +127,20 @@ class Pool:
         self.started = False
 
     def alive(self, timeout_s: float = 5.0) -> bool:
-        """False when an actor is known dead (or the cluster is gone); an actor still starting counts as alive."""
+        """False when an actor is known dead (or the cluster is gone). An actor still starting (placement
+        or base load) counts as alive without waiting for it; a started one must answer within ``timeout_s``."""
         import ray
 
+        if not self.actors:
+            return False
         try:
-            pings = [a.pid.remote() for a in self.actors]
-            done, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
-            ray.get(done)
-            return bool(self.actors)
-        except Exception:  # RayActorError, or ray.shutdown(): start afresh
+            done, _ = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
+            ray.get(done)  # raises for an actor that could not start
+            finished = set(done)
+            pings = [a.pid.remote() for a, r in zip(self.actors, self.ready) if r in finished]
+            ray.get(pings, timeout=timeout_s)
+            return True
+        except Exception:  # RayActorError, a timeout, or ray.shutdown(): start afresh
             return False
 
     def close(self) -> None:
@@ -320,8 +326,6 @@ def wait_started(pool: Pool, count: int, who: Callable[[int], str], checkpoint: 
 def _spawn(rl: RLConfig, model_cfg: ModelConfig, group: object, index: int, gpus: int) -> object:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from trainer.ray_executor import TrainerActor
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=cast(Any, group), placement_group_bundle_index=index)
     options = {
