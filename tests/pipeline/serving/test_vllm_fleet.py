@@ -234,15 +234,17 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
     assert hf.rollout_urls == [] and hf.rollout_url is None
 
 
-def _finished_requests(url: str) -> float:
-    """Requests a replica finished, from vLLM's own Prometheus counter ``vllm:request_success_total`` (all labels)."""
+def _completion_requests(url: str) -> float:
+    """``POST /v1/completions`` requests a replica answered, from its own ``/metrics``: the HTTP counter
+    ``http_requests_total{handler="/v1/completions"}`` (the test servers run with ``--disable-log-stats``,
+    which leaves out vLLM's engine counters)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "vllm:request_success"
+        if family.name == "http_requests"
         for sample in family.samples
-        if sample.name.endswith("_total")
+        if sample.name == "http_requests_total" and sample.labels.get("handler") == "/v1/completions"
     )
 
 
@@ -327,16 +329,16 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
     monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
     monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
-    before = [_finished_requests(u) for u in urls]
+    before = [_completion_requests(u) for u in urls]
     record = round_job.RoundRunner(cfg, fingerprint_of(tiny_model)).run("manual")
-    after = [_finished_requests(u) for u in urls]
+    after = [_completion_requests(u) for u in urls]
 
     assert record.state == "done", record.reason
     assert record.metrics["executor/actors"] == 2.0
     # one candidate per actor; candidate i rolls out on replica i whichever actor trains it (2 steps x 2 prompts each)
     served = [record.metrics.get(f"rollout/replica{j}/requests", 0.0) for j in range(2)]
     assert served == [4.0, 4.0], record.metrics
-    for j, url in enumerate(urls):  # vLLM's own count agrees (it also served loads' probes and the evaluation)
+    for j, url in enumerate(urls):  # the replica's own count agrees (it also answered load probes and evaluation)
         assert after[j] - before[j] >= served[j], (url, before, after)
     client = MlflowClient(mlflow_uri)
     assert champion_version(client, name, "champion") == record.versions[name]  # the winner, registered and promoted
