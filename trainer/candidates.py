@@ -146,7 +146,7 @@ def run_round(
         base = base or load_base(model_cfg)  # 1. the resident base, loaded once
         plan = plan_round(base, candidates, rl, train_prompts, champions, out_dir)  # 2. what each candidate learns from
         store = make_store(rl.adapter_store, base, rl.seed)  # 3. adapters live here between turns
-        engine = engine or make_engine(rl, base, store, order=[c.name for c in candidates])  # 4. one engine for all
+        engine = engine or make_engine(rl, base, store, [c.name for c in candidates])  # 4. one engine for all
     except BaseException:
         runner.close()
         raise

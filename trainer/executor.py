@@ -114,7 +114,7 @@ class Routines:
     executor runs exactly the local code. They pickle by reference (module and name).
 
     ``train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=)``
-    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store, order=)`` (``order``: the
+    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store, order)`` (``order``: the
     round's candidate names, the vLLM fleet's placement order); ``unload_leftovers(engine, names)``.
     """
 

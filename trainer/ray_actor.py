@@ -73,7 +73,7 @@ class TrainerActor:
         scratch = local_scratch(f"hourglass-{job.round_id}-actor{index}-")
         rl = job.rl
         store = make_store(rl.adapter_store, self.base, rl.seed)
-        engine = routines.make_engine(rl, self.base, store, order=order)
+        engine = routines.make_engine(rl, self.base, store, order)
         names = {c.name for c in job.candidates}
         try:
             reward_model = None
