@@ -84,10 +84,12 @@ def _round(model, cands, cfg, train, heldout, out: Path, label: str, local_s: fl
     util = " ".join(f"actor{i} {m[f'executor/actor{i}/utilisation']:.2f}" for i in actors)
     if util:
         util += f"  start wait {m['executor/start_wait_s']:.1f}s placement {m['executor/placement_wait_s']:.1f}s"
-    train_s = m.get("executor/train_wall_s", m.get("time/train_s", float("nan")))
+    train = (
+        f"{m['executor/train_wall_s']:6.1f}s" if "executor/train_wall_s" in m else "      -"
+    )  # Ray: the actors' phase
     ratio = f"x{wall / local_s:.2f}" if local_s else "     "
     print(
-        f"{label:16s} wall {wall:7.1f}s  {ratio}  train phase {train_s:6.1f}s  {util or '(in process)'}  "
+        f"{label:16s} wall {wall:7.1f}s  {ratio}  train phase {train}  {util or '(in process)'}  "
         f"winner {result.decisions['hourglass'].winner}",
         flush=True,
     )
