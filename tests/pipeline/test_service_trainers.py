@@ -1,7 +1,7 @@
 """The always-on service and the Ray executor's trainer actors: the service keeps them between rounds,
 starts them in the background at its start and again after every round (so a failed round's actors
-are re-created before the next one), logs a cluster that does not answer instead of failing, and
-frees them at shutdown. The cluster is a stand-in here (the pool itself is tested on real Ray in
+are re-created before the next one), a round starts them before its snapshot, a cluster that does
+not answer is logged instead of failing the service, and shutdown frees them. The cluster is a stand-in here (the pool itself is tested on real Ray in
 tests/trainer/test_ray_executor.py)."""
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def test_the_service_keeps_its_trainer_actors_and_warms_them_at_start_and_after_
     service.runner.steps = _BufferDown()  # type: ignore[assignment]
     record = service.runner.run("manual")
     assert record.state == "failed" and "buffer unreachable" in record.reason
-    _until(lambda: len(calls) == 2)
-    assert len(calls) == 2  # warmed again after the failed round
+    _until(lambda: len(calls) == 3)
+    # the round started them itself before its snapshot (a no-op when kept ones fit), then they were warmed again
+    assert calls == [(True, cfg.model.name, len(cfg.candidates))] * 3
 
     service.shutdown(round_grace_s=1)
     assert released == [True]
