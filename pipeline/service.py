@@ -123,6 +123,7 @@ class HourglassService:
         self.store = RoundStore(cfg.resolve(cfg.state_dir))
         self.runner = RoundRunner(cfg, base_fingerprint, self.store)
         self.runner.on_finished.append(self._after_round)
+        self._stopping = threading.Event()  # set by shutdown(): no more trainer warm-ups
         self._want_ingest, self._want_reconcile = ingest, reconcile
         self.ingest_worker: IngestWorker | None = None
         self.controller: ServingController | None = None
@@ -171,7 +172,7 @@ class HourglassService:
         after each round, which re-creates them after a failed one), so a round finds them loaded. A cluster
         that does not answer is logged here; the next round then fails at its start with the reason."""
         rl = self.cfg.rl
-        if rl.executor != "ray" or not rl.ray_keep_actors:
+        if rl.executor != "ray" or not rl.ray_keep_actors or self._stopping.is_set():
             return None
 
         def warm() -> None:
@@ -298,6 +299,7 @@ class HourglassService:
         5. with ``rl.executor = "ray"``: kill the kept trainer actors and free their placement group.
         """
         global _CURRENT
+        self._stopping.set()
         grace = self.cfg.schedule.shutdown_grace_s if round_grace_s is None else round_grace_s
         if "scheduler" in self.workers:  # 1
             self.workers["scheduler"].stop(10)
@@ -328,6 +330,9 @@ class HourglassService:
         if self.cfg.rl.executor == "ray":  # 5: the kept trainer actors and their placement group
             from trainer import ray_pool
 
+            for thread in threading.enumerate():  # a warm-up still connecting or placing: let it finish first
+                if thread.name == "ray-warm":
+                    thread.join(self.cfg.rl.ray_connect_timeout_s)
             ray_pool.release_kept_actors()
         _CURRENT = None
 

@@ -70,6 +70,7 @@ def test_the_service_keeps_its_trainer_actors_and_warms_them_at_start_and_after_
 
     service.shutdown(round_grace_s=1)
     assert released == [True]
+    assert service.warm_trainers() is None and len(calls) == 3  # none after shutdown
 
 
 def test_no_warm_up_for_local_rounds_or_without_kept_actors_and_a_dead_cluster_is_only_logged(
