@@ -1,13 +1,24 @@
-"""Scale-out overhead: the same round on the local executor and on Ray with 1 and 2 trainer actors.
+"""Scale-out overhead: the same round on the local executor and on Ray with 1..N trainer actors, as the service runs it.
 
 One process runs the same round (K candidates, the same data, seeds and
 settings) side by side: ``rl.executor = "local"``, then ``"ray"`` with 1
 actor, then with 2 actors, on a local Ray cluster started once beforehand (its
-start-up is printed, not counted: a service keeps its cluster). Each Ray
-configuration runs twice with ``rl.ray_keep_actors``: ``cold`` (the round
-starts its actors: process, imports, base load) and ``warm`` (the next round
-on the kept actors). The local round runs again at the end; the ratios of the
-last line are to the mean of the two local rounds.
+start-up is printed, not counted: a service keeps its cluster). Rounds run the
+way ``hourglass service`` runs them: every round loads the driver's base
+(as the service's rounds do), and on Ray the service keeps its trainer actors
+between rounds (``rl.ray_keep_actors``, on in the service) and starts them at
+its own start. So each setting prints:
+
+- ``cold``: the first round of a service that has not started its actors yet
+  (they start with the round, overlapped with the driver's base load, plan and
+  tokenisation; ``start wait`` is the start-up the round still waited for).
+  A service pays this once, at its first round after start (the service warms
+  its actors in the background at start, so usually not even then);
+- ``warm 1..R``: the steady state, rounds on the kept actors; their mean is the
+  figure to compare with the local rounds' mean.
+
+The local round runs ``R`` times first and again at the end (a load that
+drifts during the run shows as a gap between the two).
 Rollouts use transformers on each actor (``--engine hf``, default) or a vLLM
 server (``--engine vllm --rollout-url http://host:port``).
 
@@ -16,13 +27,14 @@ CPU hosts: the local round and every actor use ``--threads`` torch threads
 local run's work with the same threads and the 2-actor run splits it over two
 processes. GPU hosts: one GPU per actor (``--actors-max`` as many as there are GPUs).
 
-Prints per run: round wall time, its ratio to the local run, the training
-phase's wall time, each actor's utilisation (busy time in its ``train`` call /
-the training phase's wall time, as the executor measures it), and the gate's
-winner (the same in every run: the executors train the same candidates the
-same way). The last line is the 1-actor / local wall-time ratio.
+Prints per round: wall time, its ratio to the mean local round, the training
+phase's wall time, the actors' start-up the round waited for, each actor's
+utilisation (busy time in its ``train`` call / the training phase's wall time),
+and the gate's winner (the same in every run: the executors train the same
+candidates the same way). The last lines are the ratios to the local mean.
 
     python bench/scaleout.py                                  # tiny random Llama, K=4, CPU
+    python bench/scaleout.py --quick                          # a smoke run: K=2, 1 step, 1 actor, 2 rounds each
     python bench/scaleout.py --model smollm2 --candidates 4 --steps 2
 """
 
@@ -62,6 +74,28 @@ def model_dir(which: str) -> Path:
     return model_store.build_tiny_llama(CACHE / "tiny-random-llama", tokenizer_from=smollm2).path
 
 
+def _round(model, cands, cfg, train, heldout, out: Path, label: str, local_s: float | None) -> float:
+    """One round; prints its line and returns its wall time."""
+    t0 = time.perf_counter()
+    result = run_round(model, cands, cfg, train, heldout, {}, out, progress=False, round_id="r1")
+    wall = time.perf_counter() - t0
+    m = result.metrics
+    actors = range(int(m.get("executor/actors", 0)))
+    util = " ".join(f"actor{i} {m[f'executor/actor{i}/utilisation']:.2f}" for i in actors)
+    if util:
+        util += f"  start wait {m['executor/start_wait_s']:.1f}s placement {m['executor/placement_wait_s']:.1f}s"
+    train = (
+        f"{m['executor/train_wall_s']:6.1f}s" if "executor/train_wall_s" in m else "      -"
+    )  # Ray: the actors' phase
+    ratio = f"x{wall / local_s:.2f}" if local_s else "     "
+    print(
+        f"{label:16s} wall {wall:7.1f}s  {ratio}  train phase {train}  {util or '(in process)'}  "
+        f"winner {result.decisions['hourglass'].winner}",
+        flush=True,
+    )
+    return wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
@@ -74,13 +108,22 @@ def main() -> None:
     parser.add_argument("--rollout-url", default=None, help="vLLM base URL (--engine vllm)")
     parser.add_argument("--actors-max", type=int, default=2, help="run Ray with 1..N actors")
     parser.add_argument(
+        "--rounds", type=int, default=3, help="R: local rounds, and steady-state rounds per Ray setting"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
         help="torch threads of the local round and of each CPU actor (its rl.ray_actor_cpus); 1 keeps a loaded host from "
         "oversubscribing its cores (OpenMP threads spin at barriers when another process holds a core)",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: K=2, 1 step x 1 prompt x G=2, 4 tokens, 1 actor, R=2"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.candidates, args.steps, args.prompts, args.group, args.max_new_tokens = 2, 1, 1, 2, 4
+        args.actors_max, args.rounds = 1, 2
 
     import ray
 
@@ -111,7 +154,7 @@ def main() -> None:
     print(
         f"model {args.model}, K={args.candidates}, steps {args.steps} x {args.prompts} prompts x G={args.group}, "
         f"{args.max_new_tokens} new tokens, engine {args.engine}; {cpus} CPUs, {gpus} GPUs, {args.threads} torch thread(s) "
-        f"per process, load {os.getloadavg()}"
+        f"per process, R={args.rounds}; load {os.getloadavg()}"
     )
     os.environ.setdefault(
         "RAY_memory_monitor_refresh_ms", "0"
@@ -119,50 +162,35 @@ def main() -> None:
     started = time.perf_counter()
     ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     print(f"ray cluster start {time.perf_counter() - started:.1f}s (not counted)")
-    runs: list[tuple[str, RLConfig]] = [("local", rl)]
-    for n in range(1, args.actors_max + 1):
-        sizing = (
-            {"ray_actor_gpus": 1, "ray_actor_cpus": args.threads}
-            if gpus
-            else {"ray_actor_gpus": 0, "ray_actor_cpus": args.threads}
-        )
-        on_ray = rl.model_copy(update={"executor": "ray", "ray_actors": n, "ray_keep_actors": True, **sizing})
-        runs += [
-            (f"ray-{n}-cold", on_ray),
-            (f"ray-{n}-warm", on_ray),
-        ]  # cold: actors start; warm: the kept actors train again
-    runs.append(
-        ("local-end", rl)
-    )  # the local round again: a load that drifts during the run shows as a gap between the two
-    walls: dict[str, float] = {}
+    sizing = {"ray_actor_gpus": 1 if gpus else 0, "ray_actor_cpus": args.threads}
+    local: list[float] = []
+    cold: dict[int, float] = {}
+    warm: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="hourglass-scaleout-") as tmp:
-        for label, cfg in runs:
-            t0 = time.perf_counter()
-            result = run_round(
-                model, cands, cfg, train, heldout, {}, Path(tmp) / label / "r1", progress=False, round_id="r1"
-            )
-            walls[label] = time.perf_counter() - t0
-            if label.endswith("-warm"):
-                release_kept_actors()
-            m = result.metrics
-            actors = range(int(m.get("executor/actors", 0)))
-            util = " ".join(f"actor{i} {m[f'executor/actor{i}/utilisation']:.2f}" for i in actors)
-            if (
-                util
-            ):  # the training phase's wall time no actor spent in train(): process start, imports, base load, copies
-                util += f"  (start-up and hand-over {m['executor/train_wall_s'] - max(m[f'executor/actor{i}/busy_s'] for i in actors):.1f}s)"
-            train_s = m.get("executor/train_wall_s", m.get("time/train_s", float("nan")))
-            print(
-                f"{label:10s} wall {walls[label]:7.1f}s  x{walls[label] / walls['local']:.2f} vs the first local  train phase {train_s:6.1f}s  "
-                f"{util or '(in process)'}  winner {result.decisions['hourglass'].winner}",
-                flush=True,
-            )
+        root = Path(tmp)
+        for r in range(args.rounds):
+            local.append(_round(model, cands, rl, train, heldout, root / f"local-{r}", f"local {r + 1}", None))
+        mean_local = sum(local) / len(local)
+        for n in range(1, args.actors_max + 1):
+            # as in the service: kept actors; the first round starts them (overlapped with the driver's own start-up)
+            on_ray = rl.model_copy(update={"executor": "ray", "ray_actors": n, "ray_keep_actors": True, **sizing})
+            cold[n] = _round(model, cands, on_ray, train, heldout, root / f"ray{n}-cold", f"ray-{n} cold", mean_local)
+            warm[n] = [
+                _round(model, cands, on_ray, train, heldout, root / f"ray{n}-w{r}", f"ray-{n} warm {r + 1}", mean_local)
+                for r in range(args.rounds)
+            ]
+            release_kept_actors()
+        end = _round(model, cands, rl, train, heldout, root / "local-end", "local end", mean_local)
     ray.shutdown()
     print(f"load after: {os.getloadavg()}")
-    local = (walls["local"] + walls["local-end"]) / 2
-    print(
-        f"ray-1 / local wall time (mean of the two local rounds): {walls['ray-1-warm'] / local:.2f}x warm (kept actors), {walls['ray-1-cold'] / local:.2f}x cold"
-    )
+    local_all = (sum(local) + end) / (len(local) + 1)
+    print(f"local: mean {local_all:.1f}s over {len(local) + 1} rounds ({', '.join(f'{x:.1f}' for x in [*local, end])})")
+    for n in cold:
+        steady = sum(warm[n]) / len(warm[n])
+        print(
+            f"ray-{n} / local wall time: {steady / local_all:.2f}x steady state (mean of {len(warm[n])} rounds on kept "
+            f"actors, as the service runs); {cold[n] / local_all:.2f}x for a first round that starts its actors"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from connectors.config_base import Section
 from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
-from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig, uses_reward_model
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 
 ENV_PREFIX = "HOURGLASS_"
 MIN_SIGNING_KEY_CHARS = 32
@@ -306,12 +306,6 @@ class HourglassConfig(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"candidate names must be unique; repeated: {duplicates}")
-        scored = [c.name for c in self.candidates if uses_reward_model(c)]
-        if self.rl.executor == "ray" and scored:
-            raise ValueError(
-                f"rl.executor = 'ray' cannot train candidates scored by the reward model yet ({scored}); "
-                "use rl.executor = 'local' for this config, or give those candidates another reward"
-            )
         too_big = [c.name for c in self.candidates if c.lora_rank > self.serving.max_lora_rank]
         if too_big:
             raise ValueError(

@@ -113,6 +113,8 @@ class HourglassService:
             raise ConfigError(
                 f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems
             )
+        if cfg.rl.executor == "ray" and cfg.rl.ray_keep_actors is None:  # always on: trainer actors stay between rounds
+            cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"ray_keep_actors": True})})
         self.cfg = cfg
         if base_fingerprint is None:
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
@@ -120,6 +122,8 @@ class HourglassService:
         self.api_token = api_token(cfg)
         self.store = RoundStore(cfg.resolve(cfg.state_dir))
         self.runner = RoundRunner(cfg, base_fingerprint, self.store)
+        self.runner.on_finished.append(self._after_round)
+        self._stopping = threading.Event()  # set by shutdown(): no more trainer warm-ups
         self._want_ingest, self._want_reconcile = ingest, reconcile
         self.ingest_worker: IngestWorker | None = None
         self.controller: ServingController | None = None
@@ -154,10 +158,35 @@ class HourglassService:
             self.runner.on_promoted.append(lambda _model, _version: controller.trigger())
             self._start_canary(models)
         _CURRENT = self
+        self.warm_trainers()
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
         self._supervise("scheduler", self._watch_scheduler)
         log.info("service started; next round: %s", self.next_round_at())
+
+    def _after_round(self, _record: object) -> None:
+        self.warm_trainers()
+
+    def warm_trainers(self) -> threading.Thread | None:
+        """``rl.executor = "ray"`` with kept actors: start the trainer actors in the background (at start, and
+        after each round, which re-creates them after a failed one), so a round finds them loaded. A cluster
+        that does not answer is logged here; the next round then fails at its start with the reason."""
+        rl = self.cfg.rl
+        if rl.executor != "ray" or not rl.ray_keep_actors or self._stopping.is_set():
+            return None
+
+        def warm() -> None:
+            from trainer import ray_pool
+
+            try:
+                if ray_pool.warm(rl, self.cfg.model, len(self.cfg.candidates)):
+                    log.info("trainer actors started (or still alive) for the next round")
+            except Exception as err:  # noqa: BLE001 - logged; the next round reports it as its failure
+                log.warning("could not start the trainer actors ahead of the next round: %s", err)
+
+        thread = threading.Thread(target=warm, name="ray-warm", daemon=True)
+        thread.start()
+        return thread
 
     def _supervise(self, name: str, target, on_stop=None) -> None:
         worker = Worker(name, target, on_stop=on_stop)
@@ -266,9 +295,11 @@ class HourglassService:
            published into vLLM are unloaded;
         3. stop ingestion: the worker finishes its batch, makes it durable in
            the buffer, commits the offsets, and closes the consumer;
-        4. stop the canary monitor, then the reconcile loop (vLLM keeps serving the champion).
+        4. stop the canary monitor, then the reconcile loop (vLLM keeps serving the champion);
+        5. with ``rl.executor = "ray"``: kill the kept trainer actors and free their placement group.
         """
         global _CURRENT
+        self._stopping.set()
         grace = self.cfg.schedule.shutdown_grace_s if round_grace_s is None else round_grace_s
         if "scheduler" in self.workers:  # 1
             self.workers["scheduler"].stop(10)
@@ -296,6 +327,13 @@ class HourglassService:
             self.workers["canary"].stop(10)
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
+        if self.cfg.rl.executor == "ray":  # 5: the kept trainer actors and their placement group
+            from trainer import ray_pool
+
+            for thread in threading.enumerate():  # a warm-up still connecting or placing: let it finish first
+                if thread.name == "ray-warm":
+                    thread.join(self.cfg.rl.ray_connect_timeout_s)
+            ray_pool.release_kept_actors()
         _CURRENT = None
 
     # -- what the API shows ------------------------------------------------------------

@@ -139,10 +139,17 @@ def run_round(
     eval_ids = tuple(p.prompt_id for p in eval_prompts(heldout_prompts, rl))
     reward_cfg = reward_cfg or RewardModelConfig()
     feedback = reward_round.reward_data(train, heldout, candidates, reward_cfg, rl)  # fails before any work
-    base = base or load_base(model_cfg)  # 1. the resident base, loaded once
-    plan = plan_round(base, candidates, rl, train_prompts, champions, out_dir)  # 2. what each candidate learns from
-    store = make_store(rl.adapter_store, base, rl.seed)  # 3. adapters live here between turns
-    engine = engine or make_engine(rl, base, store)  # 4. one engine for every candidate
+    runner = executor or make_executor(rl)
+    # 0. the executor's workers start now (Ray: trainer actors), in parallel with steps 1-5
+    runner.prepare(model_cfg, candidates, rl, round_id)
+    try:
+        base = base or load_base(model_cfg)  # 1. the resident base, loaded once
+        plan = plan_round(base, candidates, rl, train_prompts, champions, out_dir)  # 2. what each candidate learns from
+        store = make_store(rl.adapter_store, base, rl.seed)  # 3. adapters live here between turns
+        engine = engine or make_engine(rl, base, store, [c.name for c in candidates])  # 4. one engine for all
+    except BaseException:
+        runner.close()
+        raise
     phase = reward_round.RewardPhase()
     times = profile.start()  # time/<phase>_s round metrics (trainer.profile)
     try:
@@ -162,10 +169,9 @@ def run_round(
             checkpoint,
             phase.model,
             plan=plan,
+            reward_cfg=reward_cfg if phase.model is not None else None,
         )
-        done = (executor or make_executor(rl)).train(
-            job, base, store, engine
-        )  # 6. start points + S steps (trainer.executor)
+        done = runner.train(job, base, store, engine)  # 6. start points + S steps (trainer.executor)
         trained, rollout_metrics = (
             Trained(history=done.history, versions=done.versions),
             done.rollout_metrics | done.metrics,
@@ -200,6 +206,7 @@ def run_round(
         for name in list(store.names()):
             store.delete(name)
         store.close()
+        runner.close()
     window_start, window_end = _window(train, heldout)
     return RoundResult(
         round_id=round_id,
@@ -578,8 +585,9 @@ def make_executor(rl: RLConfig) -> Executor:
     return LocalExecutor(routines)
 
 
-def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> RolloutEngine:
-    """The rollout engine the config asks for (``rl.rollout_engine``).
+def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore, order: Sequence[str] = ()) -> RolloutEngine:
+    """The rollout engine the config asks for (``rl.rollout_engine``); ``order``: the round's candidate
+    names, the placement order of a vLLM fleet (:class:`trainer.rollout_fleet.FleetEngine`).
 
     Raises:
         TrainerConfigError: ``vllm`` without ``rl.rollout_url``.
@@ -593,7 +601,7 @@ def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore) -> Rollou
         )
     from trainer.rollout_fleet import make_vllm_engine
 
-    return make_vllm_engine(urls, adapter_share=rl.adapter_share_uri)  # several URLs: a FleetEngine
+    return make_vllm_engine(urls, order=order, adapter_share=rl.adapter_share_uri)  # several URLs: a FleetEngine
 
 
 def check_candidates(candidates: Sequence[CandidateConfig]) -> None:

@@ -269,10 +269,12 @@ class RLConfig(Section):
         le=86400,
         description="`ray` executor: how long a round waits for the placement group of all its actors before it fails with the reason.",
     )
-    ray_keep_actors: bool = Field(
-        default=False,
-        description="`ray` executor: keep a successful round's trainer actors (placement group and resident bases) for the next "
-        "round with the same model and sizing, which then skips actor start-up; a failed round always frees them.",
+    ray_keep_actors: bool | None = Field(
+        default=None,
+        description="`ray` executor: keep the trainer actors (placement group and resident bases) of a round that succeeded "
+        "or failed before training for the next round with the same model and sizing, which then skips actor start-up; a "
+        "round whose training failed always frees them. None (default): true in `hourglass service` (which also starts them "
+        "at its start and after a failed round), false for a one-off round (`hourglass round`, `run_round`).",
     )
     ray_storage_uri: str | None = Field(
         default=None,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import pyarrow.fs as pafs
 
-from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RLConfig
+from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.errors import TrainerConfigError
 from trainer.plan import plan_round
 from trainer.samples import Prompt
@@ -38,7 +38,17 @@ from trainer.types import PhaseBoundary
 if TYPE_CHECKING:
     from trainer.plan import RoundPlan
 
-__all__ = ["Exchange", "Executor", "LocalExecutor", "Routines", "TrainJob", "TrainOutcome", "assign", "estimate_cost"]
+__all__ = [
+    "Exchange",
+    "Executor",
+    "LocalExecutor",
+    "Routines",
+    "TrainJob",
+    "TrainOutcome",
+    "assign",
+    "estimate_cost",
+    "replica_requests",
+]
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,11 @@ class TrainJob:
     ``starts``: candidate name -> the folder its adapter starts from (None:
     fresh), resolved by the round (champion, ``last``, or nothing).
     ``checkpoint``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)`` before every
-    step; may raise to cancel. ``reward_model``: the round's reward model (local executor
-    only). ``plan``: the round's :class:`trainer.plan.RoundPlan` when the caller has one
-    (the driver); None on an actor, which plans its share itself.
+    step; may raise to cancel. ``reward_model``: the round's reward model (a
+    :class:`trainer.reward_model.RewardModel` live in the driver's store) and ``reward_cfg``
+    its ``[reward_model]`` settings (the Ray executor ships the model to the actors that need
+    it and rebuilds it there with them). ``plan``: the round's :class:`trainer.plan.RoundPlan`
+    when the caller has one (the driver); None on an actor, which plans its share itself.
     """
 
     model_cfg: ModelConfig
@@ -64,6 +76,7 @@ class TrainJob:
     checkpoint: Callable[[PhaseBoundary], None] | None = None
     reward_model: object | None = None
     plan: RoundPlan | None = None
+    reward_cfg: RewardModelConfig | None = None
 
 
 @dataclass
@@ -79,9 +92,19 @@ class TrainOutcome:
 
 
 class Executor(Protocol):
-    """Trains a round's candidates; afterwards each is live in ``store`` and ``engine`` under ``versions[name]``."""
+    """Trains a round's candidates; afterwards each is live in ``store`` and ``engine`` under ``versions[name]``.
+
+    The round calls :meth:`prepare` first thing (before its base load, plan and reward model: an executor
+    may start its workers then, to overlap their start-up), :meth:`train` once, and :meth:`close` at its end,
+    whatever happened."""
+
+    def prepare(
+        self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], rl: RLConfig, round_id: str
+    ) -> None: ...
 
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -91,8 +114,8 @@ class Routines:
     executor runs exactly the local code. They pickle by reference (module and name).
 
     ``train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=)``
-    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store)``;
-    ``unload_leftovers(engine, names)``.
+    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store, order)`` (``order``: the
+    round's candidate names, the vLLM fleet's placement order); ``unload_leftovers(engine, names)``.
     """
 
     train_candidates: Callable
@@ -106,6 +129,14 @@ class LocalExecutor:
     def __init__(self, routines: Routines) -> None:
         self.routines = routines
 
+    def prepare(
+        self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], rl: RLConfig, round_id: str
+    ) -> None:
+        """Nothing to start: training runs in this process."""
+
+    def close(self) -> None:
+        """Nothing to give back."""
+
     def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
         plan = job.plan
         if plan is None:  # a trainer actor: plan its share on its own base, starting where the job says
@@ -113,10 +144,20 @@ class LocalExecutor:
             plan = replace(plan, candidates=tuple(replace(c, start=job.starts.get(c.name)) for c in plan.candidates))
         for c in plan.candidates:
             store.create(c.name, c.config, c.start)  # type: ignore[attr-defined]
+        before = replica_requests(engine)
         trained, rollout = self.routines.train_candidates(
             base, store, engine, plan, job.rl, job.out_dir, job.progress, job.checkpoint, reward_model=job.reward_model
         )
+        for j, (now, then) in enumerate(zip(replica_requests(engine), before)):
+            rollout[f"rollout/replica{j}/requests"] = float(now - then)
         return TrainOutcome(trained.history, trained.versions, rollout)
+
+
+def replica_requests(engine: object) -> list[int]:
+    """Requests a vLLM fleet engine sent to each of its replicas so far (``FleetEngine.requests_per_replica``);
+    empty for other engines."""
+    counts = getattr(engine, "requests_per_replica", None)
+    return list(counts()) if callable(counts) else []
 
 
 def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:

@@ -8,8 +8,9 @@ groups, every step's version, its evaluation answers) stay on one replica,
 whose prefix cache then holds that candidate's prompts. Requests to the base
 model (on every replica) are spread by ``sha256(prompt_id) mod N``, so the
 same prompt meets the same cache. Several trainer processes of one round
-(e.g. Ray actors, each with its own engine) each spread their own candidates
-the same way.
+(e.g. Ray actors, each with its own engine) are given the round's whole
+candidate order, so candidate ``i`` meets replica ``i mod N`` whichever
+process trains it.
 
 Each replica is a :class:`trainer.rollout_vllm.VLLMEngine`; a version is loaded
 only on its candidate's replica. One :meth:`FleetEngine.generate` call sends
@@ -58,6 +59,11 @@ class FleetEngine:
         self.order = list(order)
         self.versions: dict[str, str] = {}  # version -> candidate
         self.last_load_s = 0.0
+        self._requests = [0] * len(self.engines)  # requests sent to each replica by generate()
+
+    def requests_per_replica(self) -> list[int]:
+        """Requests :meth:`generate` sent to each replica so far, in ``urls`` order (one request asks ``n`` samples)."""
+        return list(self._requests)
 
     @property
     def urls(self) -> list[str]:
@@ -108,6 +114,8 @@ class FleetEngine:
             shares.setdefault(self._engine_for(req), []).append(i)
         for index, positions in shares.items():
             self.engines[index].check([requests[i] for i in positions])
+        for index, positions in shares.items():
+            self._requests[index] += len(positions)
 
         async def _all() -> list[list[list[Sample]]]:
             return list(

@@ -116,10 +116,12 @@ class RoundRunner:
         self.on_promoted: list[
             Callable[[str, str], None]
         ] = []  # callbacks(model, version): e.g. wake the reconcile loop
+        self.on_finished: list[Callable[[RoundRecord], None]] = []  # callbacks(final record): e.g. re-warm trainers
 
     def _run(self, record: RoundRecord) -> None:
         """The round, state by state."""
         self._step(record, RoundState.SNAPSHOT)
+        self._start_trainers(record)
         record.metrics["data/buffer_trace_rows"] = self.steps.buffer_rows()  # for schedule.min_new_traces
         table, data_metrics = self.steps.snapshot(record.window)
         record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
@@ -157,6 +159,15 @@ class RoundRunner:
         else:
             reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
             self.store.advance(record, RoundState.NO_WINNER, reasons)
+
+    def _start_trainers(self, record: RoundRecord) -> None:
+        """``rl.executor = "ray"``: start the round's trainer actors now (unless kept ones fit), so their start-up
+        overlaps the snapshot and the trainer's own preparation. A cluster that does not answer fails the
+        round here, at its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
+        if self.cfg.rl.executor == "ray":
+            from trainer import ray_pool
+
+            ray_pool.warm(self.cfg.rl, self.cfg.model, len(record.candidates))
 
     # public API -----------------------------------------------------------------
 
@@ -311,10 +322,19 @@ class RoundRunner:
             if self._abandoned is None and not record.terminal:
                 self.store.advance(record, RoundState.FAILED, f"{record.state}: {type(err).__name__}: {err}")
         finally:
+            if self.cfg.rl.executor == "ray" and not self.cfg.rl.ray_keep_actors:  # actors started for a round that
+                from trainer import ray_pool  # ended before training (e.g. too few rows) do not outlive it
+
+                ray_pool.release_kept_actors()
             ROUNDS.labels(record.state.value).inc()
             ROUND_SECONDS.observe(time.monotonic() - started)
             self.current = None
             self.lock.release()
+            for callback in self.on_finished:
+                try:
+                    callback(record)
+                except Exception:  # noqa: BLE001 - a callback must not break the runner
+                    log.exception("round %s: an on_finished callback failed", record.round_id)
 
 
 # --- recovery -------------------------------------------------------------------------

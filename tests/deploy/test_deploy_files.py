@@ -383,8 +383,10 @@ def test_k8s_service_env_overrides_make_a_valid_scaled_out_config(
     assert cfg.serving.adapter_share_uri is not None and "://" in cfg.serving.adapter_share_uri
     assert cfg.serving.routes_source == "kafka" and cfg.kafka.routes_topic == "hourglass.routes"
     if "executor" in RLConfig.model_fields:
-        # "local" while a candidate is scored by the reward model (the Ray executor refuses it); the address is wired
-        assert cfg.rl.executor == "local" and cfg.rl.ray_address.startswith("ray://")
+        # the rounds train on the RayCluster, the reward-model candidate too; the exchange is the object store
+        assert cfg.rl.executor == "ray" and cfg.rl.ray_address.startswith("ray://")
+        assert any(c.reward and c.reward[0].fn == "reward_model" for c in cfg.candidates)
+        assert (cfg.rl.ray_storage_uri or "").startswith("s3://")
 
 
 def test_k8s_vllm_fleet_is_addressable_per_pod_and_fetches_adapters_from_the_share(

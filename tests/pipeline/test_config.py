@@ -205,10 +205,13 @@ def test_config_check_warns_when_external_services_keep_the_public_hash_key(
     assert local["warnings"] == []  # the embedded dev stack: nothing leaves the machine
 
 
-def test_ray_executor_with_a_reward_model_candidate_is_refused_at_load() -> None:
+def test_ray_executor_accepts_reward_model_candidates_and_keeps_actors_only_when_asked() -> None:
     from pipeline.config import HourglassConfig
 
     scored = {"name": "rm", "algorithm": "grpo", "reward": [{"fn": "reward_model", "weight": 1.0}]}
-    with pytest.raises(ValueError, match="cannot train candidates scored by the reward model"):
-        HourglassConfig(candidates=[scored], rl={"executor": "ray"})
-    assert HourglassConfig(candidates=[scored], rl={"executor": "local"}).rl.executor == "local"
+    cfg = HourglassConfig(candidates=[scored], rl={"executor": "ray"})
+    assert cfg.rl.executor == "ray" and cfg.rl.ray_keep_actors is None  # None: the service keeps them, a CLI round not
+    assert (
+        HourglassConfig(candidates=[scored], rl={"executor": "ray", "ray_keep_actors": False}).rl.ray_keep_actors
+        is False
+    )

@@ -30,3 +30,18 @@ def until_clean(timeout_s: float = 20.0) -> tuple[list[str], list[str]]:
     while (left := leftovers()) != ([], []) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def longer(prompt_messages, completion: str, metadata) -> float:
+    """Characters per completion (scaled): on a random model, samples of one group differ in length,
+    so GRPO always has a signal."""
+    return len(completion) / 40
+
+
+def unlike_base(prompt_messages, completion: str, metadata) -> float:
+    """1.0 when the answer differs from the base model's greedy answer in ``metadata["base_answer"]``:
+    a yardstick any trained candidate beats the base on (for tests of a round's plumbing, not of learning)."""
+    return float(completion != metadata["base_answer"])
+
+
+unlike_base.required_metadata = ("base_answer",)  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """The ``ray`` executor on a real local Ray cluster (2 CPUs): the same round as the local
-executor, candidate for candidate, and a round that cannot place its actors fails with the
+executor, candidate for candidate (also with a candidate scored by the round's reward model,
+which the actors load from the exchange), and a round that cannot place its actors fails with the
 reason after its timeout and leaves no placement group behind; kept actors serve the next round."""
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
 from trainer.executor import TrainJob
+from trainer import ray_pool
 from trainer.ray_executor import release_kept_actors
 from trainer.candidates import make_executor, run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
+from trainer.samples import Prompt
 from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 
 pytestmark = pytest.mark.integration
@@ -110,6 +113,8 @@ def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluste
 
 
 def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model: Path, tmp_path: Path) -> None:
+    import ray
+
     prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     cands = [CandidateConfig(name=n, start="fresh", reward=[RewardTerm(fn="format")]) for n in ("a", "b")]
@@ -126,11 +131,106 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
         ray_keep_actors=True,
     )
     model = ModelConfig(name=str(tiny_model))
+    # what the service does at its start: the actors start in the background, before any round
+    assert ray_pool.warm(rl, model, len(cands))
+    actors, [group] = leftovers()
+    assert actors == ["TrainerActor"] and group.startswith("hourglass-warm-")
+    ray.get(ray_pool._KEPT["pool"].ready, timeout=300)  # started: base loaded
     first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
-    assert first.metrics["executor/actors_reused"] == 0.0
-    assert leftovers() == (["TrainerActor"], ["hourglass-r1"])  # kept for the next round
+    assert first.metrics["executor/actors_reused"] == 0.0  # it never trained before, but it had started:
+    assert first.metrics["executor/start_wait_s"] < 1.0 and first.metrics["executor/placement_wait_s"] < 1.0
+    assert leftovers() == (["TrainerActor"], [group])  # the same actor, kept for the next round
+    assert ray_pool.warm(rl, model, len(cands)) and leftovers() == (["TrainerActor"], [group])  # it fits: kept
     second = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, round_id="r2")
     assert second.metrics["executor/actors_reused"] == 1.0 and second.metrics["executor/placement_wait_s"] == 0.0
     assert [c.name for c in second.candidates] == ["a", "b"]
     release_kept_actors()
+    assert until_clean() == ([], [])
+
+
+def _feedback_rows(n: int) -> list[Prompt]:
+    """Served answers with thumbs (those ending in ' banana' were liked): enough for a reward model."""
+    words = "apple river stone cloud green seven table music light paper".split()
+    return [
+        Prompt(
+            prompt_id=f"f{i:03d}",
+            messages=[{"role": "user", "content": f"Say a few words about thing {i}."}],
+            metadata={"reference_answer": "banana"},
+            logged_completion=" ".join([words[i % 10], words[(i * 3) % 10], "banana" if i % 2 == 0 else words[i % 7]]),
+            logged_reward=1.0 if i % 2 == 0 else -1.0,
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_reward_model_candidate_on_ray_scores_with_the_rounds_reward_model_like_local(
+    ray_cluster, peaked_model: Path, tmp_path: Path
+) -> None:
+    train, heldout = split_snapshot(snapshot_table(_feedback_rows(32)), 0.25)
+    cands = [
+        CandidateConfig(
+            name="rm",
+            learning_rate=2e-2,
+            kl_coef=0.0,
+            start="fresh",
+            reward=[RewardTerm(fn="reward_model", kwargs={"probability": False})],
+        ),
+        CandidateConfig(name="fmt", learning_rate=2e-2, kl_coef=0.0, start="fresh", reward=[RewardTerm(fn="format")]),
+    ]
+    rl = RLConfig(
+        steps_per_round=2,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=4,
+        rollout_engine="hf",
+        eval_prompts=4,
+        max_kl=100.0,
+        bootstrap_samples=100,
+        adapter_store="offload",
+    )
+    reward_cfg = RewardModelConfig(steps=4, batch_size=8, learning_rate=5e-3, start="fresh", min_examples=8)
+    model = ModelConfig(name=str(peaked_model), dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the driver trains the reward model, with the actors' thread count: the same scores
+    try:
+        results = {
+            executor: run_round(
+                model,
+                cands,
+                rl.model_copy(update={"executor": executor, "ray_actors": 2}),
+                train,
+                heldout,
+                {},
+                tmp_path / executor / "r1",
+                progress=False,
+                round_id="r1",
+                reward_cfg=reward_cfg,
+            )
+            for executor in ("local", "ray")
+        }
+    finally:
+        torch.set_num_threads(threads)
+    local, on_ray = results["local"], results["ray"]
+
+    assert on_ray.metrics["executor/actors"] == 2.0  # "fmt" and "rm" trained by different actors
+    assert local.reward_model is not None and on_ray.reward_model is not None
+    assert (
+        on_ray.reward_model.report.auc == local.reward_model.report.auc
+    )  # the same reward model, trained by the driver
+    theirs = {c.name: c for c in on_ray.candidates}
+    for mine in local.candidates:
+        steps = theirs[mine.name].step_metrics
+        assert [m["train/reward_mean"] for m in steps] == pytest.approx(
+            [m["train/reward_mean"] for m in mine.step_metrics], rel=1e-5, abs=1e-6
+        ), mine.name
+        # the actor scored its rollouts with the reward model only where the candidate learns from it
+        assert all(("train/reward_model_score_s" in m) == (mine.name == "rm") for m in steps), mine.name
+        a = safetensors.torch.load_file(str(mine.adapter_dir / "adapter_model.safetensors"))
+        b = safetensors.torch.load_file(str(theirs[mine.name].adapter_dir / "adapter_model.safetensors"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), mine.name
+    trained = safetensors.torch.load_file(str(theirs["rm"].adapter_dir / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # the scores moved it (B starts at 0)
+    rm_rewards = [m["train/reward_mean"] for m in theirs["rm"].step_metrics]
+    assert len(set(rm_rewards)) > 1 or rm_rewards[0] != 0.0  # real scores, not a constant stand-in
+    assert on_ray.decisions["hourglass"].winner == local.decisions["hourglass"].winner
     assert until_clean() == ([], [])

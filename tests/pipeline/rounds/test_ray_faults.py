@@ -20,7 +20,7 @@ from pipeline.config import HourglassConfig
 from pipeline.registry.models import register_round
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from tests.trainer.ray_helpers import until_clean
-from trainer import ray_executor
+from trainer import ray_pool
 from trainer.model_store import fingerprint_of
 from trainer.tasks import reasoning_gym_prompts, snapshot_table
 
@@ -78,8 +78,8 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
     spawned, killed = [], {}
-    real_spawn = ray_executor._spawn
-    monkeypatch.setattr(ray_executor, "_spawn", lambda *a: spawned.append(real_spawn(*a)) or spawned[-1])
+    real_spawn = ray_pool._spawn
+    monkeypatch.setattr(ray_pool, "_spawn", lambda *a: spawned.append(real_spawn(*a)) or spawned[-1])
 
     def kill_mid_round() -> None:
         deadline = time.monotonic() + 300
@@ -106,7 +106,7 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     assert until_clean() == ([], [])
     assert not (tmp_path / "exchange" / record.round_id).exists()
 
-    monkeypatch.setattr(ray_executor, "_spawn", real_spawn)
+    monkeypatch.setattr(ray_pool, "_spawn", real_spawn)
     again = round_job.RoundRunner(cfg, fp).run("manual")
     assert again.state in ("done", "no_winner"), again.reason
     assert again.metrics["executor/actors"] == 2.0

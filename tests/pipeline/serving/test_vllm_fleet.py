@@ -9,31 +9,46 @@ never hand a replica a path of theirs.
   requests of one generate call go to the right replica, unloads clean up;
 - serving: the champion reaches both replicas through the share, and a replica
   that lost its adapters and its cache (as after a restart) is brought back by
-  reconcile. (A real restart on the same port, with path loads, is
+  reconcile;
+- a round on Ray trainer actors (``rl.executor = "ray"``) rolls out on both
+  replicas, scores a candidate with the round's reward model on its actor, and
+  registers its winner and its reward model. (A real restart on the same port, with path loads, is
   tests/pipeline/serving/test_serving_restart.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from mlflow.tracking import MlflowClient
+from prometheus_client.parser import text_string_to_metric_families
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
+from tests.trainer.ray_helpers import until_clean
 
 from connectors.gateway.routes import read_routes
 from pipeline.registry.aliases import TAG_SERVE_ERROR, champion_version
+from pipeline.registry.client import TAG_ROUND
 from pipeline.registry.models import register_round
 from pipeline.serving.controller import ServingController
 from pipeline.serving.replica import Replica
 from pipeline.stack import free_port, vllm_service
 from trainer.adapter_share import MANIFEST
+from trainer.base import load_base
+from trainer.config import ModelConfig, RLConfig
+from trainer.evaluate import greedy_answers
 from trainer.model_store import fingerprint_of
-from trainer.rollout import RolloutRequest
+from trainer.plan import PromptTokens
+from trainer.rollout import BASE_VERSION, RolloutRequest
 from trainer.rollout_fleet import FleetEngine
+from trainer.samples import Prompt
+from trainer.tasks import snapshot_table
 
 pytestmark = pytest.mark.integration
 
@@ -217,3 +232,117 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
     assert own.rollout_urls == [] and own.adapter_share_uri is None  # a separate rollout server is used alone
     hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_engine": "hf"}).rl
     assert hf.rollout_urls == [] and hf.rollout_url is None
+
+
+def _completion_requests(url: str) -> float:
+    """``POST /v1/completions`` requests a replica answered, from its own ``/metrics``: the HTTP counter
+    ``http_requests_total{handler="/v1/completions"}`` (the test servers run with ``--disable-log-stats``,
+    which leaves out vLLM's engine counters)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "http_requests"
+        for sample in family.samples
+        if sample.name == "http_requests_total" and sample.labels.get("handler") == "/v1/completions"
+    )
+
+
+def _rows_with_base_answers(tiny_model: Path, urls: list[str], rl: RLConfig) -> list[Prompt]:
+    """Served answers with thumbs (for the reward model), each row carrying the base model's greedy
+    answer (``base_answer``), asked of the fleet the way the round's evaluation asks it."""
+    words = "apple river stone cloud green seven table music light paper".split()
+    rows = [
+        Prompt(
+            prompt_id=f"f{i:03d}",
+            messages=[{"role": "user", "content": f"Say a few words about thing {i}."}],
+            logged_completion=" ".join([words[i % 10], words[(i * 3) % 10], "banana" if i % 2 == 0 else words[i % 7]]),
+            logged_reward=1.0 if i % 2 == 0 else -1.0,
+        )
+        for i in range(24)
+    ]
+    ids = PromptTokens(load_base(ModelConfig(name=str(tiny_model))), rl).many(rows)
+    answers = greedy_answers(FleetEngine(urls), [BASE_VERSION], rows, ids, rl)[BASE_VERSION]
+    return [dataclasses.replace(r, metadata={"base_answer": a.text}) for r, a in zip(rows, answers, strict=True)]
+
+
+def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
+    fleet, ray_cluster, tiny_model: Path, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.config import HourglassConfig
+    from pipeline.registry.reward_registry import reward_model_name
+    from pipeline.rounds import job as round_job
+
+    urls, share, _ = fleet
+    name = f"ray-fleet-{uuid.uuid4().hex[:8]}"
+    rl = {
+        "steps_per_round": 2,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "max_new_tokens": 4,
+        "eval_prompts": 4,
+        "rollout_engine": "vllm",  # rollout_urls: every serving replica
+        "max_kl": 100.0,
+        "bootstrap_samples": 100,
+        # the gate's yardstick: "differs from the base's greedy answer", which any trained candidate passes on a
+        # random model, so the round has a winner to register (this test is about where the work runs)
+        "gate_reward": [{"fn": "tests.trainer.ray_helpers:unlike_base"}],
+        "executor": "ray",
+        "ray_actors": 2,
+        "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+    }
+    cfg = HourglassConfig(
+        state_dir=str(tmp_path / "state"),
+        registry={"tracking_uri": mlflow_uri, "experiment": name, "embedded": False},
+        serving={
+            "model_name": name,
+            "replicas": urls,
+            "embedded": False,
+            "staging_dir": str(tmp_path / "staging"),
+            "max_lora_rank": 16,
+            "adapter_share_uri": str(share),
+            "canary": {"enabled": False},
+        },
+        model={"name": str(tiny_model)},
+        candidates=[
+            {
+                "name": "c0",
+                "start": "fresh",
+                "learning_rate": 5e-2,
+                "kl_coef": 0.0,
+                "reward": [{"fn": "tests.trainer.ray_helpers:longer"}],
+            },
+            {
+                "name": "c1",
+                "start": "fresh",
+                "learning_rate": 5e-2,
+                "kl_coef": 0.0,
+                "reward": [{"fn": "reward_model", "kwargs": {"probability": False}}],
+            },
+        ],
+        rl=rl,
+        reward_model={"steps": 4, "batch_size": 8, "min_examples": 8, "start": "fresh"},
+        schedule={"enabled": False},
+    )
+    assert cfg.rl.rollout_urls == urls and cfg.rl.adapter_share_uri == str(share)
+    table = snapshot_table(_rows_with_base_answers(tiny_model, urls, cfg.rl))
+    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
+    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
+
+    before = [_completion_requests(u) for u in urls]
+    record = round_job.RoundRunner(cfg, fingerprint_of(tiny_model)).run("manual")
+    after = [_completion_requests(u) for u in urls]
+
+    assert record.state == "done", record.reason
+    assert record.metrics["executor/actors"] == 2.0
+    # one candidate per actor; candidate i rolls out on replica i whichever actor trains it (2 steps x 2 prompts each)
+    served = [record.metrics.get(f"rollout/replica{j}/requests", 0.0) for j in range(2)]
+    assert served == [4.0, 4.0], record.metrics
+    for j, url in enumerate(urls):  # the replica's own count agrees (it also answered load probes and evaluation)
+        assert after[j] - before[j] >= served[j], (url, before, after)
+    client = MlflowClient(mlflow_uri)
+    assert champion_version(client, name, "champion") == record.versions[name]  # the winner, registered and promoted
+    assert record.metrics["reward_model/version"] == 1.0  # the round's reward model, registered like a local round's
+    [rm_version] = client.search_model_versions(f"name = '{reward_model_name(cfg)}'")
+    assert rm_version.tags[TAG_ROUND] == record.round_id
+    assert until_clean() == ([], [])
