@@ -60,6 +60,12 @@ ALLOWED: dict[str, frozenset[str]] = {
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
+# Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
+# JSON booleans only, so the gateway and vLLM (which reads "false" or "no" as false) agree on them.
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "chat": ("stream", "logprobs", "return_token_ids", "ignore_eos"),
+    "completions": ("stream", "echo", "return_token_ids", "ignore_eos"),
+}
 MAX_USER_CHARS = 256
 
 
@@ -238,6 +244,12 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
             param=extra[0],
         )
     _finite(body, "body")
+    for name in _FLAGS[endpoint]:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestRefused(
+                400, f"field {name!r} must be true or false (a JSON boolean), got {str(value)[:50]!r}", param=name
+            )
     _int_cap(body, "n", cfg.max_n, "gateway.max_n")
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")

@@ -388,6 +388,19 @@ def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
             "finite",
         ),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404, "`nope` does not exist"),
+        # vLLM reads "false" as false, the gateway read it as true: served unstreamed, relayed as SSE, never traced
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}',
+            {},
+            400,
+            "'stream' must be true or false",
+        ),
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "logprobs": "no"}',
+            {},
+            400,
+            "'logprobs' must be true or false",
+        ),
     ],
 )
 def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(
