@@ -16,8 +16,8 @@ the fields of :data:`connectors.gateway.request.ALLOWED` and within the caps
 upstream; the gateway sends its own vLLM key. A client that hangs up aborts
 its upstream request, streamed or not.
 
-Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and
-``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
+Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and, when it will be
+traced, ``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
 ``/v1/feedback`` requires that token and the same API key. Only the first
 choice (index 0) is traced; batches and token-id prompts are served, not traced.
 The trace event is published after the response body is produced, through
@@ -75,7 +75,15 @@ from connectors.gateway.request import (
     read_body,
     refused,
 )
-from connectors.gateway.trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
+from connectors.gateway.trace import (
+    ClientAsked,
+    Completion,
+    Endpoint,
+    build_trace,
+    strip_extras,
+    trace_prompt,
+    upstream_body,
+)
 from connectors.reward import reward_from_signals
 from connectors.schema import FeedbackEvent, UserHasher
 from connectors.sink import TraceSink
@@ -481,7 +489,9 @@ def create_gateway_app(
             "POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers
         )
         trace_headers = {TRACE_HEADER: trace_id}
-        ok_headers = {**trace_headers, FEEDBACK_HEADER: signer.issue(trace_id, caller.key_id, user_hash)}
+        ok_headers = dict(trace_headers)
+        if trace_prompt(endpoint, body) is not None:  # a batch or token-id prompt is never traced: no feedback on it
+            ok_headers[FEEDBACK_HEADER] = signer.issue(trace_id, caller.key_id, user_hash)
         publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash)
 
         if stream:

@@ -327,6 +327,11 @@ def test_batches_are_served_but_not_traced(gw: Gateway) -> None:
     assert answer.status_code == 200
     gw.trace(later)
     assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+    # no feedback token for an answer that is never traced: feedback on it would be accepted (200), then
+    # dead-lettered as unmatched_feedback after the join window
+    assert FEEDBACK_HEADER not in answer.headers and FEEDBACK_HEADER in later.headers
+    refused = gw.post("/v1/feedback", {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "up"}, gw.keys.client)
+    assert refused.status_code == 400 and error(refused)["param"] == "feedback_token"
 
 
 # --- the canary split ---------------------------------------------------------------------------------
