@@ -168,6 +168,7 @@ def create_gateway_app(
     signer: FeedbackSigner | None = None,
     trusted_metadata: Iterable[str] | None = None,
     reward_spec: RewardSpec | None = None,
+    max_correction_chars: int | None = None,
     upstream_api_key: str | None = None,
     timeout_s: float | None = None,
     feedback_timeout_s: float = 15.0,
@@ -193,6 +194,8 @@ def create_gateway_app(
         signer: feedback token signer (default: a random key for this process, ``gateway.feedback_token_ttl_s``).
         trusted_metadata: metadata keys a trusted grader may set as labels (default ``buffer.trusted_metadata``).
         reward_spec: feedback -> reward mapping of the ``hourglass_feedback_reward`` histogram.
+        max_correction_chars: longest feedback ``correction`` (characters; default ``buffer.max_correction_chars``);
+            a longer one is a 400 here instead of an event that ingest would dead-letter as ``oversize_correction``.
         upstream_api_key: the gateway's own vLLM key (``serving.api_key``), sent as ``Authorization``.
         timeout_s: upstream read timeout, seconds (default ``gateway.upstream_timeout_s``).
         feedback_timeout_s: how long feedback waits for the broker ack, seconds.
@@ -214,6 +217,7 @@ def create_gateway_app(
     signer = signer or FeedbackSigner(secrets.token_bytes(32), cfg.feedback_token_ttl_s)
     trusted_keys = list(BufferConfig().trusted_metadata if trusted_metadata is None else trusted_metadata)
     spec = reward_spec or RewardSpec()
+    correction_cap = BufferConfig().max_correction_chars if max_correction_chars is None else max_correction_chars
     base = upstream_url.rstrip("/")
     rates, in_flight = RateLimiter(), ConcurrencyLimiter()
     upstream_headers = {"content-type": "application/json"}
@@ -350,6 +354,20 @@ def create_gateway_app(
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
             raise RequestRefused(422, f"invalid request: {problems}") from None
+        if body.correction is not None and len(body.correction) > correction_cap:
+            raise RequestRefused(
+                400,
+                f"correction is {len(body.correction)} characters, above buffer.max_correction_chars={correction_cap}; "
+                "send a shorter correction",
+                param="correction",
+            )
+        meta_size = len(json.dumps(body.metadata, separators=(",", ":")))
+        if meta_size > cfg.max_metadata_bytes:
+            raise RequestRefused(
+                400,
+                f"field 'metadata' is {meta_size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
+                param="metadata",
+            )
         token = body.feedback_token or request.headers.get(FEEDBACK_HEADER)
         if not token:
             raise RequestRefused(

@@ -101,6 +101,7 @@ def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
         signer=feedback_signer(cfg),
         trusted_metadata=cfg.buffer.trusted_metadata,
         reward_spec=cfg.buffer.reward,
+        max_correction_chars=cfg.buffer.max_correction_chars,
         upstream_api_key=upstream_key,
     )
 

@@ -587,3 +587,21 @@ def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
 
     assert refused.status_code == 503 and "not stored" in error(refused)["message"]
     assert "10.1.2.3" not in refused.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"correction": "x" * 4097}, "correction", "buffer.max_correction_chars=4096"),
+        ({"metadata": {"note": "x" * 17_000}}, "metadata", "gateway.max_metadata_bytes"),
+    ],
+)
+def test_feedback_over_the_buffers_limits_is_refused_not_stored_then_dead_lettered(
+    gw: Gateway, extra: dict, param: str, says: str
+) -> None:
+    answer = gw.chat()
+    vote = {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "down", **extra}
+    refused = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+
+    assert refused.status_code == 400 and error(refused)["param"] == param and says in error(refused)["message"]
+    assert gw.sink.feedback == []  # was 200 "stored", then an oversize_correction dead letter at ingest
