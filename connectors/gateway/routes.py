@@ -49,8 +49,9 @@ class Route:
 def route_from_dict(entry: object, model: str | None = None) -> Route:
     """One route entry (a JSON object, as in the routes file or on the routes topic) as a ``Route``.
 
-    Checks: ``served_name`` a plain name (letters, digits, ``.``, ``_``, ``-``); ``version`` a string or
-    null; ``updated_at`` a string; the challenger's served name and version both set or both absent;
+    Checks: ``served_name`` a plain name (letters, digits, ``.``, ``_``, ``-``); ``version`` a string (the
+    serving controller writes only versioned routes; the base is what a model without a route gets);
+    ``updated_at`` a string; the challenger's served name and version both set or both absent;
     ``fraction`` a finite number in [0, 1] (not a boolean). Unknown fields are ignored (a newer writer).
     With ``model`` (the public name the entry routes), every versioned served name must be
     ``<model>-v<version>``, the routes contract: a record cannot point a model at another name.
@@ -77,7 +78,7 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
             raise RouteRecordError(f"route field {field!r} must be a string, got {str(value)[:100]!r}")
         return value
 
-    served, version = name("served_name", False), text("version", True)
+    served, version = name("served_name", False), text("version", False)
     challenger, challenger_version = name("challenger_served_name", True), text("challenger_version", True)
     fraction = entry.get("fraction", 0.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:  # NaN too
@@ -86,7 +87,7 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
         raise RouteRecordError("route fields 'challenger_served_name' and 'challenger_version' go together")
     if model is not None:
         for got, ver in ((served, version), (challenger, challenger_version)):
-            if ver is not None and got != f"{model}-v{ver}":
+            if got is not None and got != f"{model}-v{ver}":
                 raise RouteRecordError(f"route of {model!r} names {got!r} for version {ver!r}; expected {model}-v{ver}")
     return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
 

@@ -26,6 +26,7 @@ CANARY = {**GOOD, "challenger_served_name": "hg-v3", "challenger_version": "3", 
         ({**CANARY, "fraction": 1.5}, "fraction"),
         ({**CANARY, "fraction": float("nan")}, "fraction"),
         ({**GOOD, "version": 2}, "version"),
+        ({**GOOD, "served_name": "base", "version": None}, "version"),  # a forged "back to the base"
         ({**GOOD, "updated_at": None}, "updated_at"),
         ({**GOOD, "served_name": "../../etc/passwd"}, "served_name"),
         ({**GOOD, "served_name": ""}, "served_name"),
