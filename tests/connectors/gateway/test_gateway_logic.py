@@ -231,6 +231,7 @@ def test_a_chat_is_rewritten_for_vllm_and_its_trace_carries_the_adapter_version(
     assert sent["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # the gateway's key, not the client's
 
     body = answer.json()
+    assert body["model"] == "hourglass"  # the public name: the served one tells a canary's side and versions
     assert body["choices"][0]["message"]["content"] == "4"
     assert body["choices"][0]["logprobs"] is None and "token_ids" not in body["choices"][0]
     assert "prompt_token_ids" not in body
@@ -296,6 +297,7 @@ def test_a_stream_passes_chunks_through_stripped_and_publishes_one_full_trace(gw
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "four"
     assert all(c["choices"][0]["logprobs"] is None and "token_ids" not in c["choices"][0] for c in chunks)
+    assert {c["model"] for c in chunks} == {"hourglass"}
     trace = gw.trace(answer)
     assert (
         trace.completion == "four"

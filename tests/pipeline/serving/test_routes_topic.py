@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 
 class Upstream:
-    """An OpenAI-shaped completions server that answers with the model it was asked for."""
+    """An OpenAI-shaped completions server whose completion text is the model it was asked for (the gateway
+    answers the client with the public name, so the text is what shows the served name)."""
 
     def __init__(self) -> None:
         self.app = FastAPI()
@@ -42,7 +43,7 @@ class Upstream:
             "object": "text_completion",
             "created": 0,
             "model": body["model"],
-            "choices": [{"index": 0, "text": " ok", "finish_reason": "stop", "logprobs": None}],
+            "choices": [{"index": 0, "text": body["model"], "finish_reason": "stop", "logprobs": None}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
 
@@ -50,7 +51,8 @@ class Upstream:
 def _served(client: TestClient) -> str:
     response = client.post("/v1/completions", json={"model": "hg", "prompt": "Hi", "max_tokens": 1})
     assert response.status_code == 200, response.text
-    return response.json()["model"]
+    assert response.json()["model"] == "hg"
+    return response.json()["choices"][0]["text"]
 
 
 def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClient:
