@@ -182,7 +182,7 @@ def create_gateway_app(
         resolve_model: public model name -> ``(vLLM served name, adapter version or None for the base)``;
             raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404). When it also has a
             ``route(public, routing_key) -> (served, version, canary)`` method (a canary split), that is called
-            with the hashed ``user`` (else the trace id) as the routing key, and a non-None ``canary`` is written
+            with a keyed hash of the hashed ``user`` (else of the trace id) as the routing key, and a non-None ``canary`` is written
             to the trace's ``metadata.canary``.
         sink: publish through this sink (caller closes it); None = the gateway creates and closes its own,
             retrying while the broker is unreachable.
@@ -480,7 +480,9 @@ def create_gateway_app(
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
         route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
-        routing_key = user_hash if user is not None else trace_id  # sticky per end user
+        # Sticky per end user, and keyed: the client sees its user hash (in the feedback token) and the trace id,
+        # and canary_bucket is a public function, so routing on either would tell it which side answered.
+        routing_key = hasher.digest(f"canary\x00{user_hash if user is not None else trace_id}")
         try:
             served, version, canary = (
                 route(public, routing_key) if route is not None else (*resolve_model(public), None)

@@ -191,7 +191,7 @@ class RouteResolver:
 
     def route(self, public_name: str, key: str | None) -> Resolved:
         """Like ``__call__``, with the canary split: when a challenger is routed, the routing ``key``
-        (the hashed user id, else the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
+        (a keyed hash of the hashed user id, else of the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
         so a user stays on one side. Raises KeyError for an unknown name."""
         try:
             route = self._current()[public_name]

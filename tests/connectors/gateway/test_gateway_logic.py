@@ -346,17 +346,22 @@ def test_the_canary_side_is_in_the_trace_and_sticky_per_user(keys: Keys) -> None
     with http:
         champion_side = gw.trace(gw.chat(user="carol"))
         carol_key = resolver.keys[-1]
-        assert carol_key == champion_side.metadata["user_hash"]  # the routing key is the hashed user
+        # keyed: not the user hash the client can read in its feedback token (canary_bucket is public)
+        assert carol_key.startswith("hmac-sha256:") and carol_key != champion_side.metadata["user_hash"]
         resolver.challenger_keys.add(carol_key)
         first, second = gw.trace(gw.chat(user="carol")), gw.trace(gw.chat(user="carol"))
-        anonymous = gw.chat()  # no user: the trace id is the routing key
+        anonymous = gw.chat()  # no user: a keyed hash of the trace id is the routing key
         anon_trace = gw.trace(anonymous)
+        again = gw.chat(user="carol")
 
     assert champion_side.metadata["canary"] is False and champion_side.adapter_version == "3"
     assert first.metadata["canary"] is True and second.metadata["canary"] is True
     assert first.adapter_version == "4" and first.metadata["served_name"] == "hourglass-v4"
     assert [r["body"]["model"] for r in upstream.requests[1:3]] == ["hourglass-v4", "hourglass-v4"]
-    assert resolver.keys[-1] == anonymous.headers[TRACE_HEADER] and anon_trace.metadata["canary"] is False
+    assert (
+        resolver.keys[-2] not in (anonymous.headers[TRACE_HEADER], carol_key) and anon_trace.metadata["canary"] is False
+    )
+    assert resolver.keys[-1] == carol_key and again.status_code == 200  # the same user: the same side
 
 
 def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
