@@ -61,3 +61,13 @@ def test_promote_without_mlflow_says_so_quickly_and_hides_the_password(tmp_path:
     assert "S3cretPW" not in result.stderr + result.stdout
     shown = _run("config", "show", env={"HOURGLASS_REGISTRY__TRACKING_URI": uri}, cwd=tmp_path)
     assert shown.returncode == 0 and "S3cretPW" not in shown.stdout and "http://***@127.0.0.1" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "says"), [("", "at least 1 character"), ("x" * 200, "at most 128 characters")], ids=["empty", "long"]
+)
+def test_keys_create_with_a_bad_name_says_why_without_a_traceback(tmp_path: Path, name: str, says: str) -> None:
+    result = _run("keys", "create", name, cwd=tmp_path)  # was a pydantic ValidationError traceback, exit 1
+    assert result.returncode == 1 and "error:" in result.stderr and "name" in result.stderr
+    assert says in result.stderr.replace("\n", " ") and "Traceback" not in result.stderr
+    assert not (tmp_path / "state" / "gateway-keys.json").exists()
