@@ -103,7 +103,11 @@ def host_allowed(host_header: str | None, names: set[str]) -> bool:
 
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    candidates: list[str] | None = Field(default=None, description="Subset of configured candidates; all when omitted.")
+    candidates: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="Subset of configured candidates; all when omitted (an empty list is refused, not read as all).",
+    )
     window: str | None = Field(
         default=None, pattern=r"^\d+[smhd]$", description="Data window, e.g. 6h; rl.window when omitted."
     )
