@@ -521,12 +521,7 @@ def create_gateway_app(
                 raise _unreachable(err, trace_id) from None
             if upstream.status_code >= 400:
                 raw = await _read_error(upstream)
-                return Response(
-                    raw,
-                    status_code=upstream.status_code,
-                    media_type=upstream.headers.get("content-type"),
-                    headers=trace_headers,
-                )
+                return _upstream_error(upstream, raw, trace_id, trace_headers)
 
             async def on_close() -> None:
                 await upstream.aclose()
@@ -568,12 +563,7 @@ def create_gateway_app(
         except httpx.TransportError as err:
             raise _unreachable(err, trace_id) from None
         if upstream.status_code >= 400:
-            return Response(
-                raw,
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "application/json"),
-                headers=trace_headers,
-            )
+            return _upstream_error(upstream, raw, trace_id, trace_headers)
         try:
             payload = json.loads(raw)
         except ValueError:
@@ -588,6 +578,27 @@ def create_gateway_app(
         strip_extras(payload, asked)
         task = BackgroundTask(publish, *publish_args, completion, False, started)
         return JSONResponse(payload, headers=ok_headers, background=task)
+
+    def _upstream_error(upstream: httpx.Response, raw: bytes, trace_id: str, headers: dict[str, str]) -> Response:
+        """vLLM's 4xx (the request's fault, in OpenAI's error format) is passed on; a 5xx is the model server's
+        own failure: logged with its body (which may hold internal detail) and answered 502."""
+        if upstream.status_code < 500:
+            return Response(
+                raw,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+                headers=headers,
+            )
+        log.error(
+            "gateway: upstream %s answered trace %s with HTTP %d: %r", base, trace_id, upstream.status_code, raw[:500]
+        )
+        return openai_error(
+            502,
+            f"the model server failed on this request (HTTP {upstream.status_code}); retry later",
+            type_="upstream_error",
+            code="upstream_error",
+            headers=headers,
+        )
 
     def _unreachable(err: Exception, trace_id: str) -> RequestRefused:
         log.error("gateway: upstream %s failed for trace %s: %s: %s", base, trace_id, type(err).__name__, err)

@@ -458,6 +458,18 @@ def test_an_upstream_4xx_passes_through_untraced_and_without_a_feedback_token(gw
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_5xx_is_a_502_with_an_openai_error_not_its_internals(gw: Gateway, stream: bool) -> None:
+    crash = 'Traceback (most recent call last):\n  File "/opt/vllm/engine.py", line 7\nEngineDeadError'
+    gw.upstream.reply = lambda body: httpx.Response(500, text=crash)
+
+    answer = gw.chat(stream=stream)
+
+    assert answer.status_code == 502 and error(answer)["code"] == "upstream_error"  # was vLLM's 500, relayed
+    assert "HTTP 500" in error(answer)["message"] and "/opt/vllm" not in answer.text
+    assert answer.headers[TRACE_HEADER] and FEEDBACK_HEADER not in answer.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_an_unreachable_upstream_is_502_without_naming_it(gw: Gateway, stream: bool) -> None:
     def refuse(body: dict[str, Any]) -> httpx.Response:
         raise httpx.ConnectError("[Errno 111] Connection refused: vllm.internal:8000")
