@@ -17,7 +17,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -153,6 +153,8 @@ class RouteResolver:
 
     ``source``: instead of the file, a callable returning ``{model: route dict}``
     (e.g. :meth:`connectors.gateway.route_feed.RouteFollower.routes`, the routes topic).
+    ``models``: the public names this deployment serves; routes for any other name (a record
+    produced to the routes topic by someone else) are ignored. None: every routed name.
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class RouteResolver:
         ttl_s: float = 1.0,
         *,
         source: Callable[[], dict[str, dict]] | None = None,
+        models: Iterable[str] | None = None,
     ) -> None:
         if state_dir is None and source is None:
             raise ValueError("RouteResolver needs a state_dir (the routes file) or a source (e.g. the routes topic)")
@@ -171,6 +174,7 @@ class RouteResolver:
         self.public_name = public_name
         self.base_served_name = base_served_name
         self.ttl_s = ttl_s
+        self.models = None if models is None else frozenset(models) | {public_name}
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self._read_at = float("-inf")
@@ -179,6 +183,8 @@ class RouteResolver:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
                 routes = read_routes(self.state_dir) if self.source is None else routes_from_dicts(self.source())  # type: ignore[arg-type]
+                if self.models is not None:
+                    routes = {m: r for m, r in routes.items() if m in self.models}
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))  # type: ignore[arg-type]
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes

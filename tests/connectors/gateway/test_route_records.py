@@ -74,3 +74,14 @@ def test_a_damaged_routes_file_entry_is_left_out_not_raised(tmp_path) -> None:
     assert resolver("hg") == ("hg-v2", "2")
     (tmp_path / ROUTES_FILE).write_text("[1, 2]")  # valid JSON, not an object: was AttributeError
     assert read_routes(tmp_path) == {}
+
+
+def test_routes_for_names_this_deployment_does_not_serve_are_ignored() -> None:
+    follower = RouteFollower(KafkaConfig())
+    follower._apply(b"hg", json.dumps(GOOD).encode())
+    follower._apply(b"evil", json.dumps({**GOOD, "served_name": "evil-v2"}).encode())  # valid, but not ours
+    resolver = RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes, models={"hg", "hg-oracle"})
+    assert resolver.names() == ["hg"]  # was ["evil", "hg"]: a producer could add public model names
+    with pytest.raises(KeyError, match="evil"):
+        resolver.route("evil", "k")
+    assert RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes).names() == ["evil", "hg"]

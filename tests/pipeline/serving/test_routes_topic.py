@@ -139,8 +139,10 @@ def test_routes_file_stays_the_single_host_default(tmp_path) -> None:
     cfg = HourglassConfig(state_dir=str(tmp_path / "state"))
     assert cfg.serving.routes_source == "file" and cfg.kafka.routes_topic == "hourglass.routes"
     write_route(cfg.state_dir, "hourglass", Route("hourglass-v3", "3", "2026-01-01T00:00:00+00:00"))
+    write_route(cfg.state_dir, "not-served-here", Route("not-served-here-v1", "1", "2026-01-01T00:00:00+00:00"))
     resolver = route_resolver(cfg, ttl_s=0.0)
     assert resolver("hourglass") == ("hourglass-v3", "3")
+    assert resolver.names() == ["hourglass"]  # only the configured public names are routed
     assert not hasattr(resolver, "follower")
 
 
