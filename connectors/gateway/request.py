@@ -194,10 +194,18 @@ def _walk(value: Any, max_depth: int) -> None:
                 stack.append((v, depth + 1, f"{where}.{k}"))
 
 
+_INT64 = 1 << 63
+
+
 def _finite(value: Any, where: str) -> None:
-    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)."""
+    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)
+    and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise RequestRefused(400, f"{where} is {value!r}: numbers must be finite", param=where.removeprefix("body."))
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+        raise RequestRefused(
+            400, f"{where} is {str(value)[:40]}...: integers must fit in 64 bits", param=where.removeprefix("body.")
+        )
     if isinstance(value, dict):
         for k, v in value.items():
             _finite(v, f"{where}.{k}")

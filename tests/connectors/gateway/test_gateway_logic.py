@@ -400,6 +400,12 @@ def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
             "finite",
         ),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404, "`nope` does not exist"),
+        (  # vLLM overflowed on it: a 500
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "top_k": 1000000000000000000000000000000}',
+            {},
+            400,
+            "body.top_k is 1000000000000000000000000000000...: integers must fit in 64 bits",
+        ),
         # vLLM reads "false" as false, the gateway read it as true: served unstreamed, relayed as SSE, never traced
         (
             b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}',
