@@ -38,15 +38,29 @@ def _run(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess
         (["replay", "--sharegpt", "-3"], {}, "--sharegpt must be at least 1"),
         (["buffer", "stats", "--no-lag"], {"HOURGLASS_BUFFER__ROOT": "not-a-dir.txt"}, "NotADirectoryError"),
         (["retrain"], {"HOURGLASS_STATE_DIR": "not-a-dir.txt"}, "FileExistsError"),
+        (["retrain", "--candidates", ""], {}, "names no candidate"),  # was a round of every candidate
+        (["retrain", "--candidates", " , "], {}, "names no candidate"),
     ],
-    ids=["produce-missing", "produce-dir", "replay-negative", "buffer-root-file", "state-dir-file"],
+    ids=[
+        "produce-missing",
+        "produce-dir",
+        "replay-negative",
+        "buffer-root-file",
+        "state-dir-file",
+        "retrain-empty",
+        "retrain-commas",
+    ],
 )
 def test_bad_paths_and_values_get_one_clear_line(
     tmp_path: Path, args: list[str], env: dict[str, str], message: str
 ) -> None:
     (tmp_path / "not-a-dir.txt").write_text("x")
     # produce and replay must refuse before talking to a broker: none listens on this port
-    env = {"HOURGLASS_KAFKA__BOOTSTRAP_SERVERS": f'["127.0.0.1:{free_port()}"]', **env}
+    env = {
+        "HOURGLASS_KAFKA__BOOTSTRAP_SERVERS": f'["127.0.0.1:{free_port()}"]',
+        "HOURGLASS_API__PORT": str(free_port()),  # no ops API listens there either
+        **env,
+    }
     result = _run(*args, env=env, cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert "error:" in result.stderr and message in result.stderr
