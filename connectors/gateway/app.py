@@ -305,7 +305,7 @@ def create_gateway_app(
                 headers={"retry-after": "1"},
             )
         try:
-            body = parse_json(await read_body(request, cfg.max_body_bytes), cfg.max_json_depth)
+            body = parse_json(await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s), cfg.max_json_depth)
         except BaseException:
             in_flight.leave(caller.key_id)
             raise

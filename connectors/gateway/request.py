@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from connectors.config import GatewayConfig
@@ -137,11 +137,13 @@ def check_content_type(request: Request) -> None:
         )
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, read in chunks and refused as soon as it passes ``max_bytes``.
+async def read_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The request body, read in chunks and refused as soon as it passes ``max_bytes``, or when it has not
+    fully arrived within ``timeout_s`` seconds.
 
     Raises:
-        RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap).
+        RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap), 408 (too slow),
+            499 (the client hung up mid-body: logged and counted, nobody reads the answer).
     """
     declared = request.headers.get("content-length")
     too_big = RequestRefused(
@@ -150,11 +152,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestRefused(
+            408,
+            f"request body not received within gateway.body_timeout_s={timeout_s:g} s ({size} bytes arrived)",
+            code="request_timeout",
+        ) from None
+    except ClientDisconnect:
+        raise RequestRefused(499, "the client hung up before sending the whole body", code="client_gone") from None
     return b"".join(chunks)
 
 
