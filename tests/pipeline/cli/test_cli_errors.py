@@ -85,3 +85,18 @@ def test_keys_create_with_a_bad_name_says_why_without_a_traceback(tmp_path: Path
     assert result.returncode == 1 and "error:" in result.stderr and "name" in result.stderr
     assert says in result.stderr.replace("\n", " ") and "Traceback" not in result.stderr
     assert not (tmp_path / "state" / "gateway-keys.json").exists()
+
+
+def test_kafka_client_chatter_stays_out_of_the_commands_output(tmp_path: Path) -> None:
+    """`hourglass up` printed 57 kafka-python INFO lines (connections, bootstraps) before its table."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli.main import app
+
+    logging.getLogger("kafka").setLevel(logging.NOTSET)
+    CliRunner().invoke(app, ["config", "check", str(tmp_path / "missing.toml")])
+    assert logging.getLogger("kafka").getEffectiveLevel() == logging.WARNING
+    CliRunner().invoke(app, ["--verbose", "config", "check", str(tmp_path / "missing.toml")])
+    assert logging.getLogger("kafka").level == logging.NOTSET  # --verbose: the root level decides again
