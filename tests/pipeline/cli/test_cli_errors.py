@@ -97,6 +97,6 @@ def test_kafka_client_chatter_stays_out_of_the_commands_output(tmp_path: Path) -
 
     logging.getLogger("kafka").setLevel(logging.NOTSET)
     CliRunner().invoke(app, ["config", "check", str(tmp_path / "missing.toml")])
-    assert logging.getLogger("kafka").getEffectiveLevel() == logging.WARNING
+    assert logging.getLogger("kafka").level == logging.WARNING
     CliRunner().invoke(app, ["--verbose", "config", "check", str(tmp_path / "missing.toml")])
     assert logging.getLogger("kafka").level == logging.NOTSET  # --verbose: the root level decides again
