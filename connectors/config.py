@@ -235,6 +235,12 @@ class GatewayConfig(Section):
         "a load-balanced address over all of them (each serves every routed version), e.g. a Kubernetes Service.",
     )
     upstream_timeout_s: float = Field(default=600.0, gt=0, description="Upstream (vLLM) read timeout, seconds.")
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request body not fully received within this many seconds gets 408 (a client that declares "
+        "a body and sends it slowly, or never, holds one of its key's concurrency slots meanwhile).",
+    )
     disconnect_poll_s: float = Field(
         default=0.25,
         gt=0,

@@ -462,6 +462,8 @@ def _diagnose(value: bytes) -> Rejected:
         return Rejected(INVALID_JSON, f"record is not valid JSON: {err}")
     except RecursionError as err:
         return _too_deep(str(err))
+    except ValueError as err:  # an integer of more digits than Python reads (sys.get_int_max_str_digits)
+        return Rejected(INVALID_JSON, f"record has a number that cannot be read: {str(err)[:200]}")
     bad_text = unencodable_path(data)
     if bad_text is not None:
         return Rejected(

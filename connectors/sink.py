@@ -164,5 +164,5 @@ def _key_of(line: bytes) -> bytes | None:
     try:
         trace_id = json.loads(line).get("trace_id")
         return trace_id.encode() if isinstance(trace_id, str) else None
-    except (ValueError, AttributeError):  # UnicodeEncodeError is a ValueError
-        return None
+    except (ValueError, AttributeError, RecursionError):  # UnicodeEncodeError is a ValueError; RecursionError:
+        return None  # nested deeper than the parser allows (the consumer dead-letters it as nesting_too_deep)

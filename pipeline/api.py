@@ -91,7 +91,11 @@ def host_allowed(host_header: str | None, names: set[str]) -> bool:
         return False
     host = host_header.strip().lower()
     if host.startswith("["):  # [::1]:8080
-        host = host[1 : host.find("]")] if "]" in host else host
+        end = host.find("]")
+        rest = host[end + 1 :] if end > 0 else ""
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False  # "[::1]evil" is no address: only a port may follow the bracket
+        host = host[1:end]
     elif host.count(":") == 1:
         host = host.split(":", 1)[0]
     try:
@@ -103,7 +107,11 @@ def host_allowed(host_header: str | None, names: set[str]) -> bool:
 
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    candidates: list[str] | None = Field(default=None, description="Subset of configured candidates; all when omitted.")
+    candidates: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="Subset of configured candidates; all when omitted (an empty list is refused, not read as all).",
+    )
     window: str | None = Field(
         default=None, pattern=r"^\d+[smhd]$", description="Data window, e.g. 6h; rl.window when omitted."
     )

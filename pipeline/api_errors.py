@@ -31,4 +31,6 @@ def registry_call(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     except MlflowException as err:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # e.g. nothing registered yet for this model
             raise HTTPException(404, redact(err.message)) from err
+        if err.error_code == "INVALID_PARAMETER_VALUE":  # e.g. a model name with '/': the caller's fault, not MLflow's
+            raise HTTPException(422, redact(err.message)) from err
         raise HTTPException(502, f"MLflow: {redact(err.message)}") from err

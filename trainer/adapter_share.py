@@ -29,6 +29,8 @@ import pyarrow.fs as pafs
 from trainer.errors import TrainerError
 
 MANIFEST = "hourglass-manifest.json"
+# Python pickles run code when loaded: the share carries safetensors weights only (as staging requires).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
@@ -89,7 +91,7 @@ def publish(folder: str | Path, uri: str, name: str) -> dict[str, str]:
     (files are rewritten, the manifest is identical).
 
     Raises:
-        AdapterShareError: a bad name, a nested folder, or no adapter_config.json.
+        AdapterShareError: a bad name, a nested folder, pickle files (``.bin``, ``.pt``, ...), or no adapter_config.json.
         (also when the store cannot be opened or written).
     """
     check_name(name)
@@ -102,6 +104,7 @@ def publish(folder: str | Path, uri: str, name: str) -> dict[str, str]:
     nested = [p.name for p in entries if not p.is_file() or p.is_symlink()]
     if nested:
         raise AdapterShareError(f"{src}: {nested} are not plain files; adapters are flat folders")
+    _refuse_pickles(str(src), [p.name for p in entries])
     fs, base = _open(uri)
     folder_path = f"{base.rstrip('/')}/{name}"
     try:
@@ -136,7 +139,7 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
     place.
 
     Raises:
-        AdapterShareError: a bad name, an unreadable manifest, or a checksum mismatch.
+        AdapterShareError: a bad name, an unreadable manifest, a manifest listing pickle files, or a checksum mismatch.
         (also when the store cannot be opened).
     """
     check_name(name)
@@ -155,6 +158,7 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
         ) from err
     for file_name in files:
         check_name(file_name)
+    _refuse_pickles(f"{uri}/{name}", list(files))
     cache = Path(cache_dir)
     target = cache / name
     if target.is_dir() and _matches(target, files):
@@ -179,6 +183,15 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _refuse_pickles(where: str, names: list[str]) -> None:
+    pickles = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise AdapterShareError(
+            f"{where}: refusing pickle files {pickles}: the adapter share carries safetensors weights only "
+            "(pickles can run code when loaded); save the adapter with safe_serialization=True"
+        )
 
 
 def _matches(folder: Path, files: dict[str, str]) -> bool:

@@ -16,8 +16,8 @@ the fields of :data:`connectors.gateway.request.ALLOWED` and within the caps
 upstream; the gateway sends its own vLLM key. A client that hangs up aborts
 its upstream request, streamed or not.
 
-Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and
-``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
+Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and, when it will be
+traced, ``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
 ``/v1/feedback`` requires that token and the same API key. Only the first
 choice (index 0) is traced; batches and token-id prompts are served, not traced.
 The trace event is published after the response body is produced, through
@@ -75,7 +75,15 @@ from connectors.gateway.request import (
     read_body,
     refused,
 )
-from connectors.gateway.trace import ClientAsked, Completion, Endpoint, build_trace, strip_extras, upstream_body
+from connectors.gateway.trace import (
+    ClientAsked,
+    Completion,
+    Endpoint,
+    build_trace,
+    strip_extras,
+    trace_prompt,
+    upstream_body,
+)
 from connectors.reward import reward_from_signals
 from connectors.schema import FeedbackEvent, UserHasher
 from connectors.sink import TraceSink
@@ -160,6 +168,7 @@ def create_gateway_app(
     signer: FeedbackSigner | None = None,
     trusted_metadata: Iterable[str] | None = None,
     reward_spec: RewardSpec | None = None,
+    max_correction_chars: int | None = None,
     upstream_api_key: str | None = None,
     timeout_s: float | None = None,
     feedback_timeout_s: float = 15.0,
@@ -173,7 +182,7 @@ def create_gateway_app(
         resolve_model: public model name -> ``(vLLM served name, adapter version or None for the base)``;
             raises ``LookupError`` (``KeyError``) for an unknown name (the client gets 404). When it also has a
             ``route(public, routing_key) -> (served, version, canary)`` method (a canary split), that is called
-            with the hashed ``user`` (else the trace id) as the routing key, and a non-None ``canary`` is written
+            with a keyed hash of the hashed ``user`` (else of the trace id) as the routing key, and a non-None ``canary`` is written
             to the trace's ``metadata.canary``.
         sink: publish through this sink (caller closes it); None = the gateway creates and closes its own,
             retrying while the broker is unreachable.
@@ -185,6 +194,8 @@ def create_gateway_app(
         signer: feedback token signer (default: a random key for this process, ``gateway.feedback_token_ttl_s``).
         trusted_metadata: metadata keys a trusted grader may set as labels (default ``buffer.trusted_metadata``).
         reward_spec: feedback -> reward mapping of the ``hourglass_feedback_reward`` histogram.
+        max_correction_chars: longest feedback ``correction`` (characters; default ``buffer.max_correction_chars``);
+            a longer one is a 400 here instead of an event that ingest would dead-letter as ``oversize_correction``.
         upstream_api_key: the gateway's own vLLM key (``serving.api_key``), sent as ``Authorization``.
         timeout_s: upstream read timeout, seconds (default ``gateway.upstream_timeout_s``).
         feedback_timeout_s: how long feedback waits for the broker ack, seconds.
@@ -206,6 +217,7 @@ def create_gateway_app(
     signer = signer or FeedbackSigner(secrets.token_bytes(32), cfg.feedback_token_ttl_s)
     trusted_keys = list(BufferConfig().trusted_metadata if trusted_metadata is None else trusted_metadata)
     spec = reward_spec or RewardSpec()
+    correction_cap = BufferConfig().max_correction_chars if max_correction_chars is None else max_correction_chars
     base = upstream_url.rstrip("/")
     rates, in_flight = RateLimiter(), ConcurrencyLimiter()
     upstream_headers = {"content-type": "application/json"}
@@ -293,7 +305,7 @@ def create_gateway_app(
                 headers={"retry-after": "1"},
             )
         try:
-            body = parse_json(await read_body(request, cfg.max_body_bytes), cfg.max_json_depth)
+            body = parse_json(await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s), cfg.max_json_depth)
         except BaseException:
             in_flight.leave(caller.key_id)
             raise
@@ -342,6 +354,20 @@ def create_gateway_app(
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
             raise RequestRefused(422, f"invalid request: {problems}") from None
+        if body.correction is not None and len(body.correction) > correction_cap:
+            raise RequestRefused(
+                400,
+                f"correction is {len(body.correction)} characters, above buffer.max_correction_chars={correction_cap}; "
+                "send a shorter correction",
+                param="correction",
+            )
+        meta_size = len(json.dumps(body.metadata, separators=(",", ":")))
+        if meta_size > cfg.max_metadata_bytes:
+            raise RequestRefused(
+                400,
+                f"field 'metadata' is {meta_size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
+                param="metadata",
+            )
         token = body.feedback_token or request.headers.get(FEEDBACK_HEADER)
         if not token:
             raise RequestRefused(
@@ -454,7 +480,9 @@ def create_gateway_app(
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
         route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
-        routing_key = user_hash if user is not None else trace_id  # sticky per end user
+        # Sticky per end user, and keyed: the client sees its user hash (in the feedback token) and the trace id,
+        # and canary_bucket is a public function, so routing on either would tell it which side answered.
+        routing_key = hasher.digest(f"canary\x00{user_hash if user is not None else trace_id}")
         try:
             served, version, canary = (
                 route(public, routing_key) if route is not None else (*resolve_model(public), None)
@@ -481,7 +509,9 @@ def create_gateway_app(
             "POST", path, json=upstream_body(endpoint, body, served), headers=upstream_headers
         )
         trace_headers = {TRACE_HEADER: trace_id}
-        ok_headers = {**trace_headers, FEEDBACK_HEADER: signer.issue(trace_id, caller.key_id, user_hash)}
+        ok_headers = dict(trace_headers)
+        if trace_prompt(endpoint, body) is not None:  # a batch or token-id prompt is never traced: no feedback on it
+            ok_headers[FEEDBACK_HEADER] = signer.issue(trace_id, caller.key_id, user_hash)
         publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash)
 
         if stream:
@@ -491,12 +521,7 @@ def create_gateway_app(
                 raise _unreachable(err, trace_id) from None
             if upstream.status_code >= 400:
                 raw = await _read_error(upstream)
-                return Response(
-                    raw,
-                    status_code=upstream.status_code,
-                    media_type=upstream.headers.get("content-type"),
-                    headers=trace_headers,
-                )
+                return _upstream_error(upstream, raw, trace_id, trace_headers)
 
             async def on_close() -> None:
                 await upstream.aclose()
@@ -538,12 +563,7 @@ def create_gateway_app(
         except httpx.TransportError as err:
             raise _unreachable(err, trace_id) from None
         if upstream.status_code >= 400:
-            return Response(
-                raw,
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "application/json"),
-                headers=trace_headers,
-            )
+            return _upstream_error(upstream, raw, trace_id, trace_headers)
         try:
             payload = json.loads(raw)
         except ValueError:
@@ -558,6 +578,27 @@ def create_gateway_app(
         strip_extras(payload, asked)
         task = BackgroundTask(publish, *publish_args, completion, False, started)
         return JSONResponse(payload, headers=ok_headers, background=task)
+
+    def _upstream_error(upstream: httpx.Response, raw: bytes, trace_id: str, headers: dict[str, str]) -> Response:
+        """vLLM's 4xx (the request's fault, in OpenAI's error format) is passed on; a 5xx is the model server's
+        own failure: logged with its body (which may hold internal detail) and answered 502."""
+        if upstream.status_code < 500:
+            return Response(
+                raw,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+                headers=headers,
+            )
+        log.error(
+            "gateway: upstream %s answered trace %s with HTTP %d: %r", base, trace_id, upstream.status_code, raw[:500]
+        )
+        return openai_error(
+            502,
+            f"the model server failed on this request (HTTP {upstream.status_code}); retry later",
+            type_="upstream_error",
+            code="upstream_error",
+            headers=headers,
+        )
 
     def _unreachable(err: Exception, trace_id: str) -> RequestRefused:
         log.error("gateway: upstream %s failed for trace %s: %s: %s", base, trace_id, type(err).__name__, err)

@@ -181,18 +181,26 @@ class KeyStore:
         rate_per_min: int | None = None,
         concurrency: int | None = None,
     ) -> tuple[ApiKey, str]:
-        """A new key: ``(record, key string)``. The key string is returned once and never stored."""
+        """A new key: ``(record, key string)``. The key string is returned once and never stored.
+
+        Raises:
+            KeyStoreError: ``name`` is empty or longer than 128 characters, or a limit is below 1.
+        """
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}-{key_id}-{secrets.token_urlsafe(32)}"
-        record = ApiKey(
-            key_id=key_id,
-            name=name,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            sha256=_hash(key),
-            trusted_grader=trusted_grader,
-            rate_per_min=rate_per_min,
-            concurrency=concurrency,
-        )
+        try:
+            record = ApiKey(
+                key_id=key_id,
+                name=name,
+                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                sha256=_hash(key),
+                trusted_grader=trusted_grader,
+                rate_per_min=rate_per_min,
+                concurrency=concurrency,
+            )
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+            raise KeyStoreError(f"cannot create API key {name[:140]!r}: {problems}") from None
         with self._editing() as keys:
             keys[key_id] = record
         return record, key

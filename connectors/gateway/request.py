@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from connectors.config import GatewayConfig
@@ -60,6 +60,12 @@ ALLOWED: dict[str, frozenset[str]] = {
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
+# Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
+# JSON booleans only, so the gateway and vLLM (which reads "false" or "no" as false) agree on them.
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "chat": ("stream", "logprobs", "return_token_ids", "ignore_eos"),
+    "completions": ("stream", "echo", "return_token_ids", "ignore_eos"),
+}
 MAX_USER_CHARS = 256
 
 
@@ -131,11 +137,13 @@ def check_content_type(request: Request) -> None:
         )
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, read in chunks and refused as soon as it passes ``max_bytes``.
+async def read_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The request body, read in chunks and refused as soon as it passes ``max_bytes``, or when it has not
+    fully arrived within ``timeout_s`` seconds.
 
     Raises:
-        RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap).
+        RequestRefused: 413 (``Content-Length`` or the bytes received exceed the cap), 408 (too slow),
+            499 (the client hung up mid-body: logged and counted, nobody reads the answer).
     """
     declared = request.headers.get("content-length")
     too_big = RequestRefused(
@@ -144,11 +152,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestRefused(
+            408,
+            f"request body not received within gateway.body_timeout_s={timeout_s:g} s ({size} bytes arrived)",
+            code="request_timeout",
+        ) from None
+    except ClientDisconnect:
+        raise RequestRefused(499, "the client hung up before sending the whole body", code="client_gone") from None
     return b"".join(chunks)
 
 
@@ -188,10 +206,18 @@ def _walk(value: Any, max_depth: int) -> None:
                 stack.append((v, depth + 1, f"{where}.{k}"))
 
 
+_INT64 = 1 << 63
+
+
 def _finite(value: Any, where: str) -> None:
-    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)."""
+    """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)
+    and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise RequestRefused(400, f"{where} is {value!r}: numbers must be finite", param=where.removeprefix("body."))
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+        raise RequestRefused(
+            400, f"{where} is {str(value)[:40]}...: integers must fit in 64 bits", param=where.removeprefix("body.")
+        )
     if isinstance(value, dict):
         for k, v in value.items():
             _finite(v, f"{where}.{k}")
@@ -238,6 +264,12 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
             param=extra[0],
         )
     _finite(body, "body")
+    for name in _FLAGS[endpoint]:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestRefused(
+                400, f"field {name!r} must be true or false (a JSON boolean), got {str(value)[:50]!r}", param=name
+            )
     _int_cap(body, "n", cfg.max_n, "gateway.max_n")
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")

@@ -13,9 +13,11 @@ consumer group: every gateway reads everything) and keeps the last value per
 key, which is what compaction keeps, so a gateway that starts late still
 learns the current routes; it then follows new records as they come
 (``poll`` every ``poll_ms``, well under a second). A record whose value is not
-a JSON object with a string ``served_name`` is skipped and counted
-(``hourglass_gateway_route_records_refused_total``); a broker outage keeps the
-last known routes and reconnects.
+a valid route for its key (:func:`connectors.gateway.routes.route_from_dict`:
+field types, ``fraction`` in [0, 1], served names ``<model>-v<version>``) is
+skipped, logged with the reason and counted
+(``hourglass_gateway_route_records_refused_total``); the model keeps its last
+good route. A broker outage keeps the last known routes and reconnects.
 
 Tansu (the embedded broker) accepts ``cleanup.policy=compact`` at creation but
 reports no topic configs back, so it presumably keeps every record: the topic
@@ -38,16 +40,11 @@ from prometheus_client import Counter
 
 from connectors.config import KafkaConfig
 from connectors.errors import BrokerUnavailableError
+from connectors.gateway.routes import RouteRecordError, route_from_dict
 
 log = logging.getLogger(__name__)
 
-REFUSED = Counter(
-    "hourglass_gateway_route_records_refused", "Route records skipped: not a JSON object with a served_name."
-)
-
-
-def _valid(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("served_name"), str) and bool(entry["served_name"])
+REFUSED = Counter("hourglass_gateway_route_records_refused", "Route records skipped: not a valid route for their key.")
 
 
 class RoutePublisher:
@@ -154,11 +151,11 @@ class RouteFollower:
             return
         try:
             entry = json.loads(value)
-        except (ValueError, UnicodeDecodeError):
-            entry = None
-        if not _valid(entry):
+            route_from_dict(entry, model)
+        except (ValueError, RecursionError) as err:  # RouteRecordError and UnicodeDecodeError are ValueErrors
             REFUSED.inc()
-            log.warning("route record for %r skipped: not a JSON object with a served_name: %r", model, value[:200])
+            why = err if isinstance(err, RouteRecordError) else "not JSON, or nested too deep"
+            log.warning("route record for %r skipped (%s): %r", model[:200], why, value[:200])
             return
         with self._lock:
             self._routes[model] = entry
@@ -180,6 +177,12 @@ class RouteFollower:
                 self.last_error = f"{type(err).__name__}: {err}"
                 log.warning(
                     "routes topic %s: %s; keeping the last known routes, retrying", self.kafka.routes_topic, err
+                )
+                self._stop.wait(self.retry_s)
+            except Exception as err:  # a bug must not end the thread silently: the gateway would never see a flip
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception(
+                    "routes topic %s: follower failed; keeping the last known routes, retrying", self.kafka.routes_topic
                 )
                 self._stop.wait(self.retry_s)
             finally:

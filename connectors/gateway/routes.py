@@ -19,15 +19,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from connectors.errors import ConnectorError
+
 ROUTES_FILE = "routes.json"
+# A vLLM served name: one plain name (the serving config's name rule), never a path.
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class RouteRecordError(ConnectorError, ValueError):
+    """A route entry (routes file or routes topic) is not a valid ``Route``; the message says which field."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,60 @@ class Route:
     fraction: float = 0.0
 
 
+def route_from_dict(entry: object, model: str | None = None) -> Route:
+    """One route entry (a JSON object, as in the routes file or on the routes topic) as a ``Route``.
+
+    Checks: ``served_name`` a plain name (letters, digits, ``.``, ``_``, ``-``); ``version`` a string, or
+    null only beside a challenger (a canary against the base: the base keeps the rest of the traffic; the
+    gateway's resolver also requires the served name to be its own base);
+    ``updated_at`` a string; the challenger's served name and version both set or both absent;
+    ``fraction`` a finite number in [0, 1] (not a boolean). Unknown fields are ignored (a newer writer).
+    With ``model`` (the public name the entry routes), every versioned served name must be
+    ``<model>-v<version>``, the routes contract: a record cannot point a model at another name.
+
+    Raises:
+        RouteRecordError: the entry breaks one of these rules (the message names the field and value).
+    """
+    if not isinstance(entry, dict):
+        raise RouteRecordError(f"a route must be a JSON object, got {type(entry).__name__}")
+
+    def name(field: str, optional: bool) -> str | None:
+        value = entry.get(field)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not _SERVED_NAME.match(value) or ".." in value:
+            raise RouteRecordError(f"route field {field!r} must be a plain served name, got {str(value)[:100]!r}")
+        return value
+
+    def text(field: str, optional: bool) -> str | None:
+        value = entry.get(field)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or len(value) > 200:
+            raise RouteRecordError(f"route field {field!r} must be a string, got {str(value)[:100]!r}")
+        return value
+
+    served, version = name("served_name", False), text("version", True)
+    challenger, challenger_version = name("challenger_served_name", True), text("challenger_version", True)
+    fraction = entry.get("fraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:  # NaN too
+        raise RouteRecordError(f"route field 'fraction' must be a number in [0, 1], got {str(fraction)[:100]!r}")
+    if (challenger is None) != (challenger_version is None):
+        raise RouteRecordError("route fields 'challenger_served_name' and 'challenger_version' go together")
+    if version is None and challenger is None:
+        raise RouteRecordError(
+            "route field 'version' is null (the base) without a challenger; only a canary against the base has one"
+        )
+    if model is not None:
+        for got, ver in ((served, version), (challenger, challenger_version)):
+            if got is not None and ver is not None and got != f"{model}-v{ver}":
+                raise RouteRecordError(f"route of {model!r} names {got!r} for version {ver!r}; expected {model}-v{ver}")
+    return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
+
+
 def read_routes(state_dir: str | Path) -> dict[str, Route]:
-    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent)."""
+    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent or
+    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`)."""
     path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
         data = json.loads(path.read_text())
@@ -83,15 +144,14 @@ def remove_route(state_dir: str | Path, model: str) -> None:
 
 def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
-    Unknown fields are ignored (a newer writer); an entry without ``served_name``/``version``/``updated_at`` is left out."""
-    names = set(Route.__dataclass_fields__)
+    Unknown fields are ignored (a newer writer); an entry that :func:`route_from_dict` refuses is left out."""
     out: dict[str, Route] = {}
     for model, entry in entries.items():
         if not isinstance(entry, dict):
             continue
         try:
-            out[model] = Route(**{k: v for k, v in entry.items() if k in names})
-        except TypeError:
+            out[model] = route_from_dict(entry)
+        except RouteRecordError:
             continue
     return out
 
@@ -120,6 +180,8 @@ class RouteResolver:
 
     ``source``: instead of the file, a callable returning ``{model: route dict}``
     (e.g. :meth:`connectors.gateway.route_feed.RouteFollower.routes`, the routes topic).
+    ``models``: the public names this deployment serves; routes for any other name (a record
+    produced to the routes topic by someone else) are ignored. None: every routed name.
     """
 
     def __init__(
@@ -130,6 +192,7 @@ class RouteResolver:
         ttl_s: float = 1.0,
         *,
         source: Callable[[], dict[str, dict]] | None = None,
+        models: Iterable[str] | None = None,
     ) -> None:
         if state_dir is None and source is None:
             raise ValueError("RouteResolver needs a state_dir (the routes file) or a source (e.g. the routes topic)")
@@ -138,6 +201,7 @@ class RouteResolver:
         self.public_name = public_name
         self.base_served_name = base_served_name
         self.ttl_s = ttl_s
+        self.models = None if models is None else frozenset(models) | {public_name}
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self._read_at = float("-inf")
@@ -146,6 +210,12 @@ class RouteResolver:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
                 routes = read_routes(self.state_dir) if self.source is None else routes_from_dicts(self.source())  # type: ignore[arg-type]
+                if self.models is not None:
+                    routes = {m: r for m, r in routes.items() if m in self.models}
+                # a base-side route (a canary against the base) may name only this gateway's base
+                routes = {
+                    m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
+                }
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
@@ -158,7 +228,7 @@ class RouteResolver:
 
     def route(self, public_name: str, key: str | None) -> Resolved:
         """Like ``__call__``, with the canary split: when a challenger is routed, the routing ``key``
-        (the hashed user id, else the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
+        (a keyed hash of the hashed user id, else of the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
         so a user stays on one side. Raises KeyError for an unknown name."""
         try:
             route = self._current()[public_name]

@@ -26,16 +26,24 @@ _TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids")
 
 @dataclass(frozen=True)
 class ClientAsked:
-    """What the client itself asked for (so the extras the gateway adds can be removed)."""
+    """What the client itself asked for (so the extras the gateway adds can be removed), and the public
+    model name it asked for (the response names it, never the served ``<model>-v<version>``: that would
+    tell a client which side of a canary answered, and name internal versions)."""
 
     logprobs: bool
     token_ids: bool
+    model: str | None = None
 
     @classmethod
     def of(cls, endpoint: Endpoint, body: dict[str, Any]) -> ClientAsked:
         # chat: logprobs is a bool; completions: an int where 0 is a real request.
         asked = bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None
-        return cls(logprobs=asked, token_ids=bool(body.get("return_token_ids")))
+        model = body.get("model")
+        return cls(
+            logprobs=asked,
+            token_ids=bool(body.get("return_token_ids")),
+            model=model if isinstance(model, str) else None,
+        )
 
 
 def upstream_body(endpoint: Endpoint, body: dict[str, Any], served_name: str) -> dict[str, Any]:
@@ -54,7 +62,10 @@ def upstream_body(endpoint: Endpoint, body: dict[str, Any], served_name: str) ->
 
 
 def strip_extras(payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
-    """Remove log-probs / token ids the client did not ask for, from a response or a stream chunk (in place)."""
+    """Remove log-probs / token ids the client did not ask for, from a response or a stream chunk (in place),
+    and put back the public model name the client asked for."""
+    if asked.model is not None and "model" in payload:
+        payload["model"] = asked.model
     if not asked.token_ids:
         payload.pop("prompt_token_ids", None)
     for choice in payload.get("choices") or []:

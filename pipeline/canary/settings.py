@@ -22,7 +22,7 @@ class CanaryConfig(Section):
         default=0.2,
         gt=0,
         lt=1,
-        description="Share of routing keys (hashed user id, else trace id) sent to the challenger.",
+        description="Share of routing keys (keyed hash of the hashed user id, else of the trace id) sent to the challenger.",
     )
     min_feedback: int = Field(default=30, ge=1, description="Feedback events each side needs before a promotion.")
     margin: float = Field(

@@ -11,7 +11,9 @@ from typing import Annotated
 
 import typer
 from mlflow.exceptions import MlflowException
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.errors import PipelineError
@@ -46,6 +48,12 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
     cfg = load(config)
     require_mlflow(cfg)
     data = _run(canary_status, cfg, _models(cfg, model))
+    emit(data, as_json, status_table(data))
+
+
+def status_table(data: dict) -> Table:
+    """The human form of ``canary status``; every cell is plain text (a model name or reason such as
+    ``[/x]`` is never read as Rich markup)."""
     table = Table(
         "model",
         "challenger",
@@ -60,12 +68,12 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
     for name, entry in data.items():
         view = entry["canary"]
         if view is None:
-            table.add_row(name, "-", "", "", "", "", "", "", "no canary")
+            table.add_row(Text(name), "-", "", "", "", "", "", "", "no canary")
             continue
         chall, champ = view.get("challenger") or {}, view.get("champion") or {}
         interval = f"[{_fmt(view.get('lower'))}, {_fmt(view.get('upper'))}]" if view.get("lower") is not None else ""
         table.add_row(
-            name,
+            Text(name),
             f"v{view['version']}",
             "base (no champion)" if view.get("control") == "base" else f"v{view.get('champion_version')}",
             f"{view['fraction']:.0%}",
@@ -73,9 +81,9 @@ def status_cmd(model: ModelOpt = None, config: ConfigOpt = None, as_json: JsonOp
             f"{chall.get('n', 0)}/{champ.get('n', 0)}",
             f"{_fmt(chall.get('mean'))}/{_fmt(champ.get('mean'))}",
             interval,
-            f"{view['decision']}: {view.get('reason', '')}",
+            Text(f"{view['decision']}: {view.get('reason', '')}"),
         )
-    emit(data, as_json, table)
+    return table
 
 
 ReasonOpt = Annotated[str | None, typer.Option("--reason", help="Why, recorded with the decision on the version.")]
@@ -90,7 +98,7 @@ def _end(decision: str, model: str | None, config, as_json: bool, reason: str | 
     name = model or cfg.serving.model_name
     out = _run(end_canary, cfg, name, decision, who="cli", note=reason)
     colour = "green" if decision == "promote" else "yellow"
-    emit(out, as_json, f"[{colour}]{name}[/]: canary of v{out['version']} ended: {decision}")
+    emit(out, as_json, f"[{colour}]{escape(name)}[/]: canary of v{out['version']} ended: {decision}")
 
 
 @canary_app.command("promote")

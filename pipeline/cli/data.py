@@ -112,6 +112,11 @@ def produce(
             check_topic_name(topic)
         except ValueError as err:
             fail(f"--topic: {err}")
+        if topic == cfg.kafka.routes_topic:  # routes are the serving controller's alone (verified versions only)
+            fail(
+                f"--topic: {topic!r} is the routes topic, written only by the serving controller; "
+                "to change what is served, move the alias (`hourglass promote VERSION` or `hourglass rollback`)"
+            )
     try:
         ensure_topics(cfg.kafka)
         acked = produce_jsonl(cfg.kafka, topic or cfg.kafka.traces_topic, file)

@@ -37,9 +37,13 @@ SIGNING_KEY_FILE = "gateway-feedback.key"
 def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: float = 30.0) -> RouteResolver:
     """The gateway's resolver for ``serving.routes_source``: the routes file, or a follower of ``kafka.routes_topic``
     started now (waiting up to ``ready_wait_s`` to have read the current routes; it keeps following after, and is
-    the resolver's ``follower`` attribute)."""
+    the resolver's ``follower`` attribute). Only the configured public names (``serving.model_name`` and the
+    candidates' ``served_model``) are routed; a route for any other name is ignored."""
+    served = {c.served_model for c in cfg.candidates} | {cfg.serving.model_name}
     if cfg.serving.routes_source == "file":
-        return RouteResolver(cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s)
+        return RouteResolver(
+            cfg.resolve(cfg.state_dir), cfg.serving.model_name, cfg.serving.base_served_name, ttl_s, models=served
+        )
     from connectors.gateway.route_feed import RouteFollower
 
     follower = RouteFollower(cfg.kafka)
@@ -51,7 +55,12 @@ def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: fl
             follower.last_error or "no answer",
         )
     resolver = RouteResolver(
-        None, cfg.serving.model_name, cfg.serving.base_served_name, ttl_s=min(ttl_s, 0.1), source=follower.routes
+        None,
+        cfg.serving.model_name,
+        cfg.serving.base_served_name,
+        ttl_s=min(ttl_s, 0.1),
+        source=follower.routes,
+        models=served,
     )
     resolver.follower = follower  # type: ignore[attr-defined]
     return resolver
@@ -101,6 +110,7 @@ def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
         signer=feedback_signer(cfg),
         trusted_metadata=cfg.buffer.trusted_metadata,
         reward_spec=cfg.buffer.reward,
+        max_correction_chars=cfg.buffer.max_correction_chars,
         upstream_api_key=upstream_key,
     )
 

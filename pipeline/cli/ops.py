@@ -96,8 +96,13 @@ def register(app: typer.Typer, load) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Trigger a round now (refused while one runs)."""
+        names = None
+        if candidates is not None:  # "" or "," named no candidate: refuse rather than train them all
+            names = [name.strip() for name in candidates.split(",") if name.strip()]
+            if not names:
+                _fail(f"--candidates {candidates!r} names no candidate; leave the option out to train every candidate")
         client = ApiClient(load(config))
-        body = {"candidates": candidates.split(",") if candidates else None, "window": window}
+        body = {"candidates": names, "window": window}
         record = client.call("POST", "/rounds", mutate=True, json=body)
         if not wait:
             if not _out(record, as_json):

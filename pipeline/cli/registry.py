@@ -12,7 +12,9 @@ from typing import Annotated
 import httpx
 import typer
 from mlflow.exceptions import MlflowException
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.registry import aliases
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
@@ -160,14 +162,14 @@ def _table(data: dict) -> Table:
     for entry in data["models"]:
         for v in entry["versions"]:
             tags = v["tags"]
-            table.add_row(
-                entry["model"],
-                v["version"],
-                ",".join(v["aliases"]),
-                tags.get("hourglass.round_id", ""),
-                tags.get("hourglass.base_fingerprint", "")[:12],
-                tags.get(aliases.TAG_SERVE_ERROR, "")[:60],
+            table.add_row(  # plain text: MLflow tags are written by anyone with MLflow access, never Rich markup
+                Text(entry["model"]),
+                Text(str(v["version"])),
+                Text(",".join(v["aliases"])),
+                Text(tags.get("hourglass.round_id", "")),
+                Text(tags.get("hourglass.base_fingerprint", "")[:12]),
+                Text(tags.get(aliases.TAG_SERVE_ERROR, "")[:60]),
             )
     for url, served in data["replicas"].items():
-        table.caption = (table.caption or "") + f"{url}: {served}\n"
+        table.caption = (table.caption or "") + escape(f"{url}: {served}") + "\n"
     return table

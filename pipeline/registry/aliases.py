@@ -72,9 +72,20 @@ def _set_previous(client: MlflowClient, model: str, version: str | None) -> None
         client.set_registered_model_alias(model, PREVIOUS_ALIAS, version)
 
 
+def _check_version_number(model: str, version: str) -> str:
+    """``version`` when it is a version number MLflow can hold (digits, int64), else UnknownVersionError."""
+    if not (version.isdigit() and version.isascii() and len(version) <= 18):  # MLflow answers 500 past int64
+        raise UnknownVersionError(
+            f"version {version[:40]!r} of model {model[:200]!r} is not a version number (digits, at most 18); "
+            "see `hourglass models list` for the versions"
+        )
+    return version
+
+
 def _require_version(client: MlflowClient, model: str, version: str):
+    version = _check_version_number(model, str(version))
     try:
-        return client.get_model_version(model, str(version))
+        return client.get_model_version(model, version)
     except MlflowException as err:
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise UnknownVersionError(
@@ -127,6 +138,8 @@ def rollback(cfg: HourglassConfig, model: str, to: str | None = None, *, client:
         RegistryError: no earlier champion is known (the message says what serves now: with no
             champion, the base, and a version on canary if one runs); name one with ``to``.
     """
+    if to is not None:
+        _check_version_number(model, str(to))  # before any MLflow call
     client = client or make_client(cfg)
     alias = cfg.registry.champion_alias
     current = champion_version(client, model, alias)

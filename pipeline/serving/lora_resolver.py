@@ -43,6 +43,7 @@ import logging
 import os
 import tempfile
 
+from pipeline.errors import ConfigError
 from trainer.adapter_share import AdapterShareError, evict, fetch
 
 # A child of the "vllm" logger, so the line lands in the vLLM server log.
@@ -81,16 +82,24 @@ def make_resolver(share_uri: str, cache_dir: str, keep: int = 64):
 
 
 def register() -> None:
-    """vLLM plugin entry point: register the resolver when ``HOURGLASS_ADAPTER_SHARE`` is set (idempotent)."""
+    """vLLM plugin entry point: register the resolver when ``HOURGLASS_ADAPTER_SHARE`` is set (idempotent).
+
+    Raises:
+        ConfigError: ``HOURGLASS_ADAPTER_CACHE_KEEP`` is not a whole number >= 1 (vLLM then fails to start,
+            with this message in its log, rather than evicting every adapter it fetched).
+    """
     share = os.environ.get(ENV_SHARE, "").strip()
     if not share:
         return
+    raw_keep = os.environ.get(ENV_KEEP, "64").strip()
+    if not raw_keep.isdigit() or int(raw_keep) < 1:  # 0 or less would evict every fetched adapter at each fetch
+        raise ConfigError(f"{ENV_KEEP}={raw_keep!r} must be a whole number of adapters, at least 1 (default 64)")
+    keep = int(raw_keep)
     from vllm.lora.resolver import LoRAResolverRegistry
 
     if RESOLVER_NAME in LoRAResolverRegistry.get_supported_resolvers():
         return
     cache = os.environ.get(ENV_CACHE) or os.path.join(tempfile.gettempdir(), "hourglass-adapters")
     os.makedirs(cache, exist_ok=True)
-    keep = int(os.environ.get(ENV_KEEP, "64"))
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, make_resolver(share, cache, keep))
     log.info("hourglass resolver: adapters from %s, cached in %s", share, cache)

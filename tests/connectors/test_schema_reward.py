@@ -84,6 +84,13 @@ def test_bad_records_are_rejected_with_reason(raw: bytes, reason: str) -> None:
     assert result.detail
 
 
+def test_an_integer_too_long_to_read_is_invalid_json_not_a_parser_failure() -> None:
+    raw = json.dumps(_trace()).replace('"hi"', '"hi", "reward": ' + "9" * 5000).encode()
+    result = s.parse_record(raw, max_record_bytes=1 << 20, hasher=HASHER)
+    # was a ValueError out of the slow path: ingest stored it as parse_error, "please report it"
+    assert isinstance(result, s.Rejected) and result.reason == s.INVALID_JSON and "4300" in result.detail
+
+
 def test_schema_violation_names_the_field() -> None:
     result = _parse({k: v for k, v in _trace().items() if k != "completion"})
     assert isinstance(result, s.Rejected) and "completion" in result.detail

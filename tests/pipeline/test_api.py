@@ -95,6 +95,9 @@ def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, servi
     assert response.status_code == 422 and "unknown candidate" in response.json()["detail"]
     assert client.post("/rounds", json={"window": "soon"}, headers=auth).status_code == 422
     assert client.post("/rounds", json={"surprise": 1}, headers=auth).status_code == 422
+    empty = client.post("/rounds", json={"candidates": []}, headers=auth)  # was a round of every candidate
+    assert empty.status_code == 422 and "candidates" in str(empty.json()["detail"])
+    assert service.runner.current is None and client.get("/rounds").json() == []
     response = client.post("/rounds/r-x/cancel", headers=auth)
     assert response.status_code == 409 and "not running" in response.json()["detail"]
 

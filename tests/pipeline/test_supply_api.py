@@ -61,7 +61,9 @@ def test_auth_is_checked_before_the_body_is_parsed(client: TestClient, service: 
     assert service.store.list() == []
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:18080", "attacker.localhost", ""])
+@pytest.mark.parametrize(
+    "host", ["evil.example", "evil.example:18080", "attacker.localhost", "", "[::1]evil.example", "[::1]:x", "[::1"]
+)
 def test_foreign_host_header_is_refused(client: TestClient, host: str) -> None:
     for path in ("/status", "/rounds", "/healthz"):
         response = client.get(path, headers={"Host": host})
@@ -281,3 +283,33 @@ def test_a_basic_credential_that_is_not_base64_text_is_a_401_not_a_500() -> None
 
     request = Request({"type": "http", "headers": [(b"authorization", b"Basic \xff\xfe")]})
     assert presented_token(request) is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/promote", {"version": "9" * 400}),  # MLflow answered 500 (int64 overflow) until its client gave up: 502
+        ("/rollback", {"to": "99999999999999999999"}),
+    ],
+)
+def test_a_version_number_mlflow_cannot_hold_is_refused_before_asking_it(
+    client: TestClient, service: HourglassService, path: str, body: dict
+) -> None:
+    response = client.post(path, json=body, headers={"Authorization": f"Bearer {service.api_token}"})
+    assert response.status_code in (404, 422), response.text
+    assert "MLflow" not in response.text and "version" in response.text
+
+
+def test_an_invalid_model_name_from_mlflow_is_the_callers_fault() -> None:
+    from fastapi import HTTPException
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    from pipeline.api_errors import registry_call
+
+    def call() -> dict:
+        raise MlflowException("Invalid model name 'a/b'. Names cannot contain '/' or ':'.", INVALID_PARAMETER_VALUE)
+
+    with pytest.raises(HTTPException) as refused:
+        registry_call(call)
+    assert refused.value.status_code == 422 and "Invalid model name" in str(refused.value.detail)  # was 502

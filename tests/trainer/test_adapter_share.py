@@ -54,6 +54,21 @@ def test_unsafe_names_are_refused(tmp_path: Path, name: str) -> None:
         publish(_adapter(tmp_path / "a"), str(tmp_path / "share"), name)
 
 
+def test_pickle_weights_are_neither_published_nor_fetched(tmp_path: Path) -> None:
+    share, cache = tmp_path / "share", tmp_path / "cache"
+    folder = _adapter(tmp_path / "a")
+    (folder / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(AdapterShareError, match="refusing pickle files"):
+        publish(folder, str(share), "hg-v5")
+    (folder / "adapter_model.bin").unlink()
+    files = publish(folder, str(share), "hg-v5")
+    (share / "hg-v5" / "adapter_model.bin").write_bytes(b"pickle")  # a writer that skipped the check
+    (share / "hg-v5" / MANIFEST).write_text(json.dumps({"files": {**files, "adapter_model.bin": "0" * 64}}))
+    with pytest.raises(AdapterShareError, match=r"refusing pickle files \['adapter_model.bin'\]"):
+        fetch(str(share), "hg-v5", cache)  # was downloaded and handed to vLLM, which loads .bin with torch.load
+    assert not (cache / "hg-v5").exists()
+
+
 def test_publish_refuses_a_folder_that_is_not_a_flat_adapter(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterShareError, match="no adapter_config.json"):

@@ -268,6 +268,47 @@ def test_a_client_that_hangs_up_aborts_its_upstream_generation(
     assert time.monotonic() - started < upstream.slow_s / 2, "aborted, not run to the end"
 
 
+def test_a_body_that_never_arrives_is_408_and_frees_the_keys_slot(keys: Keys, upstream: FakeUpstream) -> None:
+    import socket
+    from urllib.parse import urlparse
+
+    from prometheus_client import REGISTRY
+
+    def count(status: str) -> float:
+        labels = {"endpoint": "/v1/chat/completions", "status": status}
+        return REGISTRY.get_sample_value("hourglass_gateway_requests_total", labels) or 0.0
+
+    timed_out, hung_up = count("408"), count("499")
+
+    app = create_gateway_app(
+        KafkaConfig(bootstrap_servers=["127.0.0.1:9"]),
+        upstream.url,  # type: ignore[attr-defined]
+        lambda name: ("base", None),
+        sink=FakeSink(),
+        keys=keys.store,
+        gateway=GatewayConfig(body_timeout_s=1.0),
+    )
+    with serve(app) as url:
+        where = urlparse(url)
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {keys.single}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        ).encode()
+        with socket.create_connection((where.hostname, where.port), timeout=10) as slow:
+            slow.sendall(head)  # 1 of the 100 declared bytes, then nothing: was no answer, ever
+            answer = slow.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and "gateway.body_timeout_s=1" in answer
+        assert chat(url, keys.single).status_code == 200  # the key's only concurrency slot is free again
+
+        with socket.create_connection((where.hostname, where.port), timeout=10) as gone:
+            gone.sendall(head)  # hangs up mid-body: was an "Exception in ASGI application" traceback (500)
+        wait_for(
+            lambda: count("499") == hung_up + 1, 10, "the hang-up to be counted (was an unhandled ClientDisconnect)"
+        )
+        assert chat(url, keys.single).status_code == 200
+    assert count("408") == timed_out + 1
+
+
 def test_error_bodies_do_not_name_internal_addresses(keys: Keys) -> None:
     port = free_port()
     app = create_gateway_app(

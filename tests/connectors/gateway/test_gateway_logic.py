@@ -231,6 +231,7 @@ def test_a_chat_is_rewritten_for_vllm_and_its_trace_carries_the_adapter_version(
     assert sent["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # the gateway's key, not the client's
 
     body = answer.json()
+    assert body["model"] == "hourglass"  # the public name: the served one tells a canary's side and versions
     assert body["choices"][0]["message"]["content"] == "4"
     assert body["choices"][0]["logprobs"] is None and "token_ids" not in body["choices"][0]
     assert "prompt_token_ids" not in body
@@ -296,6 +297,7 @@ def test_a_stream_passes_chunks_through_stripped_and_publishes_one_full_trace(gw
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "four"
     assert all(c["choices"][0]["logprobs"] is None and "token_ids" not in c["choices"][0] for c in chunks)
+    assert {c["model"] for c in chunks} == {"hourglass"}
     trace = gw.trace(answer)
     assert (
         trace.completion == "four"
@@ -327,6 +329,11 @@ def test_batches_are_served_but_not_traced(gw: Gateway) -> None:
     assert answer.status_code == 200
     gw.trace(later)
     assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+    # no feedback token for an answer that is never traced: feedback on it would be accepted (200), then
+    # dead-lettered as unmatched_feedback after the join window
+    assert FEEDBACK_HEADER not in answer.headers and FEEDBACK_HEADER in later.headers
+    refused = gw.post("/v1/feedback", {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "up"}, gw.keys.client)
+    assert refused.status_code == 400 and error(refused)["param"] == "feedback_token"
 
 
 # --- the canary split ---------------------------------------------------------------------------------
@@ -339,17 +346,22 @@ def test_the_canary_side_is_in_the_trace_and_sticky_per_user(keys: Keys) -> None
     with http:
         champion_side = gw.trace(gw.chat(user="carol"))
         carol_key = resolver.keys[-1]
-        assert carol_key == champion_side.metadata["user_hash"]  # the routing key is the hashed user
+        # keyed: not the user hash the client can read in its feedback token (canary_bucket is public)
+        assert carol_key.startswith("hmac-sha256:") and carol_key != champion_side.metadata["user_hash"]
         resolver.challenger_keys.add(carol_key)
         first, second = gw.trace(gw.chat(user="carol")), gw.trace(gw.chat(user="carol"))
-        anonymous = gw.chat()  # no user: the trace id is the routing key
+        anonymous = gw.chat()  # no user: a keyed hash of the trace id is the routing key
         anon_trace = gw.trace(anonymous)
+        again = gw.chat(user="carol")
 
     assert champion_side.metadata["canary"] is False and champion_side.adapter_version == "3"
     assert first.metadata["canary"] is True and second.metadata["canary"] is True
     assert first.adapter_version == "4" and first.metadata["served_name"] == "hourglass-v4"
     assert [r["body"]["model"] for r in upstream.requests[1:3]] == ["hourglass-v4", "hourglass-v4"]
-    assert resolver.keys[-1] == anonymous.headers[TRACE_HEADER] and anon_trace.metadata["canary"] is False
+    assert (
+        resolver.keys[-2] not in (anonymous.headers[TRACE_HEADER], carol_key) and anon_trace.metadata["canary"] is False
+    )
+    assert resolver.keys[-1] == carol_key and again.status_code == 200  # the same user: the same side
 
 
 def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
@@ -388,6 +400,25 @@ def test_a_client_cannot_set_the_canary_flag(gw: Gateway) -> None:
             "finite",
         ),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404, "`nope` does not exist"),
+        (  # vLLM overflowed on it: a 500
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "top_k": 1000000000000000000000000000000}',
+            {},
+            400,
+            "body.top_k is 1000000000000000000000000000000...: integers must fit in 64 bits",
+        ),
+        # vLLM reads "false" as false, the gateway read it as true: served unstreamed, relayed as SSE, never traced
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}',
+            {},
+            400,
+            "'stream' must be true or false",
+        ),
+        (
+            b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "logprobs": "no"}',
+            {},
+            400,
+            "'logprobs' must be true or false",
+        ),
     ],
 )
 def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(
@@ -430,6 +461,18 @@ def test_an_upstream_4xx_passes_through_untraced_and_without_a_feedback_token(gw
     gw.upstream.reply = gw.upstream.answer
     gw.trace(gw.chat())
     assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_5xx_is_a_502_with_an_openai_error_not_its_internals(gw: Gateway, stream: bool) -> None:
+    crash = 'Traceback (most recent call last):\n  File "/opt/vllm/engine.py", line 7\nEngineDeadError'
+    gw.upstream.reply = lambda body: httpx.Response(500, text=crash)
+
+    answer = gw.chat(stream=stream)
+
+    assert answer.status_code == 502 and error(answer)["code"] == "upstream_error"  # was vLLM's 500, relayed
+    assert "HTTP 500" in error(answer)["message"] and "/opt/vllm" not in answer.text
+    assert answer.headers[TRACE_HEADER] and FEEDBACK_HEADER not in answer.headers
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -569,3 +612,21 @@ def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
 
     assert refused.status_code == 503 and "not stored" in error(refused)["message"]
     assert "10.1.2.3" not in refused.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"correction": "x" * 4097}, "correction", "buffer.max_correction_chars=4096"),
+        ({"metadata": {"note": "x" * 17_000}}, "metadata", "gateway.max_metadata_bytes"),
+    ],
+)
+def test_feedback_over_the_buffers_limits_is_refused_not_stored_then_dead_lettered(
+    gw: Gateway, extra: dict, param: str, says: str
+) -> None:
+    answer = gw.chat()
+    vote = {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "down", **extra}
+    refused = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+
+    assert refused.status_code == 400 and error(refused)["param"] == param and says in error(refused)["message"]
+    assert gw.sink.feedback == []  # was 200 "stored", then an oversize_correction dead letter at ingest

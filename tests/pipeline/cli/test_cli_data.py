@@ -143,6 +143,24 @@ def test_produce_refuses_an_illegal_topic_name_with_a_message(topic: str, tmp_pa
     assert "Traceback" not in out.output and "not a legal Kafka topic name" in out.output
 
 
+def test_produce_refuses_the_routes_topic(tmp_path: Path) -> None:
+    """A backfill line keyed by its trace_id "hourglass" was a valid route record: any served name went live."""
+    data = tmp_path / "route.jsonl"
+    data.write_text('{"trace_id": "hourglass", "served_name": "hourglass-v1", "version": "1", "updated_at": ""}\n')
+    config = tmp_path / "hourglass.toml"
+    config.write_text('[kafka]\nbootstrap_servers = ["127.0.0.1:9"]\n')
+    out = CliRunner().invoke(_app(), ["produce", "--config", str(config), "--topic", "hourglass.routes", str(data)])
+    assert out.exit_code == 1, out.output
+    assert "Traceback" not in out.output and "routes topic" in out.output and "hourglass promote" in out.output
+
+
+def test_a_line_nested_past_the_parser_is_sent_keyless_not_a_crash() -> None:
+    from connectors.sink import _key_of
+
+    assert _key_of(b"[" * 5000) is None  # was RecursionError: `hourglass produce` stopped mid-file
+    assert _key_of(b'{"trace_id": "t1"}') == b"t1"
+
+
 def test_dlq_list_prints_hostile_details_as_text(tmp_path: Path) -> None:
     """Details quote traffic (a ShareGPT role, a field value): Rich markup in them must neither crash the
     table (an unmatched closing tag raised MarkupError) nor style the operator's terminal."""

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 
 class Upstream:
-    """An OpenAI-shaped completions server that answers with the model it was asked for."""
+    """An OpenAI-shaped completions server whose completion text is the model it was asked for (the gateway
+    answers the client with the public name, so the text is what shows the served name)."""
 
     def __init__(self) -> None:
         self.app = FastAPI()
@@ -42,7 +43,7 @@ class Upstream:
             "object": "text_completion",
             "created": 0,
             "model": body["model"],
-            "choices": [{"index": 0, "text": " ok", "finish_reason": "stop", "logprobs": None}],
+            "choices": [{"index": 0, "text": body["model"], "finish_reason": "stop", "logprobs": None}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
 
@@ -50,7 +51,8 @@ class Upstream:
 def _served(client: TestClient) -> str:
     response = client.post("/v1/completions", json={"model": "hg", "prompt": "Hi", "max_tokens": 1})
     assert response.status_code == 200, response.text
-    return response.json()["model"]
+    assert response.json()["model"] == "hg"
+    return response.json()["choices"][0]["text"]
 
 
 def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClient:
@@ -108,22 +110,39 @@ def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: st
         producer = KafkaProducer(bootstrap_servers=[broker], acks="all")
         producer.send(cfg.kafka.routes_topic, key=b"hg", value=b"{not json").get(timeout=30)
         producer.send(cfg.kafka.routes_topic, key=b"hg", value=b'{"served_name": 7}').get(timeout=30)
+        forged = [
+            b"[" * 5000,  # nested past the JSON parser: ended the follower thread (no flip was ever seen again)
+            b'{"served_name": "hg-v2", "version": "2", "updated_at": "", "challenger_served_name": "hg-v3", '
+            b'"challenger_version": "3", "fraction": "0.5"}',  # was a TypeError: 500 on every request
+            b'{"served_name": "grpo-s3", "version": "3", "updated_at": ""}',  # not a registered version's name
+            b'{"served_name": "base", "version": null, "updated_at": ""}',  # a forged "back to the base"
+        ]
+        for value in forged:
+            producer.send(cfg.kafka.routes_topic, key=b"hg", value=value).get(timeout=30)
         producer.close()
         time.sleep(0.5)
         assert _served(gw_a) == _served(gw_b) == "hg-v2"
+        write_route(cfg.state_dir, "hg", Route("hg-v4", "4", "2026-01-01T00:02:00+00:00"))
+        controller.reconcile_once()  # the followers are still alive: the next real flip arrives
+        deadline = time.monotonic() + 5
+        while {_served(gw_a), _served(gw_b)} != {"hg-v4"}:
+            assert time.monotonic() < deadline, "a follower stopped following after the hostile records"
+            time.sleep(0.05)
 
         # a gateway that starts now reads the topic from the beginning: the newest good value per key wins
         gw_c = _gateway(cfg, upstream, stack)
-        assert _served(gw_c) == "hg-v2"
-        assert gw_c.follower.routes()["hg"]["version"] == "2"
+        assert _served(gw_c) == "hg-v4"
+        assert gw_c.follower.routes()["hg"]["version"] == "4"
 
 
 def test_routes_file_stays_the_single_host_default(tmp_path) -> None:
     cfg = HourglassConfig(state_dir=str(tmp_path / "state"))
     assert cfg.serving.routes_source == "file" and cfg.kafka.routes_topic == "hourglass.routes"
     write_route(cfg.state_dir, "hourglass", Route("hourglass-v3", "3", "2026-01-01T00:00:00+00:00"))
+    write_route(cfg.state_dir, "not-served-here", Route("not-served-here-v1", "1", "2026-01-01T00:00:00+00:00"))
     resolver = route_resolver(cfg, ttl_s=0.0)
     assert resolver("hourglass") == ("hourglass-v3", "3")
+    assert resolver.names() == ["hourglass"]  # only the configured public names are routed
     assert not hasattr(resolver, "follower")
 
 

@@ -1,0 +1,87 @@
+"""Hostile route records: whatever a Kafka producer writes to the routes topic, the gateway's resolver
+keeps answering with the last good route (no TypeError, no huge allocation, no dead follower thread),
+and a record can only name ``<model>-v<version>``, the served names of the routes contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connectors.config import KafkaConfig
+from connectors.gateway.route_feed import REFUSED, RouteFollower
+from connectors.gateway.routes import ROUTES_FILE, RouteRecordError, RouteResolver, read_routes, route_from_dict
+
+GOOD = {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:00:00+00:00"}
+CANARY = {**GOOD, "challenger_served_name": "hg-v3", "challenger_version": "3", "fraction": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ({**CANARY, "fraction": "0.5"}, "fraction"),  # was "0.5" * 10000 then int < str: TypeError, a 500
+        ({**CANARY, "fraction": "x" * 100_000}, "fraction"),  # was a 1 GB string built per request
+        ({**CANARY, "fraction": None}, "fraction"),
+        ({**CANARY, "fraction": True}, "fraction"),
+        ({**CANARY, "fraction": 1.5}, "fraction"),
+        ({**CANARY, "fraction": float("nan")}, "fraction"),
+        ({**GOOD, "version": 2}, "version"),
+        ({**GOOD, "served_name": "base", "version": None}, "version"),  # a forged "back to the base"
+        ({**GOOD, "updated_at": None}, "updated_at"),
+        ({**GOOD, "served_name": "../../etc/passwd"}, "served_name"),
+        ({**GOOD, "served_name": ""}, "served_name"),
+        ({**CANARY, "challenger_version": None}, "challenger"),
+        ([GOOD], "JSON object"),
+    ],
+)
+def test_route_entries_with_a_wrong_field_are_refused_naming_it(entry: object, field: str) -> None:
+    with pytest.raises(RouteRecordError, match=field):
+        route_from_dict(entry)
+
+
+def test_a_record_may_only_name_the_versioned_served_name_of_its_model() -> None:
+    assert route_from_dict(CANARY, "hg").challenger_served_name == "hg-v3"
+    with pytest.raises(RouteRecordError, match="expected hg-v2"):
+        route_from_dict({**GOOD, "served_name": "grpo-s3"}, "hg")  # a rollout adapter as the champion
+    with pytest.raises(RouteRecordError, match="expected hg-v3"):
+        route_from_dict({**CANARY, "challenger_served_name": "other-v3"}, "hg")
+
+
+def test_hostile_records_leave_the_last_good_route_and_the_follower_alive() -> None:
+    follower = RouteFollower(KafkaConfig())
+    follower._apply(b"hg", json.dumps(CANARY).encode())
+    resolver = RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes)
+    before = REFUSED._value.get()
+    hostile = [
+        json.dumps({**CANARY, "fraction": "0.5"}).encode(),
+        json.dumps({**GOOD, "served_name": "grpo-s3"}).encode(),
+        b"[" * 5000,  # deeper than the JSON parser's recursion limit: RecursionError ended the thread
+        b"\xff\xfe",
+    ]
+    for value in hostile:
+        follower._apply(b"hg", value)  # must not raise
+    assert REFUSED._value.get() - before == len(hostile)
+    assert resolver.route("hg", "user-a").served_name in ("hg-v2", "hg-v3")
+    assert follower.routes()["hg"] == CANARY
+
+
+def test_a_damaged_routes_file_entry_is_left_out_not_raised(tmp_path) -> None:
+    (tmp_path / ROUTES_FILE).write_text(
+        json.dumps({"hg": GOOD, "bad": {**GOOD, "extra_from_a_newer_writer": 1, "fraction": "0.2"}, "odd": 7})
+    )
+    assert list(read_routes(tmp_path)) == ["hg"]
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    assert resolver("hg") == ("hg-v2", "2")
+    (tmp_path / ROUTES_FILE).write_text("[1, 2]")  # valid JSON, not an object: was AttributeError
+    assert read_routes(tmp_path) == {}
+
+
+def test_routes_for_names_this_deployment_does_not_serve_are_ignored() -> None:
+    follower = RouteFollower(KafkaConfig())
+    follower._apply(b"hg", json.dumps(GOOD).encode())
+    follower._apply(b"evil", json.dumps({**GOOD, "served_name": "evil-v2"}).encode())  # valid, but not ours
+    resolver = RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes, models={"hg", "hg-oracle"})
+    assert resolver.names() == ["hg"]  # was ["evil", "hg"]: a producer could add public model names
+    with pytest.raises(KeyError, match="evil"):
+        resolver.route("evil", "k")
+    assert RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes).names() == ["evil", "hg"]

@@ -1,0 +1,60 @@
+"""Names and tags that look like Rich markup are printed as text by the CLI tables, never parsed.
+
+A model name given on the command line (``hourglass canary status --model '[/x]'``) or an MLflow tag that
+anyone with MLflow access can write (``hourglass.serve_error``) made Rich raise MarkupError: a traceback
+instead of the table.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from pipeline.cli.canary import status_table
+from pipeline.cli.registry import _table as models_table
+
+HOSTILE = "[/x] [bold]b[/bold] [link=http://evil]"
+
+
+def _render(table) -> str:
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None).print(table)
+    return out.getvalue()
+
+
+def test_canary_status_prints_a_markup_model_name_and_reason_as_text() -> None:
+    view = {
+        "version": "4",
+        "champion_version": "3",
+        "fraction": 0.2,
+        "started_at": None,
+        "challenger": {"n": 2, "mean": 0.5},
+        "champion": {"n": 1, "mean": 0.0},
+        "lower": -0.5,
+        "upper": 0.9,
+        "decision": "continue",
+        "reason": HOSTILE,
+    }
+    text = _render(status_table({HOSTILE: {"canary": None}, "hg": {"canary": view}}))
+    assert text.count(HOSTILE) == 2 and "no canary" in text and "v4" in text
+
+
+def test_models_list_prints_markup_tags_as_text() -> None:
+    data = {
+        "models": [
+            {
+                "model": "hg",
+                "versions": [
+                    {
+                        "version": "2",
+                        "aliases": ["champion"],
+                        "tags": {"hourglass.round_id": "[/r]", "hourglass.serve_error": HOSTILE},
+                    }
+                ],
+            }
+        ],
+        "replicas": {"http://127.0.0.1:1": "[/served]"},
+    }
+    text = _render(models_table(data))
+    assert "[/r]" in text and HOSTILE in text and "[/served]" in text
