@@ -57,7 +57,8 @@ from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
 from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.profile import phase
-from trainer.update import Batch, OnePassMember, update_step_one_pass
+from trainer.one_pass import OnePassMember, update_step_one_pass
+from trainer.update import Batch
 
 if TYPE_CHECKING:
     from trainer.adapter_store import AdapterStore
@@ -111,6 +112,9 @@ class MultiLoRA:
         self.grouped = grouped
         self._order: torch.Tensor | None = None  # row permutation that groups rows by adapter (None: already grouped)
         self._segments: list[tuple[int, int, int]] | None = None  # (adapter, first row, end row) in grouped order
+        # the last layer input and its copy in the LoRA weights' dtype: q/k/v (and gate/up) projections read the
+        # same tensor, so one cast (kept for backward) serves them all instead of one per module as in PEFT
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handles = []
         for name, entries in self.by_module.items():
             try:
@@ -147,7 +151,7 @@ class MultiLoRA:
         try:
             yield
         finally:
-            self._order, self._segments = None, None
+            self._order, self._segments, self._cast = None, None, None
 
     def _hook(self, entries: dict[int, _Lora]):
         def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -161,34 +165,41 @@ class MultiLoRA:
                     f"{type(module).__name__} got {tuple(x.shape)}: train this model with update_mode 'sequential'"
                 )
             order = self._order
-            if order is not None:
-                x = x.index_select(0, order.to(x.device))
+            dtype = next(iter(entries.values())).A.dtype
+            if self._cast is not None and self._cast[0] is x and self._cast[1].dtype == dtype:
+                x = self._cast[1]
+            else:
+                source = x
+                if order is not None:
+                    x = x.index_select(0, order.to(x.device))
+                x = x.to(dtype)
+                self._cast = (source, x)
             delta = self._delta(x, entries, output.shape[-1])
             if order is not None:
-                delta = delta.index_select(0, torch.argsort(order).to(x.device))
+                delta = delta.index_select(0, torch.argsort(order).to(delta.device))
             return (output + delta).to(output.dtype)  # as PEFT: base output + float32 LoRA term, back to the base dtype
 
         return hook
 
     def _delta(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
+        """The LoRA term of rows ``x`` (grouped order, already in the LoRA weights' dtype)."""
         assert self._segments is not None
-        dtype = next(iter(entries.values())).A.dtype
         use_grouped = self.grouped if self.grouped is not None else (x.is_cuda and _GROUPED is not None)
         if use_grouped and _GROUPED is not None:
             try:
-                return self._delta_grouped(x.to(dtype), entries, out_features)
+                return self._delta_grouped(x, entries, out_features)
             except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
                 log.warning("grouped matmul unavailable here (%s); using the segmented loop", err)
                 self.grouped = False
         pieces = []
         for k, s, e in self._segments:
             lora = entries.get(k)
-            xs = x[s:e].to(dtype)
+            xs = x[s:e]
             if lora is None:  # this adapter does not target the module
                 pieces.append(xs.new_zeros((*xs.shape[:-1], out_features)))
             else:
                 pieces.append(F.linear(F.linear(xs, lora.A), lora.B) * lora.scale)
-        return torch.cat(pieces, dim=0)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _delta_grouped(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
         """One grouped matmul pair over the row groups; ranks padded to the largest (zeros)."""
