@@ -9,8 +9,9 @@ layer, run with PEFT's adapters disabled) and adds, for a batch whose rows
     y_b = W x_b + scale[idx_b] * B[idx_b] (A[idx_b] x_b)      (Hu et al. 2021, arXiv:2106.09685)
 
 with ``A_k [r_k, in]``, ``B_k [out, r_k]``, ``scale_k = alpha_k / r_k`` (PEFT's
-scaling, no rsLoRA). Rows are grouped by adapter (sorted once per batch when
-they are not already contiguous) and each group is one pair of matmuls:
+scaling, no rsLoRA). Rows are grouped by adapter (:func:`trainer.one_pass.plan_chunks`
+hands them over grouped; other callers' rows are sorted once per batch) and
+each group is one pair of matmuls:
 
 - everywhere: a segmented loop, one ``F.linear`` pair per (module, adapter)
   group, each adapter at its own rank (no padding);
@@ -28,16 +29,21 @@ they are not already contiguous) and each group is one pair of matmuls:
 An adapter that does not target a module contributes nothing there (its rows
 get a zero delta), so candidates with different ranks and target modules mix.
 LoRA weights stay float32 (the LoRA input is cast to their dtype and the sum
-back to the base layer's output dtype, as PEFT does).
+back to the base layer's output dtype, as PEFT does). Layers that read the
+same input tensor (``q/k/v_proj``, ``gate/up_proj``) share one cast, which is
+what backward keeps: PEFT keeps one float32 copy per LoRA layer.
 
-:func:`train_one_pass` runs a step of several candidates this way. Each
-candidate keeps its own parameters, AdamW (own learning rate and state) and
-loss normalisation: the backward runs on the sum of the candidates' own
-token-mean losses, so each adapter's gradient is the one it would get alone.
-The weights and AdamW state are copied from the adapter store into per-pass
-float32 parameters before the pass and written back after it (two store
-activations and two copies of each candidate's LoRA tensors and moments per
-step: small next to a forward/backward, and the stores stay unchanged).
+:func:`train_one_pass` runs a step of several candidates this way
+(:func:`trainer.one_pass.update_step_one_pass`: the rows in chunks of
+``rl.one_pass_chunk_tokens`` padded tokens, gradients accumulated, so the
+step's memory does not grow with K x rows). Each candidate keeps its own
+parameters, AdamW (own learning rate and state) and loss normalisation (a
+token mean over all its rows of the step), so each adapter's gradient is the
+one it would get alone. The weights and AdamW state are copied from the
+adapter store into per-pass float32 parameters before the pass and written
+back after it (two store activations and two copies of each candidate's LoRA
+tensors and moments per step: small next to a forward/backward, and the
+stores stay unchanged).
 """
 
 from __future__ import annotations
@@ -273,13 +279,14 @@ def train_one_pass(
     """One optimizer step for each ``(candidate, batch)``, ``rl.adapters_per_pass`` candidates per forward/backward.
 
     Per group: pull the candidates' weights and AdamW state out of the store,
-    one reference pass + one forward/backward (:func:`trainer.update.update_step_one_pass`),
-    push the results back. A candidate whose loss or gradient is not finite is
+    run the step over all their rows (:func:`trainer.one_pass.update_step_one_pass`:
+    per chunk of ``rl.one_pass_chunk_tokens`` padded tokens one reference pass and
+    one forward/backward), push the results back. A candidate whose loss or gradient is not finite is
     not stepped (``train/skipped_nonfinite`` = 1); the others are unaffected.
 
     Returns:
         candidate name -> the step's metrics (the keys of :func:`trainer.update.update_step`,
-        plus ``train/swap_s``: this candidate's share of the pull + push time).
+        plus ``train/chunks`` and ``train/swap_s``: this candidate's share of the pull + push time).
 
     Raises:
         TrainerConfigError: a candidate with embedding LoRA layers (train it sequentially).
