@@ -123,9 +123,11 @@ def update_step_one_pass(
         per member, the metrics of :func:`trainer.update.update_step`
         (``train/loss``, ``train/pg_loss``, ``train/kl`` and the policy loss's
         token-mean metrics, e.g. ``train/clip_frac``: over all its rows);
-        ``train/update_s`` is the shared step's wall time, ``train/tokens_per_s``
-        the step's completion tokens (all members) per second of it, and
-        ``train/chunks`` the number of forward/backward chunks.
+        ``train/update_s`` is the member's equal share of the shared step's wall
+        time (summed over the members: the step's wall time, as the
+        sequential mode's per-candidate times add up), ``train/tokens_per_s``
+        the step's completion tokens (all members) per second of its wall
+        time, and ``train/chunks`` the number of forward/backward chunks.
 
     Raises:
         TrainerConfigError: a member's algorithm is not in :data:`trainer.update.ONE_PASS_ALGORITHMS`.
@@ -190,6 +192,6 @@ def update_step_one_pass(
     tokens = float(sum(sum(len(c) for c in b.completion_ids) for b in batches))
     for r in sums:
         r["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        r["train/update_s"] = elapsed
+        r["train/update_s"] = elapsed / len(members)
         r["train/chunks"] = float(len(chunks))
     return sums

@@ -8,6 +8,7 @@ modules and uneven row counts; the offload and the resident store; groups of
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -237,10 +238,14 @@ def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, c
         m.optimizer = _Recorder(list(m.params.values()))
     multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
     try:
+        started = time.perf_counter()
         metrics = update_step_one_pass(base, multi, members, rl, batches)
+        wall_s = time.perf_counter() - started
     finally:
         multi.close()
         _close(store)
+    # each candidate's update_s is its share of the shared step: they add up to the step's wall time
+    assert 0 < sum(m["train/update_s"] for m in metrics) <= wall_s
     chunks = plan_chunks(batches, chunk_tokens)
     assert metrics[0]["train/chunks"] == len(chunks)
     if chunk_tokens < 100_000:  # the case under test: some candidate's rows lie in several chunks
