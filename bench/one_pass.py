@@ -10,9 +10,11 @@ round does for the K candidates of one step:
   :func:`trainer.update.update_step` (adapters-off reference forward, policy
   forward + backward, clip, AdamW);
 - ``one_pass``: :func:`trainer.multi_lora.train_one_pass` (pull every
-  candidate's weights and AdamW state out of the store, one reference pass
-  and one forward/backward over all rows, each row through its own
-  candidate's LoRA weights, K AdamW steps, push back).
+  candidate's weights and AdamW state out of the store, then per chunk of at
+  most ``--chunk-tokens`` padded tokens (``rl.one_pass_chunk_tokens``, rows
+  of all candidates mixed) one reference pass and one forward/backward, each
+  row through its own candidate's LoRA weights, gradients accumulating; K
+  AdamW steps, push back).
 
 Both stores take the same number of steps on the same batches, so at the
 end their weights must agree; the script prints the largest difference
@@ -185,6 +187,12 @@ def main() -> None:
     ap.add_argument("--completion-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per mode")
     ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=RLConfig().one_pass_chunk_tokens,
+        help="one_pass: padded tokens per forward/backward (rl.one_pass_chunk_tokens)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape"
     )
     args = ap.parse_args()
@@ -211,9 +219,10 @@ def main() -> None:
     batches = make_batches(base, prompts, args.k, args.batch, args.completion_len)
     print(
         f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
-        f"tokens per candidate; {args.repeats} timed steps per mode"
+        f"tokens per candidate; {args.repeats} timed steps per mode; one_pass chunks of <= {args.chunk_tokens} tokens"
     )
-    result = compare_modes(base, candidates, batches, RLConfig(adapters_per_pass=args.k), args.repeats)
+    rl = RLConfig(adapters_per_pass=args.k, one_pass_chunk_tokens=args.chunk_tokens)
+    result = compare_modes(base, candidates, batches, rl, args.repeats)
     print("\n".join(report(result, args.k)))
 
 

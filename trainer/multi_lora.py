@@ -9,8 +9,9 @@ layer, run with PEFT's adapters disabled) and adds, for a batch whose rows
     y_b = W x_b + scale[idx_b] * B[idx_b] (A[idx_b] x_b)      (Hu et al. 2021, arXiv:2106.09685)
 
 with ``A_k [r_k, in]``, ``B_k [out, r_k]``, ``scale_k = alpha_k / r_k`` (PEFT's
-scaling, no rsLoRA). Rows are grouped by adapter (sorted once per batch when
-they are not already contiguous) and each group is one pair of matmuls:
+scaling, no rsLoRA). Rows are grouped by adapter (:func:`trainer.one_pass.plan_chunks`
+hands them over grouped; other callers' rows are sorted once per batch) and
+each group is one pair of matmuls:
 
 - everywhere: a segmented loop, one ``F.linear`` pair per (module, adapter)
   group, each adapter at its own rank (no padding);
@@ -28,16 +29,21 @@ they are not already contiguous) and each group is one pair of matmuls:
 An adapter that does not target a module contributes nothing there (its rows
 get a zero delta), so candidates with different ranks and target modules mix.
 LoRA weights stay float32 (the LoRA input is cast to their dtype and the sum
-back to the base layer's output dtype, as PEFT does).
+back to the base layer's output dtype, as PEFT does). Layers that read the
+same input tensor (``q/k/v_proj``, ``gate/up_proj``) share one cast, which is
+what backward keeps: PEFT keeps one float32 copy per LoRA layer.
 
-:func:`train_one_pass` runs a step of several candidates this way. Each
-candidate keeps its own parameters, AdamW (own learning rate and state) and
-loss normalisation: the backward runs on the sum of the candidates' own
-token-mean losses, so each adapter's gradient is the one it would get alone.
-The weights and AdamW state are copied from the adapter store into per-pass
-float32 parameters before the pass and written back after it (two store
-activations and two copies of each candidate's LoRA tensors and moments per
-step: small next to a forward/backward, and the stores stay unchanged).
+:func:`train_one_pass` runs a step of several candidates this way
+(:func:`trainer.one_pass.update_step_one_pass`: the rows in chunks of
+``rl.one_pass_chunk_tokens`` padded tokens, gradients accumulated, so the
+step's memory does not grow with K x rows). Each candidate keeps its own
+parameters, AdamW (own learning rate and state) and loss normalisation (a
+token mean over all its rows of the step), so each adapter's gradient is the
+one it would get alone. The weights and AdamW state are copied from the
+adapter store into per-pass float32 parameters before the pass and written
+back after it (two store activations and two copies of each candidate's LoRA
+tensors and moments per step: small next to a forward/backward, and the
+stores stay unchanged).
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
 from trainer.lora_tensors import adapter_params, lora_pairs, make_adamw, peft_name
 from trainer.profile import phase
-from trainer.update import Batch, OnePassMember, update_step_one_pass
+from trainer.one_pass import OnePassMember, update_step_one_pass
+from trainer.update import Batch
 
 if TYPE_CHECKING:
     from trainer.adapter_store import AdapterStore
@@ -111,6 +118,9 @@ class MultiLoRA:
         self.grouped = grouped
         self._order: torch.Tensor | None = None  # row permutation that groups rows by adapter (None: already grouped)
         self._segments: list[tuple[int, int, int]] | None = None  # (adapter, first row, end row) in grouped order
+        # the last layer input and its copy in the LoRA weights' dtype: q/k/v (and gate/up) projections read the
+        # same tensor, so one cast (kept for backward) serves them all instead of one per module as in PEFT
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handles = []
         for name, entries in self.by_module.items():
             try:
@@ -147,7 +157,7 @@ class MultiLoRA:
         try:
             yield
         finally:
-            self._order, self._segments = None, None
+            self._order, self._segments, self._cast = None, None, None
 
     def _hook(self, entries: dict[int, _Lora]):
         def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -161,34 +171,41 @@ class MultiLoRA:
                     f"{type(module).__name__} got {tuple(x.shape)}: train this model with update_mode 'sequential'"
                 )
             order = self._order
-            if order is not None:
-                x = x.index_select(0, order.to(x.device))
+            dtype = next(iter(entries.values())).A.dtype
+            if self._cast is not None and self._cast[0] is x and self._cast[1].dtype == dtype:
+                x = self._cast[1]
+            else:
+                source = x
+                if order is not None:
+                    x = x.index_select(0, order.to(x.device))
+                x = x.to(dtype)
+                self._cast = (source, x)
             delta = self._delta(x, entries, output.shape[-1])
             if order is not None:
-                delta = delta.index_select(0, torch.argsort(order).to(x.device))
+                delta = delta.index_select(0, torch.argsort(order).to(delta.device))
             return (output + delta).to(output.dtype)  # as PEFT: base output + float32 LoRA term, back to the base dtype
 
         return hook
 
     def _delta(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
+        """The LoRA term of rows ``x`` (grouped order, already in the LoRA weights' dtype)."""
         assert self._segments is not None
-        dtype = next(iter(entries.values())).A.dtype
         use_grouped = self.grouped if self.grouped is not None else (x.is_cuda and _GROUPED is not None)
         if use_grouped and _GROUPED is not None:
             try:
-                return self._delta_grouped(x.to(dtype), entries, out_features)
+                return self._delta_grouped(x, entries, out_features)
             except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
                 log.warning("grouped matmul unavailable here (%s); using the segmented loop", err)
                 self.grouped = False
         pieces = []
         for k, s, e in self._segments:
             lora = entries.get(k)
-            xs = x[s:e].to(dtype)
+            xs = x[s:e]
             if lora is None:  # this adapter does not target the module
                 pieces.append(xs.new_zeros((*xs.shape[:-1], out_features)))
             else:
                 pieces.append(F.linear(F.linear(xs, lora.A), lora.B) * lora.scale)
-        return torch.cat(pieces, dim=0)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _delta_grouped(self, x: torch.Tensor, entries: dict[int, _Lora], out_features: int) -> torch.Tensor:
         """One grouped matmul pair over the row groups; ranks padded to the largest (zeros)."""
@@ -262,13 +279,14 @@ def train_one_pass(
     """One optimizer step for each ``(candidate, batch)``, ``rl.adapters_per_pass`` candidates per forward/backward.
 
     Per group: pull the candidates' weights and AdamW state out of the store,
-    one reference pass + one forward/backward (:func:`trainer.update.update_step_one_pass`),
-    push the results back. A candidate whose loss or gradient is not finite is
+    run the step over all their rows (:func:`trainer.one_pass.update_step_one_pass`:
+    per chunk of ``rl.one_pass_chunk_tokens`` padded tokens one reference pass and
+    one forward/backward), push the results back. A candidate whose loss or gradient is not finite is
     not stepped (``train/skipped_nonfinite`` = 1); the others are unaffected.
 
     Returns:
         candidate name -> the step's metrics (the keys of :func:`trainer.update.update_step`,
-        plus ``train/swap_s``: this candidate's share of the pull + push time).
+        plus ``train/chunks`` and ``train/swap_s``: this candidate's share of the pull + push time).
 
     Raises:
         TrainerConfigError: a candidate with embedding LoRA layers (train it sequentially).

@@ -31,7 +31,7 @@ import torch
 
 from trainer.base import ResidentBase
 from trainer.config import Algorithm, CandidateConfig, RLConfig
-from trainer.errors import DataError, TrainerConfigError
+from trainer.errors import DataError
 from trainer.losses import (
     group_advantages,
     importance_weighted_pg_loss,
@@ -290,7 +290,8 @@ PolicyLoss = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 class AlgorithmSpec:
     """How an algorithm learns: ``online`` ones get fresh rollouts each step; offline ones draw
     logged rows that ``usable_row`` accepts. ``build_batch`` and ``policy_loss`` do the rest;
-    ``one_pass`` ones may update together in one forward/backward (:func:`update_step_one_pass`)."""
+    ``one_pass`` ones may update together in one forward/backward (:func:`trainer.one_pass.update_step_one_pass`;
+    their policy loss and its metrics must be token means over the batch, which split over chunks of rows)."""
 
     online: bool
     build_batch: Callable[[StepData], tuple[Batch, dict[str, float]]]
@@ -433,102 +434,6 @@ def update_step(
     }
 
 
-# --- all candidates in one forward/backward (trainer.multi_lora) ----------------------------
-
-
-@dataclass
-class OnePassMember:
-    """One candidate of a one-pass step: its float32 LoRA parameters (PEFT saved keys) and its own AdamW."""
-
-    candidate: CandidateConfig
-    params: dict[str, torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-
-
 ONE_PASS_ALGORITHMS = frozenset(a for a, spec in ALGORITHMS.items() if spec.one_pass)
-
-
-def update_step_one_pass(
-    base: ResidentBase, multi: object, members: Sequence[OnePassMember], rl: RLConfig, batches: Sequence[Batch]
-) -> list[dict[str, float]]:
-    """One AdamW step for each member, all members' rows in one reference pass and one forward/backward.
-
-    ``multi`` is a :class:`trainer.multi_lora.MultiLoRA` holding ``members[k].params``
-    as adapter ``k``; rows of ``batches[k]`` go through adapter ``k``. Each
-    member's loss is what :func:`update_step` computes on its batch alone (its
-    own token mean); the backward runs on their sum, so each adapter's gradient
-    equals its gradient alone. Members whose loss is not finite are left out of
-    the sum and not stepped; a member whose gradient norm is not finite is not
-    stepped. Clipping (``rl.max_grad_norm``) is per member.
-
-    Returns:
-        per member, the metrics of :func:`update_step`; ``train/update_s`` is the
-        shared pass's wall time and ``train/tokens_per_s`` the pass's completion
-        tokens (all members) per second of it.
-
-    Raises:
-        TrainerConfigError: a member's algorithm is not in :data:`ONE_PASS_ALGORITHMS`.
-    """
-
-    bad = [m.candidate.name for m in members if not ALGORITHMS[m.candidate.algorithm].one_pass]
-    if bad:
-        raise TrainerConfigError(
-            f"candidates {bad}: one-pass updates support {sorted(ONE_PASS_ALGORITHMS)} only; train them sequentially"
-        )
-    started = time.perf_counter()
-    for m in members:
-        m.optimizer.zero_grad(set_to_none=True)
-    base.model.train()
-    prompts = [p for b in batches for p in b.prompt_ids]
-    completions = [c for b in batches for c in b.completion_ids]
-    adapter_B = [k for k, b in enumerate(batches) for _ in b.prompt_ids]
-    bounds, start = [], 0
-    for b in batches:
-        bounds.append((start, start + len(b.prompt_ids), max(1, max((len(c) for c in b.completion_ids), default=1))))
-        start += len(b.prompt_ids)
-    with phase("time/reference_s"), torch.no_grad(), base.reference():
-        ref_all_BT, _ = base.completion_logprobs(prompts, completions)
-    results: list[dict[str, float]] = []
-    losses = []
-    with phase("time/forward_backward_s"):
-        with base.reference(), multi.active(adapter_B):  # type: ignore[attr-defined]
-            logprobs_all_BT, mask_all_BT = base.completion_logprobs(prompts, completions)
-        for m, batch, (s, e, T) in zip(members, batches, bounds):
-            logprobs_BT, ref_BT, mask_BT = logprobs_all_BT[s:e, :T], ref_all_BT[s:e, :T], mask_all_BT[s:e, :T]
-            spec = ALGORITHMS[m.candidate.algorithm]
-            pg_loss, loss_metrics = spec.policy_loss(
-                LossInputs(base, m.candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
-            )
-            kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
-            loss = pg_loss + m.candidate.kl_coef * kl
-            finite = bool(torch.isfinite(loss).item())
-            if finite:
-                losses.append(loss)
-            results.append(
-                {
-                    "train/loss": loss.item(),
-                    "train/pg_loss": pg_loss.item(),
-                    "train/kl": kl.item(),
-                    **loss_metrics,
-                    "_finite": float(finite),
-                }
-            )
-        if losses:
-            torch.stack(losses).sum().backward()
-    with phase("time/optimizer_s"):
-        for m, r in zip(members, results):
-            params = list(m.params.values())
-            grad_norm = float("nan")
-            if r.pop("_finite"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.max_grad_norm).item()  # CPU-GPU sync point
-                if math.isfinite(grad_norm):
-                    m.optimizer.step()
-            m.optimizer.zero_grad(set_to_none=True)
-            r["train/grad_norm"] = grad_norm
-            r["train/skipped_nonfinite"] = float(not math.isfinite(grad_norm))
-    elapsed = time.perf_counter() - started
-    tokens = float(mask_all_BT.sum().item())
-    for r in results:
-        r["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        r["train/update_s"] = elapsed
-    return results
+"""Algorithms that may update together in one forward/backward (:mod:`trainer.one_pass`): their loss must
+be a token mean over the batch (plus the token-mean KL), so that it splits over chunks of rows."""

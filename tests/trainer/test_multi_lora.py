@@ -1,12 +1,14 @@
-"""One-pass updates (trainer.multi_lora) equal the sequential path, in float32.
+"""One-pass updates (trainer.multi_lora, trainer.one_pass) equal the sequential path, in float32.
 
 Three candidates of different ranks, alphas, learning rates and target
-modules; the offload and the resident store; groups of 2 adapters per pass.
+modules and uneven row counts; the offload and the resident store; groups of
+2 adapters per pass; one chunk per pass or the rows cut into many chunks.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.losses import kl_k3, masked_mean
 from trainer.errors import TrainerConfigError
 from trainer.multi_lora import MultiLoRA, _pull, live_params, one_pass_ok, train_one_pass
+from trainer.one_pass import plan_chunks, update_step_one_pass
 from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
 
 GRAD_TOL = 1e-5  # relative to the gradient's largest entry
@@ -46,6 +49,7 @@ CANDIDATES = [
     ),
 ]
 RL = RLConfig(adapters_per_pass=2)  # per-candidate clipping at 1.0 is part of what must match
+CHUNKED = RLConfig(adapters_per_pass=2, one_pass_chunk_tokens=30)  # 2-3 rows of <= 15 tokens per chunk
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +147,14 @@ def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> No
 
 
 def _two_steps(
-    base: ResidentBase, kind: str, one_pass: bool, batches: list[list[Batch]]
+    base: ResidentBase, kind: str, one_pass: bool, batches: list[list[Batch]], rl: RLConfig = RL
 ) -> dict[str, dict[str, torch.Tensor]]:
     store = _store(base, kind)
     metrics = {}
     try:
         for step_batches in batches:
             if one_pass:
-                metrics = train_one_pass(base, store, list(zip(CANDIDATES, step_batches)), RL)
+                metrics = train_one_pass(base, store, list(zip(CANDIDATES, step_batches)), rl)
             else:
                 metrics = {
                     c.name: update_step(base, store.activate(c.name), c, RL, b)
@@ -161,12 +165,13 @@ def _two_steps(
         _close(store)
 
 
-@pytest.mark.parametrize("kind", ["offload", "resident"])
-def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "rl"), [("offload", RL), ("resident", RL), ("offload", CHUNKED)])
+def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str, rl: RLConfig) -> None:
     batches = [[_batch(base, seed=10 * s + k, rows=2 + k) for k in range(3)] for s in range(2)]
     start, _ = _two_steps(base, kind, one_pass=False, batches=[])
     seq, seq_m = _two_steps(base, kind, one_pass=False, batches=batches)
-    joint, joint_m = _two_steps(base, kind, one_pass=True, batches=batches)
+    joint, joint_m = _two_steps(base, kind, one_pass=True, batches=batches, rl=rl)
+    assert joint_m["a"]["train/chunks"] == (1.0 if rl is RL else len(plan_chunks(batches[1][:2], 30)))
     for c in CANDIDATES:
         assert set(joint[c.name]) == set(seq[c.name])
         assert any(k.startswith("exp_avg/") for k in seq[c.name])
@@ -178,15 +183,17 @@ def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str) ->
             )
         moved = max(float((seq[c.name][k] - start[c.name][k]).abs().max()) for k in start[c.name] if ".lora_A." in k)
         assert moved > 1e-4, (c.name, moved)  # the test compares weights that really changed
-        assert joint_m[c.name]["train/loss"] == pytest.approx(seq_m[c.name]["train/loss"], rel=1e-4, abs=1e-6)
+        for key in ("train/loss", "train/pg_loss", "train/kl", "train/clip_frac", "train/grad_norm"):
+            assert joint_m[c.name][key] == pytest.approx(seq_m[c.name][key], rel=1e-4, abs=1e-6), key
         assert joint_m[c.name]["train/skipped_nonfinite"] == 0.0
 
 
-def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase) -> None:
+@pytest.mark.parametrize("rl", [RL, CHUNKED])
+def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase, rl: RLConfig) -> None:
     batches = [[_batch(base, seed=100 + k, rows=3, nan=(k == 1)) for k in range(3)]]
     start, _ = _two_steps(base, "offload", one_pass=False, batches=[])
     seq, _ = _two_steps(base, "offload", one_pass=False, batches=batches)
-    joint, m = _two_steps(base, "offload", one_pass=True, batches=batches)
+    joint, m = _two_steps(base, "offload", one_pass=True, batches=batches, rl=rl)
     assert math.isnan(m["b"]["train/loss"]) and m["b"]["train/skipped_nonfinite"] == 1.0
     assert m["a"]["train/skipped_nonfinite"] == 0.0 and m["c"]["train/skipped_nonfinite"] == 0.0
     for k, v in start["b"].items():
@@ -196,6 +203,109 @@ def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase) -
         for k, v in seq[name].items():
             assert torch.isfinite(joint[name][k]).all()
             assert torch.allclose(joint[name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (name, k)
+
+
+class _Recorder(torch.optim.SGD):
+    """An optimizer that only records the gradients it is asked to step with."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, lr=0.0)
+        self.grads: list[torch.Tensor] = []
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("chunk_tokens", [100_000, 40, 1])
+def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, chunk_tokens: int) -> None:
+    """Rows of every candidate spread over several chunks (uneven row counts: 7, 2 and 4): each candidate's
+    gradient is still the one of its token-mean loss over all its rows (a per-chunk mean would differ)."""
+    rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)  # no clipping: the raw gradient is compared
+    store = _store(base, "resident")
+    batches = [_batch(base, seed=200 + k, rows=n) for k, n in enumerate((7, 2, 4))]
+    alone = {}
+    for c, batch in zip(CANDIDATES, batches):
+        optimizer = store.activate(c.name)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad(), base.reference():
+            ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        lp_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        _loss(base, c, batch, lp_BT, ref_BT, mask_BT).backward()
+        alone[c.name] = {k: p.grad.clone() for k, p in live_params(store, c.name).items()}
+        optimizer.zero_grad(set_to_none=True)
+    members = [_pull(store, c) for c in CANDIDATES]
+    for m in members:
+        m.optimizer = _Recorder(list(m.params.values()))
+    multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
+    try:
+        started = time.perf_counter()
+        metrics = update_step_one_pass(base, multi, members, rl, batches)
+        wall_s = time.perf_counter() - started
+    finally:
+        multi.close()
+        _close(store)
+    # each candidate's update_s is its share of the shared step: they add up to the step's wall time
+    assert 0 < sum(m["train/update_s"] for m in metrics) <= wall_s
+    chunks = plan_chunks(batches, chunk_tokens)
+    assert metrics[0]["train/chunks"] == len(chunks)
+    if chunk_tokens < 100_000:  # the case under test: some candidate's rows lie in several chunks
+        assert len(chunks) > 1 and max(sum(k == 0 for k, _ in ch) for ch in chunks) == 1
+    for c, m in zip(CANDIDATES, members):
+        assert isinstance(m.optimizer, _Recorder) and m.optimizer.grads, c.name
+        for k, got in zip(m.params, m.optimizer.grads):
+            ref = alone[c.name][k]
+            assert ref.abs().max() > 0, (c.name, k)
+            err = float((got - ref).abs().max() / ref.abs().max())
+            assert err < GRAD_TOL, (c.name, k, chunk_tokens, err)
+
+
+def test_lm_head_reads_a_contiguous_input(base: ResidentBase) -> None:
+    """The LM head gets a contiguous [B, T+1, H] input: a strided slice of the hidden states makes torch's
+    matmul copy the head's [H, V] weight once per row (on CPU ~56 MB per row for SmolLM2 in bf16)."""
+    batch = _batch(base, seed=3, rows=4)
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    head = base.model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(
+        lambda m, args: seen.append((tuple(args[0].shape), args[0].is_contiguous()))
+    )
+    try:
+        with torch.no_grad(), base.reference():
+            base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+    finally:
+        handle.remove()
+    T = max(len(c) for c in batch.completion_ids)
+    assert seen == [((4, T + 1, base.model.config.hidden_size), True)]
+
+
+def _rows_batch(lengths: list[tuple[int, int]]) -> Batch:
+    prompts = [[5] * p for p, _ in lengths]
+    completions = [[6] * c for _, c in lengths]
+    n = len(lengths)
+    return Batch(prompts, completions, [[0.0] * c for _, c in lengths], [0.0] * n, [0.0] * n, ["v"] * n)
+
+
+def test_plan_chunks_covers_every_row_once_within_the_budget_mixing_all_candidates() -> None:
+    batches = [
+        _rows_batch([(4, 2), (6, 4)]),
+        _rows_batch([(3, 1), (5, 5), (2, 2), (7, 3), (4, 4)]),
+        _rows_batch([(1, 1), (2, 2), (3, 3)]),
+    ]
+    longest = 10
+    for budget, rows_per_chunk in ((50, 5), (10, 1), (1, 1), (10_000, 10)):
+        chunks = plan_chunks(batches, budget)
+        seen = sorted((k, r) for ch in chunks for k, rows in ch for r in rows)
+        assert seen == [(k, r) for k, b in enumerate(batches) for r in range(len(b.prompt_ids))], budget
+        assert len(chunks) == -(-10 // rows_per_chunk), budget
+        for ch in chunks:
+            members = [k for k, _ in ch]
+            assert members == sorted(set(members))  # grouped by candidate, ascending: no sort in the layer
+            assert all(rows == sorted(rows) for _, rows in ch)
+            assert sum(len(rows) for _, rows in ch) * longest <= max(budget, longest)
+            if rows_per_chunk >= 5:
+                assert members == [0, 1, 2], (budget, ch)  # every chunk mixes all candidates
+    assert plan_chunks([_rows_batch([])], 10) == []
+    with pytest.raises(TrainerConfigError, match="chunk budget"):
+        plan_chunks(batches, 0)
 
 
 def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> None:
