@@ -3,7 +3,9 @@ official ``openai`` client, answers checked as a user would, feedback posted.
 
 Prompts come from reasoning-gym (procedural arithmetic). The user's feedback
 is a thumbs up when the answer is right and a thumbs down otherwise, sent with
-the API key and the response's feedback token: that is all the demo's
+the API key and the response's feedback token; half of the users (the even
+ones, :data:`EDITING_USERS`) also edit a wrong answer into the right number,
+sent as the feedback's ``correction``: thumbs and edits are all the demo's
 candidates learn from. Each request also carries the reference answer in
 ``metadata``, for the demo's own scoreboard and its oracle recipe
 (``first_number_answer``, the users' own check as a reward); the gateway keeps
@@ -28,6 +30,7 @@ from trainer.tasks import reasoning_gym_prompts
 
 FEEDBACK_HEADER = "x-hourglass-feedback-token"
 SIMULATED_USERS = 16
+EDITING_USERS = frozenset(f"sim-user-{i}" for i in range(0, SIMULATED_USERS, 2))  # they correct wrong answers
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def ask(
     *,
     user: str | None = None,
 ) -> Exchange:
-    """One chat completion through the gateway, then the user's feedback (same API key, the response's token)."""
+    """One chat completion through the gateway, then the user's feedback (same API key, the response's token):
+    thumbs by the users' check, and from one of :data:`EDITING_USERS` a wrong answer's correction."""
     raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=[{"role": "user", "content": question}],
@@ -100,6 +104,8 @@ def ask(
         "thumbs": "up" if correct else "down",
         "feedback_token": raw.headers.get(FEEDBACK_HEADER, ""),
     }
+    if not correct and user in EDITING_USERS:
+        vote["correction"] = reference  # the user's edit: the answer they wanted
     headers = {"authorization": f"Bearer {client.api_key}"}
     httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
     return Exchange(trace_id, question, answer, reference, correct)

@@ -133,7 +133,10 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     model = ModelConfig(name=str(tiny_model))
     # what the service does at its start: the actors start in the background, before any round
     assert ray_pool.warm(rl, model, len(cands))
-    actors, [group] = leftovers()
+    deadline = time.monotonic() + 120  # the actor registers asynchronously (seconds on a loaded host)
+    while (left := leftovers())[0] != ["TrainerActor"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    actors, [group] = left
     assert actors == ["TrainerActor"] and group.startswith("hourglass-warm-")
     ray.get(ray_pool._KEPT["pool"].ready, timeout=300)  # started: base loaded
     first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
