@@ -235,3 +235,50 @@ def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
         with pytest.raises(openai.InternalServerError):
             drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=1)
         assert time.monotonic() - started < 30
+
+
+def test_editing_users_correct_wrong_answers_and_the_others_only_vote() -> None:
+    """Every user votes by the users' check; a user of EDITING_USERS also sends the right answer as the
+    feedback's correction when the answer was wrong (never on a right answer, never from the other users)."""
+    from pipeline.demo.traffic import EDITING_USERS, FEEDBACK_HEADER, SIMULATED_USERS, drive
+    from tests.http_helpers import serve
+
+    votes: list[dict] = []
+    users: dict[str, str] = {}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        trace = f"t{len(users)}"
+        users[trace] = body["user"]
+        content = "99"  # wrong for every one-digit addition (at most 18)
+        return JSONResponse(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                ],
+            },
+            headers={"x-hourglass-trace-id": trace, FEEDBACK_HEADER: "tok"},
+        )
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict:
+        votes.append(await request.json())
+        return {"ok": True}
+
+    with serve(app, "fake gateway") as url:
+        out = drive(url, "hourglass", SIMULATED_USERS, seed=5, concurrency=1, patience_s=30)
+    assert len(votes) == SIMULATED_USERS and all(v["thumbs"] == "down" for v in votes)
+    by_trace = {e.trace_id: e for e in out}
+    for vote in votes:
+        user = users[vote["trace_id"]]
+        if user in EDITING_USERS:
+            assert vote["correction"] == by_trace[vote["trace_id"]].reference, user
+        else:
+            assert "correction" not in vote, user
+    assert 0 < sum("correction" in v for v in votes) < len(votes)
