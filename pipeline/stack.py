@@ -87,6 +87,8 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 120.0
     process: subprocess.Popen[bytes] | None = None
+    # Lines that make a healthy-looking start a failed one (searched in this start's log), with the reason.
+    fatal_log_lines: dict[str, str] = field(default_factory=dict)
 
     @property
     def log_path(self) -> Path:
@@ -131,12 +133,24 @@ class Service:
                     f"log {self.log_path}:\n{tail(self.log_path)}"
                 )
             if self.health():
+                self._check_log()
                 return
             time.sleep(0.5)
         self.stop()
         raise StackError(
             f"{self.name} was not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n{tail(self.log_path)}"
         )
+
+    def _check_log(self) -> None:
+        """Raise (after stopping the process) when this start's log holds one of ``fatal_log_lines``."""
+        if not self.fatal_log_lines or not self.log_path.exists():
+            return
+        text = self.log_path.read_text(errors="replace")
+        text = text[text.rfind("\n=== ") :]  # this start only: each start writes a "=== <time> starting" line
+        for line, why in self.fatal_log_lines.items():
+            if line in text:
+                self.stop()
+                raise StackError(f"{self.name} started but its log says {line!r}: {why}; log {self.log_path}")
 
     def stop(self, grace_s: float = 20.0) -> bool:
         """Stop the process group: SIGTERM, then SIGKILL after ``grace_s``.
@@ -320,8 +334,25 @@ def vllm_service(
         "DO_NOT_TRACK": "1",
         **_cpu_thread_env(cpu_threads),
     }
+    # Without the grouped kernels, vLLM's reference CPU LoRA kernels index the last adapter slot for tokens of
+    # no adapter (slot -1): base-model requests batched with adapter requests get that adapter's delta, which
+    # breaks a canary against the base and every base-vs-adapter evaluation. A stale install (an entry point
+    # naming a moved module) is the usual cause.
+    fatal = {
+        "Failed to load plugin hourglass_": "an Hourglass vLLM plugin did not load (a stale install? run "
+        "`pip install -e .` or deploy/setup.sh again); on CPU, base requests batched with adapter requests "
+        "would get an adapter's output"
+    }
     return Service(
-        "vllm", argv, host, port, http_ok(f"http://{host}:{port}/v1/models"), log_dir, env, startup_timeout_s
+        "vllm",
+        argv,
+        host,
+        port,
+        http_ok(f"http://{host}:{port}/v1/models"),
+        log_dir,
+        env,
+        startup_timeout_s,
+        fatal_log_lines=fatal,
     )
 
 

@@ -88,3 +88,37 @@ def test_up_refuses_a_taken_port_with_a_clear_message(tmp_path: Path, tiny_model
     assert f"port 127.0.0.1:{port} is already in use" in up.stderr
     down = _hourglass("down", "--config", str(conf), "--json")
     assert json.loads(down.stdout)["stopped"] == []
+
+
+def test_a_healthy_process_whose_log_says_a_plugin_failed_is_a_failed_start(tmp_path: Path) -> None:
+    """vLLM answers health checks even when an Hourglass plugin failed to load (e.g. a stale install); the
+    start fails instead, naming the line and what to do, and the process is stopped. A later clean start
+    of the same service (same log file, appended) is not blamed for the earlier start's line."""
+    from pipeline.stack import Service, StackError
+
+    def service(line: str) -> Service:
+        code = f"print({line!r}, flush=True); import time; time.sleep(120)"
+        fatal = {"Failed to load plugin hourglass_": "reinstall"}
+        return Service(
+            "fake",
+            [sys.executable, "-c", code],
+            "127.0.0.1",
+            free_port(),
+            lambda: True,
+            tmp_path,
+            startup_timeout_s=30,
+            fatal_log_lines=fatal,
+        )
+
+    broken = service("ERROR Failed to load plugin hourglass_grouped_cpu_lora")
+    broken.health = lambda: "Failed" in broken.log_path.read_text()  # healthy once the line is written
+    with pytest.raises(StackError, match="Failed to load plugin hourglass_.*reinstall"):
+        broken.start()
+    assert broken.process is not None and broken.process.poll() is not None  # stopped
+    clean = service("INFO grouped CPU LoRA kernels installed")
+    clean.health = lambda: "installed" in clean.log_path.read_text()
+    clean.start()
+    try:
+        assert clean.process is not None and clean.process.poll() is None
+    finally:
+        clean.stop()
