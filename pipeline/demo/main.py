@@ -329,11 +329,11 @@ def _print_scoreboard(
 
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
-    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 3,
-    traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 96,
+    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 4,
+    traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 192,
     between: Annotated[
         int, typer.Option(help="Requests after each round (and its canary), served by the champion.")
-    ] = 48,
+    ] = 96,
     canary_wait: Annotated[
         float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")
     ] = 660.0,
