@@ -189,10 +189,26 @@ def test_a_first_canary_is_shown_against_the_base_and_the_oracle_is_promoted_by_
     assert len(posted) == 1  # nothing on canary: nothing to promote
 
 
+def _chat_answer(model: str, content: str, trace_id: str) -> JSONResponse:
+    """A gateway's chat completion answer with its trace id and feedback token headers."""
+    from pipeline.demo.traffic import FEEDBACK_HEADER
+
+    return JSONResponse(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+        },
+        headers={"x-hourglass-trace-id": trace_id, FEEDBACK_HEADER: "tok"},
+    )
+
+
 def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
     """The gateway answers 502 while vLLM restarts: each user asks again until it answers, then votes
     once; a server that stays away past the patience raises instead of hanging the demo."""
-    from pipeline.demo.traffic import FEEDBACK_HEADER, drive
+    from pipeline.demo.traffic import drive
     from tests.http_helpers import serve
 
     calls = {"chat": 0, "votes": []}
@@ -207,19 +223,7 @@ def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
             )
         body = await request.json()
         content = "7" if "3 + 4" in body["messages"][0]["content"] else "0"
-        headers = {"x-hourglass-trace-id": f"t{calls['chat']}", FEEDBACK_HEADER: "tok"}
-        return JSONResponse(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [
-                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
-                ],
-            },
-            headers=headers,
-        )
+        return _chat_answer(body["model"], content, f"t{calls['chat']}")
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict:
@@ -240,7 +244,7 @@ def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
 def test_editing_users_correct_wrong_answers_and_the_others_only_vote() -> None:
     """Every user votes by the users' check; a user of EDITING_USERS also sends the right answer as the
     feedback's correction when the answer was wrong (never on a right answer, never from the other users)."""
-    from pipeline.demo.traffic import EDITING_USERS, FEEDBACK_HEADER, SIMULATED_USERS, drive
+    from pipeline.demo.traffic import EDITING_USERS, SIMULATED_USERS, drive
     from tests.http_helpers import serve
 
     votes: list[dict] = []
@@ -252,19 +256,7 @@ def test_editing_users_correct_wrong_answers_and_the_others_only_vote() -> None:
         body = await request.json()
         trace = f"t{len(users)}"
         users[trace] = body["user"]
-        content = "99"  # wrong for every one-digit addition (at most 18)
-        return JSONResponse(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [
-                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
-                ],
-            },
-            headers={"x-hourglass-trace-id": trace, FEEDBACK_HEADER: "tok"},
-        )
+        return _chat_answer(body["model"], "99", trace)  # wrong for every one-digit addition (at most 18)
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict:
