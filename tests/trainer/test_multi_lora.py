@@ -101,9 +101,8 @@ def _loss(base, c, batch, logprobs_BT, ref_BT, mask_BT):
     return pg + c.kl_coef * masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
 
 
-def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> None:
-    store = _store(base, "resident")
-    batches = [_batch(base, seed=k, rows=3 + k) for k in range(3)]
+def _gradients_alone(base, store, batches) -> dict[str, dict[str, torch.Tensor]]:
+    """Each candidate's LoRA gradient from its own rows alone (the sequential path), per parameter name."""
     alone = {}
     for c, batch in zip(CANDIDATES, batches):
         optimizer = store.activate(c.name)
@@ -114,6 +113,13 @@ def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> No
         _loss(base, c, batch, lp_BT, ref_BT, mask_BT).backward()
         alone[c.name] = {k: p.grad.clone() for k, p in live_params(store, c.name).items()}
         optimizer.zero_grad(set_to_none=True)
+    return alone
+
+
+def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> None:
+    store = _store(base, "resident")
+    batches = [_batch(base, seed=k, rows=3 + k) for k in range(3)]
+    alone = _gradients_alone(base, store, batches)
 
     members = [_pull(store, c) for c in CANDIDATES]
     multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
@@ -223,16 +229,7 @@ def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, c
     rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)  # no clipping: the raw gradient is compared
     store = _store(base, "resident")
     batches = [_batch(base, seed=200 + k, rows=n) for k, n in enumerate((7, 2, 4))]
-    alone = {}
-    for c, batch in zip(CANDIDATES, batches):
-        optimizer = store.activate(c.name)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad(), base.reference():
-            ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-        lp_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-        _loss(base, c, batch, lp_BT, ref_BT, mask_BT).backward()
-        alone[c.name] = {k: p.grad.clone() for k, p in live_params(store, c.name).items()}
-        optimizer.zero_grad(set_to_none=True)
+    alone = _gradients_alone(base, store, batches)
     members = [_pull(store, c) for c in CANDIDATES]
     for m in members:
         m.optimizer = _Recorder(list(m.params.values()))
