@@ -85,3 +85,20 @@ def test_routes_for_names_this_deployment_does_not_serve_are_ignored() -> None:
     with pytest.raises(KeyError, match="evil"):
         resolver.route("evil", "k")
     assert RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes).names() == ["evil", "hg"]
+
+
+def test_a_base_side_route_is_kept_only_beside_a_challenger_and_only_for_this_gateways_base() -> None:
+    """A canary against the base (no champion yet) routes the rest of the traffic to the base: a record with
+    ``version`` null is valid beside a challenger, and the gateway keeps it only when its served name is the
+    gateway's own base; one that points the base side at another served name falls back to the base."""
+    base_canary = {**CANARY, "served_name": "base", "version": None}
+    assert route_from_dict(base_canary, "hg").version is None
+    follower = RouteFollower(KafkaConfig())
+    follower._apply(b"hg", json.dumps(base_canary).encode())
+    resolver = RouteResolver(None, "hg", "base", ttl_s=0.0, source=follower.routes)
+    keys = [f"user-{i}" for i in range(200)]
+    sides = {resolver.route("hg", k) for k in keys}
+    assert {(s.served_name, s.version) for s in sides} == {("base", None), ("hg-v3", "3")}
+    forged = {**base_canary, "served_name": "hg-oracle-v9"}  # a valid name, but not this gateway's base
+    follower._apply(b"hg", json.dumps(forged).encode())
+    assert {resolver.route("hg", k).served_name for k in keys} == {"base"}  # the route is dropped: all base
