@@ -55,7 +55,8 @@ from trainer.base import ResidentBase  # noqa: E402
 from trainer.config import CandidateConfig, RLConfig  # noqa: E402
 from trainer.update import Batch, update_step  # noqa: E402
 
-MODES = ("sequential", "one_pass")
+# variant -> (rl.update_mode, ResidentBase.share_prompts); "sequential_whole" is the update before prompt sharing
+MODES = {"sequential_whole": ("sequential", False), "sequential": ("sequential", True), "one_pass": ("one_pass", True)}
 
 
 def make_batches(
@@ -91,50 +92,57 @@ def _sync(base: ResidentBase) -> None:
 
 
 def _step(
-    mode: str,
+    variant: str,
     base: ResidentBase,
     store: AdapterStore,
     candidates: Sequence[CandidateConfig],
     batches: Sequence[Batch],
     rl: RLConfig,
 ) -> float:
-    """Seconds of one step of all candidates in ``mode``."""
+    """Seconds of one step of all candidates in ``variant`` (a key of :data:`MODES`)."""
     from trainer.multi_lora import train_one_pass
 
+    mode, base.share_prompts = MODES[variant]
     _sync(base)
     started = time.perf_counter()
-    if mode == "sequential":
-        for c, b in zip(candidates, batches):
-            update_step(base, store.activate(c.name), c, rl, b)
-    else:
-        train_one_pass(base, store, list(zip(candidates, batches)), rl)
-    _sync(base)
+    try:
+        if mode == "sequential":
+            for c, b in zip(candidates, batches):
+                update_step(base, store.activate(c.name), c, rl, b)
+        else:
+            train_one_pass(base, store, list(zip(candidates, batches)), rl)
+        _sync(base)
+    finally:
+        base.share_prompts = True
     return time.perf_counter() - started
 
 
 def compare_modes(
     base: ResidentBase, candidates: Sequence[CandidateConfig], batches: Sequence[Batch], rl: RLConfig, repeats: int
 ) -> dict[str, float]:
-    """Median seconds per step of all K candidates in each mode (one warm-up step each, then ``repeats``
-    alternating timed steps), and ``max_weight_diff``: the largest |sequential - one_pass| over the
-    candidates' LoRA weights after the same steps."""
-    store = make_store("offload", base, rl.seed)  # one store (one device slot) holds both modes' copies
-    own = {m: [c.model_copy(update={"name": f"{m[0]}-{c.name}"}) for c in candidates] for m in MODES}
-    with tempfile.TemporaryDirectory() as tmp:  # the same start weights in both modes
-        for s, o in zip(*own.values()):
-            store.create(s.name, s)
-            store.create(o.name, o, store.save(s.name, Path(tmp) / s.name))
+    """Median seconds per step of all K candidates in each variant of :data:`MODES` (one warm-up step
+    each, then ``repeats`` alternating timed steps), and ``max_weight_diff``: the largest |difference|
+    between any variant's LoRA weights and the whole-row sequential one's after the same steps."""
+    store = make_store("offload", base, rl.seed)  # one store (one device slot) holds every variant's copies
+    own = {m: [c.model_copy(update={"name": f"{m}-{c.name}"}) for c in candidates] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:  # the same start weights in every variant
+        for first, *others in zip(*own.values()):
+            store.create(first.name, first)
+            for o in others:
+                store.create(o.name, o, store.save(first.name, Path(tmp) / first.name))
     times: dict[str, list[float]] = {m: [] for m in MODES}
     try:
         for r in range(repeats + 1):
-            for mode in MODES:
-                seconds = _step(mode, base, store, own[mode], batches, rl)
+            for variant in MODES:
+                seconds = _step(variant, base, store, own[variant], batches, rl)
                 if r > 0:  # step 0 is the warm-up (AdamW state allocated, kernels chosen)
-                    times[mode].append(seconds)
+                    times[variant].append(seconds)
         diff = 0.0
-        for s, o in zip(*own.values()):
-            a, b = store.snapshot(s.name), store.snapshot(o.name)
-            diff = max([diff, *(float((a[k].float() - b[k].float()).abs().max()) for k in a if ".lora_" in k)])
+        for first, *others in zip(*own.values()):
+            a = store.snapshot(first.name)
+            for o in others:
+                b = store.snapshot(o.name)
+                diff = max([diff, *(float((a[k].float() - b[k].float()).abs().max()) for k in a if ".lora_" in k)])
     finally:
         for name in list(store.names()):
             store.delete(name)
@@ -143,12 +151,15 @@ def compare_modes(
 
 
 def report(result: dict[str, float], k: int) -> list[str]:
-    """The printed lines (the ratio last)."""
-    seq, one = result["sequential"], result["one_pass"]
+    """The printed lines (the ratio of the two modes, both sharing prompts, last)."""
+    whole, seq, one = result["sequential_whole"], result["sequential"], result["one_pass"]
     return [
-        f"update step of {k} candidates: sequential {seq:.3f} s, one_pass {one:.3f} s (median); "
-        f"max |weight difference| after the same steps {result['max_weight_diff']:.2e}",
-        f"update time sequential / one-pass at K={k}: {seq / one:.2f}x",
+        f"update step of {k} candidates (median): sequential, whole rows (before prompt sharing) {whole:.3f} s; "
+        f"sequential {seq:.3f} s; one_pass {one:.3f} s; max |weight difference| after the same steps "
+        f"{result['max_weight_diff']:.2e}",
+        f"prompt sharing alone (sequential whole rows / sequential): {whole / seq:.2f}x; "
+        f"sequential whole rows / one-pass: {whole / one:.2f}x",
+        f"update time sequential / one-pass at K={k} (both sharing prompts): {seq / one:.2f}x",
     ]
 
 

@@ -10,7 +10,7 @@ exists. Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from trainer import model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.losses import token_logprobs
+from trainer.shared_prompts import RowsContext, distinct_prompts, no_rows_context, shared_prompt_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BOOT_ADAPTER = "hourglass-boot"  # PEFT needs one adapter to build the wrapper; never trained
@@ -85,6 +86,9 @@ class ResidentBase:
     fingerprint: str
     device: torch.device
     max_seq_len: int
+    share_prompts: bool = (
+        True  # run each distinct prompt of a pass once (trainer.shared_prompts); False: every row whole
+    )
 
     def chat_token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Prompt token ids: the tokenizer's chat template with the generation prompt."""
@@ -107,18 +111,33 @@ class ResidentBase:
             yield
 
     def completion_logprobs(
-        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        *,
+        keys_B: Sequence[Hashable] | None = None,
+        rows: RowsContext = no_rows_context,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of each completion token under the active adapter (with grad).
 
-        Sequences are left-padded into one batch ``[B, L]`` (position ids
-        from the attention mask, as ``generate`` does).
+        When rows repeat a prompt (and ``share_prompts``), each distinct prompt
+        (per ``keys_B[b]``: rows of different keys never share) runs once and
+        its rows continue from its KV cache (:mod:`trainer.shared_prompts`; equal
+        up to float rounding). Otherwise the sequences are left-padded into one
+        batch ``[B, L]`` (position ids from the attention mask, as ``generate``
+        does). ``rows`` gives the context of each forward from the batch rows it
+        runs (:data:`trainer.shared_prompts.RowsContext`: per-row LoRA adapters).
 
         Returns:
-            ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; mask
-            is 1.0 on real completion tokens.
+            ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; column
+            ``t`` is completion token ``t``; mask is 1.0 on real completion tokens.
         """
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
+        if self.share_prompts and len(first_U) < len(prompt_ids) and all(prompt_ids):
+            return shared_prompt_logprobs(
+                self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows
+            )
         B = len(prompt_ids)
         lens_c = [len(c) for c in completion_ids]
         T = max(1, max(lens_c))
@@ -141,13 +160,14 @@ class ResidentBase:
             if c:
                 targets_BT[b, T - len(c) :] = torch.tensor(list(c), dtype=torch.long)
         position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)  # positions as in generate() with left padding
-        out = self.model(
-            input_ids=input_BL.to(self.device),
-            attention_mask=attn_BL.to(self.device),
-            position_ids=position_BL.to(self.device),
-            logits_to_keep=torch.arange(L - T - 1, L, device=self.device),
-            use_cache=False,  # no KV cache: nothing is generated after this pass
-        )
+        with rows(list(range(B))):
+            out = self.model(
+                input_ids=input_BL.to(self.device),
+                attention_mask=attn_BL.to(self.device),
+                position_ids=position_BL.to(self.device),
+                logits_to_keep=torch.arange(L - T - 1, L, device=self.device),
+                use_cache=False,  # no KV cache: nothing is generated after this pass
+            )
         logits_BTV = out.logits[:, :T]  # position j predicts token j+1
         right_BT = token_logprobs(logits_BTV, targets_BT.to(self.device))
         # back to left-aligned: column t of row b is completion token t

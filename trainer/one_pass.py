@@ -55,16 +55,22 @@ Chunk = list[tuple[int, list[int]]]
 """One forward/backward's rows: ``(member k, indices of rows of batches[k])`` in ascending ``k``."""
 
 
-def plan_chunks(batches: Sequence[Batch], max_tokens: int) -> list[Chunk]:
+def plan_chunks(batches: Sequence[Batch], max_tokens: int, share_prompts: bool = True) -> list[Chunk]:
     """Cut the rows of all ``batches`` into chunks of at most ``max_tokens`` padded tokens.
 
-    A chunk holds ``max(1, max_tokens // L)`` rows, ``L`` the step's longest
+    A chunk of ``R`` rows costs ``R x L`` tokens, ``L`` the step's longest
     prompt + completion (a chunk pads its rows to its own longest, at most
-    ``L``), so ``rows x padded length <= max_tokens`` unless one row alone is
-    longer. Rows are dealt in proportion to each batch's size (row ``r`` of a
-    batch of ``n`` at position ``(r + 1/2) / n``), so every chunk mixes all
-    members when it has room for them; within a chunk, rows are grouped by
-    member in ascending order and keep their batch order.
+    ``L``); with ``share_prompts`` (:mod:`trainer.shared_prompts`) a chunk whose
+    ``R`` rows hold ``U`` distinct (member, prompt) pairs costs
+    ``min(R x L, U x Lp + R x Lc)``, ``Lp`` / ``Lc`` the step's longest prompt /
+    completion. The unit of dealing is a member's rows of one prompt (a single
+    row without ``share_prompts``), cut only when it alone is over the budget;
+    units are dealt in proportion to each batch's size (a unit whose first row
+    is row ``r`` of a batch of ``n`` at position ``(r + 1/2) / n``, ties by
+    member), so every chunk mixes all members when it has room for them, and
+    members that drew the same prompts have them in the same chunk (one
+    reference forward of the prompt for all). Within a chunk, rows are grouped
+    by member in ascending order and keep their batch order.
 
     Returns:
         the chunks, every row of every batch in exactly one; ``[]`` when there are no rows.
@@ -74,20 +80,44 @@ def plan_chunks(batches: Sequence[Batch], max_tokens: int) -> list[Chunk]:
     """
     if max_tokens < 1:
         raise TrainerConfigError(f"one-pass chunk budget must be >= 1 token, got {max_tokens}")
-    longest = max((len(p) + len(c) for b in batches for p, c in zip(b.prompt_ids, b.completion_ids)), default=0)
+    rows = [(p, c) for b in batches for p, c in zip(b.prompt_ids, b.completion_ids)]
+    longest = max((len(p) + len(c) for p, c in rows), default=0)
     if longest == 0:
         return []
-    rows_per_chunk = max(1, max_tokens // longest)
-    dealt = sorted(
-        ((r + 0.5) / len(b.prompt_ids), k, r) for k, b in enumerate(batches) for r in range(len(b.prompt_ids))
-    )
-    chunks: list[Chunk] = []
-    for first in range(0, len(dealt), rows_per_chunk):
-        by_member: dict[int, list[int]] = {}
-        for _, k, r in dealt[first : first + rows_per_chunk]:
-            by_member.setdefault(k, []).append(r)
-        chunks.append([(k, sorted(by_member[k])) for k in sorted(by_member)])
-    return chunks
+    prompt_max, completion_max = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+
+    def cost(units: int, n_rows: int) -> int:
+        plain = n_rows * longest
+        return min(plain, units * prompt_max + n_rows * completion_max) if share_prompts else plain
+
+    units: list[tuple[float, int, list[int]]] = []  # (position, member, rows)
+    for k, b in enumerate(batches):
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for r, p in enumerate(b.prompt_ids):
+            by_prompt.setdefault(tuple(p) if share_prompts else (r,), []).append(r)
+        units += [((unit[0] + 0.5) / len(b.prompt_ids), k, unit) for unit in by_prompt.values()]
+    units.sort(key=lambda u: (u[0], u[1]))
+    chunks: list[dict[int, list[int]]] = []
+    current: dict[int, list[int]] = {}
+    n_units = n_rows = 0
+    for _, k, unit_rows in units:
+        pending = list(unit_rows)
+        while pending:
+            if current and cost(n_units + 1, n_rows + len(pending)) > max_tokens:  # no room here: a new chunk
+                chunks.append(current)
+                current, n_units, n_rows = {}, 0, 0
+            take = len(pending)
+            while take > 1 and cost(n_units + 1, n_rows + take) > max_tokens:
+                take -= 1
+            current.setdefault(k, []).extend(pending[:take])
+            pending = pending[take:]
+            n_units, n_rows = n_units + 1, n_rows + take
+            if pending:  # the unit alone is over the budget: its rest goes on in new chunks
+                chunks.append(current)
+                current, n_units, n_rows = {}, 0, 0
+    if current:
+        chunks.append(current)
+    return [[(k, sorted(chunk[k])) for k in sorted(chunk)] for chunk in chunks]
 
 
 def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
@@ -144,15 +174,21 @@ def update_step_one_pass(
     tokens_K = [max(1, sum(len(c) for c in b.completion_ids)) for b in batches]  # each member's token-mean denominator
     sums: list[dict[str, float]] = [{"train/loss": 0.0, "train/pg_loss": 0.0, "train/kl": 0.0} for _ in members]
     finite = [True] * len(members)
-    chunks = plan_chunks(batches, rl.one_pass_chunk_tokens)
+    chunks = plan_chunks(batches, rl.one_pass_chunk_tokens, base.share_prompts)
     for chunk in chunks:
         prompts = [batches[k].prompt_ids[r] for k, rows in chunk for r in rows]
         completions = [batches[k].completion_ids[r] for k, rows in chunk for r in rows]
-        with phase("time/reference_s"), torch.no_grad(), base.reference():
+        adapter_B = [k for k, rows in chunk for _ in rows]
+        with phase("time/reference_s"), torch.no_grad(), base.reference():  # rows of all members share each prompt
             ref_BT, _ = base.completion_logprobs(prompts, completions)
         with phase("time/forward_backward_s"):
-            with base.reference(), multi.active([k for k, rows in chunk for _ in rows]):  # type: ignore[attr-defined]
-                logprobs_all_BT, mask_all_BT = base.completion_logprobs(prompts, completions)
+            with base.reference():  # PEFT's adapters off: only the multi-adapter hooks apply, per row
+                logprobs_all_BT, mask_all_BT = base.completion_logprobs(
+                    prompts,
+                    completions,
+                    keys_B=adapter_B,  # a member's rows share its prompts' forward, never another member's
+                    rows=lambda batch_rows: multi.active([adapter_B[b] for b in batch_rows]),  # type: ignore[attr-defined]
+                )
             losses = []
             start = 0
             for k, rows in chunk:

@@ -1,0 +1,92 @@
+"""Each distinct prompt run once (trainer.shared_prompts) gives the whole-row pass's log-probs and gradients (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.base import ResidentBase, load_base, lora_config
+from trainer.config import CandidateConfig, ModelConfig
+from trainer.shared_prompts import distinct_prompts
+
+ADAPTER = "shared-prompts-test"
+
+
+@pytest.fixture(scope="module")
+def base(peaked_model: Path) -> ResidentBase:
+    base = load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
+    base.model.add_adapter(ADAPTER, lora_config(CandidateConfig(name="a", lora_rank=4, lora_alpha=8)))
+    base.model.set_adapter(ADAPTER)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in base.model.named_parameters():
+            if f".{ADAPTER}." in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))  # non-zero B: the adapter changes the logits
+                p.requires_grad_(True)
+    return base
+
+
+def _rows() -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts of different lengths, three rows each, interleaved; completions of 0..6 tokens."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (4, 9, 7)]
+    lengths = [3, 0, 6, 1, 5, 2, 6, 4, 1]
+    rows = [prompts[i % 3] for i in range(9)]
+    completions = [torch.randint(10, 400, (n,), generator=g).tolist() for n in lengths]
+    return rows, completions
+
+
+def _pass(base: ResidentBase, share: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list]:
+    prompts, completions = _rows()
+    params = {n: p for n, p in base.model.named_parameters() if p.requires_grad}
+    for p in params.values():
+        p.grad = None
+    shapes: list[tuple[int, ...]] = []
+    embed = base.model.get_input_embeddings()
+    handle = embed.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    base.share_prompts = share
+    try:
+        lp_BT, mask_BT = base.completion_logprobs(prompts, completions)
+    finally:
+        base.share_prompts = True
+        handle.remove()
+    (lp_BT * torch.linspace(0.5, 1.5, lp_BT.shape[1])).sum().backward()  # every column weighs differently
+    return lp_BT.detach(), mask_BT, {n: p.grad.clone() for n, p in params.items()}, shapes
+
+
+def test_shared_prompts_give_the_whole_rows_logprobs_and_gradients(base: ResidentBase) -> None:
+    whole_lp, whole_mask, whole_grads, whole_shapes = _pass(base, share=False)
+    lp, mask, grads, shapes = _pass(base, share=True)
+    assert whole_shapes == [(9, 9 + 5)]  # one forward of every row whole (the longest: 9 + 5 tokens)
+    assert shapes == [(3, 9), (9, 5)]  # the 3 distinct prompts once, then every row's completion but its last token
+    assert torch.equal(mask, whole_mask)
+    assert mask.sum(1).tolist() == [3, 0, 6, 1, 5, 2, 6, 4, 1]
+    assert float((lp - whole_lp).abs().max()) < 1e-5
+    assert float(whole_lp.abs().max()) > 1.0  # real log-probs, not zeros
+    assert set(grads) == set(whole_grads) and grads
+    for name, ref in whole_grads.items():
+        assert ref.abs().max() > 0, name
+        assert float((grads[name] - ref).abs().max() / ref.abs().max()) < 1e-5, name
+
+
+def test_no_repeated_prompt_runs_rows_whole(base: ResidentBase) -> None:
+    shapes: list[tuple[int, ...]] = []
+    handle = base.model.get_input_embeddings().register_forward_pre_hook(
+        lambda m, args: shapes.append(tuple(args[0].shape))
+    )
+    try:
+        with torch.no_grad():
+            base.completion_logprobs([[11, 12], [11, 12, 13]], [[5], [6, 7]])
+            base.completion_logprobs([[11, 12], [11, 12]], [[5], [6, 7]], keys_B=[0, 1])  # other keys: no sharing
+    finally:
+        handle.remove()
+    assert shapes == [(2, 5), (2, 4)]
+
+
+def test_distinct_prompts_share_only_within_a_key() -> None:
+    prompts = [[1, 2], [1, 2], [3], [1, 2], [3]]
+    assert distinct_prompts(prompts) == ([0, 0, 1, 0, 1], [0, 2])
+    assert distinct_prompts(prompts, keys_B=[0, 0, 0, 1, 1]) == ([0, 0, 1, 2, 3], [0, 2, 3, 4])
+    assert distinct_prompts([]) == ([], [])
