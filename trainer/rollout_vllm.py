@@ -54,6 +54,9 @@ class VLLMEngine:
             publishes the folder there and a one-token completion through the
             new name makes the server fetch it (its resolver plugin,
             :mod:`pipeline.serving.lora_resolver`). None: the server reads the local path.
+
+    Raises:
+        TrainerConfigError: ``max_in_flight`` or ``max_prompts_per_request`` < 1.
     """
 
     def __init__(
