@@ -54,6 +54,7 @@ from trainer.evaluate import (
     gate_mix,
     greedy_answers,
     kl_to_base,
+    reference_logprobs,
     score,
     sequence_logps,
     unusable_reason,
@@ -462,6 +463,9 @@ def evaluate_and_gate(
                 return tuple(0.0 for _ in prompts)  # the base's implicit reward against itself
             return tuple(a - b for a, b in zip(sequence_logps(base, ids, logged), reference))
 
+        # the base's log-probs of every candidate's greedy answers: one adapters-off pass, rows by prompt
+        kl_versions = list(dict.fromkeys(versions[c.name] for c in candidates if versions[c.name] in answers))
+        base_logprobs = reference_logprobs(base, ids, {v: answers[v] for v in kl_versions})
         results: dict[str, EvalResult] = {}
         for c in candidates:
             check(PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=c.name))
@@ -472,7 +476,7 @@ def evaluate_and_gate(
                 version=versions[c.name],
                 samples=tuple(samples),
                 rewards=row_values,
-                mean_kl=kl_to_base(base, ids, samples) if samples else float("nan"),
+                mean_kl=kl_to_base(samples, base_logprobs[versions[c.name]]) if samples else float("nan"),
                 mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
                 value=auc(row_values, labels) if labels is not None else None,
             )

@@ -22,7 +22,8 @@ The gate per tenant promotes the candidate with the highest paired-bootstrap
 lower confidence bound on (candidate - champion) value - the mean of paired
 per-row differences, or for ``feedback`` the AUC difference on the same
 resampled rows - if that bound exceeds ``gate_margin`` and its guardrails
-hold: mean k3 KL to the base on its greedy answers <= ``max_kl``, mean
+hold: mean k3 KL to the base on its greedy answers <= ``max_kl`` (the
+serving engine's log-probs against the base's, :func:`kl_to_base`), mean
 completion length <= ``max_mean_length`` tokens, no NaN. Source of the bound:
 Efron & Tibshirani 1993, "An Introduction to the Bootstrap" (percentile
 interval); AUC as the Mann-Whitney statistic: Hanley & McNeil 1982.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ import torch
 
 from trainer.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
+from trainer.errors import RolloutError
 from trainer.losses import kl_k3, sequence_logprobs
 from trainer.rewards import RewardMix, build_reward
 from trainer.rollout import RolloutEngine, RolloutRequest
@@ -156,20 +158,78 @@ EVAL_CHUNK = 16  # sequences per forward pass at evaluation (bounds the [B, T, V
 
 
 @torch.no_grad()
-def kl_to_base(base: ResidentBase, prompt_ids: Sequence[list[int]], samples: Sequence[Sample]) -> float:
-    """Mean over sequences of the token-mean k3 KL(live adapter || base) on ``samples``.
+def reference_logprobs(
+    base: ResidentBase, prompt_ids: Sequence[list[int]], answers: Mapping[str, Sequence[Sample]]
+) -> dict[str, list[torch.Tensor | None]]:
+    """Log-probs of every version's answers under the base with adapters disabled, in one pass.
 
-    The adapter to measure must be live in the store. NaN when any value is NaN.
+    ``answers[v][i]`` is version ``v``'s answer to ``prompt_ids[i]``. Rows are
+    ordered by prompt (prompt 0's answers from every version, then prompt 1's,
+    ...), ``EVAL_CHUNK`` rows per forward pass, so one pass holds several
+    versions' answers to the same prompts; answers without tokens are skipped.
+
+    Returns:
+        ``{version: [logprobs_T or None]}`` aligned with ``answers[version]``:
+        a float32 CPU tensor of length ``T`` = the answer's token count
+        (natural log), None for an answer without tokens.
+
+    Raises:
+        ValueError: a version's answers do not match ``prompt_ids`` in number.
     """
-    completions = [list(s.token_ids) or [base.tokenizer.eos_token_id] for s in samples]
-    kls: list[torch.Tensor] = []
-    for i in range(0, len(completions), EVAL_CHUNK):
-        ids, comps = prompt_ids[i : i + EVAL_CHUNK], completions[i : i + EVAL_CHUNK]
-        logprobs_BT, mask_BT = base.completion_logprobs(ids, comps)
+    for version, samples in answers.items():
+        if len(samples) != len(prompt_ids):
+            raise ValueError(f"version {version!r} has {len(samples)} answers for {len(prompt_ids)} prompts")
+    out: dict[str, list[torch.Tensor | None]] = {v: [None] * len(prompt_ids) for v in answers}
+    rows = [(v, i) for i in range(len(prompt_ids)) for v in answers if answers[v][i].token_ids]
+    for k in range(0, len(rows), EVAL_CHUNK):
+        chunk = rows[k : k + EVAL_CHUNK]
         with base.reference():
-            ref_BT, _ = base.completion_logprobs(ids, comps)
-        kls.append((kl_k3(logprobs_BT, ref_BT) * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1))
-    return float(torch.cat(kls).mean()) if kls else float("nan")
+            logprobs_BT, _ = base.completion_logprobs(
+                [prompt_ids[i] for _, i in chunk], [list(answers[v][i].token_ids) for v, i in chunk]
+            )
+        logprobs_BT = logprobs_BT.float().cpu()
+        for b, (v, i) in enumerate(chunk):
+            out[v][i] = logprobs_BT[b, : len(answers[v][i].token_ids)]
+    return out
+
+
+def kl_to_base(samples: Sequence[Sample], reference: Sequence[torch.Tensor | None]) -> float:
+    """Mean over sequences of the token-mean k3 KL(policy || base) on ``samples``.
+
+    The policy side is each sample's own ``Sample.logprobs``: the log-probs of
+    its tokens under the engine that served it (vLLM, or :class:`~trainer.rollout.HFEngine`),
+    so this is the KL of what is actually served. The base side is
+    ``reference`` (from :func:`reference_logprobs`, aligned with ``samples``).
+    A vLLM CPU engine computes in float32 and the trainer's base may be bf16:
+    their difference is numeric noise (for an untrained adapter a mean KL of
+    order 1e-4 or less). A sample without tokens has no KL term and is left
+    out. Per-token KL: :func:`trainer.losses.kl_k3` (Schulman 2020).
+
+    Returns:
+        The mean KL (nats); NaN when any value is NaN or no sample has tokens.
+
+    Raises:
+        RolloutError: a sample whose log-probs do not match its tokens in
+            number (an engine that does not report them).
+        ValueError: ``reference`` lacks log-probs of a sample's length.
+    """
+    kls: list[float] = []
+    for s, ref_T in zip(samples, reference, strict=True):
+        if not s.token_ids:
+            continue
+        if len(s.logprobs) != len(s.token_ids):
+            raise RolloutError(
+                f"answer {s.prompt_id!r} of {s.adapter_version!r} has {len(s.logprobs)} log-probs for "
+                f"{len(s.token_ids)} tokens; the evaluation KL needs the engine's log-prob of every token"
+            )
+        if ref_T is None or ref_T.shape != (len(s.token_ids),):
+            shape = None if ref_T is None else tuple(ref_T.shape)
+            raise ValueError(
+                f"reference log-probs of {s.prompt_id!r} ({s.adapter_version!r}) have shape {shape}, "
+                f"expected ({len(s.token_ids)},)"
+            )
+        kls.append(float(kl_k3(torch.tensor(s.logprobs, dtype=torch.float32), ref_T.float()).mean()))
+    return float(np.mean(kls)) if kls else float("nan")
 
 
 @torch.no_grad()

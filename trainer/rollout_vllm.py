@@ -11,7 +11,11 @@ Upstream API (vLLM ``entrypoints/openai``):
 
 All requests of a :meth:`VLLMEngine.generate` call are in flight together
 (``asyncio`` + ``httpx.AsyncClient``), so vLLM batches every candidate's
-adapter in one engine step (multi-LoRA batching). Each update is loaded under
+adapter in one engine step (multi-LoRA batching). Requests that differ only
+in their prompt travel as one ``/v1/completions`` call whose ``prompt`` is a
+list of token-id lists (at most ``max_prompts_per_request`` prompts), and at
+most ``max_in_flight`` calls are open at once, so the HTTP client's own work
+stays small next to the server's. Each update is loaded under
 a new name; old names are unloaded, never reloaded in place.
 """
 
@@ -25,7 +29,7 @@ from pathlib import Path
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from trainer.errors import RolloutError
+from trainer.errors import RolloutError, TrainerConfigError
 from trainer.rollout import BASE_VERSION, RolloutRequest
 from trainer.samples import Sample
 
@@ -37,7 +41,11 @@ class VLLMEngine:
         url: base URL, e.g. ``http://127.0.0.1:8000``.
         base_name: the server's ``--served-model-name`` of the base model.
         timeout_s: per-request timeout, seconds.
-        max_in_flight: cap on concurrent HTTP requests.
+        max_in_flight: cap on concurrent HTTP requests (an ``asyncio.Semaphore``
+            of this size; the connection pool has as many connections, so it never queues).
+        max_prompts_per_request: at most this many prompts per ``/v1/completions``
+            call; requests that share version, ``n``, ``max_new_tokens``,
+            ``temperature`` (and ``seed`` when sent) are batched into one call.
         per_request_seed: send each request's ``seed`` (reproducible sampling);
             off by default because the vLLM CPU engine crashes on seeded
             requests under chunked prefill.
@@ -46,6 +54,9 @@ class VLLMEngine:
             publishes the folder there and a one-token completion through the
             new name makes the server fetch it (its resolver plugin,
             :mod:`pipeline.serving.lora_resolver`). None: the server reads the local path.
+
+    Raises:
+        TrainerConfigError: ``max_in_flight`` or ``max_prompts_per_request`` < 1.
     """
 
     def __init__(
@@ -55,6 +66,7 @@ class VLLMEngine:
         base_name: str = BASE_VERSION,
         timeout_s: float = 300.0,
         max_in_flight: int = 64,
+        max_prompts_per_request: int = 32,
         per_request_seed: bool = False,
         adapter_share: str | None = None,
     ) -> None:
@@ -66,7 +78,12 @@ class VLLMEngine:
         self.per_request_seed = per_request_seed
         self.base_name = base_name
         self.timeout_s = timeout_s
+        if max_in_flight < 1 or max_prompts_per_request < 1:
+            raise TrainerConfigError(
+                f"max_in_flight ({max_in_flight}) and max_prompts_per_request ({max_prompts_per_request}) must be >= 1"
+            )
         self.max_in_flight = max_in_flight
+        self.max_prompts_per_request = max_prompts_per_request
         self.versions: dict[str, str] = {}  # version -> candidate
         self.last_load_s = 0.0
 
@@ -121,11 +138,12 @@ class VLLMEngine:
 
     # -- sampling -------------------------------------------------------------
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
-        """Send every request at once; ``n`` samples each, in request order.
+        """Send every request at once (batched, see :meth:`batches`); ``n`` samples each, in request order.
 
         Raises:
             RolloutError: an unknown version, an HTTP error after retries, or an
-                answer without token ids / log-probs.
+                answer without token ids / log-probs, with a choice index out of
+                range, or with a number of choices other than ``n`` for a prompt.
         """
         self.check(requests)
         return asyncio.run(self._generate_all(requests))
@@ -140,10 +158,39 @@ class VLLMEngine:
             if req.version != self.base_name and req.version not in self.versions:
                 raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
 
+    def batches(self, requests: Sequence[RolloutRequest]) -> list[list[int]]:
+        """Positions of ``requests`` grouped into HTTP requests, first-seen order.
+
+        Requests that differ only in their prompt (same version, ``n``,
+        ``max_new_tokens``, ``temperature``, and ``seed`` when it is sent) share
+        one ``/v1/completions`` call, at most ``max_prompts_per_request`` prompts each.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            seed = req.seed if self.per_request_seed and req.temperature > 0 else None
+            groups.setdefault((req.version, req.n, req.max_new_tokens, req.temperature, seed), []).append(i)
+        size = self.max_prompts_per_request
+        return [g[k : k + size] for g in groups.values() for k in range(0, len(g), size)]
+
     async def _generate_all(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        batches = self.batches(requests)
+        # The semaphore keeps httpx's pool from queueing: a queued request makes the pool
+        # rescan every waiting request against every connection on each event, which costs
+        # this process a CPU core while vLLM shares the host.
+        gate = asyncio.Semaphore(self.max_in_flight)
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
         async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits) as client:
-            return list(await asyncio.gather(*(self._one(client, req) for req in requests)))
+
+            async def bounded(batch: list[RolloutRequest]) -> list[list[Sample]]:
+                async with gate:
+                    return await self._batch(client, batch)
+
+            answers = await asyncio.gather(*(bounded([requests[i] for i in b]) for b in batches))
+        out: list[list[Sample]] = [[] for _ in requests]
+        for positions, groups in zip(batches, answers, strict=True):
+            for i, samples in zip(positions, groups, strict=True):
+                out[i] = samples
+        return out
 
     @retry(
         retry=retry_if_exception_type(httpx.TransportError),
@@ -159,44 +206,72 @@ class VLLMEngine:
             )
         return response.json()
 
-    async def _one(self, client: httpx.AsyncClient, req: RolloutRequest) -> list[Sample]:
+    async def _batch(self, client: httpx.AsyncClient, batch: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        """One ``/v1/completions`` call for requests that differ only in their prompt (see :meth:`batches`).
+
+        vLLM numbers the choices of a batched prompt list ``prompt_index * n + k``
+        (``index=len(choices)`` over the prompts' outputs in prompt order, in
+        ``entrypoints/openai/completion/serving.py``), so choice ``i`` belongs to
+        prompt ``i // n``; when the answer carries ``prompt_token_ids`` they are
+        checked against that prompt.
+        """
+        first = batch[0]
         body = {
-            "model": req.version,
-            "prompt": list(req.prompt_token_ids),
-            "n": req.n,
-            "max_tokens": req.max_new_tokens,
-            "temperature": req.temperature,
+            "model": first.version,
+            "prompt": [list(req.prompt_token_ids) for req in batch],
+            "n": first.n,
+            "max_tokens": first.max_new_tokens,
+            "temperature": first.temperature,
             "top_p": 1.0,
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": True,
         }
-        if self.per_request_seed and req.temperature > 0:
-            body["seed"] = req.seed
+        if self.per_request_seed and first.temperature > 0:
+            body["seed"] = first.seed
         try:
             data = await self._post_completion(client, body)
         except httpx.HTTPError as err:
-            raise RolloutError(f"vLLM at {self.url}: completion for {req.version!r} failed: {err}") from err
-        samples = []
-        for choice in sorted(data.get("choices", []), key=lambda c: c["index"]):
-            token_ids = choice.get("token_ids")
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+            raise RolloutError(f"vLLM at {self.url}: completion for {first.version!r} failed: {err}") from err
+        groups: list[list[Sample]] = [[] for _ in batch]
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            raise RolloutError(f"vLLM answer for {first.version!r} has no choices list: {str(data)[:300]}")
+        for choice in sorted(choices, key=lambda c: c.get("index", -1) if isinstance(c, dict) else -1):
+            index = choice.get("index") if isinstance(choice, dict) else None
+            if not isinstance(index, int) or not 0 <= index < len(batch) * first.n:
                 raise RolloutError(
-                    f"vLLM answer for {req.version!r} lacks matching token_ids/logprobs "
-                    f"({None if token_ids is None else len(token_ids)} ids, {None if logprobs is None else len(logprobs)} logprobs); "
-                    "needs a vLLM with return_token_ids support"
+                    f"vLLM answer for {first.version!r} has a choice with index {index!r}; "
+                    f"expected 0..{len(batch) * first.n - 1} for {len(batch)} prompts x n={first.n}"
                 )
-            samples.append(
-                Sample(
-                    prompt_id=req.prompt_id,
-                    text=choice["text"],
-                    token_ids=tuple(int(t) for t in token_ids),
-                    logprobs=tuple(float(x) for x in logprobs),
-                    adapter_version=req.version,
-                    finish_reason=choice.get("finish_reason") or "length",
+            req = batch[index // first.n]
+            echoed = choice.get("prompt_token_ids")
+            if echoed is not None and list(echoed) != list(req.prompt_token_ids):
+                raise RolloutError(
+                    f"vLLM answer for {first.version!r}: choice {index} echoes another prompt than "
+                    f"{req.prompt_id!r}; the server numbers batched choices differently than expected"
                 )
+            groups[index // first.n].append(self._sample(req, choice))
+        for req, samples in zip(batch, groups):
+            if len(samples) != req.n:
+                raise RolloutError(f"vLLM returned {len(samples)} choices for {req.version!r}, asked for n={req.n}")
+        return groups
+
+    @staticmethod
+    def _sample(req: RolloutRequest, choice: dict) -> Sample:
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+            raise RolloutError(
+                f"vLLM answer for {req.version!r} lacks matching token_ids/logprobs "
+                f"({None if token_ids is None else len(token_ids)} ids, {None if logprobs is None else len(logprobs)} logprobs); "
+                "needs a vLLM with return_token_ids support"
             )
-        if len(samples) != req.n:
-            raise RolloutError(f"vLLM returned {len(samples)} choices for {req.version!r}, asked for n={req.n}")
-        return samples
+        return Sample(
+            prompt_id=req.prompt_id,
+            text=str(choice.get("text") or ""),
+            token_ids=tuple(int(t) for t in token_ids),
+            logprobs=tuple(float(x) for x in logprobs),
+            adapter_version=req.version,
+            finish_reason=choice.get("finish_reason") or "length",
+        )

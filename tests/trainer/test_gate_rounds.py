@@ -301,12 +301,22 @@ def test_evaluation_forward_passes_in_chunks_give_the_same_values(
     )  # bf16 results shift with batch padding (~1e-3)
     ids = [base.chat_token_ids([{"role": "user", "content": f"q{i}" * (i + 1)}]) for i in range(5)]
     comps = [[11 + i, 12, 13][: 1 + i % 3] for i in range(5)]
-    samples = [
-        Sample(prompt_id=str(i), text="", token_ids=tuple(c), logprobs=(), adapter_version="base")
-        for i, c in enumerate(comps)
-    ]
-    whole = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)
+    answers = {
+        v: [
+            Sample(prompt_id=str(i), text="", token_ids=tuple(c), logprobs=(-0.5,) * len(c), adapter_version=v)
+            for i, c in enumerate(comps[k:] + comps[:k])
+        ]
+        for k, v in enumerate(("a", "b", "c"))
+    }  # three versions' answers to the same prompts: 15 rows, ordered by prompt in the reference pass
+
+    def values() -> tuple[list[float], dict[str, float], dict[str, list]]:
+        ref = evaluate.reference_logprobs(base, ids, answers)
+        return evaluate.sequence_logps(base, ids, comps), {v: evaluate.kl_to_base(answers[v], ref[v]) for v in ref}, ref
+
+    whole = values()
     monkeypatch.setattr(evaluate, "EVAL_CHUNK", 2)
-    chunked = evaluate.sequence_logps(base, ids, comps), evaluate.kl_to_base(base, ids, samples)
+    chunked = values()
     assert chunked[0] == pytest.approx(whole[0], abs=1e-4) and chunked[1] == pytest.approx(whole[1], abs=1e-6)
     assert len(chunked[0]) == 5 and all(x < 0 for x in chunked[0])
+    # the reference log-probs are the base's sequence log-probs of the same completions
+    assert [float(chunked[2]["a"][i].sum()) for i in range(5)] == pytest.approx(whole[0], abs=1e-4)
