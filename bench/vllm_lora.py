@@ -9,8 +9,16 @@ requests in flight together, through ``VLLMEngine``), first from the bare base
 model, then through the adapters. Prints seconds per workload and LoRA/base
 overhead for both, and as the last line the speedup of LoRA rollouts.
 
+With ``--compare dtype`` the two servers both run the grouped kernels and
+differ in ``--dtype`` instead (float32, the CPU default, vs bfloat16); besides
+the sampled workload each side answers the evaluation's greedy workload (every
+adapter and the base on ``--eval-prompts`` prompts, n = 1), and the mean
+absolute difference of the two sides' log-probs of the float32 side's greedy
+tokens is printed (scored by the bf16 server as a prompt, ``prompt_logprobs``).
+
     python bench/vllm_lora.py                      # SmolLM2, 2 adapters
     python bench/vllm_lora.py --model tiny --adapters 4
+    python bench/vllm_lora.py --compare dtype --adapters 8 --prompts 2 --group 4 --max-new-tokens 16
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from trainer.config import ModelConfig  # noqa: E402
 from trainer.rollout import RolloutRequest  # noqa: E402
 from trainer.rollout_vllm import VLLMEngine  # noqa: E402
 from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
 
 
 def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
@@ -90,9 +100,32 @@ def workload(
     return time.perf_counter() - started, sum(len(s.token_ids) for g in groups for s in g)
 
 
-def measure(grouped: bool, model_dir: Path, adapters: list[Path], ids, args, logs: Path) -> dict[str, float]:
+def greedy(engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], new_tokens: int) -> tuple[float, list]:
+    """(seconds, samples) of the evaluation's workload: every version greedy on every prompt, sent at once."""
+    reqs = [
+        RolloutRequest(
+            version=v, prompt_id=f"p{j}", prompt_token_ids=p, n=1, max_new_tokens=new_tokens, temperature=0.0
+        )
+        for v in versions
+        for j, p in enumerate(ids)
+    ]
+    started = time.perf_counter()
+    groups = engine.generate(reqs)
+    return time.perf_counter() - started, [g[0] for g in groups]
+
+
+def measure(
+    grouped: bool, model_dir: Path, adapters: list[Path], ids, args, logs: Path, dtype: str = "auto"
+) -> dict[str, float]:
     service = vllm_service(
-        model_dir, "127.0.0.1", free_port(), logs, max_model_len=512, max_lora_rank=16, max_loras=max(2, len(adapters))
+        model_dir,
+        "127.0.0.1",
+        free_port(),
+        logs,
+        max_model_len=512,
+        max_lora_rank=16,
+        max_loras=max(2, len(adapters)),
+        dtype=dtype,
     )
     service.env[ENV_SWITCH] = "1" if grouped else "0"
     service.start()
@@ -106,9 +139,27 @@ def measure(grouped: bool, model_dir: Path, adapters: list[Path], ids, args, log
         workload(engine, versions, ids[:1], args)
         base_s = min(workload(engine, ["base"] * len(versions), ids, args)[0] for _ in range(args.repeats))
         lora_s = min(workload(engine, versions, ids, args)[0] for _ in range(args.repeats))
+        out: dict = {"base_s": base_s, "lora_s": lora_s}
+        if args.compare == "dtype":
+            eval_ids = prompts(model_dir, args.eval_prompts)
+            runs = [greedy(engine, ["base", *versions], eval_ids, args.max_new_tokens) for _ in range(args.repeats)]
+            out["greedy_s"] = min(r[0] for r in runs)
+            out["greedy_samples"] = runs[0][1]
+        return out
     finally:
         service.stop()
-    return {"base_s": base_s, "lora_s": lora_s}
+
+
+def logprob_gap(samples_a: list, samples_b: list) -> tuple[float, float]:
+    """(mean |logprob difference| over tokens both sides generated alike, fraction of answers that are equal)."""
+    diffs, same = [], 0
+    for a, b in zip(samples_a, samples_b):
+        same += a.token_ids == b.token_ids
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if ta != tb:
+                break
+            diffs.append(abs(la - lb))
+    return (sum(diffs) / len(diffs) if diffs else float("nan")), same / max(1, len(samples_a))
 
 
 def main() -> None:
@@ -120,6 +171,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=6, help="samples per prompt (G)")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per side; the best is kept")
+    parser.add_argument(
+        "--compare", choices=["kernels", "dtype"], default="kernels", help="what differs between the two servers"
+    )
+    parser.add_argument("--eval-prompts", type=int, default=32, help="--compare dtype: greedy evaluation prompts")
     args = parser.parse_args()
     cache = ModelConfig().cache_dir
     if args.model == "tiny":
@@ -137,6 +192,25 @@ def main() -> None:
     print(
         f"model={model_dir.name} K={args.adapters} rank={args.rank} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} cores={len(os.sched_getaffinity(0))}"
     )
+    if args.compare == "dtype":
+        sides = {
+            dtype: measure(True, model_dir, adapters, ids, args, work / f"logs-{dtype}", dtype) for dtype in DTYPES
+        }
+        for dtype, r in sides.items():
+            print(
+                f"{dtype:>9}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, "
+                f"greedy evaluation ({args.adapters + 1} versions x {args.eval_prompts} prompts) {r['greedy_s']:.2f} s"
+            )
+        gap, same = logprob_gap(sides["float32"]["greedy_samples"], sides["bfloat16"]["greedy_samples"])
+        f32, b16 = sides["float32"], sides["bfloat16"]
+        print(
+            f"greedy answers equal in both dtypes: {same:.1%}; mean |log-prob difference| on equal prefixes {gap:.4f}"
+        )
+        print(
+            f"bfloat16 vs float32 vLLM: LoRA rollouts {f32['lora_s'] / b16['lora_s']:.2f}x, "
+            f"greedy evaluation {f32['greedy_s'] / b16['greedy_s']:.2f}x (> 1: bf16 faster)"
+        )
+        return
     results = {}
     for grouped in (False, True):
         label = "grouped (hourglass)" if grouped else "upstream per-token"

@@ -157,6 +157,9 @@ def greedy_answers(
 EVAL_CHUNK = 16  # sequences per forward pass at evaluation (bounds the [B, T, V] logits)
 
 
+REFERENCE_CHUNK_ROWS = 64  # answers per reference forward: each prompt's answers together (bounds the [B, T, V] logits)
+
+
 @torch.no_grad()
 def reference_logprobs(
     base: ResidentBase, prompt_ids: Sequence[list[int]], answers: Mapping[str, Sequence[Sample]]
@@ -165,8 +168,10 @@ def reference_logprobs(
 
     ``answers[v][i]`` is version ``v``'s answer to ``prompt_ids[i]``. Rows are
     ordered by prompt (prompt 0's answers from every version, then prompt 1's,
-    ...), ``EVAL_CHUNK`` rows per forward pass, so one pass holds several
-    versions' answers to the same prompts; answers without tokens are skipped.
+    ...) and a forward pass holds whole prompts' answers, up to
+    ``REFERENCE_CHUNK_ROWS`` rows (more only when one prompt has more answers),
+    so each prompt runs once for all versions (:mod:`trainer.shared_prompts`);
+    answers without tokens are skipped.
 
     Returns:
         ``{version: [logprobs_T or None]}`` aligned with ``answers[version]``:
@@ -180,9 +185,15 @@ def reference_logprobs(
         if len(samples) != len(prompt_ids):
             raise ValueError(f"version {version!r} has {len(samples)} answers for {len(prompt_ids)} prompts")
     out: dict[str, list[torch.Tensor | None]] = {v: [None] * len(prompt_ids) for v in answers}
-    rows = [(v, i) for i in range(len(prompt_ids)) for v in answers if answers[v][i].token_ids]
-    for k in range(0, len(rows), EVAL_CHUNK):
-        chunk = rows[k : k + EVAL_CHUNK]
+    chunks: list[list[tuple[str, int]]] = [[]]
+    for i in range(len(prompt_ids)):
+        rows = [(v, i) for v in answers if answers[v][i].token_ids]
+        if chunks[-1] and len(chunks[-1]) + len(rows) > REFERENCE_CHUNK_ROWS:
+            chunks.append([])
+        chunks[-1].extend(rows)
+    for chunk in chunks:
+        if not chunk:
+            continue
         with base.reference():
             logprobs_BT, _ = base.completion_logprobs(
                 [prompt_ids[i] for _, i in chunk], [list(answers[v][i].token_ids) for v, i in chunk]

@@ -315,6 +315,7 @@ def test_evaluation_forward_passes_in_chunks_give_the_same_values(
 
     whole = values()
     monkeypatch.setattr(evaluate, "EVAL_CHUNK", 2)
+    monkeypatch.setattr(evaluate, "REFERENCE_CHUNK_ROWS", 4)  # whole prompts: 3 answers each, one prompt a pass
     chunked = values()
     assert chunked[0] == pytest.approx(whole[0], abs=1e-4) and chunked[1] == pytest.approx(whole[1], abs=1e-6)
     assert len(chunked[0]) == 5 and all(x < 0 for x in chunked[0])
