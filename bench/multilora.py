@@ -28,9 +28,10 @@ fraction of update time, rollout tokens/s with K adapters in one engine vs
 one adapter at a time, the round's phase breakdown (``time/*_s`` round
 metrics, trainer/profile.py; (a) summed over its processes), the learning
 lines, the speedup (a)/(b), and the update time of the K candidates'
-training step sequential vs one-pass (``rl.update_mode``, bench/one_pass.py:
-same process, same base in the dtype ``model.dtype = auto`` picks, same rows
-of the workload's size, alternating). The last lines repeat the speedups.
+training step sequential (rows whole, and each prompt once) vs one-pass
+(``rl.update_mode``, bench/one_pass.py: same process, same base in the dtype
+``model.dtype = auto`` picks, same rows of the workload's size, alternating).
+The last lines repeat the speedups.
 (b) trains in ``--update-mode`` (default ``one_pass``); (a) has one candidate
 per process and trains ``sequential``, as a lone experiment would.
 

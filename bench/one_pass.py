@@ -1,9 +1,11 @@
 """Update time of K candidates: one forward/backward each (``sequential``) vs all in one pass (``one_pass``).
 
-Both modes run in one process on the same base, the same K candidates and
-the same rows, alternating (sequential, one_pass, sequential, ...), each
-mode with its own copies of the candidates in one offload store (the
-round's default). A timed step is what a
+Three variants run in one process on the same base, the same K candidates
+and the same rows, alternating, each with its own copies of the candidates in
+one offload store (the round's default): ``sequential_whole`` (sequential with
+``ResidentBase.share_prompts = False``: every row's prompt runs again, the
+update before :mod:`trainer.shared_prompts`), ``sequential`` and ``one_pass``
+(both running each distinct prompt of a pass once). A timed step is what a
 round does for the K candidates of one step:
 
 - ``sequential``: per candidate ``store.activate`` (the swap) and
@@ -25,8 +27,9 @@ gradient's size, so this is a sanity check: the tests are the proof).
 The base is either a packaged or local model (``--model``) or a randomly
 initialised Llama of a published shape (``--shape smollm2`` / ``1b``, see
 ``bench/adapter_swap.py``; only a tokenizer is needed). Prints, per mode,
-the median time of one step of all K candidates, and as the last line the
-ratio sequential / one-pass (> 1: one pass is faster).
+the median time of one step of all K candidates, the ratios against whole
+rows, and as the last line the ratio sequential / one-pass, both sharing
+prompts (> 1: one pass is faster).
 
     python bench/one_pass.py --device cpu --quick                  # seconds, a check that it runs
     python bench/one_pass.py --model smollm2-135m-instruct --k 8   # real weights, dtype auto

@@ -338,8 +338,10 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
     # one candidate per actor; candidate i rolls out on replica i whichever actor trains it (2 steps x 2 prompts each)
     served = [record.metrics.get(f"rollout/replica{j}/requests", 0.0) for j in range(2)]
     assert served == [4.0, 4.0], record.metrics
-    for j, url in enumerate(urls):  # the replica's own count agrees (it also answered load probes and evaluation)
-        assert after[j] - before[j] >= served[j], (url, before, after)
+    # the replica's own count agrees: a step's 2 prompts of a candidate travel as one batched call (2 calls for its
+    # 4 requests), and it also answered load probes and evaluation
+    for j, url in enumerate(urls):
+        assert after[j] - before[j] >= served[j] / 2, (url, before, after)
     client = MlflowClient(mlflow_uri)
     assert champion_version(client, name, "champion") == record.versions[name]  # the winner, registered and promoted
     assert record.metrics["reward_model/version"] == 1.0  # the round's reward model, registered like a local round's
