@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def greedy(engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], 
 
 def measure(
     grouped: bool, model_dir: Path, adapters: list[Path], ids, args, logs: Path, dtype: str = "auto"
-) -> dict[str, float]:
+) -> dict[str, Any]:
     service = vllm_service(
         model_dir,
         "127.0.0.1",
@@ -139,7 +140,7 @@ def measure(
         workload(engine, versions, ids[:1], args)
         base_s = min(workload(engine, ["base"] * len(versions), ids, args)[0] for _ in range(args.repeats))
         lora_s = min(workload(engine, versions, ids, args)[0] for _ in range(args.repeats))
-        out: dict = {"base_s": base_s, "lora_s": lora_s}
+        out: dict[str, Any] = {"base_s": base_s, "lora_s": lora_s}
         if args.compare == "dtype":
             eval_ids = prompts(model_dir, args.eval_prompts)
             runs = [greedy(engine, ["base", *versions], eval_ids, args.max_new_tokens) for _ in range(args.repeats)]
