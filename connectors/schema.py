@@ -120,11 +120,21 @@ class _Signals(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    reward: float | None = Field(default=None, description="Explicit scalar reward (finite).")
+    # strict: a signal is training data, so "yes" / 1 for a flag, or "1" / 3.0 for a rating, is refused
+    # (schema_violation), never read as true / 1 (pydantic's lax mode would).
+    reward: float | None = Field(
+        default=None, strict=True, description='Explicit scalar reward (a finite JSON number; "0.5" is refused).'
+    )
     thumbs: Literal["up", "down"] | None = Field(default=None, description="Thumbs up / down.")
-    rating: int | None = Field(default=None, ge=1, le=5, description="Star rating 1..5.")
-    edited: bool | None = Field(default=None, description="The user edited the answer.")
-    regenerated: bool | None = Field(default=None, description="The user asked for another answer.")
+    rating: int | None = Field(
+        default=None, ge=1, le=5, strict=True, description='Star rating 1..5 (a JSON integer; "3" and 3.0 are refused).'
+    )
+    edited: bool | None = Field(
+        default=None, strict=True, description='The user edited the answer (JSON true/false only; "yes" is refused).'
+    )
+    regenerated: bool | None = Field(
+        default=None, strict=True, description="The user asked for another answer (JSON true/false only)."
+    )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed on ingest.")
 
     @field_validator("reward", "rating", mode="before")

@@ -12,7 +12,7 @@ body is parsed: malformed JSON without a token is a 401, never a 422):
   ``{"ready": bool}`` (its per-check details need the token);
 - the Host header must name the API (DNS-rebinding defence): an IP literal,
   127.0.0.1, localhost, ::1, ``api.host`` or one of ``api.allowed_hosts``;
-  any other name gets 421. A rebinding attack always sends the attacker's
+  any other name gets 421, more than one Host header 400. A rebinding attack always sends the attacker's
   domain name, never an IP, so probes addressing the pod IP keep working.
 
 Everything served goes through :func:`pipeline.redact.redact_data` (no
@@ -148,6 +148,12 @@ def create_api(service: OpsService) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        hosts = [value for key, value in request.scope["headers"] if key == b"host"]  # ASGI names are lowercase
+        if len(hosts) > 1:  # Starlette reads the first, a proxy or cache may read the last: refuse, never guess
+            return JSONResponse(
+                {"detail": f"{len(hosts)} Host headers: send exactly one (the name or IP this API is addressed by)"},
+                status_code=400,
+            )
         if not host_allowed(request.headers.get("host"), names):
             return JSONResponse(
                 {

@@ -22,7 +22,9 @@ traced, ``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.Fee
 choice (index 0) is traced; batches and token-id prompts are served, not traced.
 The trace event is published after the response body is produced, through
 :class:`~connectors.gateway.events.EventPublisher`, so Kafka never slows or
-fails the client. Errors use the OpenAI error body
+fails the client. A stream that does not complete is not traced, and feedback with
+its token is a 409 (:class:`~connectors.gateway.streams.StreamLedger`). More than
+one ``Host`` header is a 400. Errors use the OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}`` and never name internal addresses.
 
 Upstream API: OpenAI Chat Completions / Completions (as served by vLLM 0.32).
@@ -49,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.background import BackgroundTask
 
 from connectors.gateway.auth import (
@@ -64,12 +66,16 @@ from connectors.gateway.auth import (
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.errors import ConnectorConfigError
 from connectors.gateway.events import TRACE_ERRORS, EventPublisher
+from connectors.gateway.streams import INCOMPLETE_FINISH, StreamLedger
 from connectors.gateway.request import (
     ClosingStream,
     RequestRefused,
+    SingleHostHeader,
     check_content_type,
     check_request,
     client_metadata,
+    describe_errors,
+    error_param,
     openai_error,
     parse_json,
     read_body,
@@ -122,24 +128,39 @@ class FeedbackIn(BaseModel):
         max_length=2048,
         description="The x-hourglass-feedback-token of the response (or send it in that header).",
     )
+    # Every signal is strict (JSON types only): "yes" for a flag or "1" for a rating is a 422, never a coerced vote.
     thumbs: Any = Field(default=None, description='"up" or "down".')
     rating: int | None = Field(
-        default=None, ge=1, le=5, strict=True, description="Star rating 1..5 (an integer: true or 3.0 are refused)."
+        default=None,
+        ge=1,
+        le=5,
+        strict=True,
+        description='Star rating 1..5 (an integer: true, "3" or 3.0 are refused).',
     )
     reward: float | None = Field(
-        default=None, allow_inf_nan=False, description="Explicit reward (trusted-grader keys only; clipped to [-1, 1])."
+        default=None,
+        strict=True,
+        allow_inf_nan=False,
+        description='Explicit reward (trusted-grader keys only; clipped to [-1, 1]; a JSON number, "0.5" is refused).',
     )
-    edited: bool | None = None
-    regenerated: bool | None = None
+    edited: bool | None = Field(default=None, strict=True, description="The user edited the answer (true/false only).")
+    regenerated: bool | None = Field(
+        default=None, strict=True, description="The user asked for another answer (true/false only)."
+    )
     correction: str | None = Field(
         default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars)."
     )
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed.")
+
+    @field_validator("thumbs")
+    @classmethod
+    def _thumbs(cls, value: Any) -> Any:
+        if value is not None and value not in ("up", "down"):
+            raise ValueError(f'thumbs must be "up" or "down", got {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _checks(self) -> FeedbackIn:
-        if self.thumbs is not None and self.thumbs not in ("up", "down"):
-            raise ValueError(f'thumbs must be "up" or "down", got {self.thumbs!r}')
         if all(getattr(self, k) is None for k in ("thumbs", "rating", "reward", "edited", "regenerated")):
             raise ValueError("give at least one signal: thumbs, rating, reward, edited or regenerated")
         return self
@@ -220,6 +241,7 @@ def create_gateway_app(
     correction_cap = BufferConfig().max_correction_chars if max_correction_chars is None else max_correction_chars
     base = upstream_url.rstrip("/")
     rates, in_flight = RateLimiter(), ConcurrencyLimiter()
+    streams = StreamLedger(signer.ttl_s)  # streamed answers that are not (or never will be) complete traces
     upstream_headers = {"content-type": "application/json"}
     if upstream_api_key:
         upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
@@ -241,12 +263,15 @@ def create_gateway_app(
             await asyncio.to_thread(app.state.publisher.close)
 
     app = FastAPI(title="Hourglass gateway", lifespan=lifespan)
+    app.add_middleware(SingleHostHeader)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in err.errors())
+        errors = [{**e, "loc": e["loc"][1:]} for e in err.errors()]  # loc[0] is "body" / "query"
         REQUESTS.labels(request.url.path, "422").inc()
-        return openai_error(422, f"invalid request: {problems}", type_="invalid_request_error")
+        return openai_error(
+            422, f"invalid request: {describe_errors(errors)}", type_="invalid_request_error", param=error_param(errors)
+        )
 
     def identity(key_id: str, user: str | None) -> str:
         """The end user's hash: the key id, plus the request's ``user`` scoped to that key."""
@@ -352,8 +377,10 @@ def create_gateway_app(
         try:
             body = FeedbackIn.model_validate(data)
         except ValidationError as err:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors())
-            raise RequestRefused(422, f"invalid request: {problems}") from None
+            errors = err.errors()
+            raise RequestRefused(
+                422, f"invalid request: {describe_errors(errors)}", param=error_param(errors)
+            ) from None
         if body.correction is not None and len(body.correction) > correction_cap:
             raise RequestRefused(
                 400,
@@ -382,6 +409,22 @@ def create_gateway_app(
             raise RequestRefused(
                 403, str(err), type_="permission_error", param="feedback_token", code="invalid_feedback_token"
             ) from None
+        stream_state = streams.state(body.trace_id)
+        if stream_state == "streaming":
+            raise RequestRefused(
+                409,
+                f"trace {body.trace_id!r} is a streamed answer still streaming; send feedback after its last chunk",
+                param="trace_id",
+                code="trace_in_progress",
+            )
+        if stream_state == "failed":
+            raise RequestRefused(
+                409,
+                f"trace {body.trace_id!r} is a streamed answer that did not complete (the model server failed or "
+                "the stream was cut midway); it was not recorded and takes no feedback",
+                param="trace_id",
+                code="trace_incomplete",
+            )
         if body.reward is not None and not caller.trusted_grader:
             raise RequestRefused(
                 403,
@@ -523,7 +566,13 @@ def create_gateway_app(
                 raw = await _read_error(upstream)
                 return _upstream_error(upstream, raw, trace_id, trace_headers)
 
+            traced_stream = FEEDBACK_HEADER in ok_headers
+            if traced_stream:
+                streams.start(trace_id)
+
             async def on_close() -> None:
+                if traced_stream and streams.end(trace_id):
+                    log.info("gateway: stream of trace %s did not complete: not traced, feedback refused", trace_id)
                 await upstream.aclose()
                 await release()
 
@@ -622,7 +671,9 @@ def create_gateway_app(
     ) -> AsyncIterator[bytes]:
         """Pass SSE lines through (extras stripped) while assembling the completion.
 
-        The trace is published when ``[DONE]`` arrives, before that line is passed on:
+        The trace is published when ``[DONE]`` arrives after no error chunk and no ``abort`` / ``error``
+        finish reason (else the stream did not complete: no trace, and the response's ``on_close`` marks
+        it failed so its feedback token is refused), before that line is passed on:
         a client that hangs up as soon as it reads ``[DONE]`` (the openai client does)
         makes the server cancel this generator, and nothing after the last ``yield``
         would run. A client that hangs up earlier cancels it too; the response's
@@ -636,8 +687,9 @@ def create_gateway_app(
                 if line.startswith("data:"):
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        if not errored:
+                        if not errored and completion.finish_reason not in INCOMPLETE_FINISH:
                             publish(*publish_args, completion, True, started)
+                            streams.complete(trace_id)
                     else:
                         try:
                             chunk = json.loads(data)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
@@ -103,6 +103,48 @@ def openai_error(
 
 def refused(err: RequestRefused) -> JSONResponse:
     return openai_error(err.status, err.message, type_=err.type_, param=err.param, code=err.code, headers=err.headers)
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """``field.path: message; ...`` of pydantic validation errors (``loc`` relative to the body)."""
+    return "; ".join(f"{_dotted(e['loc']) or 'body'}: {e['msg']}" for e in errors)
+
+
+def error_param(errors: Sequence[Mapping[str, Any]]) -> str | None:
+    """The OpenAI error ``param`` of a body pydantic refused: the dotted ``loc`` of the first error that names
+    a field (``rating``, ``metadata.user``); None when none does (a rule across fields)."""
+    return next((_dotted(e["loc"]) for e in errors if e["loc"]), None)
+
+
+def _param(where: str) -> str | None:
+    """``body.messages.0.content`` -> ``messages.0.content``; the whole body names no field."""
+    return None if where == "body" else where.removeprefix("body.")
+
+
+class SingleHostHeader:
+    """ASGI middleware: a request with more than one ``Host`` header is a 400 (RFC 9112 section 3.2), before
+    any route runs. Starlette reads the first, a proxy or cache in front may read the last: never guess."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            hosts = sum(1 for key, _ in scope["headers"] if key == b"host")  # ASGI header names are lowercase
+            if hosts > 1:
+                response = openai_error(
+                    400,
+                    f"{hosts} Host headers: send exactly one",
+                    type_="invalid_request_error",
+                    code="duplicate_host_header",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class ClosingStream(StreamingResponse):
@@ -197,7 +239,9 @@ def _walk(value: Any, max_depth: int) -> None:
         elif isinstance(item, (dict, list)):
             if depth > max_depth:
                 raise RequestRefused(
-                    400, f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})"
+                    400,
+                    f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})",
+                    param=_param(where),
                 )
             pairs = item.items() if isinstance(item, dict) else enumerate(item)
             for k, v in pairs:
@@ -234,6 +278,7 @@ def _check_text(text: str, where: str) -> None:
             400,
             f"request body has text that is not valid Unicode at {where}: {err.reason} at position "
             f"{err.start} (a lone surrogate such as \\ud800?)",
+            param=_param(where),
         ) from None
 
 

@@ -74,10 +74,9 @@ SLOW_VALID = [
     _trace(10, ts="2026-01-02 03:04:05"),  # naive, space separator
     _trace(11, ts="2026-01-02T03:04:05.1234567Z"),  # more than microseconds
     _trace(12, ts=1767323045999.5),  # float epoch ms
-    _trace(13, rating=5.0, completion_token_ids=[1.0, 2, 3]),  # lax numbers
+    _trace(13, completion_token_ids=[1.0, 2, 3]),  # lax token ids
     _trace(14, prompt=[{"role": "user", "content": "x", "name": "n"}, {"role": "system", "content": None}]),
     _trace(15, prompt=[{"content": "reordered", "role": "user"}, {"role": "user", "content": [{"type": "text"}]}]),
-    _trace(16, edited="true"),
     b'{"schema":"hourglass.feedback/v1","trace_id":"t12","schema":"hourglass.trace/v1","ts":0,"model":"m",'
     b'"prompt":"p","completion":"c"}',  # duplicate tag: the last one wins, as in pydantic
 ]
@@ -106,6 +105,13 @@ BAD = [
     (s.SCHEMA_VIOLATION, _enc(_feedback(37, ts="1767323045"))),  # digits as a string: refused (ms or s?)
     (s.SCHEMA_VIOLATION, _enc(_trace(38, ts="-1000"))),
     (s.SCHEMA_VIOLATION, _enc(_feedback(39, correction=5))),
+    # signals are strict: a string, number or float form is a forgery or a mistake, never read as the value
+    (s.SCHEMA_VIOLATION, _enc(_trace(16, edited="true"))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(17, rating=5.0))),
+    (s.SCHEMA_VIOLATION, _enc(_feedback(44, edited="yes"))),
+    (s.SCHEMA_VIOLATION, _enc(_feedback(45, regenerated=1))),
+    (s.SCHEMA_VIOLATION, _enc(_feedback(46, rating="1"))),
+    (s.SCHEMA_VIOLATION, _enc(_feedback(47, reward="0.5"))),
     (s.OVERSIZE_CORRECTION, _enc(_feedback(40, correction="y" * 65))),
     (s.INVALID_UNICODE, _enc(_trace(41)).replace(b'"u2"', b'"\\ud800"').replace(b'"u1"', b'"\\ud800"')),
     (s.INVALID_UNICODE, _enc(_feedback(42, metadata={"note": "@"})).replace(b'"@"', b'"a\\udfffb"')),

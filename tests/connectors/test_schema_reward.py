@@ -179,3 +179,41 @@ def test_json_booleans_are_not_numbers(over: dict) -> None:
             and batch.feedback == []
             and [d.reason for d in batch.dead_letters] == [s.SCHEMA_VIOLATION]
         )
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"edited": "yes"},  # was read as edited=True: a reward the user never gave
+        {"edited": "false"},
+        {"edited": 1},
+        {"regenerated": "true"},
+        {"rating": "1"},  # was read as 1 star
+        {"rating": 3.0},
+        {"reward": "0.5"},
+    ],
+)
+def test_signals_are_type_strict_on_both_parsers(over: dict) -> None:
+    """A flag is JSON true/false, a rating a JSON integer, a reward a JSON number: any other form is a
+    forgery or a mistake and is dead-lettered naming the field, never coerced (pydantic's lax mode would)."""
+    from connectors.fast_parse import parse_batch
+
+    for event in (_trace(**over), {"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", **over}):
+        result = _parse(event)
+        assert isinstance(result, s.Rejected) and result.reason == s.SCHEMA_VIOLATION, result
+        assert next(iter(over)) in result.detail
+
+        class Rec:
+            topic, partition, offset, key, value = "t", 0, 7, None, json.dumps(event).encode()
+
+        for fast in (True, False):
+            batch = parse_batch([Rec()], max_record_bytes=10_000, hasher=HASHER, fast=fast)
+            assert batch.traces == batch.feedback == [] and [d.reason for d in batch.dead_letters] == [
+                s.SCHEMA_VIOLATION
+            ]
+
+
+def test_strict_signals_still_take_json_booleans_integers_and_integer_rewards() -> None:
+    event = _parse({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", "edited": False, "rating": 4, "reward": 1})
+    assert isinstance(event, s.FeedbackEvent)
+    assert event.signals() == {"reward": 1.0, "rating": 4, "edited": False}

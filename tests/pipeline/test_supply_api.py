@@ -71,6 +71,19 @@ def test_foreign_host_header_is_refused(client: TestClient, host: str) -> None:
         assert "Host header" in response.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    "hosts", [["127.0.0.1:18080", "evil.example"], ["evil.example", "127.0.0.1:18080"], ["localhost", "localhost"]]
+)
+def test_two_host_headers_are_refused(client: TestClient, service: HourglassService, hosts: list[str]) -> None:
+    auth = ("Authorization", f"Bearer {service.api_token}")
+    for path in ("/status", "/healthz"):
+        response = client.get(path, headers=[("Host", h) for h in hosts])
+        assert response.status_code == 400, (hosts, path)  # was 200 when the first one was allowed
+        assert "2 Host headers" in response.json()["detail"]
+    rounds = client.post("/rounds", json={}, headers=[*(("Host", h) for h in hosts), auth])
+    assert rounds.status_code == 400 and service.store.list() == []
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1:18080", "localhost", "[::1]:18080", "10.1.2.3:18080"])
 def test_loopback_names_and_ip_literals_are_accepted(client: TestClient, host: str) -> None:
     assert client.get("/healthz", headers={"Host": host}).status_code == 200

@@ -195,6 +195,17 @@ def test_api_keys_are_checked_before_anything_reaches_the_model_server(gw: Gatew
     assert gw.chat().status_code == 200
 
 
+def test_two_host_headers_are_a_400_before_anything_runs(gw: Gateway) -> None:
+    body = {"model": "hourglass", "messages": MESSAGES}
+    headers = [("host", "testserver"), ("host", "evil.example"), ("authorization", f"Bearer {gw.keys.client}")]
+
+    answer = gw.http.post("/v1/chat/completions", json=body, headers=headers)
+
+    assert answer.status_code == 400 and error(answer)["code"] == "duplicate_host_header"
+    assert "2 Host headers" in error(answer)["message"]
+    assert gw.upstream.requests == [] and gw.chat().status_code == 200  # one Host header: served
+
+
 def test_a_gateway_that_requires_keys_needs_a_key_store() -> None:
     with pytest.raises(ConnectorConfigError, match="no API key store"):
         create_gateway_app(KAFKA, "http://vllm.internal:8000", lambda name: ROUTES[name], sink=FakeSink())
@@ -322,6 +333,61 @@ def test_a_stream_that_ends_in_an_error_chunk_is_relayed_but_not_traced(gw: Gate
     assert answer.headers[TRACE_HEADER] not in {t.trace_id for t in gw.sink.traces}
 
 
+class CutStream(httpx.AsyncByteStream):
+    """An SSE body that breaks after its first bytes (the model server died mid-generation)."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+
+    async def __aiter__(self):  # type: ignore[override]
+        yield self.first
+        raise httpx.ReadError("connection reset by peer")
+
+
+def _chunk(content: str, finish_reason: str | None = None) -> str:
+    choice = {"index": 0, "delta": {"content": content}, "token_ids": [5], "finish_reason": finish_reason}
+    return "data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [choice]})
+
+
+STREAM_FAILURES = {
+    "cut midway": lambda body: httpx.Response(
+        200, stream=CutStream(f"{_chunk('fo')}\n\n".encode()), headers={"content-type": "text/event-stream"}
+    ),
+    "aborted": lambda body: httpx.Response(  # vLLM's finish reason of a request the engine aborted
+        200,
+        content=f"{_chunk('fo')}\n\n{_chunk('', 'abort')}\n\ndata: [DONE]\n\n".encode(),
+        headers={"content-type": "text/event-stream"},
+    ),
+    "error chunk": lambda body: httpx.Response(
+        200,
+        content=f'{_chunk("fo")}\n\ndata: {{"error": {{"message": "engine died"}}}}\n\ndata: [DONE]\n\n'.encode(),
+        headers={"content-type": "text/event-stream"},
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(STREAM_FAILURES))
+def test_a_stream_that_fails_midway_is_not_traced_and_its_feedback_token_is_refused(gw: Gateway, failure: str) -> None:
+    gw.upstream.reply = STREAM_FAILURES[failure]
+    answer = gw.chat(stream=True)
+    gw.upstream.reply = gw.upstream.answer
+    complete = gw.chat(stream=True)
+    gw.trace(complete)  # a trace published after the failed one proves the publisher ran past it
+
+    assert answer.status_code == 200 and '"fo"' in answer.text  # the client got the first chunk and the token
+    failed_id = answer.headers[TRACE_HEADER]
+    assert failed_id not in {t.trace_id for t in gw.sink.traces}
+    vote = {"trace_id": failed_id, "thumbs": "down"}
+    refused = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+    assert refused.status_code == 409 and error(refused)["code"] == "trace_incomplete"  # was 200 "stored"
+    assert error(refused)["param"] == "trace_id" and "did not complete" in error(refused)["message"]
+    assert gw.sink.feedback == []
+
+    vote = {"trace_id": complete.headers[TRACE_HEADER], "thumbs": "up"}
+    stored = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: complete.headers[FEEDBACK_HEADER]})
+    assert stored.status_code == 200 and [e.trace_id for e in gw.sink.feedback] == [complete.headers[TRACE_HEADER]]
+
+
 def test_batches_are_served_but_not_traced(gw: Gateway) -> None:
     answer = gw.post("/v1/completions", {"model": "plain", "prompt": ["a", "b"], "max_tokens": 1}, gw.keys.client)
     later = gw.chat()
@@ -433,6 +499,26 @@ def test_bad_requests_get_a_clear_4xx_and_never_reach_vllm(
     assert answer.status_code == status
     assert says in error(answer)["message"]
     assert gw.upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}', "stream"),
+        (b'{"model": "hourglass", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}', "best_of"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ],
+)
+def test_chat_refusals_name_the_field_in_param(gw: Gateway, content: bytes, param: str) -> None:
+    answer = gw.http.post(
+        "/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", "authorization": f"Bearer {gw.keys.client}"},
+    )
+
+    assert answer.status_code == 400 and error(answer)["param"] == param  # the lone surrogate's was null
 
 
 def test_an_unknown_model_is_404_model_not_found(gw: Gateway) -> None:
@@ -583,19 +669,38 @@ def test_explicit_rewards_are_for_trusted_graders_only_and_clipped(gw: Gateway) 
 
 
 @pytest.mark.parametrize(
-    ("body", "complaint"),
+    ("body", "param", "complaint"),
     [
-        ({"trace_id": "t1", "thumbs": "sideways"}, "thumbs"),
-        ({"trace_id": "t1", "rating": 6}, "rating"),
-        ({"trace_id": "t1", "rating": True}, "rating"),
-        ({"thumbs": "up"}, "trace_id"),
-        ({"trace_id": "t1"}, "at least one signal"),
-        ({"trace_id": "t1", "thumbs": "up", "stars": 3}, "stars"),
+        ({"trace_id": "t1", "thumbs": "sideways"}, "thumbs", "thumbs"),
+        ({"trace_id": "t1", "rating": 6}, "rating", "rating"),
+        ({"trace_id": "t1", "rating": True}, "rating", "rating"),
+        ({"thumbs": "up"}, "trace_id", "trace_id"),
+        ({"trace_id": "t1"}, None, "at least one signal"),  # a rule across fields names none
+        ({"trace_id": "t1", "thumbs": "up", "stars": 3}, "stars", "stars"),
+        # type-strict signals: each was coerced (edited "yes" -> true, rating "1" -> 1 star) and stored
+        ({"trace_id": "t1", "edited": "yes"}, "edited", "valid boolean"),
+        ({"trace_id": "t1", "edited": 1}, "edited", "valid boolean"),
+        ({"trace_id": "t1", "regenerated": "true"}, "regenerated", "valid boolean"),
+        ({"trace_id": "t1", "rating": "1"}, "rating", "valid integer"),
+        ({"trace_id": "t1", "reward": "0.5"}, "reward", "valid number"),
+        ({"trace_id": "t1", "thumbs": "up", "metadata": "x"}, "metadata", "metadata"),
     ],
 )
-def test_bad_feedback_is_422_naming_the_field(gw: Gateway, body: dict, complaint: str) -> None:
+def test_bad_feedback_is_422_naming_the_field(gw: Gateway, body: dict, param: str | None, complaint: str) -> None:
     answer = gw.post("/v1/feedback", body, gw.keys.client)
     assert answer.status_code == 422 and complaint in error(answer)["message"]
+    assert error(answer)["param"] == param  # was always null
+    assert gw.sink.feedback == []
+
+
+def test_feedback_flags_that_are_json_booleans_are_stored(gw: Gateway) -> None:
+    answer = gw.chat()
+    vote = {"trace_id": answer.headers[TRACE_HEADER], "edited": True, "regenerated": False}
+
+    stored = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+
+    assert stored.status_code == 200
+    assert (gw.sink.feedback[-1].edited, gw.sink.feedback[-1].regenerated) == (True, False)
 
 
 def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
