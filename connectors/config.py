@@ -54,6 +54,13 @@ class KafkaConfig(Section):
     max_record_bytes: int = Field(
         default=1_048_576, ge=1024, description="Larger records are dead-lettered as oversize."
     )
+    routes_signing_key: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 key of route records on routes_topic (at least 32 characters; set "
+        "HOURGLASS_KAFKA__ROUTES_SIGNING_KEY, the same value on the serving controller's service and on every "
+        "gateway). Set: the controller signs every record and gateways skip unsigned or badly signed ones. "
+        "Unset: records are neither signed nor checked (anyone who can write to the topic can move gateways).",
+    )
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -68,6 +75,15 @@ class KafkaConfig(Section):
     @classmethod
     def _topic_name(cls, topic: str) -> str:
         return check_topic_name(topic)
+
+    @field_validator("routes_signing_key", mode="before")
+    @classmethod
+    def _routes_key(cls, key: object) -> object:
+        if isinstance(key, str) and not key.strip():
+            return None  # an empty variable means "not set"
+        if isinstance(key, str) and len(key) < 32:
+            raise ValueError("routes_signing_key must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+        return key
 
     @model_validator(mode="after")
     def _distinct_topics(self) -> "KafkaConfig":

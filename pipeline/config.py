@@ -330,7 +330,15 @@ class HourglassConfig(BaseSettings):
         return self.resolve(self.serving.staging_dir)
 
 
-_SECRET_FIELDS = {"token", "user_hash_key", "signing_key", "previous_signing_keys", "api_key", "feedback_signing_key"}
+_SECRET_FIELDS = {
+    "token",
+    "user_hash_key",
+    "signing_key",
+    "previous_signing_keys",
+    "api_key",
+    "feedback_signing_key",
+    "routes_signing_key",
+}
 
 DEFAULT_USER_HASH_KEY = "hourglass-change-me"
 _PLACEHOLDER = re.compile(r"change[-_]?me|changeme|placeholder|example|replace[-_]?me", re.IGNORECASE)
@@ -342,7 +350,9 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
     Refused: the default ``buffer.user_hash_key``; any secret that still looks
     like a placeholder (``change-me...`` as in ``deploy/*.env.example``); for
     the ``service`` role, a missing ``registry.signing_key`` (the gateway never
-    gets that key). Lengths are checked by the fields themselves.
+    gets that key); with ``serving.routes_source = "kafka"``, a missing
+    ``kafka.routes_signing_key`` (both roles: unsigned route records could be forged).
+    Lengths are checked by the fields themselves.
     ``hourglass config check`` and ``hourglass service`` call this.
     """
     if cfg.deployment != "production":
@@ -354,6 +364,7 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
         "api.token (HOURGLASS_API__TOKEN)": cfg.api.token,
         "serving.api_key (HOURGLASS_SERVING__API_KEY)": cfg.serving.api_key,
         "gateway.feedback_signing_key (HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY)": cfg.gateway.feedback_signing_key,
+        "kafka.routes_signing_key (HOURGLASS_KAFKA__ROUTES_SIGNING_KEY)": cfg.kafka.routes_signing_key,
     }
     for name, secret in secrets.items():
         value = secret.get_secret_value() if secret is not None else None
@@ -365,6 +376,11 @@ def secret_problems(cfg: HourglassConfig, role: Literal["service", "gateway"] = 
             elif name.startswith("gateway.feedback_signing_key") and role == "gateway":
                 problems.append(
                     f"{name}: not set; production gateways share one feedback-token key (`openssl rand -hex 32`)"
+                )
+            elif name.startswith("kafka.routes_signing_key") and cfg.serving.routes_source == "kafka":
+                problems.append(
+                    f"{name}: not set while serving.routes_source = 'kafka'; the controller and every gateway need "
+                    "the same key, or any producer on the routes topic can move gateways (`openssl rand -hex 32`)"
                 )
         elif value == DEFAULT_USER_HASH_KEY or _PLACEHOLDER.search(value):
             problems.append(f"{name}: still the default or a placeholder; set a random value (`openssl rand -hex 32`)")

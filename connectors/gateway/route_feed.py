@@ -19,6 +19,13 @@ skipped, logged with the reason and counted
 (``hourglass_gateway_route_records_refused_total``); the model keeps its last
 good route. A broker outage keeps the last known routes and reconnects.
 
+Authentication: with ``kafka.routes_signing_key`` set, the publisher adds the
+header ``hourglass-route-sig`` to every record, the hex HMAC-SHA256 (RFC 2104)
+of :func:`route_signing_payload` (topic, key, value; a tombstone signs as
+such), and every follower skips, logs (reason ``unsigned`` or ``bad
+signature``) and counts a record or tombstone without a valid one: the model
+keeps its route. Unset, records are neither signed nor checked.
+
 Tansu (the embedded broker) accepts ``cleanup.policy=compact`` at creation but
 reports no topic configs back, so it presumably keeps every record: the topic
 then grows by one record per route change, and reading it from the beginning
@@ -30,12 +37,16 @@ This module works on plain dicts; the routes contract turns them into
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
+from collections.abc import Sequence
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
+from kafka.producer.future import FutureRecordMetadata
 from prometheus_client import Counter
 
 from connectors.config import KafkaConfig
@@ -44,7 +55,46 @@ from connectors.gateway.routes import RouteRecordError, route_from_dict
 
 log = logging.getLogger(__name__)
 
-REFUSED = Counter("hourglass_gateway_route_records_refused", "Route records skipped: not a valid route for their key.")
+REFUSED = Counter(
+    "hourglass_gateway_route_records_refused",
+    "Route records skipped: not a valid route for their key, or unsigned / badly signed while a routes key is set.",
+)
+
+SIGNATURE_HEADER = "hourglass-route-sig"
+_PAYLOAD_TAG = b"hourglass-route-v1"
+
+
+def route_signing_payload(topic: str, key: bytes, value: bytes | None) -> bytes:
+    """The canonical bytes a route record's signature covers.
+
+    ``tag | len(topic) topic | len(key) key | kind [len(value) value]``, lengths
+    as 8-byte big-endian unsigned ints, ``kind`` = ``b"T"`` for a tombstone
+    (``value`` None) else ``b"V"``: no two (topic, key, value) share a payload,
+    and a signed route cannot be replayed as a tombstone or on another topic.
+    """
+    parts = [_PAYLOAD_TAG]
+    for field in (topic.encode(), key):
+        parts += [len(field).to_bytes(8, "big"), field]
+    parts += [b"T"] if value is None else [b"V", len(value).to_bytes(8, "big"), value]
+    return b"".join(parts)
+
+
+def sign_route(secret: bytes, topic: str, key: bytes, value: bytes | None) -> bytes:
+    """Hex (ASCII bytes) HMAC-SHA256 of :func:`route_signing_payload` under ``secret``: the header value."""
+    return hmac.new(secret, route_signing_payload(topic, key, value), hashlib.sha256).hexdigest().encode()
+
+
+def route_signature_problem(
+    secret: bytes, topic: str, key: bytes, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None
+) -> str | None:
+    """Why a record's ``hourglass-route-sig`` header does not authenticate it (``"unsigned"`` or
+    ``"bad signature"``), or None when it does. Compared with :func:`hmac.compare_digest`."""
+    sigs = [v for k, v in headers or () if k == SIGNATURE_HEADER]
+    if not sigs or sigs[-1] is None:
+        return "unsigned"
+    if not hmac.compare_digest(sigs[-1], sign_route(secret, topic, key, value)):
+        return "bad signature"
+    return None
 
 
 class RoutePublisher:
@@ -74,11 +124,7 @@ class RoutePublisher:
                     max_block_ms=self.kafka.request_timeout_ms,
                 )
             futures = [
-                self._producer.send(
-                    self.kafka.routes_topic,
-                    key=model.encode(),
-                    value=None if route is None else json.dumps(route, sort_keys=True).encode(),
-                )
+                self._send(model.encode(), None if route is None else json.dumps(route, sort_keys=True).encode())
                 for model, route in sorted(routes.items())
             ]
             for future in futures:
@@ -88,6 +134,18 @@ class RoutePublisher:
             raise BrokerUnavailableError(
                 f"could not publish routes {sorted(routes)} to {self.kafka.routes_topic!r} at {self.kafka.bootstrap_servers}: {err}"
             ) from err
+
+    def _send(self, key: bytes, value: bytes | None) -> FutureRecordMetadata:
+        """One record, signed when ``kafka.routes_signing_key`` is set; returns kafka-python's future."""
+        assert self._producer is not None
+        topic = self.kafka.routes_topic
+        secret = self.kafka.routes_signing_key
+        headers = (
+            []
+            if secret is None
+            else [(SIGNATURE_HEADER, sign_route(secret.get_secret_value().encode(), topic, key, value))]
+        )
+        return self._producer.send(topic, key=key, value=value, headers=headers)
 
     def close(self) -> None:
         if self._producer is not None:
@@ -136,7 +194,10 @@ class RouteFollower:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def _apply(self, key: bytes | None, value: bytes | None) -> None:
+    def _apply(
+        self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None = None
+    ) -> None:
+        """Apply one record (``headers``: the record's Kafka headers); a refused one is logged and counted."""
         try:
             model = (key or b"").decode()
         except UnicodeDecodeError:
@@ -145,6 +206,19 @@ class RouteFollower:
             REFUSED.inc()
             log.warning("route record without a UTF-8 key skipped")
             return
+        secret = self.kafka.routes_signing_key
+        if secret is not None:
+            try:
+                unsigned = route_signature_problem(
+                    secret.get_secret_value().encode(), self.kafka.routes_topic, key or b"", value, headers
+                )
+            except (TypeError, ValueError):  # a header value of the wrong type cannot be a valid signature
+                unsigned = "bad signature"
+            if unsigned is not None:
+                REFUSED.inc()
+                kind = "tombstone" if value is None else "record"
+                log.warning("route %s for %r skipped (%s); keeping its current route", kind, model[:200], unsigned)
+                return
         if value is None:
             with self._lock:
                 self._routes.pop(model, None)
@@ -209,7 +283,7 @@ class RouteFollower:
             batches = consumer.poll(timeout_ms=self.poll_ms)
             for records in batches.values():
                 for record in records:
-                    self._apply(record.key, record.value)
+                    self._apply(record.key, record.value, record.headers)
             if not self.ready.is_set() and all(consumer.position(tp) >= ends[tp] for tp in tps):
                 self.ready.set()
                 self.last_error = None

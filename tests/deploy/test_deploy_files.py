@@ -58,6 +58,7 @@ REAL_SECRETS = {
     "HOURGLASS_API__TOKEN": "0f" * 16,
     "HOURGLASS_BUFFER__USER_HASH_KEY": "1e" * 16,
     "HOURGLASS_REGISTRY__SIGNING_KEY": "2d" * 16,
+    "HOURGLASS_KAFKA__ROUTES_SIGNING_KEY": "3c" * 16,
 }
 
 
@@ -152,6 +153,8 @@ def test_env_example_sets_the_secrets_the_config_reads(monkeypatch: pytest.Monke
     assert cfg.api.token is not None and cfg.api.token.get_secret_value() == values["HOURGLASS_API__TOKEN"] + "-test"
     assert cfg.buffer.user_hash_key.get_secret_value() == values["HOURGLASS_BUFFER__USER_HASH_KEY"] + "-test"
     assert cfg.registry.signing_key.get_secret_value() == values["HOURGLASS_REGISTRY__SIGNING_KEY"] + "-test"
+    assert cfg.kafka.routes_signing_key is not None
+    assert cfg.kafka.routes_signing_key.get_secret_value() == values["HOURGLASS_KAFKA__ROUTES_SIGNING_KEY"] + "-test"
 
 
 # --- compose ------------------------------------------------------------------------
