@@ -81,6 +81,7 @@ def test_production_config_without_secrets_or_with_the_placeholders_is_refused(m
     assert result.exit_code == 2
     assert "buffer.user_hash_key" in result.output and "registry.signing_key" in result.output
     assert "not set" in result.output  # the signing key is required in production
+    assert "kafka.routes_signing_key" in result.output  # routes_source = "kafka" needs signed route records
     for key, value in _env_example("hourglass.env.example"):
         monkeypatch.setenv(key, value)
     # The gateway never gets the signing key: its check does not ask for it.
@@ -89,11 +90,12 @@ def test_production_config_without_secrets_or_with_the_placeholders_is_refused(m
     )
     assert result.exit_code == 2 and "registry.signing_key" not in result.output
     assert "api.token" in result.output and "buffer.user_hash_key" in result.output
+    assert "kafka.routes_signing_key" in result.output  # gateways verify route records with it
     for key, value in _env_example("signing.env.example"):
         monkeypatch.setenv(key, value)
     result = CliRunner().invoke(app, ["config", "check", str(DEPLOY / "production.toml"), "--json"])
     assert result.exit_code == 2
-    for field in ("api.token", "buffer.user_hash_key", "registry.signing_key"):
+    for field in ("api.token", "buffer.user_hash_key", "registry.signing_key", "kafka.routes_signing_key"):
         assert f"{field} (HOURGLASS_" in result.output and "placeholder" in result.output, field
     assert "change-me" not in result.output  # secrets are never echoed
 

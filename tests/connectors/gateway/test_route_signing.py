@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from kafka import KafkaProducer
+from pydantic import SecretStr
 
 from connectors.config import KafkaConfig
 from connectors.gateway.route_feed import (
@@ -49,7 +51,7 @@ def test_sign_and_verify_cover_topic_key_value_and_the_tombstone() -> None:
 
 
 def test_follower_with_a_key_refuses_unsigned_and_badly_signed_records_keeping_the_route() -> None:
-    kafka = KafkaConfig(routes_signing_key=KEY)
+    kafka = KafkaConfig.model_validate({"routes_signing_key": KEY})
     follower = RouteFollower(kafka)
     topic, v1 = kafka.routes_topic, json.dumps(V1).encode()
     follower._apply(b"hg", v1, [(SIGNATURE_HEADER, sign_route(KEY.encode(), topic, b"hg", v1))])
@@ -59,7 +61,7 @@ def test_follower_with_a_key_refuses_unsigned_and_badly_signed_records_keeping_t
     follower._apply(b"hg", v2)  # unsigned
     follower._apply(b"hg", v2, [(SIGNATURE_HEADER, sign_route(OTHER_KEY.encode(), topic, b"hg", v2))])
     follower._apply(b"hg", v2, [(SIGNATURE_HEADER, b"\xff" * 64)])  # garbage header: refused, no crash
-    follower._apply(b"hg", v2, [(SIGNATURE_HEADER, None)])  # type: ignore[list-item]
+    follower._apply(b"hg", v2, [(SIGNATURE_HEADER, None)])
     follower._apply(b"hg", None)  # unsigned tombstone
     assert REFUSED._value.get() - before == 5
     assert follower.routes()["hg"] == V1
@@ -69,12 +71,12 @@ def test_follower_with_a_key_refuses_unsigned_and_badly_signed_records_keeping_t
 
 def test_a_routes_key_shorter_than_32_characters_is_refused() -> None:
     with pytest.raises(ValueError, match="routes_signing_key must be at least 32"):
-        KafkaConfig(routes_signing_key="short")
-    assert KafkaConfig(routes_signing_key="").routes_signing_key is None
-    assert KEY not in repr(KafkaConfig(routes_signing_key=KEY))
+        KafkaConfig.model_validate({"routes_signing_key": "short"})
+    assert KafkaConfig.model_validate({"routes_signing_key": ""}).routes_signing_key is None
+    assert KEY not in repr(KafkaConfig.model_validate({"routes_signing_key": KEY}))
 
 
-def _wait(check, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, "timed out"
@@ -90,7 +92,7 @@ def test_signed_routes_apply_and_forged_records_do_not_on_a_real_broker(broker: 
         traces_topic=f"rs-traces-{tag}",
         feedback_topic=f"rs-feedback-{tag}",
         routes_topic=f"rs-routes-{tag}",
-        routes_signing_key=KEY,
+        routes_signing_key=SecretStr(KEY),
     )
     ensure_routes_topic(kafka)
     publisher = RoutePublisher(kafka)
