@@ -135,6 +135,50 @@ def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: st
         assert gw_c.follower.routes()["hg"]["version"] == "4"
 
 
+def test_with_a_routes_key_the_gateway_follows_the_controller_but_not_a_forged_well_formed_record(
+    tmp_path, broker: str, mlflow_uri: str
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    kafka = {
+        "bootstrap_servers": [broker],
+        "traces_topic": f"rs-traces-{tag}",
+        "feedback_topic": f"rs-feedback-{tag}",
+        "routes_topic": f"rs-routes-{tag}",
+        "partitions": 1,
+        "embedded": False,
+        "routes_signing_key": "r" * 32,  # the same config (so the same key) for the controller and the gateway
+    }
+    with serve(Upstream().app, "upstream") as upstream, ExitStack() as stack:
+        cfg = HourglassConfig(
+            state_dir=str(tmp_path / "state"),
+            kafka=kafka,
+            registry={"tracking_uri": mlflow_uri, "experiment": f"rs-{tag}", "embedded": False},
+            serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
+        )
+        controller = ServingController(cfg, base_fingerprint="test-base")
+        stack.callback(controller.close)
+        write_route(cfg.state_dir, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00"))
+        controller.reconcile_once()
+        gw = _gateway(cfg, upstream, stack)
+        assert _served(gw) == "hg-v1"
+
+        producer = KafkaProducer(bootstrap_servers=[broker], acks="all")
+        forged = b'{"served_name": "hg-v9", "version": "9", "updated_at": "2026-01-01T00:05:00+00:00"}'
+        producer.send(cfg.kafka.routes_topic, key=b"hg", value=forged).get(timeout=30)  # valid route, no signature
+        producer.send(cfg.kafka.routes_topic, key=b"hg", value=None).get(timeout=30)  # unsigned tombstone
+        producer.close()
+        time.sleep(0.5)
+        assert _served(gw) == "hg-v1"
+        assert gw.follower.routes()["hg"]["version"] == "1"
+
+        write_route(cfg.state_dir, "hg", Route("hg-v2", "2", "2026-01-01T00:01:00+00:00"))
+        controller.reconcile_once()  # signed: the gateway follows it
+        deadline = time.monotonic() + 5
+        while _served(gw) != "hg-v2":
+            assert time.monotonic() < deadline, "the signed flip did not reach the gateway"
+            time.sleep(0.05)
+
+
 def test_routes_file_stays_the_single_host_default(tmp_path) -> None:
     cfg = HourglassConfig(state_dir=str(tmp_path / "state"))
     assert cfg.serving.routes_source == "file" and cfg.kafka.routes_topic == "hourglass.routes"
