@@ -133,11 +133,12 @@ class ResidentBase:
             ``t`` is completion token ``t``; mask is 1.0 on real completion tokens.
         """
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
-        if self.share_prompts and len(first_U) < len(prompt_ids) and all(prompt_ids):
-            return shared_prompt_logprobs(
-                self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows
-            )
+        if self.share_prompts and all(prompt_ids):
+            owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
+            if len(first_U) < len(prompt_ids):
+                return shared_prompt_logprobs(
+                    self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows
+                )
         B = len(prompt_ids)
         lens_c = [len(c) for c in completion_ids]
         T = max(1, max(lens_c))

@@ -83,17 +83,24 @@ def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _kafka(broker: str, prefix: str, **extra: object) -> KafkaConfig:
+    """A Kafka config on ``broker`` with fresh topics (``prefix``-<random>-...)."""
+    tag = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    return KafkaConfig.model_validate(
+        {
+            "bootstrap_servers": [broker],
+            "embedded": False,
+            "traces_topic": f"{tag}-traces",
+            "feedback_topic": f"{tag}-feedback",
+            "routes_topic": f"{tag}-routes",
+            **extra,
+        }
+    )
+
+
 @pytest.mark.integration
 def test_signed_routes_apply_and_forged_records_do_not_on_a_real_broker(broker: str) -> None:
-    tag = uuid.uuid4().hex[:8]
-    kafka = KafkaConfig(
-        bootstrap_servers=[broker],
-        embedded=False,
-        traces_topic=f"rs-traces-{tag}",
-        feedback_topic=f"rs-feedback-{tag}",
-        routes_topic=f"rs-routes-{tag}",
-        routes_signing_key=SecretStr(KEY),
-    )
+    kafka = _kafka(broker, "rs", routes_signing_key=SecretStr(KEY))
     ensure_routes_topic(kafka)
     publisher = RoutePublisher(kafka)
     follower = RouteFollower(kafka, poll_ms=50)
@@ -123,14 +130,7 @@ def test_signed_routes_apply_and_forged_records_do_not_on_a_real_broker(broker: 
 
 @pytest.mark.integration
 def test_without_a_key_unsigned_records_still_apply_on_a_real_broker(broker: str) -> None:
-    tag = uuid.uuid4().hex[:8]
-    kafka = KafkaConfig(
-        bootstrap_servers=[broker],
-        embedded=False,
-        traces_topic=f"ru-traces-{tag}",
-        feedback_topic=f"ru-feedback-{tag}",
-        routes_topic=f"ru-routes-{tag}",
-    )
+    kafka = _kafka(broker, "ru")
     ensure_routes_topic(kafka)
     follower = RouteFollower(kafka, poll_ms=50)
     producer = KafkaProducer(bootstrap_servers=[broker], acks="all")

@@ -68,23 +68,30 @@ def _gateway(cfg: HourglassConfig, upstream: str, stack: ExitStack) -> TestClien
     return client
 
 
+def _topic_config(
+    tmp_path, broker: str, mlflow_uri: str, upstream: str, prefix: str, **kafka: object
+) -> HourglassConfig:
+    """A service config whose gateways follow their own routes topic on ``broker`` (fresh topics per call)."""
+    tag = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    return HourglassConfig(
+        state_dir=str(tmp_path / "state"),
+        kafka={
+            "bootstrap_servers": [broker],
+            "traces_topic": f"{tag}-traces",
+            "feedback_topic": f"{tag}-feedback",
+            "routes_topic": f"{tag}-routes",
+            "partitions": 1,
+            "embedded": False,
+            **kafka,
+        },
+        registry={"tracking_uri": mlflow_uri, "experiment": tag, "embedded": False},
+        serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
+    )
+
+
 def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: str, mlflow_uri: str) -> None:
-    tag = uuid.uuid4().hex[:8]
-    kafka = {
-        "bootstrap_servers": [broker],
-        "traces_topic": f"rt-traces-{tag}",
-        "feedback_topic": f"rt-feedback-{tag}",
-        "routes_topic": f"rt-routes-{tag}",
-        "partitions": 1,
-        "embedded": False,
-    }
     with serve(Upstream().app, "upstream") as upstream, ExitStack() as stack:
-        cfg = HourglassConfig(
-            state_dir=str(tmp_path / "state"),
-            kafka=kafka,
-            registry={"tracking_uri": mlflow_uri, "experiment": f"rt-{tag}", "embedded": False},
-            serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
-        )
+        cfg = _topic_config(tmp_path, broker, mlflow_uri, upstream, "rt")
         controller = ServingController(cfg, base_fingerprint="test-base")
         stack.callback(controller.close)
         write_route(cfg.state_dir, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00"))
@@ -138,23 +145,9 @@ def test_two_gateways_follow_one_route_flip_within_a_second(tmp_path, broker: st
 def test_with_a_routes_key_the_gateway_follows_the_controller_but_not_a_forged_well_formed_record(
     tmp_path, broker: str, mlflow_uri: str
 ) -> None:
-    tag = uuid.uuid4().hex[:8]
-    kafka = {
-        "bootstrap_servers": [broker],
-        "traces_topic": f"rs-traces-{tag}",
-        "feedback_topic": f"rs-feedback-{tag}",
-        "routes_topic": f"rs-routes-{tag}",
-        "partitions": 1,
-        "embedded": False,
-        "routes_signing_key": "r" * 32,  # the same config (so the same key) for the controller and the gateway
-    }
     with serve(Upstream().app, "upstream") as upstream, ExitStack() as stack:
-        cfg = HourglassConfig(
-            state_dir=str(tmp_path / "state"),
-            kafka=kafka,
-            registry={"tracking_uri": mlflow_uri, "experiment": f"rs-{tag}", "embedded": False},
-            serving={"model_name": "hg", "replicas": [upstream], "embedded": False, "routes_source": "kafka"},
-        )
+        # the same config (so the same key) for the controller and the gateway
+        cfg = _topic_config(tmp_path, broker, mlflow_uri, upstream, "rs", routes_signing_key="r" * 32)
         controller = ServingController(cfg, base_fingerprint="test-base")
         stack.callback(controller.close)
         write_route(cfg.state_dir, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00"))
