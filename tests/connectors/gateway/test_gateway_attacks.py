@@ -521,6 +521,9 @@ def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -
     token = signer.issue("trace-1", "key-1", "user-1")
     with pytest.raises(FeedbackTokenError):
         signer.verify(token.partition(".")[0] + ".é", trace_id="trace-1", key_id="key-1")
+    for forged in ("é." + token.partition(".")[2], "\ud800.abc"):  # a non-ASCII payload was a 500
+        with pytest.raises(FeedbackTokenError):
+            signer.verify(forged, trace_id="trace-1", key_id="key-1")
     for rating in (True, 3.0):
         with pytest.raises(ValueError):
             FeedbackIn(trace_id="t", rating=rating)
