@@ -527,3 +527,6 @@ def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -
     for rating in (True, 3.0):
         with pytest.raises(ValueError):
             FeedbackIn(trace_id="t", rating=rating)
+    with pytest.raises(ValueError) as echoed:  # a red-team pass: the whole value came back in the 422
+        FeedbackIn(trace_id="t", thumbs="x" * 100_000)
+    assert "thumbs" in str(echoed.value) and len(str(echoed.value)) < 1000
