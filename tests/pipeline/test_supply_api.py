@@ -89,6 +89,7 @@ def test_host_check_strips_only_http_whitespace() -> None:
     names = {"localhost"}
     assert host_allowed("\tlocalhost ", names) and host_allowed("localhost:", names)
     assert not host_allowed("localhost\xa0", names) and not host_allowed("\x85localhost", names)
+    assert not host_allowed("localhost:\xb2", names) and not host_allowed("[::1]:\xb2", names)  # "²".isdigit()
 
 
 @pytest.mark.parametrize(

@@ -530,3 +530,23 @@ def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -
     with pytest.raises(ValueError) as echoed:  # a red-team pass: the whole value came back in the 422
         FeedbackIn(trace_id="t", thumbs="x" * 100_000)
     assert "thumbs" in str(echoed.value) and len(str(echoed.value)) < 1000
+
+
+def test_a_content_length_of_unicode_digits_is_not_a_500() -> None:
+    """Found by a red-team pass: "²".isdigit() is True and int("²") raises, so a Content-Length of b"\\xb2"
+    (headers are read as Latin-1) escaped read_body as a ValueError where the ASGI server lets it through."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from connectors.gateway.request import read_body
+
+    async def body(length: bytes) -> bytes:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", length)]}
+        return await read_body(Request(scope, receive), max_bytes=100, timeout_s=5)
+
+    for length in (b"\xb2", b"1\xb9"):
+        assert asyncio.run(body(length)) == b"{}"  # the bytes that arrived are what is capped
