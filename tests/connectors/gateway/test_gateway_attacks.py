@@ -550,3 +550,13 @@ def test_a_content_length_of_unicode_digits_is_not_a_500() -> None:
 
     for length in (b"\xb2", b"1\xb9"):
         assert asyncio.run(body(length)) == b"{}"  # the bytes that arrived are what is capped
+
+
+def test_a_huge_integer_is_a_400_without_cpython_advice() -> None:
+    """Found by a red-team pass: the 400 told the client to call sys.set_int_max_str_digits()."""
+    from connectors.gateway.request import RequestRefused, parse_json
+
+    with pytest.raises(RequestRefused) as refused:
+        parse_json(b'{"rating":' + b"9" * 5000 + b"}", max_depth=32)
+    assert refused.value.status == 400 and "digits" in refused.value.message
+    assert "sys." not in refused.value.message
