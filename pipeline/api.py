@@ -89,15 +89,21 @@ def host_allowed(host_header: str | None, names: set[str]) -> bool:
     """True when the Host header (``name[:port]``) is an IP literal or one of ``names``."""
     if not host_header:
         return False
-    host = host_header.strip().lower()
-    if host.startswith("["):  # [::1]:8080
+    host = host_header.strip(" \t").lower()  # HTTP whitespace only: "localhost\xa0" is another name
+    if host.startswith("["):  # [::1]:8080; brackets hold an IPv6 literal only (RFC 3986 section 3.2.2)
         end = host.find("]")
         rest = host[end + 1 :] if end > 0 else ""
-        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isascii() and rest[1:].isdigit())):
             return False  # "[::1]evil" is no address: only a port may follow the bracket
-        host = host[1:end]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
+        try:
+            ipaddress.IPv6Address(host[1:end])
+            return True
+        except ValueError:
+            return False  # "[localhost]" is no IPv6 literal
+    if host.count(":") == 1:
+        host, _, port = host.partition(":")
+        if port and not (port.isascii() and port.isdigit()):
+            return False  # "localhost:x": a port is digits, as after a bracket
     try:
         ipaddress.ip_address(host)
         return True

@@ -156,7 +156,7 @@ class FeedbackIn(BaseModel):
     @classmethod
     def _thumbs(cls, value: Any) -> Any:
         if value is not None and value not in ("up", "down"):
-            raise ValueError(f'thumbs must be "up" or "down", got {value!r}')
+            raise ValueError(f'thumbs must be "up" or "down", got {repr(value)[:100]}')  # not a 1 MiB echo
         return value
 
     @model_validator(mode="after")

@@ -282,9 +282,11 @@ class FeedbackSigner:
             raise FeedbackTokenError(
                 "the feedback token is malformed; send the x-hourglass-feedback-token header of the response as is"
             )
-        if not mac.isascii() or not hmac.compare_digest(
-            mac.encode(), self._mac(payload).encode()
-        ):  # str compare_digest raises on non-ASCII
+        if (
+            not payload.isascii()  # _mac encodes the payload as ASCII
+            or not mac.isascii()  # str compare_digest raises on non-ASCII
+            or not hmac.compare_digest(mac.encode(), self._mac(payload).encode())
+        ):
             raise FeedbackTokenError(
                 "the feedback token's signature does not verify (forged, altered, or signed with a rotated key)"
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -191,7 +192,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float | None = 
     too_big = RequestRefused(
         413, f"request body is larger than gateway.max_body_bytes={max_bytes} bytes", code="request_too_large"
     )
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:  # not ²
         raise too_big
     chunks, size = [], 0
     try:
@@ -225,6 +226,11 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
     except UnicodeDecodeError as err:
         raise RequestRefused(400, f"request body is not UTF-8: {err.reason} at byte {err.start}") from None
     except ValueError as err:
+        if "integer string conversion" in str(err):  # CPython's advice (sys.set_int_max_str_digits) is not the client's
+            raise RequestRefused(
+                400,
+                f"request body has an integer of more than {sys.get_int_max_str_digits()} digits; send a smaller number",
+            ) from None
         raise RequestRefused(400, f"request body is not valid JSON: {err}") from None
     _walk(value, max_depth)
     return value

@@ -228,7 +228,8 @@ class RouteFollower:
             route_from_dict(entry, model)
         except (ValueError, RecursionError) as err:  # RouteRecordError and UnicodeDecodeError are ValueErrors
             REFUSED.inc()
-            why = err if isinstance(err, RouteRecordError) else "not JSON, or nested too deep"
+            # the reason quotes the key: cap it, or one record with a 1 MiB key writes a 1 MiB log line
+            why = str(err)[:300] if isinstance(err, RouteRecordError) else "not JSON, or nested too deep"
             log.warning("route record for %r skipped (%s): %r", model[:200], why, value[:200])
             return
         with self._lock:

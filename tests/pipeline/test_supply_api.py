@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.api import CACHE_S, create_api
+from pipeline.api import CACHE_S, create_api, host_allowed
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 from pipeline.redact import redact
@@ -62,13 +62,34 @@ def test_auth_is_checked_before_the_body_is_parsed(client: TestClient, service: 
 
 
 @pytest.mark.parametrize(
-    "host", ["evil.example", "evil.example:18080", "attacker.localhost", "", "[::1]evil.example", "[::1]:x", "[::1"]
+    "host",
+    [
+        "evil.example",
+        "evil.example:18080",
+        "attacker.localhost",
+        "",
+        "[::1]evil.example",
+        "[::1]:x",
+        "[::1",
+        # found by a red-team pass: each was allowed
+        "localhost:x",
+        "[localhost]:18080",
+    ],
 )
 def test_foreign_host_header_is_refused(client: TestClient, host: str) -> None:
     for path in ("/status", "/rounds", "/healthz"):
         response = client.get(path, headers={"Host": host})
         assert response.status_code == 421, (host, path)
         assert "Host header" in response.json()["detail"]
+
+
+def test_host_check_strips_only_http_whitespace() -> None:
+    """Found by a red-team pass: str.strip() also ate a no-break space, so "localhost\\xa0" (a Host header
+    is read as Latin-1) counted as localhost."""
+    names = {"localhost"}
+    assert host_allowed("\tlocalhost ", names) and host_allowed("localhost:", names)
+    assert not host_allowed("localhost\xa0", names) and not host_allowed("\x85localhost", names)
+    assert not host_allowed("localhost:\xb2", names) and not host_allowed("[::1]:\xb2", names)  # "²".isdigit()
 
 
 @pytest.mark.parametrize(

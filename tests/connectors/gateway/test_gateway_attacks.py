@@ -521,6 +521,42 @@ def test_nan_literals_non_ascii_token_signatures_and_boolean_ratings_are_4xx() -
     token = signer.issue("trace-1", "key-1", "user-1")
     with pytest.raises(FeedbackTokenError):
         signer.verify(token.partition(".")[0] + ".é", trace_id="trace-1", key_id="key-1")
+    for forged in ("é." + token.partition(".")[2], "\ud800.abc"):  # a non-ASCII payload was a 500
+        with pytest.raises(FeedbackTokenError):
+            signer.verify(forged, trace_id="trace-1", key_id="key-1")
     for rating in (True, 3.0):
         with pytest.raises(ValueError):
             FeedbackIn(trace_id="t", rating=rating)
+    with pytest.raises(ValueError) as echoed:  # a red-team pass: the whole value came back in the 422
+        FeedbackIn(trace_id="t", thumbs="x" * 100_000)
+    assert "thumbs" in str(echoed.value) and len(str(echoed.value)) < 1000
+
+
+def test_a_content_length_of_unicode_digits_is_not_a_500() -> None:
+    """Found by a red-team pass: "²".isdigit() is True and int("²") raises, so a Content-Length of b"\\xb2"
+    (headers are read as Latin-1) escaped read_body as a ValueError where the ASGI server lets it through."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from connectors.gateway.request import read_body
+
+    async def body(length: bytes) -> bytes:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", length)]}
+        return await read_body(Request(scope, receive), max_bytes=100, timeout_s=5)
+
+    for length in (b"\xb2", b"1\xb9"):
+        assert asyncio.run(body(length)) == b"{}"  # the bytes that arrived are what is capped
+
+
+def test_a_huge_integer_is_a_400_without_cpython_advice() -> None:
+    """Found by a red-team pass: the 400 told the client to call sys.set_int_max_str_digits()."""
+    from connectors.gateway.request import RequestRefused, parse_json
+
+    with pytest.raises(RequestRefused) as refused:
+        parse_json(b'{"rating":' + b"9" * 5000 + b"}", max_depth=32)
+    assert refused.value.status == 400 and "digits" in refused.value.message
+    assert "sys." not in refused.value.message

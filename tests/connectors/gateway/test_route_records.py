@@ -102,3 +102,15 @@ def test_a_base_side_route_is_kept_only_beside_a_challenger_and_only_for_this_ga
     forged = {**base_canary, "served_name": "hg-oracle-v9"}  # a valid name, but not this gateway's base
     follower._apply(b"hg", json.dumps(forged).encode())
     assert {resolver.route("hg", k).served_name for k in keys} == {"base"}  # the route is dropped: all base
+
+
+def test_a_huge_key_does_not_make_a_huge_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a red-team pass: the refusal reason quotes the model name, so a 1 MiB key logged 1 MiB."""
+    follower = RouteFollower(KafkaConfig(bootstrap_servers=["127.0.0.1:9"]))
+    before = REFUSED._value.get()
+    with caplog.at_level("WARNING", logger="connectors.gateway.route_feed"):
+        follower._apply(
+            b"m" * 1_000_000, json.dumps({"served_name": "x-v1", "version": "1", "updated_at": "t"}).encode()
+        )
+    assert REFUSED._value.get() == before + 1 and follower.routes() == {}
+    assert caplog.records and all(len(r.getMessage()) < 2000 for r in caplog.records)
