@@ -23,8 +23,9 @@ from trainer.multi_lora import MultiLoRA, _pull, live_params, one_pass_ok, train
 from trainer.one_pass import plan_chunks, update_step_one_pass
 from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
 
+from .adamw_tolerance import assert_adamw_weights_close
+
 GRAD_TOL = 1e-5  # relative to the gradient's largest entry
-WEIGHT_TOL = 1e-6
 
 CANDIDATES = [
     CandidateConfig(
@@ -181,12 +182,7 @@ def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str, rl
     for c in CANDIDATES:
         assert set(joint[c.name]) == set(seq[c.name])
         assert any(k.startswith("exp_avg/") for k in seq[c.name])
-        for k, v in seq[c.name].items():
-            assert torch.allclose(joint[c.name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (
-                c.name,
-                k,
-                float((joint[c.name][k] - v).abs().max()),
-            )
+        assert_adamw_weights_close(joint[c.name], seq[c.name], c.learning_rate, GRAD_TOL, label=c.name)
         moved = max(float((seq[c.name][k] - start[c.name][k]).abs().max()) for k in start[c.name] if ".lora_A." in k)
         assert moved > 1e-4, (c.name, moved)  # the test compares weights that really changed
         for key in ("train/loss", "train/pg_loss", "train/kl", "train/clip_frac", "train/grad_norm"):
@@ -198,17 +194,17 @@ def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str, rl
 def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase, rl: RLConfig) -> None:
     batches = [[_batch(base, seed=100 + k, rows=3, nan=(k == 1)) for k in range(3)]]
     start, _ = _two_steps(base, "offload", one_pass=False, batches=[])
-    seq, _ = _two_steps(base, "offload", one_pass=False, batches=batches)
+    seq, seq_m = _two_steps(base, "offload", one_pass=False, batches=batches)
     joint, m = _two_steps(base, "offload", one_pass=True, batches=batches, rl=rl)
     assert math.isnan(m["b"]["train/loss"]) and m["b"]["train/skipped_nonfinite"] == 1.0
     assert m["a"]["train/skipped_nonfinite"] == 0.0 and m["c"]["train/skipped_nonfinite"] == 0.0
     for k, v in start["b"].items():
         assert torch.equal(joint["b"][k], v), k  # not stepped: weights as before, no AdamW state
     assert not any(k.startswith("exp_avg/") for k in joint["b"])
-    for name in ("a", "c"):
-        for k, v in seq[name].items():
-            assert torch.isfinite(joint[name][k]).all()
-            assert torch.allclose(joint[name][k], v, atol=WEIGHT_TOL, rtol=1e-4), (name, k)
+    for c in (CANDIDATES[0], CANDIDATES[2]):
+        assert m[c.name]["train/grad_norm"] == pytest.approx(seq_m[c.name]["train/grad_norm"], rel=GRAD_TOL)
+        assert all(torch.isfinite(v).all() for v in joint[c.name].values())
+        assert_adamw_weights_close(joint[c.name], seq[c.name], c.learning_rate, GRAD_TOL, label=c.name)
 
 
 class _Recorder(torch.optim.SGD):
