@@ -102,13 +102,22 @@ def commit() -> str:
 
 
 def command() -> str:
-    """The command line that ran, as ``python bench/NAME.py ARGS`` from the repository root."""
+    """The command line that ran, as ``python bench/NAME.py ARGS`` from the repository root
+    (without ``--report-dir``, which changes where the page goes, not what is measured)."""
     script = Path(sys.argv[0]).resolve()
     try:
         shown = str(script.relative_to(REPO))
     except ValueError:
         shown = str(script)
-    return shlex.join(["python", shown, *sys.argv[1:]])
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--report-dir":
+            skip = True
+        elif not arg.startswith("--report-dir="):
+            args.append(arg)
+    return shlex.join(["python", shown, *args])
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

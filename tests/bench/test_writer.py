@@ -25,7 +25,7 @@ def _recorder(tmp_path: Path, page: str = "demo", *extra: str) -> writer.Recorde
 
 
 def test_a_section_replaces_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "demo.py"), "--k", "8"])
+    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "demo.py"), "--k", "8", "--report-dir", str(tmp_path)])
     page = tmp_path / "demo.md"
     page.write_text(
         "# Demo\n\nProse written by hand.\n\n<!-- bench:a -->\nold a\n<!-- /bench:a -->\n\n"
@@ -38,7 +38,7 @@ def test_a_section_replaces_only_itself(tmp_path: Path, monkeypatch: pytest.Monk
     assert text.startswith("# Demo\n\nProse written by hand.\n") and text.rstrip().endswith("Trailing prose.")
     section = text[text.index("<!-- bench:a -->") : text.index("<!-- /bench:a -->")]
     assert "### the a run {#a}" in section
-    assert "python bench/demo.py --k 8" in section  # the command, from the repository root
+    assert "python bench/demo.py --k 8\n" in section  # the command from the repository root, less --report-dir
     assert "Machine: " in section and " cores (" in section
     assert re.search(r"Load \(1-minute average\): [0-9.]+ at the start, [0-9.]+ at the end, [0-9.]+ at most", section)
     assert "| x | y |" in section and "| 1 | 2 \\| 3 |" in section  # a | inside a cell is escaped
