@@ -6,9 +6,9 @@ DEMO_CONFIG ?= deploy/demo.toml
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-PY_SRC := connectors trainer pipeline tests bench
+PY_SRC := connectors trainer pipeline tests bench docs/hooks
 
-.PHONY: setup lint format demo test test-e2e test-all up down clean
+.PHONY: setup lint format demo test test-unit test-e2e test-all docs docs-serve up down clean
 
 setup:
 	@VENV=$(VENV) bash deploy/setup.sh
@@ -31,13 +31,28 @@ format: setup
 test: lint
 	$(VENV)/bin/python -m pytest -q -m "not e2e"
 
+# The fast tests: no service and no model weights. tests/conftest.py marks a test `integration` or
+# `model` by the fixtures it uses; e2e tests stay out too. No lint first.
+test-unit: setup
+	$(VENV)/bin/python -m pytest -q -m "not integration and not model and not e2e"
+
 # The end-to-end tests on SmolLM2-135M with every real service (slow on CPU).
 test-e2e: setup
 	$(VENV)/bin/python -m pytest -q -m e2e
 
-# Both, in the order CI (.ci/run) runs them: `make test`, then `make test-e2e`.
+# All of it, in the order CI (.ci/run) runs it: `make test`, `make docs`, then `make test-e2e`.
 test-all: test
+	$(MAKE) docs
 	$(MAKE) test-e2e
+
+# The docs site (mkdocs + Material) into site/, warnings as errors: a broken link, a page missing from
+# the nav or a configuration page without its generated reference fails the build.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The site on http://127.0.0.1:8000, rebuilt on every change.
+docs-serve: setup
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 up: setup
 	$(VENV)/bin/hourglass up --config $(CONFIG)
@@ -46,4 +61,4 @@ down:
 	$(VENV)/bin/hourglass down --config $(CONFIG)
 
 clean: down
-	rm -rf .hourglass
+	rm -rf .hourglass site

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench import writer  # noqa: E402
+
 from trainer import model_store  # noqa: E402
 from trainer.adapter_store import make_store  # noqa: E402
 from trainer.offload_store import OffloadStore  # noqa: E402
@@ -158,7 +160,9 @@ def main() -> None:
     ap.add_argument("--completion-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per store and repeat")
     ap.add_argument("--repeats", type=int, default=2, help="alternating (resident, offload) repeats")
+    writer.add_arguments(ap)
     args = ap.parse_args()
+    recorder = writer.Recorder("adapter-swap", args)
 
     device = pick_device(args.device)
     tokenizer_dir = args.tokenizer or model_store.resolve("smollm2-135m-instruct", ModelConfig().cache_dir)
@@ -194,11 +198,36 @@ def main() -> None:
             f"swap/update {s['swap_s'] / s['update_s']:6.2%}{device_mem}  host {s['host_gib']:.3f} GiB"
         )
     res, off = summary["resident"], summary["offload"]
+    notes = []
     if device.type == "cuda":
-        print(
-            f"device memory held between steps (adapters + AdamW state), offload / resident: {off['held_gib'] / res['held_gib']:.3f}"
-        )
-    print(f"step time, offload / resident: {off['step_s'] / res['step_s']:.3f}")
+        held = f"device memory held between steps (adapters + AdamW state), offload / resident: {off['held_gib'] / res['held_gib']:.3f}"
+        print(held)
+        notes.append(held)
+    last = f"step time, offload / resident: {off['step_s'] / res['step_s']:.3f}"
+    columns = ["store", "swap", "update", "step", "swap / update", "host memory of waiting candidates"]
+    if device.type == "cuda":
+        columns += ["device memory held between steps", "device peak above the base"]
+    recorder.write(
+        f"{args.shape}-{device.type}",
+        title=f"{args.shape} shape ({n_base / 1e6:.1f} M params, {args.dtype}) on {name}: K = {args.candidates} rank-{args.rank} "
+        f"adapters on {len(targets)} module types, batch {args.batch} x ({args.prompt_len} + {args.completion_len}) tokens",
+        columns=columns,
+        rows=[
+            [
+                f"`{kind}`",
+                f"{s['swap_s'] * 1e3:.2f} ms",
+                f"{s['update_s'] * 1e3:.1f} ms",
+                f"{s['step_s'] * 1e3:.1f} ms",
+                f"{s['swap_s'] / s['update_s']:.2%}",
+                f"{s['host_gib']:.3f} GiB",
+            ]
+            + ([f"{s['held_gib']:.3f} GiB", f"{s['peak_gib']:.2f} GiB"] if device.type == "cuda" else [])
+            for kind, s in summary.items()
+        ],
+        result=last,
+        notes=notes + [f"medians over {args.rounds} timed rounds x {args.repeats} alternating repeats per store"],
+    )
+    print(last)
 
 
 if __name__ == "__main__":

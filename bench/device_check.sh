@@ -16,16 +16,19 @@
 # (built by the test suite here); it also serves as the tokenizer.
 # QUICK=1 runs step 3 only, at small sizes (a check that the script runs; CPU
 # too: DEVICE=cpu).
+# The benchmarks write their sections (bench/writer.py) into copies of the docs
+# pages under OUT_DIR/benchmarks/: copy those back over docs/benchmarks/.
 set -uo pipefail
 tiny=$(realpath "$1"); out=$2
 device=${DEVICE:-cuda}
-mkdir -p "$out"
+mkdir -p "$out/benchmarks"
+cp docs/benchmarks/*.md "$out/benchmarks/"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 HOURGLASS_TINY_MODEL=$tiny PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" | tee "$out/env.log"
 status=0
 onepass() {  # shape, then extra arguments
   python3 bench/one_pass.py --shape "$1" --device "$device" --dtype auto --tokenizer "$tiny" --k 8 --rank 16 --targets all \
-    "${@:2}" 2>&1 | tee "$out/one-pass-$1.log" || status=1
+    --report-dir "$out/benchmarks" "${@:2}" 2>&1 | tee "$out/one-pass-$1.log" || status=1
 }
 if [ "${QUICK:-0}" = 1 ]; then
   onepass tiny --batch 2 --prompt-len 8 --completion-len 8 --repeats 1
@@ -42,7 +45,7 @@ onepass smollm2 --batch 16 --prompt-len 256 --completion-len 256 --chunk-tokens 
 onepass 1b --batch 16 --prompt-len 256 --completion-len 256 --chunk-tokens 16384
 swap() {  # shape, then extra arguments
   python3 bench/adapter_swap.py --shape "$1" --device cuda --dtype bfloat16 --tokenizer "$tiny" \
-    --batch 16 --prompt-len 256 --completion-len 256 "${@:2}" 2>&1 | tee "$out/swap-$1.log" || status=1
+    --batch 16 --prompt-len 256 --completion-len 256 --report-dir "$out/benchmarks" "${@:2}" 2>&1 | tee "$out/swap-$1.log" || status=1
 }
 swap smollm2
 swap 1b

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -23,17 +24,19 @@ import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
-import uvicorn
-from prometheus_client import REGISTRY
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
 
-from connectors.gateway.auth import KeyStore
-from connectors.config import KafkaConfig
-from connectors.gateway.app import create_gateway_app
-from connectors.kafka_admin import ensure_topics
-from pipeline.stack import broker_service, free_port, vllm_service
-from trainer import model_store
+from bench import writer  # noqa: E402
+from connectors.gateway.auth import KeyStore  # noqa: E402
+from connectors.config import KafkaConfig  # noqa: E402
+from connectors.gateway.app import create_gateway_app  # noqa: E402
+from connectors.kafka_admin import ensure_topics  # noqa: E402
+from pipeline.stack import broker_service, free_port, vllm_service  # noqa: E402
+from trainer import model_store  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 
@@ -60,7 +63,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--upstream", help="vLLM base URL serving model 'base' (default: start one).")
     parser.add_argument("--bootstrap", help="Kafka host:port (default: start a Tansu broker).")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("gateway-overhead", args)
 
     services = []
     logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -119,12 +124,22 @@ def main() -> None:
 
         print(f"requests per side and mode: {args.requests}, max_tokens: {args.max_tokens}, upstream: {upstream}")
         print(f"traces acknowledged by the broker: {acked} / {expected}")
+        rows = []
         for stream in (False, True):
             direct = statistics.median(results[("direct", stream)]) * 1000
             via = statistics.median(results[("gateway", stream)]) * 1000
             mode = "stream" if stream else "plain"
             print(f"{mode:6s} median latency ms: direct {direct:8.2f}  gateway {via:8.2f}  ratio {via / direct:.3f}")
+            rows.append([mode, f"{direct:.2f} ms", f"{via:.2f} ms", f"{via / direct:.3f}"])
         plain = statistics.median(results[("gateway", False)]) / statistics.median(results[("direct", False)])
+        recorder.write(
+            "tiny",
+            title=f"{args.requests} chat requests per side and mode, {args.max_tokens} tokens, tiny random Llama",
+            columns=["mode", "direct to vLLM, median", "through the gateway, median", "gateway / direct"],
+            rows=rows,
+            result=f"gateway / direct median latency (plain): **{plain:.3f}** (target <= 1.10)",
+            notes=[f"traces acknowledged by the broker: {acked} / {expected}"],
+        )
         print(f"gateway/direct median latency ratio (plain): {plain:.3f}")
     finally:
         # Shutdown order: 1. gateway (above, flushes traces), 2. vLLM, 3. broker (reverse start order).

@@ -36,8 +36,11 @@ import httpx
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pipeline"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlflow.tracking import MlflowClient  # noqa: E402
+
+from bench import writer  # noqa: E402
 
 from pipeline.registry import aliases  # noqa: E402
 from pipeline.registry.models import register_round  # noqa: E402
@@ -71,7 +74,9 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s: float) -> float:
+def run(
+    mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s: float, recorder: writer.Recorder
+) -> float:
     tiny = model_store.build_tiny_llama(
         CACHE / "tiny-random-llama", tokenizer_from=CACHE / "smollm2-135m-instruct"
     ).path
@@ -127,6 +132,32 @@ def run(mlflow_uri: str, vllm_url: str, work: Path, promotions: int, interval_s:
         f"(reconcile interval {interval_s}s)"
     )
     p95 = _pct(samples["external"], 0.95)
+    rows = [
+        [
+            f"`{mode}`",
+            len(values),
+            f"{statistics.median(values):.3f} s",
+            f"{_pct(values, 0.95):.3f} s",
+            f"{max(values):.3f} s",
+        ]
+        for mode, values in samples.items()
+    ]
+    rows.append(
+        [
+            "stage + load + probe (inside the controller)",
+            len(loads),
+            f"{statistics.median(loads):.3f} s",
+            f"{_pct(loads, 0.95):.3f} s",
+            f"{max(loads):.3f} s",
+        ]
+    )
+    recorder.write(
+        "tiny",
+        title=f"{promotions} promotions per path, tiny random Llama, reconcile interval {interval_s} s",
+        columns=["path", "promotions", "p50", "p95", "max"],
+        rows=rows,
+        result=f"p95 alias move -> first completion by the new version (external path): **{p95:.3f} s** (target < 2 s)",
+    )
     print(f"p95 alias move -> first completion by the new version (external path), seconds; target < 2: {p95:.3f}")
     print(f"{p95:.3f}")
     return p95
@@ -138,7 +169,9 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=0.25, help="Reconcile loop interval.")
     parser.add_argument("--mlflow-uri", help="Use this MLflow instead of starting one.")
     parser.add_argument("--vllm-url", help="Use this vLLM (tiny model, --enable-lora) instead of starting one.")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("hotload", args)
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="hourglass-bench-") as tmp:
         work = Path(tmp)
@@ -157,7 +190,7 @@ def main() -> None:
                 services.append(vllm_service(tiny, "127.0.0.1", free_port(), work / "logs", max_model_len=512))
                 services[-1].start()
                 vllm_url = f"http://127.0.0.1:{services[-1].port}"
-            run(mlflow_uri, vllm_url, work, args.promotions, args.interval_s)
+            run(mlflow_uri, vllm_url, work, args.promotions, args.interval_s, recorder)
         finally:
             for service in reversed(services):
                 service.stop()

@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -28,11 +29,15 @@ from pathlib import Path
 
 from kafka import KafkaConsumer
 
-from connectors.config import BufferConfig, KafkaConfig
-from connectors.ingest import IngestWorker, fetch_settings
-from connectors.kafka_admin import ensure_topics
-from connectors.schema import ChatMessage, TraceEvent
-from connectors.sink import TraceSink
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import writer  # noqa: E402
+
+from connectors.config import BufferConfig, KafkaConfig  # noqa: E402
+from connectors.ingest import IngestWorker, fetch_settings  # noqa: E402
+from connectors.kafka_admin import ensure_topics  # noqa: E402
+from connectors.schema import ChatMessage, TraceEvent  # noqa: E402
+from connectors.sink import TraceSink  # noqa: E402
 
 
 def _events(n: int) -> list[TraceEvent]:
@@ -103,7 +108,9 @@ def main() -> None:
         "--rounds", type=int, default=5, help="Alternating raw/durable measurements (odd: a true median)."
     )
     parser.add_argument("--bootstrap", default=None, help="Use this broker instead of starting Tansu.")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("ingest", args)
     with tempfile.TemporaryDirectory() as tmp:
         service = None
         bootstrap = args.bootstrap
@@ -154,6 +161,15 @@ def main() -> None:
                         **fetch_settings(cfg),
                     }
                 )
+            )
+            recorder.write(
+                "tansu" if service is not None else "external-broker",
+                title=f"{acked} traces of {size:.0f} B, {'own Tansu broker' if service else 'broker ' + bootstrap}, "
+                f"{args.rounds} alternating rounds",
+                columns=["round", "raw consume, traces/s", "durable ingest, traces/s", "durable / raw"],
+                rows=[[i, f"{r:.0f}", f"{d:.0f}", f"{d / r:.3f}"] for i, (r, d) in enumerate(zip(raws, durables))]
+                + [["median", f"{raw:.0f}", f"{durable:.0f}", f"**{ratio:.3f}**"]],
+                result=f"durable / raw = {ratio:.3f} (median of per-round ratios; target >= 0.8)",
             )
             print(f"raw kafka-python consume-only: {raw:10.0f} traces/s (median of {args.rounds})")
             print(f"durable ingest into buffer:    {durable:10.0f} traces/s (median of {args.rounds})")

@@ -61,6 +61,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import writer
 from pipeline.stack import free_port, vllm_service
 from trainer import model_store
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
@@ -269,9 +270,10 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     return {"rollout_together_tok_s": together_tokens / together_s, "rollout_one_at_a_time_tok_s": one_tokens / one_s}
 
 
-def update_ratio(args: argparse.Namespace) -> list[str]:
-    """Sequential vs one-pass update time of K candidates on the workload's rows (bench/one_pass.py)."""
-    from bench.one_pass import compare_modes, make_batches, report
+def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
+    """Sequential vs one-pass update time of K candidates on the workload's rows (bench/one_pass.py);
+    also written as the section ``multilora-<workload>`` of the one-pass benchmark page."""
+    from bench.one_pass import COLUMNS, compare_modes, make_batches, report, table_rows
     from trainer.base import load_base
     from trainer.tasks import prompts_from_table
 
@@ -284,6 +286,15 @@ def update_ratio(args: argparse.Namespace) -> list[str]:
     dtype = next(base.model.parameters()).dtype
     lines = report(result, args.k)
     lines[0] = f"{lines[0]}; base {dtype}, {args.prompts * args.group} rows per candidate"
+    args.one_pass_recorder.write(
+        f"multilora-{name}",
+        title=f"workload `{name}` of bench/multilora.py: K = {args.k}, {dtype} base, {args.prompts * args.group} rows "
+        f"per candidate ({args.prompts} prompts x G = {args.group}, {args.max_new_tokens} new tokens)",
+        columns=COLUMNS,
+        rows=table_rows(result),
+        result=lines[-1],
+        notes=[f"median of {args.ratio_repeats} alternating steps, inside the `bench/multilora.py` run above"],
+    )
     return lines
 
 
@@ -405,10 +416,36 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
     )
     print(f"phases (a), summed: {phases([r['phases'] for r in reports])}")
     print(f"phases (b): {phases([report_b['phases']])}")
-    print("\n".join(learning(reports, report_b, args.eval_prompts)))
+    learned = learning(reports, report_b, args.eval_prompts)
+    print("\n".join(learned))
     print(f"speedup (a)/(b) [{name}]: {wall_a / wall_b:.2f}x", flush=True)
+    startup_a = sum(r["vllm_startup_s"] for r in reports)
+    phase_a = {k: sum(r["phases"].get(k, 0.0) for r in reports) for k in PHASES}
+    rows = [
+        ["wall time", f"{wall_a:.1f} s", f"{wall_b:.1f} s", f"**{wall_a / wall_b:.2f}x**"],
+        ["vLLM start-ups", f"{startup_a:.1f} s", f"{report_b['vllm_startup_s']:.1f} s", ""],
+        ["peak RSS (process tree)", f"{peak_a / 2**30:.2f} GiB", f"{mem.peak / 2**30:.2f} GiB", ""],
+    ]
+    for key in PHASES:
+        a, b = phase_a[key], report_b["phases"].get(key, 0.0)
+        rows.append([f"phase `{key}`", f"{a:.1f} s", f"{b:.1f} s", f"{a / b:.2f}x" if b > 0 else ""])
+    args.recorder.write(
+        name,
+        title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
+        f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts; (b) in "
+        f"`{args.update_mode}` mode",
+        columns=["", "(a) one process + vLLM per experiment", "(b) one resident base + shared vLLM", "(a) / (b)"],
+        rows=rows,
+        result=f"speedup (a) / (b) at workload `{name}`: **{wall_a / wall_b:.2f}x**",
+        notes=[
+            f"rollout tokens/s with {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: "
+            f"{one:.1f} ({together / one:.2f}x)",
+            f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s",
+            *learned,
+        ],
+    )
     if args.update_ratio:
-        print("\n".join(update_ratio(args)), flush=True)
+        print("\n".join(update_ratio(args, name)), flush=True)
     return wall_a / wall_b
 
 
@@ -440,10 +477,13 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    writer.add_arguments(parser)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args)
         return
+    args.recorder = writer.Recorder("multilora", args)
+    args.one_pass_recorder = writer.Recorder("one-pass", args)
     args.model_dir = str(
         model_store.resolve(args.model, ModelConfig().cache_dir)
         if args.model in model_store.KNOWN_MODELS

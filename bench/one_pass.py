@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import writer  # noqa: E402
 from trainer.adapter_store import AdapterStore, make_store  # noqa: E402
 from trainer.base import ResidentBase  # noqa: E402
 from trainer.config import CandidateConfig, RLConfig  # noqa: E402
@@ -166,6 +168,24 @@ def report(result: dict[str, float], k: int) -> list[str]:
     ]
 
 
+COLUMNS = ["update mode", "median step of all K candidates", "time / one pass"]
+
+
+def table_rows(result: dict[str, float]) -> list[list[str]]:
+    """The rows of the benchmark page: each mode's median step and its ratio to one pass."""
+    whole, seq, one = result["sequential_whole"], result["sequential"], result["one_pass"]
+    return [
+        ["`sequential`, whole rows (before prompt sharing)", f"{whole:.3f} s", f"{whole / one:.2f}x"],
+        ["`sequential`", f"{seq:.3f} s", f"**{seq / one:.2f}x**"],
+        ["`one_pass`", f"{one:.3f} s", "1.00x"],
+    ]
+
+
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far, GiB (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def bench_candidates(k: int, rank: int, targets: Sequence[str] | None = None) -> list[CandidateConfig]:
     """K rank-``rank`` candidates with learning rates 1e-4 .. 4e-4 (cycling)."""
     extra: dict[str, Any] = {"target_modules": list(targets)} if targets else {}
@@ -209,7 +229,9 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape"
     )
+    writer.add_arguments(ap)
     args = ap.parse_args()
+    recorder = writer.Recorder("one-pass", args)
     if args.quick:
         args.k, args.batch, args.prompt_len, args.completion_len, args.repeats = 2, 2, 8, 8, 1
         args.shape = "tiny" if args.model is None else args.shape
@@ -237,7 +259,22 @@ def main() -> None:
     )
     rl = RLConfig(adapters_per_pass=args.k, one_pass_chunk_tokens=args.chunk_tokens)
     result = compare_modes(base, candidates, batches, rl, args.repeats)
-    print("\n".join(report(result, args.k)))
+    lines = report(result, args.k)
+    shape = Path(args.model).name if args.model is not None else args.shape
+    recorder.write(
+        f"{shape}-{device.type}" + ("-quick" if args.quick else ""),
+        title=f"{label}, {dtype} base on {name}: K = {args.k} rank-{args.rank} candidates, {args.batch} rows of "
+        f"{args.prompt_len} + {args.completion_len} tokens each, chunks of <= {args.chunk_tokens} tokens",
+        columns=COLUMNS,
+        rows=table_rows(result),
+        result=lines[-1],
+        notes=[
+            f"median of {args.repeats} timed steps per mode, alternating",
+            f"max |weight difference| after the same steps: {result['max_weight_diff']:.2e}",
+            f"peak RSS of the whole process (base, every mode's candidates, batches): {peak_rss_gib():.2f} GiB",
+        ],
+    )
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import writer  # noqa: E402
+
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 
 
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=3, help="timed scoring passes (the median is reported)")
     parser.add_argument("--variant", choices=["adapter", "separate"], help=argparse.SUPPRESS)  # internal: one variant
+    writer.add_arguments(parser)
     args = parser.parse_args()
     path = model_path(args.model)
     if args.variant:
@@ -189,6 +192,7 @@ def main() -> None:
             )
         )
         return
+    recorder = writer.Recorder("reward-model", args)
     rows = {}
     for variant in ("adapter", "separate"):
         cmd = [
@@ -228,6 +232,24 @@ def main() -> None:
     ratios = f"separate / adapter: peak RSS delta x{s['peak_rss_delta_mib'] / max(a['peak_rss_delta_mib'], 1e-9):.2f}, score time x{s['score_s'] / a['score_s']:.2f}"
     if cuda:
         ratios += f", CUDA peak x{s['cuda_peak_mib'] / max(a['cuda_peak_mib'], 1e-9):.2f}"
+    recorder.write(
+        f"{path.name}-{a['device']}",
+        title=f"{path.name}, {args.rollouts} rollouts of {args.completion_tokens} tokens, batch {args.batch_size}, "
+        f"device {a['device']}",
+        columns=["variant", "peak RSS delta", "median score time", "rollouts/s"] + (["CUDA peak"] if cuda else []),
+        rows=[
+            [
+                "adapter on the resident base" if variant == "adapter" else "separate copy of the base",
+                f"{r['peak_rss_delta_mib']:.1f} MiB",
+                f"{r['score_s']:.3f} s",
+                f"{r['rollouts'] / r['score_s']:.1f}",
+            ]
+            + ([f"{r['cuda_peak_mib']:.1f} MiB"] if cuda else [])
+            for variant, r in rows.items()
+        ],
+        result=ratios,
+        notes=["each variant in its own process; RSS delta over the post-import RSS"],
+    )
     print(ratios)
 
 

@@ -58,6 +58,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 import torch  # noqa: E402
 
+from bench import writer  # noqa: E402
 from trainer import model_store  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
 from trainer.candidates import run_round  # noqa: E402
@@ -120,7 +121,9 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: K=2, 1 step x 1 prompt x G=2, 4 tokens, 1 actor, R=2"
     )
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("scaleout", args)
     if args.quick:
         args.candidates, args.steps, args.prompts, args.group, args.max_new_tokens = 2, 1, 1, 2, 4
         args.actors_max, args.rounds = 1, 2
@@ -185,12 +188,33 @@ def main() -> None:
     print(f"load after: {os.getloadavg()}")
     local_all = (sum(local) + end) / (len(local) + 1)
     print(f"local: mean {local_all:.1f}s over {len(local) + 1} rounds ({', '.join(f'{x:.1f}' for x in [*local, end])})")
+    rows = [["local", f"{local_all:.1f} s ({', '.join(f'{x:.1f}' for x in [*local, end])})", "1.00x", ""]]
+    lines = []
     for n in cold:
         steady = sum(warm[n]) / len(warm[n])
-        print(
+        lines.append(
             f"ray-{n} / local wall time: {steady / local_all:.2f}x steady state (mean of {len(warm[n])} rounds on kept "
             f"actors, as the service runs); {cold[n] / local_all:.2f}x for a first round that starts its actors"
         )
+        rows.append(
+            [
+                f"Ray, {n} actor{'s' if n > 1 else ''}",
+                f"{steady:.1f} s ({', '.join(f'{x:.1f}' for x in warm[n])}) on kept actors",
+                f"**{steady / local_all:.2f}x**",
+                f"{cold[n]:.1f} s, {cold[n] / local_all:.2f}x",
+            ]
+        )
+    recorder.write(
+        f"{args.model}-{'gpu' if gpus else 'cpu'}" + ("-quick" if args.quick else ""),
+        title=f"{args.model} model, K = {args.candidates}, {args.steps} steps x {args.prompts} prompts x G = {args.group} x "
+        f"{args.max_new_tokens} new tokens, {args.engine} rollouts, {args.threads} torch thread(s) per process, R = {args.rounds}",
+        columns=["executor", "round wall time (mean, each)", "/ local, steady state", "first round (actors start)"],
+        rows=rows,
+        result=lines[0] if lines else "no Ray setting ran",
+        notes=lines[1:]
+        + ["per-round lines above the table in the output give each actor's utilisation and start wait"],
+    )
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import writer  # noqa: E402
 from pipeline.stack import broker_service, free_port, mlflow_service, stop_group, tail, vllm_service  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
@@ -446,7 +447,9 @@ def main() -> int:
     parser.add_argument("--rounds", action="store_true", help="Let the scheduler run rounds every 5 min meanwhile.")
     parser.add_argument("--workdir", help="Work folder (default: a new temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the work folder (logs, buffer, dead letters).")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("soak", args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     soak = Soak(args)
@@ -455,8 +458,23 @@ def main() -> int:
         summary = soak.run()
     finally:
         soak.down()
+    violations = summary["violations"]
+    recorder.write(
+        f"{args.minutes:g}-min" + ("-rounds" if args.rounds else ""),
+        title=f"{args.minutes:g} minutes at {args.rate:g} actions/s" + (", rounds every 5 min" if args.rounds else ""),
+        columns=["what", "count"],
+        rows=[[f"sent: {kind}", count] for kind, count in sorted(summary["sent"].items())]
+        + [
+            ["good trace ids (each must be in the snapshot exactly once)", summary["good_traces"]],
+            ["bad records (each must be dead-lettered or refused with a 4xx)", summary["bad_records"]],
+            ["worker restarts", sum(v or 0 for v in summary["worker_restarts"].values())],
+            ["violations", len(violations)],
+        ],
+        result="no violation" if not violations else f"{len(violations)} violation(s): " + "; ".join(violations)[:500],
+        notes=["events: " + "; ".join(summary["events"])] if summary.get("events") else [],
+    )
     print(json.dumps(summary, indent=2, default=str))
-    return 1 if summary["violations"] else 0
+    return 1 if violations else 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import writer  # noqa: E402
 from pipeline.stack import free_port, vllm_service  # noqa: E402
 from trainer import model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
@@ -176,7 +177,9 @@ def main() -> None:
         "--compare", choices=["kernels", "dtype"], default="kernels", help="what differs between the two servers"
     )
     parser.add_argument("--eval-prompts", type=int, default=32, help="--compare dtype: greedy evaluation prompts")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("vllm-lora", args)
     cache = ModelConfig().cache_dir
     if args.model == "tiny":
         model_dir = model_store.build_tiny_llama(
@@ -207,10 +210,32 @@ def main() -> None:
         print(
             f"greedy answers equal in both dtypes: {same:.1%}; mean |log-prob difference| on equal prefixes {gap:.4f}"
         )
-        print(
+        last = (
             f"bfloat16 vs float32 vLLM: LoRA rollouts {f32['lora_s'] / b16['lora_s']:.2f}x, "
             f"greedy evaluation {f32['greedy_s'] / b16['greedy_s']:.2f}x (> 1: bf16 faster)"
         )
+        recorder.write(
+            f"dtype-{model_dir.name}",
+            title=f"vLLM --dtype float32 vs bfloat16, {model_dir.name}, {args.adapters} rank-{args.rank} adapters, "
+            f"grouped kernels; sampled: {args.prompts} prompts x G = {args.group} x {args.max_new_tokens} tokens per "
+            f"adapter; greedy: {args.adapters + 1} versions x {args.eval_prompts} prompts",
+            columns=["workload", "float32", "bfloat16", "float32 / bfloat16"],
+            rows=[
+                [label, f"{f32[key]:.2f} s", f"{b16[key]:.2f} s", f"{f32[key] / b16[key]:.2f}x"]
+                for label, key in (
+                    ("bare base, sampled", "base_s"),
+                    (f"through the {args.adapters} adapters, sampled", "lora_s"),
+                    ("greedy evaluation", "greedy_s"),
+                )
+            ],
+            result=last,
+            notes=[
+                f"greedy answers equal in both dtypes: {same:.1%}; mean |log-prob difference| on equal prefixes "
+                f"{gap:.4f} nats",
+                f"two servers one after the other, best of {args.repeats} per side",
+            ],
+        )
+        print(last)
         return
     results = {}
     for grouped in (False, True):
@@ -220,9 +245,27 @@ def main() -> None:
         print(
             f"{label:>20}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, LoRA/base {r['lora_s'] / r['base_s']:.2f}x"
         )
-    print(
+    last = (
         f"LoRA rollout speedup grouped vs upstream kernels: {results[False]['lora_s'] / results[True]['lora_s']:.2f}x"
     )
+    recorder.write(
+        f"kernels-{model_dir.name}",
+        title=f"upstream per-token vs grouped LoRA kernels, {model_dir.name}, {args.adapters} rank-{args.rank} "
+        f"adapters, {args.prompts} prompts x G = {args.group} x {args.max_new_tokens} tokens per adapter",
+        columns=["kernels", "bare base", f"through the {args.adapters} adapters", "LoRA / base"],
+        rows=[
+            [
+                "grouped (Hourglass)" if grouped else "upstream per-token",
+                f"{r['base_s']:.2f} s",
+                f"{r['lora_s']:.2f} s",
+                f"{r['lora_s'] / r['base_s']:.2f}x",
+            ]
+            for grouped, r in results.items()
+        ],
+        result=last,
+        notes=[f"two servers one after the other, best of {args.repeats} per side"],
+    )
+    print(last)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,11 @@ class ServingConfig(Section):
         pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$",
         description="vLLM --served-model-name of the bare base model.",
     )
-    max_lora_rank: int = Field(default=16, ge=1, description="vLLM --max-lora-rank.")
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        description="vLLM --max-lora-rank: the largest LoRA rank served (every candidate's lora_rank must fit).",
+    )
     max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
     max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
@@ -145,8 +149,16 @@ class ServingConfig(Section):
         "API server, half the compute on a 2-core host), 'auto' = vLLM's default, or a list such as '0-3'.",
     )
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
-    reconcile_interval_s: float = Field(default=10.0, gt=0, description="Reconcile loop period.")
-    drain_s: float = Field(default=5.0, ge=0, description="Wait before unloading a replaced version.")
+    reconcile_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds between passes of the reconcile loop (MLflow aliases -> what each vLLM replica serves).",
+    )
+    drain_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds a replaced version stays loaded after the route moved off it (requests in flight finish).",
+    )
     staging_dir: str | None = Field(
         default=None, description="Where adapters are staged before a load (default: <state_dir>/staging)."
     )

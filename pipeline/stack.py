@@ -361,8 +361,8 @@ def vllm_dtype(choice: str = "auto") -> str:
     (the checkpoint's dtype, bf16 for these models) and ``float32`` on CPU.
 
     float32 on CPU even where the CPU has bf16 instructions: bf16 vLLM works
-    there, but no speed-up over float32 has been shown yet (README, "Round
-    speed"), and float32 keeps its log-probs closest to the trainer's, which
+    there, but no speed-up over float32 has been shown yet
+    (docs/benchmarks/vllm-lora.md), and float32 keeps its log-probs closest to the trainer's, which
     PPO ratios compare against. Pass ``bfloat16`` to override.
     """
     if choice != "auto":

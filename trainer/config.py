@@ -100,7 +100,9 @@ class CandidateConfig(Section):
     )
     data_filter: str | None = Field(default=None, description="Optional substring a prompt must contain to be used.")
     start: Literal["champion", "fresh", "self"] = Field(
-        default="champion", description="Where the adapter starts each round."
+        default="champion",
+        description="Where the adapter starts each round: `champion` (the weights of its served model's champion; a "
+        "fresh LoRA when there is none), `fresh` (a new LoRA every round) or `self` (its own weights from its last round).",
     )
     kto_beta: float = Field(
         default=0.1, gt=0, description="kto: beta, the scale of the implicit reward log pi/pi_ref (TRL KTOConfig.beta)."
@@ -196,8 +198,17 @@ class RLConfig(Section):
         default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound."
     )
     bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
-    max_kl: float = Field(default=1.0, gt=0, description="Guardrail: mean KL to base above this fails the gate.")
-    max_mean_length: int = Field(default=512, ge=1, description="Guardrail: mean completion length above this fails.")
+    max_kl: float = Field(
+        default=1.0,
+        gt=0,
+        description="Guardrail: a candidate whose mean k3 KL to the base on its greedy held-out answers (nats per token) "
+        "is above this fails the gate.",
+    )
+    max_mean_length: int = Field(
+        default=512,
+        ge=1,
+        description="Guardrail: a candidate whose mean greedy answer is longer (tokens) fails the gate.",
+    )
     adapter_store: Literal["resident", "offload"] = Field(default="offload", description="Where idle candidates wait.")
     update_mode: Literal["sequential", "one_pass"] = Field(
         default="sequential",

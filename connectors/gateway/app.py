@@ -6,7 +6,7 @@ to the served one (``resolve_model``); ``GET /v1/models`` lists the public
 names; ``POST /v1/feedback`` publishes a feedback event; ``GET /healthz`` and
 ``GET /metrics`` (Prometheus) serve operations.
 
-Security (see the README's Security section): every ``/v1`` call needs
+Security (see docs/security.md): every ``/v1`` call needs
 ``Authorization: Bearer <API key>`` (401 without, 403 unknown or revoked)
 unless ``gateway.require_api_key`` is false; bodies must be
 ``application/json`` (415) under ``gateway.max_body_bytes`` (413), with only

