@@ -26,7 +26,7 @@ Per workload it prints wall clock and peak memory (RSS of the process tree,
 trainer + vLLM, sampled every 0.2 s) of both sides, the swap time as a
 fraction of update time, rollout tokens/s with K adapters in one engine vs
 one adapter at a time, the round's phase breakdown (``time/*_s`` round
-metrics, trainer/profile.py; (a) summed over its processes), the learning
+metrics, trainer/timers.py; (a) summed over its processes), the learning
 lines, the speedup (a)/(b), and the update time of the K candidates'
 training step sequential (rows whole, and each prompt once) vs one-pass
 (``rl.update_mode``, bench/one_pass.py: same process, same base in the dtype
@@ -63,9 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import writer
 from pipeline.stack import free_port, vllm_service
-from trainer import model_store
+from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.profile import PHASES
+from trainer.timers import PHASES
 
 # Per-experiment budgets; "round" is deploy/demo.toml's [rl] (steps_per_round, prompts_per_step, group_size, max_new_tokens).
 WORKLOADS = {
@@ -148,7 +148,8 @@ def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_
 def tables(args: argparse.Namespace):
     """Train and held-out snapshot tables of the demo's task (pipeline/demo/traffic.py arithmetic_questions: one-digit
     additions), enough held-out rows for ``--eval-prompts``."""
-    from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+    from trainer.tasks import reasoning_gym_prompts
+    from trainer.data import snapshot_table, split_snapshot
 
     n = max(48, 4 * args.eval_prompts + 8)
     prompts = reasoning_gym_prompts(
@@ -191,8 +192,8 @@ def run_round_with_vllm(
     extra=None,
 ) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
-    from trainer.rollout_vllm import VLLMEngine
-    from trainer.candidates import run_round
+    from trainer.rollout.vllm import VLLMEngine
+    from trainer.round import run_round
 
     train, heldout = tables(args)
     started = time.perf_counter()
@@ -228,9 +229,9 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     """Tokens/s sampling K adapters in one engine call vs one adapter per call (same requests)."""
     from transformers import AutoTokenizer
 
-    from trainer.base import chat_token_ids
-    from trainer.rollout import RolloutRequest
-    from trainer.tasks import prompts_from_table
+    from trainer.model.base import chat_token_ids
+    from trainer.rollout.engine import RolloutRequest
+    from trainer.data import prompts_from_table
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     train, _ = tables(args)
@@ -274,8 +275,8 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     """Sequential vs one-pass update time of K candidates on the workload's rows (bench/one_pass.py);
     also written as the section ``multilora-<workload>`` of the one-pass benchmark page."""
     from bench.one_pass import COLUMNS, compare_modes, make_batches, report, table_rows
-    from trainer.base import load_base
-    from trainer.tasks import prompts_from_table
+    from trainer.model.base import load_base
+    from trainer.data import prompts_from_table
 
     base = load_base(ModelConfig(name=args.model_dir))  # dtype "auto": bf16 where the hardware has it
     train, _ = tables(args)

@@ -59,11 +59,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
-from trainer import model_store  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
-from trainer.candidates import run_round  # noqa: E402
-from trainer.ray_executor import release_kept_actors  # noqa: E402
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot  # noqa: E402
+from trainer.round import run_round  # noqa: E402
+from trainer.executors.ray_executor import release_kept_actors  # noqa: E402
+from trainer.tasks import reasoning_gym_prompts  # noqa: E402
+from trainer.data import snapshot_table, split_snapshot
 
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 

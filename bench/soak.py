@@ -131,7 +131,7 @@ class Soak:
     # -- setup -----------------------------------------------------------------------
 
     def up(self) -> None:
-        from trainer import model_store
+        from trainer.model import store as model_store
 
         smollm2 = model_store.pull("smollm2-135m-instruct", MODEL_CACHE).path
         tiny = model_store.build_tiny_llama(MODEL_CACHE / "tiny-random-llama", tokenizer_from=smollm2).path

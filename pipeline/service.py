@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import secrets
 import signal
 import threading
 import time
@@ -33,6 +31,7 @@ from prometheus_client import Gauge
 from pipeline.config import HourglassConfig, secret_problems
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.redact import install_log_redaction
+from pipeline.state_secrets import api_token
 from pipeline.rounds.job import RoundNotCancellableError, RoundRunner, recover
 from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
 from pipeline.supervise import Worker
@@ -84,28 +83,13 @@ class WorkerDiedError(PipelineError, RuntimeError):
     """A worker's inner thread stopped on its own (e.g. the APScheduler thread); it is restarted."""
 
 
-def api_token(cfg: HourglassConfig) -> str:
-    """``api.token`` when set; else the token in ``<state_dir>/api-token`` (created 0600 on first use)."""
-    if cfg.api.token is not None:
-        return cfg.api.token.get_secret_value()
-    path = cfg.resolve(cfg.state_dir) / "api-token"
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token)
-    return token
-
-
 class HourglassService:
     """Owns every long-running part; :meth:`start` / :meth:`shutdown`."""
 
     def __init__(
         self, cfg: HourglassConfig, *, base_fingerprint: str | None = None, ingest: bool = True, reconcile: bool = True
     ) -> None:
-        from trainer import model_store
+        from trainer.model import store as model_store
 
         install_log_redaction()  # before anything logs a URI with credentials
         problems = secret_problems(cfg)
@@ -176,7 +160,7 @@ class HourglassService:
             return None
 
         def warm() -> None:
-            from trainer import ray_pool
+            from trainer.executors import ray_pool
 
             try:
                 if ray_pool.warm(rl, self.cfg.model, len(self.cfg.candidates)):
@@ -328,7 +312,7 @@ class HourglassService:
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
         if self.cfg.rl.executor == "ray":  # 5: the kept trainer actors and their placement group
-            from trainer import ray_pool
+            from trainer.executors import ray_pool
 
             for thread in threading.enumerate():  # a warm-up still connecting or placing: let it finish first
                 if thread.name == "ray-warm":

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from connectors.config_base import Section
+from trainer.rewards import resolve
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 
@@ -48,14 +49,12 @@ class RewardTerm(Section):
     @classmethod
     def _known(cls, fn: str) -> str:
         if ":" not in fn:  # a built-in: check the name now (a module:function is imported when the round builds it)
-            from trainer.rewards import resolve  # imported on use: rewards is heavier than this config module
-
             resolve(fn)
         return fn
 
 
 class Algorithm(StrEnum):
-    """How a candidate learns (``CandidateConfig.algorithm``); :data:`trainer.update.ALGORITHMS` maps each to its batch and loss.
+    """How a candidate learns (``CandidateConfig.algorithm``); :data:`trainer.algorithms.update.ALGORITHMS` maps each to its batch and loss.
 
     ``grpo`` / ``ppo_clip`` learn from fresh rollouts scored by the reward mix;
     ``offline_is`` and ``kto`` learn from logged completions and their logged
@@ -214,7 +213,7 @@ class RLConfig(Section):
         default="sequential",
         description="`sequential`: each candidate's update is its own forward/backward. `one_pass`: the grpo / ppo_clip "
         "candidates of a step share one adapters-off reference pass and one forward/backward (each row through its own "
-        "candidate's LoRA weights, trainer.multi_lora); other algorithms stay sequential.",
+        "candidate's LoRA weights, trainer.multi_lora.one_pass); other algorithms stay sequential.",
     )
     adapters_per_pass: int = Field(
         default=8,
@@ -240,7 +239,7 @@ class RLConfig(Section):
     rollout_urls: list[str] = Field(
         default_factory=list,
         description="A vLLM fleet for rollouts and evaluation (each candidate's requests stay on one replica, round-robin "
-        "over candidates; trainer.rollout_fleet). Default (with rollout_engine `vllm` and no rollout_url): every serving.replicas entry.",
+        "over candidates; trainer.rollout.fleet). Default (with rollout_engine `vllm` and no rollout_url): every serving.replicas entry.",
     )
     adapter_share_uri: str | None = Field(
         default=None,
@@ -325,7 +324,7 @@ class RewardModelConfig(Section):
     """The reward model learned from user feedback: a LoRA adapter plus a scalar head on the resident base.
 
     Trained in each round, before the policy candidates, from the round's training split
-    (see :mod:`trainer.reward_model`).
+    (see :mod:`trainer.reward_model.model`).
     """
 
     enabled: bool | None = Field(

@@ -1,5 +1,5 @@
 """The plan of a round, built once before any training: per candidate its config, its
-algorithm (:data:`trainer.update.ALGORITHMS`), its training reward mix, its prompt pool and
+algorithm (:data:`trainer.algorithms.update.ALGORITHMS`), its training reward mix, its prompt pool and
 its start point, and one cache of the prompts' token ids for the whole round.
 
 :func:`plan_round` refuses a round that cannot train (an empty pool) before any work is done.
@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.base import ResidentBase
+from trainer.model.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import DataError
-from trainer.multi_lora import one_pass_ok
+from trainer.multi_lora.one_pass import one_pass_ok
 from trainer.rewards import RewardMix, build_reward
-from trainer.samples import Prompt
-from trainer.update import ALGORITHMS, AlgorithmSpec
+from trainer.types import Prompt
+from trainer.algorithms.update import ALGORITHMS, AlgorithmSpec
 
 
 class PromptTokens:
@@ -44,7 +44,7 @@ class PromptTokens:
 
 @dataclass(frozen=True)
 class CandidatePlan:
-    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.update.ALGORITHMS`),
+    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.algorithms.update.ALGORITHMS`),
     its training reward mix, its prompt pool (online: prompts to roll out; offline: logged rows its algorithm
     can use) and where it starts (None: fresh)."""
 

@@ -69,7 +69,7 @@ from pipeline.registry.client import (
 from pipeline.registry.client import short_retry as _short_retry
 from pipeline.registry.client import transient as _transient
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
-from trainer.model_store import sha256_file
+from trainer.model.store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
 log = logging.getLogger(__name__)

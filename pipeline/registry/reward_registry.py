@@ -1,6 +1,6 @@
 """The reward model in MLflow: its own registered model and its own ``@champion``.
 
-Each round that trained a reward model (see :mod:`trainer.reward_round`)
+Each round that trained a reward model (see :mod:`trainer.reward_model.phase`)
 registers it as a version of ``<serving.model_name>-reward`` (registered-model
 and version tag ``hourglass.role = reward_model``), from a run of the round's
 experiment (tag ``hourglass.run_kind = reward_model``, nested under the
@@ -62,7 +62,6 @@ TAG_AUC = "hourglass.reward_auc"
 TAG_DECISION = "hourglass.reward_decision"
 TAG_PROMOTE = "hourglass.reward_promote"  # "true" / "false": the decision, so a resumed registration finishes it
 ARTIFACT = "reward_model"
-MAX_RANK = 256  # staging's rank check is for vLLM; the reward model is never served by vLLM
 
 
 @dataclass(frozen=True)
@@ -83,33 +82,6 @@ def reward_model_name(cfg: HourglassConfig) -> str:
 
 def pending_reward_dir(cfg: HourglassConfig) -> Path:
     return cfg.resolve(cfg.state_dir) / "registry" / "pending-reward"
-
-
-def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
-    """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.serving.staging import stage_options, stage_version
-
-    try:
-        client = client or make_client(cfg)
-        version = aliases.champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
-        if version is None:
-            return None
-        options = {
-            **stage_options(cfg),
-            "max_lora_rank": MAX_RANK,
-        }  # signature, size cap, adapter config: as for policies
-        staged = stage_version(
-            client,
-            reward_model_name(cfg),
-            version,
-            cfg.staging_root(),
-            base_fingerprint=base_fingerprint,
-            **options,
-        )
-        return staged.path
-    except Exception as err:  # the round still trains; without the champion's files its recorded AUC is used
-        log.warning("reward champion not staged (%s: %s); its recorded AUC will be used", type(err).__name__, err)
-        return None
 
 
 def decide(new: RewardModelReport, champion_auc: float | None, margin: float) -> tuple[bool, str]:

@@ -165,7 +165,7 @@ class RoundRunner:
         overlaps the snapshot and the trainer's own preparation. A cluster that does not answer fails the
         round here, at its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
         if self.cfg.rl.executor == "ray":
-            from trainer import ray_pool
+            from trainer.executors import ray_pool
 
             ray_pool.warm(self.cfg.rl, self.cfg.model, len(record.candidates))
 
@@ -323,7 +323,7 @@ class RoundRunner:
                 self.store.advance(record, RoundState.FAILED, f"{record.state}: {type(err).__name__}: {err}")
         finally:
             if self.cfg.rl.executor == "ray" and not self.cfg.rl.ray_keep_actors:  # actors started for a round that
-                from trainer import ray_pool  # ended before training (e.g. too few rows) do not outlive it
+                from trainer.executors import ray_pool  # ended before training (e.g. too few rows) do not outlive it
 
                 ray_pool.release_kept_actors()
             ROUNDS.labels(record.state.value).inc()

@@ -13,7 +13,7 @@ import logging
 import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -21,6 +21,9 @@ from pipeline.config import HourglassConfig
 from pipeline.rounds.records import RoundRecord
 from trainer.config import window_seconds
 from trainer.types import PhaseHook, RoundResult
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +137,11 @@ def train_and_evaluate(
     """Split across users and time (per-user share capped), train the reward model (when wanted) and every
     selected candidate, evaluate against the champions, gate.
 
-    ``checkpoint`` is passed to :func:`trainer.candidates.run_round` (typed phase boundaries; may raise to cancel);
+    ``checkpoint`` is passed to :func:`trainer.round.run_round` (typed phase boundaries; may raise to cancel);
     ``reward_champion`` is the staged folder of the reward model's ``@champion`` (see :func:`reward_champion_for`).
     """
-    from trainer.candidates import run_round
-    from trainer.tasks import split_snapshot, user_metrics
+    from trainer.round import run_round
+    from trainer.data import split_snapshot, user_metrics
 
     train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
     rl = cfg.rl  # rl.rollout_url defaults to the serving vLLM (filled by HourglassConfig)
@@ -162,13 +165,44 @@ def train_and_evaluate(
     return result
 
 
+REWARD_MODEL_MAX_RANK = 256  # staging's rank check is for vLLM; the reward model is never served by vLLM
+
+
+def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
+    """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
+    from pipeline.registry.aliases import champion_version
+    from pipeline.registry.client import make_client
+    from pipeline.registry.reward_registry import reward_model_name
+    from pipeline.serving.staging import stage_options, stage_version
+
+    try:
+        client = client or make_client(cfg)
+        version = champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
+        if version is None:
+            return None
+        options = {
+            **stage_options(cfg),
+            "max_lora_rank": REWARD_MODEL_MAX_RANK,
+        }  # signature, size cap, adapter config: as for policies
+        staged = stage_version(
+            client,
+            reward_model_name(cfg),
+            version,
+            cfg.staging_root(),
+            base_fingerprint=base_fingerprint,
+            **options,
+        )
+        return staged.path
+    except Exception as err:  # the round still trains; without the champion's files its recorded AUC is used
+        log.warning("reward champion not staged (%s: %s); its recorded AUC will be used", type(err).__name__, err)
+        return None
+
+
 def reward_champion_for(cfg: HourglassConfig, names: list[str], base_fingerprint: str) -> Path | None:
     """The staged reward champion when this round trains a reward model (None otherwise, or when there is none)."""
     candidates = [c for c in cfg.candidates if c.name in names]
     if not cfg.reward_model.wanted(candidates, getattr(cfg.rl, "gate_metric", None)):
         return None
-    from pipeline.registry.reward_registry import reward_champion
-
     return reward_champion(cfg, base_fingerprint)
 
 

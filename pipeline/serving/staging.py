@@ -49,7 +49,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.errors import PipelineError
 from pipeline.registry.models import TAG_FINGERPRINT, TAG_SHA256
 from pipeline.registry.signing import SignatureError, verify
-from trainer.model_store import sha256_file
+from trainer.model.store import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _VERSION = re.compile(r"^[0-9]+$")

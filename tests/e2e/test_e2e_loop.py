@@ -23,7 +23,7 @@ from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
 from pipeline.demo.traffic import create_demo_key, drive
-from pipeline.service import api_token
+from pipeline.state_secrets import api_token
 
 # Generous waits: on a loaded 2-core CI host the service alone takes minutes to import and start,
 # and the fixtures' vLLM on SmolLM2 up to 15 min; each wait returns as soon as its condition holds.

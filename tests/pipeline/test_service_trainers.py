@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.service import HourglassService
-from trainer import ray_pool
+from trainer.executors import ray_pool
 from trainer.errors import ExecutorUnavailableError
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.rollout_vllm import VLLMEngine
-from trainer.candidates import run_round
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.rollout.vllm import VLLMEngine
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 # vLLM CPU startup alone took 4-5 min on the shared 2-core box; the round about 10 more.
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(2400)]

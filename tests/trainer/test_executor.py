@@ -10,9 +10,11 @@ from pydantic import ValidationError
 
 from trainer.config import CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.candidates import make_executor
-from trainer.executor import Exchange, LocalExecutor, assign, estimate_cost
-from trainer.ray_executor import actor_count
+from trainer.round import make_executor
+from trainer.executors.exchange import Exchange
+from trainer.executors.local import LocalExecutor
+from trainer.executors.executor import assign, estimate_cost
+from trainer.executors.ray_executor import actor_count
 
 
 def _cand(name: str, algorithm: str = "grpo") -> CandidateConfig:
@@ -66,7 +68,7 @@ def test_exchange_round_trips_folders_and_text_by_uri(tmp_path: Path) -> None:
 
 def test_executor_settings_are_validated_and_local_is_the_default() -> None:
     assert isinstance(make_executor(RLConfig()), LocalExecutor)
-    from trainer.ray_executor import RayExecutor
+    from trainer.executors.ray_executor import RayExecutor
 
     assert isinstance(make_executor(RLConfig(executor="ray")), RayExecutor)
     assert RLConfig().executor == "local" and RLConfig().ray_address == "auto"

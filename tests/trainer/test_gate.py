@@ -7,7 +7,7 @@ import math
 import pytest
 
 from trainer.config import CandidateConfig, RLConfig
-from trainer.evaluate import EvalResult, auc, gate, paired_auc_lower_bound, paired_bootstrap_lower_bound
+from trainer.evaluation.evaluate import EvalResult, auc, gate, paired_auc_lower_bound, paired_bootstrap_lower_bound
 
 RL = RLConfig(gate_margin=0.05, gate_confidence=0.9, bootstrap_samples=500, max_kl=0.5, max_mean_length=20)
 CHAMP = tuple([0.0, 1.0] * 10)  # champion mean 0.5 on 20 prompts

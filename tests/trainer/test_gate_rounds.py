@@ -9,10 +9,11 @@ import pytest
 
 from trainer import rewards
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.evaluate import paired_bootstrap_lower_bound
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.evaluation.evaluate import paired_bootstrap_lower_bound
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
@@ -171,7 +172,7 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
 
 
 class _FakeReport:
-    """The reward-model report's fields the gate reads (see trainer.reward_model.RewardModelReport)."""
+    """The reward-model report's fields the gate reads (see trainer.types.RewardModelReport)."""
 
     def __init__(self, auc_lower_bound: float) -> None:
         self.auc, self.auc_lower_bound = auc_lower_bound + 0.05, auc_lower_bound
@@ -194,10 +195,10 @@ class _FakeRewardModel:
 def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from trainer.adapter_store import make_store
-    from trainer.base import load_base
-    from trainer.candidates import evaluate_and_gate, publish
-    from trainer.rollout import HFEngine
+    from trainer.adapters.registry import make_store
+    from trainer.model.base import load_base
+    from trainer.round import evaluate_and_gate, publish
+    from trainer.rollout.hf import HFEngine
 
     rl = RLConfig(
         max_new_tokens=3,
@@ -292,9 +293,9 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
 def test_evaluation_forward_passes_in_chunks_give_the_same_values(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer import evaluate
-    from trainer.base import load_base
-    from trainer.samples import Sample
+    from trainer.evaluation import evaluate
+    from trainer.model.base import load_base
+    from trainer.types import Sample
 
     base = load_base(
         ModelConfig(name=str(tiny_model), dtype="float32")

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from trainer import rewards
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
@@ -124,7 +125,7 @@ def test_offline_batch_cuts_logged_completions_to_max_seq_len(tiny_model: Path) 
     """A logged completion from traffic can be ~250k tokens within kafka.max_record_bytes; the offline
     update must not run the model over all of it (logits of [T, vocab] per row: an OOM of the service)."""
     from trainer.rewards import build_reward
-    from trainer.update import offline_batch
+    from trainer.algorithms.update import offline_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), max_seq_len=64))
     prompts = [

@@ -1,4 +1,4 @@
-"""One-pass updates (trainer.multi_lora, trainer.one_pass) equal the sequential path, in float32.
+"""One-pass updates (trainer.multi_lora.one_pass, trainer.multi_lora.layer) equal the sequential path, in float32.
 
 Three candidates of different ranks, alphas, learning rates and target
 modules and uneven row counts; the offload and the resident store; groups of
@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import ResidentBase, load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.losses import kl_k3, masked_mean
+from trainer.algorithms.losses import kl_k3, masked_mean
 from trainer.errors import TrainerConfigError
-from trainer.multi_lora import MultiLoRA, _pull, live_params, one_pass_ok, train_one_pass
-from trainer.one_pass import plan_chunks, update_step_one_pass
-from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
+from trainer.multi_lora.layer import MultiLoRA
+from trainer.multi_lora.one_pass import _pull, live_params, one_pass_ok, train_one_pass
+from trainer.multi_lora.chunks import plan_chunks
+from trainer.multi_lora.one_pass import update_step_one_pass
+from trainer.algorithms.update import ALGORITHMS, Batch, LossInputs, update_step
 
 from .adamw_tolerance import assert_adamw_weights_close
 
@@ -303,7 +305,7 @@ def test_plan_chunks_covers_every_row_once_within_the_budget_mixing_all_candidat
 
 def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> None:
     """The padded grouped-matmul path (used on CUDA) gives the loop's outputs (forward; CPU kernel)."""
-    from trainer import multi_lora
+    from trainer.multi_lora import layer as multi_lora
 
     if multi_lora._GROUPED is None:
         pytest.skip("this torch has no grouped matmul")
@@ -344,7 +346,7 @@ def test_embedding_targets_are_refused_and_train_sequentially(base: ResidentBase
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/device_check.sh runs it on a GPU machine")
 def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> None:
     """On CUDA the one-pass layer uses the grouped matmul (ranks padded): its gradients equal the loop's (float32)."""
-    from trainer import multi_lora
+    from trainer.multi_lora import layer as multi_lora
 
     if multi_lora._GROUPED is None:
         pytest.skip("this torch has no grouped matmul")
@@ -386,8 +388,9 @@ def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> 
 
 
 def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
-    from trainer.candidates import run_round
-    from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+    from trainer.round import run_round
+    from trainer.tasks import reasoning_gym_prompts
+    from trainer.data import snapshot_table, split_snapshot
 
     prompts = reasoning_gym_prompts(
         "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1

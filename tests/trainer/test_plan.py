@@ -12,8 +12,8 @@ from trainer.config import OFFLINE_ALGORITHMS, Algorithm, CandidateConfig, Rewar
 from trainer.errors import DataError
 from trainer.plan import PromptTokens, plan_round
 from trainer.rewards import RewardMix
-from trainer.samples import Prompt
-from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS
+from trainer.types import Prompt
+from trainer.algorithms.update import ALGORITHMS, ONE_PASS_ALGORITHMS
 
 
 class FakeBase:

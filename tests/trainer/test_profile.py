@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.profile import PHASES, collect, phase
-from trainer.candidates import run_round
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.timers import PHASES, collect, phase
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 
 def test_phases_add_up_and_do_not_nest() -> None:

@@ -14,13 +14,14 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
-from trainer.executor import TrainJob
-from trainer import ray_pool
-from trainer.ray_executor import release_kept_actors
-from trainer.candidates import make_executor, run_round
+from trainer.executors.executor import TrainJob
+from trainer.executors import ray_pool
+from trainer.executors.ray_executor import release_kept_actors
+from trainer.round import make_executor, run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import pytest
 from pipeline.stack import free_port
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import ExecutorUnavailableError
-from trainer.executor import TrainJob
-from trainer.candidates import make_executor
+from trainer.executors.executor import TrainJob
+from trainer.round import make_executor
 
 
 def _job(tmp_path: Path, address: str) -> TrainJob:

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import DataError, RewardError, TrainerConfigError
-from trainer.feedback_data import feedback_data
-from trainer.reward_model import (
+from trainer.data import feedback_data
+from trainer.reward_model.model import (
     HEAD_FILE,
     create_reward_model,
     evaluate_reward_model,
@@ -28,9 +28,9 @@ from trainer.reward_model import (
     train_reward_model,
 )
 from trainer.rewards import build_reward
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.data import snapshot_table, split_snapshot
 
 
 def _row(i: int, prompt: str, completion: str | None, reward: float | None) -> Prompt:

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
-from trainer.evaluate import greedy_answers
-from trainer.reward_model import create_reward_model
-from trainer.rollout import BASE_VERSION, HFEngine
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import prompts_from_table, snapshot_table, split_snapshot
+from trainer.evaluation.evaluate import greedy_answers
+from trainer.reward_model.model import create_reward_model
+from trainer.rollout.engine import BASE_VERSION
+from trainer.rollout.hf import HFEngine
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.data import prompts_from_table, snapshot_table, split_snapshot
 
 
 def _feedback_rows(n: int) -> list[Prompt]:

@@ -10,8 +10,9 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.candidates import run_round
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
 
 RL = RLConfig(
     steps_per_round=1,
@@ -90,8 +91,8 @@ class _Stop(Exception):
 
 def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tmp_path: Path) -> None:
     """The service cancels through this hook: a raise mid-training ends the round cleanly."""
-    from trainer.base import load_base
-    from trainer.rollout import HFEngine
+    from trainer.model.base import load_base
+    from trainer.rollout.hf import HFEngine
 
     prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
@@ -122,7 +123,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
         if phase == "train:1":
             raise _Stop
 
-    import trainer.candidates as round_module
+    import trainer.round as round_module
 
     real_make_engine = round_module.make_engine
 
@@ -157,7 +158,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
 def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_model: Path, tmp_path: Path) -> None:
     """Gateway traffic carries no reference answer: such rows are skipped, not fatal."""
     from trainer.errors import DataError
-    from trainer.samples import Prompt
+    from trainer.types import Prompt
 
     graded = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     plain = [

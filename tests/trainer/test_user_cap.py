@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from trainer.errors import DataError
-from trainer.tasks import SNAPSHOT_SCHEMA, cap_user_share, row_users, split_snapshot, user_cap, user_metrics
+from trainer.data import SNAPSHOT_SCHEMA, cap_user_share, row_users, split_snapshot, user_cap, user_metrics
 
 START = datetime(2026, 5, 1, tzinfo=timezone.utc)
 
@@ -93,7 +93,7 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """pipeline.rounds.job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
-    import trainer.candidates
+    import trainer.round
     from pipeline.config import HourglassConfig
     from pipeline.rounds.job import train_and_evaluate
     from pipeline.rounds.records import RoundRecord
@@ -116,7 +116,7 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(
             metrics={"round/wall_s": 1.0},
         )
 
-    monkeypatch.setattr(trainer.candidates, "run_round", fake_run_round)
+    monkeypatch.setattr(trainer.round, "run_round", fake_run_round)
     cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
     record = RoundRecord(
         round_id="r1",

@@ -22,7 +22,7 @@ from pipeline.config import load_config
 from pipeline.registry.models import register_round
 from pipeline.service import HourglassService
 from tests.pipeline.serving_helpers import make_adapter, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from pipeline.registry.models import (
 )
 from pipeline.stack import free_port
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

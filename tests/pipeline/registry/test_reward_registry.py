@@ -26,12 +26,12 @@ from pipeline.registry.reward_registry import (
     TAG_ROLE,
     pending_reward_dir,
     register_reward_model,
-    reward_champion,
     reward_model_name,
 )
+from pipeline.rounds.steps import reward_champion
 from tests.pipeline.serving_helpers import make_adapter, make_round
-from trainer.model_store import fingerprint_of
-from trainer.reward_model import HEAD_FILE
+from trainer.model.store import fingerprint_of
+from trainer.reward_model.model import HEAD_FILE
 from trainer.types import RewardModelReport, RewardModelResult
 
 pytestmark = pytest.mark.integration
@@ -136,8 +136,8 @@ import json, os, signal, sys
 import pyarrow as pa
 from pipeline.config import HourglassConfig
 from pipeline.rounds import job as round_job
-from trainer import reward_round
-from trainer.model_store import fingerprint_of
+from trainer.reward_model import phase as reward_round
+from trainer.model.store import fingerprint_of
 
 cfg = HourglassConfig(**json.loads(sys.argv[1]))
 table = pa.ipc.open_file(sys.argv[2]).read_all()
@@ -162,8 +162,8 @@ print("finished", flush=True)
 def _feedback_table(path: Path):
     import pyarrow as pa
 
-    from trainer.samples import Prompt
-    from trainer.tasks import snapshot_table
+    from trainer.types import Prompt
+    from trainer.data import snapshot_table
 
     rows = [
         Prompt(

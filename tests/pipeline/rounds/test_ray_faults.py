@@ -20,9 +20,10 @@ from pipeline.config import HourglassConfig
 from pipeline.registry.models import register_round
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from tests.trainer.ray_helpers import until_clean
-from trainer import ray_pool
-from trainer.model_store import fingerprint_of
-from trainer.tasks import reasoning_gym_prompts, snapshot_table
+from trainer.executors import ray_pool
+from trainer.model.store import fingerprint_of
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table
 
 pytestmark = pytest.mark.integration
 

@@ -39,16 +39,16 @@ from pipeline.registry.models import register_round
 from pipeline.serving.controller import ServingController
 from pipeline.serving.replica import Replica
 from pipeline.stack import free_port, vllm_service
-from trainer.adapter_share import MANIFEST
-from trainer.base import load_base
+from trainer.adapters.share import MANIFEST
+from trainer.model.base import load_base
 from trainer.config import ModelConfig, RLConfig
-from trainer.evaluate import greedy_answers
-from trainer.model_store import fingerprint_of
+from trainer.evaluation.evaluate import greedy_answers
+from trainer.model.store import fingerprint_of
 from trainer.plan import PromptTokens
-from trainer.rollout import BASE_VERSION, RolloutRequest
-from trainer.rollout_fleet import FleetEngine
-from trainer.samples import Prompt
-from trainer.tasks import snapshot_table
+from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.rollout.fleet import FleetEngine
+from trainer.types import Prompt
+from trainer.data import snapshot_table
 
 pytestmark = pytest.mark.integration
 
@@ -210,7 +210,7 @@ def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny
         engine.engines[0]._post("/v1/completions", {"model": "never-published-s0", "prompt": "Hi", "max_tokens": 1})
     # a corrupted shared copy (checksum mismatch) is not loaded either
     a = make_adapter(tiny_model, tmp_path / "a", seed=3)
-    from trainer.adapter_share import publish
+    from trainer.adapters.share import publish
 
     publish(a, str(share), "torn-s0")
     (share / "torn-s0" / "adapter_model.safetensors").write_bytes(b"not the published bytes")

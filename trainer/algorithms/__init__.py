@@ -1,0 +1,1 @@
+"""How a candidate learns: the losses (:mod:`.losses`), its batches and its update step (:mod:`.update`)."""

@@ -1,0 +1,1 @@
+"""Held-out evaluation of every candidate and champion, and the gate (:mod:`.evaluate`)."""
