@@ -193,7 +193,9 @@ def run_round_with_vllm(
 ) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
     from trainer.rollout.vllm import VLLMEngine
-    from trainer.round import run_round
+    from trainer.data import round_inputs
+    from trainer.round import RoundParts, run_round
+    from trainer.types import RoundSpec
 
     train, heldout = tables(args)
     started = time.perf_counter()
@@ -203,7 +205,10 @@ def run_round_with_vllm(
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
         rl = rl_config(args, update_mode)
         result = run_round(
-            ModelConfig(name=str(model)), cands, rl, train, heldout, {}, out / "round", engine=engine, progress=False
+            RoundSpec(ModelConfig(name=str(model)), tuple(cands), rl),
+            round_inputs(train, heldout),
+            out / "round",
+            parts=RoundParts(engine=engine),
         )
         metrics = [m for c in result.candidates for m in c.step_metrics]
         tenant = cands[0].served_model

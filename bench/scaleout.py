@@ -61,10 +61,12 @@ import torch  # noqa: E402
 from bench import writer  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
+from trainer.evaluation.gate import gate_round  # noqa: E402
 from trainer.round import run_round  # noqa: E402
+from trainer.types import RoundSpec  # noqa: E402
 from trainer.executors.ray_executor import release_kept_actors  # noqa: E402
 from trainer.tasks import reasoning_gym_prompts  # noqa: E402
-from trainer.data import snapshot_table, split_snapshot
+from trainer.data import round_inputs, snapshot_table, split_snapshot
 
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 
@@ -79,7 +81,9 @@ def model_dir(which: str) -> Path:
 def _round(model, cands, cfg, train, heldout, out: Path, label: str, local_s: float | None) -> float:
     """One round; prints its line and returns its wall time."""
     t0 = time.perf_counter()
-    result = run_round(model, cands, cfg, train, heldout, {}, out, progress=False, round_id="r1")
+    result = gate_round(
+        run_round(RoundSpec(model, tuple(cands), cfg), round_inputs(train, heldout), out, round_id="r1"), cfg
+    )
     wall = time.perf_counter() - t0
     m = result.metrics
     actors = range(int(m.get("executor/actors", 0)))

@@ -70,6 +70,16 @@ class Algorithm(StrEnum):
 OFFLINE_ALGORITHMS = frozenset({Algorithm.OFFLINE_IS, Algorithm.KTO})
 
 
+class GateMetric(StrEnum):
+    """How candidates and the champion are compared on held-out rows (``rl.gate_metric``): one yardstick
+    per served model. :data:`trainer.evaluation.metrics.GATE_METRICS` holds each one's unit, comparison,
+    usable rows and values."""
+
+    VERIFIABLE = "verifiable"
+    REWARD_MODEL = "reward_model"
+    FEEDBACK = "feedback"
+
+
 class CandidateConfig(Section):
     """A named LoRA adapter and its recipe."""
 
@@ -175,8 +185,8 @@ class RLConfig(Section):
         description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
         "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
     )
-    gate_metric: Literal["verifiable", "reward_model", "feedback"] = Field(
-        default="verifiable",
+    gate_metric: GateMetric = Field(
+        default=GateMetric.VERIFIABLE,
         description=(
             "How candidates and the champion are compared on held-out rows: `verifiable` (greedy answers scored by "
             "rl.gate_reward; rows with its metadata), `reward_model` (greedy answers scored by the round's reward model), "
@@ -389,11 +399,11 @@ class RewardModelConfig(Section):
             start="fresh",
         )
 
-    def wanted(self, candidates: list[CandidateConfig], gate_metric: str | None = None) -> bool:
+    def wanted(self, candidates: list[CandidateConfig], gate_metric: GateMetric | None = None) -> bool:
         """Whether a round with these candidates trains a reward model."""
         if self.enabled is not None:
             return self.enabled
-        return gate_metric == "reward_model" or any(uses_reward_model(c) for c in candidates)
+        return gate_metric == GateMetric.REWARD_MODEL or any(uses_reward_model(c) for c in candidates)
 
 
 def uses_reward_model(candidate: CandidateConfig) -> bool:

@@ -1,5 +1,8 @@
-"""A round's data: a buffer snapshot split into train and held-out rows, read as prompts, and the
-users' feedback in it as the reward model's examples and preference pairs.
+"""A round's data, prepared once: a buffer snapshot is split into train and held-out rows
+(:func:`split_snapshot`, across users and time, each user's share capped), and
+:func:`prepare_round_data` reads both tables once into what the round trains and evaluates on
+(:class:`~trainer.types.RoundData`): prompts, the users' feedback as the reward model's labelled
+examples and preference pairs, the data window and the per-user metrics.
 
 Snapshot tables carry the buffer's columns: ``trace_id`` string, ``ts``
 timestamp, ``model`` string, ``adapter_version`` string, ``prompt`` string
@@ -15,15 +18,16 @@ import hashlib
 import json
 import math
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trainer.errors import DataError
-from trainer.types import Prompt
+from trainer.types import FeedbackData, LabelledExample, PreferencePair, Prompt, RoundData, RoundInputs
 
 SNAPSHOT_SCHEMA = pa.schema(
     [
@@ -141,9 +145,13 @@ def row_users(table: pa.Table) -> list[str]:
             meta = json.loads(raw) if raw else {}
         except ValueError:
             meta = {}
-        user = meta.get("user_hash") if isinstance(meta, dict) else None
-        users.append(user if isinstance(user, str) and user else ANONYMOUS_USER)
+        users.append(_user(meta))
     return users
+
+
+def _user(metadata: object) -> str:
+    user = metadata.get("user_hash") if isinstance(metadata, dict) else None
+    return user if isinstance(user, str) and user else ANONYMOUS_USER
 
 
 def _stable_rank(trace_id: str) -> str:
@@ -185,11 +193,11 @@ def cap_user_share(table: pa.Table, max_share: float) -> pa.Table:
     return table.take(sorted(keep)) if len(keep) < table.num_rows else table
 
 
-def user_metrics(train: pa.Table, heldout: pa.Table, prefix: str = "data") -> dict[str, float]:
-    """``{data/users, data/max_user_share, data/heldout_users, data/heldout_max_user_share}`` of a split."""
+def user_metrics(train: Sequence[Prompt], heldout: Sequence[Prompt], prefix: str = "data") -> dict[str, float]:
+    """``{data/users, data/max_user_share, data/heldout_users, data/heldout_max_user_share}`` of a split's rows."""
     out: dict[str, float] = {}
     for name, part in (("", train), ("heldout_", heldout)):
-        users = row_users(part)
+        users = [_user(p.metadata) for p in part]
         counts = {u: users.count(u) for u in set(users)}
         out[f"{prefix}/{name}users"] = float(len(counts))
         out[f"{prefix}/{name}max_user_share"] = max(counts.values()) / len(users) if users else 0.0
@@ -239,56 +247,13 @@ def split_snapshot(
 
 
 # --- users' feedback: the reward model's examples and pairs ----------------------------------
-
-CORRECTION_COLUMN = "correction"
-
-
-@dataclass(frozen=True)
-class LabelledExample:
-    """One served completion and the user's verdict on it.
-
-    ``completion_token_ids`` are the logged token ids (None: tokenise ``completion``).
-    """
-
-    trace_id: str
-    messages: list[dict[str, str]]
-    completion: str
-    completion_token_ids: tuple[int, ...] | None
-    reward: float
-    label: bool
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """``chosen`` ≻ ``rejected`` for the same prompt.
-
-    ``source`` is ``"feedback"`` (two rated completions of one prompt) or
-    ``"correction"`` (the user's correction over the served completion).
-    Token ids None: tokenise the text.
-    """
-
-    messages: list[dict[str, str]]
-    chosen: str
-    chosen_token_ids: tuple[int, ...] | None
-    rejected: str
-    rejected_token_ids: tuple[int, ...] | None
-    source: str
-
-
-@dataclass(frozen=True)
-class FeedbackData:
-    """What one split of a snapshot teaches the reward model."""
-
-    examples: tuple[LabelledExample, ...]
-    pairs: tuple[PreferencePair, ...]
-
-    @property
-    def positives(self) -> int:
-        return sum(e.label for e in self.examples)
-
-    @property
-    def negatives(self) -> int:
-        return len(self.examples) - self.positives
+#
+# A row whose ``reward`` (the scalar the buffer joined from ``hourglass.feedback``) is set gives one
+# LabelledExample with the binary label ``reward > 0`` (thumbs up). Two rows with the same prompt
+# messages and different labels give a PreferencePair (the up-voted completion is ``chosen``). A row
+# whose ``correction`` (the user's corrected answer; the snapshot's optional column) is a non-empty
+# string different from the completion gives a pair ``correction ≻ completion``. The round tokenises
+# the texts.
 
 
 def prompt_key(messages: Sequence[dict[str, str]]) -> str:
@@ -296,15 +261,10 @@ def prompt_key(messages: Sequence[dict[str, str]]) -> str:
     return json.dumps([dict(sorted(m.items())) for m in messages], ensure_ascii=False, separators=(",", ":"))
 
 
-def labelled_examples(table: pa.Table) -> list[LabelledExample]:
-    """Every row with a finite ``reward`` and a completion, in table order.
-
-    Raises:
-        DataError: a required column is missing, or a row's prompt/metadata is unreadable
-            (from :func:`trainer.data.prompts_from_table`).
-    """
+def labelled_examples(rows: Sequence[Prompt]) -> list[LabelledExample]:
+    """Every row with a finite logged reward and a logged completion, in row order."""
     out = []
-    for p in prompts_from_table(table):
+    for p in rows:
         reward = p.logged_reward
         if reward is None or p.logged_completion is None or not math.isfinite(float(reward)):
             continue
@@ -344,13 +304,11 @@ def feedback_pairs(examples: Sequence[LabelledExample]) -> list[PreferencePair]:
     return pairs
 
 
-def correction_pairs(table: pa.Table) -> list[PreferencePair]:
-    """``correction ≻ completion`` for every row with a correction (none when the column is absent)."""
-    if CORRECTION_COLUMN not in table.column_names:
-        return []
-    corrections = table.column(CORRECTION_COLUMN).to_pylist()
+def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
+    """``correction ≻ completion`` for every row with a correction (none when the snapshot has no such column)."""
     pairs = []
-    for p, correction in zip(prompts_from_table(table), corrections):
+    for p in rows:
+        correction = p.logged_correction
         if not isinstance(correction, str) or not correction.strip() or p.logged_completion is None:
             continue
         if correction.strip() == p.logged_completion.strip():
@@ -360,7 +318,54 @@ def correction_pairs(table: pa.Table) -> list[PreferencePair]:
     return pairs
 
 
-def feedback_data(table: pa.Table) -> FeedbackData:
+def feedback_data(rows: Sequence[Prompt]) -> FeedbackData:
     """Labelled examples and preference pairs (feedback pairs, then correction pairs) of one split."""
-    examples = labelled_examples(table)
-    return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(table)))
+    examples = labelled_examples(rows)
+    return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(rows)))
+
+
+# --- the data preparation step ------------------------------------------------------------------
+
+
+def prepare_round_data(train: pa.Table, heldout: pa.Table) -> RoundData:
+    """Read a round's train and held-out tables once: prompts, feedback, window, per-user metrics.
+
+    Raises:
+        DataError: a required column is missing, a row's prompt/metadata is unreadable, or the
+            held-out table is empty.
+    """
+    train_rows, heldout_rows = prompts_from_table(train), prompts_from_table(heldout)
+    if not heldout_rows:
+        raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
+    window_start, window_end = _window(train, heldout)
+    return RoundData(
+        train=tuple(train_rows),
+        heldout=tuple(heldout_rows),
+        train_feedback=feedback_data(train_rows),
+        heldout_feedback=feedback_data(heldout_rows),
+        window_start=window_start,
+        window_end=window_end,
+        metrics=user_metrics(train_rows, heldout_rows),
+    )
+
+
+def round_inputs(
+    train: pa.Table,
+    heldout: pa.Table,
+    champions: Mapping[str, Path | None] | None = None,
+    *,
+    reward_champion: Path | None = None,
+) -> RoundInputs:
+    """A round's inputs from its train and held-out tables (:func:`prepare_round_data`) and the champions
+    to beat (served model -> adapter folder; None or absent: the base)."""
+    return RoundInputs(prepare_round_data(train, heldout), dict(champions or {}), reward_champion)
+
+
+def _window(train: pa.Table, heldout: pa.Table) -> tuple[datetime, datetime]:
+    """Oldest and newest ``ts`` over both tables (now, when neither has a ``ts``)."""
+    chunks = [chunk for t in (train, heldout) if "ts" in t.column_names for chunk in t.column("ts").chunks]
+    stamps = pa.chunked_array(chunks, type=chunks[0].type) if chunks else None
+    if stamps is None or len(stamps) == 0:
+        now = datetime.now(timezone.utc)
+        return now, now
+    return pc.min(stamps).as_py(), pc.max(stamps).as_py()

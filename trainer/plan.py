@@ -8,7 +8,7 @@ its start point, and one cache of the prompts' token ids for the whole round.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +61,8 @@ class CandidatePlan:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """Every candidate's plan, in config order, and the round's prompt-token cache (the held-out
-    prompts' evaluation mix is ``rl.gate_reward``'s, built once by :func:`evaluate_and_gate`)."""
+    """Every candidate's plan, in config order, and the round's prompt-token cache (also used by the
+    round's evaluation)."""
 
     candidates: tuple[CandidatePlan, ...]
     tokens: PromptTokens
@@ -85,7 +85,7 @@ def plan_round(
     candidates: Sequence[CandidateConfig],
     rl: RLConfig,
     train_prompts: Sequence[Prompt],
-    champions: dict[str, Path | None],
+    champions: Mapping[str, Path | None],
     out_dir: Path,
 ) -> RoundPlan:
     """Each candidate's plan (see :class:`CandidatePlan`). A pool keeps the prompts that pass the
@@ -122,7 +122,7 @@ def _offline_rows(plan: CandidatePlan) -> CandidatePlan:
     return CandidatePlan(plan.config, plan.algorithm, plan.reward, rows, plan.start)
 
 
-def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out_dir: Path) -> Path | None:
+def start_dir(candidate: CandidateConfig, champions: Mapping[str, Path | None], out_dir: Path) -> Path | None:
     """Where a candidate starts (see the module docstring); None = fresh."""
     if candidate.start == "champion":
         champion = champions.get(candidate.served_model)

@@ -6,12 +6,14 @@ outside one). The metric key is the timer's name. Phases do not nest: a
 phase started inside another one is counted in the outer one only, so the
 phase totals never sum to more than the wall time of the ``collect`` block.
 
-Phase keys of a training round (seconds, summed over steps and candidates):
-``time/rollout_s``, ``time/reference_s`` (adapters-off forward passes of the
-update), ``time/forward_backward_s``, ``time/optimizer_s`` (clip + AdamW step,
-and in ``one_pass`` mode the weight and state copies to and from the adapter
-store), ``time/publish_s`` (adapter save + rollout engine load),
-``time/evaluate_s``; the round job adds ``time/register_s``.
+Phase keys of a training round (seconds, summed over steps and candidates), as the
+round's code names them (:mod:`trainer.round` and the step loop of :mod:`trainer.executors.local`):
+``time/setup_s`` (the components: executor, base, plan, adapter store, engine, reward model),
+``time/reward_model_s`` (training and measuring the round's reward model), ``time/rollout_s``,
+``time/reference_s`` (adapters-off forward passes of the update), ``time/forward_backward_s``,
+``time/optimizer_s`` (clip + AdamW step, and in ``one_pass`` mode the weight and state copies to
+and from the adapter store), ``time/publish_s`` (adapter save + rollout engine load),
+``time/evaluate_s``, ``time/save_s`` (the final adapters kept); the round job adds ``time/register_s``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 PHASES = (
+    "time/setup_s",
+    "time/reward_model_s",
     "time/rollout_s",
     "time/reference_s",
     "time/forward_backward_s",
     "time/optimizer_s",
     "time/publish_s",
     "time/evaluate_s",
+    "time/save_s",
 )
 
 _totals: ContextVar[dict[str, float] | None] = ContextVar("hourglass_phase_totals", default=None)

@@ -98,6 +98,7 @@ def pending_dir(cfg: HourglassConfig) -> Path:
 
 def _result_to_json(result: RoundResult, adapters_root: Path, promote: bool) -> dict:
     data = asdict(result)
+    del data["evaluations"]  # what the gate read; its decisions are kept, and registering needs no more
     data["window_start"] = result.window_start.isoformat()
     data["window_end"] = result.window_end.isoformat()
     for cand in data["candidates"]:

@@ -22,7 +22,9 @@ The round's reward model (when it trains one) is registered in the ``register``
 step too, as its own registered model (:mod:`pipeline.registry.reward_registry`).
 
 The work of each state is a method of :class:`~pipeline.rounds.steps.RoundSteps`;
-:class:`LiveSteps` does it for real (buffer, trainer, MLflow, vLLM), tests inject fakes.
+:class:`~pipeline.rounds.steps.LiveSteps` does it for real (buffer, trainer, MLflow, vLLM), tests
+inject fakes. The ``gate`` state is a pure function of the trainer's evaluations
+(:func:`trainer.evaluation.gate.gate_round`).
 """
 
 from __future__ import annotations
@@ -31,31 +33,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
 from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
 
-# LiveSteps looks these up in this module at call time, so a test may replace any of them here.
-from pipeline.rounds.steps import (  # noqa: F401  (parse_window, round_adapter_names: re-exported)
-    RoundSteps,
-    _buffer_trace_rows,
-    _challenge,
-    _describe,
-    _register_reward_model,
-    champion_adapters,
-    parse_window,
-    reward_champion_for,
-    round_adapter_names,
-    take_snapshot,
-    train_and_evaluate,
-    unload_round_adapters,
-)
-from trainer.types import PhaseBoundary, PhaseHook, RoundPhase, RoundResult
+from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
+from trainer.evaluation.gate import gate_round
+from trainer.types import PhaseBoundary, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +127,8 @@ class RoundRunner:
         ):  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
             self._step(record, RoundState.EVALUATE)
 
-        self._step(record, RoundState.GATE)
+        self._step(record, RoundState.GATE)  # the gate: a pure function of the evaluations, one decision per model
+        result = gate_round(result, self.cfg.rl)
         self._record_gate(record, result)
 
         self._step(record, RoundState.REGISTER)  # write-ahead: survives an MLflow outage or a crash from here on
@@ -288,8 +276,7 @@ class RoundRunner:
             raise RoundCancelled(f"cancelled during train (before {boundary.phase} step {boundary.step})")
 
     def _record_gate(self, record: RoundRecord, result: RoundResult) -> None:
-        """``gate``: the decisions per served model (made at the end of evaluation, in the gate
-        metric's unit) go into the record and the gauges."""
+        """``gate``: the decisions per served model (in the gate metric's unit) go into the record and the gauges."""
         record.metrics.update(result.metrics)
         record.decisions = {
             m: {
@@ -418,97 +405,3 @@ def _settle(cfg: HourglassConfig, store: RoundStore, record: RoundRecord, steps:
         f"resumed after a restart (process died during {died_in}); registered {record.versions}; {line}",
     )
     return True
-
-
-# --- the live steps -------------------------------------------------------------------
-
-
-class LiveSteps:
-    """The real work of each state: the reward buffer, the trainer, MLflow and vLLM.
-
-    ``base_fingerprint`` is needed to train (it checks what the champions were
-    trained on); recovery alone may leave it out.
-    """
-
-    def __init__(self, cfg: HourglassConfig, base_fingerprint: str | None = None) -> None:
-        self.cfg = cfg
-        self.base_fingerprint = base_fingerprint
-
-    def buffer_rows(self) -> int:
-        return _buffer_trace_rows(self.cfg)
-
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
-        return take_snapshot(self.cfg, window)
-
-    def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
-        if self.base_fingerprint is None:
-            raise PipelineError(
-                "a round needs the base model's fingerprint to train; construct LiveSteps with base_fingerprint"
-            )
-        served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
-        champions = champion_adapters(self.cfg, served, self.base_fingerprint)
-        reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
-        return train_and_evaluate(
-            self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion
-        )
-
-    def register(self, result: RoundResult) -> tuple[dict[str, str], dict[str, float]]:
-        from pipeline.registry import models as registry
-        from pipeline.registry import reward_registry
-
-        reward_registry.save_pending(
-            self.cfg, result
-        )  # write-ahead too: recover() registers it after a crash from here on
-        started = time.perf_counter()
-        # Without the canary, a round that gives up here still owes @champion its winner: retry_pending() promotes it later.
-        versions = registry.register_winners(self.cfg, result, promotion_owed=not self.cfg.serving.canary.enabled)
-        metrics = {"time/register_s": time.perf_counter() - started}
-        metrics.update(_register_reward_model(self.cfg, result))
-        return {v.model: v.version for v in versions}, metrics
-
-    def promote(self, record: RoundRecord) -> str:
-        from pipeline.registry import models as registry
-        from pipeline.registry import reward_registry
-
-        if any(
-            k.startswith("reward_model/") for k in record.metrics
-        ):  # the round trained one: carry out its recorded decision
-            reward_registry.promote_reward_model(self.cfg, record.round_id)
-        if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
-            return _challenge(self.cfg, record)
-        return _describe(registry.promote_winners(self.cfg, record.round_id, record.versions))
-
-    def registered_versions(self, record: RoundRecord) -> dict[str, str]:
-        from pipeline.registry import models as registry
-
-        finished = registry.register_pending(self.cfg, record.round_id)
-        if finished is not None:
-            return {v.model: v.version for v in finished}
-        client = registry.make_client(self.cfg)
-        versions = {}
-        for model in record.decisions or {}:
-            mv = registry.find_round_version(client, model, record.round_id)
-            if mv is not None:
-                versions[model] = str(mv.version)
-        return versions
-
-    def retry_pending_rewards(self) -> None:
-        from pipeline.registry import client as registry_client
-        from pipeline.registry import reward_registry
-
-        try:
-            reward_registry.retry_pending_rewards(self.cfg)
-        except registry_client.RegistryError as err:
-            log.warning("pending reward models not retried yet: %s", err)
-
-    def retry_pending(self) -> None:
-        from pipeline.registry import client as registry_client
-        from pipeline.registry import models as registry
-
-        try:
-            registry.retry_pending(self.cfg)
-        except registry_client.RegistryError as err:
-            log.warning("pending registrations not retried yet: %s", err)
-
-    def unload(self, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
-        return unload_round_adapters(self.cfg, round_id, candidates)

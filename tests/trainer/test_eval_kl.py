@@ -13,7 +13,7 @@ from trainer.adapters.registry import make_store
 from trainer.model.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import RolloutError
-from trainer.evaluation.evaluate import greedy_answers, kl_to_base, reference_logprobs
+from trainer.evaluation.measure import greedy_answers, kl_to_base, reference_logprobs
 from trainer.algorithms.losses import kl_k3
 from trainer.rollout.hf import HFEngine
 from trainer.rollout.vllm import VLLMEngine

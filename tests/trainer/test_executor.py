@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from trainer.config import CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.round import make_executor
+from trainer.executors.registry import make_executor
 from trainer.executors.exchange import Exchange
 from trainer.executors.local import LocalExecutor
 from trainer.executors.executor import assign, estimate_cost
-from trainer.executors.ray_executor import actor_count
+from trainer.executors.ray_pool import actor_count
 
 
 def _cand(name: str, algorithm: str = "grpo") -> CandidateConfig:

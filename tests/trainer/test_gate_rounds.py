@@ -9,11 +9,14 @@ import pytest
 
 from trainer import rewards
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.evaluation.evaluate import paired_bootstrap_lower_bound
+from trainer.evaluation.stats import paired_bootstrap_lower_bound
 from trainer.round import run_round
 from trainer.types import Prompt
 from trainer.tasks import reasoning_gym_prompts
 from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
@@ -48,8 +51,20 @@ def test_an_inverted_reward_candidate_is_never_promoted(
         bootstrap_samples=200,
         seed=0,
     )
-    result = run_round(
-        ModelConfig(name=str(peaked_model)), [normal, inverted], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(peaked_model)),
+                (
+                    normal,
+                    inverted,
+                ),
+                rl,
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     decision = result.decisions["hourglass"]
@@ -111,8 +126,20 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
         gate_metric="feedback",
         bootstrap_samples=200,
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto, inverse], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                (
+                    kto,
+                    inverse,
+                ),
+                rl,
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     by_name = {c.name: c for c in result.candidates}
@@ -129,8 +156,13 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
 
     # next round: the promoted adapter is the champion, measured against the base by the same yardstick
     champion = {"hourglass": by_name["kto"].adapter_dir}
-    again = run_round(
-        ModelConfig(name=str(tiny_model)), [inverse], rl, train, heldout, champion, tmp_path / "r2", progress=False
+    again = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (inverse,), rl),
+            round_inputs(train, heldout, champion),
+            tmp_path / "r2",
+        ),
+        rl,
     )
     decision = again.decisions["hourglass"]
     assert decision.champion_reward_mean == 1.0 and decision.winner is None
@@ -153,8 +185,11 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
         eval_prompts=4,
         gate_metric="feedback",
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), rl), round_inputs(train, heldout), tmp_path / "r1"
+        ),
+        rl,
     )
     decision = result.decisions["hourglass"]
     assert decision.winner is None
@@ -165,8 +200,13 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     )  # undefined: left out
 
     verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), verifiable),
+            round_inputs(train, heldout),
+            tmp_path / "r2",
+        ),
+        verifiable,
     )
     assert "carries the metadata ['reference_answer'] of rl.gate_reward" in result.decisions["hourglass"].reason
 
@@ -197,7 +237,10 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
 ) -> None:
     from trainer.adapters.registry import make_store
     from trainer.model.base import load_base
-    from trainer.round import evaluate_and_gate, publish
+    from trainer.evaluation.evaluate import Contestants, evaluate
+    from trainer.evaluation.gate import gate
+    from trainer.executors.local import publish
+    from trainer.reward_model.phase import RewardPhase
     from trainer.rollout.hf import HFEngine
 
     rl = RLConfig(
@@ -218,8 +261,12 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
     store.create("a", cand)
     versions = {"a": publish(engine, store, "a", 0, tmp_path, None)[0]}
 
-    def run(**kw):
-        return evaluate_and_gate(base, store, engine, [cand], versions, heldout, {}, rl, "r1", **kw)
+    def run(reward_model=None, reward_report=None):
+        reward = RewardPhase(model=reward_model, report=reward_report)
+        evaluation = evaluate(
+            base, store, engine, Contestants([cand], versions, {}), heldout, rl, round_id="r1", reward=reward
+        )
+        return evaluation.results, {m: gate(e, rl) for m, e in evaluation.tenants.items()}, evaluation.metrics
 
     results, decisions, metrics = run()
     assert decisions["hourglass"].winner is None and "has no reward model" in decisions["hourglass"].reason
@@ -273,16 +320,15 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
         eval_prompts=4,
         gate_metric="reward_model",
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)),
-        [kto],
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)), (kto,), rl, RewardModelConfig(steps=2, batch_size=8, start="fresh")
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
         rl,
-        train,
-        heldout,
-        {},
-        tmp_path / "r1",
-        progress=False,
-        reward_cfg=RewardModelConfig(steps=2, batch_size=8, start="fresh"),
     )
     assert result.reward_model is not None and result.reward_model.report.auc_lower_bound <= 0.5
     decision = result.decisions["hourglass"]
@@ -293,7 +339,7 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
 def test_evaluation_forward_passes_in_chunks_give_the_same_values(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer.evaluation import evaluate
+    from trainer.evaluation import measure as evaluate
     from trainer.model.base import load_base
     from trainer.types import Sample
 

@@ -16,6 +16,9 @@ from trainer.round import run_round
 from trainer.types import Prompt
 from trainer.tasks import reasoning_gym_prompts
 from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
@@ -43,8 +46,13 @@ def test_grpo_raises_reward_on_a_toy_task(peaked_model: Path, tmp_path: Path, mo
         max_kl=100.0,
         seed=0,
     )
-    result = run_round(
-        ModelConfig(name=str(peaked_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(peaked_model)), (candidate,), rl),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     curve = [m["train/reward_mean"] for m in result.candidates[0].step_metrics]
@@ -106,8 +114,13 @@ def test_offline_is_learns_from_logged_rewards(tiny_model: Path, tmp_path: Path)
         eval_prompts=2,
         max_kl=100.0,
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (candidate,), rl),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
     assert all(m["train/behaviour_from_reference"] == 1.0 for m in result.candidates[0].step_metrics)
 

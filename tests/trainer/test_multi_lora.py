@@ -26,6 +26,8 @@ from trainer.multi_lora.one_pass import update_step_one_pass
 from trainer.algorithms.update import ALGORITHMS, Batch, LossInputs, update_step
 
 from .adamw_tolerance import assert_adamw_weights_close
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
 
 GRAD_TOL = 1e-5  # relative to the gradient's largest entry
 
@@ -409,14 +411,9 @@ def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
         adapters_per_pass=2,
     )
     result = run_round(
-        ModelConfig(name=str(tiny_model), dtype="float32"),
-        cands,
-        rl,
-        train,
-        heldout,
-        {},
+        RoundSpec(ModelConfig(name=str(tiny_model), dtype="float32"), tuple(cands), rl),
+        round_inputs(train, heldout),
         tmp_path / "r1",
-        progress=False,
     )
     assert [c.name for c in result.candidates] == ["a", "b", "c"]
     for c in result.candidates:

@@ -16,12 +16,16 @@ from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, Rewa
 from trainer.errors import PlacementTimeoutError
 from trainer.executors.executor import TrainJob
 from trainer.executors import ray_pool
-from trainer.executors.ray_executor import release_kept_actors
-from trainer.round import make_executor, run_round
+from trainer.executors.ray_pool import release_kept_actors
+from trainer.executors.registry import make_executor
+from trainer.round import run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
 from trainer.types import Prompt
 from trainer.tasks import reasoning_gym_prompts
 from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 pytestmark = pytest.mark.integration
 
@@ -55,22 +59,26 @@ def test_four_candidates_over_two_actors_match_the_local_executor(
     torch.set_num_threads(1)  # as each actor (rl.ray_actor_cpus = 1): CPU sampling draws depend on the thread count
     try:
         started = time.perf_counter()
-        local = run_round(
-            model, cands, rl, train, heldout, {}, tmp_path / "local" / "r1", progress=False, round_id="r1"
+        local = gate_round(
+            run_round(
+                RoundSpec(model, tuple(cands), rl),
+                round_inputs(train, heldout),
+                tmp_path / "local" / "r1",
+                round_id="r1",
+            ),
+            rl,
         )
         local_s = time.perf_counter() - started
     finally:
         torch.set_num_threads(threads)
-    on_ray = run_round(
-        model,
-        cands,
+    on_ray = gate_round(
+        run_round(
+            RoundSpec(model, tuple(cands), rl.model_copy(update={"executor": "ray", "ray_actors": 2})),
+            round_inputs(train, heldout),
+            tmp_path / "ray" / "r1",
+            round_id="r1",
+        ),
         rl.model_copy(update={"executor": "ray", "ray_actors": 2}),
-        train,
-        heldout,
-        {},
-        tmp_path / "ray" / "r1",
-        progress=False,
-        round_id="r1",
     )
 
     assert local.decisions["hourglass"].winner is not None, local.decisions[
@@ -140,12 +148,12 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     actors, [group] = left
     assert actors == ["TrainerActor"] and group.startswith("hourglass-warm-")
     ray.get(ray_pool._KEPT["pool"].ready, timeout=300)  # started: base loaded
-    first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
+    first = run_round(RoundSpec(model, tuple(cands), rl), round_inputs(train, heldout), tmp_path / "r1", round_id="r1")
     assert first.metrics["executor/actors_reused"] == 0.0  # it never trained before, but it had started:
     assert first.metrics["executor/start_wait_s"] < 1.0 and first.metrics["executor/placement_wait_s"] < 1.0
     assert leftovers() == (["TrainerActor"], [group])  # the same actor, kept for the next round
     assert ray_pool.warm(rl, model, len(cands)) and leftovers() == (["TrainerActor"], [group])  # it fits: kept
-    second = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, round_id="r2")
+    second = run_round(RoundSpec(model, tuple(cands), rl), round_inputs(train, heldout), tmp_path / "r2", round_id="r2")
     assert second.metrics["executor/actors_reused"] == 1.0 and second.metrics["executor/placement_wait_s"] == 0.0
     assert [c.name for c in second.candidates] == ["a", "b"]
     release_kept_actors()
@@ -198,17 +206,16 @@ def test_a_reward_model_candidate_on_ray_scores_with_the_rounds_reward_model_lik
     torch.set_num_threads(1)  # the driver trains the reward model, with the actors' thread count: the same scores
     try:
         results = {
-            executor: run_round(
-                model,
-                cands,
-                rl.model_copy(update={"executor": executor, "ray_actors": 2}),
-                train,
-                heldout,
-                {},
-                tmp_path / executor / "r1",
-                progress=False,
-                round_id="r1",
-                reward_cfg=reward_cfg,
+            executor: gate_round(
+                run_round(
+                    RoundSpec(
+                        model, tuple(cands), rl.model_copy(update={"executor": executor, "ray_actors": 2}), reward_cfg
+                    ),
+                    round_inputs(train, heldout),
+                    tmp_path / executor / "r1",
+                    round_id="r1",
+                ),
+                rl,
             )
             for executor in ("local", "ray")
         }

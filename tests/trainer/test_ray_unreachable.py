@@ -16,7 +16,7 @@ from pipeline.stack import free_port
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import ExecutorUnavailableError
 from trainer.executors.executor import TrainJob
-from trainer.round import make_executor
+from trainer.executors.registry import make_executor
 
 
 def _job(tmp_path: Path, address: str) -> TrainJob:

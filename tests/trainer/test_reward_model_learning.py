@@ -12,13 +12,15 @@ import torch
 from trainer.adapters.registry import make_store
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
-from trainer.evaluation.evaluate import greedy_answers
+from trainer.evaluation.measure import greedy_answers
 from trainer.reward_model.model import create_reward_model
 from trainer.rollout.engine import BASE_VERSION
 from trainer.rollout.hf import HFEngine
 from trainer.round import run_round
 from trainer.types import Prompt
 from trainer.data import prompts_from_table, snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
 
 
 def _feedback_rows(n: int) -> list[Prompt]:
@@ -63,15 +65,9 @@ def test_grpo_on_the_reward_model_raises_its_score(peaked_model: Path, tmp_path:
         seed=0,
     )
     result = run_round(
-        ModelConfig(name=str(peaked_model)),
-        [candidate],
-        rl,
-        train,
-        heldout,
-        {},
+        RoundSpec(ModelConfig(name=str(peaked_model)), (candidate,), rl, reward_cfg),
+        round_inputs(train, heldout),
         tmp_path / "r1",
-        progress=False,
-        reward_cfg=reward_cfg,
     )
 
     rm = result.reward_model

@@ -1,15 +1,15 @@
 """Where a round's candidates train: the seam between the round and its workers.
 
-:func:`trainer.round.run_round` hands the training phase to an executor
-(``rl.executor``, :func:`trainer.round.make_executor`) and evaluates and gates the result itself, on its own
+:class:`trainer.round.RoundRecipe` hands its training phase to an executor (``rl.executor``,
+:func:`trainer.executors.registry.make_executor`) and evaluates every candidate itself, on its own
 resident base, with every candidate together:
 
-- :class:`LocalExecutor` trains every candidate in this process on the round's
-  resident base (step-major, one shared rollout call per step);
-- :class:`trainer.executors.ray_executor.RayExecutor` splits the candidates over trainer
-  actors on a Ray cluster; each actor runs :class:`LocalExecutor` on its share
-  with its own resident base and adapter store, and the trained adapters come
-  back through a ``pyarrow.fs`` URI (:class:`Exchange`).
+- :class:`trainer.executors.local.LocalExecutor` trains every candidate in this process on the
+  round's resident base (the step loop: step-major, one shared rollout call per step);
+- :class:`trainer.executors.ray_executor.RayExecutor` splits the candidates over trainer actors on a
+  Ray cluster; each actor runs :class:`~trainer.executors.local.LocalExecutor` on its share with its
+  own resident base and adapter store, and the trained adapters come back through a ``pyarrow.fs``
+  URI (:class:`trainer.executors.exchange.Exchange`).
 
 Cost rule (:func:`estimate_cost`, :func:`assign`): a candidate's cost is the
 tokens it pushes through the base per round, ``steps_per_round ×
@@ -21,29 +21,23 @@ costliest candidate to the least-loaded actor, ties by name and actor index).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-
 from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.types import Prompt
-from trainer.types import PhaseBoundary
+from trainer.types import PhaseHook, Prompt
 
 if TYPE_CHECKING:
+    from trainer.adapters.store import AdapterStore
+    from trainer.model.base import ResidentBase
     from trainer.plan import RoundPlan
+    from trainer.reward_model.model import RewardModel
+    from trainer.rollout.engine import RolloutEngine
 
-__all__ = [
-    "Executor",
-    "Routines",
-    "TrainJob",
-    "TrainOutcome",
-    "assign",
-    "estimate_cost",
-    "replica_requests",
-]
+__all__ = ["Executor", "TrainJob", "TrainOutcome", "assign", "estimate_cost", "replica_requests"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +46,12 @@ class TrainJob:
 
     ``starts``: candidate name -> the folder its adapter starts from (None:
     fresh), resolved by the round (champion, ``last``, or nothing).
-    ``checkpoint``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)`` before every
-    step; may raise to cancel. ``reward_model``: the round's reward model (a
-    :class:`trainer.reward_model.model.RewardModel` live in the driver's store) and ``reward_cfg``
-    its ``[reward_model]`` settings (the Ray executor ships the model to the actors that need
-    it and rebuilds it there with them). ``plan``: the round's :class:`trainer.plan.RoundPlan`
-    when the caller has one (the driver); None on an actor, which plans its share itself.
+    ``on_phase``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)`` before every
+    step; may raise to cancel. ``reward_model``: the round's reward model (live in the
+    driver's store) and ``reward_cfg`` its ``[reward_model]`` settings (the Ray executor ships
+    the model to the actors that need it and rebuilds it there with them). ``plan``: the round's
+    :class:`trainer.plan.RoundPlan` when the caller has one (the driver); None on an actor, which
+    plans its share itself.
     """
 
     model_cfg: ModelConfig
@@ -68,8 +62,8 @@ class TrainJob:
     out_dir: Path
     round_id: str
     progress: bool = False
-    checkpoint: Callable[[PhaseBoundary], None] | None = None
-    reward_model: object | None = None
+    on_phase: PhaseHook | None = None
+    reward_model: RewardModel | None = None
     plan: RoundPlan | None = None
     reward_cfg: RewardModelConfig | None = None
 
@@ -89,33 +83,24 @@ class TrainOutcome:
 class Executor(Protocol):
     """Trains a round's candidates; afterwards each is live in ``store`` and ``engine`` under ``versions[name]``.
 
-    The round calls :meth:`prepare` first thing (before its base load, plan and reward model: an executor
-    may start its workers then, to overlap their start-up), :meth:`train` once, and :meth:`close` at its end,
-    whatever happened."""
+    Between rounds, the always-on service calls :meth:`warm` (after its start and after every round) and
+    :meth:`release` at its shutdown. A round calls :meth:`prepare` first thing (before its base load,
+    plan and reward model: an executor may start its workers then, to overlap their start-up),
+    :meth:`train` once, and :meth:`close` at its end, whatever happened."""
 
-    def prepare(
-        self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], rl: RLConfig, round_id: str
-    ) -> None: ...
+    def warm(self, model_cfg: ModelConfig, candidates: int) -> bool:
+        """Start the workers of a round with ``candidates`` candidates ahead of it; True when some were."""
+        ...
 
-    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome: ...
+    def release(self) -> None:
+        """Give back the workers kept between rounds."""
+        ...
+
+    def prepare(self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], round_id: str) -> None: ...
+
+    def train(self, job: TrainJob, base: ResidentBase, store: AdapterStore, engine: RolloutEngine) -> TrainOutcome: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Routines:
-    """The round's own training functions (from :mod:`trainer.round`), handed to the executors
-    so that this module and the actors never import the round (no import cycle), and so that every
-    executor runs exactly the local code. They pickle by reference (module and name).
-
-    ``train_candidates(base, store, engine, plan, rl, out_dir, progress, checkpoint, reward_model=)``
-    -> ``(Trained, rollout metrics)``; ``make_engine(rl, base, store, order)`` (``order``: the
-    round's candidate names, the vLLM fleet's placement order); ``unload_leftovers(engine, names)``.
-    """
-
-    train_candidates: Callable
-    make_engine: Callable
-    unload_leftovers: Callable
 
 
 def replica_requests(engine: object) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from trainer.config import ModelConfig, RewardModelConfig
 from trainer.executors.exchange import Exchange, local_scratch
 from trainer.executors.local import LocalExecutor
-from trainer.executors.executor import Routines, TrainJob
+from trainer.executors.executor import TrainJob
 
 __all__ = ["TrainerActor"]
 
@@ -50,7 +50,6 @@ class TrainerActor:
 
     def train(
         self,
-        routines: Routines,
         job: TrainJob,
         prompts: tuple,
         uri: str,
@@ -68,6 +67,8 @@ class TrainerActor:
         relative to the exchange root."""
         from trainer.adapters.registry import make_store
         from trainer.reward_model.model import create_reward_model
+        from trainer.rollout.engine import unload_versions
+        from trainer.rollout.registry import make_engine
 
         started = time.perf_counter()
         self.phase = "start"
@@ -75,7 +76,7 @@ class TrainerActor:
         scratch = local_scratch(f"hourglass-{job.round_id}-actor{index}-")
         rl = job.rl
         store = make_store(rl.adapter_store, self.base, rl.seed)
-        engine = routines.make_engine(rl, self.base, store, order)
+        engine = make_engine(rl, self.base, store, order)
         names = {c.name for c in job.candidates}
         try:
             reward_model = None
@@ -90,16 +91,16 @@ class TrainerActor:
                 train_prompts=prompts,
                 starts=starts,
                 out_dir=scratch / "out",
-                checkpoint=self._mark,
+                on_phase=self._mark,
                 reward_model=reward_model,
             )
-            outcome = LocalExecutor(routines).train(local_job, self.base, store, engine)
+            outcome = LocalExecutor().train(local_job, self.base, store, engine)
             for c in job.candidates:
                 exchange.put_dir(store.save(c.name, scratch / "final" / c.name), "adapters", c.name)
             for version in outcome.versions.values():
                 engine.unload(version)
         finally:
-            routines.unload_leftovers(engine, names)
+            unload_versions(engine, names)
             for name in list(store.names()):
                 store.delete(name)
             store.close()

@@ -51,12 +51,15 @@ from dataclasses import replace
 from typing import Any
 
 from trainer.executors import ray_pool
-from trainer.config import CandidateConfig, ModelConfig, uses_reward_model
+from trainer.adapters.store import AdapterStore
+from trainer.config import CandidateConfig, ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, ExecutorError, TrainerError
 from trainer.executors.exchange import Exchange, local_scratch
-from trainer.executors.executor import Routines, TrainJob, TrainOutcome, assign
+from trainer.executors.executor import TrainJob, TrainOutcome, assign
 from trainer.executors.ray_actor import TrainerActor
 from trainer.executors.ray_pool import actor_count, connect, release_kept_actors
+from trainer.model.base import ResidentBase
+from trainer.rollout.engine import RolloutEngine
 from trainer.types import PhaseBoundary, RoundPhase
 
 log = logging.getLogger(__name__)
@@ -67,26 +70,44 @@ POLL_S = ray_pool.POLL_S  # how often the driver checks actors, progress and a c
 
 
 class RayExecutor:
-    """Trains a round's candidates on trainer actors of a Ray cluster (see the module docstring);
-    ``routines``: the round's training functions, run by each actor through :class:`LocalExecutor`.
+    """Trains a round's candidates on trainer actors of a Ray cluster (see the module docstring); each
+    actor runs :class:`~trainer.executors.local.LocalExecutor` on its share.
 
-    One instance serves one round: :meth:`prepare` (optional, early), :meth:`train`, :meth:`close`.
+    One instance serves one round: :meth:`prepare` (optional, early), :meth:`train`, :meth:`close`;
+    between rounds, :meth:`warm` and :meth:`release` manage the actors kept for the next one.
     """
 
-    def __init__(self, routines: Routines) -> None:
-        self.routines = routines
+    def __init__(self, rl: RLConfig) -> None:
+        self.rl = rl
         self._pool: ray_pool.Pool | None = None
         self._size = 0
         self._metrics: dict[str, float] = {}
         self._keep = False
 
-    def prepare(self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], rl: Any, round_id: str) -> None:
+    def warm(self, model_cfg: ModelConfig, candidates: int) -> bool:
+        """With ``rl.ray_keep_actors``: start (place and load) the trainer actors of a round with ``candidates``
+        candidates now and keep them for it; returns at once after connecting. False when actors are not
+        kept, or a round holds them (nothing done).
+
+        Raises:
+            ExecutorUnavailableError: the cluster does not answer.
+        """
+        if not self.rl.ray_keep_actors:
+            return False
+        return ray_pool.warm(self.rl, model_cfg, candidates)
+
+    def release(self) -> None:
+        """Kill the trainer actors kept between rounds and free their placement group."""
+        ray_pool.release_kept_actors()
+
+    def prepare(self, model_cfg: ModelConfig, candidates: Sequence[CandidateConfig], round_id: str) -> None:
         """Start the round's trainer actors now (placement requested, bases loading) so that their start-up
         overlaps the driver's own work before training; :meth:`train` waits for them.
 
         Raises:
             ExecutorUnavailableError: the cluster does not answer (the round fails at its start).
         """
+        rl = self.rl
         if self._pool is None:
             self._keep = bool(rl.ray_keep_actors)
             self._pool, self._size, self._metrics = ray_pool.acquire(
@@ -100,7 +121,7 @@ class RayExecutor:
             pool, self._pool = self._pool, None
             ray_pool.release(pool, keep=self._keep)
 
-    def train(self, job: TrainJob, base: object, store: object, engine: object) -> TrainOutcome:
+    def train(self, job: TrainJob, base: ResidentBase, store: AdapterStore, engine: RolloutEngine) -> TrainOutcome:
         """Raises:
         ExecutorUnavailableError: the cluster does not answer.
         PlacementTimeoutError: the actors could not all be placed in time.
@@ -114,7 +135,7 @@ class RayExecutor:
         scored = [c.name for c in job.candidates if uses_reward_model(c)]
         if scored and (job.reward_model is None or job.reward_cfg is None):
             raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
-        self.prepare(job.model_cfg, job.candidates, rl, job.round_id)
+        self.prepare(job.model_cfg, job.candidates, job.round_id)
         pool, metrics = self._pool, dict(self._metrics)
         assert pool is not None
         shares = [s for s in assign(job.candidates, rl, self._size) if s]
@@ -133,10 +154,8 @@ class RayExecutor:
                 return f"trainer actor {i} (candidates {[c.name for c in shares[i]] if i < len(shares) else []})"
 
             metrics["executor/actors_reused"] = float(pool.rounds > 0)
-            metrics["executor/placement_wait_s"] = ray_pool.wait_placed(
-                pool, rl, f"round {job.round_id}", job.checkpoint
-            )
-            metrics["executor/start_wait_s"] = ray_pool.wait_started(pool, len(shares), who, job.checkpoint)
+            metrics["executor/placement_wait_s"] = ray_pool.wait_placed(pool, rl, f"round {job.round_id}", job.on_phase)
+            metrics["executor/start_wait_s"] = ray_pool.wait_started(pool, len(shares), who, job.on_phase)
             started = time.perf_counter()
             prompts = ray.put(job.train_prompts)
             order = [c.name for c in job.candidates]
@@ -147,7 +166,7 @@ class RayExecutor:
                     candidates=tuple(share),
                     train_prompts=(),
                     starts={},
-                    checkpoint=None,
+                    on_phase=None,
                     reward_model=None,
                     progress=False,
                     plan=None,
@@ -155,7 +174,6 @@ class RayExecutor:
                 needs_rm = any(uses_reward_model(c) for c in share)
                 refs[
                     pool.actors[i].train.remote(
-                        self.routines,
                         sub,
                         prompts,
                         exchange.uri,
@@ -181,14 +199,15 @@ def _ship_reward_model(job: TrainJob, exchange: Exchange) -> None:
     """The round's reward model (adapter folder + ``reward_head.safetensors``) to ``reward_model/`` of the exchange."""
     scratch = local_scratch(f"hourglass-{job.round_id}-reward-")
     try:
-        folder = job.reward_model.save(scratch / "reward_model")  # type: ignore[attr-defined]
+        assert job.reward_model is not None
+        folder = job.reward_model.save(scratch / "reward_model")
         exchange.put_dir(folder, "reward_model")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _await(job: TrainJob, actors: list, who: Any, refs: dict) -> dict[int, str]:
-    """Results of every actor; a cancel (``job.checkpoint``) is checked every :data:`POLL_S`.
+    """Results of every actor; a cancel (``job.on_phase``) is checked every :data:`POLL_S`.
 
     Raises ExecutorError on an actor's death, or re-raises a TrainerError it raised."""
     import ray
@@ -214,13 +233,13 @@ def _await(job: TrainJob, actors: list, who: Any, refs: dict) -> dict[int, str]:
                     f"{who(i)} was lost mid-round: {type(err).__name__}: {ray_pool._first_line(err)}; the round keeps "
                     "nothing it trained"
                 ) from err
-        if pending and job.checkpoint is not None:
+        if pending and job.on_phase is not None:
             try:
                 phases = ray.get([actors[i].progress.remote() for i in pending.values()], timeout=POLL_S)
                 step = min([int(p.split(":")[1]) for p in phases if p.startswith("train:")], default=step)
             except (RayError, GetTimeoutError):
                 pass  # still starting, or dead (its train() reference says so)
-            job.checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=step))  # a cancel takes effect here
+            job.on_phase(PhaseBoundary(RoundPhase.TRAIN, step=step))  # a cancel takes effect here
     return paths
 
 
@@ -229,8 +248,8 @@ def _collect(
     exchange: Exchange,
     paths: dict[int, str],
     shares: list,
-    store: object,
-    engine: object,
+    store: AdapterStore,
+    engine: RolloutEngine,
     metrics: dict[str, float],
     wall: float,
 ) -> TrainOutcome:
@@ -259,7 +278,7 @@ def _collect(
             folder = exchange.get_dir(
                 job.out_dir / c.name / "versions" / versions[c.name].rsplit("-", 1)[1], "adapters", c.name
             )
-            store.create(c.name, c, folder)  # type: ignore[attr-defined]
-            engine.load(c.name, versions[c.name], folder)  # type: ignore[attr-defined]
+            store.create(c.name, c, folder)
+            engine.load(c.name, versions[c.name], folder)
     metrics |= {"executor/actors": float(len(shares)), "executor/train_wall_s": wall}
     return TrainOutcome(history, versions, rollout, metrics)

@@ -257,9 +257,9 @@ def release_kept_actors() -> None:
         pool.close()
 
 
-def wait_placed(pool: Pool, rl: RLConfig, what: str, checkpoint: Callable[[PhaseBoundary], None] | None) -> float:
+def wait_placed(pool: Pool, rl: RLConfig, what: str, on_phase: Callable[[PhaseBoundary], None] | None) -> float:
     """Wait until the pool's placement group is placed (at most ``rl.ray_placement_timeout_s`` from now);
-    returns the seconds waited. ``checkpoint`` is called every few seconds (a cancel takes effect).
+    returns the seconds waited. ``on_phase`` is called every few seconds (a cancel takes effect).
 
     Raises:
         PlacementTimeoutError: not placed in time (the cluster's free and total resources in the message).
@@ -292,11 +292,11 @@ def wait_placed(pool: Pool, rl: RLConfig, what: str, checkpoint: Callable[[Phase
             free,
             remaining,
         )
-        if checkpoint is not None:
-            checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=0))  # a cancel takes effect while waiting
+        if on_phase is not None:
+            on_phase(PhaseBoundary(RoundPhase.TRAIN, step=0))  # a cancel takes effect while waiting
 
 
-def wait_started(pool: Pool, count: int, who: Callable[[int], str], checkpoint: Callable | None) -> float:
+def wait_started(pool: Pool, count: int, who: Callable[[int], str], on_phase: Callable | None) -> float:
     """Wait until the first ``count`` actors have started (base loaded); returns the seconds waited.
 
     Raises:
@@ -317,8 +317,8 @@ def wait_started(pool: Pool, count: int, who: Callable[[int], str], checkpoint: 
                 ray.get(ref)
             except RayError as err:
                 raise ExecutorError(f"{who(i)} could not start: {_first_line(err)}") from err
-        if pending and checkpoint is not None:
-            checkpoint(PhaseBoundary(RoundPhase.TRAIN, step=0))
+        if pending and on_phase is not None:
+            on_phase(PhaseBoundary(RoundPhase.TRAIN, step=0))
     pool.started = count >= pool.size
     return time.perf_counter() - started
 

@@ -255,13 +255,13 @@ def train_reward_model(
     cfg: RewardModelConfig,
     max_grad_norm: float = 1.0,
     seed: int = 0,
-    checkpoint: PhaseHook | None = None,
+    on_phase: PhaseHook | None = None,
 ) -> list[dict[str, float]]:
     """``cfg.steps`` AdamW steps of adapter + head on :func:`reward_loss`.
 
     Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
     ``cfg.batch_size`` pairs (without replacement within an epoch, seeded), and
-    scores them all in one forward pass. ``checkpoint`` is called with
+    scores them all in one forward pass. ``on_phase`` is called with
     ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)`` before every step (it may raise to stop the round).
 
     Returns one metrics dict per step: ``reward_model/loss``, ``/bce``, ``/bt``,
@@ -280,8 +280,8 @@ def train_reward_model(
 
     history = []
     for step in range(cfg.steps):
-        if checkpoint is not None:
-            checkpoint(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
+        if on_phase is not None:
+            on_phase(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
         started = time.perf_counter()
         optimizer = model.store.activate(model.name)
         model.base.model.train()

@@ -1,17 +1,18 @@
-"""The reward model's part of a round (called by :func:`trainer.round.run_round`).
+"""The reward model's part of a round (called by :class:`trainer.round.RoundRecipe`).
 
 1. :func:`reward_data`: before any model work, whether this round trains a
    reward model and the feedback of its train / held-out splits.
-2. :func:`train_phase`: the reward adapter is created in the round's adapter
+2. :func:`create` (the round's setup): the reward adapter is created in the round's adapter
    store (from the previous round's reward model under
    ``out_dir.parent / "last" / <name>``, else the reward champion, else fresh,
-   per ``[reward_model] start``), trained on the train split only, then it
-   and the current reward champion (when its folder is given) are evaluated
-   on the held-out split.
-3. :func:`score_rollouts`: every step, the fresh rollouts of the candidates
+   per ``[reward_model] start``).
+3. :func:`train_phase` (the first phase of the round's training): it is trained on the train split
+   only, then it and the current reward champion (when its folder is given) are evaluated on the
+   held-out split.
+4. :func:`score_rollouts`: every step, the fresh rollouts of the candidates
    whose reward uses ``reward_model`` are scored in one batched pass; the
    scores reach the reward mix as ``metadata["reward_model_score"]``.
-4. :func:`finish`: the adapter and its head are saved and kept as ``last``.
+5. :func:`finish`: the adapter and its head are saved and kept as ``last``.
 
 One reward model per round, from all rows of the split (every served model's
 traffic): the users' verdict is what it learns, whichever adapter answered.
@@ -26,14 +27,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
+from trainer.adapters.store import AdapterStore
 from trainer.model.base import ResidentBase
 from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
-from trainer.data import FeedbackData, feedback_data
 from trainer.reward_model.model import (
     RewardModel,
     create_reward_model,
@@ -42,10 +40,7 @@ from trainer.reward_model.model import (
     train_reward_model,
 )
 from trainer.rewards import REWARD_MODEL_SCORE
-from trainer.types import PhaseHook, RewardModelReport, RewardModelResult
-
-if TYPE_CHECKING:
-    from trainer.adapters.store import AdapterStore
+from trainer.types import FeedbackData, PhaseHook, RewardModelReport, RewardModelResult, RoundData, Sample
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +79,11 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
         problems.append(f"a candidate is named {cfg.name!r} like the reward model; rename one ([reward_model] name)")
     if problems:
         raise TrainerConfigError("; ".join(problems))
-    return cfg.wanted(list(candidates), getattr(rl, "gate_metric", None))
+    return cfg.wanted(list(candidates), rl.gate_metric)
 
 
 def reward_data(
-    train: pa.Table, heldout: pa.Table, candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig
+    data: RoundData, candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig
 ) -> tuple[FeedbackData, FeedbackData] | None:
     """The train / held-out feedback when this round trains a reward model, else None.
 
@@ -101,9 +96,9 @@ def reward_data(
     """
     if not check_config(candidates, cfg, rl):
         return None
-    train_fb = feedback_data(train)
+    train_fb = data.train_feedback
     if len(train_fb.examples) >= cfg.min_examples and train_fb.positives and train_fb.negatives:
-        return train_fb, feedback_data(heldout)
+        return train_fb, data.heldout_feedback
     why = (
         f"the training split has {len(train_fb.examples)} rows with feedback ({train_fb.positives} up, {train_fb.negatives} down); "
         f"the reward model needs at least [reward_model] min_examples = {cfg.min_examples} with both labels"
@@ -128,17 +123,22 @@ def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> P
     return champion
 
 
+def create(
+    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, rl: RLConfig, out_dir: Path, champion: Path | None
+) -> RewardModel:
+    """The round's reward model (adapter + head) in ``store``, at its start point (:func:`start_dir`)."""
+    return create_reward_model(base, store, cfg, start_dir(cfg, out_dir, champion), rl.seed)
+
+
 def train_phase(
-    base: ResidentBase,
-    store: AdapterStore,
+    model: RewardModel,
     cfg: RewardModelConfig,
     rl: RLConfig,
     data: tuple[FeedbackData, FeedbackData],
-    out_dir: Path,
     champion: Path | None = None,
-    checkpoint: PhaseHook | None = None,
+    on_phase: PhaseHook | None = None,
 ) -> RewardPhase:
-    """Create, train and evaluate the round's reward model (see the module docstring).
+    """Train the round's reward model and evaluate it (see the module docstring).
 
     Its round metrics (``reward_model/...``) leave out undefined values (an AUC
     on held-out rows of one label); the reports keep them as NaN.
@@ -148,8 +148,8 @@ def train_phase(
     """
     started = time.perf_counter()
     train_fb, held_fb = data
-    model = create_reward_model(base, store, cfg, start_dir(cfg, out_dir, champion), rl.seed)
-    history = train_reward_model(model, tokenise_feedback(base, train_fb), cfg, rl.max_grad_norm, rl.seed, checkpoint)
+    base, store = model.base, model.store
+    history = train_reward_model(model, tokenise_feedback(base, train_fb), cfg, rl.max_grad_norm, rl.seed, on_phase)
     held = tokenise_feedback(base, held_fb)
     report = evaluate_reward_model(model, held, rl.gate_confidence, rl.bootstrap_samples, rl.seed)
     champion_report = None
@@ -185,7 +185,9 @@ def train_phase(
 
 
 def score_rollouts(
-    model: RewardModel, prompt_ids: Mapping[str, Sequence[Sequence[int]]], groups: dict[str, Sequence[Sequence[object]]]
+    model: RewardModel,
+    prompt_ids: Mapping[str, Sequence[Sequence[int]]],
+    groups: Mapping[str, Sequence[Sequence[Sample]]],
 ) -> tuple[dict[str, list[list[dict[str, float]]]], dict[str, float]]:
     """Score every sample of the given candidates' groups in one batched pass.
 
@@ -200,7 +202,7 @@ def score_rollouts(
             shape.append((name, len(group)))
             for sample in group:
                 flat_prompts.append(list(ids))
-                flat_completions.append(list(sample.token_ids))  # type: ignore[attr-defined]
+                flat_completions.append(list(sample.token_ids))
     scores = iter(model.score(flat_prompts, flat_completions))
     out: dict[str, list[list[dict[str, float]]]] = {name: [] for name in groups}
     for name, g in shape:

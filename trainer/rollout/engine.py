@@ -16,12 +16,16 @@ the version that produced it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from trainer.errors import RolloutError
 from trainer.types import Sample
+
+log = logging.getLogger(__name__)
 
 BASE_VERSION = "base"
 
@@ -49,3 +53,14 @@ class RolloutEngine(Protocol):
     def load(self, candidate: str, version: str, adapter_dir: Path) -> None: ...
     def unload(self, version: str) -> None: ...
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]: ...
+
+
+def unload_versions(engine: RolloutEngine, candidates: set[str]) -> None:
+    """Unload every version of these candidates the engine still has (after an error or a cancel); an
+    engine that cannot unload one is logged, not raised (cleanup must not hide the round's own error)."""
+    loaded = getattr(engine, "versions", {})
+    for version in [v for v, candidate in list(loaded.items()) if candidate in candidates]:
+        try:
+            engine.unload(version)
+        except RolloutError as err:
+            log.warning("could not unload %s after the round: %s", version, err)

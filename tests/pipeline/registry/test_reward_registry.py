@@ -29,6 +29,7 @@ from pipeline.registry.reward_registry import (
     reward_model_name,
 )
 from pipeline.rounds.steps import reward_champion
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from trainer.model.store import fingerprint_of
 from trainer.reward_model.model import HEAD_FILE
@@ -136,25 +137,25 @@ import json, os, signal, sys
 import pyarrow as pa
 from pipeline.config import HourglassConfig
 from pipeline.rounds import job as round_job
+from tests.pipeline.round_fakes import FixedSnapshot
 from trainer.reward_model import phase as reward_round
 from trainer.model.store import fingerprint_of
 
 cfg = HourglassConfig(**json.loads(sys.argv[1]))
 table = pa.ipc.open_file(sys.argv[2]).read_all()
-round_job.take_snapshot = lambda cfg, window: (table, {"data/rows": table.num_rows})  # the buffer's snapshot, fixed
-round_job._buffer_trace_rows = lambda cfg: table.num_rows
 train = reward_round.train_reward_model
 
-def dying(model, data, rm_cfg, max_grad_norm, seed, checkpoint):
+def dying(model, data, rm_cfg, max_grad_norm, seed, on_phase):
     def hook(phase):
         if phase == "reward_model:2":
             print("dying", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # the process dies in the middle of reward-model training
-        checkpoint(phase)
+        on_phase(phase)
     return train(model, data, rm_cfg, max_grad_norm, seed, hook)
 
 reward_round.train_reward_model = dying
-round_job.RoundRunner(cfg, fingerprint_of(cfg.model.name)).run("manual")
+fp = fingerprint_of(cfg.model.name)
+round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")  # the buffer's snapshot, fixed
 print("finished", flush=True)
 """
 
@@ -244,9 +245,7 @@ def test_crash_mid_reward_model_training_registers_nothing(
     assert not (cfg.resolve(cfg.state_dir) / "rounds" / "last" / "reward-model").exists()
 
     # the next round (no crash) trains from the staged reward champion and registers its reward model as v2
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
-    record = round_job.RoundRunner(cfg, fp).run("manual")
+    record = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     assert record.state in ("done", "no_winner"), record.reason
     assert record.metrics["reward_model/version"] == 2.0 and "reward_model/auc" in record.metrics
     assert (

@@ -18,6 +18,7 @@ from pipeline.rounds import job as round_job
 from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import register_round
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from tests.trainer.ray_helpers import until_clean
 from trainer.executors import ray_pool
@@ -75,8 +76,6 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
         "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
     )
     table = snapshot_table(prompts)
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
     spawned, killed = [], {}
     real_spawn = ray_pool._spawn
@@ -97,7 +96,7 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
 
     killer = threading.Thread(target=kill_mid_round, daemon=True)
     killer.start()
-    record = round_job.RoundRunner(cfg, fp).run("manual")
+    record = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     killer.join(5)
 
     assert "pid" in killed, "the actor was never seen mid-training"
@@ -109,7 +108,7 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     assert not (tmp_path / "exchange" / record.round_id).exists()
 
     monkeypatch.setattr(ray_pool, "_spawn", real_spawn)
-    again = round_job.RoundRunner(cfg, fp).run("manual")
+    again = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     assert again.state in ("done", "no_winner"), again.reason
     assert again.metrics["executor/actors"] == 2.0
     assert until_clean() == ([], [])

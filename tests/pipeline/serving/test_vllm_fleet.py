@@ -29,6 +29,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
 from tests.trainer.ray_helpers import until_clean
 
@@ -42,7 +43,7 @@ from pipeline.stack import free_port, vllm_service
 from trainer.adapters.share import MANIFEST
 from trainer.model.base import load_base
 from trainer.config import ModelConfig, RLConfig
-from trainer.evaluation.evaluate import greedy_answers
+from trainer.evaluation.measure import greedy_answers
 from trainer.model.store import fingerprint_of
 from trainer.plan import PromptTokens
 from trainer.rollout.engine import BASE_VERSION, RolloutRequest
@@ -326,11 +327,11 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
     )
     assert cfg.rl.rollout_urls == urls and cfg.rl.adapter_share_uri == str(share)
     table = snapshot_table(_rows_with_base_answers(tiny_model, urls, cfg.rl))
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
     before = [_completion_requests(u) for u in urls]
-    record = round_job.RoundRunner(cfg, fingerprint_of(tiny_model)).run("manual")
+    record = round_job.RoundRunner(
+        cfg, fingerprint_of(tiny_model), steps=FixedSnapshot(cfg, fingerprint_of(tiny_model), table)
+    ).run("manual")
     after = [_completion_requests(u) for u in urls]
 
     assert record.state == "done", record.reason
