@@ -43,7 +43,8 @@ from trainer.adapters.registry import make_store  # noqa: E402
 from trainer.adapters.offload import OffloadStore  # noqa: E402
 from trainer.model.base import ResidentBase, pick_device, wrap_base  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RLConfig  # noqa: E402
-from trainer.algorithms.update import Batch, update_step  # noqa: E402
+from trainer.algorithms.batch import Batch  # noqa: E402
+from trainer.algorithms.update import update_step
 
 # Llama-family shapes: (hidden, intermediate, layers, heads, kv heads). The
 # vocabulary is the tokenizer's. smollm2 = SmolLM2-135M, 1b = Llama-3.2-1B,

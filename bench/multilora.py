@@ -29,7 +29,7 @@ one adapter at a time, the round's phase breakdown (``time/*_s`` round
 metrics, trainer/timers.py; (a) summed over its processes), the learning
 lines, the speedup (a)/(b), and the update time of the K candidates'
 training step sequential (rows whole, and each prompt once) vs one-pass
-(``rl.update_mode``, bench/one_pass.py: same process, same base in the dtype
+(``rl.update.mode``, bench/one_pass.py: same process, same base in the dtype
 ``model.dtype = auto`` picks, same rows of the workload's size, alternating).
 The last lines repeat the speedups.
 (b) trains in ``--update-mode`` (default ``one_pass``); (a) has one candidate
@@ -52,7 +52,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
 import psutil
 
@@ -64,10 +63,20 @@ sys.path.insert(0, str(ROOT))
 from bench import writer
 from pipeline.stack import free_port, vllm_service
 from trainer.model import store as model_store
-from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.config import (
+    AdapterStoreKind,
+    CandidateConfig,
+    GateConfig,
+    ModelConfig,
+    RewardTerm,
+    RLConfig,
+    RolloutConfig,
+    UpdateConfig,
+    UpdateMode,
+)
 from trainer.timers import PHASES
 
-# Per-experiment budgets; "round" is deploy/demo.toml's [rl] (steps_per_round, prompts_per_step, group_size, max_new_tokens).
+# Per-experiment budgets; "round" is deploy/demo.toml's [rl] and [rl.rollout] (steps_per_round, prompts_per_step, group_size, max_new_tokens).
 WORKLOADS = {
     "default": {"steps": 2, "prompts": 2, "group": 4, "max_new_tokens": 16, "eval_prompts": 32},
     "round": {"steps": 3, "prompts": 4, "group": 6, "max_new_tokens": 12, "eval_prompts": 32},
@@ -130,18 +139,15 @@ def candidates(k: int) -> list[CandidateConfig]:
     ]
 
 
-def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"]) -> RLConfig:
+def rl_config(args: argparse.Namespace, update_mode: UpdateMode) -> RLConfig:
     return RLConfig(
         steps_per_round=args.steps,
         prompts_per_step=args.prompts,
-        group_size=args.group,
-        max_new_tokens=args.max_new_tokens,
-        eval_prompts=args.eval_prompts,
-        adapter_store="offload",
+        rollout=RolloutConfig(group_size=args.group, max_new_tokens=args.max_new_tokens),
+        gate=GateConfig(eval_prompts=args.eval_prompts, reward=EVAL_REWARD, max_kl=100.0),
+        adapter_store=AdapterStoreKind.OFFLOAD,
         seed=0,
-        update_mode=update_mode,
-        gate_reward=EVAL_REWARD,
-        max_kl=100.0,
+        update=UpdateConfig(mode=update_mode),
     )
 
 
@@ -187,7 +193,7 @@ def run_round_with_vllm(
     model: Path,
     cands: list[CandidateConfig],
     args: argparse.Namespace,
-    update_mode: Literal["sequential", "one_pass"],
+    update_mode: UpdateMode,
     out: Path,
     extra=None,
 ) -> dict:
@@ -287,7 +293,8 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     train, _ = tables(args)
     prompts = [base.chat_token_ids(p.messages) for p in prompts_from_table(train)[: args.prompts]]
     batches = make_batches(base, prompts, args.k, args.group, args.max_new_tokens)
-    rl = rl_config(args, "sequential").model_copy(update={"adapters_per_pass": args.k})
+    rl = rl_config(args, UpdateMode.SEQUENTIAL)
+    rl = rl.model_copy(update={"update": rl.update.model_copy(update={"adapters_per_pass": args.k})})
     result = compare_modes(base, candidates(args.k), batches, rl, args.ratio_repeats)
     dtype = next(base.model.parameters()).dtype
     lines = report(result, args.k)
@@ -340,7 +347,7 @@ def worker(args: argparse.Namespace) -> None:
     """(a) one experiment in its own process; writes a JSON report."""
     cand = candidates(args.k)[args.worker]
     out = Path(args.out) / f"a-{cand.name}"
-    report = run_round_with_vllm(Path(args.model_dir), [cand], args, "sequential", out)
+    report = run_round_with_vllm(Path(args.model_dir), [cand], args, UpdateMode.SEQUENTIAL, out)
     Path(args.report).write_text(json.dumps(report))
 
 
@@ -402,7 +409,7 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
             Path(args.model_dir),
             candidates(args.k),
             args,
-            args.update_mode,
+            UpdateMode(args.update_mode),
             out / "b",
             extra=lambda e, r: rollout_throughput(e, r, args),
         )
@@ -469,7 +476,7 @@ def main() -> None:
         "--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)"
     )
     parser.add_argument(
-        "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update_mode of (b)'s round"
+        "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update.mode of (b)'s round"
     )
     parser.add_argument(
         "--update-ratio",

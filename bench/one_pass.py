@@ -13,7 +13,7 @@ round does for the K candidates of one step:
   forward + backward, clip, AdamW);
 - ``one_pass``: :func:`trainer.multi_lora.one_pass.train_one_pass` (pull every
   candidate's weights and AdamW state out of the store, then per chunk of at
-  most ``--chunk-tokens`` padded tokens (``rl.one_pass_chunk_tokens``, rows
+  most ``--chunk-tokens`` padded tokens (``rl.update.chunk_tokens``, rows
   of all candidates mixed) one reference pass and one forward/backward, each
   row through its own candidate's LoRA weights, gradients accumulating; K
   AdamW steps, push back).
@@ -58,10 +58,11 @@ from bench import writer  # noqa: E402
 from trainer.adapters.store import AdapterStore  # noqa: E402
 from trainer.adapters.registry import make_store
 from trainer.model.base import ResidentBase  # noqa: E402
-from trainer.config import CandidateConfig, RLConfig  # noqa: E402
-from trainer.algorithms.update import Batch, update_step  # noqa: E402
+from trainer.config import CandidateConfig, RLConfig, UpdateConfig  # noqa: E402
+from trainer.algorithms.batch import Batch  # noqa: E402
+from trainer.algorithms.update import update_step
 
-# variant -> (rl.update_mode, ResidentBase.share_prompts); "sequential_whole" is the update before prompt sharing
+# variant -> (rl.update.mode, ResidentBase.share_prompts); "sequential_whole" is the update before prompt sharing
 MODES = {"sequential_whole": ("sequential", False), "sequential": ("sequential", True), "one_pass": ("one_pass", True)}
 
 
@@ -224,8 +225,8 @@ def main() -> None:
     ap.add_argument(
         "--chunk-tokens",
         type=int,
-        default=RLConfig().one_pass_chunk_tokens,
-        help="one_pass: padded tokens per forward/backward (rl.one_pass_chunk_tokens)",
+        default=RLConfig().update.chunk_tokens,
+        help="one_pass: padded tokens per forward/backward (rl.update.chunk_tokens)",
     )
     ap.add_argument(
         "--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape"
@@ -258,7 +259,7 @@ def main() -> None:
         f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
         f"tokens per candidate; {args.repeats} timed steps per mode; one_pass chunks of <= {args.chunk_tokens} tokens"
     )
-    rl = RLConfig(adapters_per_pass=args.k, one_pass_chunk_tokens=args.chunk_tokens)
+    rl = RLConfig(update=UpdateConfig(adapters_per_pass=args.k, chunk_tokens=args.chunk_tokens))
     result = compare_modes(base, candidates, batches, rl, args.repeats)
     lines = report(result, args.k)
     shape = Path(args.model).name if args.model is not None else args.shape

@@ -172,11 +172,15 @@ reward = [{{ fn = "format", weight = 1.0 }}]
 [rl]
 steps_per_round = 2
 prompts_per_step = 2
+adapter_store = "offload"
+
+[rl.rollout]
 group_size = 2
 max_new_tokens = 4
+engine = "hf"
+
+[rl.gate]
 eval_prompts = 4
-rollout_engine = "hf"
-adapter_store = "offload"
 [schedule]
 enabled = {"true" if self.args.rounds else "false"}
 interval_s = 300

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+WARM_THREAD = "trainer-warm"  # the background start of the executor's workers ahead of a round
+
 INGESTED = Gauge("hourglass_ingest_records", "Trace and feedback records made durable in the buffer since start.")
 INGEST_DEAD = Gauge("hourglass_ingest_dead_letters", "Records dead-lettered since start.")
 INGEST_LAG = Gauge("hourglass_ingest_consumer_lag", "Consumer lag in records, summed over partitions.")
@@ -97,8 +99,10 @@ class HourglassService:
             raise ConfigError(
                 f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems
             )
-        if cfg.rl.executor == "ray" and cfg.rl.ray_keep_actors is None:  # always on: trainer actors stay between rounds
-            cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"ray_keep_actors": True})})
+        if cfg.rl.ray.keep_actors is None:  # always on: trainer actors (a Ray executor's) stay between rounds
+            cfg = cfg.model_copy(
+                update={"rl": cfg.rl.model_copy(update={"ray": cfg.rl.ray.model_copy(update={"keep_actors": True})})}
+            )
         self.cfg = cfg
         if base_fingerprint is None:
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
@@ -152,23 +156,21 @@ class HourglassService:
         self.warm_trainers()
 
     def warm_trainers(self) -> threading.Thread | None:
-        """``rl.executor = "ray"`` with kept actors: start the trainer actors in the background (at start, and
-        after each round, which re-creates them after a failed one), so a round finds them loaded. A cluster
-        that does not answer is logged here; the next round then fails at its start with the reason."""
-        rl = self.cfg.rl
-        if rl.executor != "ray" or not rl.ray_keep_actors or self._stopping.is_set():
+        """An executor that keeps its workers between rounds (Ray with kept actors): start them in the background
+        (at start, and after each round, which re-creates them after a failed one), so a round finds them loaded.
+        A cluster that does not answer is logged here; the next round then fails at its start with the reason."""
+        executor = self.runner.executor
+        if not executor.keeps_workers or self._stopping.is_set():
             return None
 
         def warm() -> None:
-            from trainer.executors import ray_pool
-
             try:
-                if ray_pool.warm(rl, self.cfg.model, len(self.cfg.candidates)):
+                if executor.warm(self.cfg.model, len(self.cfg.candidates)):
                     log.info("trainer actors started (or still alive) for the next round")
             except Exception as err:  # noqa: BLE001 - logged; the next round reports it as its failure
                 log.warning("could not start the trainer actors ahead of the next round: %s", err)
 
-        thread = threading.Thread(target=warm, name="ray-warm", daemon=True)
+        thread = threading.Thread(target=warm, name=WARM_THREAD, daemon=True)
         thread.start()
         return thread
 
@@ -280,7 +282,8 @@ class HourglassService:
         3. stop ingestion: the worker finishes its batch, makes it durable in
            the buffer, commits the offsets, and closes the consumer;
         4. stop the canary monitor, then the reconcile loop (vLLM keeps serving the champion);
-        5. with ``rl.executor = "ray"``: kill the kept trainer actors and free their placement group.
+        5. the executor's kept workers: with ``rl.executor = "ray"``, kill the kept trainer actors and free their
+           placement group.
         """
         global _CURRENT
         self._stopping.set()
@@ -311,13 +314,10 @@ class HourglassService:
             self.workers["canary"].stop(10)
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
-        if self.cfg.rl.executor == "ray":  # 5: the kept trainer actors and their placement group
-            from trainer.executors import ray_pool
-
-            for thread in threading.enumerate():  # a warm-up still connecting or placing: let it finish first
-                if thread.name == "ray-warm":
-                    thread.join(self.cfg.rl.ray_connect_timeout_s)
-            ray_pool.release_kept_actors()
+        for thread in threading.enumerate():  # 5: a warm-up still connecting or placing: let it finish first,
+            if thread.name == WARM_THREAD:  # then the executor's kept workers (Ray: actors, placement group) go
+                thread.join(self.cfg.rl.ray.connect_timeout_s)
+        self.runner.executor.release()
         _CURRENT = None
 
     # -- what the API shows ------------------------------------------------------------

@@ -336,7 +336,7 @@ def prepare_round_data(train: pa.Table, heldout: pa.Table) -> RoundData:
     """
     train_rows, heldout_rows = prompts_from_table(train), prompts_from_table(heldout)
     if not heldout_rows:
-        raise DataError("the held-out table is empty; widen the window or lower heldout_fraction")
+        raise DataError("the held-out table is empty; widen the window or lower [rl.split] heldout_fraction")
     window_start, window_end = _window(train, heldout)
     return RoundData(
         train=tuple(train_rows),

@@ -1,5 +1,5 @@
 """The plan of a round, built once before any training: per candidate its config, its
-algorithm (:data:`trainer.algorithms.update.ALGORITHMS`), its training reward mix, its prompt pool and
+algorithm (:data:`trainer.algorithms.registry.ALGORITHMS`), its training reward mix, its prompt pool and
 its start point, and one cache of the prompts' token ids for the whole round.
 
 :func:`plan_round` refuses a round that cannot train (an empty pool) before any work is done.
@@ -13,22 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.model.base import ResidentBase
-from trainer.config import CandidateConfig, RLConfig
+from trainer.config import CandidateConfig, RLConfig, UpdateMode
 from trainer.errors import DataError
 from trainer.multi_lora.one_pass import one_pass_ok
 from trainer.rewards import RewardMix, build_reward
 from trainer.types import Prompt
-from trainer.algorithms.update import ALGORITHMS, AlgorithmSpec
+from trainer.algorithms.registry import ALGORITHMS, AlgorithmSpec
 
 
 class PromptTokens:
-    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.max_new_tokens`` still
+    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.rollout.max_new_tokens`` still
     fit in ``base.max_seq_len``), tokenised once per round however often a step uses the prompt.
     The returned lists are shared: callers copy before changing them."""
 
     def __init__(self, base: ResidentBase, rl: RLConfig) -> None:
         self._base = base
-        self._keep = max(1, base.max_seq_len - rl.max_new_tokens)
+        self._keep = max(1, base.max_seq_len - rl.rollout.max_new_tokens)
         self._ids: dict[int, tuple[Prompt, list[int]]] = {}  # id(prompt) -> (prompt, its ids); the prompt is kept alive
 
     def __call__(self, prompt: Prompt) -> list[int]:
@@ -44,7 +44,7 @@ class PromptTokens:
 
 @dataclass(frozen=True)
 class CandidatePlan:
-    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.algorithms.update.ALGORITHMS`),
+    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.algorithms.registry.ALGORITHMS`),
     its training reward mix, its prompt pool (online: prompts to roll out; offline: logged rows its algorithm
     can use) and where it starts (None: fresh)."""
 
@@ -72,11 +72,11 @@ class RoundPlan:
         return [c for c in self.candidates if c.algorithm.online]
 
     def one_pass(self, rl: RLConfig) -> set[str]:
-        """Candidates that update together (``rl.update_mode = "one_pass"``, linear LoRA targets only)."""
+        """Candidates that update together (``rl.update.mode = "one_pass"``, linear LoRA targets only)."""
         return {
             c.name
             for c in self.candidates
-            if rl.update_mode == "one_pass" and c.algorithm.one_pass and one_pass_ok(c.config)
+            if rl.update.mode == UpdateMode.ONE_PASS and c.algorithm.one_pass and one_pass_ok(c.config)
         }
 
 

@@ -129,7 +129,7 @@ class RoundRecipe:
         self.round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
         self.on_phase, self.progress = on_phase, progress
         # the reward model's feedback (None: this round trains none); refused here when it cannot train one
-        self.feedback = reward_phase.reward_data(inputs.data, spec.candidates, spec.reward_model, spec.rl)
+        self.feedback = reward_phase.reward_data(inputs.data, spec.candidates, spec.rl.reward_model, spec.rl)
         # the components, built by setup(); None until then (and after a setup that failed part-way)
         self.executor: Executor | None = None
         self.base: ResidentBase | None = None
@@ -184,7 +184,7 @@ class RoundRecipe:
             with timers.phase("time/reward_model_s"):  # 1.
                 self.reward = reward_phase.train_phase(
                     self.reward_model,
-                    spec.reward_model,
+                    spec.rl.reward_model,
                     spec.rl,
                     self.feedback,
                     self.inputs.reward_champion,
@@ -202,7 +202,7 @@ class RoundRecipe:
             self.on_phase,
             self.reward.model,
             plan=self.plan,
-            reward_cfg=spec.reward_model if self.reward.model is not None else None,
+            reward_cfg=spec.rl.reward_model if self.reward.model is not None else None,
         )
         self.trained = self.executor.train(job, self.base, self.store, self.engine)
         return self.trained
@@ -246,7 +246,7 @@ class RoundRecipe:
                         adapter_dir=folder,
                         step_metrics=tuple(self.trained.history[c.name]),
                         eval_rewards=r.rewards,
-                        eval_metrics=r.as_metrics(str(self.spec.rl.gate_metric)),
+                        eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric)),
                     )
                 )
             self.reward_result = reward_phase.finish(self.reward, self.out_dir)
@@ -294,7 +294,7 @@ class RoundRecipe:
         if self.feedback is None:
             return None
         return reward_phase.create(
-            base, store, self.spec.reward_model, self.spec.rl, self.out_dir, self.inputs.reward_champion
+            base, store, self.spec.rl.reward_model, self.spec.rl, self.out_dir, self.inputs.reward_champion
         )
 
     # --- the result --------------------------------------------------------------------------------------

@@ -26,20 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
+from trainer.config import CandidateConfig, ModelConfig, RLConfig
 
 # --- 1. what a round is asked -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RoundSpec:
-    """What one round trains: the resident base, the candidates (config order) and how (``[rl]``;
-    ``[reward_model]`` for the reward model it trains when a candidate or the gate needs one)."""
+    """What one round trains: the resident base, the candidates (config order) and how (``[rl]``, with
+    ``[rl.reward_model]`` for the reward model it trains when a candidate or the gate needs one)."""
 
     model: ModelConfig
     candidates: tuple[CandidateConfig, ...]
     rl: RLConfig
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass(frozen=True)
@@ -371,7 +370,7 @@ class RewardModelReport:
 
     ``auc``: ROC AUC of the scores against ``label = reward > 0`` (NaN when the
     held-out rows carry one label only); ``auc_lower_bound``: its bootstrap lower
-    bound at ``rl.gate_confidence``; ``accuracy``: share of rows where
+    bound at ``rl.gate.confidence``; ``accuracy``: share of rows where
     ``score > 0`` agrees with the label; ``ece``: expected calibration error of
     ``sigmoid(score)`` over 10 equal-width bins (Guo et al. 2017); ``pair_accuracy``:
     share of held-out preference pairs ranked right (None without pairs).

@@ -189,7 +189,7 @@ def _register_now(
         else:
             recorded = client.get_model_version(model, current).tags.get(TAG_AUC)
             champion_auc = float(recorded) if recorded is not None else None
-    promoted, reason = decide(rm.report, champion_auc, cfg.reward_model.auc_margin)
+    promoted, reason = decide(rm.report, champion_auc, cfg.rl.reward_model.auc_margin)
     run_id = _log_run(client, cfg, lineage, rm)
     tags = {
         **lineage,

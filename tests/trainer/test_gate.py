@@ -13,7 +13,7 @@ from trainer.evaluation.metrics import GATE_METRICS
 from trainer.evaluation.stats import auc, paired_auc_lower_bound, paired_bootstrap_lower_bound
 from trainer.types import EvalResult, TenantEvaluation
 
-RL = RLConfig(gate_margin=0.05, gate_confidence=0.9, bootstrap_samples=500, max_kl=0.5, max_mean_length=20)
+RL = RLConfig(gate={"margin": 0.05, "confidence": 0.9, "bootstrap_samples": 500, "max_kl": 0.5, "max_mean_length": 20})
 CHAMP = tuple([0.0, 1.0] * 10)  # champion mean 0.5 on 20 prompts
 
 
@@ -28,11 +28,11 @@ def _evaluation(
     refusal: str | None = None,
 ) -> TenantEvaluation:
     """What the round's evaluation hands the gate for one served model, made by hand."""
-    spec = GATE_METRICS[rl.gate_metric]
+    spec = GATE_METRICS[rl.gate.metric]
     value = auc(champion, labels) if labels is not None else sum(champion) / len(champion)
     return TenantEvaluation(
         served_model="tenant",
-        metric=str(rl.gate_metric),
+        metric=str(rl.gate.metric),
         unit=spec.unit,
         comparison=spec.comparison,
         candidates={c.name: results[c.name] for c in cands},
@@ -100,7 +100,7 @@ def test_paired_auc_bound_is_exact_for_a_perfect_ranker_against_the_base() -> No
     assert math.isnan(paired_auc_lower_bound(perfect, [0.0] * 20, [True] * 20, 0.9, 300))
 
 
-FEEDBACK = RL.model_copy(update={"gate_metric": "feedback"})
+FEEDBACK = RL.model_copy(update={"gate": RL.gate.model_copy(update={"metric": "feedback"})})
 LABELS = tuple([True, False] * 10)
 
 
@@ -121,7 +121,7 @@ def test_feedback_gate_refuses_a_candidate_that_ranks_down_votes_above_up_votes(
 
 def test_a_refusal_keeps_the_champion_even_for_a_clear_winner() -> None:
     cands = [CandidateConfig(name="good")]
-    rm = RL.model_copy(update={"gate_metric": "reward_model"})
+    rm = RL.model_copy(update={"gate": RL.gate.model_copy(update={"metric": "reward_model"})})
     reason = "the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)"
     decision = gate(_evaluation(cands, {"good": _result(tuple([1.0] * 20))}, CHAMP, "base", rm, refusal=reason), rm)
     assert decision.winner is None and decision.reason.startswith(f"keep base: {reason}")

@@ -27,7 +27,7 @@ def _newline_share(prompt_messages, completion: str, metadata) -> float:
 def test_an_inverted_reward_candidate_is_never_promoted(
     peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both candidates are judged by the tenant's yardstick (rl.gate_reward), not by their own rewards:
+    """Both candidates are judged by the tenant's yardstick (rl.gate.reward), not by their own rewards:
     the inverted one learned to avoid what the yardstick counts, so it loses - by its own inverted
     reward it would have beaten the base."""
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
@@ -42,13 +42,8 @@ def test_an_inverted_reward_candidate_is_never_promoted(
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=6,
-        max_kl=100.0,
-        gate_reward=[RewardTerm(fn="newline_share")],
-        bootstrap_samples=200,
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 6, "max_kl": 100.0, "reward": [RewardTerm(fn="newline_share")], "bootstrap_samples": 200},
         seed=0,
     )
     result = gate_round(
@@ -118,13 +113,8 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
     rl = RLConfig(
         steps_per_round=6,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=6,
-        max_kl=100.0,
-        gate_metric="feedback",
-        bootstrap_samples=200,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 6, "max_kl": 100.0, "metric": "feedback", "bootstrap_samples": 200},
     )
     result = gate_round(
         run_round(
@@ -179,11 +169,8 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="feedback",
+        rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "feedback"},
     )
     result = gate_round(
         run_round(
@@ -199,7 +186,7 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
         "eval/feedback/kto" not in result.metrics and "eval/feedback" not in result.candidates[0].eval_metrics
     )  # undefined: left out
 
-    verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
+    verifiable = rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "verifiable"})})
     result = gate_round(
         run_round(
             RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), verifiable),
@@ -208,7 +195,7 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
         ),
         verifiable,
     )
-    assert "carries the metadata ['reference_answer'] of rl.gate_reward" in result.decisions["hourglass"].reason
+    assert "carries the metadata ['reference_answer'] of rl.gate.reward" in result.decisions["hourglass"].reason
 
 
 class _FakeReport:
@@ -244,12 +231,8 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
     from trainer.rollout.hf import HFEngine
 
     rl = RLConfig(
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="reward_model",
-        bootstrap_samples=200,
-        max_kl=100.0,
+        rollout={"max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "reward_model", "bootstrap_samples": 200, "max_kl": 100.0},
     )
     heldout = [
         Prompt(prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={}) for i in range(5)
@@ -314,16 +297,15 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="reward_model",
+        rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "reward_model"},
     )
     result = gate_round(
         run_round(
             RoundSpec(
-                ModelConfig(name=str(tiny_model)), (kto,), rl, RewardModelConfig(steps=2, batch_size=8, start="fresh")
+                ModelConfig(name=str(tiny_model)),
+                (kto,),
+                rl.model_copy(update={"reward_model": RewardModelConfig(steps=2, batch_size=8, start="fresh")}),
             ),
             round_inputs(train, heldout),
             tmp_path / "r1",

@@ -95,7 +95,7 @@ def test_kto_batch_cuts_long_logged_completions_and_corrections_to_the_window(ti
     from trainer.model.base import load_base
     from trainer.rewards import build_reward
     from trainer.types import Prompt
-    from trainer.algorithms.update import kto_batch
+    from trainer.algorithms.kto import kto_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=64))
     candidate = CandidateConfig(

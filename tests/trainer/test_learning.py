@@ -38,12 +38,9 @@ def test_grpo_raises_reward_on_a_toy_task(peaked_model: Path, tmp_path: Path, mo
     rl = RLConfig(
         steps_per_round=16,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
         adapter_store="offload",
-        eval_prompts=4,
-        max_kl=100.0,
+        gate={"eval_prompts": 4, "max_kl": 100.0},
         seed=0,
     )
     result = gate_round(
@@ -108,11 +105,8 @@ def test_offline_is_learns_from_logged_rewards(tiny_model: Path, tmp_path: Path)
     rl = RLConfig(
         steps_per_round=8,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=2,
-        max_kl=100.0,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
     )
     result = gate_round(
         run_round(
@@ -138,7 +132,7 @@ def test_offline_batch_cuts_logged_completions_to_max_seq_len(tiny_model: Path) 
     """A logged completion from traffic can be ~250k tokens within kafka.max_record_bytes; the offline
     update must not run the model over all of it (logits of [T, vocab] per row: an OOM of the service)."""
     from trainer.rewards import build_reward
-    from trainer.algorithms.update import offline_batch
+    from trainer.algorithms.offline_is import offline_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), max_seq_len=64))
     prompts = [

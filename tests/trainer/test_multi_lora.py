@@ -23,7 +23,9 @@ from trainer.multi_lora.layer import MultiLoRA
 from trainer.multi_lora.one_pass import _pull, live_params, one_pass_ok, train_one_pass
 from trainer.multi_lora.chunks import plan_chunks
 from trainer.multi_lora.one_pass import update_step_one_pass
-from trainer.algorithms.update import ALGORITHMS, Batch, LossInputs, update_step
+from trainer.algorithms.registry import ALGORITHMS
+from trainer.algorithms.batch import Batch, LossInputs
+from trainer.algorithms.update import update_step
 
 from .adamw_tolerance import assert_adamw_weights_close
 from trainer.types import RoundSpec
@@ -53,8 +55,8 @@ CANDIDATES = [
         target_modules=["q_proj", "up_proj", "gate_proj"],
     ),
 ]
-RL = RLConfig(adapters_per_pass=2)  # per-candidate clipping at 1.0 is part of what must match
-CHUNKED = RLConfig(adapters_per_pass=2, one_pass_chunk_tokens=30)  # 2-3 rows of <= 15 tokens per chunk
+RL = RLConfig(update={"adapters_per_pass": 2})  # per-candidate clipping at 1.0 is part of what must match
+CHUNKED = RLConfig(update={"adapters_per_pass": 2, "chunk_tokens": 30})  # 2-3 rows of <= 15 tokens per chunk
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +228,9 @@ class _Recorder(torch.optim.SGD):
 def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, chunk_tokens: int) -> None:
     """Rows of every candidate spread over several chunks (uneven row counts: 7, 2 and 4): each candidate's
     gradient is still the one of its token-mean loss over all its rows (a per-chunk mean would differ)."""
-    rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)  # no clipping: the raw gradient is compared
+    rl = RLConfig(
+        update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9}
+    )  # no clipping: the raw gradient is compared
     store = _store(base, "resident")
     batches = [_batch(base, seed=200 + k, rows=n) for k, n in enumerate((7, 2, 4))]
     alone = _gradients_alone(base, store, batches)
@@ -402,13 +406,9 @@ def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
     rl = RLConfig(
         steps_per_round=2,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=2,
-        max_kl=100.0,
-        update_mode="one_pass",
-        adapters_per_pass=2,
+        rollout={"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
+        update={"mode": "one_pass", "adapters_per_pass": 2},
     )
     result = run_round(
         RoundSpec(ModelConfig(name=str(tiny_model), dtype="float32"), tuple(cands), rl),
@@ -442,7 +442,7 @@ def test_one_pass_sharing_prompts_gives_each_candidate_its_gradient_alone(
     """Every candidate draws the same 2 prompts, 3 rows each: the reference pass runs each prompt once for all
     candidates, the policy pass once per candidate (its LoRA changes the prompt's forward); each candidate's
     gradient equals its gradient alone from whole rows."""
-    rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)
+    rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (5, 8)]
     store = _store(base, "resident")

@@ -38,11 +38,8 @@ def test_round_metrics_hold_every_phase(tiny_model: Path, tmp_path: Path) -> Non
     rl = RLConfig(
         steps_per_round=2,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=2,
-        max_kl=100.0,
+        rollout={"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
     )
     result = run_round(
         RoundSpec(ModelConfig(name=str(tiny_model), dtype="float32"), tuple(cands), rl),

@@ -182,13 +182,17 @@ def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_
     cand = CandidateConfig(
         name="rm-user", reward=[RewardTerm(fn="reward_model"), RewardTerm(fn="format")], start="fresh"
     )
-    rl = RLConfig(rollout_engine="hf", eval_prompts=2)
+    rl = RLConfig(rollout={"engine": "hf"}, gate={"eval_prompts": 2})
     # format is verifiable on every row, so evaluation has prompts; the reward model has 3 labelled rows
     with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
         run_round(RoundSpec(ModelConfig(name=str(tiny_model)), (cand,), rl), round_inputs(train, heldout), tmp_path)
     with pytest.raises(TrainerConfigError, match="enabled = false"):
         run_round(
-            RoundSpec(ModelConfig(name=str(tiny_model)), (cand,), rl, RewardModelConfig(enabled=False)),
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                (cand,),
+                rl.model_copy(update={"reward_model": RewardModelConfig(enabled=False)}),
+            ),
             round_inputs(train, heldout),
             tmp_path,
         )

@@ -56,16 +56,15 @@ def test_grpo_on_the_reward_model_raises_its_score(peaked_model: Path, tmp_path:
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
         adapter_store="offload",
-        eval_prompts=6,
-        max_kl=100.0,
+        gate={"eval_prompts": 6, "max_kl": 100.0},
         seed=0,
     )
     result = run_round(
-        RoundSpec(ModelConfig(name=str(peaked_model)), (candidate,), rl, reward_cfg),
+        RoundSpec(
+            ModelConfig(name=str(peaked_model)), (candidate,), rl.model_copy(update={"reward_model": reward_cfg})
+        ),
         round_inputs(train, heldout),
         tmp_path / "r1",
     )

@@ -21,11 +21,8 @@ from trainer.round import RoundParts
 RL = RLConfig(
     steps_per_round=1,
     prompts_per_step=2,
-    group_size=2,
-    max_new_tokens=3,
-    rollout_engine="hf",
-    eval_prompts=2,
-    max_kl=100.0,
+    rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+    gate={"eval_prompts": 2, "max_kl": 100.0},
 )
 MIX = [RewardTerm(fn="format")]
 
@@ -81,7 +78,9 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
     with pytest.raises(TrainerConfigError, match="rollout_url"):
         run_round(
             RoundSpec(
-                ModelConfig(name=str(tiny_model)), tuple(twice[:1]), RL.model_copy(update={"rollout_engine": "vllm"})
+                ModelConfig(name=str(tiny_model)),
+                tuple(twice[:1]),
+                RL.model_copy(update={"rollout": RL.rollout.model_copy(update={"engine": "vllm"})}),
             ),
             round_inputs(train, heldout),
             tmp_path,

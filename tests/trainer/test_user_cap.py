@@ -1,5 +1,5 @@
 """One user's flood cannot own a round: the held-out split is drawn across users and time,
-and no user holds more than ``rl.max_user_share`` of the train or held-out rows."""
+and no user holds more than ``rl.split.max_user_share`` of the train or held-out rows."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path
         def champions(self, candidates):
             return {}, None
 
-    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
+    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"split": {"max_user_share": 0.25}, "rollout": {"engine": "hf"}})
     record = RoundRecord(
         round_id="r1",
         state="train",

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from trainer.adapters.store import AdapterStore
-from trainer.model.base import ResidentBase
-from trainer.errors import TrainerConfigError
+from collections.abc import Callable
+
 from trainer.adapters.offload import OffloadStore
 from trainer.adapters.resident import ResidentStore
+from trainer.adapters.store import AdapterStore
+from trainer.config import AdapterStoreKind
+from trainer.errors import TrainerConfigError
+from trainer.model.base import ResidentBase
+
+STORES: dict[AdapterStoreKind, Callable[[ResidentBase, int], AdapterStore]] = {
+    AdapterStoreKind.RESIDENT: ResidentStore,
+    AdapterStoreKind.OFFLOAD: OffloadStore,
+}
 
 
 def make_store(kind: str, base: ResidentBase, seed: int = 0) -> AdapterStore:
-    """``resident`` or ``offload`` (``RLConfig.adapter_store``).
+    """The store ``kind`` names (``rl.adapter_store``: ``resident`` or ``offload``) on ``base``.
 
     Raises:
         TrainerConfigError: any other kind.
     """
-    if kind == "resident":
-        return ResidentStore(base, seed)
-    if kind == "offload":
-        return OffloadStore(base, seed)
-    raise TrainerConfigError(f"adapter_store {kind!r} must be 'resident' or 'offload'")
+    try:
+        return STORES[AdapterStoreKind(kind)](base, seed)
+    except ValueError:
+        raise TrainerConfigError(f"adapter_store {kind!r} must be one of {[k.value for k in STORES]}") from None

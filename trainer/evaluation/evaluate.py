@@ -1,13 +1,13 @@
 """The evaluate phase of a round: every candidate and its served model's champion (or the base when
 there is none) answer the same held-out rows greedily and are measured with the same yardstick,
-``rl.gate_metric`` (:mod:`trainer.evaluation.metrics`), which belongs to the served model and never
+``rl.gate.metric`` (:mod:`trainer.evaluation.metrics`), which belongs to the served model and never
 depends on a candidate's own training reward. The result, one
 :class:`~trainer.types.TenantEvaluation` per served model, is all the gate reads
 (:mod:`trainer.evaluation.gate`).
 
 Numbered steps of :func:`evaluate`, in order:
 
-1. the usable held-out rows (the first ``rl.eval_prompts`` the metric can use) and why the round may
+1. the usable held-out rows (the first ``rl.gate.eval_prompts`` the metric can use) and why the round may
    promote nothing (none usable, a reward model at chance);
 2. each served model's champion loaded into the adapter store and the engine;
 3. greedy answers of every candidate and champion, in one engine call;
@@ -68,9 +68,9 @@ class Evaluation:
 
 
 def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    """The first ``rl.eval_prompts`` held-out rows the gate metric can use; may be empty (the gate then
+    """The first ``rl.gate.eval_prompts`` held-out rows the gate metric can use; may be empty (the gate then
     promotes nothing)."""
-    return usable_rows(heldout, rl)[: rl.eval_prompts]
+    return usable_rows(heldout, rl)[: rl.gate.eval_prompts]
 
 
 def evaluate(
@@ -95,8 +95,8 @@ def evaluate(
     No usable held-out row is not an error: every served model keeps its champion, and the record says why.
     """
     check: PhaseHook = on_phase or (lambda _boundary: None)
-    spec = GATE_METRICS[rl.gate_metric]
-    metric = str(rl.gate_metric)
+    spec = GATE_METRICS[rl.gate.metric]
+    metric = str(rl.gate.metric)
     reward = reward or RewardPhase()
     # 1. the rows and why they may not promote
     rows = eval_prompts(heldout, rl)

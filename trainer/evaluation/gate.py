@@ -3,9 +3,9 @@
 The gate per served model (tenant) promotes the candidate with the highest paired-bootstrap lower
 confidence bound on (candidate - champion) value - the mean of paired per-row differences, or for
 an AUC comparison the AUC difference on the same resampled rows - if that bound exceeds
-``rl.gate_margin`` and its guardrails hold: mean k3 KL to the base on its greedy answers <=
-``rl.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
-``rl.max_mean_length`` tokens, no NaN. A refusal recorded by the evaluation (no usable held-out row, a
+``rl.gate.margin`` and its guardrails hold: mean k3 KL to the base on its greedy answers <=
+``rl.gate.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
+``rl.gate.max_mean_length`` tokens, no NaN. A refusal recorded by the evaluation (no usable held-out row, a
 reward model at chance) promotes nothing. Source of the bound: Efron & Tibshirani 1993, "An
 Introduction to the Bootstrap" (percentile interval).
 
@@ -38,30 +38,32 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
         if evaluation.comparison == Comparison.AUC:
             assert evaluation.labels is not None, "an AUC comparison needs each row's label"
             lb = paired_auc_lower_bound(
-                r.rewards, champion, evaluation.labels, rl.gate_confidence, rl.bootstrap_samples, rl.seed
+                r.rewards, champion, evaluation.labels, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed
             )
         else:
             lb = paired_bootstrap_lower_bound(
-                [a - b for a, b in zip(r.rewards, champion)], rl.gate_confidence, rl.bootstrap_samples, rl.seed
+                [a - b for a, b in zip(r.rewards, champion)], rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed
             )
         bounds[name] = lb
         if refusal is not None:
             verdicts.append(f"{name}: {unit} {values[name]:.3f}")
         elif any(math.isnan(x) for x in (*r.rewards, r.mean_kl, r.mean_length)):
             verdicts.append(f"{name}: NaN in {unit}s, KL or length")
-        elif r.mean_kl > rl.max_kl:
-            verdicts.append(f"{name}: mean KL to base {r.mean_kl:.3f} > max_kl {rl.max_kl}")
-        elif r.mean_length > rl.max_mean_length:
-            verdicts.append(f"{name}: mean length {r.mean_length:.1f} tokens > max_mean_length {rl.max_mean_length}")
-        elif not lb > rl.gate_margin:
+        elif r.mean_kl > rl.gate.max_kl:
+            verdicts.append(f"{name}: mean KL to base {r.mean_kl:.3f} > max_kl {rl.gate.max_kl}")
+        elif r.mean_length > rl.gate.max_mean_length:
+            verdicts.append(
+                f"{name}: mean length {r.mean_length:.1f} tokens > max_mean_length {rl.gate.max_mean_length}"
+            )
+        elif not lb > rl.gate.margin:
             verdicts.append(
                 f"{name}: {unit} {values[name]:.3f} vs {champion_label} {champion_value:.3f}, "
-                f"{rl.gate_confidence:.0%} lower bound {lb:+.3f} does not exceed margin {rl.gate_margin}"
+                f"{rl.gate.confidence:.0%} lower bound {lb:+.3f} does not exceed margin {rl.gate.margin}"
             )
         else:
             eligible.append(name)
             verdicts.append(
-                f"{name}: beats {champion_label} on {unit} by lower bound {lb:+.3f} > margin {rl.gate_margin}"
+                f"{name}: beats {champion_label} on {unit} by lower bound {lb:+.3f} > margin {rl.gate.margin}"
             )
     winner = max(eligible, key=lambda n: (bounds[n], values[n])) if eligible else None
     if refusal is not None:

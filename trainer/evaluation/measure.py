@@ -33,7 +33,7 @@ def greedy_answers(
             prompt_id=p.prompt_id,
             prompt_token_ids=tuple(ids),
             n=1,
-            max_new_tokens=rl.max_new_tokens,
+            max_new_tokens=rl.rollout.max_new_tokens,
             temperature=0.0,
             seed=rl.seed,
         )

@@ -1,8 +1,8 @@
-"""The gate metrics by name (``rl.gate_metric``): one entry per metric, with its unit, how candidates
+"""The gate metrics by name (``rl.gate.metric``): one entry per metric, with its unit, how candidates
 and the champion are compared under it, which held-out rows it can use, when it refuses to promote,
 and how it turns a version's answers into per-row values. Nothing else compares metric names.
 
-- ``verifiable``: greedy answers scored by ``rl.gate_reward`` (default ``exact_answer``), on held-out
+- ``verifiable``: greedy answers scored by ``rl.gate.reward`` (default ``exact_answer``), on held-out
   rows that carry its metadata (trusted reference answers). Unit: reward; compared by the mean.
 - ``reward_model``: greedy answers scored by the round's reward model (trained on the training split
   only). A round without one, or whose reward model's held-out AUC lower bound is <= 0.5 (not better
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer.algorithms.update import fit_after, logged_ids
+from trainer.algorithms.batch import fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
@@ -65,8 +65,8 @@ class GateMetricSpec:
 
 
 def gate_mix(rl: RLConfig) -> RewardMix:
-    """The ``verifiable`` yardstick: ``rl.gate_reward``, the same for every candidate and the champion."""
-    return build_reward(rl.gate_reward)
+    """The ``verifiable`` yardstick: ``rl.gate.reward``, the same for every candidate and the champion."""
+    return build_reward(rl.gate.reward)
 
 
 def feedback_labels(rows: Sequence[Prompt]) -> list[bool]:
@@ -156,7 +156,7 @@ GATE_METRICS: dict[GateMetric, GateMetricSpec] = {
         unit="reward",
         comparison=Comparison.MEAN,
         usable=_verifiable_rows,
-        needs=lambda rl: f"the metadata {sorted(gate_mix(rl).required_metadata)} of rl.gate_reward",
+        needs=lambda rl: f"the metadata {sorted(gate_mix(rl).required_metadata)} of rl.gate.reward",
         refusal=_no_refusal,
         values=_verifiable_values,
     ),
@@ -180,8 +180,8 @@ GATE_METRICS: dict[GateMetric, GateMetricSpec] = {
 
 
 def usable_rows(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    """The held-out rows ``rl.gate_metric`` can use, oldest first (see :data:`GATE_METRICS`)."""
-    return GATE_METRICS[rl.gate_metric].usable(heldout, rl)
+    """The held-out rows ``rl.gate.metric`` can use, oldest first (see :data:`GATE_METRICS`)."""
+    return GATE_METRICS[rl.gate.metric].usable(heldout, rl)
 
 
 def refusal(
@@ -191,13 +191,13 @@ def refusal(
     reward_model: RewardModel | None = None,
     report: RewardModelReport | None = None,
 ) -> str | None:
-    """Why the usable held-out ``rows`` cannot promote anything this round under ``rl.gate_metric``
+    """Why the usable held-out ``rows`` cannot promote anything this round under ``rl.gate.metric``
     (None when they can): none usable, one label only (``feedback``), or a reward model missing or at
     chance (``reward_model``)."""
-    spec = GATE_METRICS[rl.gate_metric]
+    spec = GATE_METRICS[rl.gate.metric]
     if not rows:
         return (
             f"none of the {heldout_count} held-out rows carries {spec.needs(rl)}, "
-            f"which gate metric {str(rl.gate_metric)!r} needs"
+            f"which gate metric {str(rl.gate.metric)!r} needs"
         )
     return spec.refusal(rows, reward_model, report)

@@ -26,7 +26,7 @@ class Exchange:
             self.fs, root = pafs.FileSystem.from_uri(uri)
         except ValueError as err:  # pyarrow.ArrowInvalid
             raise TrainerConfigError(
-                f"rl.ray_storage_uri {uri!r} is not a pyarrow.fs URI ({err}); use s3://..., gs://... or file:///abs/path"
+                f"rl.ray.storage_uri {uri!r} is not a pyarrow.fs URI ({err}); use s3://..., gs://... or file:///abs/path"
             ) from err
         self.root = f"{root.rstrip('/')}/{round_id}"
 

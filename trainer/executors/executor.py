@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
+from trainer.config import ALGORITHM_TRAITS, CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.errors import TrainerConfigError
 from trainer.types import PhaseHook, Prompt
 
@@ -83,13 +83,20 @@ class TrainOutcome:
 class Executor(Protocol):
     """Trains a round's candidates; afterwards each is live in ``store`` and ``engine`` under ``versions[name]``.
 
-    Between rounds, the always-on service calls :meth:`warm` (after its start and after every round) and
-    :meth:`release` at its shutdown. A round calls :meth:`prepare` first thing (before its base load,
-    plan and reward model: an executor may start its workers then, to overlap their start-up),
-    :meth:`train` once, and :meth:`close` at its end, whatever happened."""
+    Around rounds, the round driver calls :meth:`warm` when a round starts (its workers' start-up then
+    overlaps the snapshot) and :meth:`release` after it unless the executor :attr:`keeps_workers`; the
+    always-on service also warms them after its start and after every round when it keeps them, and
+    releases them at its shutdown. Inside a round, the trainer calls :meth:`prepare` first thing (before
+    its base load, plan and reward model: an executor may start its workers then, to overlap their
+    start-up), :meth:`train` once, and :meth:`close` at its end, whatever happened."""
+
+    @property
+    def keeps_workers(self) -> bool:
+        """Whether workers stay up between rounds (then the service keeps them warm)."""
+        ...
 
     def warm(self, model_cfg: ModelConfig, candidates: int) -> bool:
-        """Start the workers of a round with ``candidates`` candidates ahead of it; True when some were."""
+        """Start the workers of a round with ``candidates`` candidates now, kept for it; True when some were."""
         ...
 
     def release(self) -> None:
@@ -112,8 +119,8 @@ def replica_requests(engine: object) -> list[int]:
 
 def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:
     """Base-token work of one candidate per round (see the module docstring); a relative unit."""
-    tokens = rl.steps_per_round * rl.prompts_per_step * rl.group_size * rl.max_new_tokens
-    return tokens if candidate.algorithm in OFFLINE_ALGORITHMS else 2 * tokens
+    tokens = rl.steps_per_round * rl.prompts_per_step * rl.rollout.group_size * rl.rollout.max_new_tokens
+    return 2 * tokens if ALGORITHM_TRAITS[candidate.algorithm].online else tokens
 
 
 def assign(candidates: Sequence[CandidateConfig], rl: RLConfig, actors: int) -> list[list[CandidateConfig]]:

@@ -9,7 +9,7 @@ before any candidate's step ``k + 1``). Each step's numbered phases, each timed 
 2. rollouts of all online candidates in one engine call (``time/rollout_s``), then the rollouts of
    candidates whose reward uses ``reward_model`` scored in one batched pass;
 3. per candidate its batch and update on the resident base (``time/reference_s``,
-   ``time/forward_backward_s``, ``time/optimizer_s``); with ``rl.update_mode = "one_pass"`` the one-pass
+   ``time/forward_backward_s``, ``time/optimizer_s``); with ``rl.update.mode = "one_pass"`` the one-pass
    algorithms' candidates of the step update together afterwards
    (:func:`trainer.multi_lora.one_pass.train_one_pass`);
 4. each candidate's new weights published to the engine under a new name (``time/publish_s``), the old
@@ -27,7 +27,8 @@ from rich.progress import Progress
 
 from trainer import timers
 from trainer.adapters.store import AdapterStore
-from trainer.algorithms.update import Batch, StepData, update_step
+from trainer.algorithms.batch import Batch, StepData
+from trainer.algorithms.update import update_step
 from trainer.config import CandidateConfig, ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError
 from trainer.executors.executor import TrainJob, TrainOutcome, replica_requests
@@ -42,6 +43,8 @@ from trainer.types import PhaseBoundary, PhaseHook, Prompt, RoundPhase, Sample
 
 class LocalExecutor:
     """Every candidate in this process, on the round's resident base (the default, and what each Ray actor runs)."""
+
+    keeps_workers = False  # nothing outlives a round
 
     def warm(self, model_cfg: ModelConfig, candidates: int) -> bool:
         """Nothing to start ahead of a round: training runs in this process."""
@@ -139,7 +142,7 @@ def train_candidates(
                     rows, step_groups = step_prompts[c.name], groups[c.name]
                 else:
                     rows, step_groups = (
-                        draw_prompts(c.pool, rl.prompts_per_step * rl.group_size, rl.seed * 7919 + step),
+                        draw_prompts(c.pool, rl.prompts_per_step * rl.rollout.group_size, rl.seed * 7919 + step),
                         None,
                     )
                 return c.algorithm.build_batch(
@@ -197,9 +200,9 @@ def rollout_step(
                     version=version,
                     prompt_id=p.prompt_id,
                     prompt_token_ids=tuple(ids),
-                    n=rl.group_size,
-                    max_new_tokens=rl.max_new_tokens,
-                    temperature=rl.temperature,
+                    n=rl.rollout.group_size,
+                    max_new_tokens=rl.rollout.max_new_tokens,
+                    temperature=rl.rollout.temperature,
                     seed=rl.seed * 1000 + step,
                 )
             )

@@ -3,18 +3,18 @@
 What runs where (one round):
 
 - the round driver (the service, or ``hourglass round``) connects to the
-  cluster (``rl.ray_address``; a clear :class:`ExecutorUnavailableError`
-  after ``rl.ray_connect_timeout_s``) and, as soon as the round starts
+  cluster (``rl.ray.address``; a clear :class:`ExecutorUnavailableError`
+  after ``rl.ray.connect_timeout_s``) and, as soon as the round starts
   (:meth:`RayExecutor.prepare`, before the base load, the plan, the prompts'
   tokenisation and the reward model), requests one placement group bundle per
-  trainer actor (``rl.ray_actor_cpus`` CPUs and, on GPU clusters, 1 GPU each)
+  trainer actor (``rl.ray.actor_cpus`` CPUs and, on GPU clusters, 1 GPU each)
   and submits the actors into it, so their start-up overlaps the driver's own
   work; :meth:`RayExecutor.train` then waits for the placement at most
-  ``rl.ray_placement_timeout_s`` (:class:`PlacementTimeoutError` with the
+  ``rl.ray.placement_timeout_s`` (:class:`PlacementTimeoutError` with the
   cluster's free resources) and for the actors' start-up
   (:mod:`trainer.executors.ray_pool`);
 - each :class:`TrainerActor` loads its own resident base, makes its own
-  adapter store and rollout engine (``rl.rollout_engine``: the vLLM fleet from
+  adapter store and rollout engine (``rl.rollout.engine``: the vLLM fleet from
   config, placed by the round's candidate order so that candidate ``i`` uses
   replica ``i mod N`` whichever actor trains it, or transformers on the actor),
   and trains its share of the candidates (:func:`trainer.executors.executor.assign`) with
@@ -24,7 +24,7 @@ What runs where (one round):
   whose share has a candidate on ``reward_model`` loads it onto its own
   resident base and scores its rollouts with it;
 - start adapters and the reward model go out and trained adapters and
-  per-actor results come back through ``<rl.ray_storage_uri>/<round_id>/``
+  per-actor results come back through ``<rl.ray.storage_uri>/<round_id>/``
   (:class:`trainer.executors.exchange.Exchange`, any ``pyarrow.fs`` filesystem):
   ``start/<candidate>/``, ``reward_model/``, ``adapters/<candidate>/``,
   ``results/actor-<i>.json``;
@@ -34,7 +34,7 @@ What runs where (one round):
 Whatever happens (success, an actor killed mid-round, a cancel, a timeout),
 the round's actors are killed, its placement group is removed and its
 exchange folder is deleted before :meth:`RayExecutor.train` returns or raises
-— except that with ``rl.ray_keep_actors`` (on in the service) a *successful*
+— except that with ``rl.ray.keep_actors`` (on in the service) a *successful*
 round, or one that failed before training, keeps its actors (resident bases
 loaded) for the next round of this process, which then skips the start-up.
 Upstream API: https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
@@ -84,16 +84,18 @@ class RayExecutor:
         self._metrics: dict[str, float] = {}
         self._keep = False
 
+    @property
+    def keeps_workers(self) -> bool:
+        """``rl.ray.keep_actors``: the trainer actors (placement group and resident bases) stay between rounds."""
+        return bool(self.rl.ray.keep_actors)
+
     def warm(self, model_cfg: ModelConfig, candidates: int) -> bool:
-        """With ``rl.ray_keep_actors``: start (place and load) the trainer actors of a round with ``candidates``
-        candidates now and keep them for it; returns at once after connecting. False when actors are not
-        kept, or a round holds them (nothing done).
+        """Start (place and load) the trainer actors of a round with ``candidates`` candidates now and keep them
+        for it (unless kept ones fit); returns at once after connecting. False when a round holds them (nothing done).
 
         Raises:
             ExecutorUnavailableError: the cluster does not answer.
         """
-        if not self.rl.ray_keep_actors:
-            return False
         return ray_pool.warm(self.rl, model_cfg, candidates)
 
     def release(self) -> None:
@@ -109,14 +111,14 @@ class RayExecutor:
         """
         rl = self.rl
         if self._pool is None:
-            self._keep = bool(rl.ray_keep_actors)
+            self._keep = bool(rl.ray.keep_actors)
             self._pool, self._size, self._metrics = ray_pool.acquire(
                 rl, model_cfg, len(candidates), f"hourglass-{round_id}"
             )
 
     def close(self) -> None:
         """Give back actors :meth:`prepare` started that :meth:`train` never used (the round failed or was
-        cancelled before training): kept with ``rl.ray_keep_actors`` (they are healthy), else killed."""
+        cancelled before training): kept with ``rl.ray.keep_actors`` (they are healthy), else killed."""
         if self._pool is not None:
             pool, self._pool = self._pool, None
             ray_pool.release(pool, keep=self._keep)
@@ -139,7 +141,7 @@ class RayExecutor:
         pool, metrics = self._pool, dict(self._metrics)
         assert pool is not None
         shares = [s for s in assign(job.candidates, rl, self._size) if s]
-        exchange = Exchange(rl.ray_storage_uri or str((job.out_dir / "exchange").resolve()), job.round_id)
+        exchange = Exchange(rl.ray.storage_uri or str((job.out_dir / "exchange").resolve()), job.round_id)
         kept = False
         try:
             remote_starts = []
@@ -256,7 +258,7 @@ def _collect(
     """Read every actor's results, load every trained adapter into the driver's store and engine.
 
     Rollout metrics are summed over actors, ``rollout/replica<j>/requests`` too (the requests
-    the actors sent to vLLM replica ``j`` of ``rl.rollout_urls``; fleets only)."""
+    the actors sent to vLLM replica ``j`` of ``rl.rollout.urls``; fleets only)."""
     history: dict[str, Any] = {}
     versions: dict[str, Any] = {}
     rollout = {"rollout/s": 0.0, "rollout/tokens": 0.0}

@@ -8,7 +8,7 @@ caller does other work; :func:`wait_placed` and :func:`wait_started` wait for
 them later, with a timeout, the cluster's free resources in the log, and a
 cancel hook.
 
-At most one pool per process is *kept* between rounds (``rl.ray_keep_actors``,
+At most one pool per process is *kept* between rounds (``rl.ray.keep_actors``,
 or :func:`warm`, which the service calls at its start and after a failed
 round). A round takes the kept pool when it fits (same model, same bundle, at
 least as many actors, every actor answers or is still starting); otherwise
@@ -52,33 +52,33 @@ def _probe(address: str, timeout_s: float) -> None:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as err:
         raise ExecutorUnavailableError(
-            f"Ray cluster at rl.ray_address={address!r} is unreachable ({type(err).__name__}: {err}); start the cluster "
+            f"Ray cluster at rl.ray.address={address!r} is unreachable ({type(err).__name__}: {err}); start the cluster "
             "(`ray start --head`), fix the address, or set rl.executor = 'local'"
         ) from err
 
 
 def connect(rl: RLConfig) -> float:
-    """Connect this process to the cluster ``rl.ray_address`` names (no-op when already connected).
+    """Connect this process to the cluster ``rl.ray.address`` names (no-op when already connected).
 
     ``local`` starts an in-process cluster on this host's CPUs/GPUs (kept for
     the process' lifetime). Returns the seconds it took.
 
     Raises:
         ExecutorUnavailableError: nothing answers at the address, or Ray did not
-            connect within ``rl.ray_connect_timeout_s``.
+            connect within ``rl.ray.connect_timeout_s``.
     """
     import ray
 
     started = time.perf_counter()
     if ray.is_initialized():
         return 0.0
-    address = rl.ray_address
+    address = rl.ray.address
     if address == "local":
         ray.init(include_dashboard=False, logging_level=logging.WARNING, ignore_reinit_error=True)
         return time.perf_counter() - started
     target = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
     if target and target != "auto":
-        _probe(target, rl.ray_connect_timeout_s)
+        _probe(target, rl.ray.connect_timeout_s)
     failure: list[BaseException] = []
 
     def init() -> None:
@@ -89,26 +89,26 @@ def connect(rl: RLConfig) -> float:
 
     thread = threading.Thread(target=init, name="ray-connect", daemon=True)
     thread.start()
-    thread.join(rl.ray_connect_timeout_s)
+    thread.join(rl.ray.connect_timeout_s)
     if thread.is_alive():
         raise ExecutorUnavailableError(
-            f"Ray cluster at rl.ray_address={address!r} did not answer within rl.ray_connect_timeout_s="
-            f"{rl.ray_connect_timeout_s:g}s; check the cluster (`ray status`), or set rl.executor = 'local'"
+            f"Ray cluster at rl.ray.address={address!r} did not answer within rl.ray.connect_timeout_s="
+            f"{rl.ray.connect_timeout_s:g}s; check the cluster (`ray status`), or set rl.executor = 'local'"
         )
     if failure:
         raise ExecutorUnavailableError(
-            f"cannot connect to the Ray cluster at rl.ray_address={address!r}: {type(failure[0]).__name__}: {failure[0]}; "
+            f"cannot connect to the Ray cluster at rl.ray.address={address!r}: {type(failure[0]).__name__}: {failure[0]}; "
             "start one (`ray start --head`), use 'local' for an in-process cluster, or set rl.executor = 'local'"
         ) from failure[0]
     return time.perf_counter() - started
 
 
 def actor_count(rl: RLConfig, candidates: int, cluster: dict[str, float]) -> tuple[int, int]:
-    """``(actors, gpus per actor)`` for a round: ``rl.ray_actors`` or one per GPU of the
+    """``(actors, gpus per actor)`` for a round: ``rl.ray.actors`` or one per GPU of the
     cluster (1 without GPUs), never more than the candidates."""
     gpus_total = int(cluster.get("GPU", 0))
-    gpus = (1 if gpus_total > 0 else 0) if rl.ray_actor_gpus == "auto" else int(rl.ray_actor_gpus)
-    wanted = rl.ray_actors or (gpus_total if gpus and gpus_total else 1)
+    gpus = (1 if gpus_total > 0 else 0) if rl.ray.actor_gpus == "auto" else int(rl.ray.actor_gpus)
+    wanted = rl.ray.actors or (gpus_total if gpus and gpus_total else 1)
     return max(1, min(wanted, candidates)), gpus
 
 
@@ -172,7 +172,7 @@ def _sizing(
     import ray
 
     actors, gpus = actor_count(rl, candidates, ray.cluster_resources())
-    bundle = {"CPU": rl.ray_actor_cpus} | ({"GPU": float(gpus)} if gpus else {})
+    bundle = {"CPU": rl.ray.actor_cpus} | ({"GPU": float(gpus)} if gpus else {})
     return (model_cfg.model_dump_json(), json.dumps(bundle, sort_keys=True)), bundle, actors, gpus
 
 
@@ -258,7 +258,7 @@ def release_kept_actors() -> None:
 
 
 def wait_placed(pool: Pool, rl: RLConfig, what: str, on_phase: Callable[[PhaseBoundary], None] | None) -> float:
-    """Wait until the pool's placement group is placed (at most ``rl.ray_placement_timeout_s`` from now);
+    """Wait until the pool's placement group is placed (at most ``rl.ray.placement_timeout_s`` from now);
     returns the seconds waited. ``on_phase`` is called every few seconds (a cancel takes effect).
 
     Raises:
@@ -269,7 +269,7 @@ def wait_placed(pool: Pool, rl: RLConfig, what: str, on_phase: Callable[[PhaseBo
     if pool.placed:
         return 0.0
     started = time.perf_counter()
-    deadline = time.monotonic() + rl.ray_placement_timeout_s
+    deadline = time.monotonic() + rl.ray.placement_timeout_s
     while True:
         remaining = deadline - time.monotonic()
         ready, _ = ray.wait([pool.group.ready()], timeout=max(0.0, min(5.0, remaining)))
@@ -281,8 +281,8 @@ def wait_placed(pool: Pool, rl: RLConfig, what: str, on_phase: Callable[[PhaseBo
             total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
             raise PlacementTimeoutError(
                 f"{what}: could not reserve {pool.size} trainer actor(s) of {pool.bundle} within "
-                f"rl.ray_placement_timeout_s={rl.ray_placement_timeout_s:g}s (cluster free: {free}, total: {total}); add "
-                "nodes, lower rl.ray_actors / rl.ray_actor_cpus, or raise the timeout"
+                f"rl.ray.placement_timeout_s={rl.ray.placement_timeout_s:g}s (cluster free: {free}, total: {total}); add "
+                "nodes, lower rl.ray.actors / rl.ray.actor_cpus, or raise the timeout"
             )
         log.warning(
             "%s: waiting for %d trainer actor(s) of %s (cluster free: %s; %.0fs left)",
@@ -329,13 +329,13 @@ def _spawn(rl: RLConfig, model_cfg: ModelConfig, group: object, index: int, gpus
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=cast(Any, group), placement_group_bundle_index=index)
     options = {
-        "num_cpus": rl.ray_actor_cpus,
+        "num_cpus": rl.ray.actor_cpus,
         "num_gpus": gpus,
         "max_concurrency": 2,
         "max_restarts": 0,
         "max_task_retries": 0,
     }
-    threads = None if gpus else max(1, int(rl.ray_actor_cpus))
+    threads = None if gpus else max(1, int(rl.ray.actor_cpus))
     return ray.remote(TrainerActor).options(scheduling_strategy=strategy, **options).remote(model_cfg, threads)
 
 

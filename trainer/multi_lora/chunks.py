@@ -1,4 +1,4 @@
-"""How a one-pass step's rows are cut into forward/backward chunks of at most ``rl.one_pass_chunk_tokens``
+"""How a one-pass step's rows are cut into forward/backward chunks of at most ``rl.update.chunk_tokens``
 padded tokens (:func:`plan_chunks`), each mixing the candidates, and the sub-batch of one chunk's rows."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainer.errors import TrainerConfigError
-from trainer.algorithms.update import Batch
+from trainer.algorithms.batch import Batch
 
 
 Chunk = list[tuple[int, list[int]]]

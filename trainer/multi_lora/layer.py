@@ -148,7 +148,7 @@ class MultiLoRA:
             if x.shape[0] != rows:
                 raise TrainerConfigError(
                     f"multi-adapter LoRA expects batch-first inputs with one row per sequence ({rows} rows); "
-                    f"{type(module).__name__} got {tuple(x.shape)}: train this model with update_mode 'sequential'"
+                    f"{type(module).__name__} got {tuple(x.shape)}: train this model with [rl.update] mode = 'sequential'"
                 )
             order = self._order
             dtype = next(iter(entries.values())).A.dtype

@@ -1,8 +1,8 @@
 """One optimizer step of several candidates, all their rows through the resident base together, in chunks.
 
-:func:`update_step_one_pass` is the step behind ``rl.update_mode = "one_pass"``
+:func:`update_step_one_pass` is the step behind ``rl.update.mode = "one_pass"``
 (:func:`train_one_pass` pulls the candidates out of the adapter store and calls it). The step's rows of every candidate are cut into
-chunks of at most ``rl.one_pass_chunk_tokens`` padded tokens
+chunks of at most ``rl.update.chunk_tokens`` padded tokens
 (:func:`trainer.multi_lora.chunks.plan_chunks`); each chunk mixes the candidates in proportion to their
 row counts, its rows grouped by candidate (so the multi-adapter layer never
 sorts), and goes through one adapters-off reference forward (no grad) and one
@@ -19,13 +19,13 @@ clamps), which is ``sum of the piece's token losses / N_k``. Summed over the
 chunks, that is the token mean over the candidate's whole batch, so the
 gradient equals the unchunked one (and the sequential mode's) up to float
 rounding. This holds because every algorithm that joins one-pass updates
-(:data:`trainer.algorithms.update.ONE_PASS_ALGORITHMS`: PPO-clip, GRPO) has a loss that is a
+(:data:`trainer.algorithms.registry.ONE_PASS_ALGORITHMS`: PPO-clip, GRPO) has a loss that is a
 token mean over its batch plus ``kl_coef`` x a token-mean k3 KL; an algorithm
 with batch-level terms (KTO's reference point) must stay sequential.
 
 :func:`train_one_pass` runs a step of several candidates this way
 (:func:`update_step_one_pass`: the rows in chunks of
-``rl.one_pass_chunk_tokens`` padded tokens, gradients accumulated, so the
+``rl.update.chunk_tokens`` padded tokens, gradients accumulated, so the
 step's memory does not grow with K x rows). Each candidate keeps its own
 parameters, AdamW (own learning rate and state) and loss normalisation (a
 token mean over all its rows of the step), so each adapter's gradient is the
@@ -54,7 +54,8 @@ from trainer.adapters.lora_tensors import adapter_params, make_adamw, peft_name
 from trainer.multi_lora.layer import MultiLoRA
 from trainer.multi_lora.chunks import plan_chunks, sub_batch
 from trainer.timers import phase
-from trainer.algorithms.update import ALGORITHMS, ONE_PASS_ALGORITHMS, Batch, LossInputs
+from trainer.algorithms.registry import ALGORITHMS, ONE_PASS_ALGORITHMS
+from trainer.algorithms.batch import Batch, LossInputs
 
 if TYPE_CHECKING:
     from trainer.adapters.store import AdapterStore
@@ -76,14 +77,14 @@ def update_step_one_pass(
 
     ``multi`` is a :class:`trainer.multi_lora.layer.MultiLoRA` holding ``members[k].params``
     as adapter ``k``; rows of ``batches[k]`` go through adapter ``k``. The rows
-    are cut by :func:`plan_chunks` (``rl.one_pass_chunk_tokens``); per chunk one
+    are cut by :func:`plan_chunks` (``rl.update.chunk_tokens``); per chunk one
     reference forward (adapters off, no grad) and one forward/backward, the
     gradients accumulating. Each member's loss is what :func:`trainer.algorithms.update.update_step`
     computes on its batch alone (its own token mean over all its rows, see the
     module docstring), so each adapter's gradient equals its gradient alone.
     A member whose loss is not finite in some chunk is left out of the
     backward from then on and not stepped; a member whose gradient norm is
-    not finite is not stepped. Clipping (``rl.max_grad_norm``) is per member.
+    not finite is not stepped. Clipping (``rl.update.max_grad_norm``) is per member.
 
     Returns:
         per member, the metrics of :func:`trainer.algorithms.update.update_step`
@@ -96,7 +97,7 @@ def update_step_one_pass(
         time, and ``train/chunks`` the number of forward/backward chunks.
 
     Raises:
-        TrainerConfigError: a member's algorithm is not in :data:`trainer.algorithms.update.ONE_PASS_ALGORITHMS`.
+        TrainerConfigError: a member's algorithm is not in :data:`trainer.algorithms.registry.ONE_PASS_ALGORITHMS`.
     """
     bad = [m.candidate.name for m in members if not ALGORITHMS[m.candidate.algorithm].one_pass]
     if bad:
@@ -110,7 +111,7 @@ def update_step_one_pass(
     tokens_K = [max(1, sum(len(c) for c in b.completion_ids)) for b in batches]  # each member's token-mean denominator
     sums: list[dict[str, float]] = [{"train/loss": 0.0, "train/pg_loss": 0.0, "train/kl": 0.0} for _ in members]
     finite = [True] * len(members)
-    chunks = plan_chunks(batches, rl.one_pass_chunk_tokens, base.share_prompts)
+    chunks = plan_chunks(batches, rl.update.chunk_tokens, base.share_prompts)
     for chunk in chunks:
         prompts = [batches[k].prompt_ids[r] for k, rows in chunk for r in rows]
         completions = [batches[k].completion_ids[r] for k, rows in chunk for r in rows]
@@ -154,7 +155,7 @@ def update_step_one_pass(
         for k, m in enumerate(members):
             grad_norm = float("nan")
             if finite[k]:
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(m.params.values()), rl.max_grad_norm).item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(m.params.values()), rl.update.max_grad_norm).item()
                 if math.isfinite(grad_norm):
                     m.optimizer.step()
             m.optimizer.zero_grad(set_to_none=True)
@@ -213,11 +214,11 @@ def _push(store: AdapterStore, member: OnePassMember) -> None:
 def train_one_pass(
     base: ResidentBase, store: AdapterStore, work: Sequence[tuple[CandidateConfig, Batch]], rl: RLConfig
 ) -> dict[str, dict[str, float]]:
-    """One optimizer step for each ``(candidate, batch)``, ``rl.adapters_per_pass`` candidates per forward/backward.
+    """One optimizer step for each ``(candidate, batch)``, ``rl.update.adapters_per_pass`` candidates per forward/backward.
 
     Per group: pull the candidates' weights and AdamW state out of the store,
     run the step over all their rows (:func:`trainer.multi_lora.one_pass.update_step_one_pass`:
-    per chunk of ``rl.one_pass_chunk_tokens`` padded tokens one reference pass and
+    per chunk of ``rl.update.chunk_tokens`` padded tokens one reference pass and
     one forward/backward), push the results back. A candidate whose loss or gradient is not finite is
     not stepped (``train/skipped_nonfinite`` = 1); the others are unaffected.
 
@@ -229,7 +230,7 @@ def train_one_pass(
         TrainerConfigError: a candidate with embedding LoRA layers (train it sequentially).
     """
     out: dict[str, dict[str, float]] = {}
-    g = rl.adapters_per_pass
+    g = rl.update.adapters_per_pass
     for first in range(0, len(work), g):
         group = work[first : first + g]
         started = time.perf_counter()

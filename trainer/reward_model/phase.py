@@ -30,7 +30,7 @@ from pathlib import Path
 
 from trainer.adapters.store import AdapterStore
 from trainer.model.base import ResidentBase
-from trainer.config import OFFLINE_ALGORITHMS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
+from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
 from trainer.reward_model.model import (
     RewardModel,
@@ -70,7 +70,7 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
         problems.append(
             f"candidates {[c.name for c in users]} use reward 'reward_model' but [reward_model] enabled = false"
         )
-    offline = [c.name for c in users if c.algorithm in OFFLINE_ALGORITHMS]
+    offline = [c.name for c in users if not ALGORITHM_TRAITS[c.algorithm].online]
     if offline:
         problems.append(
             f"candidates {offline} use reward 'reward_model', which scores fresh rollouts: only grpo / ppo_clip have them"
@@ -79,7 +79,7 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
         problems.append(f"a candidate is named {cfg.name!r} like the reward model; rename one ([reward_model] name)")
     if problems:
         raise TrainerConfigError("; ".join(problems))
-    return cfg.wanted(list(candidates), rl.gate_metric)
+    return cfg.wanted(list(candidates), rl.gate.metric)
 
 
 def reward_data(
@@ -149,14 +149,16 @@ def train_phase(
     started = time.perf_counter()
     train_fb, held_fb = data
     base, store = model.base, model.store
-    history = train_reward_model(model, tokenise_feedback(base, train_fb), cfg, rl.max_grad_norm, rl.seed, on_phase)
+    history = train_reward_model(
+        model, tokenise_feedback(base, train_fb), cfg, rl.update.max_grad_norm, rl.seed, on_phase
+    )
     held = tokenise_feedback(base, held_fb)
-    report = evaluate_reward_model(model, held, rl.gate_confidence, rl.bootstrap_samples, rl.seed)
+    report = evaluate_reward_model(model, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
     champion_report = None
     if champion is not None:
         probe = create_reward_model(base, store, cfg, champion, rl.seed, name=f"{cfg.name}-champion")
         try:
-            champion_report = evaluate_reward_model(probe, held, rl.gate_confidence, rl.bootstrap_samples, rl.seed)
+            champion_report = evaluate_reward_model(probe, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
         finally:
             store.delete(probe.name)
     metrics = {
@@ -193,7 +195,7 @@ def score_rollouts(
 
     ``prompt_ids[name][p]`` are prompt ``p``'s ids, ``groups[name][p]`` its G samples.
     Returns per candidate ``[p][g] -> {"reward_model_score": score}`` (for
-    :func:`trainer.algorithms.update.rollout_batch`) and ``train/reward_model_score_s``.
+    :func:`trainer.algorithms.ppo.rollout_batch`) and ``train/reward_model_score_s``.
     """
     started = time.perf_counter()
     flat_prompts, flat_completions, shape = [], [], []

@@ -53,7 +53,7 @@ class FleetEngine:
     ) -> None:
         urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
         if not urls:
-            raise RolloutError("a vLLM fleet needs at least one replica URL (serving.replicas or rl.rollout_urls)")
+            raise RolloutError("a vLLM fleet needs at least one replica URL (serving.replicas or rl.rollout.urls)")
         self.engines = [VLLMEngine(u, adapter_share=adapter_share, **engine_kwargs) for u in urls]
         self.base_name = self.engines[0].base_name
         self.order = list(order)

@@ -56,8 +56,8 @@ def _config(tmp_path: Path, mlflow_uri: str, **extra) -> dict:
             "embedded": False,
             "staging_dir": str(tmp_path / "staging"),
         },
-        "reward_model": {"auc_margin": 0.05},
-        **extra,
+        **{k: v for k, v in extra.items() if k != "rl"},
+        "rl": {"reward_model": {"auc_margin": 0.05}, **extra.get("rl", {})},
     }
 
 
@@ -205,15 +205,11 @@ def test_crash_mid_reward_model_training_registers_nothing(
         rl={
             "steps_per_round": 2,
             "prompts_per_step": 2,
-            "group_size": 2,
-            "max_new_tokens": 4,
-            "eval_prompts": 4,
-            "rollout_engine": "hf",
+            "rollout": {"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+            "gate": {"eval_prompts": 4, "max_kl": 100.0, "bootstrap_samples": 100},
             "adapter_store": "offload",
-            "max_kl": 100.0,
-            "bootstrap_samples": 100,
+            "reward_model": {"auc_margin": 0.05, "steps": 4, "batch_size": 8, "min_examples": 8},
         },
-        reward_model={"auc_margin": 0.05, "steps": 4, "batch_size": 8, "min_examples": 8},
         schedule={"enabled": False},
     )
     cfg = HourglassConfig(**raw)

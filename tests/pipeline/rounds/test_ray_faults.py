@@ -53,15 +53,10 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
         rl={
             "steps_per_round": 3,
             "prompts_per_step": 2,
-            "group_size": 2,
-            "max_new_tokens": 4,
-            "eval_prompts": 4,
-            "rollout_engine": "hf",
-            "max_kl": 100.0,
-            "bootstrap_samples": 100,
+            "rollout": {"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+            "gate": {"eval_prompts": 4, "max_kl": 100.0, "bootstrap_samples": 100},
             "executor": "ray",
-            "ray_actors": 2,
-            "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+            "ray": {"actors": 2, "storage_uri": f"file://{tmp_path / 'exchange'}"},
         },
         schedule={"enabled": False},
     )

@@ -226,12 +226,12 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
 
     fleet = ["http://vllm-0:8000", "http://vllm-1:8000"]
     rl = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet, "adapter_share_uri": "s3://b/share"}).rl
-    assert rl.rollout_urls == fleet and rl.rollout_url == fleet[0] and rl.adapter_share_uri == "s3://b/share"
+    assert rl.rollout.urls == fleet and rl.rollout.url == fleet[0] and rl.rollout.adapter_share_uri == "s3://b/share"
     own = HourglassConfig(
-        state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_url": "http://rollouts:8000"}
+        state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"url": "http://rollouts:8000"}}
     ).rl
     assert own.rollout_urls == [] and own.adapter_share_uri is None  # a separate rollout server is used alone
-    hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_engine": "hf"}).rl
+    hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"engine": "hf"}}).rl
     assert hf.rollout_urls == [] and hf.rollout_url is None
 
 
@@ -321,11 +321,10 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
                 "reward": [{"fn": "reward_model", "kwargs": {"probability": False}}],
             },
         ],
-        rl=rl,
-        reward_model={"steps": 4, "batch_size": 8, "min_examples": 8, "start": "fresh"},
+        rl=rl | {"reward_model": {"steps": 4, "batch_size": 8, "min_examples": 8, "start": "fresh"}},
         schedule={"enabled": False},
     )
-    assert cfg.rl.rollout_urls == urls and cfg.rl.adapter_share_uri == str(share)
+    assert cfg.rl.rollout.urls == urls and cfg.rl.rollout.adapter_share_uri == str(share)
     table = snapshot_table(_rows_with_base_answers(tiny_model, urls, cfg.rl))
 
     before = [_completion_requests(u) for u in urls]
