@@ -75,7 +75,7 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
         run_round(
             RoundSpec(ModelConfig(name=str(tiny_model)), tuple(twice), RL), round_inputs(train, heldout), tmp_path
         )
-    with pytest.raises(TrainerConfigError, match="rollout_url"):
+    with pytest.raises(TrainerConfigError, match="rl.rollout.url"):
         run_round(
             RoundSpec(
                 ModelConfig(name=str(tiny_model)),
