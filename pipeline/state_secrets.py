@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import HourglassConfig
@@ -18,8 +19,9 @@ from pipeline.config import HourglassConfig
 API_TOKEN_FILE = "api-token"
 
 
-def state_secret(path: Path) -> str:
-    """The secret in ``path``; on first use 32 random bytes (URL-safe text) are written there with mode 0600.
+def state_secret(path: Path, make: Callable[[], str] = lambda: secrets.token_urlsafe(32)) -> str:
+    """The secret in ``path``; on first use ``make()`` (default: 32 random bytes as URL-safe text) is written
+    there with mode 0600.
 
     Two processes creating it at once agree on one secret (the file is created exclusively; the loser
     reads the winner's).
@@ -32,7 +34,7 @@ def state_secret(path: Path) -> str:
             pass
         else:
             with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_urlsafe(32))
+                handle.write(make())
     return path.read_text().strip()
 
 

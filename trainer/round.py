@@ -29,13 +29,13 @@ candidate with ``start = "self"`` starts from there (fresh when it does not exis
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from connectors import atomic
 from trainer import timers
 from trainer.adapters.registry import make_store
 from trainer.adapters.store import AdapterStore
@@ -236,7 +236,7 @@ class RoundRecipe:
             out = []
             for c in self.spec.candidates:
                 folder = self.store.save(c.name, self.out_dir / c.name / "adapter")
-                _keep_as_last(folder, self.out_dir.parent / "last" / c.name)
+                atomic.copy_dir(folder, self.out_dir.parent / "last" / c.name)  # replaced in one step
                 r = self.evaluation.results[c.name]
                 out.append(
                     CandidateResult(
@@ -336,8 +336,3 @@ def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
         problems.append(f"duplicate candidate names {dupes}")
     if problems:
         raise TrainerConfigError("; ".join(problems))
-
-
-def _keep_as_last(folder: Path, last: Path) -> None:
-    shutil.rmtree(last, ignore_errors=True)
-    shutil.copytree(folder, last)

@@ -179,14 +179,15 @@ class LiveSteps:
 
     def registered_versions(self, record: RoundRecord) -> dict[str, str]:
         from pipeline.registry import models as registry
+        from pipeline.registry.client import find_round_version, make_client
 
         finished = registry.register_pending(self.cfg, record.round_id)
         if finished is not None:
             return {v.model: v.version for v in finished}
-        client = registry.make_client(self.cfg)
+        client = make_client(self.cfg)
         versions = {}
         for model in record.decisions or {}:
-            mv = registry.find_round_version(client, model, record.round_id)
+            mv = find_round_version(client, model, record.round_id)
             if mv is not None:
                 versions[model] = str(mv.version)
         return versions

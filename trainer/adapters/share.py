@@ -21,11 +21,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from connectors import atomic
 from trainer.errors import TrainerError
 
 MANIFEST = "hourglass-manifest.json"
@@ -163,9 +163,7 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
     target = cache / name
     if target.is_dir() and _matches(target, files):
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=cache))
-    try:
+    with atomic.new_dir(target) as tmp:  # a stale copy is replaced in one step, only by a verified one
         for file_name in files:
             try:
                 (tmp / file_name).write_bytes(_read(fs, f"{folder_path}/{file_name}"))
@@ -177,11 +175,6 @@ def fetch(uri: str, name: str, cache_dir: str | Path) -> Path | None:
             raise AdapterShareError(
                 f"{uri}/{name}: the files do not match {MANIFEST} (a checksum differs); the shared copy is corrupted, publish it again"
             )
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -1,6 +1,7 @@
-"""One optimizer step of one candidate on the live adapter (``rl.update.mode = "sequential"``): its
-algorithm's policy loss (:data:`trainer.algorithms.registry.ALGORITHMS`) plus ``kl_coef`` * k3 KL to the
-reference (the base with adapters disabled), then backward, clip, AdamW step."""
+"""One optimizer step of one candidate on the live adapter (``rl.update.mode = "sequential"``): the shared
+loss (:func:`trainer.algorithms.core.candidate_loss`: its algorithm's policy loss plus ``kl_coef`` * k3 KL
+to the reference, the base with adapters disabled), backward, then the shared clip and AdamW step
+(:func:`trainer.algorithms.core.clip_and_step`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import time
 import torch
 
 from trainer.algorithms.batch import Batch, LossInputs
-from trainer.algorithms.losses import kl_k3, masked_mean
-from trainer.algorithms.registry import ALGORITHMS
+from trainer.algorithms.core import candidate_loss, clip_and_step
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
 from trainer.timers import phase
@@ -37,17 +37,13 @@ def update_step(
         ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
     with phase("time/forward_backward_s"):
         logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-        spec = ALGORITHMS[candidate.algorithm]
-        pg_loss, loss_metrics = spec.policy_loss(LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT))
-        kl = masked_mean(kl_k3(logprobs_BT, ref_BT), mask_BT)
-        loss = pg_loss + candidate.kl_coef * kl
+        loss, pg_loss, kl, loss_metrics = candidate_loss(
+            LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
+        )
         loss.backward()
     with phase("time/optimizer_s"):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.update.max_grad_norm).item()  # CPU-GPU sync point
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_and_step(params, optimizer, rl.update.max_grad_norm)
     elapsed = time.perf_counter() - started
     tokens = float(mask_BT.sum().item())
     return {

@@ -19,13 +19,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from connectors import atomic
 from trainer.errors import ModelStoreError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -221,9 +220,7 @@ def pull(key: str, cache_dir: str | Path, force: bool = False) -> ModelInfo:
         except ModelStoreError as err:
             log.warning("rebuilding %s: %s", target, err)
     gguf = find_packaged_gguf(KNOWN_MODELS[key])
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=cache))
-    try:
+    with atomic.new_dir(target) as staging:  # an old or broken folder is replaced in one step
         _convert_gguf(gguf, staging)
         sample = greedy_sample(staging)
         if not sample.strip():
@@ -233,12 +230,6 @@ def pull(key: str, cache_dir: str | Path, force: bool = False) -> ModelInfo:
             source=f"{KNOWN_MODELS[key].distribution}:{gguf.name}:sha256={sha256_file(gguf)}",
             greedy_sample=sample,
         )
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return ModelInfo(path=target, fingerprint=info.fingerprint, source=info.source, greedy_sample=info.greedy_sample)
 
 
@@ -277,7 +268,7 @@ def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0)
         try:
             return verify(out)
         except ModelStoreError:
-            shutil.rmtree(out)
+            pass  # rebuilt below, and replaced in one step
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -295,14 +286,8 @@ def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0)
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with atomic.new_dir(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         info = _write_manifest(staging, source=f"tiny-random-llama:seed={seed}", greedy_sample="")
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return ModelInfo(path=out, fingerprint=info.fingerprint, source=info.source, greedy_sample="")

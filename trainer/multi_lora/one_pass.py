@@ -21,7 +21,8 @@ gradient equals the unchunked one (and the sequential mode's) up to float
 rounding. This holds because every algorithm that joins one-pass updates
 (:data:`trainer.algorithms.registry.ONE_PASS_ALGORITHMS`: PPO-clip, GRPO) has a loss that is a
 token mean over its batch plus ``kl_coef`` x a token-mean k3 KL; an algorithm
-with batch-level terms (KTO's reference point) must stay sequential.
+with batch-level terms (KTO's reference point) must stay sequential. The loss of each piece and each
+member's clip and step are the sequential mode's own (:mod:`trainer.algorithms.core`).
 
 :func:`train_one_pass` runs a step of several candidates this way
 (:func:`update_step_one_pass`: the rows in chunks of
@@ -49,7 +50,7 @@ import torch
 from trainer.model.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.algorithms.losses import kl_k3, masked_mean
+from trainer.algorithms.core import candidate_loss, clip_and_step
 from trainer.adapters.lora_tensors import adapter_params, make_adamw, peft_name
 from trainer.multi_lora.layer import MultiLoRA
 from trainer.multi_lora.chunks import plan_chunks, sub_batch
@@ -133,12 +134,11 @@ def update_step_one_pass(
                 s, e, T = start, start + len(rows), max(1, max(len(c) for c in piece.completion_ids))
                 start = e
                 logprobs_BT, ref_BT_k, mask_BT = logprobs_all_BT[s:e, :T], ref_BT[s:e, :T], mask_all_BT[s:e, :T]
-                pg_loss, loss_metrics = ALGORITHMS[m.candidate.algorithm].policy_loss(
+                unweighted, pg_loss, kl, loss_metrics = candidate_loss(
                     LossInputs(base, m.candidate, rl, piece, logprobs_BT, ref_BT_k, mask_BT)
                 )
-                kl = masked_mean(kl_k3(logprobs_BT, ref_BT_k), mask_BT)
                 weight = max(1, sum(len(c) for c in piece.completion_ids)) / tokens_K[k]
-                loss = (pg_loss + m.candidate.kl_coef * kl) * weight
+                loss = unweighted * weight
                 for key, value in {
                     "train/loss": loss.item(),
                     "train/pg_loss": pg_loss.item() * weight,
@@ -153,12 +153,11 @@ def update_step_one_pass(
                 torch.stack(losses).sum().backward()
     with phase("time/optimizer_s"):
         for k, m in enumerate(members):
-            grad_norm = float("nan")
             if finite[k]:
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(m.params.values()), rl.update.max_grad_norm).item()
-                if math.isfinite(grad_norm):
-                    m.optimizer.step()
-            m.optimizer.zero_grad(set_to_none=True)
+                grad_norm = clip_and_step(list(m.params.values()), m.optimizer, rl.update.max_grad_norm)
+            else:  # its loss was not finite in some chunk: left out of the backward, not stepped
+                grad_norm = float("nan")
+                m.optimizer.zero_grad(set_to_none=True)
             sums[k]["train/grad_norm"] = grad_norm
             sums[k]["train/skipped_nonfinite"] = float(not math.isfinite(grad_norm))
     elapsed = time.perf_counter() - started

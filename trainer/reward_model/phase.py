@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connectors import atomic
 from trainer.adapters.store import AdapterStore
 from trainer.model.base import ResidentBase
 from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
@@ -217,9 +217,7 @@ def finish(phase: RewardPhase, out_dir: Path) -> RewardModelResult | None:
     if phase.model is None or phase.report is None or phase.train is None:
         return None
     folder = phase.model.save(out_dir / phase.model.name / "adapter")
-    last = out_dir.parent / "last" / phase.model.name
-    shutil.rmtree(last, ignore_errors=True)
-    shutil.copytree(folder, last)
+    atomic.copy_dir(folder, out_dir.parent / "last" / phase.model.name)  # replaced in one step
     return RewardModelResult(
         name=phase.model.name,
         adapter_dir=folder,

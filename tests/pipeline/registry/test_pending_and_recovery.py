@@ -15,10 +15,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.registry import aliases
+from pipeline.registry.client import find_round_version
 from pipeline.registry.models import (
     TAG_NOT_PROMOTED,
     RegistryUnavailableError,
-    find_round_version,
     list_pending,
     register_round,
 )

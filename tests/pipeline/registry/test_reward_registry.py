@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
-from pipeline.registry.models import TAG_ROUND, TAG_SHA256, adapter_checksums
+from pipeline.registry.client import TAG_ROUND, TAG_SHA256, adapter_checksums
 from pipeline.registry.reward_registry import (
     TAG_AUC,
     TAG_DECISION,
