@@ -230,9 +230,9 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
     own = HourglassConfig(
         state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"url": "http://rollouts:8000"}}
     ).rl
-    assert own.rollout_urls == [] and own.adapter_share_uri is None  # a separate rollout server is used alone
+    assert own.rollout.urls == [] and own.rollout.adapter_share_uri is None  # a separate rollout server is used alone
     hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"engine": "hf"}}).rl
-    assert hf.rollout_urls == [] and hf.rollout_url is None
+    assert hf.rollout.urls == [] and hf.rollout.url is None
 
 
 def _completion_requests(url: str) -> float:
@@ -279,18 +279,17 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
     rl = {
         "steps_per_round": 2,
         "prompts_per_step": 2,
-        "group_size": 4,
-        "max_new_tokens": 4,
-        "eval_prompts": 4,
-        "rollout_engine": "vllm",  # rollout_urls: every serving replica
-        "max_kl": 100.0,
-        "bootstrap_samples": 100,
-        # the gate's yardstick: "differs from the base's greedy answer", which any trained candidate passes on a
-        # random model, so the round has a winner to register (this test is about where the work runs)
-        "gate_reward": [{"fn": "tests.trainer.ray_helpers:unlike_base"}],
+        "rollout": {"group_size": 4, "max_new_tokens": 4, "engine": "vllm"},  # urls: every serving replica
+        "gate": {
+            "eval_prompts": 4,
+            "max_kl": 100.0,
+            "bootstrap_samples": 100,
+            # the yardstick: "differs from the base's greedy answer", which any trained candidate passes on a
+            # random model, so the round has a winner to register (this test is about where the work runs)
+            "reward": [{"fn": "tests.trainer.ray_helpers:unlike_base"}],
+        },
         "executor": "ray",
-        "ray_actors": 2,
-        "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+        "ray": {"actors": 2, "storage_uri": f"file://{tmp_path / 'exchange'}"},
     }
     cfg = HourglassConfig(
         state_dir=str(tmp_path / "state"),
