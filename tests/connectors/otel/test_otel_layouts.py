@@ -299,3 +299,11 @@ def test_token_ids_where_the_span_records_them() -> None:
     assert only_call(proto_bytes(v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT))).completion_token_ids is None
     bad = {**SIMPLE_ATTRS, "hourglass.completion_token_ids": [1, 2**40]}
     assert only_rejection(proto_bytes(v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT, attrs=bad)))[0] == "invalid_content"
+
+
+def test_every_setting_is_documented() -> None:
+    from connectors.otel import OtelFeedbackRule
+
+    for model in (OtelSourceConfig, OtelFeedbackRule):
+        undocumented = [name for name, f in model.model_fields.items() if not (f.description or "").strip()]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
