@@ -181,3 +181,37 @@ def test_conversation_fields_turn_counts_earlier_answers_and_absent_fields_are_n
     )
     assert fields["usage"] is None and fields["conversation_id"] is None and fields["finish_reason"] == "stop"
     assert fields["prompt_token_ids"] is None and fields["completion_token_ids"] is None
+
+
+def test_the_events_go_through_the_ingest_batch_parser_as_native_records() -> None:
+    """The proposed ingest hook: each mapped event re-enters parse_batch as a record of the OTel topic, so the
+    window, hashing, storage rows and dead letters are the native ones."""
+    from dataclasses import dataclass
+    from datetime import UTC, datetime, timedelta
+
+    from connectors.fast_parse import parse_batch
+    from connectors.schema import TsWindow
+
+    @dataclass
+    class Record:
+        topic: str
+        partition: int
+        offset: int
+        key: bytes | None
+        value: bytes | None
+
+    spans = [
+        v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT, attrs={**SIMPLE_ATTRS, "user.id": "alice"}),
+        v137_span(TOOL_SPAN2_INPUT, TOOL_SPAN2_OUTPUT, attrs=TOOL_SPAN2_ATTRS, span_id="00f067aa0ba902b8"),
+    ]
+    out = native_events(proto_bytes(*spans), CFG)
+    records = [Record("otlp_spans", 0, 7, e["trace_id"].encode(), json.dumps(e).encode()) for e in out.events]
+    now = datetime(2026, 1, 1, 0, 5, tzinfo=UTC)
+    batch = parse_batch(records, max_record_bytes=1 << 20, hasher=HASHER, window=TsWindow.around(now, 3600, 300))
+    assert not batch.dead_letters and len(batch.traces) == 2
+    table, _ = batch.tables(now)
+    assert sorted(table.column("trace_id").to_pylist()) == sorted(e["trace_id"] for e in out.events)
+    late = parse_batch(
+        records, max_record_bytes=1 << 20, hasher=HASHER, window=TsWindow.around(now + timedelta(days=30), 3600, 300)
+    )
+    assert [d.reason for d in late.dead_letters] == ["ts_out_of_range"] * 2
