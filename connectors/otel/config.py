@@ -23,7 +23,7 @@ class OtelFeedbackRule(Section):
 
     A span or span event that has ``attribute`` (and, when ``evaluation_name`` is set, a
     ``gen_ai.evaluation.name`` equal to it) becomes one ``hourglass.feedback/v1`` event for the GenAI
-    span it points at: a span event on the GenAI span itself points at that span; any other span (or an
+    span it points at: the GenAI span itself, or an event on it, points at that span; any other span (or an
     event on it) points at its first link, else at its parent span.
     """
 

@@ -5,8 +5,8 @@ e.g. ``feedback.thumbs`` set by the app, or ``gen_ai.evaluation.score.value`` wi
 ``gen_ai.evaluation.name`` (the ``gen_ai.evaluation.result`` event of semantic conventions 1.41, which
 "SHOULD be parented to the GenAI operation span being evaluated"). What an item points at:
 
-- a span event on a GenAI inference span: that span;
-- a span, or an event on a span that is not GenAI inference: the span's first link, else its parent span.
+- the GenAI inference span itself, or an event on it: that span;
+- any other span, or an event on it: the span's first link, else its parent span.
 
 Every rule that matches one item adds its signal to the same :class:`FeedbackSignal` (one feedback event
 per item; the first rule wins when two name the same signal).
@@ -119,12 +119,12 @@ def signal_value(rule: OtelFeedbackRule, value: Any) -> Any:
 
 
 def _target(span: Span, source: str, operation: str | None) -> tuple[str, str]:
-    """(trace id, span id) in hex of the GenAI span an item is about (see module doc).
+    """(trace id, span id) in hex of the GenAI span an item (``source``: "span" / "event") is about (module doc).
 
     Raises:
         Refused: ``unlinked_feedback`` (nothing to point at), ``invalid_span`` (bad ids).
     """
-    if source == "event" and operation in INFERENCE_OPERATIONS:
+    if operation in INFERENCE_OPERATIONS:
         return span_ids(span)
     for link in span.links:
         if len(link.trace_id) == 16 and any(link.trace_id) and len(link.span_id) == 8 and any(link.span_id):

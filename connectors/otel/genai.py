@@ -53,7 +53,7 @@ from connectors.otel.types import (
     Rejected,
     Skipped,
 )
-from connectors.otel.wire import Attrs, Refused, kind_of
+from connectors.otel.wire import Attrs, Refused, json_text, kind_of
 
 INFERENCE_OPERATIONS = frozenset({"chat", "text_completion"})
 _OPENLLMETRY_TYPES = {"chat": "chat", "completion": "text_completion"}  # llm.request.type -> operation
@@ -343,7 +343,15 @@ def _openllmetry_message(
             if int(match.group(1)) >= cfg.max_tools:
                 raise Refused(INVALID_CONTENT, f"{where}.{key}: tool call index above otel.max_tools={cfg.max_tools}")
             calls.setdefault(int(match.group(1)), {})[match.group(2)] = value
-    body: dict[str, Any] = {"role": fields.get("role") or default_role, "content": fields.get("content")}
+    content = fields.get("content")
+    if isinstance(content, str) and content.startswith("[{"):  # OpenLLMetry records a list content as JSON text
+        try:
+            parts = json_text(content, cfg, f"{where}.content")
+        except Refused:
+            parts = None
+        if isinstance(parts, list) and all(isinstance(p, dict) and "type" in p for p in parts):
+            content = parts
+    body: dict[str, Any] = {"role": fields.get("role") or default_role, "content": content}
     if calls:
         body["tool_calls"] = [
             {

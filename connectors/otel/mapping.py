@@ -8,6 +8,7 @@ The dicts are plain JSON data (``ts`` as RFC 3339 text); ingest validates them l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final
 
@@ -27,6 +28,15 @@ CONVERSATION_FIELDS: Final = (
 )
 
 
+Digest = Callable[[str], str]  # the ingest's keyed hash of one text (``UserHasher.digest``)
+
+
+def user_identity(user_id: str | None) -> str:
+    """What an OTel user's ``metadata.user_hash`` hashes: ``otel\\x00<user id>``, or ``otel`` when the span
+    names no user (then the whole source counts as one user, as a gateway API key without ``user`` does)."""
+    return "otel" if user_id is None else f"otel\x00{user_id}"
+
+
 def derived_trace_id(trace_id: str, span_id: str) -> str:
     """The Hourglass trace id of an OTel span: ``otel-<32 hex>-<16 hex>`` (lowercase, deterministic)."""
     return f"otel-{trace_id.lower()}-{span_id.lower()}"
@@ -37,15 +47,18 @@ def rfc3339(when: datetime) -> str:
     return when.isoformat().replace("+00:00", "Z")
 
 
-def trace_event(call: GenAICall, cfg: OtelSourceConfig) -> dict[str, Any] | Rejected:
+def trace_event(call: GenAICall, cfg: OtelSourceConfig, digest: Digest | None = None) -> dict[str, Any] | Rejected:
     """The ``hourglass.trace/v1`` fields the schema has today, for one call; ``no_model`` when no model name.
 
     ``prompt``: the chat messages, led by a system message holding ``gen_ai.system_instructions`` when the
     span recorded them apart; a text completion whose input is one user text is stored as that text (as
     the gateway stores ``/v1/completions``). ``completion``: the first choice's text (empty when it only
     calls tools). ``metadata``: ``user`` (the configured user id attribute; ingest hashes it),
-    ``finish_reason`` and ``usage`` (as the gateway records them), and ``otel`` (provenance: ids, service,
-    scope, layout, operation, provider, request/response model, response and conversation ids).
+    ``finish_reason`` and ``usage`` (as the gateway records them), ``otel`` (provenance: ids, service,
+    scope, layout, operation, provider, request/response model, response and conversation ids), and, when
+    ``digest`` is given (ingest's ``UserHasher.digest``), ``user_hash`` = ``digest(user_identity(user))``:
+    the identity rounds cap per user (``rl.max_user_share``) and feedback counts one vote per, like the
+    gateway's. Without it every OTel row counts as the one user ``anonymous``.
     Token ids are left to :func:`conversation_fields` (they are the producing model's tokenizer's).
     """
     model = cfg.model_name or call.request_model or call.response_model
@@ -59,6 +72,8 @@ def trace_event(call: GenAICall, cfg: OtelSourceConfig) -> dict[str, Any] | Reje
     metadata: dict[str, Any] = {}
     if call.user_id is not None:
         metadata["user"] = call.user_id
+    if digest is not None:
+        metadata["user_hash"] = digest(user_identity(call.user_id))
     if call.finish_reason is not None:
         metadata["finish_reason"] = call.finish_reason
     usage = _usage(call)
@@ -118,12 +133,15 @@ def conversation_fields(call: GenAICall) -> dict[str, Any]:
     }
 
 
-def feedback_event(signal: FeedbackSignal) -> dict[str, Any]:
+def feedback_event(signal: FeedbackSignal, digest: Digest | None = None) -> dict[str, Any]:
     """The ``hourglass.feedback/v1`` event of one signal: the derived trace id of the GenAI span it points
-    at, its signals, ``ts``, ``metadata.user`` (hashed at ingest) and ``metadata.otel`` provenance."""
+    at, its signals, ``ts``, ``metadata.user`` (hashed at ingest), ``metadata.user_hash`` (the voter, when
+    ``digest`` is given; see :func:`trace_event`) and ``metadata.otel`` provenance."""
     metadata: dict[str, Any] = {}
     if signal.user_id is not None:
         metadata["user"] = signal.user_id
+    if digest is not None:
+        metadata["user_hash"] = digest(user_identity(signal.user_id))
     otel: dict[str, Any] = {
         "trace_id": signal.source_trace_id,
         "span_id": signal.source_span_id,

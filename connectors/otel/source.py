@@ -16,7 +16,7 @@ from typing import Any
 from connectors.otel.config import OtelSourceConfig
 from connectors.otel.feedback import read_feedback
 from connectors.otel.genai import operation_of, read_call
-from connectors.otel.mapping import feedback_event, trace_event
+from connectors.otel.mapping import Digest, feedback_event, trace_event
 from connectors.otel.types import TOO_MANY_SPANS, GenAICall, OtelBatch, Rejected, Skipped
 from connectors.otel.wire import Attrs, Refused, decode_request
 
@@ -80,16 +80,17 @@ class NativeEvents:
     spans: int = 0
 
 
-def native_events(value: bytes | None, cfg: OtelSourceConfig) -> NativeEvents:
+def native_events(value: bytes | None, cfg: OtelSourceConfig, digest: Digest | None = None) -> NativeEvents:
     """:func:`decode_payload`, then each call as a trace dict (:func:`~connectors.otel.mapping.trace_event`)
-    and each feedback signal as a feedback dict, traces first, each in span order."""
+    and each feedback signal as a feedback dict, traces first, each in span order. ``digest``: ingest's
+    ``UserHasher.digest``, for ``metadata.user_hash`` (see :func:`~connectors.otel.mapping.trace_event`)."""
     batch = decode_payload(value, cfg)
     out = NativeEvents(rejected=list(batch.rejected), skipped=dict(batch.skipped), spans=batch.spans)
     for call in batch.calls:
-        event = trace_event(call, cfg)
+        event = trace_event(call, cfg, digest)
         if isinstance(event, Rejected):
             out.rejected.append(event)
         else:
             out.events.append(event)
-    out.events.extend(feedback_event(signal) for signal in batch.feedback)
+    out.events.extend(feedback_event(signal, digest) for signal in batch.feedback)
     return out

@@ -13,6 +13,7 @@ from connectors.otel.feedback import signal_value
 from connectors.otel.wire import Refused
 from connectors.schema import FeedbackEvent, UserHasher, parse_record
 from tests.connectors.otel.otel_fixtures import (
+    SIMPLE_ATTRS,
     SIMPLE_INPUT,
     SIMPLE_OUTPUT,
     SPAN_ID,
@@ -31,6 +32,7 @@ EVAL = OtelFeedbackRule(
 CFG = OtelSourceConfig(feedback=[THUMBS, EVAL])
 HASHER = UserHasher("k" * 32, ["user"])
 FEEDBACK_SPAN = "aaaaaaaaaaaaaaaa"
+SIMPLE_ATTRS_WITH_VOTE = {**SIMPLE_ATTRS, "feedback.thumbs": "up", "user.id": "carol"}
 
 
 def feedback_events(*spans: object, cfg: OtelSourceConfig = CFG) -> list[dict]:
@@ -162,3 +164,11 @@ def test_rule_settings_are_checked() -> None:
         OtelFeedbackRule(attribute="a", signal="thumbs", score_min=0, score_max=1)
     with pytest.raises(ValueError, match="below"):
         OtelFeedbackRule(attribute="a", signal="reward", score_min=1, score_max=1)
+
+
+def test_feedback_on_the_genai_span_itself_and_the_voter_hash() -> None:
+    genai = v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT, attrs={**SIMPLE_ATTRS_WITH_VOTE})
+    out = native_events(proto_bytes(genai), CFG, HASHER.digest)
+    trace, fb = out.events
+    assert fb["trace_id"] == trace["trace_id"] and fb["thumbs"] == "up"
+    assert fb["metadata"]["user_hash"] == trace["metadata"]["user_hash"] == HASHER.digest("otel\x00carol")

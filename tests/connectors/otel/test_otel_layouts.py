@@ -307,3 +307,20 @@ def test_every_setting_is_documented() -> None:
     for model in (OtelSourceConfig, OtelFeedbackRule):
         undocumented = [name for name, f in model.model_fields.items() if not (f.description or "").strip()]
         assert not undocumented, f"{model.__name__}: {undocumented}"
+
+
+def test_openllmetry_list_content_recorded_as_json_text() -> None:
+    parts = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "this"}]
+    attrs = {
+        "llm.request.type": "chat",
+        "gen_ai.request.model": "gpt-4o",
+        "gen_ai.prompt.0.role": "user",
+        "gen_ai.prompt.0.content": json.dumps(parts),
+        "gen_ai.completion.0.content": "ok",
+    }
+    assert only_call(proto_bytes(span(attrs))).input_messages[0]["content"] == "Describe\nthis"
+    image = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    assert (
+        only_rejection(proto_bytes(span({**attrs, "gen_ai.prompt.0.content": json.dumps(image)})))[0]
+        == "unsupported_content"
+    )

@@ -215,3 +215,19 @@ def test_the_events_go_through_the_ingest_batch_parser_as_native_records() -> No
         records, max_record_bytes=1 << 20, hasher=HASHER, window=TsWindow.around(now + timedelta(days=30), 3600, 300)
     )
     assert [d.reason for d in late.dead_letters] == ["ts_out_of_range"] * 2
+
+
+def test_user_hash_is_the_keyed_identity_rounds_cap_and_votes_count_by() -> None:
+    from connectors.otel.mapping import user_identity
+
+    alice = call_of(v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT, attrs={**SIMPLE_ATTRS, "user.id": "alice"}))
+    nobody = call_of(v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT))
+    with_hash = trace_event(alice, CFG, HASHER.digest)
+    assert isinstance(with_hash, dict)
+    assert with_hash["metadata"]["user_hash"] == HASHER.digest("otel\x00alice") == HASHER.digest(user_identity("alice"))
+    anonymous = trace_event(nobody, CFG, HASHER.digest)
+    assert isinstance(anonymous, dict) and anonymous["metadata"]["user_hash"] == HASHER.digest("otel")
+    plain = trace_event(alice, CFG)
+    assert isinstance(plain, dict) and "user_hash" not in plain["metadata"]
+    stored = ingest(with_hash)
+    assert stored.metadata["user_hash"] == with_hash["metadata"]["user_hash"]  # not a user id key: kept as sent
