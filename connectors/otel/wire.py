@@ -62,7 +62,14 @@ def decode_request(value: bytes | None, cfg: OtelSourceConfig) -> ExportTraceSer
     if len(value) > cfg.max_payload_bytes:
         raise Refused(OVERSIZE, f"payload is {len(value)} bytes, above otel.max_payload_bytes={cfg.max_payload_bytes}")
     as_json = cfg.encoding == "otlp_json" or (cfg.encoding == "auto" and value.lstrip()[:1] == b"{")
-    return _from_json(value) if as_json else _from_proto(value)
+    request = _from_json(value) if as_json else _from_proto(value)
+    if not request.resource_spans:  # bytes that happen to parse as a message of unknown fields only, or {}
+        raise Refused(
+            INVALID_OTLP if as_json else INVALID_PROTOBUF,
+            f"payload of {len(value)} bytes holds no resourceSpans: not an OTLP trace export "
+            f"(is the exporter's encoding {'otlp_json' if as_json else 'otlp_proto'}, and is this the traces topic?)",
+        )
+    return request
 
 
 def _from_proto(value: bytes) -> ExportTraceServiceRequest:

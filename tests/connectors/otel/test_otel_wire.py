@@ -101,6 +101,9 @@ def test_spans_from_the_real_opentelemetry_sdk_and_its_otlp_encoder() -> None:
             "invalid_otlp",
         ),
         (b"[" * 100_000 + b"]" * 100_000, JSON_CFG, "nesting_too_deep"),
+        (b"{}", JSON_CFG, "invalid_otlp"),
+        (b'{"resourceLogs": []}', JSON_CFG, "invalid_otlp"),  # a logs export on the traces topic
+        (b"\x78\x01", CFG, "invalid_protobuf"),  # parses as an unknown varint field: no spans
         (b"x" * 2048, OtelSourceConfig(max_payload_bytes=1024), "oversize"),
     ],
 )
