@@ -257,6 +257,24 @@ class GatewayConfig(Section):
         description="A request body not fully received within this many seconds gets 408 (a client that declares "
         "a body and sends it slowly, or never, holds one of its key's concurrency slots meanwhile).",
     )
+    max_header_bytes: int = Field(
+        default=65_536,
+        ge=4096,
+        le=1_048_576,
+        description="Longest request line + header block, bytes; beyond it the server answers 431 and closes the "
+        "connection while reading, before authentication (an unauthenticated client cannot make it buffer more).",
+    )
+    max_headers: int = Field(
+        default=100, ge=16, le=10_000, description="Most header lines in one request; more get 431 before authentication."
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="A connection whose request head (request line + headers) is not complete this many seconds after "
+        "it opened, or after its previous response, is closed (408 when part of a head arrived): slowloris clients "
+        "trickling header bytes cannot hold connections.",
+    )
     disconnect_poll_s: float = Field(
         default=0.25,
         gt=0,
