@@ -239,6 +239,19 @@ class ApiConfig(Section):
         "after its previous response, is closed (408 when part of a head arrived).",
     )
 
+    max_body_bytes: int = Field(
+        default=65_536,
+        ge=1024,
+        le=16_777_216,
+        description="Largest body of a state-changing ops API call, bytes (413 beyond; read after the token check).",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="A state-changing call's body not fully received within this many seconds gets 408.",
+    )
+
     def loopback(self) -> bool:
         """True when the API binds to a loopback address only (then reads need no token)."""
         return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")
