@@ -265,7 +265,10 @@ class GatewayConfig(Section):
         "connection while reading, before authentication (an unauthenticated client cannot make it buffer more).",
     )
     max_headers: int = Field(
-        default=100, ge=16, le=10_000, description="Most header lines in one request; more get 431 before authentication."
+        default=100,
+        ge=16,
+        le=10_000,
+        description="Most header lines in one request; more get 431 before authentication.",
     )
     header_timeout_s: float = Field(
         default=10.0,

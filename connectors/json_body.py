@@ -66,7 +66,8 @@ def check_media_type(content_type: str | None) -> None:
         name, _, value = param.partition("=")
         if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
             raise JsonBodyError(
-                415, f"charset {value.strip()[:40]!r} is not accepted; JSON bodies are UTF-8 (send charset=utf-8 or none)"
+                415,
+                f"charset {value.strip()[:40]!r} is not accepted; JSON bodies are UTF-8 (send charset=utf-8 or none)",
             )
 
 

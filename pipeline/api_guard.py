@@ -144,7 +144,9 @@ class OpsGuard:
         """Host, cross-site and token rules (nothing read but the head); marks ``request.state.authenticated``."""
         hosts = [value for key, value in request.scope["headers"] if key == b"host"]  # ASGI names are lowercase
         if len(hosts) > 1:  # Starlette reads the first, a proxy or cache may read the last: refuse, never guess
-            return _refuse(400, f"{len(hosts)} Host headers: send exactly one (the name or IP this API is addressed by)")
+            return _refuse(
+                400, f"{len(hosts)} Host headers: send exactly one (the name or IP this API is addressed by)"
+            )
         host = request.headers.get("host")
         if not host_allowed(host, self.names):
             return _refuse(
@@ -257,4 +259,3 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-

@@ -230,7 +230,9 @@ class ApiConfig(Section):
         description="Longest request line + header block of the ops API, bytes; beyond it: 431 and the connection "
         "closes, before the token is checked.",
     )
-    max_headers: int = Field(default=100, ge=16, le=10_000, description="Most header lines in one ops API request (431).")
+    max_headers: int = Field(
+        default=100, ge=16, le=10_000, description="Most header lines in one ops API request (431)."
+    )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,
