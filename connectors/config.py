@@ -219,7 +219,12 @@ class GatewayConfig(Section):
     max_n: int = Field(
         default=8, ge=1, description="Largest `n` (completions per request), and largest batch of prompts."
     )
-    max_tokens: int = Field(default=4096, ge=1, description="Largest `max_tokens` / `max_completion_tokens`.")
+    max_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Largest `max_tokens` / `max_completion_tokens` (400 above it); also the `max_tokens` the gateway "
+        "sends when a request has neither (or null), at most `serving.max_model_len`: every generation is bounded.",
+    )
     max_messages: int = Field(default=256, ge=1, description="Most chat messages in one request.")
     max_prompt_chars: int = Field(
         default=200_000, ge=1, description="Most characters of prompt text (all messages together)."

@@ -104,7 +104,8 @@ class EdgeH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = _GuardedConnection(self.limits, self._head_complete)
+        self.guarded = _GuardedConnection(self.limits, self._head_complete)
+        self.conn = self.guarded
         self._head_timer: asyncio.TimerHandle | None = None
 
     # --- the header timer: armed while the server waits for a request head ------------------------
@@ -147,7 +148,7 @@ class EdgeH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn answers every h11 error with a 400; answer with h11's status hint (431 for a head too
         large) and the reason instead."""
-        err = self.conn.refusal
+        err = self.guarded.refusal
         status = err.error_status_hint if err is not None and err.error_status_hint in _PHRASES else 400
         reason = str(err) if err is not None and str(err) else msg
         self._write_refusal(status, reason)
