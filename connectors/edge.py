@@ -12,6 +12,9 @@ what uvicorn lacks (see docs/security.md, "The HTTP edge", for the choice):
   opened (or after the previous response on a keep-alive connection) closes the connection (with a
   ``408`` when part of a request had arrived). uvicorn's ``timeout_keep_alive`` is no such limit: any byte
   received resets it, so a client trickling one byte a second holds a connection for ever.
+- **one reading of the head**: more than one ``Host``, ``Content-Length``, ``Transfer-Encoding``,
+  ``Content-Type``, ``Authorization``, ``Origin`` or ``Sec-Fetch-Site`` header, or both ``Transfer-Encoding``
+  and ``Content-Length`` (request smuggling through a proxy that frames the body by the other), is a 400.
 - **request target**: only origin-form (``/path?query``), and ``*`` for ``OPTIONS``: an absolute-form
   target (``GET http://evil.example/status``, RFC 9112 section 3.2.2, meant for proxies) is a 400, so no
   route ever reads a host from the target instead of the checked ``Host`` header.
@@ -31,6 +34,16 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _PHRASES = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+# Headers a request may carry once: two of them are read differently by different parsers (and by a proxy).
+SINGLE_HEADERS = (
+    b"host",
+    b"content-length",
+    b"transfer-encoding",
+    b"content-type",
+    b"authorization",
+    b"origin",
+    b"sec-fetch-site",
+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,17 @@ class _GuardedConnection(h11.Connection):
             raise HeadRefused(
                 f"the request head is {size} bytes, above the limit of {limits.max_header_bytes} bytes",
                 error_status_hint=431,
+            )
+        names = [name for name, _ in event.headers]  # h11 lowercases header names
+        for name in SINGLE_HEADERS:
+            if names.count(name) > 1:  # the app reads the first, a proxy in front may read the last: never guess
+                raise HeadRefused(
+                    f"{names.count(name)} {name.decode()} headers: send exactly one", error_status_hint=400
+                )
+        if b"transfer-encoding" in names and b"content-length" in names:  # RFC 9112 section 6.3: request smuggling
+            raise HeadRefused(
+                "both Transfer-Encoding and Content-Length: send one (a proxy in front may frame the body by the other)",
+                error_status_hint=400,
             )
         target = event.target
         if not (target.startswith(b"/") or (target == b"*" and event.method == b"OPTIONS")):

@@ -401,6 +401,59 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
             f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
             param="response_format",
         )
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    cycle = _ref_cycle(schema) if isinstance(schema, dict) else None
+    if cycle is not None:
+        raise RequestRefused(
+            400,
+            f"response_format's schema refers to itself through $ref {cycle[:100]!r} with nothing in between: "
+            "no output can match it",
+            param="response_format",
+        )
+
+
+_REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
+
+
+def _ref_cycle(schema: dict[str, Any]) -> str | None:
+    """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
+    (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
+    ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
+
+    def resolve(pointer: str) -> Any:
+        if pointer != "#" and not pointer.startswith("#/"):
+            return None
+        node: Any = schema
+        for part in pointer[2:].split("/") if pointer != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        ref, seen = node.get("$ref"), set()
+        while isinstance(ref, str):
+            if ref in seen:
+                return ref  # back where it started: a cycle of bare references
+            seen.add(ref)
+            target = resolve(ref)
+            if not (isinstance(target, dict) and set(target) <= _REF_ONLY_KEYS and "$ref" in target):
+                break  # the reference reaches a schema with content
+            ref = target["$ref"]
+    return None
 
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:

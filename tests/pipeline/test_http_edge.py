@@ -220,3 +220,22 @@ def test_an_absolute_form_target_is_a_400(server) -> None:
     answer = _exchange(port, b"GET http://evil.example" + _path(which) + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert _status(answer) == 400, answer[:300]
     assert b"origin-form" in answer
+
+
+@pytest.mark.parametrize(
+    ("extra", "complaint"),
+    [
+        (b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n", b"both transfer-encoding and content-length"),
+        (b"Authorization: Basic eDp5\r\nAuthorization: Bearer x\r\n", b"2 authorization headers"),
+        (b"Origin: http://127.0.0.1\r\nOrigin: http://evil.example\r\n", b"2 origin headers"),
+        (b"Content-Type: application/json\r\nContent-Type: text/plain\r\n", b"2 content-type headers"),
+    ],
+)
+def test_a_head_two_parsers_could_read_two_ways_is_a_400(server, extra: bytes, complaint: bytes) -> None:
+    """Found by an attacker's pass: Content-Length with Transfer-Encoding was served (framed by the latter, while a
+    proxy in front may frame by the former), and of two Origin or Content-Type headers the first was read."""
+    which, port, _ = server
+    path = b"/v1/chat/completions" if which == "gateway" else b"/rounds"
+    head = b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra + b"\r\n0\r\n\r\n"
+    answer = _exchange(port, head)
+    assert _status(answer) == 400 and complaint in answer.lower(), answer[:300]

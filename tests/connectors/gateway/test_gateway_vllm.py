@@ -49,6 +49,14 @@ def setup(vllm_tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         {"n": 100_000},
         {"max_tokens": 10**9},
         {"chat_template": "{{ raise('x') }}"},
+        # found by an attacker's pass: a schema that is only a reference to itself made vLLM fail with a 500
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+            }
+        },
     ],
 )
 def test_refused_requests_never_reach_vllm(setup: tuple[str, str], vllm_tiny: str, extra: dict) -> None:
