@@ -142,7 +142,7 @@ def tables(args: argparse.Namespace):
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
-def start_vllm(model: Path, logs: Path, max_loras: int):
+def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all"):
     service = vllm_service(
         model,
         "127.0.0.1",
@@ -152,6 +152,7 @@ def start_vllm(model: Path, logs: Path, max_loras: int):
         kv_cache_gib=1,
         max_lora_rank=16,
         max_loras=max_loras,
+        cpu_threads=cpu_threads,
         startup_timeout_s=900,  # generous: a loaded 2-core host can take minutes to import vLLM
     )
     service.start()
@@ -175,7 +176,7 @@ def run_round_with_vllm(
 
     train, heldout = tables(args)
     started = time.perf_counter()
-    service = start_vllm(model, out / "logs", max_loras=max(2, len(cands)))
+    service = start_vllm(model, out / "logs", max_loras=max(2, len(cands)), cpu_threads=args.vllm_cpu_threads)
     startup_s = time.perf_counter() - started
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
@@ -285,7 +286,7 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     lines = report(result, args.k)
     lines[0] = f"{lines[0]}; base {dtype}, {args.prompts * args.group} rows per candidate"
     args.one_pass_recorder.write(
-        f"multilora-{name}",
+        f"multilora-{variant_name(name, args)}",
         title=f"workload `{name}` of bench/multilora.py: K = {args.k}, {dtype} base, {args.prompts * args.group} rows "
         f"per candidate ({args.prompts} prompts x G = {args.group}, {args.max_new_tokens} new tokens)",
         columns=COLUMNS,
@@ -319,6 +320,7 @@ def run_traditional(args: argparse.Namespace, out: Path) -> dict:
         report_path = out / f"a-{i}.json"
         argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path)]
         argv += ["--model-dir", args.model_dir, "--out", str(out), "--seed", str(args.seed)]
+        argv += ["--vllm-cpu-threads", args.vllm_cpu_threads]
         for flag in ("k", "steps", "prompts", "group", "max_new_tokens", "eval_prompts"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
@@ -461,6 +463,12 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
     return ratios
 
 
+def variant_name(name: str, args: argparse.Namespace) -> str:
+    """The page section of a run: the workload, with ``-k<K>`` unless K = 8 (the targets' K) and ``-seed<S>``
+    unless seed 0, so a smaller check or another seed never replaces the headline section."""
+    return name + (f"-k{args.k}" if args.k != 8 else "") + (f"-seed{args.seed}" if args.seed != 0 else "")
+
+
 SIDE_COLUMNS = {
     "trl": "TRL GRPOTrainer + PEFT, process per experiment",
     "a": "(a) process + vLLM per experiment",
@@ -504,7 +512,7 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
             )
     result = "; ".join(f"speedup {label} at workload `{name}`: **{r:.2f}x**" for label, r in ratios.items())
     args.recorder.write(
-        name if args.seed == 0 else f"{name}-seed{args.seed}",
+        variant_name(name, args),
         title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
         f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts, seed {args.seed}; "
         f"(b) in `{args.update_mode}` mode",
@@ -566,6 +574,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure this machine's bandwidth and matmul rates and print (b)'s phases against them",
+    )
+    parser.add_argument(
+        "--vllm-cpu-threads",
+        default="all",
+        help="cores vLLM's CPU worker binds (pipeline.config ServingConfig.cpu_threads: all, auto or e.g. 0); "
+        "a learning check on a loaded host runs faster on one (with OMP_NUM_THREADS=1 for the trainers)",
     )
     parser.add_argument("--ratio-repeats", type=int, default=3, help="timed update steps per mode")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key or folder")

@@ -85,3 +85,13 @@ def test_learning_lines_report_gain_per_side_and_difference_against_b() -> None:
     assert "(b) 0.100 -> 0.200 (+0.100) [0.150, 0.250]" in lines[0]
     assert "TRL - (b) +0.050 ± 0.000 (largest |per-candidate| 0.050)" in lines[1]
     assert lines[2].endswith("TRL 0.150 -> 0.350, (b) 0.100 -> 0.200")
+
+
+def test_a_smaller_check_or_another_seed_never_replaces_the_headline_section() -> None:
+    import argparse
+
+    from bench.multilora import variant_name
+
+    assert variant_name("round", argparse.Namespace(k=8, seed=0)) == "round"
+    assert variant_name("round", argparse.Namespace(k=2, seed=0)) == "round-k2"
+    assert variant_name("learn", argparse.Namespace(k=8, seed=1)) == "learn-seed1"
