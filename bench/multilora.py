@@ -32,7 +32,9 @@ Workloads (``--workload``): ``default`` (S=2, P=2, G=4, 16 new tokens, 32 held-o
 held-out prompts) and ``learn`` (a workload on which both TRL and (b) measurably learn; see the
 docs page for how it was chosen). ``both`` runs default then round; ``all`` every preset. Flags
 given explicitly override the preset; ``--sides`` picks the sides (``trl,a,b``), ``--seed`` the
-round's seed (prompt draw, rollout seeds, LoRA init) on every side.
+round's seed (prompt draw, LoRA init; TRL's sampling RNG) on every side. The vLLM rollouts are not
+seeded (``VLLMEngine`` sends no per-request seed: the vLLM 0.32 CPU engine crashes on them), so no two
+runs sample alike and one run's learning figures are noise-dominated: compare seeds' means.
 
 Per workload it prints wall clock and peak memory (RSS of the process tree) of every side, TRL's
 phases (imports, load, train, evaluate: summed over its processes) and ours (``time/*_s`` round
@@ -418,7 +420,10 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
             f"{sum(r['vllm_startup_s'] for r in reports):.1f} s; phases, summed: {phases([r['phases'] for r in reports])}",
             flush=True,
         )
-    notes: list[str] = []
+    notes: list[str] = [
+        f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (torch's default: one per core), "
+        f"vLLM bound to cores `{args.vllm_cpu_threads}`"
+    ]
     if "b" in args.sides:
         sides["b"] = run_hourglass(args, out)
         report_b = sides["b"]["report"]
@@ -540,7 +545,10 @@ def main() -> None:
         "--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="rl.seed: prompt draw, rollout seeds, LoRA init (all sides)"
+        "--seed",
+        type=int,
+        default=0,
+        help="rl.seed: prompt draw and LoRA init on every side, TRL's sampling RNG (vLLM rollouts are unseeded)",
     )
     parser.add_argument(
         "--sides",
