@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import writer  # noqa: E402
 from bench.multilora import EVAL_REWARD, candidates, tables  # noqa: E402
 from trainer import model_store  # noqa: E402
 from trainer.adapter_store import make_store  # noqa: E402
@@ -213,7 +214,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    writer.add_arguments(parser)
     args = parser.parse_args()
+    recorder = writer.Recorder("multilora", args)
+    rows: list[list[str]] = []
+    gains: dict[int, list[str]] = {}
     path = model_store.resolve(args.model, ModelConfig().cache_dir)
     bf16 = load_base(ModelConfig(name=str(path)))  # dtype auto: bf16 on this CPU
     fp32 = load_base(ModelConfig(name=str(path), dtype="float32"))
@@ -232,6 +237,27 @@ def main() -> None:
         )
         print("  cos(update, float32 update): " + ", ".join(f"{v} {r['cos'][v]:.3f}" for v in VARIANTS))
         print("  surrogate gain A x dlogp (x1e3): " + ", ".join(f"{v} {1e3 * r['gain'][v]:.3f}" for v in VARIANTS))
+        gains[seed] = [f"{1e3 * r['gain'][v]:.2f}" for v in ("one_pass", "sequential", "ratio_one")]
+        rows += [[str(seed), v, f"{r['cos'][v]:.3f}", f"{1e3 * r['gain'][v]:.2f}"] for v in VARIANTS]
+        rows.append(
+            [
+                str(seed),
+                "importance ratio (bf16 trainer / float32 behaviour)",
+                "",
+                f"mean abs log ratio "
+                f"{s['mean_abs_log_ratio']:.4f}, outside the clip {s['outside_clip']:.2%}, gradient zeroed "
+                f"{s['gradient_zeroed']:.2%}",
+            ]
+        )
+    recorder.write(
+        "learning-probe",
+        title=f"learning probe: one GRPO step of K = {args.k} candidates, {args.prompts} prompts x G = {args.group}, "
+        f"{args.max_new_tokens} new tokens, every variant on the same rollouts",
+        columns=["seed", "variant", "cos(update, float32 update)", "surrogate gain x1e3"],
+        rows=rows,
+        result="surrogate gain x1e3, one_pass / sequential / ratio_one: "
+        + "; ".join(f"seed {seed}: {' / '.join(gains[seed])}" for seed in gains),
+    )
 
 
 if __name__ == "__main__":

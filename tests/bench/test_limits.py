@@ -56,13 +56,24 @@ def test_flops_count_layers_per_token_and_the_lm_head_per_kept_position() -> Non
 
 
 def test_rate_line_prints_the_share_of_the_bound() -> None:
-    assert rate_line("rollout decode", 90.0, 3600.0, "tok/s") == "rollout decode: 90.0 tok/s = 2.5% of the bound 3,600 tok/s"
+    assert (
+        rate_line("rollout decode", 90.0, 3600.0, "tok/s")
+        == "rollout decode: 90.0 tok/s = 2.5% of the bound 3,600 tok/s"
+    )
 
 
 def _work(**changes: object) -> RoundWork:
     values: dict = dict(
-        k=8, steps=3, prompts=4, group=6, eval_prompts=32, prompt_tokens_mean=40.0, rollout_tokens=2000.0,
-        eval_length_mean=3.0, lora_rank=8, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+        k=8,
+        steps=3,
+        prompts=4,
+        group=6,
+        eval_prompts=32,
+        prompt_tokens_mean=40.0,
+        rollout_tokens=2000.0,
+        eval_length_mean=3.0,
+        lora_rank=8,
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     )
     return RoundWork(**(values | changes))
 
