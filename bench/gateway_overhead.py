@@ -32,8 +32,9 @@ from prometheus_client import REGISTRY  # noqa: E402
 
 from bench import writer  # noqa: E402
 from connectors.gateway.auth import KeyStore  # noqa: E402
-from connectors.config import KafkaConfig  # noqa: E402
-from connectors.gateway.app import create_gateway_app  # noqa: E402
+from connectors.config import GatewayConfig, KafkaConfig  # noqa: E402
+from connectors.edge import server_config  # noqa: E402
+from connectors.gateway.app import create_gateway_app, edge_limits  # noqa: E402
 from connectors.kafka_admin import ensure_topics  # noqa: E402
 from pipeline.stack import broker_service, free_port, vllm_service  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
@@ -91,7 +92,10 @@ def main() -> None:
         keys = KeyStore(logs / "gateway-keys.json")  # the gateway authenticates every request, as in production
         _, key = keys.create("bench", rate_per_min=1_000_000)
         app = create_gateway_app(kafka, upstream, lambda name: ("base", None), keys=keys)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        # served as `hourglass gateway` serves it: uvicorn + h11 behind the request-head limits (connectors/edge.py)
+        server = uvicorn.Server(
+            server_config(app, "127.0.0.1", port, edge_limits(GatewayConfig()), log_level="warning")
+        )
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:

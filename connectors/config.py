@@ -219,7 +219,12 @@ class GatewayConfig(Section):
     max_n: int = Field(
         default=8, ge=1, description="Largest `n` (completions per request), and largest batch of prompts."
     )
-    max_tokens: int = Field(default=4096, ge=1, description="Largest `max_tokens` / `max_completion_tokens`.")
+    max_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Largest `max_tokens` / `max_completion_tokens` (400 above it); also the `max_tokens` the gateway "
+        "sends when a request has neither (or null), at most `serving.max_model_len`: every generation is bounded.",
+    )
     max_messages: int = Field(default=256, ge=1, description="Most chat messages in one request.")
     max_prompt_chars: int = Field(
         default=200_000, ge=1, description="Most characters of prompt text (all messages together)."
@@ -256,6 +261,27 @@ class GatewayConfig(Section):
         gt=0,
         description="A request body not fully received within this many seconds gets 408 (a client that declares "
         "a body and sends it slowly, or never, holds one of its key's concurrency slots meanwhile).",
+    )
+    max_header_bytes: int = Field(
+        default=65_536,
+        ge=4096,
+        le=1_048_576,
+        description="Longest request line + header block, bytes; beyond it the server answers 431 and closes the "
+        "connection while reading, before authentication (an unauthenticated client cannot make it buffer more).",
+    )
+    max_headers: int = Field(
+        default=100,
+        ge=16,
+        le=10_000,
+        description="Most header lines in one request; more get 431 before authentication.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="A connection whose request head (request line + headers) is not complete this many seconds after "
+        "it opened, or after its previous response, is closed (408 when part of a head arrived): slowloris clients "
+        "trickling header bytes cannot hold connections.",
     )
     disconnect_poll_s: float = Field(
         default=0.25,

@@ -1,19 +1,14 @@
 """The ops HTTP API (FastAPI).
 
-Access rules, enforced by one middleware before any route runs (so before a
-body is parsed: malformed JSON without a token is a 401, never a 422):
-
-- the token is ``Authorization: Bearer <token>`` (``api.token`` /
-  ``HOURGLASS_API__TOKEN``, or the token the service wrote to
-  ``<state_dir>/api-token`` at start); missing → 401, wrong → 403;
-- every state-changing call (any method but GET/HEAD) needs it;
-- when ``api.host`` is not a loopback address, every read needs it too,
-  except ``/healthz``, ``/metrics`` and ``/readyz``, which then answers only
-  ``{"ready": bool}`` (its per-check details need the token);
-- the Host header must name the API (DNS-rebinding defence): an IP literal,
-  127.0.0.1, localhost, ::1, ``api.host`` or one of ``api.allowed_hosts``;
-  any other name gets 421, more than one Host header 400. A rebinding attack always sends the attacker's
-  domain name, never an IP, so probes addressing the pod IP keep working.
+Access rules are enforced before any route runs by :class:`pipeline.api_guard.OpsGuard` (so before a
+body is parsed: malformed JSON without a token is a 401, never a 422): the Host header must name the
+API (DNS-rebinding defence: 421, more than one Host header 400); a state-changing call (any method but
+GET/HEAD) from another site or origin (``Sec-Fetch-Site``, ``Origin``) is a 403, needs
+``Authorization: Bearer <token>`` (``api.token`` / ``HOURGLASS_API__TOKEN``, or the token the service
+wrote to ``<state_dir>/api-token`` at start; missing or Basic credentials 401, wrong 403) and a UTF-8
+JSON body or none (form types 415, ``api.max_body_bytes`` 413); when ``api.host`` is not a loopback
+address every read needs the token too, except ``/healthz``, ``/metrics`` and ``/readyz``, which then
+answers only ``{"ready": bool}``. Request heads are limited by the server (:mod:`connectors.edge`).
 
 Everything served goes through :func:`pipeline.redact.redact_data` (no
 credentials in URIs), and the expensive views (``/status``,
@@ -39,20 +34,18 @@ are cached for ``CACHE_S`` seconds.
 
 from __future__ import annotations
 
-import ipaddress
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pipeline.api_errors import registry_call as _registry_call
-from pipeline.console import mount_console, presented_token
+from pipeline.api_guard import OpsGuard, host_allowed  # noqa: F401  (host_allowed: re-exported)
+from pipeline.console import mount_console
 from pipeline.redact import redact_data
 from pipeline.rounds.job import RoundNotCancellableError
 from pipeline.rounds.records import RoundInProgressError, UnknownRoundError
@@ -61,8 +54,6 @@ if TYPE_CHECKING:
     from pipeline.ops_service import OpsService
 
 CACHE_S = 2.0
-STATIC_PREFIX = "/console/static/"  # the status page's script and style sheet: no data, no secrets
-OPEN_PATHS = frozenset({"/healthz", "/metrics", "/readyz"})  # readable without a token, whatever the bind address
 
 
 class TtlCache:
@@ -85,32 +76,6 @@ class TtlCache:
             return value
 
 
-def host_allowed(host_header: str | None, names: set[str]) -> bool:
-    """True when the Host header (``name[:port]``) is an IP literal or one of ``names``."""
-    if not host_header:
-        return False
-    host = host_header.strip(" \t").lower()  # HTTP whitespace only: "localhost\xa0" is another name
-    if host.startswith("["):  # [::1]:8080; brackets hold an IPv6 literal only (RFC 3986 section 3.2.2)
-        end = host.find("]")
-        rest = host[end + 1 :] if end > 0 else ""
-        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isascii() and rest[1:].isdigit())):
-            return False  # "[::1]evil" is no address: only a port may follow the bracket
-        try:
-            ipaddress.IPv6Address(host[1:end])
-            return True
-        except ValueError:
-            return False  # "[localhost]" is no IPv6 literal
-    if host.count(":") == 1:
-        host, _, port = host.partition(":")
-        if port and not (port.isascii() and port.isdigit()):
-            return False  # "localhost:x": a port is digits, as after a bracket
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return host in names
-
-
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     candidates: list[str] | None = Field(
@@ -119,20 +84,40 @@ class RetrainRequest(BaseModel):
         description="Subset of configured candidates; all when omitted (an empty list is refused, not read as all).",
     )
     window: str | None = Field(
-        default=None, pattern=r"^\d+[smhd]$", description="Data window, e.g. 6h; rl.window when omitted."
+        default=None,
+        pattern=r"^[0-9]{1,6}[smhd]$",  # ASCII digits only: the regex engine's \d also matches "٣"
+        description="Data window, e.g. 6h; rl.window when omitted.",
     )
+
+
+MODEL_NAME = Field(
+    default=None,
+    min_length=1,
+    max_length=256,
+    description="Served model name; the default model (serving.model_name) when omitted (an empty name is refused).",
+)
+
+
+def _version(value: str) -> str:
+    """A registry version: 1 to 18 ASCII digits ("١" is no version; 19 digits may not fit MLflow's int64)."""
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        raise ValueError(f"a model version is 1 to 18 ASCII digits (0-9), got {value[:40]!r}")
+    return value
+
+
+Version = Annotated[str, AfterValidator(_version)]
 
 
 class PromoteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    version: str = Field(pattern=r"^\d+$")
+    model: str | None = MODEL_NAME
+    version: Version
 
 
 class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    to: str | None = Field(default=None, pattern=r"^\d+$")
+    model: str | None = MODEL_NAME
+    to: Version | None = None
 
 
 def create_api(service: OpsService) -> FastAPI:
@@ -143,52 +128,14 @@ def create_api(service: OpsService) -> FastAPI:
     cache = TtlCache()
     app = FastAPI(title="Hourglass ops API", version="1")
 
-    def token_state(request: Request) -> str:
-        """'ok', 'missing' or 'wrong' for the request's token: ``Authorization: Bearer <token>``, or the
-        password of HTTP Basic auth (what a browser sends for the status page; any user name)."""
-        presented = presented_token(request)
-        if not presented:
-            return "missing"
-        ok = secrets.compare_digest(presented.encode(), service.api_token.encode())
-        return "ok" if ok else "wrong"
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        hosts = [value for key, value in request.scope["headers"] if key == b"host"]  # ASGI names are lowercase
-        if len(hosts) > 1:  # Starlette reads the first, a proxy or cache may read the last: refuse, never guess
-            return JSONResponse(
-                {"detail": f"{len(hosts)} Host headers: send exactly one (the name or IP this API is addressed by)"},
-                status_code=400,
-            )
-        if not host_allowed(request.headers.get("host"), names):
-            return JSONResponse(
-                {
-                    "detail": "Host header not allowed: address the API by IP, localhost, api.host or a name in api.allowed_hosts"
-                },
-                status_code=421,
-            )
-        mutation = request.method not in ("GET", "HEAD")
-        path = request.url.path
-        if mutation or (not loopback and path not in OPEN_PATHS and not path.startswith(STATIC_PREFIX)):
-            state = token_state(request)
-            what = "this call changes state" if mutation else "this API is not on loopback: reads need the token too"
-            if not mutation and (path == "/" or path.startswith("/console/")) and state != "ok":
-                # the status page in a browser: ask for the token as the Basic-auth password
-                return JSONResponse(
-                    {"detail": f"{what}: the status page takes the API token as the password (any user name)"},
-                    status_code=401,
-                    headers={"WWW-Authenticate": 'Basic realm="hourglass console"'},
-                )
-            if state == "missing":
-                return JSONResponse(
-                    {"detail": f"{what}: send Authorization: Bearer <token>"},
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            if state == "wrong":
-                return JSONResponse({"detail": "wrong API token"}, status_code=403)
-        request.state.authenticated = loopback or token_state(request) == "ok"
-        return await call_next(request)
+    app.add_middleware(
+        OpsGuard,  # Host, cross-site, token and body rules before any route (pipeline.api_guard)
+        token=lambda: service.api_token,
+        loopback=loopback,
+        names=names,
+        max_body_bytes=api_cfg.max_body_bytes,
+        body_timeout_s=api_cfg.body_timeout_s,
+    )
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

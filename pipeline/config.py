@@ -269,6 +269,37 @@ class ApiConfig(Section):
         "127.0.0.1, localhost, ::1 and `host` (unless a wildcard). Other Host headers get 421.",
     )
 
+    max_header_bytes: int = Field(
+        default=65_536,
+        ge=4096,
+        le=1_048_576,
+        description="Longest request line + header block of the ops API, bytes; beyond it: 431 and the connection "
+        "closes, before the token is checked.",
+    )
+    max_headers: int = Field(
+        default=100, ge=16, le=10_000, description="Most header lines in one ops API request (431)."
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="An ops API connection whose request head is not complete this many seconds after it opened, or "
+        "after its previous response, is closed (408 when part of a head arrived).",
+    )
+
+    max_body_bytes: int = Field(
+        default=65_536,
+        ge=1024,
+        le=16_777_216,
+        description="Largest body of a state-changing ops API call, bytes (413 beyond; read after the token check).",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="A state-changing call's body not fully received within this many seconds gets 408.",
+    )
+
     def loopback(self) -> bool:
         """True when the API binds to a loopback address only (then reads need no token)."""
         return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")

@@ -420,7 +420,16 @@ def _api_server(app, cfg: HourglassConfig):
         def install_signal_handlers(self) -> None:  # older uvicorn
             pass
 
-    return Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning"))
+    return Server(api_server_config(app, cfg))
+
+
+def api_server_config(app, cfg: HourglassConfig):
+    """The ops API's uvicorn config: ``api.host:api.port`` behind the request-head limits of ``api``
+    (:mod:`connectors.edge`: header bytes, count and timeout, checked before the token)."""
+    from connectors.edge import EdgeLimits, server_config
+
+    limits = EdgeLimits(cfg.api.max_header_bytes, cfg.api.max_headers, cfg.api.header_timeout_s)
+    return server_config(app, cfg.api.host, cfg.api.port, limits, log_level="warning")
 
 
 SHUTDOWN_MARKER = "hourglass service: shutdown complete"

@@ -10,15 +10,17 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from connectors.edge import EdgeLimits, server_config
 from pipeline.stack import free_port
 
 
 @contextmanager
-def serve(app: FastAPI, what: str = "server") -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on a free port; yields its base URL. Fails the test when the
+def serve(app: FastAPI, what: str = "server", limits: EdgeLimits | None = None) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on a free port, behind the request-head limits the gateway and the
+    ops API are served with (:mod:`connectors.edge`); yields its base URL. Fails the test when the
     server does not start within 30 s or stop within 60 s."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, limits or EdgeLimits(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -64,6 +64,7 @@ from connectors.gateway.auth import (
     RateLimiter,
 )
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
+from connectors.edge import EdgeLimits, server_config
 from connectors.errors import ConnectorConfigError
 from connectors.gateway.events import TRACE_ERRORS, EventPublisher
 from connectors.gateway.streams import INCOMPLETE_FINISH, StreamLedger
@@ -71,7 +72,9 @@ from connectors.gateway.request import (
     ClosingStream,
     RequestRefused,
     SingleHostHeader,
+    bound_generation,
     check_content_type,
+    check_finite,
     check_request,
     client_metadata,
     describe_errors,
@@ -111,8 +114,8 @@ FEEDBACK_REWARD = Histogram(
 )
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 # What a trace is published with: trace id, endpoint, request body (metadata hashed), public model name,
-# served name, adapter version, user hash.
-_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str]
+# served name, adapter version, user hash, the max_tokens bound vLLM was given.
+_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str, int]
 
 ResolveModel = Callable[[str], tuple[str, str | None]]
 
@@ -194,6 +197,7 @@ def create_gateway_app(
     timeout_s: float | None = None,
     feedback_timeout_s: float = 15.0,
     upstream_transport: httpx.AsyncBaseTransport | None = None,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """Build the gateway app.
 
@@ -222,6 +226,9 @@ def create_gateway_app(
         feedback_timeout_s: how long feedback waits for the broker ack, seconds.
         upstream_transport: the httpx transport to the model server (default: HTTP to ``upstream_url``;
             tests pass an ``httpx.MockTransport`` or an ``httpx.ASGITransport`` of a fake server).
+        max_model_len: the model server's context length in tokens (``serving.max_model_len``); a request that
+            sends no ``max_tokens`` / ``max_completion_tokens`` (or null) gets ``max_tokens`` =
+            ``min(gateway.max_tokens, max_model_len)`` (vLLM refuses a bound above its context).
 
     Raises:
         ConnectorConfigError: ``gateway.require_api_key`` without a key store.
@@ -240,6 +247,7 @@ def create_gateway_app(
     spec = reward_spec or RewardSpec()
     correction_cap = BufferConfig().max_correction_chars if max_correction_chars is None else max_correction_chars
     base = upstream_url.rstrip("/")
+    default_max_tokens = cfg.max_tokens if max_model_len is None else min(cfg.max_tokens, max_model_len)
     rates, in_flight = RateLimiter(), ConcurrencyLimiter()
     streams = StreamLedger(signer.ttl_s)  # streamed answers that are not (or never will be) complete traces
     upstream_headers = {"content-type": "application/json"}
@@ -311,16 +319,8 @@ def create_gateway_app(
         """Authenticate, rate-limit, read and parse the body; the caller holds one concurrency slot after this."""
         caller = authenticate(request)
         check_content_type(request)
-        wait_s = rates.acquire(caller.key_id, caller.rate_per_min)
-        if wait_s > 0:
-            raise RequestRefused(
-                429,
-                f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
-                f"retry in {math.ceil(wait_s)} s",
-                type_="rate_limit_error",
-                code="rate_limited",
-                headers={"retry-after": str(math.ceil(wait_s))},
-            )
+        # The concurrency slot first: a request refused for concurrency must not spend a rate token (else a
+        # burst of refused requests drains the bucket and the key is served far below its rate).
         if not in_flight.try_enter(caller.key_id, caller.concurrency):
             raise RequestRefused(
                 429,
@@ -328,6 +328,17 @@ def create_gateway_app(
                 type_="rate_limit_error",
                 code="too_many_concurrent_requests",
                 headers={"retry-after": "1"},
+            )
+        wait_s = rates.acquire(caller.key_id, caller.rate_per_min)
+        if wait_s > 0:
+            in_flight.leave(caller.key_id)
+            raise RequestRefused(
+                429,
+                f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
+                f"retry in {math.ceil(wait_s)} s",
+                type_="rate_limit_error",
+                code="rate_limited",
+                headers={"retry-after": str(math.ceil(wait_s))},
             )
         try:
             body = parse_json(await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s), cfg.max_json_depth)
@@ -388,6 +399,7 @@ def create_gateway_app(
                 "send a shorter correction",
                 param="correction",
             )
+        check_finite(body.metadata, "body.metadata")  # as in chat requests: NaN is a 400, never a stored null
         meta_size = len(json.dumps(body.metadata, separators=(",", ":")))
         if meta_size > cfg.max_metadata_bytes:
             raise RequestRefused(
@@ -519,6 +531,7 @@ def create_gateway_app(
                 400, "field 'model' is required (a public model name, see GET /v1/models)", param="model"
             )
         check_request(endpoint, body, cfg)
+        body, max_tokens = bound_generation(body, default_max_tokens)
         trace_id = uuid.uuid4().hex
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
@@ -555,7 +568,7 @@ def create_gateway_app(
         ok_headers = dict(trace_headers)
         if trace_prompt(endpoint, body) is not None:  # a batch or token-id prompt is never traced: no feedback on it
             ok_headers[FEEDBACK_HEADER] = signer.issue(trace_id, caller.key_id, user_hash)
-        publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash)
+        publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash, max_tokens)
 
         if stream:
             try:
@@ -713,6 +726,7 @@ def create_gateway_app(
         served: str,
         version: str | None,
         user_hash: str,
+        max_tokens: int,
         completion: Completion,
         stream: bool,
         started: float,
@@ -730,6 +744,7 @@ def create_gateway_app(
                 stream=stream,
                 latency_ms=(time.perf_counter() - started) * 1000.0,
                 user_hash=user_hash,
+                max_tokens=max_tokens,
             )
         except ValidationError as err:
             TRACE_ERRORS.inc()
@@ -743,6 +758,14 @@ def create_gateway_app(
     return app
 
 
-def serve_gateway(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn on ``host:port`` until interrupted (runs the lifespan: publisher, client)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+def serve_gateway(
+    app: FastAPI, host: str, port: int, *, gateway: GatewayConfig | None = None, log_level: str = "info"
+) -> None:
+    """Serve ``app`` with uvicorn on ``host:port`` until interrupted (runs the lifespan: publisher, client), behind
+    the request-head limits of ``gateway`` (:mod:`connectors.edge`: header bytes, count and timeout)."""
+    uvicorn.Server(server_config(app, host, port, edge_limits(gateway or GatewayConfig()), log_level=log_level)).run()
+
+
+def edge_limits(cfg: GatewayConfig) -> EdgeLimits:
+    """The gateway's request-head limits (``gateway.max_header_bytes``, ``max_headers``, ``header_timeout_s``)."""
+    return EdgeLimits(cfg.max_header_bytes, cfg.max_headers, cfg.header_timeout_s)

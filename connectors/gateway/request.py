@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from connectors import json_body
 from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
 from connectors.gateway.trace import Endpoint
@@ -121,11 +121,6 @@ def error_param(errors: Sequence[Mapping[str, Any]]) -> str | None:
     return next((_dotted(e["loc"]) for e in errors if e["loc"]), None)
 
 
-def _param(where: str) -> str | None:
-    """``body.messages.0.content`` -> ``messages.0.content``; the whole body names no field."""
-    return None if where == "body" else where.removeprefix("body.")
-
-
 class SingleHostHeader:
     """ASGI middleware: a request with more than one ``Host`` header is a 400 (RFC 9112 section 3.2), before
     any route runs. Starlette reads the first, a proxy or cache in front may read the last: never guess."""
@@ -166,18 +161,16 @@ class ClosingStream(StreamingResponse):
 
 
 def check_content_type(request: Request) -> None:
-    """Only ``application/json`` bodies (a ``text/plain`` POST is what a cross-site form can send).
+    """Only ``application/json`` bodies, UTF-8 (a ``text/plain`` POST is what a cross-site form can send;
+    a ``charset=utf-16`` body is read another way by another parser).
 
     Raises:
         RequestRefused: 415.
     """
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json":
-        raise RequestRefused(
-            415,
-            f"content type {media or '(none)'!r} is not accepted; send the body as application/json",
-            code="unsupported_media_type",
-        )
+    try:
+        json_body.check_media_type(request.headers.get("content-type"))
+    except json_body.JsonBodyError as err:
+        raise RequestRefused(415, err.message, code="unsupported_media_type") from None
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
@@ -214,52 +207,23 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float | None = 
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:
-    """Parse a JSON body; refuse nesting deeper than ``max_depth`` and strings that are not valid Unicode.
+    """Parse a JSON body read one way only (:mod:`connectors.json_body`: UTF-8 without a BOM, each key once,
+    valid Unicode, at most ``max_depth`` deep).
 
     Raises:
-        RequestRefused: 400 (not JSON, too deep, or a lone surrogate such as ``"\\ud800"``).
+        RequestRefused: 400 naming what is wrong (and the field, where there is one).
     """
     try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise RequestRefused(400, f"request body nests deeper than gateway.max_json_depth={max_depth}") from None
-    except UnicodeDecodeError as err:
-        raise RequestRefused(400, f"request body is not UTF-8: {err.reason} at byte {err.start}") from None
-    except ValueError as err:
-        if "integer string conversion" in str(err):  # CPython's advice (sys.set_int_max_str_digits) is not the client's
-            raise RequestRefused(
-                400,
-                f"request body has an integer of more than {sys.get_int_max_str_digits()} digits; send a smaller number",
-            ) from None
-        raise RequestRefused(400, f"request body is not valid JSON: {err}") from None
-    _walk(value, max_depth)
-    return value
-
-
-def _walk(value: Any, max_depth: int) -> None:
-    stack: list[tuple[Any, int, str]] = [(value, 1, "body")]
-    while stack:
-        item, depth, where = stack.pop()
-        if isinstance(item, str):
-            _check_text(item, where)
-        elif isinstance(item, (dict, list)):
-            if depth > max_depth:
-                raise RequestRefused(
-                    400,
-                    f"request body nests deeper than gateway.max_json_depth={max_depth} (at {where})",
-                    param=_param(where),
-                )
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            for k, v in pairs:
-                if isinstance(k, str):
-                    _check_text(k, where)
-                stack.append((v, depth + 1, f"{where}.{k}"))
+        return json_body.parse(raw, max_depth)
+    except json_body.JsonBodyError as err:
+        message = err.message.replace(f"{max_depth} levels", f"gateway.max_json_depth={max_depth}")
+        raise RequestRefused(err.status, message, param=err.param) from None
 
 
 _INT64 = 1 << 63
 
 
-def _finite(value: Any, where: str) -> None:
+def check_finite(value: Any, where: str) -> None:
     """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)
     and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -270,22 +234,10 @@ def _finite(value: Any, where: str) -> None:
         )
     if isinstance(value, dict):
         for k, v in value.items():
-            _finite(v, f"{where}.{k}")
+            check_finite(v, f"{where}.{k}")
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _finite(v, f"{where}.{i}")
-
-
-def _check_text(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise RequestRefused(
-            400,
-            f"request body has text that is not valid Unicode at {where}: {err.reason} at position "
-            f"{err.start} (a lone surrogate such as \\ud800?)",
-            param=_param(where),
-        ) from None
+            check_finite(v, f"{where}.{i}")
 
 
 def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> None:
@@ -314,7 +266,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
             f"{', '.join(sorted(ALLOWED[endpoint]))}",
             param=extra[0],
         )
-    _finite(body, "body")
+    check_finite(body, "body")
     for name in _FLAGS[endpoint]:
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
@@ -346,6 +298,22 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
         _check_response_format(body.get("response_format"), cfg)
     else:
         _check_prompt(body.get("prompt"), cfg)
+
+
+_GENERATION_BOUNDS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max_tokens",)}
+
+
+def bound_generation(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, Any], int]:
+    """Every generation bounded: ``(body to forward, max_tokens bound vLLM applies)``. A body with no
+    ``max_tokens`` / ``max_completion_tokens`` (absent or null) gets ``max_tokens = default_max_tokens``
+    (``gateway.max_tokens``); without it vLLM generates to the end of the context (``ignore_eos`` too).
+    Explicit nulls are dropped. Call after :func:`check_request` (the values are checked positive ints)."""
+    out = {k: v for k, v in body.items() if not (k in ("max_tokens", "max_completion_tokens") and v is None)}
+    given = out.get("max_completion_tokens") or out.get("max_tokens")  # vLLM's order for chat
+    if given is None:
+        out["max_tokens"] = default_max_tokens
+        return out, default_max_tokens
+    return out, int(given)
 
 
 def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
@@ -433,6 +401,59 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
             f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
             param="response_format",
         )
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    cycle = _ref_cycle(schema) if isinstance(schema, dict) else None
+    if cycle is not None:
+        raise RequestRefused(
+            400,
+            f"response_format's schema refers to itself through $ref {cycle[:100]!r} with nothing in between: "
+            "no output can match it",
+            param="response_format",
+        )
+
+
+_REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
+
+
+def _ref_cycle(schema: dict[str, Any]) -> str | None:
+    """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
+    (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
+    ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
+
+    def resolve(pointer: str) -> Any:
+        if pointer != "#" and not pointer.startswith("#/"):
+            return None
+        node: Any = schema
+        for part in pointer[2:].split("/") if pointer != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        ref, seen = node.get("$ref"), set()
+        while isinstance(ref, str):
+            if ref in seen:
+                return ref  # back where it started: a cycle of bare references
+            seen.add(ref)
+            target = resolve(ref)
+            if not (isinstance(target, dict) and set(target) <= _REF_ONLY_KEYS and "$ref" in target):
+                break  # the reference reaches a schema with content
+            ref = target["$ref"]
+    return None
 
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:

@@ -152,6 +152,7 @@ def build_trace(
     stream: bool,
     latency_ms: float,
     user_hash: str | None,
+    max_tokens: int | None = None,
 ) -> TraceEvent | None:
     """The trace event of one served request, or None when the prompt cannot be traced.
 
@@ -159,7 +160,8 @@ def build_trace(
     grader's label keys such as ``reference_answer`` at the top, other client
     keys under ``client``, see :func:`connectors.gateway.request.client_metadata`)
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
-    ``finish_reason``, ``latency_ms``, ``usage`` and ``user_hash`` (the caller's
+    ``finish_reason``, ``latency_ms``, ``usage``, ``max_tokens`` (the generation bound vLLM was
+    given: the client's, or ``gateway.max_tokens`` when it sent none) and ``user_hash`` (the caller's
     identity hash, when given). Raises pydantic.ValidationError when the event is invalid.
     """
     prompt = trace_prompt(endpoint, body)
@@ -176,6 +178,8 @@ def build_trace(
     )
     if completion.usage:
         metadata["usage"] = completion.usage
+    if max_tokens is not None:
+        metadata["max_tokens"] = max_tokens
     if user_hash is not None:
         metadata["user_hash"] = user_hash
     ids, lps = completion.token_fields()

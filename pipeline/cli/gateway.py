@@ -112,6 +112,7 @@ def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
         reward_spec=cfg.buffer.reward,
         max_correction_chars=cfg.buffer.max_correction_chars,
         upstream_api_key=upstream_key,
+        max_model_len=cfg.serving.max_model_len,
     )
 
 
@@ -143,7 +144,7 @@ def gateway(
     except ConfigError as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
-    serve_gateway(app, cfg.api.host, cfg.api.gateway_port)
+    serve_gateway(app, cfg.api.host, cfg.api.gateway_port, gateway=cfg.gateway)
 
 
 def register(app: typer.Typer) -> None:

@@ -119,3 +119,126 @@ def test_registry_errors_never_echo_the_tracking_uri_credentials(tmp_path: Path,
         response = client.post(path, json=body, headers={"Authorization": f"Bearer {service.api_token}"})
     assert 400 <= response.status_code < 600 and response.status_code != 500, response.text
     assert "s3cret-pass" not in response.text and "detail" in response.json()
+
+
+# --- cross-site requests and one reading of every input (issue 24) ----------------------------------------
+
+MUTATIONS = [
+    ("/rounds", {"window": "6h"}),
+    ("/rounds/r-x/cancel", None),
+    ("/promote", {"version": "1"}),
+    ("/rollback", {}),
+    ("/canary/hourglass/abort", None),
+    ("/canary/hourglass/promote", None),
+]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Origin": "http://localhost.evil.example"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},  # another port of the same host is another origin
+    ],
+)
+def test_cross_site_state_changes_are_refused_even_with_the_token(
+    client: TestClient, service: HourglassService, headers: dict[str, str]
+) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}", **headers}
+    for path, body in MUTATIONS:
+        response = client.post(path, json=body, headers=auth)
+        assert response.status_code == 403, (path, response.text)
+        assert "cross-site request refused" in response.json()["detail"]
+    assert service.store.list() == [] and service.runner.current is None  # no round was started
+
+
+def test_the_apis_own_origin_and_non_browser_clients_may_change_state(
+    client: TestClient, service: HourglassService
+) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}"}
+    for extra in ({}, {"Origin": "http://localhost", "Sec-Fetch-Site": "same-origin"}):
+        response = client.post("/rounds/r-x/cancel", headers={**auth, **extra})
+        assert response.status_code == 409 and "not running" in response.json()["detail"]  # the handler ran
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/plain"]
+)
+def test_form_content_types_cannot_change_state(
+    client: TestClient, service: HourglassService, content_type: str
+) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}", "Content-Type": content_type}
+    for path, _ in MUTATIONS:
+        response = client.post(path, content=b"x=1", headers=auth)
+        assert response.status_code == 415, (path, response.text)
+        assert "form" in response.json()["detail"]
+    assert client.post("/rounds/r-x/cancel", content=b"", headers=auth).status_code == 415  # an empty form too
+    assert service.store.list() == []
+
+
+def test_basic_credentials_read_the_page_but_never_change_state(tmp_path: Path) -> None:
+    """What a browser caches for the status page (Basic) is re-sent on any request to the origin, also on
+    a form another site submits: it reads, it never changes state."""
+    import base64
+
+    cfg = load_config(None).model_copy(update={"state_dir": str(tmp_path)})
+    cfg = cfg.model_copy(update={"api": cfg.api.model_copy(update={"host": "0.0.0.0"})})  # not loopback
+    service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    basic = {"Authorization": "Basic " + base64.b64encode(f"ops:{service.api_token}".encode()).decode()}
+    with TestClient(create_api(service), base_url="http://127.0.0.1") as client:
+        assert client.get("/rounds").status_code == 401
+        assert client.get("/rounds", headers=basic).json() == []
+        for path, body in MUTATIONS:
+            response = client.post(path, json=body, headers=basic)
+            assert response.status_code == 401, (path, response.text)
+            assert "Bearer" in response.json()["detail"] and "reading only" in response.json()["detail"]
+        bearer = {"Authorization": f"Bearer {service.api_token}"}
+        assert client.post("/rounds/r-x/cancel", headers=bearer).status_code == 409
+    assert service.store.list() == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "complaint"),
+    [
+        ("/rounds", {"window": "٣h"}, "window"),  # Arabic-Indic three: was a round over 3h
+        ("/rounds", {"window": "３h"}, "window"),  # a fullwidth three
+        ("/promote", {"version": "١"}, "version"),  # was a 404 from MLflow, not a 422
+        ("/promote", {"version": "1", "model": ""}, "model"),
+        ("/rollback", {"model": ""}, "model"),  # acted on the default model
+        ("/rollback", {"to": "²"}, "to"),
+        ("/rollback", {"model": "x" * 300}, "model"),
+    ],
+)
+def test_numbers_are_ascii_digits_and_names_are_not_empty(
+    client: TestClient, service: HourglassService, path: str, body: dict, complaint: str
+) -> None:
+    response = client.post(path, json=body, headers={"Authorization": f"Bearer {service.api_token}"})
+    assert response.status_code == 422, response.text
+    assert complaint in {str(e["loc"][-1]) for e in response.json()["detail"]}
+    assert service.store.list() == []
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "complaint"),
+    [
+        (b'\xef\xbb\xbf{"window": "6h"}', "application/json", 400, "byte order mark"),
+        ('{"window": "6h"}'.encode("utf-16"), "application/json", 400, "byte order mark"),
+        ('{"window": "6h"}'.encode("utf-16-le"), "application/json", 400, "UTF-16 or UTF-32"),
+        ('{"window": "6h"}'.encode("utf-32-be"), "application/json", 400, "UTF-16 or UTF-32"),
+        (b'{"window": "6h"}', "application/json; charset=utf-16", 415, "charset"),
+        (b'{"window": "6\xffh"}', "application/json", 400, "not UTF-8"),
+        (b'{"window": "6h", "window": "1s"}', "application/json", 400, "twice"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 413, "api.max_body_bytes"),
+        (b"[" * 1000 + b"]" * 1000, "application/json", 400, "deeper"),
+        (b'{"window": "\\ud800"}', "application/json", 400, "Unicode"),
+    ],
+)
+def test_bodies_are_read_one_way_only(
+    client: TestClient, service: HourglassService, content: bytes, content_type: str, status: int, complaint: str
+) -> None:
+    headers = {"Authorization": f"Bearer {service.api_token}", "Content-Type": content_type}
+    response = client.post("/rounds", content=content, headers=headers)
+    assert response.status_code == status and complaint in response.json()["detail"], response.text
+    assert service.store.list() == []

@@ -560,3 +560,130 @@ def test_a_huge_integer_is_a_400_without_cpython_advice() -> None:
         parse_json(b'{"rating":' + b"9" * 5000 + b"}", max_depth=32)
     assert refused.value.status == 400 and "digits" in refused.value.message
     assert "sys." not in refused.value.message
+
+
+# --- one reading of every input, and limits that do not spend each other (issue 24) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "complaint"),
+    [
+        (b"\xef\xbb\xbf" + json.dumps({"model": "hourglass", "messages": MESSAGES}).encode(), None, 400, "byte order"),
+        (json.dumps({"model": "hourglass", "messages": MESSAGES}).encode("utf-16"), None, 400, "byte order"),
+        (json.dumps({"model": "hourglass", "messages": MESSAGES}).encode("utf-16-be"), None, 400, "UTF-16 or UTF-32"),
+        (json.dumps({"model": "hourglass", "messages": MESSAGES}).encode("utf-32-le"), None, 400, "UTF-16 or UTF-32"),
+        (
+            json.dumps({"model": "hourglass", "messages": MESSAGES}).encode(),
+            "application/json; charset=utf-16",
+            415,
+            "charset",
+        ),
+        (
+            json.dumps({"model": "hourglass", "messages": MESSAGES}).encode(),
+            'application/json; charset="latin1"',
+            415,
+            "charset",
+        ),
+        (b'{"model": "hourglass", "model": "other", "messages": []}', None, 400, "twice"),
+    ],
+)
+def test_json_bodies_are_utf8_and_read_one_way_only(
+    gateway: str,
+    keys: Keys,
+    upstream: FakeUpstream,
+    content: bytes,
+    content_type: str | None,
+    status: int,
+    complaint: str,
+) -> None:
+    seen = len(upstream.requests)
+    headers = {"content-type": content_type} if content_type else None
+    answer = post(gateway, "/v1/chat/completions", keys.client, content=content, headers=headers)
+    assert answer.status_code == status and complaint in error(answer)["message"], answer.text
+    ok = post(gateway, "/v1/chat/completions", keys.client, content=content.removeprefix(b"\xef\xbb\xbf"))
+    assert len(upstream.requests) == seen + (ok.status_code == 200)  # only a plain UTF-8 body got through
+    assert content_type or ok.status_code in (200, 400)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+def test_non_finite_numbers_in_feedback_metadata_are_a_400_naming_the_field(
+    gateway: str, keys: Keys, sink: FakeSink, literal: bytes
+) -> None:
+    """As in a chat request: NaN in feedback metadata was stored as null."""
+    trace_id, token = _served(gateway, keys.client)
+    stored = len(sink.feedback)
+    body = b'{"trace_id": "%s", "thumbs": "up", "feedback_token": "%s", "metadata": {"score": %s}}' % (
+        trace_id.encode(),
+        token.encode(),
+        literal,
+    )
+    answer = post(gateway, "/v1/feedback", keys.client, content=body)
+    assert answer.status_code == 400, answer.text
+    assert error(answer)["param"] == "metadata.score" and "finite" in error(answer)["message"]
+    assert len(sink.feedback) == stored
+
+
+def test_a_concurrency_refusal_spends_no_rate_token(keys: Keys, sink: FakeSink) -> None:
+    """A 429 for concurrency spent a rate token: 200 requests refused while 4 were in flight left the key
+    (rate 30/min) with nothing, so it was served 9 of a 200-request burst instead of up to its rate."""
+    slow = FakeUpstream(slow_s=600)  # its slow streams outlast the test, however loaded the machine
+    with serve(slow.app) as upstream_url:
+        app = create_gateway_app(
+            KafkaConfig(bootstrap_servers=["127.0.0.1:9"]),
+            upstream_url,
+            lambda name: ("base", None),
+            sink=sink,  # type: ignore[arg-type]
+            keys=keys.store,
+        )
+        with serve(app) as gateway:
+            _burst(gateway, keys)
+
+
+def _burst(gateway: str, keys: Keys) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = keys.store.create("burst", rate_per_min=30, concurrency=4)[1]
+    body = {"model": "hourglass", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 4, "stream": True}
+    held: list[tuple[httpx.Response, Any]] = []
+    http = httpx.Client(timeout=30)
+    try:
+        for _ in range(4):  # 4 slow streams hold the key's 4 slots (and spend 4 of its 30 tokens)
+            response = http.send(
+                http.build_request(
+                    "POST", f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+                ),
+                stream=True,
+            )
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            next(chunks)  # streaming (the iterator is kept: dropping it would close the stream)
+            held.append((response, chunks))
+        started = time.monotonic()
+        refused = [chat(gateway, key) for _ in range(200)]
+        assert {r.status_code for r in refused} == {429}
+        assert {error(r)["code"] for r in refused} == {"too_many_concurrent_requests"}
+    finally:
+        for response, _ in held:
+            response.close()
+        http.close()
+    time.sleep(1.0)  # the hung-up streams give their slots back
+    served = sum(chat(gateway, key).status_code == 200 for _ in range(30))
+    refill = (time.monotonic() - started) * 30 / 60
+    assert 26 <= served <= 26 + refill + 1, served  # 30 tokens, 4 spent by the held streams; none by the 429s
+
+    fresh = keys.store.create("burst-2", rate_per_min=30, concurrency=4)[1]
+    started = time.monotonic()
+    lock = threading.Lock()
+    codes: list[int] = []
+
+    def one(_: int) -> None:
+        code = chat(gateway, fresh).status_code
+        with lock:
+            codes.append(code)
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(one, range(200)))
+    refill = (time.monotonic() - started) * 30 / 60
+    assert len(codes) == 200 and set(codes) <= {200, 429}
+    assert 25 <= codes.count(200) <= 30 + refill + 1, codes.count(200)  # up to the rate, not 9

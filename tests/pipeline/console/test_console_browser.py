@@ -29,7 +29,7 @@ from connectors.schema import FeedbackEvent, TraceEvent
 from connectors.sink import TraceSink
 from pipeline.api import create_api
 from pipeline.config import load_config
-from pipeline.service import HourglassService
+from pipeline.service import HourglassService, api_server_config
 from pipeline.stack import free_port
 from pipeline.demo.traffic import arithmetic_questions
 
@@ -164,9 +164,7 @@ def console(tmp_path_factory, broker: str, mlflow_uri: str, vllm_tiny: str, tiny
     sent = _produce(cfg)
     service = HourglassService(cfg)
     service.start()
-    server = uvicorn.Server(
-        uvicorn.Config(create_api(service), host=cfg.api.host, port=cfg.api.port, log_level="warning")
-    )
+    server = uvicorn.Server(api_server_config(create_api(service), cfg))  # as `hourglass service` serves it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     api = f"http://127.0.0.1:{cfg.api.port}"
