@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 import math
 import re
 from collections.abc import Iterable
@@ -162,6 +163,10 @@ class ParsedBatch:
     dead_letters: list[DeadLetter] = field(default_factory=list)
     fast: int = 0  # records accepted by the fast path
     fallback: int = 0  # records handed to the reference parser
+    # Set by the ingest worker for its OTel topic (connectors.otel_records): spans that were not events, by
+    # reason, and how many OTel records the batch's rows and letters came from.
+    skipped: Counter[str] = field(default_factory=Counter)
+    otel_records: int = 0
     token_ids: pa.Array | None = None  # list<int32>, [len(traces)]
     logprobs: pa.Array | None = None  # list<float32>, [len(traces)]
     # While parsing with _DECODER: each trace row's lists as JSON text (None = null) and element counts.

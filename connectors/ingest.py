@@ -22,14 +22,22 @@ Nothing stops the loop:
   same batch with exponential backoff (nothing is committed meanwhile, so nothing is lost; fetching
   pauses), visible in :meth:`IngestWorker.health` and the ``hourglass_ingest_storage_ok`` gauge.
 
+OpenTelemetry GenAI traces: with an ``[otel]`` section (:class:`~connectors.otel.OtelSourceConfig`) the
+worker subscribes to ``otel.topic`` as well; each of its records (a Collector Kafka-exporter payload) is
+expanded by :func:`connectors.otel_records.expand_otel_records` into native trace/feedback events before
+step 1, so they take exactly the path above (same parser, hashing, de-duplication, commit); refused
+payloads and spans are dead letters, spans that are not GenAI inference are counted.
+
 Prometheus metrics: ``hourglass_ingest_rows_stored_total{kind="trace"|"feedback"}`` (stored rows),
-``hourglass_dead_letters_total{reason}``, ``hourglass_ingest_storage_ok`` (1/0).
+``hourglass_dead_letters_total{reason}``, ``hourglass_ingest_storage_ok`` (1/0),
+``hourglass_otel_spans_skipped_total{reason}`` (OTel spans that are not GenAI inference: ``not_genai``,
+``not_inference``, ``failed_call``).
 
 Broker restarts, timeouts and rebalances do not crash the worker: the
 consumer is closed and re-created with exponential backoff (tenacity). Run
 it in the foreground (``hourglass ingest``) or in a thread::
 
-    worker = IngestWorker(cfg.kafka, cfg.buffer)
+    worker = IngestWorker(cfg.kafka, cfg.buffer, otel=cfg.otel)
     stop = threading.Event()
     threading.Thread(target=worker.run, args=(stop,)).start()
     ...
@@ -64,6 +72,8 @@ from connectors.dead_letter import DeadLetterStore
 from connectors.errors import BrokerUnavailableError, BufferStorageError
 from connectors.kafka_admin import ensure_topics
 from connectors.fast_parse import ParsedBatch, UndecodableRecord, parse_batch
+from connectors.otel import OtelSourceConfig
+from connectors.otel_records import expand_otel_records
 from connectors.schema import UNMATCHED_FEEDBACK, TsWindow, UserHasher
 
 log = logging.getLogger(__name__)
@@ -76,6 +86,12 @@ STORAGE_OK = Gauge(
     "hourglass_ingest_storage_ok", "1 while the ingest worker can write the buffer, 0 while it retries a failed write."
 )
 STORAGE_OK.set(1)
+OTEL_SPANS_SKIPPED = Counter(
+    "hourglass_otel_spans_skipped",
+    "OpenTelemetry spans read from otel.topic that are not a GenAI inference call, by reason "
+    "(not_genai, not_inference, failed_call).",
+    ["reason"],
+)
 
 _INFLIGHT_POLL_MS = 10  # longest poll wait while a batch is being stored or its commit is unanswered
 
@@ -93,6 +109,8 @@ class IngestStats:
     commit_failures: int = 0
     reconnects: int = 0
     unmatched_feedback: int = 0
+    otel_records: int = 0  # records of otel.topic read (each a Collector payload of any number of spans)
+    otel_spans_skipped: int = 0  # OTel spans that are not GenAI inference (see OTEL_SPANS_SKIPPED)
     lag_records: int | None = None  # sum over assigned partitions of high watermark - position
     first_record_unix_s: float | None = None  # wall time the first batch arrived (throughput baselines)
     last_commit_unix_s: float | None = None
@@ -105,8 +123,17 @@ class IngestStats:
 class IngestWorker:
     """One member of the ingest consumer group (see module doc for the guarantee)."""
 
-    def __init__(self, kafka: KafkaConfig, buffer: BufferConfig, *, writer_id: str | None = None) -> None:
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        buffer: BufferConfig,
+        *,
+        writer_id: str | None = None,
+        otel: OtelSourceConfig | None = None,
+    ) -> None:
+        """``otel``: also read OpenTelemetry GenAI spans from ``otel.topic`` (None: native topics only)."""
         self.kafka = kafka
+        self.otel = otel
         self.writer_id = writer_id or uuid.uuid4().hex[:8]
         self.buffer = RewardBuffer(buffer, self.writer_id)
         self.buffer.warm_up()  # pyarrow's lazy imports now, not in the first batch's commit latency
@@ -204,7 +231,7 @@ class IngestWorker:
         # store to finish and commit it, 4. wait for the broker to acknowledge every commit,
         # 5. close the consumer without auto-commit (leaves the group).
         # On a broker error, batches not yet committed are redelivered later (the buffer de-duplicates).
-        ensure_topics(self.kafka)
+        ensure_topics(self.kafka, self._topics())
         consumer = self._consumer()
         self._sent, self._retry, self._commits_unacked, self._commit_error = {}, {}, 0, None
         k = self.kafka
@@ -293,8 +320,15 @@ class IngestWorker:
             request_timeout_ms=max(k.request_timeout_ms, k.session_timeout_ms + 5000),
             **fetch_settings(k),
         )
-        consumer.subscribe([k.traces_topic, k.feedback_topic])
+        consumer.subscribe(self._topics())
         return consumer
+
+    def _topics(self) -> list[str]:
+        """The topics this worker reads: traces, feedback, and ``otel.topic`` when configured."""
+        topics = [self.kafka.traces_topic, self.kafka.feedback_topic]
+        if self.otel is not None and self.otel.topic not in topics:
+            topics.append(self.otel.topic)
+        return topics
 
     # --- one batch -------------------------------------------------------------------
 
@@ -323,13 +357,25 @@ class IngestWorker:
         """Parse one batch (consumer thread: pure-Python CPU work gains nothing from another thread
         under the GIL, and a CPU-bound store thread would delay this thread's socket wake-ups)."""
         cfg = self.buffer.cfg
-        return parse_batch(
-            itertools.chain.from_iterable(polled.values()),
+        records: list[Any] = list(itertools.chain.from_iterable(polled.values()))
+        expansion = None
+        if self.otel is not None:  # OTel payloads -> native event records (same parser below), letters, skips
+            expansion = expand_otel_records(
+                records, self.otel, self._hasher, passthrough=lambda record: isinstance(record, UndecodableRecord)
+            )
+            records = expansion.records
+        batch = parse_batch(
+            records,
             max_record_bytes=self.kafka.max_record_bytes,
             hasher=self._hasher,
             window=TsWindow.around(datetime.now(timezone.utc), cfg.event_age_limit_s, cfg.max_clock_skew_s),
             max_correction_chars=cfg.max_correction_chars,
         )
+        if expansion is not None:
+            batch.dead_letters.extend(expansion.dead_letters)
+            batch.skipped.update(expansion.skipped)
+            batch.otel_records += expansion.otel_records
+        return batch
 
     def _store(self, batch: ParsedBatch, stop: threading.Event) -> None:
         """Write one parsed batch durably: dead letters, then buffer segments (store thread; fsync releases the GIL).
@@ -367,11 +413,15 @@ class IngestWorker:
             dead_letters=len(batch.dead_letters),
             batches=1,
             fast_parsed=batch.fast,
+            otel_records=batch.otel_records,
+            otel_spans_skipped=sum(batch.skipped.values()),
         )
         RECORDS.labels("trace").inc(traces.num_rows)
         RECORDS.labels("feedback").inc(feedback.num_rows)
         for reason, n in Tally(letter.reason for letter in batch.dead_letters).items():
             DEAD_LETTERS.labels(reason).inc(n)
+        for reason, n in batch.skipped.items():
+            OTEL_SPANS_SKIPPED.labels(reason).inc(n)
 
     def _on_storage_retry(self, state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome is not None else None

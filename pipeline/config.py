@@ -1,6 +1,6 @@
 """The whole ``hourglass.toml`` as one typed, validated object.
 
-Sections: ``kafka``, ``buffer``, ``gateway`` (connectors), ``model``, ``candidates``,
+Sections: ``kafka``, ``buffer``, ``gateway``, ``otel`` (connectors; ``otel`` is optional, absent = off), ``model``, ``candidates``,
 ``rl`` (trainer; with ``rl.rollout``, ``rl.update``, ``rl.split``, ``rl.gate``, ``rl.ray``,
 ``rl.reward_model``), ``schedule``, ``registry``, ``serving``, ``api`` (here).
 Top level: ``deployment`` (``embedded`` | ``production``: production refuses
@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from connectors.config_base import Section
+from connectors.otel import OtelSourceConfig
 from pipeline.errors import ConfigError
 from trainer.config import MOVED_RL_KEYS, CandidateConfig, ModelConfig, RLConfig
 
@@ -351,6 +352,11 @@ class HourglassConfig(BaseSettings):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    otel: OtelSourceConfig | None = Field(
+        default=None,
+        description="OpenTelemetry GenAI traces from the Collector's Kafka exporter: with this section the ingest "
+        "worker also reads `otel.topic` (see the data contracts page). Absent: off.",
+    )
 
     @classmethod
     def settings_customise_sources(

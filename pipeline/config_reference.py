@@ -309,8 +309,14 @@ def _comment(text: str | None, width: int = 100) -> list[str]:
     return [f"# {line}" for line in textwrap.wrap(prose(text), width - 2)] if text else []
 
 
-def _emit(model: type[BaseModel], value: BaseModel | None, path: tuple[str, ...], out: list[str]) -> None:
-    """The keys of one table (plain keys first, as TOML needs), then its subtables, depth first."""
+def _emit(
+    model: type[BaseModel], value: BaseModel | None, path: tuple[str, ...], out: list[str], off: bool = False
+) -> None:
+    """The keys of one table (plain keys first, as TOML needs), then its subtables, depth first.
+
+    ``off``: the table is an optional section that is absent by default (``[otel]``): its header and keys
+    are written commented out, with their defaults, so the file still loads to the defaults."""
+    mark = "# " if off else ""
     subtables = []
     for name, field in model.model_fields.items():
         current = getattr(value, name) if value is not None else field.get_default(call_default_factory=True)
@@ -319,18 +325,20 @@ def _emit(model: type[BaseModel], value: BaseModel | None, path: tuple[str, ...]
             subtables.append((name, field, nested, current))
             continue
         out += _comment(field.description)
-        out.append(f"# {name} =  (unset)" if current is None else f"{name} = {toml_value(current)}")
+        out.append(f"# {name} =  (unset)" if current is None else f"{mark}{name} = {toml_value(current)}")
     for name, field, (cls, array), current in subtables:
         dotted = ".".join(path + (name,))
         entries = list(current or []) if array else [current]
         for entry in entries or [None]:
-            out += ["", f"[[{dotted}]]" if array else f"[{dotted}]"]
+            absent = off or (not array and entry is None)  # an optional section, off by default
+            header = f"[[{dotted}]]" if array else f"[{dotted}]"
+            out += ["", f"# {header}  (absent by default: off)" if absent and not array else header]
             about = _comment(field.description or cls.__doc__)
             out += about
             if array and entry is None:
                 out[-1 - len(about)] = f"# [[{dotted}]]  (none by default)"
                 continue
-            _emit(cls, entry, path + (name,), out)
+            _emit(cls, entry, path + (name,), out, off=absent)
 
 
 def example_toml(model: type[BaseModel] = HourglassConfig) -> str:

@@ -133,7 +133,7 @@ class HourglassService:
         if self._want_ingest:
             from connectors.ingest import IngestWorker
 
-            self.ingest_worker = worker = IngestWorker(self.cfg.kafka, self.cfg.buffer)
+            self.ingest_worker = worker = IngestWorker(self.cfg.kafka, self.cfg.buffer, otel=self.cfg.otel)
             self._supervise("ingest", worker.run)
         if self._want_reconcile:
             from pipeline.serving.controller import ServingController

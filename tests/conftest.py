@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from connectors.config import BufferConfig, KafkaConfig  # noqa: E402
 from connectors.ingest import IngestWorker  # noqa: E402
+from connectors.otel import OtelSourceConfig  # noqa: E402
 from pipeline.stack import Service, broker_service, free_port, mlflow_service, vllm_service  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
 
@@ -186,8 +187,8 @@ def run_worker() -> Iterator[Callable[[KafkaConfig, BufferConfig], IngestWorker]
     """Start an IngestWorker in a thread; stopped (gracefully) at teardown."""
     running: list[tuple[threading.Event, threading.Thread]] = []
 
-    def start(kafka: KafkaConfig, buffer: BufferConfig) -> IngestWorker:
-        worker = IngestWorker(kafka, buffer)
+    def start(kafka: KafkaConfig, buffer: BufferConfig, otel: OtelSourceConfig | None = None) -> IngestWorker:
+        worker = IngestWorker(kafka, buffer, otel=otel)
         stop = threading.Event()
         thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
         thread.start()

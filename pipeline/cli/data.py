@@ -72,7 +72,7 @@ def ingest(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Run an ingest worker in the foreground until Ctrl-C / SIGTERM (Kafka -> reward buffer)."""
     cfg = _config(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    worker = IngestWorker(cfg.kafka, cfg.buffer)
+    worker = IngestWorker(cfg.kafka, cfg.buffer, otel=cfg.otel)
     stop = threading.Event()
     # Shutdown order: 1. the signal sets `stop`, 2. the worker finishes the batch in hand
     # (durable write, offset commit), 3. it closes the consumer (leaves the group), 4. we print stats.
