@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
@@ -38,6 +39,10 @@ from connectors.kafka_admin import ensure_topics
 from connectors.otel import OtelFeedbackRule, OtelSourceConfig
 from connectors.schema import UserHasher
 from tests.connectors.connector_helpers import wait_for
+from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.data import round_inputs, split_snapshot
+from trainer.round import run_round
+from trainer.types import RoundSpec
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +52,14 @@ MESSAGES = [
 ]
 
 
-def _genai_attributes(response: Any, base_url: str, *, content: bool) -> dict[str, Any]:
+def _genai_attributes(
+    response: Any,
+    base_url: str,
+    *,
+    content: bool,
+    messages: list[dict[str, str]] = MESSAGES,
+    user: str = "alice@example.com",
+) -> dict[str, Any]:
     """The attributes ``opentelemetry-instrumentation-openai-v2`` puts on its ``chat {model}`` span (latest
     experimental GenAI semconv; messages as JSON strings when content capture is on), plus what the
     application adds (``user.id``, ``gen_ai.conversation.id``)."""
@@ -67,12 +79,12 @@ def _genai_attributes(response: Any, base_url: str, *, content: bool) -> dict[st
         "gen_ai.usage.input_tokens": response.usage.prompt_tokens,
         "gen_ai.usage.output_tokens": response.usage.completion_tokens,
         "gen_ai.conversation.id": "conv-1",
-        "user.id": "alice@example.com",
+        "user.id": user,
     }
     if content:
-        attrs["gen_ai.system_instructions"] = json.dumps([{"type": "text", "content": MESSAGES[0]["content"]}])
+        attrs["gen_ai.system_instructions"] = json.dumps([{"type": "text", "content": messages[0]["content"]}])
         attrs["gen_ai.input.messages"] = json.dumps(
-            [{"role": "user", "parts": [{"type": "text", "content": MESSAGES[1]["content"]}]}]
+            [{"role": "user", "parts": [{"type": "text", "content": messages[1]["content"]}]}]
         )
         attrs["gen_ai.output.messages"] = json.dumps(
             [
@@ -109,6 +121,28 @@ def _record_spans(response: Any, base_url: str) -> tuple[list[ReadableSpan], lis
     return [chat_done, bare_done, http_done], [vote_done], trace_id
 
 
+def _chat(base_url: str, messages: list[dict[str, str]]) -> Any:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return client.chat.completions.create(
+        model="base",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"min_tokens": 8},  # the tiny random model: never an empty answer
+    )
+
+
+def _produce(kafka: KafkaConfig, topic: str, values: list[bytes]) -> None:
+    """Produce ``values`` in order to partition 0 of ``topic`` (created first: offsets 0, 1, ...)."""
+    ensure_topics(kafka, [topic])
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all")
+    try:
+        for value in values:
+            producer.send(topic, value=value, partition=0).get(timeout=30)
+    finally:
+        producer.close()
+
+
 def _skipped(reason: str) -> float:
     return REGISTRY.get_sample_value("hourglass_otel_spans_skipped_total", {"reason": reason}) or 0.0
 
@@ -119,14 +153,7 @@ def test_sdk_genai_spans_of_a_real_vllm_call_land_in_the_buffer(
     buffer_cfg: BufferConfig,
     run_worker: Callable[..., IngestWorker],
 ) -> None:
-    client = OpenAI(base_url=f"{vllm_tiny}/v1", api_key="unused", max_retries=0, timeout=300)
-    response = client.chat.completions.create(
-        model="base",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=8,
-        temperature=0.0,
-        extra_body={"min_tokens": 8},  # the tiny random model: never an empty answer
-    )
+    response = _chat(vllm_tiny, MESSAGES)
     assert response.choices[0].message.content
     request_spans, vote_spans, trace_id = _record_spans(response, vllm_tiny)
     calls = encode_spans(request_spans).SerializeToString()  # = the Kafka exporter's otlp_proto record value
@@ -136,13 +163,8 @@ def test_sdk_genai_spans_of_a_real_vllm_call_land_in_the_buffer(
         topic=f"otlp_spans-{kafka_cfg.group_id}",
         feedback=[OtelFeedbackRule(attribute="feedback.thumbs", signal="thumbs")],
     )
-    ensure_topics(kafka_cfg, [otel.topic])
-    producer = KafkaProducer(bootstrap_servers=kafka_cfg.bootstrap_servers, acks="all")
-    try:
-        for value in (calls, vote, calls, b"\x07 not an ExportTraceServiceRequest"):  # calls twice: a retried export
-            producer.send(otel.topic, value=value).get(timeout=30)
-    finally:
-        producer.close()
+    # calls twice: a retried export (offsets 0..3, in this order)
+    _produce(kafka_cfg, otel.topic, [calls, vote, calls, b"\x07 not an ExportTraceServiceRequest"])
     before = _skipped("not_genai")
     worker = run_worker(kafka_cfg, buffer_cfg, otel=otel)
     wait_for(lambda: worker.stats().otel_records >= 4 and worker.stats().commits >= 1, 90, "4 OTel records stored")
@@ -182,3 +204,69 @@ def test_sdk_genai_spans_of_a_real_vllm_call_land_in_the_buffer(
     wait_for(lambda: again.stats().otel_records >= 4 and again.stats().commits >= 1, 90, "4 OTel records re-read")
     snap = RewardBuffer(buffer_cfg).snapshot()
     assert snap["trace_id"].to_pylist() == [trace_id] and snap["reward"].to_pylist() == [1.0]
+
+
+def test_a_round_trains_on_the_otel_traces_that_landed(
+    vllm_tiny: str,
+    tiny_model: Path,
+    kafka_cfg: KafkaConfig,
+    buffer_cfg: BufferConfig,
+    run_worker: Callable[..., IngestWorker],
+    tmp_path: Path,
+) -> None:
+    """Six real chat calls by three users, each voted on by its user; an offline round (the logged
+    completions and their feedback rewards) trains on the buffer's snapshot."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "shop-assistant"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("opentelemetry.instrumentation.openai_v2", "2.3b0")
+    users = ["alice@example.com", "bob@example.com", "carol@example.com"]
+    votes = []
+    for i in range(6):
+        messages = [MESSAGES[0], {"role": "user", "content": f"Name colour number {i}."}]
+        response = _chat(vllm_tiny, messages)
+        with tracer.start_as_current_span("chat base", kind=SpanKind.CLIENT) as chat:
+            chat.set_attributes(
+                _genai_attributes(response, vllm_tiny, content=True, messages=messages, user=users[i % 3])
+            )
+        votes.append((chat.get_span_context(), "up" if i % 2 == 0 else "down", users[i % 3]))
+    calls = list(exporter.get_finished_spans())
+    exporter.clear()
+    for context, thumbs, user in votes:
+        with tracer.start_as_current_span(
+            "user_feedback", links=[Link(context)], attributes={"feedback.thumbs": thumbs, "user.id": user}
+        ):
+            pass
+    provider.shutdown()
+    otel = OtelSourceConfig(
+        topic=f"otlp_spans-{kafka_cfg.group_id}",
+        feedback=[OtelFeedbackRule(attribute="feedback.thumbs", signal="thumbs")],
+    )
+    _produce(
+        kafka_cfg,
+        otel.topic,
+        [encode_spans(calls).SerializeToString(), encode_spans(exporter.get_finished_spans()).SerializeToString()],
+    )
+    worker = run_worker(kafka_cfg, buffer_cfg, otel=otel)
+    wait_for(lambda: worker.stats().otel_records >= 2 and worker.stats().commits >= 1, 90, "2 OTel records stored")
+    snap = RewardBuffer(buffer_cfg).snapshot()
+    assert snap.num_rows == 6 and sorted(snap["reward"].to_pylist()) == [-1.0] * 3 + [1.0] * 3
+
+    train, heldout = split_snapshot(snap, 0.34)
+    rl = RLConfig(
+        steps_per_round=1,
+        prompts_per_step=2,
+        rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
+    )
+    candidate = CandidateConfig(
+        name="otel", algorithm="offline_is", reward=[RewardTerm(fn="logged")], start="fresh", served_model="base"
+    )
+    result = run_round(
+        RoundSpec(ModelConfig(name=str(tiny_model)), (candidate,), rl),
+        round_inputs(train, heldout),
+        tmp_path / "round",
+    )
+    (trained,) = result.candidates
+    assert (trained.adapter_dir / "adapter_model.safetensors").is_file()
+    assert len(trained.step_metrics) == 1 and trained.step_metrics[0]["train/reward_mean"] in (-1.0, 0.0, 1.0)
