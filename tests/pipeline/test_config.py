@@ -232,3 +232,22 @@ def test_the_old_flat_rl_keys_and_reward_model_table_name_their_new_place(tmp_pa
     assert any(p.startswith("reward_model: moved: [reward_model] is now [rl.reward_model]") for p in problems)
     assert any(p.startswith("rl.steps_per_round:") and "got 0" in p for p in problems)
     assert len(problems) == 4
+
+
+def test_otel_section_is_off_by_default_and_on_from_the_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_config(REPO / "deploy" / "hourglass.toml").otel is None
+    conf = tmp_path / "otel.toml"
+    conf.write_text(
+        '[otel]\ntopic = "genai-spans"\n[[otel.feedback]]\nattribute = "feedback.thumbs"\nsignal = "thumbs"\n'
+    )
+    cfg = load_config(conf)
+    assert cfg.otel is not None and cfg.otel.topic == "genai-spans" and cfg.otel.encoding == "otlp_proto"
+    assert [rule.signal for rule in cfg.otel.feedback] == ["thumbs"]
+    monkeypatch.setenv("HOURGLASS_OTEL__ENCODING", "otlp_json")
+    assert load_config(None).otel.encoding == "otlp_json"  # type: ignore[union-attr]
+    conf.write_text('[otel]\ntopic = "bad topic!"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(conf)
+    assert any("otel.topic" in problem for problem in err.value.problems), err.value.problems
