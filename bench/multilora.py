@@ -1,43 +1,56 @@
-"""K candidate experiments two ways, side by side in one run.
+"""K candidate experiments three ways, side by side in one run: what users run instead, and Hourglass.
 
-(a) traditional: one fresh process per experiment; each loads the base and
-    starts its own vLLM server, trains one LoRA candidate, evaluates, exits.
-    Experiments run one after another (this machine has 2 cores).
-(b) hourglass: one process, one resident base with all K adapters (offload
-    store), one shared vLLM server that samples for every adapter at once.
+TRL  the peer: Hugging Face TRL's ``GRPOTrainer`` with a PEFT ``LoraConfig``, one process per
+     experiment, no server (TRL's transformers-``generate`` path), one after another
+     (bench/peer_trl.py, bench/trl_grpo.py; TRL 1.16 in a scratch venv the benchmark builds once under
+     the ignored ``.bench/``, bench/trl_env.py: it never enters the locked runtime).
+(a)  traditional Hourglass: one fresh process per experiment; each loads the base and starts its own
+     vLLM server, trains one LoRA candidate, evaluates, exits. One after another (2 cores).
+(b)  Hourglass: one process, one resident base with all K adapters (offload store), one shared vLLM
+     server that samples for every adapter at once.
 
-Identical work both ways: per candidate S GRPO steps of P prompts x G
-rollouts, then greedy evaluation on the same held-out prompts. The task is
-the demo's (one-digit additions, ``pipeline/demo/traffic.py``), the reward the
-demo's users' own check (``first_number_answer``, which the base gets right
-now and then) plus ``format`` at weight 0.5, the K candidates a small
-learning-rate sweep (2.5e-4 .. 2e-3, rank 8); evaluation scores the greedy
-answers with ``first_number_answer``, so both sides print what was learned:
-the base's evaluation reward, each candidate's after training (the same
-candidate on both sides: same seeds, same prompts, same start weights) and
-the mean training reward of the first and last step.
+Identical work on every side: per candidate S GRPO steps of P prompts x G rollouts, then greedy
+evaluation on the same held-out prompts. SmolLM2-135M-Instruct, bf16 base (``model.dtype = auto`` on
+a CPU with bf16), float32 LoRA r=8 alpha=16 on q/k/v/o, the same start weights (seeded by name and
+``--seed``); the demo's task (one-digit additions, ``pipeline/demo/traffic.py``), the step's prompts
+drawn by the round's own ``draw_prompts`` in the same order; reward the demo's users' check
+(``first_number_answer``) + 0.5 ``format`` (the TRL process imports our reward functions: the same
+code); PPO-clip epsilon 0.2, token-mean loss, beta = 0.01 k3 KL to the adapters-off base, AdamW with a
+constant learning rate, no weight decay, grad-norm clip 1.0; the K candidates a learning-rate sweep
+(2.5e-4 .. 2e-3); evaluation scores greedy answers with ``first_number_answer``.
 
-Workloads (``--workload``): ``default`` (S=2, P=2, G=4, 16 new tokens) and
-``round`` (the demo's per-round budget, deploy/demo.toml [rl]: S=3, P=4, G=6,
-12 new tokens); both evaluate on 32 held-out prompts. ``both`` runs one after
-the other in one invocation. Flags given explicitly override the preset.
+Settings that cannot match the peer (details in bench/trl_grpo.py and docs/benchmarks/multilora.md):
+TRL's advantages divide by the group's *sample* std (+1e-4; ours: population std +1e-6, so TRL's are
+ours x sqrt((G-1)/G)); without vLLM TRL's importance ratio is exactly 1 (its "old" log-probs are its
+own, detached) so its clip never acts, while ours compares the bf16 trainer with the float32 vLLM
+that sampled; TRL samples with ``generate`` in bf16 with its own RNG, ours with float32 vLLM and
+per-request seeds; TRL evaluates with bf16 ``generate``, ours with float32 vLLM; TRL runs every row
+whole (no prompt sharing, no one-pass update).
 
-Per workload it prints wall clock and peak memory (RSS of the process tree,
-trainer + vLLM, sampled every 0.2 s) of both sides, the swap time as a
-fraction of update time, rollout tokens/s with K adapters in one engine vs
-one adapter at a time, the round's phase breakdown (``time/*_s`` round
-metrics, trainer/profile.py; (a) summed over its processes), the learning
-lines, the speedup (a)/(b), and the update time of the K candidates'
-training step sequential (rows whole, and each prompt once) vs one-pass
-(``rl.update_mode``, bench/one_pass.py: same process, same base in the dtype
-``model.dtype = auto`` picks, same rows of the workload's size, alternating).
-The last lines repeat the speedups.
-(b) trains in ``--update-mode`` (default ``one_pass``); (a) has one candidate
-per process and trains ``sequential``, as a lone experiment would.
+Workloads (``--workload``): ``default`` (S=2, P=2, G=4, 16 new tokens, 32 held-out prompts),
+``round`` (the demo's per-round budget, deploy/demo.toml [rl]: S=3, P=4, G=6, 12 new tokens, 32
+held-out prompts) and ``learn`` (6 steps, 96 held-out prompts: proposed for comparing what the sides learn;
+not yet validated, see the docs page). ``both`` runs default then round; ``all`` every preset. Flags
+given explicitly override the preset; ``--sides`` picks the sides (``trl,a,b``), ``--seed`` the
+round's seed (prompt draw, LoRA init; TRL's sampling RNG) on every side. The vLLM rollouts are not
+seeded (``VLLMEngine`` sends no per-request seed: the vLLM 0.32 CPU engine crashes on them), so no two
+runs sample alike and one run's learning figures are noise-dominated: compare seeds' means.
 
-    python bench/multilora.py --k 2 --steps 1 --eval-prompts 8 --ratio-repeats 1   # a check that it runs (62 min at load 13-55)
-    python bench/multilora.py                         # K=8, SmolLM2, default workload
-    python bench/multilora.py --workload both         # both presets in one run
+Per workload it prints wall clock and peak memory (RSS of the process tree) of every side, TRL's
+phases (imports, load, train, evaluate: summed over its processes) and ours (``time/*_s`` round
+metrics, trainer/profile.py; (a) summed over its processes), (b)'s phases against this machine's
+limits measured in the run (bench/limits.py: decode tokens/s against the memory-bandwidth bound,
+training FLOP/s against the bf16 and float32 matmul rates), the swap time as a fraction of update
+time, rollout tokens/s with K adapters in one engine call vs one at a time, what every side learned
+(base -> after, per candidate, and each side minus (b) per candidate, mean +- SE), the speedups
+TRL/(b) and (a)/(b), and the K candidates' update time sequential vs one-pass (bench/one_pass.py).
+The last two lines repeat TRL/(b) (the headline) and then (a)/(b) for every workload run.
+(b) trains in ``--update-mode`` (default ``one_pass``); (a) has one candidate per process and trains
+``sequential``, as a lone experiment would.
+
+    python bench/multilora.py --k 2 --steps 1 --eval-prompts 8 --ratio-repeats 1   # a check that it runs
+    python bench/multilora.py --workload both         # K=8, SmolLM2, TRL / (a) / (b), default and round
+    python bench/multilora.py --workload learn --seed 1 --sides trl,b --no-update-ratio   # learning, seed 1
 """
 
 from __future__ import annotations
@@ -49,19 +62,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Literal
-
-import psutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import writer
+from bench import limits, peer_trl, writer
+from bench.limits import ModelShape
+from bench.multilora_report import Learned, RoundWork, learning_lines, limit_lines
+from bench.peak_rss import PeakRSS
 from pipeline.stack import free_port, vllm_service
 from trainer import model_store
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
@@ -71,46 +84,12 @@ from trainer.profile import PHASES
 WORKLOADS = {
     "default": {"steps": 2, "prompts": 2, "group": 4, "max_new_tokens": 16, "eval_prompts": 32},
     "round": {"steps": 3, "prompts": 4, "group": 6, "max_new_tokens": 12, "eval_prompts": 32},
+    # twice the round's steps, three times its held-out prompts: proposed for comparing what the sides learn,
+    # not yet validated with two seeds on a quiet host (docs/benchmarks/multilora.md)
+    "learn": {"steps": 6, "prompts": 4, "group": 6, "max_new_tokens": 12, "eval_prompts": 96},
 }
 LEARNING_RATES = (2.5e-4, 5e-4, 1e-3, 2e-3)
 EVAL_REWARD = [RewardTerm(fn="first_number_answer")]
-
-
-class PeakRSS:
-    """Peak summed RSS (bytes) of a process and all its descendants, sampled in a thread."""
-
-    def __init__(self, pid: int, every_s: float = 0.2) -> None:
-        self.root = psutil.Process(pid)
-        self.every_s = every_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> int:
-        total = 0
-        try:
-            procs = [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
-        for proc in procs:
-            try:
-                total += proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
-            time.sleep(self.every_s)
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def candidates(k: int) -> list[CandidateConfig]:
@@ -138,7 +117,7 @@ def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_
         max_new_tokens=args.max_new_tokens,
         eval_prompts=args.eval_prompts,
         adapter_store="offload",
-        seed=0,
+        seed=getattr(args, "seed", 0),
         update_mode=update_mode,
         gate_reward=EVAL_REWARD,
         max_kl=100.0,
@@ -166,7 +145,7 @@ def tables(args: argparse.Namespace):
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
-def start_vllm(model: Path, logs: Path, max_loras: int):
+def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all"):
     service = vllm_service(
         model,
         "127.0.0.1",
@@ -176,6 +155,7 @@ def start_vllm(model: Path, logs: Path, max_loras: int):
         kv_cache_gib=1,
         max_lora_rank=16,
         max_loras=max_loras,
+        cpu_threads=cpu_threads,
         startup_timeout_s=900,  # generous: a loaded 2-core host can take minutes to import vLLM
     )
     service.start()
@@ -190,19 +170,35 @@ def run_round_with_vllm(
     out: Path,
     extra=None,
 ) -> dict:
-    """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server."""
-    from trainer.rollout_vllm import VLLMEngine
+    """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server.
+
+    With ``args.share_prompts`` False the round's base runs every row whole (no prompt sharing)."""
+    from trainer.base import load_base
     from trainer.candidates import run_round
+    from trainer.rollout_vllm import VLLMEngine
 
     train, heldout = tables(args)
     started = time.perf_counter()
-    service = start_vllm(model, out / "logs", max_loras=max(2, len(cands)))
+    service = start_vllm(model, out / "logs", max_loras=max(2, len(cands)), cpu_threads=args.vllm_cpu_threads)
     startup_s = time.perf_counter() - started
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
         rl = rl_config(args, update_mode)
+        base = None
+        if not getattr(args, "share_prompts", True):
+            base = load_base(ModelConfig(name=str(model)))
+            base.share_prompts = False
         result = run_round(
-            ModelConfig(name=str(model)), cands, rl, train, heldout, {}, out / "round", engine=engine, progress=False
+            ModelConfig(name=str(model)),
+            cands,
+            rl,
+            train,
+            heldout,
+            {},
+            out / "round",
+            engine=engine,
+            progress=False,
+            base=base,
         )
         metrics = [m for c in result.candidates for m in c.step_metrics]
         tenant = cands[0].served_model
@@ -214,6 +210,12 @@ def run_round_with_vllm(
             "eval_reward": {c.name: c.eval_metrics.get("eval/reward_mean", float("nan")) for c in result.candidates},
             "train_reward": {c.name: [m["train/reward_mean"] for m in c.step_metrics] for c in result.candidates},
             "phases": {k: result.metrics.get(k, 0.0) for k in PHASES},
+            "rollout_tokens": result.metrics.get("rollout/tokens", 0.0),
+            "eval_length": {c.name: c.eval_metrics.get("eval/mean_length", float("nan")) for c in result.candidates},
+            "clip_frac": {
+                c.name: [m.get("train/clip_frac", float("nan")) for m in c.step_metrics] for c in result.candidates
+            },
+            "kl": {c.name: [m.get("train/kl", float("nan")) for m in c.step_metrics] for c in result.candidates},
         }
         if extra is not None:
             extra_started = time.perf_counter()
@@ -287,7 +289,7 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     lines = report(result, args.k)
     lines[0] = f"{lines[0]}; base {dtype}, {args.prompts * args.group} rows per candidate"
     args.one_pass_recorder.write(
-        f"multilora-{name}",
+        f"multilora-{variant_name(name, args)}",
         title=f"workload `{name}` of bench/multilora.py: K = {args.k}, {dtype} base, {args.prompts * args.group} rows "
         f"per candidate ({args.prompts} prompts x G = {args.group}, {args.max_new_tokens} new tokens)",
         columns=COLUMNS,
@@ -305,31 +307,6 @@ def phases(reports: list[dict[str, float]]) -> str:
     )
 
 
-def learning(reports_a: list[dict], report_b: dict, eval_prompts: int) -> list[str]:
-    """What both sides learned: base and per-candidate evaluation reward, first- and last-step training reward."""
-    after_a = {n: v for r in reports_a for n, v in r["eval_reward"].items()}
-    after_b = report_b["eval_reward"]
-    train_a = {n: v for r in reports_a for n, v in r["train_reward"].items()}
-    train_b = report_b["train_reward"]
-    base_a = statistics.fmean(r["eval_base"] for r in reports_a)
-
-    def mean(values) -> float:
-        return statistics.fmean(values) if values else float("nan")
-
-    def fmt(d: dict[str, float]) -> str:
-        return "[" + ", ".join(f"{d[n]:.3f}" for n in sorted(d, key=lambda n: int(n[1:]))) + "]"
-
-    gap = max((abs(after_a[n] - after_b[n]) for n in after_b if n in after_a), default=float("nan"))
-    return [
-        f"eval reward (first_number_answer of greedy answers, {eval_prompts} held-out prompts): base {base_a:.3f} (a) / "
-        f"{report_b['eval_base']:.3f} (b); after training (a) mean {mean(list(after_a.values())):.3f} {fmt(after_a)}, "
-        f"(b) mean {mean(list(after_b.values())):.3f} {fmt(after_b)}; largest per-candidate |a - b| {gap:.3f}",
-        f"train reward (first_number_answer + 0.5 format), mean over candidates, first step -> last step: "
-        f"(a) {mean([v[0] for v in train_a.values()]):.3f} -> {mean([v[-1] for v in train_a.values()]):.3f}, "
-        f"(b) {mean([v[0] for v in train_b.values()]):.3f} -> {mean([v[-1] for v in train_b.values()]):.3f}",
-    ]
-
-
 def worker(args: argparse.Namespace) -> None:
     """(a) one experiment in its own process; writes a JSON report."""
     cand = candidates(args.k)[args.worker]
@@ -338,121 +315,227 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.report).write_text(json.dumps(report))
 
 
-def run_workload(name: str, args: argparse.Namespace, out: Path) -> float:
-    """(a), (b) and the update ratio of one workload; prints its lines, returns the speedup (a)/(b)."""
-    out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"== workload {name}: K={args.k} steps={args.steps} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} "
-        f"eval_prompts={args.eval_prompts}; (b) update_mode={args.update_mode}; model={args.model_dir}",
-        flush=True,
-    )
-
-    # (a) traditional: K fresh processes, each with its own base and vLLM server
+def run_traditional(args: argparse.Namespace, out: Path) -> dict:
+    """(a): K fresh processes one after another, each with its own base and vLLM server."""
     started = time.perf_counter()
-    peak_a, reports = 0, []
+    peak, reports = 0, []
     for i in range(args.k):
         report_path = out / f"a-{i}.json"
-        argv = [
-            sys.executable,
-            __file__,
-            "--worker",
-            str(i),
-            "--report",
-            str(report_path),
-            "--model-dir",
-            args.model_dir,
-            "--k",
-            str(args.k),
-            "--steps",
-            str(args.steps),
-            "--prompts",
-            str(args.prompts),
-            "--group",
-            str(args.group),
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--eval-prompts",
-            str(args.eval_prompts),
-            "--out",
-            str(out),
-        ]
+        argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path)]
+        argv += ["--model-dir", args.model_dir, "--out", str(out), "--seed", str(args.seed)]
+        argv += ["--vllm-cpu-threads", args.vllm_cpu_threads]
+        for flag in ("k", "steps", "prompts", "group", "max_new_tokens", "eval_prompts"):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
         with PeakRSS(proc.pid) as mem:
             if proc.wait() != 0:
                 raise SystemExit(f"experiment {i} failed; see {out / f'a-{i}.log'}")
-        peak_a = max(peak_a, mem.peak)
+        peak = max(peak, mem.peak)
         reports.append(json.loads(report_path.read_text()))
-    wall_a = time.perf_counter() - started
-    print(
-        f"(a) traditional: {args.k} processes, wall {wall_a:.1f} s, peak RSS {peak_a / 2**30:.2f} GiB, "
-        f"vLLM startup total {sum(r['vllm_startup_s'] for r in reports):.1f} s",
-        flush=True,
-    )
+    return {"wall_s": time.perf_counter() - started, "peak_rss": peak, "reports": reports}
 
-    # (b) one resident base, K adapters, one shared vLLM engine
+
+def run_hourglass(args: argparse.Namespace, out: Path) -> dict:
+    """(b): one process, one resident base with K adapters, one shared vLLM engine (then the rollout probe,
+    which is not part of (b)'s work and not in its wall time)."""
     started = time.perf_counter()
     with PeakRSS(os.getpid()) as mem:
-        report_b = run_round_with_vllm(
+        report = run_round_with_vllm(
             Path(args.model_dir),
             candidates(args.k),
             args,
             args.update_mode,
             out / "b",
-            extra=lambda e, r: rollout_throughput(e, r, args),
+            extra=(lambda e, r: rollout_throughput(e, r, args)) if args.rollout_probe else None,
         )
-    # The rollout throughput probe runs after the round; it is not part of (b)'s work.
-    wall_b = time.perf_counter() - started - report_b["extra_s"]
-    print(
-        f"(b) resident base + shared vLLM: 1 process, wall {wall_b:.1f} s, peak RSS {mem.peak / 2**30:.2f} GiB, "
-        f"vLLM startup {report_b['vllm_startup_s']:.1f} s"
+    return {
+        "wall_s": time.perf_counter() - started - report.get("extra_s", 0.0),
+        "peak_rss": mem.peak,
+        "report": report,
+    }
+
+
+def round_work(args: argparse.Namespace, report_b: dict) -> RoundWork:
+    """What (b)'s round computed (for its rates against the limits): prompt lengths of the drawn prompts."""
+    from transformers import AutoTokenizer
+
+    from trainer.base import chat_token_ids
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    rl = rl_config(args, args.update_mode)
+    train, heldout = tables(args)
+    spec = peer_trl.experiment_spec(candidates(1)[0], rl, train, heldout, args.model_dir, EVAL_REWARD)
+    lengths = [len(chat_token_ids(tok, r["messages"])) for r in spec["train_rows"]]
+    cand = candidates(1)[0]
+    return RoundWork(
+        k=args.k,
+        steps=args.steps,
+        prompts=args.prompts,
+        group=args.group,
+        eval_prompts=len(spec["eval_rows"]),
+        prompt_tokens_mean=statistics.fmean(lengths),
+        rollout_tokens=report_b["rollout_tokens"],
+        eval_length_mean=statistics.fmean(report_b["eval_length"].values()),
+        lora_rank=cand.lora_rank,
+        lora_targets=tuple(cand.target_modules),
+        share_prompts=args.share_prompts,
     )
+
+
+def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
+    """The sides of one workload (TRL, (a), (b)), the limits and the update ratio; prints its lines,
+    returns the ratios ``TRL/(b)`` and ``(a)/(b)`` that were measured."""
+    out.mkdir(parents=True, exist_ok=True)
     print(
-        f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
-        f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}"
+        f"== workload {name}: K={args.k} steps={args.steps} P={args.prompts} G={args.group} "
+        f"max_new_tokens={args.max_new_tokens} eval_prompts={args.eval_prompts} seed={args.seed}; sides {args.sides}; "
+        f"(b) update_mode={args.update_mode} share_prompts={args.share_prompts}; model={args.model_dir}",
+        flush=True,
     )
-    together, one = report_b["rollout_together_tok_s"], report_b["rollout_one_at_a_time_tok_s"]
-    print(
-        f"rollout tokens/s, {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: {one:.1f}; ratio {together / one:.2f}x"
-    )
-    print(f"phases (a), summed: {phases([r['phases'] for r in reports])}")
-    print(f"phases (b): {phases([report_b['phases']])}")
-    learned = learning(reports, report_b, args.eval_prompts)
-    print("\n".join(learned))
-    print(f"speedup (a)/(b) [{name}]: {wall_a / wall_b:.2f}x", flush=True)
-    startup_a = sum(r["vllm_startup_s"] for r in reports)
-    phase_a = {k: sum(r["phases"].get(k, 0.0) for r in reports) for k in PHASES}
-    rows = [
-        ["wall time", f"{wall_a:.1f} s", f"{wall_b:.1f} s", f"**{wall_a / wall_b:.2f}x**"],
-        ["vLLM start-ups", f"{startup_a:.1f} s", f"{report_b['vllm_startup_s']:.1f} s", ""],
-        ["peak RSS (process tree)", f"{peak_a / 2**30:.2f} GiB", f"{mem.peak / 2**30:.2f} GiB", ""],
+    sides: dict[str, dict] = {}
+    learned: dict[str, Learned] = {}
+
+    def keep() -> None:  # every side's reports as soon as it has run, for a later look (and a failed report)
+        (out / "sides.json").write_text(json.dumps(sides, default=str))
+
+    if "trl" in args.sides:
+        rl = rl_config(args, "sequential")
+        sides["trl"] = peer_trl.run_side(args.model_dir, candidates(args.k), rl, tables(args), EVAL_REWARD, out / "trl")
+        reports = sides["trl"]["reports"]
+        learned["TRL"] = Learned.from_reports(reports)
+        keep()
+        print(
+            f"TRL GRPOTrainer + PEFT ({reports[0]['trl_version']}, transformers generate): {args.k} processes, "
+            f"wall {sides['trl']['wall_s']:.1f} s, peak RSS {sides['trl']['peak_rss'] / 2**30:.2f} GiB; "
+            f"phases, summed: {peer_trl.phases_line(reports)}",
+            flush=True,
+        )
+    if "a" in args.sides:
+        sides["a"] = run_traditional(args, out)
+        reports = sides["a"]["reports"]
+        learned["(a)"] = Learned.from_reports(reports)
+        keep()
+        print(
+            f"(a) traditional: {args.k} processes, wall {sides['a']['wall_s']:.1f} s, peak RSS "
+            f"{sides['a']['peak_rss'] / 2**30:.2f} GiB, vLLM startup total "
+            f"{sum(r['vllm_startup_s'] for r in reports):.1f} s; phases, summed: {phases([r['phases'] for r in reports])}",
+            flush=True,
+        )
+    notes: list[str] = [
+        f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (torch's default: one per core), "
+        f"vLLM bound to cores `{args.vllm_cpu_threads}`"
     ]
-    for key in PHASES:
-        a, b = phase_a[key], report_b["phases"].get(key, 0.0)
-        rows.append([f"phase `{key}`", f"{a:.1f} s", f"{b:.1f} s", f"{a / b:.2f}x" if b > 0 else ""])
-    args.recorder.write(
-        name,
-        title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
-        f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts; (b) in "
-        f"`{args.update_mode}` mode",
-        columns=["", "(a) one process + vLLM per experiment", "(b) one resident base + shared vLLM", "(a) / (b)"],
-        rows=rows,
-        result=f"speedup (a) / (b) at workload `{name}`: **{wall_a / wall_b:.2f}x**",
-        notes=[
-            f"rollout tokens/s with {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: "
-            f"{one:.1f} ({together / one:.2f}x)",
-            f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s",
-            *learned,
-        ],
-    )
+    if "b" in args.sides:
+        sides["b"] = run_hourglass(args, out)
+        report_b = sides["b"]["report"]
+        learned["(b)"] = Learned.from_reports([report_b])
+        keep()
+        print(
+            f"(b) resident base + shared vLLM: 1 process, wall {sides['b']['wall_s']:.1f} s, peak RSS "
+            f"{sides['b']['peak_rss'] / 2**30:.2f} GiB, vLLM startup {report_b['vllm_startup_s']:.1f} s; "
+            f"phases: {phases([report_b['phases']])}"
+        )
+        notes.append(
+            f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
+            f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}"
+        )
+        clip = [v for vs in report_b["clip_frac"].values() for v in vs]
+        notes.append(
+            f"(b) PPO-clip fraction of tokens clipped, mean over candidates and steps: {statistics.fmean(clip):.4f}"
+        )
+        if args.rollout_probe:
+            together, one = report_b["rollout_together_tok_s"], report_b["rollout_one_at_a_time_tok_s"]
+            notes.append(
+                f"rollout tokens/s, {args.k} adapters in one engine call: {together:.1f}; one adapter at a time: "
+                f"{one:.1f}; ratio {together / one:.2f}x"
+            )
+        if args.limits:
+            shape = ModelShape.from_config(json.loads((Path(args.model_dir) / "config.json").read_text()))
+            notes += limit_lines(limits.measure(), shape, round_work(args, report_b), report_b["phases"])
+    notes += learning_lines(learned, args.eval_prompts)
+    print("\n".join(notes))
+
+    ratios: dict[str, float] = {}
+    if "b" in sides:
+        wall_b = sides["b"]["wall_s"]
+        for key, label in (("trl", "TRL/(b)"), ("a", "(a)/(b)")):
+            if key in sides:
+                ratios[label] = sides[key]["wall_s"] / wall_b
+    for label, ratio in ratios.items():
+        print(f"speedup {label} [{name}]: {ratio:.2f}x", flush=True)
+    write_section(name, args, sides, ratios, notes)
     if args.update_ratio:
         print("\n".join(update_ratio(args, name)), flush=True)
-    return wall_a / wall_b
+    return ratios
+
+
+def variant_name(name: str, args: argparse.Namespace) -> str:
+    """The page section of a run: the workload, with ``-k<K>`` unless K = 8 (the targets' K) and ``-seed<S>``
+    unless seed 0, so a smaller check or another seed never replaces the headline section."""
+    return name + (f"-k{args.k}" if args.k != 8 else "") + (f"-seed{args.seed}" if args.seed != 0 else "")
+
+
+SIDE_COLUMNS = {
+    "trl": "TRL GRPOTrainer + PEFT, process per experiment",
+    "a": "(a) process + vLLM per experiment",
+    "b": "(b) resident base + shared vLLM",
+}
+
+
+def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict[str, float], notes: list[str]) -> None:
+    """The workload's section of docs/benchmarks/multilora.md (bench/writer.py)."""
+    keys = [k for k in SIDE_COLUMNS if k in sides]
+    ratio_labels = list(ratios)
+
+    def ratio_cells(values: dict[str, float]) -> list[str]:
+        """Per-phase ratios: (a)/(b) where both ran the phase; none for TRL (its phases are others)."""
+        b = values.get("b", 0.0)
+        return [f"{values['a'] / b:.2f}x" if label == "(a)/(b)" and b > 0 else "" for label in ratio_labels]
+
+    walls = {k: sides[k]["wall_s"] for k in keys}
+    rows = [["wall time", *[f"{walls[k]:.1f} s" for k in keys], *[f"**{r:.2f}x**" for r in ratios.values()]]]
+    rows.append(
+        ["peak RSS (process tree)", *[f"{sides[k]['peak_rss'] / 2**30:.2f} GiB" for k in keys], *[""] * len(ratios)]
+    )
+    startup = {"trl": "none"}
+    if "a" in sides:
+        startup["a"] = f"{sum(r['vllm_startup_s'] for r in sides['a']['reports']):.1f} s"
+    if "b" in sides:
+        startup["b"] = f"{sides['b']['report']['vllm_startup_s']:.1f} s"
+    rows.append(["vLLM start-ups", *[startup[k] for k in keys], *[""] * len(ratios)])
+    if "trl" in sides:
+        for phase in peer_trl.TRL_PHASES:
+            cells = {"trl": f"{sum(r['phases'][phase] for r in sides['trl']['reports']):.1f} s"}
+            rows.append([f"TRL phase `{phase}`", *[cells.get(k, "") for k in keys], *[""] * len(ratios)])
+    ours = {k: [r["phases"] for r in sides[k]["reports"]] for k in ("a",) if k in sides}
+    if "b" in sides:
+        ours["b"] = [sides["b"]["report"]["phases"]]
+    if ours:
+        for phase in PHASES:
+            values = {k: sum(p.get(phase, 0.0) for p in v) for k, v in ours.items()}
+            rows.append(
+                [f"phase `{phase}`", *[f"{values[k]:.1f} s" if k in values else "" for k in keys], *ratio_cells(values)]
+            )
+    result = "; ".join(f"speedup {label} at workload `{name}`: **{r:.2f}x**" for label, r in ratios.items())
+    args.recorder.write(
+        variant_name(name, args),
+        title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
+        f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts, seed {args.seed}; "
+        f"(b) in `{args.update_mode}` mode",
+        columns=["", *[SIDE_COLUMNS[k] for k in keys], *ratio_labels],
+        rows=rows,
+        result=result or "no ratio: (b) did not run",
+        notes=notes,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--workload", choices=[*WORKLOADS, "both"], default="default", help="per-experiment budget preset(s)"
+        "--workload",
+        choices=[*WORKLOADS, "both", "all"],
+        default="default",
+        help="per-experiment budget preset(s): both = default + round; all = every preset",
     )
     parser.add_argument("--k", type=int, default=8, help="candidate experiments")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps per candidate (default: the preset's)")
@@ -463,13 +546,49 @@ def main() -> None:
         "--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)"
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="rl.seed: prompt draw and LoRA init on every side, TRL's sampling RNG (vLLM rollouts are unseeded)",
+    )
+    parser.add_argument(
+        "--sides",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["trl", "a", "b"],
+        help="comma-separated sides to run: trl, a, b (default all three)",
+    )
+    parser.add_argument(
         "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update_mode of (b)'s round"
+    )
+    parser.add_argument(
+        "--share-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(b)'s base runs each prompt once for its G rows (trainer.shared_prompts)",
     )
     parser.add_argument(
         "--update-ratio",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time the K candidates' update step sequential vs one-pass",
+    )
+    parser.add_argument(
+        "--rollout-probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after (b)'s round, time K adapters in one engine call vs one at a time",
+    )
+    parser.add_argument(
+        "--limits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure this machine's bandwidth and matmul rates and print (b)'s phases against them",
+    )
+    parser.add_argument(
+        "--vllm-cpu-threads",
+        default="all",
+        help="cores vLLM's CPU worker binds (pipeline.config ServingConfig.cpu_threads: all, auto or e.g. 0); "
+        "a learning check on a loaded host runs faster on one (with OMP_NUM_THREADS=1 for the trainers)",
     )
     parser.add_argument("--ratio-repeats", type=int, default=3, help="timed update steps per mode")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key or folder")
@@ -482,6 +601,9 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
+    unknown = sorted(set(args.sides) - set(SIDE_COLUMNS))
+    if unknown:
+        parser.error(f"--sides: unknown {unknown}; choose from {list(SIDE_COLUMNS)}")
     args.recorder = writer.Recorder("multilora", args)
     args.one_pass_recorder = writer.Recorder("one-pass", args)
     args.model_dir = str(
@@ -490,14 +612,17 @@ def main() -> None:
         else Path(args.model)
     )
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-multilora-"))
-    names = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    names = {"both": ["default", "round"], "all": list(WORKLOADS)}.get(args.workload, [args.workload])
     explicit = {k: v for k, v in vars(args).items() if k in WORKLOADS["default"] and v is not None}
-    speedups = {}
+    ratios = {}
     for name in names:
         run_args = argparse.Namespace(**(vars(args) | WORKLOADS[name] | explicit))
         run_args.out = str(out / name)
-        speedups[name] = run_workload(name, run_args, out / name)
-    print(" ".join(f"speedup (a)/(b) at workload {name}: {s:.2f}x;" for name, s in speedups.items()).rstrip(";"))
+        ratios[name] = run_workload(name, run_args, out / name)
+    for label in ("TRL/(b)", "(a)/(b)"):  # the last lines: the headline TRL/(b), then (a)/(b)
+        measured = [f"speedup {label} at workload {n}: {r[label]:.2f}x" for n, r in ratios.items() if label in r]
+        if measured:
+            print("; ".join(measured))
 
 
 if __name__ == "__main__":

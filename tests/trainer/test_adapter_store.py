@@ -45,8 +45,17 @@ def _train(base, store, name: str, step: int, *, accumulate: int = 1) -> None:
 def _assert_same(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> None:
     assert set(x) == set(y)
     assert any(k.startswith("exp_avg/") for k in x), "no optimizer state was compared"
-    for key in x:
-        torch.testing.assert_close(x[key].float(), y[key].float(), rtol=1e-5, atol=1e-7, msg=key)
+    if torch.cuda.is_available():  # the base is on the GPU (bench/device_check.sh): see below
+        for key in x:
+            torch.testing.assert_close(x[key].float(), y[key].float(), rtol=1e-5, atol=1e-7, msg=key)
+        return
+    # Exact on a CPU: a candidate's steps run the same batches through the same base with its own weights,
+    # whichever candidates share the store, so the same kernels sum in the same order, bit for bit. A tolerance
+    # would not do: AdamW turns any rounding difference into up to ~lr on near-zero-gradient elements. On CUDA
+    # some backward kernels accumulate with atomics (not bit-reproducible run to run), so the GPU check keeps the
+    # tolerance it passed with on the H200 (docs/testing.md, "The GPU check").
+    differ = [key for key in x if not torch.equal(x[key], y[key])]
+    assert not differ, {key: float((x[key].float() - y[key].float()).abs().max()) for key in differ}
 
 
 @pytest.fixture()

@@ -25,6 +25,26 @@ from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
 pytestmark = pytest.mark.integration
 
 
+def _assert_bit_identical(mine: Path, theirs: Path, name: str) -> None:
+    """The adapter a Ray actor trained equals the local executor's bit for bit.
+
+    Exact by construction, not by luck: an actor runs the local executor's code (sequential
+    ``update_step``, ``HFEngine`` generating each version's requests as their own batches, so a
+    candidate's rows, shapes and order do not depend on which candidates share its process) on the same
+    weights, in one torch thread as the local run here (``rl.ray_actor_cpus = 1``), with the kernels of
+    the same machine: the Ray workers inherit the driver's environment (``ATEN_CPU_CAPABILITY``,
+    ``ONEDNN_MAX_CPU_ISA``, ``MKL_CBWR``), so the float32 sums run in the same order. A tolerance would not
+    help: any rounding difference grows through AdamW to up to the learning rate on elements with a
+    near-zero gradient (``tests/trainer/adamw_tolerance.py``) and then changes the sampled tokens, which
+    the exact ``eval_rewards`` / ``train/reward_mean`` comparisons would report anyway.
+    """
+    a = safetensors.torch.load_file(str(mine / "adapter_model.safetensors"))
+    b = safetensors.torch.load_file(str(theirs / "adapter_model.safetensors"))
+    assert a.keys() == b.keys(), name
+    differ = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+    assert not differ, (name, differ)
+
+
 def test_four_candidates_over_two_actors_match_the_local_executor(
     ray_cluster, peaked_model: Path, tmp_path: Path
 ) -> None:
@@ -88,9 +108,7 @@ def test_four_candidates_over_two_actors_match_the_local_executor(
         assert [m["train/reward_mean"] for m in theirs.step_metrics] == [
             m["train/reward_mean"] for m in mine.step_metrics
         ]
-        a = safetensors.torch.load_file(str(mine.adapter_dir / "adapter_model.safetensors"))
-        b = safetensors.torch.load_file(str(theirs.adapter_dir / "adapter_model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), mine.name
+        _assert_bit_identical(mine.adapter_dir, theirs.adapter_dir, mine.name)
     assert not (tmp_path / "ray" / "r1" / "exchange" / "r1").exists()  # the exchange folder is cleaned up
     assert until_clean() == ([], [])
     print(f"local round {local_s:.1f}s, ray round {on_ray.metrics['round/wall_s']:.1f}s")
@@ -223,14 +241,13 @@ def test_a_reward_model_candidate_on_ray_scores_with_the_rounds_reward_model_lik
     theirs = {c.name: c for c in on_ray.candidates}
     for mine in local.candidates:
         steps = theirs[mine.name].step_metrics
-        assert [m["train/reward_mean"] for m in steps] == pytest.approx(
-            [m["train/reward_mean"] for m in mine.step_metrics], rel=1e-5, abs=1e-6
-        ), mine.name
+        # exact (see _assert_bit_identical): the actor scores the same rollouts with the reward model's weights
+        # read back from the exchange (safetensors: bit for bit) in the same batch, since "rm" is the only
+        # candidate on the reward model (several, on different actors, would be batched differently)
+        assert [m["train/reward_mean"] for m in steps] == [m["train/reward_mean"] for m in mine.step_metrics], mine.name
         # the actor scored its rollouts with the reward model only where the candidate learns from it
         assert all(("train/reward_model_score_s" in m) == (mine.name == "rm") for m in steps), mine.name
-        a = safetensors.torch.load_file(str(mine.adapter_dir / "adapter_model.safetensors"))
-        b = safetensors.torch.load_file(str(theirs[mine.name].adapter_dir / "adapter_model.safetensors"))
-        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), mine.name
+        _assert_bit_identical(mine.adapter_dir, theirs[mine.name].adapter_dir, mine.name)
     trained = safetensors.torch.load_file(str(theirs["rm"].adapter_dir / "adapter_model.safetensors"))
     assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # the scores moved it (B starts at 0)
     rm_rewards = [m["train/reward_mean"] for m in theirs["rm"].step_metrics]

@@ -11,6 +11,8 @@ from trainer.base import ResidentBase, load_base, lora_config
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.shared_prompts import distinct_prompts
 
+from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
+
 ADAPTER = "shared-prompts-test"
 
 
@@ -63,12 +65,15 @@ def test_shared_prompts_give_the_whole_rows_logprobs_and_gradients(base: Residen
     assert shapes == [(3, 9), (9, 5)]  # the 3 distinct prompts once, then every row's completion but its last token
     assert torch.equal(mask, whole_mask)
     assert mask.sum(1).tolist() == [3, 0, 6, 1, 5, 2, 6, 4, 1]
-    assert float((lp - whole_lp).abs().max()) < 1e-5
+    # the same attention over the same tokens and positions in another order of operations: float32 rounding
+    lp_err = max_relative_error(lp, whole_lp)
+    assert lp_err < LOGPROB_TOL, lp_err
     assert float(whole_lp.abs().max()) > 1.0  # real log-probs, not zeros
-    assert set(grads) == set(whole_grads) and grads
-    for name, ref in whole_grads.items():
-        assert ref.abs().max() > 0, name
-        assert float((grads[name] - ref).abs().max() / ref.abs().max()) < 1e-5, name
+    assert grads
+    worst = assert_gradients_close(grads, whole_grads, GRAD_TOL)
+    print(
+        f"shared vs whole: log-prob error / LOGPROB_TOL {lp_err / LOGPROB_TOL:.3g}, gradients / GRAD_TOL {worst[0]:.3g}"
+    )
 
 
 def test_no_repeated_prompt_runs_rows_whole(base: ResidentBase) -> None:
