@@ -4,7 +4,7 @@ turns (``offload`` store, one device slot).
 
 Both stores run in one process on the same base, the same candidates and the
 same batches, alternating (resident, offload, resident, offload, ...). Each
-training step is the real :func:`trainer.update.update_step` (reference
+training step is the real :func:`trainer.algorithms.update.update_step` (reference
 forward for the KL, policy forward + backward, clip, AdamW) on a synthetic
 batch of random token ids, preceded by the store's ``activate`` (the swap).
 The base is randomly initialised in the shape asked for, so no weights are
@@ -38,12 +38,13 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 
 from bench import writer  # noqa: E402
 
-from trainer import model_store  # noqa: E402
-from trainer.adapter_store import make_store  # noqa: E402
-from trainer.offload_store import OffloadStore  # noqa: E402
-from trainer.base import ResidentBase, pick_device, wrap_base  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
+from trainer.adapters.registry import make_store  # noqa: E402
+from trainer.adapters.offload import OffloadStore  # noqa: E402
+from trainer.model.base import ResidentBase, pick_device, wrap_base  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RLConfig  # noqa: E402
-from trainer.update import Batch, update_step  # noqa: E402
+from trainer.algorithms.batch import Batch  # noqa: E402
+from trainer.algorithms.update import update_step
 
 # Llama-family shapes: (hidden, intermediate, layers, heads, kv heads). The
 # vocabulary is the tokenizer's. smollm2 = SmolLM2-135M, 1b = Llama-3.2-1B,

@@ -38,7 +38,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" ||
 python3 -m pytest -q -p no:cacheprovider --noconftest -p bench.device_fixtures \
   tests/trainer/test_adapter_store.py tests/trainer/test_losses.py tests/trainer/test_gate.py \
   tests/trainer/test_multi_lora.py tests/trainer/test_bf16.py -k "not round_in_one_pass and not vllm" -rs 2>&1 | tee "$out/pytest.log" || status=1
-# one-pass chunks of 16,384 tokens (4 chunks of the 8 x 16 x 512 = 65,536; rl.one_pass_chunk_tokens defaults to
+# one-pass chunks of 16,384 tokens (4 chunks of the 8 x 16 x 512 = 65,536; rl.update.chunk_tokens defaults to
 # 2,048 for CPU hosts, which would cut this step into 32 launch-bound passes; unchunked, the 1B shape would hold
 # an estimated ~2.5 MB of activations per token, more than the chip has)
 onepass smollm2 --batch 16 --prompt-len 256 --completion-len 256 --chunk-tokens 16384

@@ -37,7 +37,7 @@ from connectors.edge import server_config  # noqa: E402
 from connectors.gateway.app import create_gateway_app, edge_limits  # noqa: E402
 from connectors.kafka_admin import ensure_topics  # noqa: E402
 from pipeline.stack import broker_service, free_port, vllm_service  # noqa: E402
-from trainer import model_store  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 

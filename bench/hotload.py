@@ -49,7 +49,7 @@ from pipeline.serving.controller import ServingController  # noqa: E402
 from connectors.gateway.routes import read_routes  # noqa: E402
 from pipeline.stack import free_port, mlflow_service, vllm_service  # noqa: E402
 from serving_helpers import make_adapter, make_config, make_round  # noqa: E402
-from trainer import model_store  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
 
 MODEL = "bench-hotload"
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()

@@ -11,6 +11,14 @@ per-round ratios over ``--rounds`` rounds (5 by default: on a shared 2-core host
 one round's ratio can be off by +-40 % when other jobs burst).
 
     python bench/ingest.py [--traces 20000] [--rounds 5] [--bootstrap HOST:PORT]
+
+``--parsers`` measures the two trace parsers instead, without a broker: the msgspec fast path
+(``connectors/fast_parse.py``, with its fallback) against the pydantic reference
+(``connectors/schema.py``, ``fast=False``) on the same valid records, side by side, and, on one hostile
+record per dead-letter reason, the reason each gives and what msgspec alone says: can the fast one be
+the strict one?
+
+    python bench/ingest.py --parsers [--traces 20000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import msgspec
 from kafka import KafkaConsumer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -101,6 +111,103 @@ def durable_ingest(cfg: KafkaConfig, buffer: BufferConfig, n: int) -> tuple[floa
     return n / (stats.last_commit_unix_s - stats.first_record_unix_s), stats.fast_parsed
 
 
+def _hostile(valid: dict) -> list[tuple[str, bytes | None]]:
+    """One record per dead-letter reason the parser gives (and a schema violation per kind of field)."""
+
+    def with_(**over: object) -> bytes:
+        return json.dumps(valid | over).encode()
+
+    deep = b"[" * 4000 + b"]" * 4000  # under the size cap, past the JSON parser's recursion limit
+    return [
+        ("valid", with_()),
+        ("tombstone", None),
+        ("oversize", with_(completion="x" * 20000)),
+        ("not UTF-8", b'{"schema": "\xff"}'),
+        ("invalid JSON", b'{"schema": '),
+        ("lone surrogate", with_(completion="\ud800")),  # json.dumps escapes it: JSON text UTF-8 cannot encode
+        ("not an object", b"[1, 2]"),
+        ("unknown schema", with_(schema="hourglass.trace/v9")),
+        ("rating as a string", with_(rating="5")),
+        ("rating out of range", with_(rating=9)),
+        ("thumbs as a bool", with_(thumbs=True)),
+        ("extra field", with_(extra=1)),
+        ("token id as a float", with_(completion_token_ids=[1.0, 2.0])),
+        ("non-finite reward", with_(reward=1).replace(b'"reward": 1', b'"reward": 1e999')),
+        ("ts far in the past", with_(ts="1999-01-01T00:00:00Z")),
+        ("nesting too deep", deep),
+    ]
+
+
+def parsers(args: argparse.Namespace, recorder: writer.Recorder) -> None:
+    """The two parsers side by side (see the module docstring): throughput, then reasons."""
+    from connectors import fast_parse
+    from connectors.schema import TsWindow, UserHasher
+
+    @dataclass(frozen=True)
+    class Record:
+        topic: str
+        partition: int
+        offset: int
+        key: bytes | None
+        value: bytes | None
+
+    hasher = UserHasher("bench-key-0123456789", ["user_id", "email"])
+    now = datetime.now(timezone.utc)
+    window = TsWindow.around(now, 7 * 86400.0, 300.0)
+
+    def parse(batch: list, fast: bool, max_record_bytes: int = 4096) -> fast_parse.ParsedBatch:
+        return fast_parse.parse_batch(batch, max_record_bytes=max_record_bytes, hasher=hasher, window=window, fast=fast)
+
+    values = [e.to_json_bytes() for e in _events(args.traces)]
+    records = [Record("t", 0, i, None, v) for i, v in enumerate(values)]
+    fast, strict = [], []
+    for _ in range(args.rounds):  # alternate, so drifting load hits both alike
+        started = time.perf_counter()
+        batch = parse(records, True)
+        fast.append(len(records) / (time.perf_counter() - started))
+        started = time.perf_counter()
+        reference = parse(records, False)
+        strict.append(len(records) / (time.perf_counter() - started))
+        assert len(batch.traces) == len(reference.traces) == len(records) and not batch.dead_letters
+    ratio = statistics.median(f / s for f, s in zip(fast, strict))
+    print(f"fast path {statistics.median(fast):.0f} records/s, reference {statistics.median(strict):.0f} records/s")
+    valid = json.loads(values[0])
+    rows = []
+    same = True
+    for label, value in _hostile(valid):
+        one = [Record("t", 0, 0, None, value)]
+        by_fast = parse(one, True, 16384).dead_letters
+        by_reference = parse(one, False, 16384).dead_letters
+        reason = by_reference[0].reason if by_reference else "accepted"
+        same &= [(d.reason, d.detail) for d in by_fast] == [(d.reason, d.detail) for d in by_reference]
+        try:
+            fast_parse._DECODER.decode(value or b"")
+            alone = "accepts it"
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            alone = f"error: {str(err)[:70]}"
+        except RecursionError:
+            alone = "error: recursion"
+        rows.append([label, reason, alone])
+        print(f"{label:22s} reference: {reason:18s} msgspec alone: {alone}")
+    recorder.write(
+        "parsers",
+        title=f"trace parsers on {len(records)} valid traces ({args.rounds} alternating rounds) and one hostile record "
+        "per dead-letter reason",
+        columns=["record", "dead-letter reason (reference; the fast path gives the same)", "msgspec alone"],
+        rows=[
+            [
+                "valid traces, records/s",
+                f"reference {statistics.median(strict):.0f}",
+                f"fast {statistics.median(fast):.0f}",
+            ]
+        ]
+        + rows,
+        result=f"fast / reference = {ratio:.2f}x on valid traces; reasons and details identical: {same}; msgspec alone "
+        "gives no reason codes (one decode error per record), so the reference stays the strict parser",
+    )
+    print(f"fast / reference: {ratio:.2f}x; same dead letters: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=20000)
@@ -108,9 +215,15 @@ def main() -> None:
         "--rounds", type=int, default=5, help="Alternating raw/durable measurements (odd: a true median)."
     )
     parser.add_argument("--bootstrap", default=None, help="Use this broker instead of starting Tansu.")
+    parser.add_argument(
+        "--parsers", action="store_true", help="Compare the fast and the reference trace parser (no broker)."
+    )
     writer.add_arguments(parser)
     args = parser.parse_args()
     recorder = writer.Recorder("ingest", args)
+    if args.parsers:
+        parsers(args, recorder)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         service = None
         bootstrap = args.bootstrap

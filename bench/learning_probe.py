@@ -41,17 +41,19 @@ import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
 from bench.multilora import EVAL_REWARD, candidates, tables  # noqa: E402
-from trainer import model_store  # noqa: E402
-from trainer.adapter_store import make_store  # noqa: E402
-from trainer.base import ResidentBase, load_base  # noqa: E402
-from trainer.config import ModelConfig, RLConfig  # noqa: E402
-from trainer.losses import group_advantages, masked_mean  # noqa: E402
-from trainer.multi_lora import train_one_pass  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
+from trainer.adapters.registry import make_store  # noqa: E402
+from trainer.model.base import ResidentBase, load_base  # noqa: E402
+from trainer.config import GateConfig, ModelConfig, RLConfig, RolloutConfig, UpdateConfig  # noqa: E402
+from trainer.algorithms.losses import group_advantages, masked_mean  # noqa: E402
+from trainer.multi_lora.one_pass import train_one_pass  # noqa: E402
 from trainer.plan import draw_prompts  # noqa: E402
 from trainer.rewards import build_reward  # noqa: E402
-from trainer.samples import Sample  # noqa: E402
-from trainer.tasks import prompts_from_table  # noqa: E402
-from trainer.update import Batch, rollout_batch, update_step  # noqa: E402
+from trainer.types import Sample  # noqa: E402
+from trainer.data import prompts_from_table  # noqa: E402
+from trainer.algorithms.batch import Batch  # noqa: E402
+from trainer.algorithms.ppo import rollout_batch  # noqa: E402
+from trainer.algorithms.update import update_step  # noqa: E402
 
 VARIANTS = ("float32", "sequential", "sequential_whole", "one_pass", "ratio_one")
 
@@ -114,11 +116,10 @@ def probe(args: argparse.Namespace, bf16: ResidentBase, fp32: ResidentBase, seed
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=args.prompts,
-        group_size=args.group,
-        max_new_tokens=args.max_new_tokens,
+        rollout=RolloutConfig(group_size=args.group, max_new_tokens=args.max_new_tokens),
         seed=seed,
-        gate_reward=EVAL_REWARD,
-        adapters_per_pass=args.k,
+        gate=GateConfig(reward=EVAL_REWARD),
+        update=UpdateConfig(adapters_per_pass=args.k),
     )
     cands = candidates(args.k)
     mix = build_reward(cands[0].reward)
@@ -137,14 +138,14 @@ def probe(args: argparse.Namespace, bf16: ResidentBase, fp32: ResidentBase, seed
     log_ratio = (own_BT - old_BT)[mask_BT.bool()]
     adv_B1 = torch.tensor(batch.advantages).unsqueeze(1).expand_as(own_BT)[mask_BT.bool()]
     ratio = log_ratio.exp()
-    zeroed = ((ratio > 1 + rl.clip_eps) & (adv_B1 > 0)) | ((ratio < 1 - rl.clip_eps) & (adv_B1 < 0))
+    zeroed = ((ratio > 1 + rl.update.clip_eps) & (adv_B1 > 0)) | ((ratio < 1 - rl.update.clip_eps) & (adv_B1 < 0))
     stats = {
         "tokens": int(mask_BT.sum()),
         "reward_mean": m["train/reward_mean"],
         "groups_with_signal": m["train/groups_with_signal"],
         "mean_abs_log_ratio": float(log_ratio.abs().mean()),
         "max_abs_log_ratio": float(log_ratio.abs().max()),
-        "outside_clip": float(((ratio - 1).abs() > rl.clip_eps).float().mean()),
+        "outside_clip": float(((ratio - 1).abs() > rl.update.clip_eps).float().mean()),
         "gradient_zeroed": float(zeroed.float().mean()),
     }
     ratio_one = Batch(

@@ -38,7 +38,7 @@ runs sample alike and one run's learning figures are noise-dominated: compare se
 
 Per workload it prints wall clock and peak memory (RSS of the process tree) of every side, TRL's
 phases (imports, load, train, evaluate: summed over its processes) and ours (``time/*_s`` round
-metrics, trainer/profile.py; (a) summed over its processes), (b)'s phases against this machine's
+metrics, trainer/timers.py; (a) summed over its processes), (b)'s phases against this machine's
 limits measured in the run (bench/limits.py: decode tokens/s against the memory-bandwidth bound,
 training FLOP/s against the bf16 and float32 matmul rates), the swap time as a fraction of update
 time, rollout tokens/s with K adapters in one engine call vs one at a time, what every side learned
@@ -64,7 +64,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,9 +75,19 @@ from bench.limits import ModelShape
 from bench.multilora_report import Learned, RoundWork, learning_lines, limit_lines
 from bench.peak_rss import PeakRSS
 from pipeline.stack import free_port, vllm_service
-from trainer import model_store
-from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.profile import PHASES
+from trainer.model import store as model_store
+from trainer.config import (
+    AdapterStoreKind,
+    CandidateConfig,
+    GateConfig,
+    ModelConfig,
+    RewardTerm,
+    RLConfig,
+    RolloutConfig,
+    UpdateConfig,
+    UpdateMode,
+)
+from trainer.timers import PHASES
 
 # Per-experiment budgets; "round" is deploy/demo.toml's [rl] (steps_per_round, prompts_per_step, group_size, max_new_tokens).
 WORKLOADS = {
@@ -109,25 +118,23 @@ def candidates(k: int) -> list[CandidateConfig]:
     ]
 
 
-def rl_config(args: argparse.Namespace, update_mode: Literal["sequential", "one_pass"]) -> RLConfig:
+def rl_config(args: argparse.Namespace, update_mode: UpdateMode) -> RLConfig:
     return RLConfig(
         steps_per_round=args.steps,
         prompts_per_step=args.prompts,
-        group_size=args.group,
-        max_new_tokens=args.max_new_tokens,
-        eval_prompts=args.eval_prompts,
-        adapter_store="offload",
+        rollout=RolloutConfig(group_size=args.group, max_new_tokens=args.max_new_tokens),
+        gate=GateConfig(eval_prompts=args.eval_prompts, reward=EVAL_REWARD, max_kl=100.0),
+        adapter_store=AdapterStoreKind.OFFLOAD,
         seed=getattr(args, "seed", 0),
-        update_mode=update_mode,
-        gate_reward=EVAL_REWARD,
-        max_kl=100.0,
+        update=UpdateConfig(mode=update_mode),
     )
 
 
 def tables(args: argparse.Namespace):
     """Train and held-out snapshot tables of the demo's task (pipeline/demo/traffic.py arithmetic_questions: one-digit
     additions), enough held-out rows for ``--eval-prompts``."""
-    from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+    from trainer.data import snapshot_table, split_snapshot
+    from trainer.tasks import reasoning_gym_prompts
 
     n = max(48, 4 * args.eval_prompts + 8)
     prompts = reasoning_gym_prompts(
@@ -166,16 +173,18 @@ def run_round_with_vllm(
     model: Path,
     cands: list[CandidateConfig],
     args: argparse.Namespace,
-    update_mode: Literal["sequential", "one_pass"],
+    update_mode: UpdateMode,
     out: Path,
     extra=None,
 ) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server.
 
     With ``args.share_prompts`` False the round's base runs every row whole (no prompt sharing)."""
-    from trainer.base import load_base
-    from trainer.candidates import run_round
-    from trainer.rollout_vllm import VLLMEngine
+    from trainer.model.base import load_base
+    from trainer.data import round_inputs
+    from trainer.round import RoundParts, run_round
+    from trainer.types import RoundSpec
+    from trainer.rollout.vllm import VLLMEngine
 
     train, heldout = tables(args)
     started = time.perf_counter()
@@ -189,16 +198,10 @@ def run_round_with_vllm(
             base = load_base(ModelConfig(name=str(model)))
             base.share_prompts = False
         result = run_round(
-            ModelConfig(name=str(model)),
-            cands,
-            rl,
-            train,
-            heldout,
-            {},
+            RoundSpec(ModelConfig(name=str(model)), tuple(cands), rl),
+            round_inputs(train, heldout),
             out / "round",
-            engine=engine,
-            progress=False,
-            base=base,
+            parts=RoundParts(base=base, engine=engine),
         )
         metrics = [m for c in result.candidates for m in c.step_metrics]
         tenant = cands[0].served_model
@@ -230,9 +233,9 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     """Tokens/s sampling K adapters in one engine call vs one adapter per call (same requests)."""
     from transformers import AutoTokenizer
 
-    from trainer.base import chat_token_ids
-    from trainer.rollout import RolloutRequest
-    from trainer.tasks import prompts_from_table
+    from trainer.model.base import chat_token_ids
+    from trainer.rollout.engine import RolloutRequest
+    from trainer.data import prompts_from_table
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     train, _ = tables(args)
@@ -276,14 +279,15 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     """Sequential vs one-pass update time of K candidates on the workload's rows (bench/one_pass.py);
     also written as the section ``multilora-<workload>`` of the one-pass benchmark page."""
     from bench.one_pass import COLUMNS, compare_modes, make_batches, report, table_rows
-    from trainer.base import load_base
-    from trainer.tasks import prompts_from_table
+    from trainer.model.base import load_base
+    from trainer.data import prompts_from_table
 
     base = load_base(ModelConfig(name=args.model_dir))  # dtype "auto": bf16 where the hardware has it
     train, _ = tables(args)
     prompts = [base.chat_token_ids(p.messages) for p in prompts_from_table(train)[: args.prompts]]
     batches = make_batches(base, prompts, args.k, args.group, args.max_new_tokens)
-    rl = rl_config(args, "sequential").model_copy(update={"adapters_per_pass": args.k})
+    rl = rl_config(args, UpdateMode.SEQUENTIAL)
+    rl = rl.model_copy(update={"update": rl.update.model_copy(update={"adapters_per_pass": args.k})})
     result = compare_modes(base, candidates(args.k), batches, rl, args.ratio_repeats)
     dtype = next(base.model.parameters()).dtype
     lines = report(result, args.k)
@@ -311,7 +315,7 @@ def worker(args: argparse.Namespace) -> None:
     """(a) one experiment in its own process; writes a JSON report."""
     cand = candidates(args.k)[args.worker]
     out = Path(args.out) / f"a-{cand.name}"
-    report = run_round_with_vllm(Path(args.model_dir), [cand], args, "sequential", out)
+    report = run_round_with_vllm(Path(args.model_dir), [cand], args, UpdateMode.SEQUENTIAL, out)
     Path(args.report).write_text(json.dumps(report))
 
 
@@ -359,7 +363,7 @@ def round_work(args: argparse.Namespace, report_b: dict) -> RoundWork:
     """What (b)'s round computed (for its rates against the limits): prompt lengths of the drawn prompts."""
     from transformers import AutoTokenizer
 
-    from trainer.base import chat_token_ids
+    from trainer.model.base import chat_token_ids
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     rl = rl_config(args, args.update_mode)
@@ -399,7 +403,7 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         (out / "sides.json").write_text(json.dumps(sides, default=str))
 
     if "trl" in args.sides:
-        rl = rl_config(args, "sequential")
+        rl = rl_config(args, UpdateMode.SEQUENTIAL)
         sides["trl"] = peer_trl.run_side(args.model_dir, candidates(args.k), rl, tables(args), EVAL_REWARD, out / "trl")
         reports = sides["trl"]["reports"]
         learned["TRL"] = Learned.from_reports(reports)
@@ -558,13 +562,13 @@ def main() -> None:
         help="comma-separated sides to run: trl, a, b (default all three)",
     )
     parser.add_argument(
-        "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update_mode of (b)'s round"
+        "--update-mode", choices=["sequential", "one_pass"], default="one_pass", help="rl.update.mode of (b)'s round"
     )
     parser.add_argument(
         "--share-prompts",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="(b)'s base runs each prompt once for its G rows (trainer.shared_prompts)",
+        help="(b)'s base runs each prompt once for its G rows (trainer.model.logprobs)",
     )
     parser.add_argument(
         "--update-ratio",

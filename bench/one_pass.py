@@ -4,16 +4,16 @@ Three variants run in one process on the same base, the same K candidates
 and the same rows, alternating, each with its own copies of the candidates in
 one offload store (the round's default): ``sequential_whole`` (sequential with
 ``ResidentBase.share_prompts = False``: every row's prompt runs again, the
-update before :mod:`trainer.shared_prompts`), ``sequential`` and ``one_pass``
+update before :mod:`trainer.model.logprobs`), ``sequential`` and ``one_pass``
 (both running each distinct prompt of a pass once). A timed step is what a
 round does for the K candidates of one step:
 
 - ``sequential``: per candidate ``store.activate`` (the swap) and
-  :func:`trainer.update.update_step` (adapters-off reference forward, policy
+  :func:`trainer.algorithms.update.update_step` (adapters-off reference forward, policy
   forward + backward, clip, AdamW);
-- ``one_pass``: :func:`trainer.multi_lora.train_one_pass` (pull every
+- ``one_pass``: :func:`trainer.multi_lora.one_pass.train_one_pass` (pull every
   candidate's weights and AdamW state out of the store, then per chunk of at
-  most ``--chunk-tokens`` padded tokens (``rl.one_pass_chunk_tokens``, rows
+  most ``--chunk-tokens`` padded tokens (``rl.update.chunk_tokens``, rows
   of all candidates mixed) one reference pass and one forward/backward, each
   row through its own candidate's LoRA weights, gradients accumulating; K
   AdamW steps, push back).
@@ -55,12 +55,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
-from trainer.adapter_store import AdapterStore, make_store  # noqa: E402
-from trainer.base import ResidentBase  # noqa: E402
-from trainer.config import CandidateConfig, RLConfig  # noqa: E402
-from trainer.update import Batch, update_step  # noqa: E402
+from trainer.adapters.store import AdapterStore  # noqa: E402
+from trainer.adapters.registry import make_store
+from trainer.model.base import ResidentBase  # noqa: E402
+from trainer.config import CandidateConfig, RLConfig, UpdateConfig  # noqa: E402
+from trainer.algorithms.batch import Batch  # noqa: E402
+from trainer.algorithms.update import update_step
 
-# variant -> (rl.update_mode, ResidentBase.share_prompts); "sequential_whole" is the update before prompt sharing
+# variant -> (rl.update.mode, ResidentBase.share_prompts); "sequential_whole" is the update before prompt sharing
 MODES = {"sequential_whole": ("sequential", False), "sequential": ("sequential", True), "one_pass": ("one_pass", True)}
 
 
@@ -105,7 +107,7 @@ def _step(
     rl: RLConfig,
 ) -> float:
     """Seconds of one step of all candidates in ``variant`` (a key of :data:`MODES`)."""
-    from trainer.multi_lora import train_one_pass
+    from trainer.multi_lora.one_pass import train_one_pass
 
     mode, base.share_prompts = MODES[variant]
     _sync(base)
@@ -197,8 +199,8 @@ def bench_candidates(k: int, rank: int, targets: Sequence[str] | None = None) ->
 
 def main() -> None:
     from bench.adapter_swap import ALL_LINEAR, DTYPES, SHAPES, random_base
-    from trainer import model_store
-    from trainer.base import load_base, pick_device, pick_dtype
+    from trainer.model import store as model_store
+    from trainer.model.base import load_base, pick_device, pick_dtype
     from trainer.config import ModelConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -223,8 +225,8 @@ def main() -> None:
     ap.add_argument(
         "--chunk-tokens",
         type=int,
-        default=RLConfig().one_pass_chunk_tokens,
-        help="one_pass: padded tokens per forward/backward (rl.one_pass_chunk_tokens)",
+        default=RLConfig().update.chunk_tokens,
+        help="one_pass: padded tokens per forward/backward (rl.update.chunk_tokens)",
     )
     ap.add_argument(
         "--quick", action="store_true", help="tiny sizes: K=2, 2 rows of 8 + 8 tokens, 1 repeat, tiny shape"
@@ -257,7 +259,7 @@ def main() -> None:
         f"base {label} ({dtype}) on {name}; K={args.k} rank {args.rank}; {args.batch} rows x ({args.prompt_len} + {args.completion_len}) "
         f"tokens per candidate; {args.repeats} timed steps per mode; one_pass chunks of <= {args.chunk_tokens} tokens"
     )
-    rl = RLConfig(adapters_per_pass=args.k, one_pass_chunk_tokens=args.chunk_tokens)
+    rl = RLConfig(update=UpdateConfig(adapters_per_pass=args.k, chunk_tokens=args.chunk_tokens))
     result = compare_modes(base, candidates, batches, rl, args.repeats)
     lines = report(result, args.k)
     shape = Path(args.model).name if args.model is not None else args.shape

@@ -2,8 +2,8 @@
 one after another, in the scratch venv of ``bench/trl_env.py`` (built on first use).
 
 The parent draws every experiment's data with the round's own code (:func:`experiment_spec`: the same
-training prompts per step as ``trainer.candidates.train_candidates`` draws, the same held-out prompts
-as ``trainer.candidates.eval_prompts``) and hands it to ``bench/trl_grpo.py`` as JSON; each process
+training prompts per step as ``trainer.plan.draw_prompts`` draws, the same held-out prompts
+as ``trainer.evaluation.evaluate.eval_prompts``) and hands it to ``bench/trl_grpo.py`` as JSON; each process
 reports its phase times (imports, load, train, evaluate) and what it learned.
 """
 
@@ -28,10 +28,10 @@ def experiment_spec(
 ) -> dict[str, Any]:
     """What one TRL process needs: its candidate, the workload, the training prompts in the order the round
     draws them (step by step) and the held-out prompts the round evaluates on."""
-    from trainer.candidates import eval_prompts
+    from trainer.evaluation.evaluate import eval_prompts
     from trainer.plan import draw_prompts
     from trainer.rewards import build_reward
-    from trainer.tasks import prompts_from_table
+    from trainer.data import prompts_from_table
 
     mix = build_reward(candidate.reward)
     pool = [p for p in prompts_from_table(train) if mix.accepts(p.metadata)]
@@ -49,11 +49,11 @@ def experiment_spec(
         "workload": {
             "steps": rl.steps_per_round,
             "prompts": rl.prompts_per_step,
-            "group": rl.group_size,
-            "max_new_tokens": rl.max_new_tokens,
-            "temperature": rl.temperature,
-            "clip_eps": rl.clip_eps,
-            "max_grad_norm": rl.max_grad_norm,
+            "group": rl.rollout.group_size,
+            "max_new_tokens": rl.rollout.max_new_tokens,
+            "temperature": rl.rollout.temperature,
+            "clip_eps": rl.update.clip_eps,
+            "max_grad_norm": rl.update.max_grad_norm,
         },
         "train_rows": [row(p) for prompts in steps for p in prompts],
         "eval_rows": [row(p) for p in held],

@@ -3,7 +3,7 @@
 (a) adapter: the process holds the resident policy base (as a round does) with
     a policy candidate and the reward model as LoRA adapters in one offload
     adapter store, plus the reward model's fp32 scalar head
-    (:mod:`trainer.reward_model`). Scoring activates the reward adapter.
+    (:mod:`trainer.reward_model.model`). Scoring activates the reward adapter.
 (b) separate: the process holds the same resident policy base (the policy
     still needs it) and a second full copy of the base as a reward model with
     its own head (``AutoModelForSequenceClassification``, ``num_labels=1``, the
@@ -46,7 +46,7 @@ MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/m
 
 def model_path(name: str) -> Path:
     """``smollm2`` (packaged SmolLM2-135M-Instruct), ``tiny`` (a tiny random Llama with its tokenizer), or a folder."""
-    from trainer import model_store
+    from trainer.model import store as model_store
 
     if name == "smollm2":
         return model_store.resolve("smollm2-135m-instruct", MODEL_CACHE)
@@ -100,10 +100,10 @@ def run_variant(
     import torch
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    from trainer.adapter_store import make_store
-    from trainer.base import load_base, pick_device
+    from trainer.adapters.registry import make_store
+    from trainer.model.base import load_base, pick_device
     from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig
-    from trainer.reward_model import create_reward_model
+    from trainer.reward_model.model import create_reward_model
 
     rss0 = _rss_bytes()
     dev = pick_device(device)

@@ -6,7 +6,7 @@ actor, then with 2 actors, on a local Ray cluster started once beforehand (its
 start-up is printed, not counted: a service keeps its cluster). Rounds run the
 way ``hourglass service`` runs them: every round loads the driver's base
 (as the service's rounds do), and on Ray the service keeps its trainer actors
-between rounds (``rl.ray_keep_actors``, on in the service) and starts them at
+between rounds (``rl.ray.keep_actors``, on in the service) and starts them at
 its own start. So each setting prints:
 
 - ``cold``: the first round of a service that has not started its actors yet
@@ -59,11 +59,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
-from trainer import model_store  # noqa: E402
-from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig  # noqa: E402
-from trainer.candidates import run_round  # noqa: E402
-from trainer.ray_executor import release_kept_actors  # noqa: E402
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
+from trainer.config import CandidateConfig, GateConfig, ModelConfig, RayConfig, RewardTerm, RLConfig, RolloutConfig  # noqa: E402
+from trainer.evaluation.gate import gate_round  # noqa: E402
+from trainer.round import run_round  # noqa: E402
+from trainer.types import RoundSpec  # noqa: E402
+from trainer.executors.ray_executor import release_kept_actors  # noqa: E402
+from trainer.tasks import reasoning_gym_prompts  # noqa: E402
+from trainer.data import round_inputs, snapshot_table, split_snapshot
 
 CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 
@@ -78,7 +81,9 @@ def model_dir(which: str) -> Path:
 def _round(model, cands, cfg, train, heldout, out: Path, label: str, local_s: float | None) -> float:
     """One round; prints its line and returns its wall time."""
     t0 = time.perf_counter()
-    result = run_round(model, cands, cfg, train, heldout, {}, out, progress=False, round_id="r1")
+    result = gate_round(
+        run_round(RoundSpec(model, tuple(cands), cfg), round_inputs(train, heldout), out, round_id="r1"), cfg
+    )
     wall = time.perf_counter() - t0
     m = result.metrics
     actors = range(int(m.get("executor/actors", 0)))
@@ -103,7 +108,7 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=4, help="K candidates")
     parser.add_argument("--steps", type=int, default=4, help="rl.steps_per_round")
     parser.add_argument("--prompts", type=int, default=2, help="rl.prompts_per_step")
-    parser.add_argument("--group", type=int, default=4, help="rl.group_size")
+    parser.add_argument("--group", type=int, default=4, help="rl.rollout.group_size")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     parser.add_argument("--rollout-url", default=None, help="vLLM base URL (--engine vllm)")
@@ -115,7 +120,7 @@ def main() -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch threads of the local round and of each CPU actor (its rl.ray_actor_cpus); 1 keeps a loaded host from "
+        help="torch threads of the local round and of each CPU actor (its rl.ray.actor_cpus); 1 keeps a loaded host from "
         "oversubscribing its cores (OpenMP threads spin at barriers when another process holds a core)",
     )
     parser.add_argument(
@@ -146,13 +151,10 @@ def main() -> None:
     rl = RLConfig(
         steps_per_round=args.steps,
         prompts_per_step=args.prompts,
-        group_size=args.group,
-        max_new_tokens=args.max_new_tokens,
-        rollout_engine=args.engine,
-        rollout_url=args.rollout_url,
-        eval_prompts=8,
-        bootstrap_samples=200,
-        max_kl=100.0,
+        rollout=RolloutConfig(
+            group_size=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine, url=args.rollout_url
+        ),
+        gate=GateConfig(eval_prompts=8, bootstrap_samples=200, max_kl=100.0),
     )
     print(
         f"model {args.model}, K={args.candidates}, steps {args.steps} x {args.prompts} prompts x G={args.group}, "
@@ -165,7 +167,7 @@ def main() -> None:
     started = time.perf_counter()
     ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     print(f"ray cluster start {time.perf_counter() - started:.1f}s (not counted)")
-    sizing = {"ray_actor_gpus": 1 if gpus else 0, "ray_actor_cpus": args.threads}
+    sizing = {"actor_gpus": 1 if gpus else 0, "actor_cpus": args.threads}
     local: list[float] = []
     cold: dict[int, float] = {}
     warm: dict[int, list[float]] = {}
@@ -176,7 +178,7 @@ def main() -> None:
         mean_local = sum(local) / len(local)
         for n in range(1, args.actors_max + 1):
             # as in the service: kept actors; the first round starts them (overlapped with the driver's own start-up)
-            on_ray = rl.model_copy(update={"executor": "ray", "ray_actors": n, "ray_keep_actors": True, **sizing})
+            on_ray = rl.model_copy(update={"executor": "ray", "ray": RayConfig(actors=n, keep_actors=True, **sizing)})
             cold[n] = _round(model, cands, on_ray, train, heldout, root / f"ray{n}-cold", f"ray-{n} cold", mean_local)
             warm[n] = [
                 _round(model, cands, on_ray, train, heldout, root / f"ray{n}-w{r}", f"ray-{n} warm {r + 1}", mean_local)

@@ -131,7 +131,7 @@ class Soak:
     # -- setup -----------------------------------------------------------------------
 
     def up(self) -> None:
-        from trainer import model_store
+        from trainer.model import store as model_store
 
         smollm2 = model_store.pull("smollm2-135m-instruct", MODEL_CACHE).path
         tiny = model_store.build_tiny_llama(MODEL_CACHE / "tiny-random-llama", tokenizer_from=smollm2).path
@@ -172,11 +172,15 @@ reward = [{{ fn = "format", weight = 1.0 }}]
 [rl]
 steps_per_round = 2
 prompts_per_step = 2
+adapter_store = "offload"
+
+[rl.rollout]
 group_size = 2
 max_new_tokens = 4
+engine = "hf"
+
+[rl.gate]
 eval_prompts = 4
-rollout_engine = "hf"
-adapter_store = "offload"
 [schedule]
 enabled = {"true" if self.args.rounds else "false"}
 interval_s = 300

@@ -14,8 +14,8 @@ ours (``trainer/``)                        TRL 1.16 ``GRPOConfig``
 base in bf16 (``model.dtype = auto``),     model loaded here in bf16 and handed to the trainer;
 LoRA weights float32, no autocast          ``bf16=False`` (TRL's default ``True`` autocasts);
                                            PEFT's ``autocast_adapter_dtype`` keeps LoRA float32
-LoRA r, alpha, q/k/v/o, no dropout         the same ``LoraConfig`` (``trainer.base.lora_config``)
-start weights seeded by (name, seed)       the same tensors copied in (``trainer.lora_tensors``)
+LoRA r, alpha, q/k/v/o, no dropout         the same ``LoraConfig`` (``trainer.model.base.lora_config``)
+start weights seeded by (name, seed)       the same tensors copied in (``trainer.adapters.lora_tensors``)
 S steps x P prompts x G                    ``max_steps=S``, ``per_device_train_batch_size=P*G``,
                                            ``num_generations=G``, no accumulation
 the round's prompts, drawn per step        dataset in that order, ``shuffle_dataset=False``
@@ -31,7 +31,7 @@ AdamW, constant LR, no weight decay        ``optim="adamw_torch"`` (default fuse
 grad-norm clip 1.0                         ``max_grad_norm=1.0``
 no gradient checkpointing                  ``gradient_checkpointing=False`` (TRL's default True)
 greedy evaluation, held-out prompts        ``generate(do_sample=False)`` on the same prompts, scored
-                                           by ``rl.gate_reward`` (our code)
+                                           by ``rl.gate.reward`` (our code)
 ========================================  =====================================================
 
 What cannot match (also in docs/benchmarks/multilora.md):
@@ -110,9 +110,9 @@ def main(spec_path: str, report_path: str, spawned_at: float) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from trainer.base import ResidentBase, chat_token_ids, lora_config
+    from trainer.model.base import ResidentBase, chat_token_ids, lora_config
     from trainer.config import CandidateConfig, RewardTerm
-    from trainer.lora_tensors import adapter_params, initial_weights
+    from trainer.adapters.lora_tensors import adapter_params, initial_weights
     from trainer.rewards import build_reward
 
     imported = time.time()
@@ -153,7 +153,7 @@ def main(spec_path: str, report_path: str, spawned_at: float) -> None:
     )
     peft_model = trainer.model
     assert isinstance(peft_model, PeftModel)
-    # the same start weights as the round's (trainer.lora_tensors.initial_weights, seeded by name and seed)
+    # the same start weights as the round's (trainer.adapters.lora_tensors.initial_weights, seeded by name and seed)
     start = initial_weights(cast(ResidentBase, _AsBase(peft_model)), cand.name, cand, None, spec["seed"])
     live = adapter_params(peft_model, "default")
     with torch.no_grad():

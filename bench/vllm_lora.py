@@ -39,10 +39,10 @@ import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
 from pipeline.stack import free_port, vllm_service  # noqa: E402
-from trainer import model_store  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.rollout import RolloutRequest  # noqa: E402
-from trainer.rollout_vllm import VLLMEngine  # noqa: E402
+from trainer.rollout.engine import RolloutRequest  # noqa: E402
+from trainer.rollout.vllm import VLLMEngine  # noqa: E402
 from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
@@ -72,8 +72,9 @@ def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
 def prompts(model_dir: Path, count: int) -> list[tuple[int, ...]]:
     from transformers import AutoTokenizer
 
-    from trainer.base import chat_token_ids
-    from trainer.tasks import prompts_from_table, reasoning_gym_prompts, snapshot_table
+    from trainer.model.base import chat_token_ids
+    from trainer.data import prompts_from_table, snapshot_table
+    from trainer.tasks import reasoning_gym_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = prompts_from_table(

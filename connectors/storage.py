@@ -1,19 +1,19 @@
 """Durable file writes through ``pyarrow.fs``, so local folders and object stores share one code path.
 
 Local files: written to a temporary name, fsynced, renamed, and the folder
-fsynced (POSIX durable-rename idiom). Object stores: a single PUT is atomic
+fsynced (POSIX durable-rename idiom; :mod:`connectors.atomic`). Object stores: a single PUT is atomic
 and durable on success, so the file is written under its final name.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from connectors import atomic
 from connectors.errors import BufferStorageError
 
 
@@ -51,49 +51,23 @@ def open_location(uri: str) -> Location:
     return Location(fs, base)
 
 
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_durable(loc: Location, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that after return it survives a crash or power loss.
-
-    A local write that fails (full disk, no permission) removes its own temporary file.
+    """Write ``data`` to ``path`` so that after return it survives a crash or power loss: one PUT on an
+    object store; a local file through :func:`connectors.atomic.write_bytes` (temp name, fsync, rename,
+    folder fsync; a write that fails, e.g. on a full disk, removes its own temporary file).
 
     Raises:
         BufferStorageError: the write, fsync or rename failed.
     """
-    parent = path.rsplit("/", 1)[0]
-    tmp: str | None = None
     try:
-        loc.fs.create_dir(parent, recursive=True)
-        if not loc.is_local:
-            with loc.fs.open_output_stream(path) as out:
-                out.write(data)
+        if loc.is_local:
+            atomic.write_bytes(path, data)
             return
-        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-        with loc.fs.open_output_stream(tmp) as out:
+        loc.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with loc.fs.open_output_stream(path) as out:
             out.write(data)
-        _fsync_path(tmp)  # fsync on a second descriptor flushes the inode's dirty pages
-        loc.fs.move(tmp, path)
-        tmp = None  # renamed: nothing left to clean up
-        _fsync_path(parent, directory=True)  # make the rename itself durable
     except OSError as err:
-        if tmp is not None:
-            _remove_quietly(loc, tmp)
         raise BufferStorageError(f"could not write {path!r} durably: {err}; check free space and permissions") from err
-
-
-def _remove_quietly(loc: Location, path: str) -> None:
-    """Delete a temporary file of a failed write; a failure here must not hide the write's own error."""
-    try:
-        loc.fs.delete_file(path)
-    except OSError:
-        pass  # never created, or the disk refuses even this: retention removes stale .tmp-* files later
 
 
 def read_bytes(loc: Location, path: str) -> bytes:

@@ -1,7 +1,8 @@
 """The whole ``hourglass.toml`` as one typed, validated object.
 
 Sections: ``kafka``, ``buffer``, ``gateway`` (connectors), ``model``, ``candidates``,
-``rl``, ``reward_model`` (trainer), ``schedule``, ``registry``, ``serving``, ``api`` (here).
+``rl`` (trainer; with ``rl.rollout``, ``rl.update``, ``rl.split``, ``rl.gate``, ``rl.ray``,
+``rl.reward_model``), ``schedule``, ``registry``, ``serving``, ``api`` (here).
 Top level: ``deployment`` (``embedded`` | ``production``: production refuses
 default and placeholder secrets, see :func:`secret_problems`) and ``state_dir``.
 Any field may be overridden by an environment variable named
@@ -28,9 +29,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from connectors.config_base import Section
-from pipeline.canary.settings import CanaryConfig, GuardConfig
 from pipeline.errors import ConfigError
-from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
+from trainer.config import MOVED_RL_KEYS, CandidateConfig, ModelConfig, RLConfig
 
 ENV_PREFIX = "HOURGLASS_"
 MIN_SIGNING_KEY_CHARS = 32
@@ -110,6 +110,52 @@ class RegistryConfig(Section):
                     f"a signing key must be at least {MIN_SIGNING_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)"
                 )
         return key
+
+
+class CanaryConfig(Section):
+    """A round's winner first serves a slice of live traffic as ``@challenger``."""
+
+    enabled: bool = Field(
+        default=True,
+        description="True: a round's winner becomes @challenger, promoted only on live feedback; "
+        "False: it becomes @champion at once.",
+    )
+    alias: str = Field(
+        default="challenger", pattern=r"^[a-zA-Z][a-zA-Z0-9_-]*$", description="MLflow alias of the version on canary."
+    )
+    fraction: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description="Share of routing keys (keyed hash of the hashed user id, else of the trace id) sent to the challenger.",
+    )
+    min_feedback: int = Field(default=30, ge=1, description="Feedback events each side needs before a promotion.")
+    margin: float = Field(
+        default=0.05,
+        ge=0,
+        description="Non-inferiority margin: promote when the challenger's live rate is "
+        "not lower than the champion's by more than this (reward units; a rate difference for thumbs).",
+    )
+    alpha: float = Field(
+        default=0.05, gt=0, lt=0.5, description="Error rate of the sequential test (valid at every look)."
+    )
+    mixture_sd: float = Field(
+        default=0.1, gt=0, description="Standard deviation of the mSPRT normal mixture (effect size it is tuned for)."
+    )
+    max_duration_s: float = Field(
+        default=86400.0, gt=0, description="Abort a canary still undecided after this many seconds."
+    )
+    check_interval_s: float = Field(default=30.0, gt=0, description="How often the service looks at the live evidence.")
+
+
+class GuardConfig(Section):
+    """After a canary promotion, watch the new champion against the previous one's live rate."""
+
+    enabled: bool = Field(
+        default=True, description="Roll back automatically when the new champion's live rate drops significantly."
+    )
+    period_s: float = Field(default=3600.0, gt=0, description="How long after a promotion the guard watches.")
+    alpha: float = Field(default=0.05, gt=0, lt=0.5, description="Error rate of the guard's sequential test.")
 
 
 class ServingConfig(Section):
@@ -300,7 +346,6 @@ class HourglassConfig(BaseSettings):
     model: ModelConfig = Field(default_factory=ModelConfig)
     candidates: list[CandidateConfig] = Field(default_factory=lambda: [CandidateConfig(name="default")], min_length=1)
     rl: RLConfig = Field(default_factory=RLConfig)
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
@@ -333,17 +378,24 @@ class HourglassConfig(BaseSettings):
         if self.serving.staging_dir is None:  # follows state_dir, so two instances never share it
             staged = self.serving.model_copy(update={"staging_dir": str(Path(self.state_dir) / "staging")})
             object.__setattr__(self, "serving", staged)
-        if self.rl.rollout_engine == "vllm" and self.rl.rollout_url is None:  # default: the serving vLLM fleet
-            fleet = {
-                "rollout_url": self.serving.replicas[0],
-                "rollout_urls": self.rl.rollout_urls or list(self.serving.replicas),
-            }
-            object.__setattr__(self, "rl", self.rl.model_copy(update=fleet))
+        if self.rl.rollout.engine == "vllm" and self.rl.rollout.url is None:  # default: the serving vLLM fleet
+            fleet = self.rl.rollout.model_copy(
+                update={"url": self.serving.replicas[0], "urls": self.rl.rollout.urls or list(self.serving.replicas)}
+            )
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"rollout": fleet}))
         if (
-            self.rl.adapter_share_uri is None and self.serving.adapter_share_uri is not None
+            self.rl.rollout.adapter_share_uri is None and self.serving.adapter_share_uri is not None
         ):  # trainers publish there too
             object.__setattr__(
-                self, "rl", self.rl.model_copy(update={"adapter_share_uri": self.serving.adapter_share_uri})
+                self,
+                "rl",
+                self.rl.model_copy(
+                    update={
+                        "rollout": self.rl.rollout.model_copy(
+                            update={"adapter_share_uri": self.serving.adapter_share_uri}
+                        )
+                    }
+                ),
             )
         names = [c.name for c in self.candidates]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -449,11 +501,21 @@ def config_warnings(cfg: HourglassConfig) -> list[str]:
     return out
 
 
+def _moved(loc: tuple[str, ...]) -> str | None:
+    """Where a key of the old layout lives now (the flat ``[rl]`` keys, the top-level ``[reward_model]``)."""
+    if loc == ("reward_model",):
+        return "moved: [reward_model] is now [rl.reward_model] (the same fields; see deploy/reference.toml)"
+    if len(loc) == 2 and loc[0] == "rl" and loc[1] in MOVED_RL_KEYS:
+        return f"moved: use {MOVED_RL_KEYS[loc[1]]} (see deploy/reference.toml)"
+    return None
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        return f"{loc}: unknown field (typo?)"
+        moved = _moved(tuple(str(part) for part in error["loc"]))
+        return f"{loc}: {moved}" if moved else f"{loc}: unknown field (typo?)"
     value = error.get("input")
     shown = repr(value) if not isinstance(value, dict) else "{...}"
     if any(str(part) in _SECRET_FIELDS for part in error["loc"]):

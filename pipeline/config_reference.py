@@ -8,7 +8,9 @@ them, an array of tables) becomes its own section, at any depth (``[serving.cana
 ``[[candidates.reward]]``), with the environment variable that overrides each field.
 
 The docs build calls it through the mkdocs hook ``docs/hooks/config_reference.py``;
-``tests/pipeline/test_config_reference.py`` checks that every field has a description.
+``tests/pipeline/test_config_reference.py`` checks that every field has a description. The same walk
+writes the commented example config ``deploy/reference.toml`` (:func:`example_toml`; the test checks
+it is current).
 """
 
 from __future__ import annotations
@@ -287,3 +289,56 @@ def expand(markdown: str) -> str:
     if MARKER not in markdown:
         raise ValueError(f"the configuration page has no {MARKER} marker")
     return markdown.replace(MARKER, render())
+
+
+# --- the commented example config ------------------------------------------------------------------
+
+EXAMPLE_HEADER = """\
+# Hourglass configuration reference: every field of hourglass.toml, with its default and what it does.
+# Generated from the config classes (`python -m pipeline.config_reference > deploy/reference.toml`);
+# tests/pipeline/test_config_reference.py checks that it is current and that it loads to the defaults.
+# Copy the tables you change into your own file; deploy/hourglass.toml (the embedded default),
+# deploy/production.toml and deploy/demo.toml are worked examples. Any field can be overridden with
+# HOURGLASS_<SECTION>__<FIELD> (nested with __, e.g. HOURGLASS_RL__GATE__METRIC).
+"""
+
+
+def _comment(text: str | None, width: int = 100) -> list[str]:
+    import textwrap
+
+    return [f"# {line}" for line in textwrap.wrap(prose(text), width - 2)] if text else []
+
+
+def _emit(model: type[BaseModel], value: BaseModel | None, path: tuple[str, ...], out: list[str]) -> None:
+    """The keys of one table (plain keys first, as TOML needs), then its subtables, depth first."""
+    subtables = []
+    for name, field in model.model_fields.items():
+        current = getattr(value, name) if value is not None else field.get_default(call_default_factory=True)
+        nested = _section_of(field.annotation)
+        if nested:
+            subtables.append((name, field, nested, current))
+            continue
+        out += _comment(field.description)
+        out.append(f"# {name} =  (unset)" if current is None else f"{name} = {toml_value(current)}")
+    for name, field, (cls, array), current in subtables:
+        dotted = ".".join(path + (name,))
+        entries = list(current or []) if array else [current]
+        for entry in entries or [None]:
+            out += ["", f"[[{dotted}]]" if array else f"[{dotted}]"]
+            about = _comment(field.description or cls.__doc__)
+            out += about
+            if array and entry is None:
+                out[-1 - len(about)] = f"# [[{dotted}]]  (none by default)"
+                continue
+            _emit(cls, entry, path + (name,), out)
+
+
+def example_toml(model: type[BaseModel] = HourglassConfig) -> str:
+    """``hourglass.toml`` with every field at its default, each under its description (deploy/reference.toml)."""
+    out = [EXAMPLE_HEADER]
+    _emit(model, None, (), out)
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(example_toml(), end="")

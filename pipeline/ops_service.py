@@ -24,7 +24,7 @@ class OpsService(Protocol):
 
     cfg: HourglassConfig
     api_token: str  # the bearer token the ops API requires
-    base_fingerprint: str  # the resident base's fingerprint (trainer.model_store.fingerprint_of)
+    base_fingerprint: str  # the resident base's fingerprint (trainer.model.store.fingerprint_of)
     store: RoundStore
     runner: RoundRunner
     ingest_worker: IngestWorker | None  # None until started, or when ingestion is off

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import secrets
 import signal
 import threading
 import time
@@ -33,6 +31,7 @@ from prometheus_client import Gauge
 from pipeline.config import HourglassConfig, secret_problems
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.redact import install_log_redaction
+from pipeline.state_secrets import api_token
 from pipeline.rounds.job import RoundNotCancellableError, RoundRunner, recover
 from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundStore, UnknownRoundError
 from pipeline.supervise import Worker
@@ -43,6 +42,8 @@ if TYPE_CHECKING:
     from pipeline.serving.controller import ServingController
 
 log = logging.getLogger(__name__)
+
+WARM_THREAD = "trainer-warm"  # the background start of the executor's workers ahead of a round
 
 INGESTED = Gauge("hourglass_ingest_records", "Trace and feedback records made durable in the buffer since start.")
 INGEST_DEAD = Gauge("hourglass_ingest_dead_letters", "Records dead-lettered since start.")
@@ -84,28 +85,13 @@ class WorkerDiedError(PipelineError, RuntimeError):
     """A worker's inner thread stopped on its own (e.g. the APScheduler thread); it is restarted."""
 
 
-def api_token(cfg: HourglassConfig) -> str:
-    """``api.token`` when set; else the token in ``<state_dir>/api-token`` (created 0600 on first use)."""
-    if cfg.api.token is not None:
-        return cfg.api.token.get_secret_value()
-    path = cfg.resolve(cfg.state_dir) / "api-token"
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token)
-    return token
-
-
 class HourglassService:
     """Owns every long-running part; :meth:`start` / :meth:`shutdown`."""
 
     def __init__(
         self, cfg: HourglassConfig, *, base_fingerprint: str | None = None, ingest: bool = True, reconcile: bool = True
     ) -> None:
-        from trainer import model_store
+        from trainer.model import store as model_store
 
         install_log_redaction()  # before anything logs a URI with credentials
         problems = secret_problems(cfg)
@@ -113,8 +99,10 @@ class HourglassService:
             raise ConfigError(
                 f"refusing to start a production service with unsafe secrets: {'; '.join(problems)}", problems
             )
-        if cfg.rl.executor == "ray" and cfg.rl.ray_keep_actors is None:  # always on: trainer actors stay between rounds
-            cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"ray_keep_actors": True})})
+        if cfg.rl.ray.keep_actors is None:  # always on: trainer actors (a Ray executor's) stay between rounds
+            cfg = cfg.model_copy(
+                update={"rl": cfg.rl.model_copy(update={"ray": cfg.rl.ray.model_copy(update={"keep_actors": True})})}
+            )
         self.cfg = cfg
         if base_fingerprint is None:
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
@@ -168,23 +156,21 @@ class HourglassService:
         self.warm_trainers()
 
     def warm_trainers(self) -> threading.Thread | None:
-        """``rl.executor = "ray"`` with kept actors: start the trainer actors in the background (at start, and
-        after each round, which re-creates them after a failed one), so a round finds them loaded. A cluster
-        that does not answer is logged here; the next round then fails at its start with the reason."""
-        rl = self.cfg.rl
-        if rl.executor != "ray" or not rl.ray_keep_actors or self._stopping.is_set():
+        """An executor that keeps its workers between rounds (Ray with kept actors): start them in the background
+        (at start, and after each round, which re-creates them after a failed one), so a round finds them loaded.
+        A cluster that does not answer is logged here; the next round then fails at its start with the reason."""
+        executor = self.runner.executor
+        if not executor.keeps_workers or self._stopping.is_set():
             return None
 
         def warm() -> None:
-            from trainer import ray_pool
-
             try:
-                if ray_pool.warm(rl, self.cfg.model, len(self.cfg.candidates)):
+                if executor.warm(self.cfg.model, len(self.cfg.candidates)):
                     log.info("trainer actors started (or still alive) for the next round")
             except Exception as err:  # noqa: BLE001 - logged; the next round reports it as its failure
                 log.warning("could not start the trainer actors ahead of the next round: %s", err)
 
-        thread = threading.Thread(target=warm, name="ray-warm", daemon=True)
+        thread = threading.Thread(target=warm, name=WARM_THREAD, daemon=True)
         thread.start()
         return thread
 
@@ -296,7 +282,8 @@ class HourglassService:
         3. stop ingestion: the worker finishes its batch, makes it durable in
            the buffer, commits the offsets, and closes the consumer;
         4. stop the canary monitor, then the reconcile loop (vLLM keeps serving the champion);
-        5. with ``rl.executor = "ray"``: kill the kept trainer actors and free their placement group.
+        5. the executor's kept workers: with ``rl.executor = "ray"``, kill the kept trainer actors and free their
+           placement group.
         """
         global _CURRENT
         self._stopping.set()
@@ -327,13 +314,10 @@ class HourglassService:
             self.workers["canary"].stop(10)
         if "reconcile" in self.workers:  # 4
             self.workers["reconcile"].stop(10)
-        if self.cfg.rl.executor == "ray":  # 5: the kept trainer actors and their placement group
-            from trainer import ray_pool
-
-            for thread in threading.enumerate():  # a warm-up still connecting or placing: let it finish first
-                if thread.name == "ray-warm":
-                    thread.join(self.cfg.rl.ray_connect_timeout_s)
-            ray_pool.release_kept_actors()
+        for thread in threading.enumerate():  # 5: a warm-up still connecting or placing: let it finish first,
+            if thread.name == WARM_THREAD:  # then the executor's kept workers (Ray: actors, placement group) go
+                thread.join(self.cfg.rl.ray.connect_timeout_s)
+        self.runner.executor.release()
         _CURRENT = None
 
     # -- what the API shows ------------------------------------------------------------

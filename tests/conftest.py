@@ -43,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from connectors.config import BufferConfig, KafkaConfig  # noqa: E402
 from connectors.ingest import IngestWorker  # noqa: E402
 from pipeline.stack import Service, broker_service, free_port, mlflow_service, vllm_service  # noqa: E402
-from trainer import model_store  # noqa: E402
+from trainer.model import store as model_store  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("HOURGLASS_MODEL_CACHE", "~/.cache/hourglass/models")).expanduser()
 

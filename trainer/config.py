@@ -1,15 +1,21 @@
-"""Typed settings of the trainer: the ``[model]``, ``[[candidates]]`` and
-``[rl]`` sections of ``hourglass.toml``."""
+"""Typed settings of the trainer: the ``[model]``, ``[[candidates]]`` and ``[rl]`` sections of
+``hourglass.toml`` (``[rl]`` with its sections ``[rl.rollout]``, ``[rl.update]``, ``[rl.split]``,
+``[rl.gate]``, ``[rl.ray]``, ``[rl.reward_model]``), and the names of every strategy a round
+chooses by config (:class:`Algorithm`, :class:`GateMetric`, :class:`RolloutEngineKind`,
+:class:`AdapterStoreKind`, :class:`ExecutorKind`, :class:`UpdateMode`): each is a ``StrEnum`` that
+keys the registry of its room."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from connectors.config_base import Section
+from trainer.rewards import resolve
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 
@@ -48,14 +54,13 @@ class RewardTerm(Section):
     @classmethod
     def _known(cls, fn: str) -> str:
         if ":" not in fn:  # a built-in: check the name now (a module:function is imported when the round builds it)
-            from trainer.rewards import resolve  # imported on use: rewards is heavier than this config module
-
             resolve(fn)
         return fn
 
 
 class Algorithm(StrEnum):
-    """How a candidate learns (``CandidateConfig.algorithm``); :data:`trainer.update.ALGORITHMS` maps each to its batch and loss.
+    """How a candidate learns (``CandidateConfig.algorithm``); :data:`ALGORITHM_TRAITS` holds each one's traits and
+    :data:`trainer.algorithms.registry.ALGORITHMS` its batch and loss.
 
     ``grpo`` / ``ppo_clip`` learn from fresh rollouts scored by the reward mix;
     ``offline_is`` and ``kto`` learn from logged completions and their logged
@@ -68,7 +73,36 @@ class Algorithm(StrEnum):
     KTO = "kto"
 
 
-OFFLINE_ALGORITHMS = frozenset({Algorithm.OFFLINE_IS, Algorithm.KTO})
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    """What an algorithm needs and allows. ``online``: it learns from fresh rollouts each step (else from
+    logged rows); ``one_pass``: it may update together with other candidates in one forward/backward
+    (its loss is a token mean over its batch, which splits over chunks of rows); ``needs_logged``: it
+    learns from logged rewards (its reward mix must have a ``logged`` term)."""
+
+    online: bool
+    one_pass: bool
+    needs_logged: bool
+
+
+ALGORITHM_TRAITS: dict[Algorithm, AlgorithmTraits] = {
+    Algorithm.GRPO: AlgorithmTraits(online=True, one_pass=True, needs_logged=False),
+    Algorithm.PPO_CLIP: AlgorithmTraits(online=True, one_pass=True, needs_logged=False),
+    Algorithm.OFFLINE_IS: AlgorithmTraits(online=False, one_pass=False, needs_logged=True),
+    Algorithm.KTO: AlgorithmTraits(online=False, one_pass=False, needs_logged=True),
+}
+"""Every algorithm's traits, the one table of them: :data:`trainer.algorithms.registry.ALGORITHMS` pairs each
+with its batch builder and policy loss."""
+
+
+class GateMetric(StrEnum):
+    """How candidates and the champion are compared on held-out rows (``rl.gate.metric``): one yardstick
+    per served model. :data:`trainer.evaluation.metrics.GATE_METRICS` holds each one's unit, comparison,
+    usable rows and values."""
+
+    VERIFIABLE = "verifiable"
+    REWARD_MODEL = "reward_model"
+    FEEDBACK = "feedback"
 
 
 class CandidateConfig(Section):
@@ -127,7 +161,7 @@ class CandidateConfig(Section):
 
     @model_validator(mode="after")
     def _offline_reward(self) -> "CandidateConfig":
-        if self.algorithm in OFFLINE_ALGORITHMS and not any(term.fn == "logged" for term in self.reward):
+        if ALGORITHM_TRAITS[self.algorithm].needs_logged and not any(term.fn == "logged" for term in self.reward):
             raise ValueError(
                 f"algorithm {self.algorithm.value!r} learns from logged rewards: add a reward term with fn = 'logged'"
             )
@@ -152,180 +186,11 @@ def window_seconds(window: str) -> int:
     return seconds
 
 
-class RLConfig(Section):
-    """How a round trains, evaluates and gates."""
-
-    steps_per_round: int = Field(default=4, ge=1, description="Optimizer steps S per candidate per round.")
-    prompts_per_step: int = Field(default=4, ge=1, description="Prompts per optimizer step.")
-    group_size: int = Field(default=4, ge=1, description="Rollouts G per prompt (GRPO group).")
-    max_new_tokens: int = Field(default=32, ge=1, description="Longest rollout, tokens.")
-    temperature: float = Field(default=1.0, gt=0, description="Rollout sampling temperature.")
-    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO-clip epsilon.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
-    heldout_fraction: float = Field(
-        default=0.2,
-        gt=0,
-        lt=1,
-        description="Fraction of the snapshot kept for evaluation: each user's newest rows, in proportion to the user's rows.",
-    )
-    max_user_share: float = Field(
-        default=0.2,
-        gt=0,
-        le=1,
-        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
-        "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
-    )
-    gate_metric: Literal["verifiable", "reward_model", "feedback"] = Field(
-        default="verifiable",
-        description=(
-            "How candidates and the champion are compared on held-out rows: `verifiable` (greedy answers scored by "
-            "rl.gate_reward; rows with its metadata), `reward_model` (greedy answers scored by the round's reward model), "
-            "`feedback` (AUC of the implicit reward log pi/pi_ref at ranking held-out up-voted over down-voted completions)."
-        ),
-    )
-    gate_reward: list[RewardTerm] = Field(
-        default_factory=lambda: [RewardTerm(fn="exact_answer")],
-        min_length=1,
-        description="The `verifiable` gate's yardstick: one reward mix for every candidate and the champion, whatever they train on.",
-    )
-    gate_margin: float = Field(
-        default=0.0,
-        ge=0,
-        description="Margin (in the gate metric's unit: reward, or AUC) a challenger must beat the champion by.",
-    )
-    gate_confidence: float = Field(
-        default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound."
-    )
-    bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
-    max_kl: float = Field(
-        default=1.0,
-        gt=0,
-        description="Guardrail: a candidate whose mean k3 KL to the base on its greedy held-out answers (nats per token) "
-        "is above this fails the gate.",
-    )
-    max_mean_length: int = Field(
-        default=512,
-        ge=1,
-        description="Guardrail: a candidate whose mean greedy answer is longer (tokens) fails the gate.",
-    )
-    adapter_store: Literal["resident", "offload"] = Field(default="offload", description="Where idle candidates wait.")
-    update_mode: Literal["sequential", "one_pass"] = Field(
-        default="sequential",
-        description="`sequential`: each candidate's update is its own forward/backward. `one_pass`: the grpo / ppo_clip "
-        "candidates of a step share one adapters-off reference pass and one forward/backward (each row through its own "
-        "candidate's LoRA weights, trainer.multi_lora); other algorithms stay sequential.",
-    )
-    adapters_per_pass: int = Field(
-        default=8,
-        ge=1,
-        description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size).",
-    )
-    one_pass_chunk_tokens: int = Field(
-        default=2048,
-        ge=1,
-        description="`one_pass` mode: at most this many padded tokens (rows x the step's longest prompt + completion) "
-        "per forward/backward; the step's rows of all candidates are split into chunks of this size (each mixing the "
-        "candidates), gradients accumulate over the chunks and each candidate's loss stays a token mean over all its "
-        "rows, so this bounds the step's activation memory (SmolLM2-135M in bf16 on CPU: about 0.7 MB per token) "
-        "without changing the update.",
-    )
-    rollout_engine: Literal["vllm", "hf"] = Field(
-        default="vllm", description="Rollouts from vLLM, or transformers generate."
-    )
-    rollout_url: str | None = Field(
-        default=None,
-        description="A separate vLLM for rollouts; default (with rollout_engine `vllm`): the first of serving.replicas.",
-    )
-    rollout_urls: list[str] = Field(
-        default_factory=list,
-        description="A vLLM fleet for rollouts and evaluation (each candidate's requests stay on one replica, round-robin "
-        "over candidates; trainer.rollout_fleet). Default (with rollout_engine `vllm` and no rollout_url): every serving.replicas entry.",
-    )
-    adapter_share_uri: str | None = Field(
-        default=None,
-        description="Shared adapter store (path or s3:// / gs:// URI) rollout versions are published to, for vLLM replicas "
-        "that do not share this host's disk (they fetch through the resolver plugin). Default: serving.adapter_share_uri.",
-    )
-    window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
-    seed: int = Field(default=0, description="Seed of sampling and of the round's prompt draw.")
-    executor: Literal["local", "ray"] = Field(
-        default="local",
-        description="Where candidates train: `local` (in this process, on one resident base) or `ray` (trainer actors on a "
-        "Ray cluster, one resident base each, candidates balanced by estimated cost; evaluation and the gate stay here).",
-    )
-    ray_address: str = Field(
-        default="auto",
-        min_length=1,
-        description="`ray` executor: the cluster to join. `auto` (the running cluster of this host, RAY_ADDRESS), `local` "
-        "(start an in-process cluster), or an address such as `10.0.0.5:6379` / `ray://head:10001`.",
-    )
-    ray_actors: int | None = Field(
-        default=None,
-        ge=1,
-        le=256,
-        description="`ray` executor: trainer actors per round (at most one per candidate). None: one per GPU of the cluster, "
-        "or 1 on a cluster without GPUs.",
-    )
-    ray_actor_cpus: float = Field(
-        default=1.0,
-        gt=0,
-        le=512,
-        description="`ray` executor: CPUs reserved per trainer actor (also its torch thread count on CPU hosts).",
-    )
-    ray_actor_gpus: Literal["auto", 0, 1] = Field(
-        default="auto",
-        description="`ray` executor: GPUs per trainer actor. `auto`: 1 when the cluster has GPUs, else 0 (CPU actors).",
-    )
-    ray_connect_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        le=600,
-        description="`ray` executor: a round fails at its start when the cluster does not answer within this.",
-    )
-    ray_placement_timeout_s: float = Field(
-        default=300.0,
-        gt=0,
-        le=86400,
-        description="`ray` executor: how long a round waits for the placement group of all its actors before it fails with the reason.",
-    )
-    ray_keep_actors: bool | None = Field(
-        default=None,
-        description="`ray` executor: keep the trainer actors (placement group and resident bases) of a round that succeeded "
-        "or failed before training for the next round with the same model and sizing, which then skips actor start-up; a "
-        "round whose training failed always frees them. None (default): true in `hourglass service` (which also starts them "
-        "at its start and after a failed round), false for a one-off round (`hourglass round`, `run_round`).",
-    )
-    ray_storage_uri: str | None = Field(
-        default=None,
-        description="`ray` executor: a `pyarrow.fs` URI every node can read and write (e.g. `s3://bucket/hourglass/rounds`, "
-        "`gs://...`, `file:///shared/rounds`) where start adapters go out and trained adapters and results come back, under "
-        "`<uri>/<round_id>/`. None: the round's own folder (only right when every node shares this host's disk).",
-    )
-
-    @field_validator("gate_reward")
-    @classmethod
-    def _gate_reward_scores_new_answers(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
-        training_only = sorted({t.fn for t in terms} & {"logged", "reward_model"})
-        if training_only:
-            raise ValueError(
-                f"rl.gate_reward must be a verifiable reward of new greedy answers; {training_only} cannot score them "
-                "(use gate_metric = 'reward_model' or 'feedback' to gate on users' feedback)"
-            )
-        return terms
-
-    @field_validator("window")
-    @classmethod
-    def _window(cls, window: str) -> str:
-        window_seconds(window)
-        return window
-
-
 class RewardModelConfig(Section):
     """The reward model learned from user feedback: a LoRA adapter plus a scalar head on the resident base.
 
     Trained in each round, before the policy candidates, from the round's training split
-    (see :mod:`trainer.reward_model`).
+    (see :mod:`trainer.reward_model.model`).
     """
 
     enabled: bool | None = Field(
@@ -390,11 +255,292 @@ class RewardModelConfig(Section):
             start="fresh",
         )
 
-    def wanted(self, candidates: list[CandidateConfig], gate_metric: str | None = None) -> bool:
+    def wanted(self, candidates: list[CandidateConfig], gate_metric: GateMetric | None = None) -> bool:
         """Whether a round with these candidates trains a reward model."""
         if self.enabled is not None:
             return self.enabled
-        return gate_metric == "reward_model" or any(uses_reward_model(c) for c in candidates)
+        return gate_metric == GateMetric.REWARD_MODEL or any(uses_reward_model(c) for c in candidates)
+
+
+class RolloutEngineKind(StrEnum):
+    """Where rollouts come from (``[rl.rollout] engine``); :mod:`trainer.rollout.registry` maps each to its engine."""
+
+    VLLM = "vllm"
+    HF = "hf"
+
+
+class AdapterStoreKind(StrEnum):
+    """Where idle candidates wait (``rl.adapter_store``); :mod:`trainer.adapters.registry` maps each to its store."""
+
+    RESIDENT = "resident"
+    OFFLOAD = "offload"
+
+
+class ExecutorKind(StrEnum):
+    """Where candidates train (``rl.executor``); :mod:`trainer.executors.registry` maps each to its executor."""
+
+    LOCAL = "local"
+    RAY = "ray"
+
+
+class UpdateMode(StrEnum):
+    """How a step's updates run (``[rl.update] mode``): each candidate its own forward/backward, or the one-pass
+    algorithms' candidates together (:mod:`trainer.multi_lora.one_pass`)."""
+
+    SEQUENTIAL = "sequential"
+    ONE_PASS = "one_pass"
+
+
+class RolloutConfig(Section):
+    """``[rl.rollout]``: how rollouts are sampled, and by which engine."""
+
+    group_size: int = Field(default=4, ge=1, description="Rollouts G per prompt (GRPO group).")
+    max_new_tokens: int = Field(default=32, ge=1, description="Longest rollout (and greedy evaluation answer), tokens.")
+    temperature: float = Field(default=1.0, gt=0, description="Rollout sampling temperature.")
+    engine: RolloutEngineKind = Field(
+        default=RolloutEngineKind.VLLM, description="Rollouts from vLLM, or transformers generate (`hf`)."
+    )
+    url: str | None = Field(
+        default=None,
+        description="A separate vLLM for rollouts; default (with engine `vllm`): the first of serving.replicas.",
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="A vLLM fleet for rollouts and evaluation (each candidate's requests stay on one replica, round-robin "
+        "over candidates; trainer.rollout.fleet). Default (with engine `vllm` and no url): every serving.replicas entry.",
+    )
+    adapter_share_uri: str | None = Field(
+        default=None,
+        description="Shared adapter store (path or s3:// / gs:// URI) rollout versions are published to, for vLLM replicas "
+        "that do not share this host's disk (they fetch through the resolver plugin). Default: serving.adapter_share_uri.",
+    )
+
+
+class UpdateConfig(Section):
+    """``[rl.update]``: one optimizer step of a candidate (the loss, clipping, AdamW) and how a step's updates run."""
+
+    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO-clip epsilon.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    mode: UpdateMode = Field(
+        default=UpdateMode.SEQUENTIAL,
+        description="`sequential`: each candidate's update is its own forward/backward. `one_pass`: the grpo / ppo_clip "
+        "candidates of a step share one adapters-off reference pass and one forward/backward (each row through its own "
+        "candidate's LoRA weights, trainer.multi_lora); other algorithms stay sequential.",
+    )
+    adapters_per_pass: int = Field(
+        default=8,
+        ge=1,
+        description="`one_pass` mode: at most this many candidates per forward/backward (groups of this size).",
+    )
+    chunk_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="`one_pass` mode: at most this many padded tokens (rows x the step's longest prompt + completion) "
+        "per forward/backward; the step's rows of all candidates are split into chunks of this size (each mixing the "
+        "candidates), gradients accumulate over the chunks and each candidate's loss stays a token mean over all its "
+        "rows, so this bounds the step's activation memory (SmolLM2-135M in bf16 on CPU: about 0.7 MB per token) "
+        "without changing the update.",
+    )
+
+
+class SplitConfig(Section):
+    """``[rl.split]``: how a round's snapshot is split into train and held-out rows."""
+
+    heldout_fraction: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description="Fraction of the snapshot kept for evaluation: each user's newest rows, in proportion to the user's rows.",
+    )
+    max_user_share: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
+        "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
+    )
+
+
+class GateConfig(Section):
+    """``[rl.gate]``: how candidates are measured against the champion on held-out rows, and what promotes one."""
+
+    metric: GateMetric = Field(
+        default=GateMetric.VERIFIABLE,
+        description=(
+            "How candidates and the champion are compared on held-out rows: `verifiable` (greedy answers scored by "
+            "rl.gate.reward; rows with its metadata), `reward_model` (greedy answers scored by the round's reward model), "
+            "`feedback` (AUC of the implicit reward log pi/pi_ref at ranking held-out up-voted over down-voted completions)."
+        ),
+    )
+    reward: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(fn="exact_answer")],
+        min_length=1,
+        description="The `verifiable` gate's yardstick: one reward mix for every candidate and the champion, whatever they train on.",
+    )
+    eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
+    margin: float = Field(
+        default=0.0,
+        ge=0,
+        description="Margin (in the gate metric's unit: reward, or AUC) a challenger must beat the champion by.",
+    )
+    confidence: float = Field(default=0.9, gt=0.5, lt=1, description="Paired bootstrap confidence of the lower bound.")
+    bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples.")
+    max_kl: float = Field(
+        default=1.0,
+        gt=0,
+        description="Guardrail: a candidate whose mean k3 KL to the base on its greedy held-out answers (nats per token) "
+        "is above this fails the gate.",
+    )
+    max_mean_length: int = Field(
+        default=512,
+        ge=1,
+        description="Guardrail: a candidate whose mean greedy answer is longer (tokens) fails the gate.",
+    )
+
+    @field_validator("reward")
+    @classmethod
+    def _gate_reward_scores_new_answers(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
+        training_only = sorted({t.fn for t in terms} & {"logged", "reward_model"})
+        if training_only:
+            raise ValueError(
+                f"rl.gate.reward must be a verifiable reward of new greedy answers; {training_only} cannot score them "
+                "(use [rl.gate] metric = 'reward_model' or 'feedback' to gate on users' feedback)"
+            )
+        return terms
+
+
+class RayConfig(Section):
+    """``[rl.ray]``: the Ray cluster of the ``ray`` executor and its trainer actors."""
+
+    address: str = Field(
+        default="auto",
+        min_length=1,
+        description="The cluster to join. `auto` (the running cluster of this host, RAY_ADDRESS), `local` "
+        "(start an in-process cluster), or an address such as `10.0.0.5:6379` / `ray://head:10001`.",
+    )
+    actors: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Trainer actors per round (at most one per candidate). None: one per GPU of the cluster, "
+        "or 1 on a cluster without GPUs.",
+    )
+    actor_cpus: float = Field(
+        default=1.0,
+        gt=0,
+        le=512,
+        description="CPUs reserved per trainer actor (also its torch thread count on CPU hosts).",
+    )
+    actor_gpus: Literal["auto", 0, 1] = Field(
+        default="auto",
+        description="GPUs per trainer actor. `auto`: 1 when the cluster has GPUs, else 0 (CPU actors).",
+    )
+    connect_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="A round fails at its start when the cluster does not answer within this.",
+    )
+    placement_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="How long a round waits for the placement group of all its actors before it fails with the reason.",
+    )
+    keep_actors: bool | None = Field(
+        default=None,
+        description="Keep the trainer actors (placement group and resident bases) of a round that succeeded "
+        "or failed before training for the next round with the same model and sizing, which then skips actor start-up; a "
+        "round whose training failed always frees them. None (default): true in `hourglass service` (which also starts them "
+        "at its start and after a failed round), false for a one-off round (`hourglass round`, `run_round`).",
+    )
+    storage_uri: str | None = Field(
+        default=None,
+        description="A `pyarrow.fs` URI every node can read and write (e.g. `s3://bucket/hourglass/rounds`, "
+        "`gs://...`, `file:///shared/rounds`) where start adapters go out and trained adapters and results come back, under "
+        "`<uri>/<round_id>/`. None: the round's own folder (only right when every node shares this host's disk).",
+    )
+
+
+# [rl] keys of the flat layout before the sections, and where each lives now: `hourglass config check` and
+# load_config name the new place (pipeline.config), never just "unknown field".
+MOVED_RL_KEYS: dict[str, str] = {
+    "group_size": "[rl.rollout] group_size",
+    "max_new_tokens": "[rl.rollout] max_new_tokens",
+    "temperature": "[rl.rollout] temperature",
+    "rollout_engine": "[rl.rollout] engine",
+    "rollout_url": "[rl.rollout] url",
+    "rollout_urls": "[rl.rollout] urls",
+    "adapter_share_uri": "[rl.rollout] adapter_share_uri",
+    "clip_eps": "[rl.update] clip_eps",
+    "max_grad_norm": "[rl.update] max_grad_norm",
+    "update_mode": "[rl.update] mode",
+    "adapters_per_pass": "[rl.update] adapters_per_pass",
+    "one_pass_chunk_tokens": "[rl.update] chunk_tokens",
+    "heldout_fraction": "[rl.split] heldout_fraction",
+    "max_user_share": "[rl.split] max_user_share",
+    "gate_metric": "[rl.gate] metric",
+    "gate_reward": "[rl.gate] reward",
+    "eval_prompts": "[rl.gate] eval_prompts",
+    "gate_margin": "[rl.gate] margin",
+    "gate_confidence": "[rl.gate] confidence",
+    "bootstrap_samples": "[rl.gate] bootstrap_samples",
+    "max_kl": "[rl.gate] max_kl",
+    "max_mean_length": "[rl.gate] max_mean_length",
+    "ray_address": "[rl.ray] address",
+    "ray_actors": "[rl.ray] actors",
+    "ray_actor_cpus": "[rl.ray] actor_cpus",
+    "ray_actor_gpus": "[rl.ray] actor_gpus",
+    "ray_connect_timeout_s": "[rl.ray] connect_timeout_s",
+    "ray_placement_timeout_s": "[rl.ray] placement_timeout_s",
+    "ray_keep_actors": "[rl.ray] keep_actors",
+    "ray_storage_uri": "[rl.ray] storage_uri",
+}
+
+
+class RLConfig(Section):
+    """How a round trains, evaluates and gates: ``[rl]`` and its sections ``[rl.rollout]``, ``[rl.update]``,
+    ``[rl.split]``, ``[rl.gate]``, ``[rl.ray]`` and ``[rl.reward_model]``."""
+
+    window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
+    seed: int = Field(
+        default=0, description="Seed of sampling, of the round's prompt draw and of the gate's bootstrap."
+    )
+    steps_per_round: int = Field(default=4, ge=1, description="Optimizer steps S per candidate per round.")
+    prompts_per_step: int = Field(default=4, ge=1, description="Prompts per optimizer step.")
+    adapter_store: AdapterStoreKind = Field(
+        default=AdapterStoreKind.OFFLOAD,
+        description="Where idle candidates wait: `resident` (every adapter on the device) or `offload` (one device "
+        "slot; the others in host memory).",
+    )
+    executor: ExecutorKind = Field(
+        default=ExecutorKind.LOCAL,
+        description="Where candidates train: `local` (in this process, on one resident base) or `ray` (trainer actors on a "
+        "Ray cluster, one resident base each, candidates balanced by estimated cost; evaluation and the gate stay here; "
+        "settings in [rl.ray]).",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="How rollouts are sampled, and by which engine."
+    )
+    update: UpdateConfig = Field(
+        default_factory=UpdateConfig, description="One optimizer step and how a step's updates run."
+    )
+    split: SplitConfig = Field(
+        default_factory=SplitConfig, description="How the snapshot is split into train and held-out rows."
+    )
+    gate: GateConfig = Field(
+        default_factory=GateConfig, description="Held-out evaluation and what promotes a candidate."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="The `ray` executor's cluster and trainer actors.")
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="The reward model learned from feedback each round."
+    )
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, window: str) -> str:
+        window_seconds(window)
+        return window
 
 
 def uses_reward_model(candidate: CandidateConfig) -> bool:

@@ -44,8 +44,8 @@ class ExecutorError(TrainerError, RuntimeError):
 
 
 class ExecutorUnavailableError(TrainerError, ConnectionError):
-    """The cluster a round's executor needs (``rl.ray_address``) did not answer in time."""
+    """The cluster a round's executor needs (``rl.ray.address``) did not answer in time."""
 
 
 class PlacementTimeoutError(TrainerError, TimeoutError):
-    """The cluster could not reserve every trainer actor of a round within ``rl.ray_placement_timeout_s``."""
+    """The cluster could not reserve every trainer actor of a round within ``rl.ray.placement_timeout_s``."""

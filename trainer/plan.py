@@ -1,5 +1,5 @@
 """The plan of a round, built once before any training: per candidate its config, its
-algorithm (:data:`trainer.update.ALGORITHMS`), its training reward mix, its prompt pool and
+algorithm (:data:`trainer.algorithms.registry.ALGORITHMS`), its training reward mix, its prompt pool and
 its start point, and one cache of the prompts' token ids for the whole round.
 
 :func:`plan_round` refuses a round that cannot train (an empty pool) before any work is done.
@@ -8,27 +8,27 @@ its start point, and one cache of the prompts' token ids for the whole round.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.base import ResidentBase
-from trainer.config import CandidateConfig, RLConfig
+from trainer.model.base import ResidentBase
+from trainer.config import CandidateConfig, RLConfig, UpdateMode
 from trainer.errors import DataError
-from trainer.multi_lora import one_pass_ok
+from trainer.multi_lora.one_pass import one_pass_ok
 from trainer.rewards import RewardMix, build_reward
-from trainer.samples import Prompt
-from trainer.update import ALGORITHMS, AlgorithmSpec
+from trainer.types import Prompt
+from trainer.algorithms.registry import ALGORITHMS, AlgorithmSpec
 
 
 class PromptTokens:
-    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.max_new_tokens`` still
+    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.rollout.max_new_tokens`` still
     fit in ``base.max_seq_len``), tokenised once per round however often a step uses the prompt.
     The returned lists are shared: callers copy before changing them."""
 
     def __init__(self, base: ResidentBase, rl: RLConfig) -> None:
         self._base = base
-        self._keep = max(1, base.max_seq_len - rl.max_new_tokens)
+        self._keep = max(1, base.max_seq_len - rl.rollout.max_new_tokens)
         self._ids: dict[int, tuple[Prompt, list[int]]] = {}  # id(prompt) -> (prompt, its ids); the prompt is kept alive
 
     def __call__(self, prompt: Prompt) -> list[int]:
@@ -44,7 +44,7 @@ class PromptTokens:
 
 @dataclass(frozen=True)
 class CandidatePlan:
-    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.update.ALGORITHMS`),
+    """What one candidate learns from this round: its config, its algorithm (:data:`trainer.algorithms.registry.ALGORITHMS`),
     its training reward mix, its prompt pool (online: prompts to roll out; offline: logged rows its algorithm
     can use) and where it starts (None: fresh)."""
 
@@ -61,8 +61,8 @@ class CandidatePlan:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """Every candidate's plan, in config order, and the round's prompt-token cache (the held-out
-    prompts' evaluation mix is ``rl.gate_reward``'s, built once by :func:`evaluate_and_gate`)."""
+    """Every candidate's plan, in config order, and the round's prompt-token cache (also used by the
+    round's evaluation)."""
 
     candidates: tuple[CandidatePlan, ...]
     tokens: PromptTokens
@@ -72,11 +72,11 @@ class RoundPlan:
         return [c for c in self.candidates if c.algorithm.online]
 
     def one_pass(self, rl: RLConfig) -> set[str]:
-        """Candidates that update together (``rl.update_mode = "one_pass"``, linear LoRA targets only)."""
+        """Candidates that update together (``rl.update.mode = "one_pass"``, linear LoRA targets only)."""
         return {
             c.name
             for c in self.candidates
-            if rl.update_mode == "one_pass" and c.algorithm.one_pass and one_pass_ok(c.config)
+            if rl.update.mode == UpdateMode.ONE_PASS and c.algorithm.one_pass and one_pass_ok(c.config)
         }
 
 
@@ -85,7 +85,7 @@ def plan_round(
     candidates: Sequence[CandidateConfig],
     rl: RLConfig,
     train_prompts: Sequence[Prompt],
-    champions: dict[str, Path | None],
+    champions: Mapping[str, Path | None],
     out_dir: Path,
 ) -> RoundPlan:
     """Each candidate's plan (see :class:`CandidatePlan`). A pool keeps the prompts that pass the
@@ -122,7 +122,7 @@ def _offline_rows(plan: CandidatePlan) -> CandidatePlan:
     return CandidatePlan(plan.config, plan.algorithm, plan.reward, rows, plan.start)
 
 
-def start_dir(candidate: CandidateConfig, champions: dict[str, Path | None], out_dir: Path) -> Path | None:
+def start_dir(candidate: CandidateConfig, champions: Mapping[str, Path | None], out_dir: Path) -> Path | None:
     """Where a candidate starts (see the module docstring); None = fresh."""
     if candidate.start == "champion":
         champion = champions.get(candidate.served_model)

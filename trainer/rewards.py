@@ -6,7 +6,7 @@ lives there) plus, for logged rows, ``reward`` (the logged scalar).
 
 Built-ins (name -> function): ``exact_answer``, ``first_number_answer``,
 ``json_valid``, ``length_penalty``, ``format``, ``logged``, ``reward_model`` (the round's
-reward model's score of a fresh rollout, see :mod:`trainer.reward_model`). Anything else is imported from a
+reward model's score of a fresh rollout, see :mod:`trainer.reward_model.model`). Anything else is imported from a
 ``module:function`` path. :func:`build_reward` turns a list of
 :class:`~trainer.config.RewardTerm` into one callable.
 """
@@ -18,15 +18,27 @@ import importlib
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
+from trainer.tool_calls import tool_call_exists, tool_call_json, tool_call_valid
 from trainer.errors import RewardError
 
-if TYPE_CHECKING:
-    from trainer.config import RewardTerm  # type-only: trainer.config checks built-in names with resolve()
-
 Messages = list[dict[str, str]]
+
+
+class RewardTerm(Protocol):
+    """One weighted term of a reward mix, as :class:`trainer.config.RewardTerm` holds it (the config imports
+    this module to check built-in names, so the mix is typed by what it reads)."""
+
+    @property
+    def fn(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def kwargs(self) -> Mapping[str, Any]: ...
 
 
 class RewardFn(Protocol):
@@ -197,6 +209,10 @@ BUILTINS: dict[str, Callable[..., float]] = {
     "format": format_reward,
     "logged": logged,
     "reward_model": reward_model,
+    # tool calls in generated text (trainer/tool_calls.py): JSON, an offered tool, arguments valid by its schema
+    "tool_call_json": tool_call_json,
+    "tool_call_exists": tool_call_exists,
+    "tool_call_valid": tool_call_valid,
 }
 
 

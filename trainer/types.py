@@ -1,17 +1,171 @@
-"""Data that crosses the trainer's boundary: what a round returns, and the
-phase boundaries it reports while it runs.
+"""The trainer's vocabulary: the records a reader of a round meets, in the order a round meets them.
 
-Frozen dataclasses; ``pipeline`` reads them to log, register and promote, and
+1. what it is asked: :class:`RoundSpec` (model, candidates, ``[rl]``) and :class:`RoundInputs`
+   (:class:`RoundData` plus the champions to beat);
+2. what it learns from: :class:`Prompt` s (snapshot rows or generated tasks), the users' feedback as
+   :class:`LabelledExample` s and :class:`PreferencePair` s (:class:`FeedbackData`), and :class:`Sample` s
+   (rollouts, or the logged completions of rows);
+3. what it reports while it runs: :class:`RoundPhase`, :class:`PhaseBoundary`, :data:`PhaseHook`;
+4. what it returns: :class:`RoundResult` with its :class:`CandidateResult` s, one :class:`TenantEvaluation`
+   per served model (each candidate's :class:`EvalResult` and the champion's values: all the gate reads),
+   the gate's :class:`GateDecision` s once the gate ran, and the :class:`RewardModelResult`.
+
+Frozen dataclasses; ``pipeline`` reads them to gate, log, register and promote, and
 moves its round state machine on the :class:`PhaseBoundary` hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.config import CandidateConfig, ModelConfig, RLConfig
+
+# --- 1. what a round is asked -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """What one round trains: the resident base, the candidates (config order) and how (``[rl]``, with
+    ``[rl.reward_model]`` for the reward model it trains when a candidate or the gate needs one)."""
+
+    model: ModelConfig
+    candidates: tuple[CandidateConfig, ...]
+    rl: RLConfig
+
+
+@dataclass(frozen=True)
+class RoundData:
+    """A round's data, read once from its train and held-out snapshot tables
+    (:func:`trainer.data.prepare_round_data`).
+
+    ``train`` / ``heldout``: one :class:`Prompt` per row, oldest first; ``train_feedback`` /
+    ``heldout_feedback``: the users' verdicts in them (the reward model's examples and pairs);
+    ``window_start`` / ``window_end``: the oldest and newest ``ts`` of both; ``metrics``: ``data/users``,
+    ``data/max_user_share``, ``data/heldout_users``, ``data/heldout_max_user_share``.
+    """
+
+    train: tuple[Prompt, ...]
+    heldout: tuple[Prompt, ...]
+    train_feedback: FeedbackData
+    heldout_feedback: FeedbackData
+    window_start: datetime
+    window_end: datetime
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What one round learns from and competes against: its :class:`RoundData`; per served model
+    the folder of its champion adapter (None or absent: the base is champion); the reward model's
+    champion (adapter + head; None: none), re-measured on this round's held-out rows and, with
+    ``[reward_model] start = "self"``, the start when there is no previous round's reward model."""
+
+    data: RoundData
+    champions: Mapping[str, Path | None] = field(default_factory=dict)
+    reward_champion: Path | None = None
+
+
+# --- 2. what it learns from ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training or evaluation prompt.
+
+    ``messages`` is the chat (``[{role, content}]``); ``metadata`` the row's
+    metadata (``reference_answer``, ...). The ``logged_*`` fields hold the
+    served completion of a buffer row (for offline learning); None otherwise.
+    ``logged_correction`` is the user's corrected answer from the trace's
+    feedback, when the snapshot has a ``correction`` column and the user gave one.
+    """
+
+    prompt_id: str
+    messages: list[dict[str, str]]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    logged_completion: str | None = None
+    logged_token_ids: list[int] | None = None
+    logged_logprobs: list[float] | None = None
+    logged_reward: float | None = None
+    logged_adapter_version: str | None = None
+    logged_correction: str | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion and where it came from.
+
+    ``token_ids`` / ``logprobs`` are the completion tokens and the natural-log
+    probability of each under the policy that sampled it (length T each).
+    ``adapter_version`` names the adapter version that produced it (``base``
+    for the base model); ``reward`` is filled in by scoring.
+    """
+
+    prompt_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    adapter_version: str
+    finish_reason: str = "length"
+    reward: float | None = None
+
+
+@dataclass(frozen=True)
+class LabelledExample:
+    """One served completion and the user's verdict on it.
+
+    ``completion_token_ids`` are the logged token ids (None: tokenise ``completion``).
+    """
+
+    trace_id: str
+    messages: list[dict[str, str]]
+    completion: str
+    completion_token_ids: tuple[int, ...] | None
+    reward: float
+    label: bool
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """``chosen`` ≻ ``rejected`` for the same prompt.
+
+    ``source`` is ``"feedback"`` (two rated completions of one prompt) or
+    ``"correction"`` (the user's correction over the served completion).
+    Token ids None: tokenise the text.
+    """
+
+    messages: list[dict[str, str]]
+    chosen: str
+    chosen_token_ids: tuple[int, ...] | None
+    rejected: str
+    rejected_token_ids: tuple[int, ...] | None
+    source: str
+
+
+@dataclass(frozen=True)
+class FeedbackData:
+    """What one split of a snapshot teaches the reward model."""
+
+    examples: tuple[LabelledExample, ...]
+    pairs: tuple[PreferencePair, ...]
+
+    @property
+    def positives(self) -> int:
+        return sum(e.label for e in self.examples)
+
+    @property
+    def negatives(self) -> int:
+        return len(self.examples) - self.positives
+
+
+# --- 3. what it reports while it runs ---------------------------------------------------------
 
 
 class RoundPhase(StrEnum):
@@ -75,6 +229,81 @@ PhaseHook = Callable[[PhaseBoundary], None]
 """Called by the trainer at every :class:`PhaseBoundary`; it may raise to stop the round there."""
 
 
+# --- 4. what it returns ---------------------------------------------------------------------------
+
+
+class Comparison(StrEnum):
+    """How the gate compares a candidate with the champion on the same held-out rows: the paired
+    per-row differences' mean, or the AUC difference against each row's up-vote."""
+
+    MEAN = "mean"
+    AUC = "auc"
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One policy's held-out answers and values under the gate metric (aligned with the rows).
+
+    ``rewards[i]`` is row ``i``'s value: the gate reward or reward-model score
+    of the greedy answer, or (``feedback``) the implicit reward of the logged
+    completion. ``value`` is the gate metric's value (the AUC for
+    ``feedback``); None means the mean of ``rewards``. ``mean_kl``: mean k3 KL to the base
+    on its greedy answers (nats per token); ``mean_length``: their mean length, tokens.
+    """
+
+    version: str
+    samples: tuple[Sample, ...]
+    rewards: tuple[float, ...]
+    mean_kl: float
+    mean_length: float
+    value: float | None = None
+
+    @property
+    def reward_mean(self) -> float:
+        return float(np.mean(self.rewards)) if self.rewards else float("nan")
+
+    @property
+    def metric_value(self) -> float:
+        return self.reward_mean if self.value is None else self.value
+
+    def as_metrics(self, metric: str) -> dict[str, float]:
+        """``eval/<metric>`` (the gate value), ``eval/reward_mean`` (mean per-row value), ``eval/kl``,
+        ``eval/mean_length``; undefined ones (no usable held-out row) are left out, not NaN."""
+        out = {
+            f"eval/{metric}": self.metric_value,
+            "eval/reward_mean": self.reward_mean,
+            "eval/kl": self.mean_kl,
+            "eval/mean_length": self.mean_length,
+        }
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+@dataclass(frozen=True)
+class TenantEvaluation:
+    """One served model's (tenant's) held-out evaluation: everything the gate decides on
+    (:func:`trainer.evaluation.gate.gate`, a pure function of this record and ``[rl]``).
+
+    ``metric``: the gate metric (one yardstick per served model), ``unit`` what its values are and
+    ``comparison`` how the gate compares them (:data:`trainer.evaluation.metrics.GATE_METRICS`); ``candidates``: the candidates
+    competing for it, in config order, with their results; ``champion``: the champion's per-row
+    values on the same rows under the same yardstick, and ``champion_value`` its value (mean, or AUC
+    for ``feedback``); ``champion_label``: ``base`` or ``champion <folder>``; ``labels``: each row's
+    up-vote (``feedback`` only); ``refusal``: why this round may promote nothing (no usable row, a
+    reward model at chance), None when it may.
+    """
+
+    served_model: str
+    metric: str
+    unit: str
+    comparison: Comparison
+    candidates: dict[str, EvalResult]
+    champion: tuple[float, ...]
+    champion_value: float
+    champion_label: str
+    labels: tuple[bool, ...] | None = None
+    refusal: str | None = None
+
+
 @dataclass(frozen=True)
 class CandidateResult:
     """One trained candidate at the end of a round.
@@ -118,7 +347,8 @@ class GateDecision:
 
 @dataclass(frozen=True)
 class RoundResult:
-    """Everything a round produced."""
+    """Everything a round produced. The trainer fills ``evaluations`` and leaves ``decisions`` empty;
+    the gate (:func:`trainer.evaluation.gate.gate_round`) fills ``decisions`` from ``evaluations``."""
 
     round_id: str
     base_fingerprint: str
@@ -131,6 +361,7 @@ class RoundResult:
     decisions: dict[str, GateDecision]
     metrics: dict[str, float] = field(default_factory=dict)
     reward_model: RewardModelResult | None = None  # the round's reward model, when it trained one
+    evaluations: dict[str, TenantEvaluation] = field(default_factory=dict)  # per served model: what the gate reads
 
 
 @dataclass(frozen=True)
@@ -139,7 +370,7 @@ class RewardModelReport:
 
     ``auc``: ROC AUC of the scores against ``label = reward > 0`` (NaN when the
     held-out rows carry one label only); ``auc_lower_bound``: its bootstrap lower
-    bound at ``rl.gate_confidence``; ``accuracy``: share of rows where
+    bound at ``rl.gate.confidence``; ``accuracy``: share of rows where
     ``score > 0`` agrees with the label; ``ece``: expected calibration error of
     ``sigmoid(score)`` over 10 equal-width bins (Guo et al. 2017); ``pair_accuracy``:
     share of held-out preference pairs ranked right (None without pairs).

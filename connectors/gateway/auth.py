@@ -10,8 +10,9 @@ effect at the next request without a restart.
 A feedback token binds one response to the caller that received it:
 ``<payload>.<mac>`` where payload is the URL-safe base64 of the JSON
 ``{"t": trace_id, "k": key_id, "u": end-user hash, "e": expiry (epoch s)}``
-and mac = HMAC-SHA256(signing key, payload) (RFC 2104). The gateway verifies
-the MAC, the trace id, the caller's key id and the expiry.
+and mac its HMAC-SHA256 (RFC 2104) under the signing key derived for feedback
+tokens (:mod:`connectors.signing`, itsdangerous). The gateway verifies the MAC,
+the trace id, the caller's key id and the expiry.
 
 Rate limits are token buckets (capacity = the per-minute rate, refilled
 continuously); concurrency limits count requests in flight per key.
@@ -19,7 +20,6 @@ continuously); concurrency limits count requests in flight per key.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import hashlib
@@ -27,7 +27,6 @@ import hmac
 import json
 import os
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +36,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from connectors import atomic
 from connectors.errors import ConnectorError
+from connectors.signing import FEEDBACK_TOKEN, BadData, BadSignature, Signer
 
 KEY_PREFIX = "hg"
 ANONYMOUS = "anonymous"  # the caller's key id when gateway.require_api_key is false
@@ -80,23 +81,6 @@ class ApiKey(BaseModel):
 
 def _hash(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` with mode 0600 via a temp file in the same folder + ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class KeyStore:
@@ -171,7 +155,7 @@ class KeyStore:
             keys = self._read()
             yield keys
             body = json.dumps({"keys": [k.model_dump() for k in keys.values()]}, indent=2).encode("utf-8")
-            _atomic_write(self.path, body)
+            atomic.write_bytes(self.path, body, mode=0o600)
 
     def create(
         self,
@@ -227,16 +211,8 @@ def load_or_create_secret(path: str | Path, n_bytes: int = 32) -> bytes:
         text = ""
     if not text:
         text = secrets.token_hex(n_bytes)
-        _atomic_write(path, text.encode("ascii"))
+        atomic.write_bytes(path, text.encode("ascii"), mode=0o600)
     return text.encode("ascii")
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 @dataclass(frozen=True)
@@ -250,7 +226,9 @@ class FeedbackClaims:
 
 
 class FeedbackSigner:
-    """Issues and verifies feedback tokens (HMAC-SHA256, RFC 2104).
+    """Issues and verifies feedback tokens: the claims as compact JSON, signed by the project's signer
+    (:mod:`connectors.signing`, itsdangerous, purpose :data:`~connectors.signing.FEEDBACK_TOKEN`: an
+    HMAC-SHA256 under a key derived for feedback tokens only).
 
     Args:
         key: the signing key (``gateway.feedback_signing_key``); anyone holding it can forge tokens.
@@ -258,18 +236,13 @@ class FeedbackSigner:
     """
 
     def __init__(self, key: bytes | str, ttl_s: float) -> None:
-        self._key = key.encode("utf-8") if isinstance(key, str) else key
+        self._signer = Signer([key], FEEDBACK_TOKEN)
         self.ttl_s = ttl_s
-
-    def _mac(self, payload: str) -> str:
-        return _b64(hmac.new(self._key, payload.encode("ascii"), hashlib.sha256).digest())
 
     def issue(self, trace_id: str, key_id: str, user_hash: str, *, now: float | None = None) -> str:
         """A token for the response ``trace_id`` served to ``(key_id, user_hash)``."""
         expires = int((time.time() if now is None else now) + self.ttl_s)
-        claims = {"t": trace_id, "k": key_id, "u": user_hash, "e": expires}
-        payload = _b64(json.dumps(claims, separators=(",", ":")).encode("utf-8"))
-        return f"{payload}.{self._mac(payload)}"
+        return self._signer.dumps({"t": trace_id, "k": key_id, "u": user_hash, "e": expires})
 
     def verify(self, token: str, trace_id: str, key_id: str, *, now: float | None = None) -> FeedbackClaims:
         """The claims of a valid token for ``trace_id`` held by ``key_id``.
@@ -282,16 +255,17 @@ class FeedbackSigner:
             raise FeedbackTokenError(
                 "the feedback token is malformed; send the x-hourglass-feedback-token header of the response as is"
             )
-        if (
-            not payload.isascii()  # _mac encodes the payload as ASCII
-            or not mac.isascii()  # str compare_digest raises on non-ASCII
-            or not hmac.compare_digest(mac.encode(), self._mac(payload).encode())
-        ):
+        try:
+            if not token.isascii():  # a token is URL-safe base64 and a dot
+                raise BadSignature("not ASCII")
+            claims = self._signer.loads(token)
+        except BadSignature as err:
             raise FeedbackTokenError(
                 "the feedback token's signature does not verify (forged, altered, or signed with a rotated key)"
-            )
+            ) from err
+        except BadData as err:
+            raise FeedbackTokenError(f"the feedback token's payload is unreadable: {err}") from err
         try:
-            claims = json.loads(_unb64(payload))
             out = FeedbackClaims(str(claims["t"]), str(claims["k"]), str(claims["u"]), float(claims["e"]))
         except (ValueError, KeyError, TypeError) as err:
             raise FeedbackTokenError(f"the feedback token's payload is unreadable: {err}") from err

@@ -20,8 +20,9 @@ skipped, logged with the reason and counted
 good route. A broker outage keeps the last known routes and reconnects.
 
 Authentication: with ``kafka.routes_signing_key`` set, the publisher adds the
-header ``hourglass-route-sig`` to every record, the hex HMAC-SHA256 (RFC 2104)
-of :func:`route_signing_payload` (topic, key, value; a tombstone signs as
+header ``hourglass-route-sig`` to every record, the HMAC-SHA256 (RFC 2104; URL-safe base64, under the
+key derived for route records: :mod:`connectors.signing`) of :func:`route_signing_payload` (topic, key,
+value; a tombstone signs as
 such), and every follower skips, logs (reason ``unsigned`` or ``bad
 signature``) and counts a record or tombstone without a valid one: the model
 keeps its route. Unset, records are neither signed nor checked.
@@ -37,8 +38,6 @@ This module works on plain dicts; the routes contract turns them into
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -49,6 +48,7 @@ from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 from prometheus_client import Counter
 
+from connectors.signing import ROUTE_RECORD, BadSignature, Signer
 from connectors.config import KafkaConfig
 from connectors.errors import BrokerUnavailableError
 from connectors.gateway.routes import RouteRecordError, route_from_dict
@@ -80,19 +80,22 @@ def route_signing_payload(topic: str, key: bytes, value: bytes | None) -> bytes:
 
 
 def sign_route(secret: bytes, topic: str, key: bytes, value: bytes | None) -> bytes:
-    """Hex (ASCII bytes) HMAC-SHA256 of :func:`route_signing_payload` under ``secret``: the header value."""
-    return hmac.new(secret, route_signing_payload(topic, key, value), hashlib.sha256).hexdigest().encode()
+    """The header value: the signature of :func:`route_signing_payload` under ``secret`` (the project's signer,
+    :mod:`connectors.signing`, purpose :data:`~connectors.signing.ROUTE_RECORD`; URL-safe base64, ASCII bytes)."""
+    return Signer([secret], ROUTE_RECORD).sign(route_signing_payload(topic, key, value))
 
 
 def route_signature_problem(
     secret: bytes, topic: str, key: bytes, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None
 ) -> str | None:
     """Why a record's ``hourglass-route-sig`` header does not authenticate it (``"unsigned"`` or
-    ``"bad signature"``), or None when it does. Compared with :func:`hmac.compare_digest`."""
+    ``"bad signature"``), or None when it does (itsdangerous compares in constant time)."""
     sigs = [v for k, v in headers or () if k == SIGNATURE_HEADER]
     if not sigs or sigs[-1] is None:
         return "unsigned"
-    if not hmac.compare_digest(sigs[-1], sign_route(secret, topic, key, value)):
+    try:
+        Signer([secret], ROUTE_RECORD).verify(route_signing_payload(topic, key, value), sigs[-1])
+    except BadSignature:
         return "bad signature"
     return None
 

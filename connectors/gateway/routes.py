@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from connectors import atomic
 from connectors.errors import ConnectorError
 
 ROUTES_FILE = "routes.json"
@@ -115,7 +115,7 @@ def read_routes(state_dir: str | Path) -> dict[str, Route]:
 
 
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
-    """Set one model's route; the file is replaced atomically (write temp, fsync, rename)."""
+    """Set one model's route; the file is replaced atomically (:func:`connectors.atomic.write_text`)."""
     folder = Path(os.path.expanduser(str(state_dir)))
     folder.mkdir(parents=True, exist_ok=True)
     routes = {name: asdict(r) for name, r in read_routes(folder).items()}
@@ -124,12 +124,7 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
 
 
 def _write_all(folder: Path, routes: dict[str, dict]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".routes.", dir=folder)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(routes, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / ROUTES_FILE)
+    atomic.write_text(folder / ROUTES_FILE, json.dumps(routes, indent=2))
 
 
 def remove_route(state_dir: str | Path, model: str) -> None:

@@ -4,7 +4,7 @@ optional ``?reason=`` recorded with the decision)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import FastAPI, HTTPException, Query
 
@@ -13,8 +13,25 @@ from pipeline.canary import state
 from pipeline.canary.monitor import CanaryMonitor
 from pipeline.config import HourglassConfig
 
-if TYPE_CHECKING:
-    from pipeline.ops_service import OpsService
+
+class Reconciler(Protocol):
+    """The serving controller as the canary endpoints use it: wake its reconcile loop."""
+
+    def trigger(self) -> None: ...
+
+
+class CanaryHost(Protocol):
+    """What the canary endpoints use of the running service (:class:`pipeline.ops_service.OpsService`
+    provides it), typed here so that this room does not import the service's Protocol module."""
+
+    @property
+    def cfg(self) -> HourglassConfig: ...
+
+    @property
+    def canary(self) -> CanaryMonitor | None: ...
+
+    @property
+    def controller(self) -> Reconciler | None: ...
 
 
 Reason = Annotated[str | None, Query(max_length=500, description="Why, recorded with the decision.")]
@@ -75,7 +92,7 @@ def end_canary(
     return out
 
 
-def add_canary_routes(app: FastAPI, service: OpsService) -> None:
+def add_canary_routes(app: FastAPI, service: CanaryHost) -> None:
     """``GET /canary`` (a read), ``POST /canary/{model}/promote|abort`` (state changes: the ops API's
     middleware requires the token for every POST before any route runs, see :mod:`pipeline.api`)."""
 

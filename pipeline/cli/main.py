@@ -23,7 +23,7 @@ from pipeline.cli.common import ConfigOpt, JsonOpt, console, emit, fail, load, p
 from pipeline.config import HourglassConfig, config_warnings, load_config, secret_problems
 from pipeline.errors import ConfigError, PipelineError, StackError
 from pipeline.redact import install_log_redaction
-from trainer import model_store
+from trainer.model import store as model_store
 from trainer.errors import TrainerError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

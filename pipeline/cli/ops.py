@@ -28,7 +28,7 @@ class ApiClient:
     """A thin httpx client for the ops API that turns errors into exit messages."""
 
     def __init__(self, cfg: HourglassConfig) -> None:
-        from pipeline.service import api_token
+        from pipeline.state_secrets import api_token
 
         host = "127.0.0.1" if cfg.api.host in ("0.0.0.0", "::") else cfg.api.host
         self.base = f"http://{host}:{cfg.api.port}"

@@ -340,7 +340,7 @@ def main(
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
-    from pipeline.service import api_token
+    from pipeline.state_secrets import api_token
 
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below on SIGTERM too

@@ -11,6 +11,7 @@ Source: ``mlflow.tracking.MlflowClient`` and MLflow's HTTP retry settings
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import httpx
 from mlflow.exceptions import MlflowException
@@ -19,6 +20,8 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
+from trainer.model.store import sha256_file
+from trainer.types import RoundResult
 
 TAG_ROUND = "hourglass.round_id"
 TAG_WINDOW_START = "hourglass.window_start"
@@ -80,3 +83,54 @@ short_retry = retry(
     wait=wait_exponential(multiplier=0.5, max=2),
     reraise=True,
 )
+
+
+# --- what every registration reads and writes ------------------------------------------------
+
+
+def lineage_tags(result: RoundResult) -> dict[str, str]:
+    """The tags every registration of a round carries: its id, data window, trace count and base fingerprint."""
+    return {
+        TAG_ROUND: result.round_id,
+        TAG_WINDOW_START: result.window_start.isoformat(),
+        TAG_WINDOW_END: result.window_end.isoformat(),
+        TAG_TRACES: str(result.train_rows + result.heldout_rows),
+        TAG_FINGERPRINT: result.base_fingerprint,
+    }
+
+
+def adapter_checksums(adapter_dir: Path) -> dict[str, str]:
+    """``{file name: sha256 hex}`` of every regular file in an adapter folder (not recursive)."""
+    return {p.name: sha256_file(p) for p in sorted(Path(adapter_dir).iterdir()) if p.is_file() and not p.is_symlink()}
+
+
+def ensure_experiment(client: MlflowClient, name: str) -> str:
+    """The id of experiment ``name``, created when missing (concurrently created ones are found)."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created concurrently
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def find_runs(client: MlflowClient, experiment_id: str, round_id: str, kind: str) -> list:
+    """The FINISHED runs of ``round_id`` of one kind (``round``, ``candidate``, ``reward_model``)."""
+    query = f"tags.`{TAG_ROUND}` = '{round_id}' and tags.`{TAG_KIND}` = '{kind}' and attributes.status = 'FINISHED'"
+    return client.search_runs([experiment_id], filter_string=query, max_results=1000)
+
+
+def find_round_version(client: MlflowClient, model: str, round_id: str):
+    """The model version registered for ``round_id`` under ``model``, or None (also when ``model`` does not
+    exist yet): what makes every registration step idempotent by the round id tag."""
+    try:
+        versions = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return versions[0] if versions else None

@@ -37,9 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -54,22 +51,24 @@ from pipeline.redact import redact
 from pipeline.registry import aliases
 from pipeline.registry.client import (
     TAG_CANDIDATE,
-    TAG_FINGERPRINT,
     TAG_KIND,
     TAG_ROUND,
     TAG_SHA256,
-    TAG_TRACES,
     TAG_WINDOW_END,
-    TAG_WINDOW_START,
     RegistryError,
     RegistryUnavailableError,
+    adapter_checksums,
+    ensure_experiment,
+    find_round_version,
+    find_runs,
+    lineage_tags,
     make_client,
     mlflow_reachable,
 )
 from pipeline.registry.client import short_retry as _short_retry
 from pipeline.registry.client import transient as _transient
+from pipeline.registry.outbox import ROUNDS, Outbox
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
-from trainer.model_store import sha256_file
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
 log = logging.getLogger(__name__)
@@ -88,16 +87,12 @@ class RegisteredVersion:
     run_id: str
 
 
-# --- pending registrations on local disk ------------------------------------------
-
-
-def pending_dir(cfg: HourglassConfig) -> Path:
-    """``<state_dir>/registry/pending``: one folder per round not yet fully registered."""
-    return cfg.resolve(cfg.state_dir) / "registry" / "pending"
+# --- pending registrations on local disk (the outbox) -----------------------------------------
 
 
 def _result_to_json(result: RoundResult, adapters_root: Path, promote: bool) -> dict:
     data = asdict(result)
+    del data["evaluations"]  # what the gate read; its decisions are kept, and registering needs no more
     data["window_start"] = result.window_start.isoformat()
     data["window_end"] = result.window_end.isoformat()
     for cand in data["candidates"]:
@@ -134,77 +129,29 @@ def _result_from_json(data: dict) -> tuple[RoundResult, bool]:
 
 
 def save_pending(cfg: HourglassConfig, result: RoundResult, promote: bool) -> Path:
-    """Write the round and a copy of its adapters to the pending folder, atomically.
-
-    Returns the round's pending folder. An existing one is kept as is.
-    """
-    root = pending_dir(cfg)
-    final = root / result.round_id
-    if (final / "round.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{result.round_id}.partial-", dir=root))
-    try:
-        for cand in result.candidates:
-            shutil.copytree(cand.adapter_dir, tmp / "adapters" / cand.name, symlinks=False)
-        data = _result_to_json(result, final / "adapters", promote)
-        (tmp / "round.json").write_text(json.dumps(data, indent=2, default=str))
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    """Write the round and a copy of its adapters to the outbox (:data:`~pipeline.registry.outbox.ROUNDS`),
+    atomically. Returns the round's entry. An existing one is kept as is."""
+    box = Outbox(cfg, ROUNDS)
+    adapters = box.entry(result.round_id) / "adapters"
+    return box.put(
+        result.round_id,
+        _result_to_json(result, adapters, promote),
+        {f"adapters/{cand.name}": cand.adapter_dir for cand in result.candidates},
+    )
 
 
 def list_pending(cfg: HourglassConfig) -> list[str]:
     """Round ids waiting for registration, oldest first."""
-    root = pending_dir(cfg)
-    if not root.is_dir():
-        return []
-    folders = [p for p in root.iterdir() if (p / "round.json").is_file()]
-    return [p.name for p in sorted(folders, key=lambda p: p.stat().st_mtime)]
+    return Outbox(cfg, ROUNDS).pending()
 
 
 # --- logging and registration -------------------------------------------------------
 
 
-def _lineage_tags(result: RoundResult) -> dict[str, str]:
-    return {
-        TAG_ROUND: result.round_id,
-        TAG_WINDOW_START: result.window_start.isoformat(),
-        TAG_WINDOW_END: result.window_end.isoformat(),
-        TAG_TRACES: str(result.train_rows + result.heldout_rows),
-        TAG_FINGERPRINT: result.base_fingerprint,
-    }
-
-
-def adapter_checksums(adapter_dir: Path) -> dict[str, str]:
-    """``{file name: sha256 hex}`` of every regular file in an adapter folder (not recursive)."""
-    return {p.name: sha256_file(p) for p in sorted(Path(adapter_dir).iterdir()) if p.is_file() and not p.is_symlink()}
-
-
-def _experiment_id(client: MlflowClient, name: str) -> str:
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException:  # created concurrently
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
-
-
-def _find_runs(client: MlflowClient, experiment_id: str, round_id: str, kind: str) -> list:
-    query = f"tags.`{TAG_ROUND}` = '{round_id}' and tags.`{TAG_KIND}` = '{kind}' and attributes.status = 'FINISHED'"
-    return client.search_runs([experiment_id], filter_string=query, max_results=1000)
-
-
 def _log_candidate(
     client: MlflowClient, experiment_id: str, parent_id: str, result: RoundResult, cand: CandidateResult
 ) -> str:
-    tags = {**_lineage_tags(result), TAG_KIND: "candidate", TAG_CANDIDATE: cand.name, "mlflow.parentRunId": parent_id}
+    tags = {**lineage_tags(result), TAG_KIND: "candidate", TAG_CANDIDATE: cand.name, "mlflow.parentRunId": parent_id}
     run = client.create_run(experiment_id, tags=tags, run_name=f"{result.round_id}/{cand.name}")
     run_id = run.info.run_id
     params = [Param(k, redact(str(v))[:6000]) for k, v in sorted(cand.recipe.items())]
@@ -228,16 +175,16 @@ def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dic
     Raises:
         MlflowException: MLflow refused or could not be reached.
     """
-    experiment_id = _experiment_id(client, experiment)
+    experiment_id = ensure_experiment(client, experiment)
     done = {
         r.data.tags.get(TAG_CANDIDATE): r.info.run_id
-        for r in _find_runs(client, experiment_id, result.round_id, "candidate")
+        for r in find_runs(client, experiment_id, result.round_id, "candidate")
     }
-    parents = _find_runs(client, experiment_id, result.round_id, "round")
+    parents = find_runs(client, experiment_id, result.round_id, "round")
     if parents and all(c.name in done for c in result.candidates):
         return {c.name: done[c.name] for c in result.candidates}
     parent = client.create_run(
-        experiment_id, tags={**_lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id
+        experiment_id, tags={**lineage_tags(result), TAG_KIND: "round"}, run_name=result.round_id
     )
     parent_id = parent.info.run_id
     round_metrics = [Metric(k, float(v), 0, 0) for k, v in result.metrics.items()]
@@ -248,17 +195,6 @@ def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dic
         runs[cand.name] = done.get(cand.name) or _log_candidate(client, experiment_id, parent_id, result, cand)
     client.set_terminated(parent_id, "FINISHED")
     return runs
-
-
-def find_round_version(client: MlflowClient, model: str, round_id: str):
-    """The model version registered for ``round_id`` under ``model``, or None."""
-    try:
-        versions = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return None
-        raise
-    return versions[0] if versions else None
 
 
 def register_winner(
@@ -282,7 +218,7 @@ def register_winner(
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     tags = {
-        **_lineage_tags(result),
+        **lineage_tags(result),
         TAG_CANDIDATE: cand.name,
         TAG_SHA256: json.dumps(adapter_checksums(cand.adapter_dir)),
     }
@@ -326,9 +262,9 @@ def register_winners(
             retries; the round stays pending for :func:`retry_pending`.
         RegistryError: MLflow refused an operation; the round stays pending.
     """
-    folder = save_pending(cfg, result, promotion_owed)
-    stored, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
-    return _register_folder(cfg, folder, stored, False, client or make_client(cfg))
+    round_id = save_pending(cfg, result, promotion_owed).name
+    stored, _ = _result_from_json(Outbox(cfg, ROUNDS).read(round_id) or {})
+    return _register_entry(cfg, stored, False, client or make_client(cfg))
 
 
 def register_round(
@@ -341,9 +277,9 @@ def register_round(
     Raises:
         RegistryUnavailableError, RegistryError: as :func:`register_winners`.
     """
-    folder = save_pending(cfg, result, promote)
-    stored, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
-    return _register_folder(cfg, folder, stored, promote, client or make_client(cfg))
+    round_id = save_pending(cfg, result, promote).name
+    stored, _ = _result_from_json(Outbox(cfg, ROUNDS).read(round_id) or {})
+    return _register_entry(cfg, stored, promote, client or make_client(cfg))
 
 
 def register_pending(
@@ -355,11 +291,11 @@ def register_pending(
     Raises:
         RegistryUnavailableError, RegistryError: as :func:`register_winners`; the folder stays.
     """
-    folder = pending_dir(cfg) / round_id
-    if not (folder / "round.json").is_file():
+    data = Outbox(cfg, ROUNDS).read(round_id)
+    if data is None:
         return None
-    result, _ = _result_from_json(json.loads((folder / "round.json").read_text()))
-    return _register_folder(cfg, folder, result, False, client or make_client(cfg))
+    result, _ = _result_from_json(data)
+    return _register_entry(cfg, result, False, client or make_client(cfg))
 
 
 TAG_NOT_PROMOTED = "hourglass.not_promoted"
@@ -418,10 +354,12 @@ def promote_winners(
     return outcomes
 
 
-def _register_folder(
-    cfg: HourglassConfig, folder: Path, result: RoundResult, promote: bool, client: MlflowClient
+def _register_entry(
+    cfg: HourglassConfig, result: RoundResult, promote: bool, client: MlflowClient
 ) -> list[RegisteredVersion]:
-    """Register the pending round in ``folder``; with ``promote``, run :func:`promote_winners` before the folder goes."""
+    """Register the round's outbox entry; with ``promote``, run :func:`promote_winners` before the entry goes."""
+    box = Outbox(cfg, ROUNDS)
+    folder = box.entry(result.round_id)
     try:
         registered = _register_now(cfg, client, result)
         if promote:
@@ -435,7 +373,7 @@ def _register_folder(
         raise RegistryError(
             f"MLflow refused to register round {result.round_id!r}: {err}; the round is kept in {folder}"
         ) from err
-    shutil.rmtree(folder, ignore_errors=True)
+    box.done(result.round_id)
     return registered
 
 
@@ -458,10 +396,9 @@ def retry_pending(cfg: HourglassConfig, client: MlflowClient | None = None) -> l
     client = client or make_client(cfg)
     registered: list[RegisteredVersion] = []
     for round_id in list_pending(cfg):
-        folder = pending_dir(cfg) / round_id
-        result, promote = _result_from_json(json.loads((folder / "round.json").read_text()))
+        result, promote = _result_from_json(Outbox(cfg, ROUNDS).read(round_id) or {})
         try:
-            registered += _register_folder(cfg, folder, result, promote, client)
+            registered += _register_entry(cfg, result, promote, client)
         except RegistryUnavailableError:
             log.warning("MLflow still unreachable; %d round(s) stay pending", len(list_pending(cfg)))
             break

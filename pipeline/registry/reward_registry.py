@@ -1,6 +1,6 @@
 """The reward model in MLflow: its own registered model and its own ``@champion``.
 
-Each round that trained a reward model (see :mod:`trainer.reward_round`)
+Each round that trained a reward model (see :mod:`trainer.reward_model.phase`)
 registers it as a version of ``<serving.model_name>-reward`` (registered-model
 and version tag ``hourglass.role = reward_model``), from a run of the round's
 experiment (tag ``hourglass.run_kind = reward_model``, nested under the
@@ -16,9 +16,9 @@ more than ``reward_model.auc_margin``. The champion's AUC is the one
 re-measured on this round's held-out rows when the round had its files, else
 the AUC recorded on its version.
 
-Registration is write-ahead like the rounds' (``<state_dir>/registry/
-pending-reward/<round_id>/``) and idempotent by round id; API from
-``mlflow.tracking.MlflowClient``.
+Registration is write-ahead in the registry's outbox like the rounds'
+(:mod:`pipeline.registry.outbox`, ``<state_dir>/registry/pending-reward/<round_id>/``) and idempotent
+by round id; API from ``mlflow.tracking.MlflowClient``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,10 +44,15 @@ from pipeline.registry.client import (
     RegistryUnavailableError,
     make_client,
     mlflow_reachable,
+    adapter_checksums,
+    ensure_experiment,
+    find_round_version,
+    find_runs,
+    lineage_tags,
     short_retry,
     transient,
 )
-from pipeline.registry.models import _experiment_id, _find_runs, _lineage_tags, adapter_checksums
+from pipeline.registry.outbox import REWARD_MODELS, Outbox
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
 from trainer.types import RewardModelReport, RewardModelResult, RoundResult
 
@@ -62,7 +64,6 @@ TAG_AUC = "hourglass.reward_auc"
 TAG_DECISION = "hourglass.reward_decision"
 TAG_PROMOTE = "hourglass.reward_promote"  # "true" / "false": the decision, so a resumed registration finishes it
 ARTIFACT = "reward_model"
-MAX_RANK = 256  # staging's rank check is for vLLM; the reward model is never served by vLLM
 
 
 @dataclass(frozen=True)
@@ -82,34 +83,8 @@ def reward_model_name(cfg: HourglassConfig) -> str:
 
 
 def pending_reward_dir(cfg: HourglassConfig) -> Path:
-    return cfg.resolve(cfg.state_dir) / "registry" / "pending-reward"
-
-
-def reward_champion(cfg: HourglassConfig, base_fingerprint: str, client: MlflowClient | None = None) -> Path | None:
-    """The staged, verified folder of the reward model's ``@champion`` (None: no champion, or MLflow down)."""
-    from pipeline.serving.staging import stage_options, stage_version
-
-    try:
-        client = client or make_client(cfg)
-        version = aliases.champion_version(client, reward_model_name(cfg), cfg.registry.champion_alias)
-        if version is None:
-            return None
-        options = {
-            **stage_options(cfg),
-            "max_lora_rank": MAX_RANK,
-        }  # signature, size cap, adapter config: as for policies
-        staged = stage_version(
-            client,
-            reward_model_name(cfg),
-            version,
-            cfg.staging_root(),
-            base_fingerprint=base_fingerprint,
-            **options,
-        )
-        return staged.path
-    except Exception as err:  # the round still trains; without the champion's files its recorded AUC is used
-        log.warning("reward champion not staged (%s: %s); its recorded AUC will be used", type(err).__name__, err)
-        return None
+    """The reward models' outbox folder (:data:`pipeline.registry.outbox.REWARD_MODELS`)."""
+    return Outbox(cfg, REWARD_MODELS).root
 
 
 def decide(new: RewardModelReport, champion_auc: float | None, margin: float) -> tuple[bool, str]:
@@ -131,24 +106,13 @@ def save_pending(cfg: HourglassConfig, result: RoundResult) -> Path | None:
     rm = result.reward_model
     if rm is None:
         return None
-    final = pending_reward_dir(cfg) / result.round_id
-    if (final / "reward.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{result.round_id}.partial-", dir=final.parent))
-    try:
-        shutil.copytree(rm.adapter_dir, tmp / "files", symlinks=False)
-        data = {"lineage": _lineage_tags(result), "reward_model": asdict(rm) | {"adapter_dir": str(final / "files")}}
-        (tmp / "reward.json").write_text(json.dumps(data, indent=2, default=str))
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    box = Outbox(cfg, REWARD_MODELS)
+    files = box.entry(result.round_id) / "files"
+    data = {"lineage": lineage_tags(result), "reward_model": asdict(rm) | {"adapter_dir": str(files)}}
+    return box.put(result.round_id, data, {"files": rm.adapter_dir})
 
 
-def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
-    data = json.loads((folder / "reward.json").read_text())
+def _load_pending(data: dict) -> tuple[dict[str, str], RewardModelResult]:
     raw = data["reward_model"]
     champion = raw["champion_report"]
     rm = RewardModelResult(
@@ -163,19 +127,9 @@ def _load_pending(folder: Path) -> tuple[dict[str, str], RewardModelResult]:
     return data["lineage"], rm
 
 
-def _find_version(client: MlflowClient, model: str, round_id: str):
-    try:
-        found = client.search_model_versions(f"name = '{model}' and tags.`{TAG_ROUND}` = '{round_id}'")
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return None
-        raise
-    return found[0] if found else None
-
-
 def _log_run(client: MlflowClient, cfg: HourglassConfig, lineage: dict[str, str], rm: RewardModelResult) -> str:
-    experiment_id = _experiment_id(client, cfg.registry.experiment)
-    parents = _find_runs(client, experiment_id, lineage[TAG_ROUND], "round")
+    experiment_id = ensure_experiment(client, cfg.registry.experiment)
+    parents = find_runs(client, experiment_id, lineage[TAG_ROUND], "round")
     tags = {**lineage, TAG_KIND: ROLE, TAG_CANDIDATE: rm.name, TAG_ROLE: ROLE}
     if parents:
         tags["mlflow.parentRunId"] = parents[0].info.run_id
@@ -193,7 +147,7 @@ def _register_now(
     cfg: HourglassConfig, client: MlflowClient, lineage: dict[str, str], rm: RewardModelResult, promote: bool
 ) -> RewardRegistration:
     model, alias = reward_model_name(cfg), cfg.registry.champion_alias
-    existing = _find_version(client, model, lineage[TAG_ROUND])
+    existing = find_round_version(client, model, lineage[TAG_ROUND])
     if existing is not None:  # a retry after a crash or a blip: registered and decided already
         version, current = str(existing.version), aliases.champion_version(client, model, alias)
         promoted = existing.tags.get(TAG_PROMOTE) == "true"
@@ -217,7 +171,7 @@ def _register_now(
         else:
             recorded = client.get_model_version(model, current).tags.get(TAG_AUC)
             champion_auc = float(recorded) if recorded is not None else None
-    promoted, reason = decide(rm.report, champion_auc, cfg.reward_model.auc_margin)
+    promoted, reason = decide(rm.report, champion_auc, cfg.rl.reward_model.auc_margin)
     run_id = _log_run(client, cfg, lineage, rm)
     tags = {
         **lineage,
@@ -238,22 +192,24 @@ def _register_now(
     return RewardRegistration(model, version, promoted, reason, current)
 
 
-def _register_folder(
-    cfg: HourglassConfig, folder: Path, client: MlflowClient, promote: bool = True
+def _register_entry(
+    cfg: HourglassConfig, round_id: str, client: MlflowClient, promote: bool = True
 ) -> RewardRegistration:
-    lineage, rm = _load_pending(folder)
+    box = Outbox(cfg, REWARD_MODELS)
+    folder = box.entry(round_id)
+    lineage, rm = _load_pending(box.read(round_id) or {})
     try:
         registered = short_retry(_register_now)(cfg, client, lineage, rm, promote)
     except Exception as err:
         if transient(err) or not mlflow_reachable(cfg.registry.tracking_uri):
             raise RegistryUnavailableError(
                 f"MLflow at {cfg.registry.tracking_uri} is unreachable ({type(err).__name__}); the reward model of round "
-                f"{folder.name!r} is kept in {folder} and will be registered by retry_pending_rewards()"
+                f"{round_id!r} is kept in {folder} and will be registered by retry_pending_rewards()"
             ) from err
         raise RegistryError(
-            f"MLflow refused to register the reward model of round {folder.name!r}: {err}; kept in {folder}"
+            f"MLflow refused to register the reward model of round {round_id!r}: {err}; kept in {folder}"
         ) from err
-    shutil.rmtree(folder, ignore_errors=True)
+    box.done(round_id)
     return registered
 
 
@@ -273,7 +229,7 @@ def register_reward_model(
     folder = save_pending(cfg, result)
     if folder is None:
         return None
-    return _register_folder(cfg, folder, client or make_client(cfg), promote)
+    return _register_entry(cfg, folder.name, client or make_client(cfg), promote)
 
 
 def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClient | None = None) -> bool:
@@ -285,7 +241,7 @@ def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClie
     """
     client = client or make_client(cfg)
     model = reward_model_name(cfg)
-    found = _find_version(client, model, round_id)
+    found = find_round_version(client, model, round_id)
     if found is None or found.tags.get(TAG_PROMOTE) != "true":
         return False
     version = str(found.version)
@@ -298,18 +254,13 @@ def promote_reward_model(cfg: HourglassConfig, round_id: str, client: MlflowClie
 
 def retry_pending_rewards(cfg: HourglassConfig, client: MlflowClient | None = None) -> list[RewardRegistration]:
     """Register every pending reward model, oldest first; stops at the first outage."""
-    root = pending_reward_dir(cfg)
-    folders = (
-        sorted((p for p in root.iterdir() if (p / "reward.json").is_file()), key=lambda p: p.stat().st_mtime)
-        if root.is_dir()
-        else []
-    )
+    box = Outbox(cfg, REWARD_MODELS)
     out: list[RewardRegistration] = []
-    for folder in folders:
+    for round_id in box.pending():
         try:
-            out.append(_register_folder(cfg, folder, client or make_client(cfg)))
+            out.append(_register_entry(cfg, round_id, client or make_client(cfg)))
         except RegistryUnavailableError:
-            log.warning("MLflow still unreachable; reward models stay pending in %s", root)
+            log.warning("MLflow still unreachable; reward models stay pending in %s", box.root)
             break
         except RegistryError as err:
             log.error("%s", err)

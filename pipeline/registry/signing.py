@@ -19,7 +19,15 @@ SHA-256 of the key) tells which key signed, so a rotation can accept the old
 key for verification (``registry.previous_signing_keys``) while
 ``hourglass models resign`` moves versions to the new one.
 
-Why HMAC-SHA256 (RFC 2104, Python's ``hmac``) and not Ed25519: the only party
+The signature is computed by the project's one signer (:mod:`connectors.signing`, itsdangerous) under
+its :data:`~connectors.signing.REGISTRY_VERSION` purpose: no salt and no key derivation, so the bytes
+are exactly the HMAC-SHA256 of the key over the canonical JSON payload that every version registered
+so far carries. That is why this signature keeps its canonical JSON and its tag format while the
+feedback tokens and the route records use salted keys: it is persisted in MLflow, and staging checks
+it at every reconcile, so any other derivation would make staging refuse (and roll back) every
+registered champion at the upgrade.
+
+Why HMAC-SHA256 (RFC 2104) and not Ed25519: the only party
 that signs is the service, and the only party that verifies is the same
 service's serving controller, which runs in the same process with the same
 configuration; a public-key scheme would buy nothing here, while HMAC needs no
@@ -36,16 +44,16 @@ key is refused by :func:`pipeline.config.secret_problems`.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
 import json
-import os
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from connectors.signing import REGISTRY_VERSION, BadSignature, Signer, key_id
 from pipeline.config import HourglassConfig
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.state_secrets import state_secret
 
 TAG_SIGNATURE = "hourglass.signature"
 SCHEME = "hmac-sha256"
@@ -60,11 +68,6 @@ _TAG_SHA256 = "hourglass.sha256"
 
 class SignatureError(PipelineError, ValueError):
     """A model version's signature is missing, malformed, from an unknown key, or does not match its tags."""
-
-
-def key_id(key: bytes) -> str:
-    """12 hex characters naming a key without revealing it."""
-    return hashlib.sha256(b"hourglass-signing-key-id:" + key).hexdigest()[:12]
 
 
 def signing_keys(cfg: HourglassConfig) -> list[bytes]:
@@ -86,17 +89,8 @@ def signing_keys(cfg: HourglassConfig) -> list[bytes]:
 
 
 def _state_key(path: Path) -> bytes:
-    """The key in ``path``, created (0600, 32 random bytes as hex) on first use."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # created concurrently by another process
-            pass
-        else:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_hex(32))
-    key = path.read_text().strip()
+    """The key in ``path``, created (0600, 32 random bytes as hex) on first use (:func:`pipeline.state_secrets.state_secret`)."""
+    key = state_secret(path, make=lambda: secrets.token_hex(32))
     if len(key) < 32:
         raise ConfigError(f"{path}: the generated signing key is truncated; delete the file to generate a new one")
     return key.encode()
@@ -133,8 +127,17 @@ def sign(key: bytes, model: str, tags: Mapping[str, str]) -> str:
     Raises:
         SignatureError: a tag to sign is missing or malformed.
     """
-    digest = hmac.new(key, payload(model, tags), hashlib.sha256).hexdigest()
-    return f"{SCHEME}:{key_id(key)}:{digest}"
+    signature = Signer([key], REGISTRY_VERSION).sign(payload(model, tags))
+    return f"{SCHEME}:{key_id(key)}:{_hex(signature)}"
+
+
+def _hex(signature: bytes) -> str:
+    """itsdangerous' URL-safe base64 signature as the tag's hex digest (the bytes of the HMAC)."""
+    return base64.urlsafe_b64decode(signature + b"=" * (-len(signature) % 4)).hex()
+
+
+def _b64(digest: str) -> bytes:
+    return base64.urlsafe_b64encode(bytes.fromhex(digest)).rstrip(b"=")
 
 
 def verify(keys: Sequence[bytes], model: str, tags: Mapping[str, str]) -> str:
@@ -160,12 +163,14 @@ def verify(keys: Sequence[bytes], model: str, tags: Mapping[str, str]) -> str:
             f"the version was signed with key {kid}, which is not this service's key ({key_id(keys[0])}) nor one of "
             "registry.previous_signing_keys"
         )
-    expected = hmac.new(by_id[kid], payload(model, tags), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected, digest):
+    signed = payload(model, tags)  # raises for missing or malformed signed tags
+    try:
+        Signer([by_id[kid]], REGISTRY_VERSION).verify(signed, _b64(digest))
+    except (BadSignature, ValueError) as err:  # ValueError: a digest that is not hex
         raise SignatureError(
             f"the signature (key {kid}) does not match the version's tags (model, round, candidate, base fingerprint, "
             "checksums): a tag was changed after registration"
-        )
+        ) from err
     return kid
 
 

@@ -22,7 +22,9 @@ The round's reward model (when it trains one) is registered in the ``register``
 step too, as its own registered model (:mod:`pipeline.registry.reward_registry`).
 
 The work of each state is a method of :class:`~pipeline.rounds.steps.RoundSteps`;
-:class:`LiveSteps` does it for real (buffer, trainer, MLflow, vLLM), tests inject fakes.
+:class:`~pipeline.rounds.steps.LiveSteps` does it for real (buffer, trainer, MLflow, vLLM), tests
+inject fakes. The ``gate`` state is a pure function of the trainer's evaluations
+(:func:`trainer.evaluation.gate.gate_round`).
 """
 
 from __future__ import annotations
@@ -31,31 +33,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
 from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
 
-# LiveSteps looks these up in this module at call time, so a test may replace any of them here.
-from pipeline.rounds.steps import (  # noqa: F401  (parse_window, round_adapter_names: re-exported)
-    RoundSteps,
-    _buffer_trace_rows,
-    _challenge,
-    _describe,
-    _register_reward_model,
-    champion_adapters,
-    parse_window,
-    reward_champion_for,
-    round_adapter_names,
-    take_snapshot,
-    train_and_evaluate,
-    unload_round_adapters,
-)
-from trainer.types import PhaseBoundary, PhaseHook, RoundPhase, RoundResult
+from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
+from trainer.evaluation.gate import gate_round
+from trainer.executors.executor import Executor
+from trainer.executors.registry import make_executor
+from trainer.types import PhaseBoundary, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +56,7 @@ ROUND_SECONDS = Histogram(
 ROUNDS = Counter("hourglass_rounds_total", "Rounds by outcome.", ["outcome"])
 CANDIDATE_REWARD = Gauge(
     "hourglass_round_candidate_reward",
-    "Held-out gate value (rl.gate_metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.",
+    "Held-out gate value (rl.gate.metric's: reward, reward-model score or feedback AUC) of each candidate in the last round.",
     ["candidate"],
 )
 CHAMPION_REWARD = Gauge(
@@ -106,6 +95,7 @@ class RoundRunner:
         self.base_fingerprint = base_fingerprint
         self.store = store or RoundStore(cfg.resolve(cfg.state_dir))
         self.steps: RoundSteps = steps or LiveSteps(cfg, base_fingerprint)
+        self.executor: Executor = make_executor(cfg.rl)  # where candidates train: warmed at a round's start
         self.lock = RoundLock(cfg.resolve(cfg.state_dir))
         self._cancel = threading.Event()
         self._committed = False  # True from the register step on: the round can no longer be cancelled
@@ -140,7 +130,8 @@ class RoundRunner:
         ):  # the trainer reported no evaluate boundary (e.g. a stand-in): it evaluated too
             self._step(record, RoundState.EVALUATE)
 
-        self._step(record, RoundState.GATE)
+        self._step(record, RoundState.GATE)  # the gate: a pure function of the evaluations, one decision per model
+        result = gate_round(result, self.cfg.rl)
         self._record_gate(record, result)
 
         self._step(record, RoundState.REGISTER)  # write-ahead: survives an MLflow outage or a crash from here on
@@ -161,13 +152,10 @@ class RoundRunner:
             self.store.advance(record, RoundState.NO_WINNER, reasons)
 
     def _start_trainers(self, record: RoundRecord) -> None:
-        """``rl.executor = "ray"``: start the round's trainer actors now (unless kept ones fit), so their start-up
-        overlaps the snapshot and the trainer's own preparation. A cluster that does not answer fails the
-        round here, at its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
-        if self.cfg.rl.executor == "ray":
-            from trainer import ray_pool
-
-            ray_pool.warm(self.cfg.rl, self.cfg.model, len(record.candidates))
+        """The executor's workers (Ray: trainer actors) start now, unless kept ones fit, so their start-up overlaps
+        the snapshot and the trainer's own preparation. A cluster that does not answer fails the round here, at
+        its start (:class:`~trainer.errors.ExecutorUnavailableError`)."""
+        self.executor.warm(self.cfg.model, len(record.candidates))
 
     # public API -----------------------------------------------------------------
 
@@ -288,8 +276,7 @@ class RoundRunner:
             raise RoundCancelled(f"cancelled during train (before {boundary.phase} step {boundary.step})")
 
     def _record_gate(self, record: RoundRecord, result: RoundResult) -> None:
-        """``gate``: the decisions per served model (made at the end of evaluation, in the gate
-        metric's unit) go into the record and the gauges."""
+        """``gate``: the decisions per served model (in the gate metric's unit) go into the record and the gauges."""
         record.metrics.update(result.metrics)
         record.decisions = {
             m: {
@@ -322,10 +309,8 @@ class RoundRunner:
             if self._abandoned is None and not record.terminal:
                 self.store.advance(record, RoundState.FAILED, f"{record.state}: {type(err).__name__}: {err}")
         finally:
-            if self.cfg.rl.executor == "ray" and not self.cfg.rl.ray_keep_actors:  # actors started for a round that
-                from trainer import ray_pool  # ended before training (e.g. too few rows) do not outlive it
-
-                ray_pool.release_kept_actors()
+            if not self.executor.keeps_workers:  # workers started for a round that ended before training
+                self.executor.release()  # (e.g. too few rows) do not outlive it
             ROUNDS.labels(record.state.value).inc()
             ROUND_SECONDS.observe(time.monotonic() - started)
             self.current = None
@@ -418,97 +403,3 @@ def _settle(cfg: HourglassConfig, store: RoundStore, record: RoundRecord, steps:
         f"resumed after a restart (process died during {died_in}); registered {record.versions}; {line}",
     )
     return True
-
-
-# --- the live steps -------------------------------------------------------------------
-
-
-class LiveSteps:
-    """The real work of each state: the reward buffer, the trainer, MLflow and vLLM.
-
-    ``base_fingerprint`` is needed to train (it checks what the champions were
-    trained on); recovery alone may leave it out.
-    """
-
-    def __init__(self, cfg: HourglassConfig, base_fingerprint: str | None = None) -> None:
-        self.cfg = cfg
-        self.base_fingerprint = base_fingerprint
-
-    def buffer_rows(self) -> int:
-        return _buffer_trace_rows(self.cfg)
-
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
-        return take_snapshot(self.cfg, window)
-
-    def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
-        if self.base_fingerprint is None:
-            raise PipelineError(
-                "a round needs the base model's fingerprint to train; construct LiveSteps with base_fingerprint"
-            )
-        served = {c.served_model for c in self.cfg.candidates if c.name in record.candidates}
-        champions = champion_adapters(self.cfg, served, self.base_fingerprint)
-        reward_champion = reward_champion_for(self.cfg, record.candidates, self.base_fingerprint)
-        return train_and_evaluate(
-            self.cfg, record, table, champions, checkpoint=on_phase, reward_champion=reward_champion
-        )
-
-    def register(self, result: RoundResult) -> tuple[dict[str, str], dict[str, float]]:
-        from pipeline.registry import models as registry
-        from pipeline.registry import reward_registry
-
-        reward_registry.save_pending(
-            self.cfg, result
-        )  # write-ahead too: recover() registers it after a crash from here on
-        started = time.perf_counter()
-        # Without the canary, a round that gives up here still owes @champion its winner: retry_pending() promotes it later.
-        versions = registry.register_winners(self.cfg, result, promotion_owed=not self.cfg.serving.canary.enabled)
-        metrics = {"time/register_s": time.perf_counter() - started}
-        metrics.update(_register_reward_model(self.cfg, result))
-        return {v.model: v.version for v in versions}, metrics
-
-    def promote(self, record: RoundRecord) -> str:
-        from pipeline.registry import models as registry
-        from pipeline.registry import reward_registry
-
-        if any(
-            k.startswith("reward_model/") for k in record.metrics
-        ):  # the round trained one: carry out its recorded decision
-            reward_registry.promote_reward_model(self.cfg, record.round_id)
-        if self.cfg.serving.canary.enabled:  # the winner goes to @challenger first (pipeline.canary)
-            return _challenge(self.cfg, record)
-        return _describe(registry.promote_winners(self.cfg, record.round_id, record.versions))
-
-    def registered_versions(self, record: RoundRecord) -> dict[str, str]:
-        from pipeline.registry import models as registry
-
-        finished = registry.register_pending(self.cfg, record.round_id)
-        if finished is not None:
-            return {v.model: v.version for v in finished}
-        client = registry.make_client(self.cfg)
-        versions = {}
-        for model in record.decisions or {}:
-            mv = registry.find_round_version(client, model, record.round_id)
-            if mv is not None:
-                versions[model] = str(mv.version)
-        return versions
-
-    def retry_pending_rewards(self) -> None:
-        from pipeline.registry import client as registry_client
-        from pipeline.registry import reward_registry
-
-        try:
-            reward_registry.retry_pending_rewards(self.cfg)
-        except registry_client.RegistryError as err:
-            log.warning("pending reward models not retried yet: %s", err)
-
-    def retry_pending(self) -> None:
-        from pipeline.registry import client as registry_client
-        from pipeline.registry import models as registry
-
-        try:
-            registry.retry_pending(self.cfg)
-        except registry_client.RegistryError as err:
-            log.warning("pending registrations not retried yet: %s", err)
-
-    def unload(self, round_id: str, candidates: list[str]) -> dict[str, list[str]]:
-        return unload_round_adapters(self.cfg, round_id, candidates)

@@ -1,4 +1,4 @@
-"""Serving control: the reconcile loop (:mod:`.controller`), staging and
+"""Serving control: the reconcile loop (:mod:`.controller`) and its canary step (:mod:`.challenger`), staging and
 verification of a version (:mod:`.staging`), the vLLM replicas (:mod:`.replica`)
 and the vLLM CPU LoRA plugin (:mod:`.vllm_cpu_lora`, loaded by vLLM itself).
 

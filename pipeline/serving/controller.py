@@ -24,7 +24,7 @@ A hot-load, in order:
    topic, only once the broker acknowledged the new route).
 
 A version on canary (``@challenger``) goes through the same steps beside the
-champion (:mod:`pipeline.canary.serving_hook`); the route then also names it
+champion (:mod:`pipeline.serving.challenger`); the route then also names it
 and the share of traffic it gets. A model with no ``@champion`` yet has the
 base model as the other side: its route names the base (version None) until
 the canary ends.
@@ -49,7 +49,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Histogram
@@ -61,7 +61,9 @@ from connectors.kafka_admin import ensure_routes_topic
 from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
+from pipeline.serving.challenger import reconcile_challenger
 from pipeline.serving.common import AdapterFailure as _AdapterFailure
+from pipeline.serving.common import ModelStatus
 from pipeline.serving.common import utc_now as _now
 from pipeline.serving.replica import Replica, ReplicaControl, ReplicaRefusedError, ReplicaUnreachableError
 from pipeline.serving.staging import (
@@ -72,8 +74,8 @@ from pipeline.serving.staging import (
     stage_options,
     stage_version,
 )
-from trainer.adapter_share import AdapterShareError, publish
-from trainer.adapter_share import remove as share_remove
+from trainer.adapters.share import AdapterShareError, publish
+from trainer.adapters.share import remove as share_remove
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +90,6 @@ TRANSIENT = Counter(
 # --- controller --------------------------------------------------------------------
 
 
-@dataclass
-class ModelStatus:
-    """What the controller knows about one served model (JSON-ready)."""
-
-    model: str
-    desired: str | None = None
-    serving: str | None = None
-    last_error: str | None = None
-    last_error_version: str | None = None
-    last_hotload_s: float | None = None
-    replicas: dict[str, object] = field(default_factory=dict)  # url -> served names, or "unreachable: ..."
-    challenger: dict | None = None  # the canary: {"version", "served_name", "fraction"} once routed
-    updated_at: str | None = None
-    transient_errors: int = 0  # replica problems met for this model since start (retried, never refused)
-    last_transient_error: str | None = None
-
-
 Stager = Callable[..., StagedAdapter]
 """The staging step: called like :func:`pipeline.serving.staging.stage_version` (the real one); returns a
 :class:`StagedAdapter`, raises :class:`StagingError` for a version that must not be loaded."""
@@ -117,7 +102,7 @@ class ServingController:
         cfg: the whole config (``registry``, ``serving``, ``model``, ``state_dir``).
         models: public model names to serve; default ``[serving.model_name]``.
         base_fingerprint: the served base's fingerprint; default computed from
-            ``model.name`` with :func:`trainer.model_store.fingerprint_of`.
+            ``model.name`` with :func:`trainer.model.store.fingerprint_of`.
         client: an ``MlflowClient``; default :func:`pipeline.registry.models.make_client`.
         replicas: the replicas to reconcile (anything with :class:`~pipeline.serving.replica.ReplicaControl`'s
             methods); default one :class:`~pipeline.serving.replica.Replica` per ``serving.replicas`` URL.
@@ -137,7 +122,7 @@ class ServingController:
         self.cfg = cfg
         self.models = models or [cfg.serving.model_name]
         if base_fingerprint is None:
-            from trainer import model_store
+            from trainer.model import store as model_store
 
             base_fingerprint = model_store.fingerprint_of(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
         self.base_fingerprint = base_fingerprint
@@ -163,7 +148,7 @@ class ServingController:
     @staticmethod
     def _base_modules(cfg: HourglassConfig) -> frozenset[str] | None:
         """The base's LoRA-targetable module names (staging checks target_modules against them), once."""
-        from trainer import model_store
+        from trainer.model import store as model_store
 
         try:
             return base_module_names(model_store.resolve(cfg.model.name, cfg.model.cache_dir))
@@ -184,10 +169,6 @@ class ServingController:
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
         MLflow or replica outages (they are reported in the status)."""
-        from pipeline.canary.serving_hook import (
-            reconcile_challenger,
-        )  # the canary step (it imports pipeline.serving.common, not this module)
-
         with self._lock:
             for model in self.models:
                 try:

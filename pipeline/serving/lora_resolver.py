@@ -4,7 +4,7 @@ Why: in a fleet, vLLM replicas do not share a disk with the service or the
 trainers, so ``POST /v1/load_lora_adapter {"lora_path": ...}`` with a path on
 the service's disk cannot work. Instead the writer publishes the verified
 adapter folder to a store every party can read
-(:func:`trainer.adapter_share.publish`, a ``pyarrow.fs`` URI: ``s3://``,
+(:func:`trainer.adapters.share.publish`, a ``pyarrow.fs`` URI: ``s3://``,
 ``gs://`` or a path), and the first request that names the adapter makes the
 replica fetch it.
 
@@ -44,7 +44,7 @@ import os
 import tempfile
 
 from pipeline.errors import ConfigError
-from trainer.adapter_share import AdapterShareError, evict, fetch
+from trainer.adapters.share import AdapterShareError, evict, fetch
 
 # A child of the "vllm" logger, so the line lands in the vLLM server log.
 log = logging.getLogger("vllm.plugins.hourglass.resolver")

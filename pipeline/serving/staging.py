@@ -36,8 +36,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +44,11 @@ from typing import Any, TypeGuard
 import mlflow
 from mlflow.tracking import MlflowClient
 
+from connectors import atomic
 from pipeline.errors import PipelineError
-from pipeline.registry.models import TAG_FINGERPRINT, TAG_SHA256
+from pipeline.registry.client import TAG_FINGERPRINT, TAG_SHA256
 from pipeline.registry.signing import SignatureError, verify
-from trainer.model_store import sha256_file
+from trainer.model.store import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _VERSION = re.compile(r"^[0-9]+$")
@@ -324,7 +323,7 @@ def stage_version(
             rank = verify_folder(root, target, checksums, **kwargs)
             return StagedAdapter(model, version, target, rank, served_name(model, version))
         except StagingError:
-            shutil.rmtree(target, ignore_errors=True)  # download it again, then judge
+            pass  # download it again, then judge; the new copy replaces it in one step
     uri = client.get_model_version_download_uri(model, version)
     listed = mlflow.artifacts.list_artifacts(artifact_uri=uri, tracking_uri=tracking_uri)
     nested = sorted(f.path for f in listed if f.is_dir)
@@ -333,23 +332,14 @@ def stage_version(
             f"{model} v{version}: the adapter artifact has sub-folders {nested}; adapters are flat folders"
         )
     _check_listed(f"{model} v{version}", {Path(f.path).name: f.file_size for f in listed}, max_adapter_bytes)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=target.parent))
-    try:
-        local = tmp / "_adapter"
-        local.mkdir()
+    with atomic.new_dir(target) as local:  # only a verified folder takes the target's place, in one step
         for info in listed:  # file by file: the size cap also holds against a store that lies in its listing
             name = Path(info.path).name
             _safe_name(root, local, name)
             mlflow.artifacts.download_artifacts(
                 artifact_uri=f"{uri.rstrip('/')}/{name}", dst_path=str(local), tracking_uri=tracking_uri
             )
-            check_inside(root, tmp)
+            check_inside(root, local)
             _check_sizes(local, max_adapter_bytes)
         rank = verify_folder(root, local, checksums, **kwargs)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(local, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return StagedAdapter(model, version, target, rank, served_name(model, version))

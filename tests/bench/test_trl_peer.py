@@ -10,8 +10,8 @@ from bench.peer_trl import experiment_spec
 from bench.trl_grpo import grpo_settings
 from trainer.config import CandidateConfig, RewardTerm, RLConfig
 from trainer.plan import draw_prompts
-from trainer.samples import Prompt
-from trainer.tasks import prompts_from_table, snapshot_table
+from trainer.types import Prompt
+from trainer.data import prompts_from_table, snapshot_table
 
 MIX = [RewardTerm(fn="first_number_answer"), RewardTerm(fn="format", weight=0.5)]
 
@@ -54,12 +54,18 @@ def _table(n: int):
 
 def test_trl_gets_the_rounds_prompts_in_the_rounds_order() -> None:
     cand = CandidateConfig(name="c0", reward=MIX)
-    rl = RLConfig(steps_per_round=3, prompts_per_step=4, group_size=2, eval_prompts=5, seed=3, gate_reward=MIX[:1])
+    rl = RLConfig(
+        steps_per_round=3,
+        prompts_per_step=4,
+        rollout={"group_size": 2},
+        gate={"eval_prompts": 5, "reward": MIX[:1]},
+        seed=3,
+    )
     train, heldout = _table(30), _table(8)
     spec = experiment_spec(cand, rl, train, heldout, "/m", MIX[:1])
     pool = prompts_from_table(train)
     expected = [p.prompt_id for step in range(3) for p in draw_prompts(pool, 4, 3 * 7919 + step)]
-    assert [r["prompt_id"] for r in spec["train_rows"]] == expected  # trainer.candidates.train_candidates' draw
+    assert [r["prompt_id"] for r in spec["train_rows"]] == expected  # trainer.plan.draw_prompts' draw
     assert [r["prompt_id"] for r in spec["eval_rows"]] == [f"p{i}" for i in range(5)]
     assert spec["train_rows"][0]["metadata"]["reference_answer"] == str(int(expected[0][1:]) + 1)
     assert spec["candidate"]["name"] == "c0" and spec["seed"] == 3

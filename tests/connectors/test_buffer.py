@@ -218,13 +218,13 @@ def test_a_failed_durable_write_removes_its_temp_file(tmp_path: Path, monkeypatc
 
     import pytest
 
-    from connectors import storage
+    from connectors import atomic
     from connectors.errors import BufferStorageError
 
     def full(path: str, directory: bool = False) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(storage, "_fsync_path", full)
+    monkeypatch.setattr(atomic, "_fsync", full)
     buf = RewardBuffer(_cfg(tmp_path))
     with pytest.raises(BufferStorageError, match="No space left"):
         buf.append([_trace(1)], [])

@@ -171,18 +171,18 @@ def test_late_feedback_is_dead_lettered_when_unmatched(
 def test_a_full_disk_is_retried_until_it_clears_and_nothing_is_lost(
     kafka_cfg: KafkaConfig, tmp_path: Path, run_worker: Callable[..., IngestWorker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connectors import storage
+    from connectors import atomic
 
     buffer = BufferConfig(root=str(tmp_path / "buf"), dead_letter_root=str(tmp_path / "dlq"), storage_retry_max_s=0.3)
     full = {"on": True}
-    real_fsync = storage._fsync_path
+    real_fsync = atomic._fsync
 
     def fsync(path: str, directory: bool = False) -> None:
         if full["on"]:
             raise OSError(errno.ENOSPC, "No space left on device", path)
         real_fsync(path, directory)
 
-    monkeypatch.setattr(storage, "_fsync_path", fsync)
+    monkeypatch.setattr(atomic, "_fsync", fsync)
     ensure_topics(kafka_cfg)
     _produce(kafka_cfg, [_trace(f"t{i}") for i in range(5)] + [b"not json"])
     worker = run_worker(kafka_cfg, buffer)

@@ -378,7 +378,10 @@ def test_k8s_service_env_overrides_make_a_valid_scaled_out_config(
 
     [container] = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"]
     for key, value in {**REAL_SECRETS, **_env(container)}.items():
-        if key.startswith("HOURGLASS_RL__") and key.removeprefix("HOURGLASS_RL__").lower() not in RLConfig.model_fields:
+        if (
+            key.startswith("HOURGLASS_RL__")
+            and key.removeprefix("HOURGLASS_RL__").split("__")[0].lower() not in RLConfig.model_fields
+        ):
             continue  # the Ray executor's fields come with the Ray executor itself
         monkeypatch.setenv(key, value)
     cfg = load_config(DEPLOY / "production.toml")
@@ -389,9 +392,9 @@ def test_k8s_service_env_overrides_make_a_valid_scaled_out_config(
     assert cfg.serving.routes_source == "kafka" and cfg.kafka.routes_topic == "hourglass.routes"
     if "executor" in RLConfig.model_fields:
         # the rounds train on the RayCluster, the reward-model candidate too; the exchange is the object store
-        assert cfg.rl.executor == "ray" and cfg.rl.ray_address.startswith("ray://")
+        assert cfg.rl.executor == "ray" and cfg.rl.ray.address.startswith("ray://")
         assert any(c.reward and c.reward[0].fn == "reward_model" for c in cfg.candidates)
-        assert (cfg.rl.ray_storage_uri or "").startswith("s3://")
+        assert (cfg.rl.ray.storage_uri or "").startswith("s3://")
 
 
 def test_k8s_vllm_fleet_is_addressable_per_pod_and_fetches_adapters_from_the_share(
@@ -446,6 +449,6 @@ def test_k8s_raycluster_has_a_head_and_a_gpu_worker_group_the_service_connects_t
     [service] = k8s[("Deployment", "hourglass-service")]["spec"]["template"]["spec"]["containers"]
     address = f"ray://{raycluster['metadata']['name']}-head-svc:10001"  # KubeRay's head Service name
     env = _env(service)
-    assert env["HOURGLASS_RL__RAY_ADDRESS"] == env["RAY_ADDRESS"] == address
+    assert env["HOURGLASS_RL__RAY__ADDRESS"] == env["RAY_ADDRESS"] == address
     # the driver and the cluster run one image (Ray client needs matching Ray and Python versions)
     assert head_container["image"] == worker["image"] == service["image"]

@@ -23,7 +23,7 @@ from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
 from pipeline.stack import free_port, stop_group, tail
 from pipeline.demo.traffic import create_demo_key, drive
-from pipeline.service import api_token
+from pipeline.state_secrets import api_token
 
 # Generous waits: on a loaded 2-core CI host the service alone takes minutes to import and start,
 # and the fixtures' vLLM on SmolLM2 up to 15 min; each wait returns as soon as its condition holds.
@@ -67,15 +67,21 @@ start = "fresh"
 [rl]
 steps_per_round = 6
 prompts_per_step = 4
+window = "1d"
+
+[rl.rollout]
 group_size = 6
 max_new_tokens = 12
-eval_prompts = 16
+engine = "vllm"
+
+[rl.split]
 heldout_fraction = 0.33
+
+[rl.gate]
+eval_prompts = 16
 max_kl = 2.0
-gate_confidence = 0.6
-gate_reward = [{{ fn = "format", weight = 1.0 }}, {{ fn = "exact_answer", weight = 1.0 }}]  # the tenant's yardstick
-rollout_engine = "vllm"
-window = "1d"
+confidence = 0.6
+reward = [{{ fn = "format", weight = 1.0 }}, {{ fn = "exact_answer", weight = 1.0 }}]  # the tenant's yardstick
 [schedule]
 interval_s = 5
 min_new_traces = 40

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline.config import HourglassConfig
+from tests.pipeline.round_fakes import evaluation
 from trainer.types import CandidateResult, GateDecision, RoundResult
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -39,7 +40,7 @@ def make_round(
     candidate: str = "cand-a",
     winner: bool = True,
 ) -> RoundResult:
-    """A RoundResult with one candidate, as the trainer returns it."""
+    """A RoundResult with one candidate, as the trainer returns it (its evaluation) and as the gate decided it."""
     cand = CandidateResult(
         name=candidate,
         served_model=model,
@@ -70,6 +71,7 @@ def make_round(
         candidates=(cand,),
         decisions={model: decision},
         metrics={"round/duration_s": 12.5},
+        evaluations={model: evaluation(model, candidate, winner=winner)},
     )
 
 

@@ -16,7 +16,7 @@ from tests import REPO
 THREE_MISTAKES = """
 [kafka]
 bootstrap_servers = ["localhost"]          # no port
-[rl]
+[rl.rollout]
 group_size = 0                              # must be >= 1
 [api]
 prot = 18080                                # typo of `port`
@@ -29,7 +29,7 @@ def test_example_config_is_valid_and_is_the_embedded_default() -> None:
     assert cfg.registry.tracking_uri.startswith("http://127.0.0.1")
     assert cfg.api.host == "127.0.0.1"
     assert [c.name for c in cfg.candidates] == ["grpo-rm", "kto"]
-    assert cfg.rl.gate_metric == "feedback"  # learns from and is gated by user feedback by default
+    assert cfg.rl.gate.metric == "feedback"  # learns from and is gated by user feedback by default
 
 
 def test_three_mistakes_are_all_reported_with_path_and_value(tmp_path: Path) -> None:
@@ -40,7 +40,7 @@ def test_three_mistakes_are_all_reported_with_path_and_value(tmp_path: Path) -> 
     problems = caught.value.problems
     assert len(problems) == 3
     assert any(p.startswith("kafka.bootstrap_servers:") and "'localhost'" in p for p in problems)
-    assert any(p.startswith("rl.group_size:") and "got 0" in p for p in problems)
+    assert any(p.startswith("rl.rollout.group_size:") and "got 0" in p for p in problems)
     assert any(p.startswith("api.prot:") and "unknown field" in p for p in problems)
 
 
@@ -50,7 +50,7 @@ def test_cli_config_check_prints_all_three_and_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["config", "check", str(bad)])
     assert result.exit_code == 2
     out = result.output
-    for path in ("kafka.bootstrap_servers", "rl.group_size", "api.prot"):
+    for path in ("kafka.bootstrap_servers", "rl.rollout.group_size", "api.prot"):
         assert path in out
     assert "3 problem(s)" in out
 
@@ -128,7 +128,7 @@ def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path)
             {"HOURGLASS_KAFKA__TRACES_TOPIC": "hourglass.feedback"},
             "kafka: Value error, traces_topic and feedback_topic are both",
         ),
-        ({"HOURGLASS_RL__TEMPERATURE": "inf"}, "rl.temperature: Input should be a finite number"),
+        ({"HOURGLASS_RL__ROLLOUT__TEMPERATURE": "inf"}, "rl.rollout.temperature: Input should be a finite number"),
         (
             {"HOURGLASS_BUFFER__USER_HASH_KEY": "short"},
             "buffer.user_hash_key: Value error, user_hash_key must be at least 16",
@@ -210,8 +210,25 @@ def test_ray_executor_accepts_reward_model_candidates_and_keeps_actors_only_when
 
     scored = {"name": "rm", "algorithm": "grpo", "reward": [{"fn": "reward_model", "weight": 1.0}]}
     cfg = HourglassConfig(candidates=[scored], rl={"executor": "ray"})
-    assert cfg.rl.executor == "ray" and cfg.rl.ray_keep_actors is None  # None: the service keeps them, a CLI round not
+    assert cfg.rl.executor == "ray" and cfg.rl.ray.keep_actors is None  # None: the service keeps them, a CLI round not
     assert (
-        HourglassConfig(candidates=[scored], rl={"executor": "ray", "ray_keep_actors": False}).rl.ray_keep_actors
+        HourglassConfig(candidates=[scored], rl={"executor": "ray", "ray": {"keep_actors": False}}).rl.ray.keep_actors
         is False
     )
+
+
+def test_the_old_flat_rl_keys_and_reward_model_table_name_their_new_place(tmp_path: Path) -> None:
+    """A config of the layout before [rl] had sections is refused with every moved key's new place, together
+    with its other mistakes."""
+    old = tmp_path / "old.toml"
+    old.write_text(
+        '[rl]\ngate_metric = "feedback"\nray_address = "auto"\nsteps_per_round = 0\n[reward_model]\nsteps = 4\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(old)
+    problems = caught.value.problems
+    assert "rl.gate_metric: moved: use [rl.gate] metric (see deploy/reference.toml)" in problems
+    assert "rl.ray_address: moved: use [rl.ray] address (see deploy/reference.toml)" in problems
+    assert any(p.startswith("reward_model: moved: [reward_model] is now [rl.reward_model]") for p in problems)
+    assert any(p.startswith("rl.steps_per_round:") and "got 0" in p for p in problems)
+    assert len(problems) == 4

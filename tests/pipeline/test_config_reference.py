@@ -103,3 +103,17 @@ def test_the_configuration_page_holds_the_marker() -> None:
     assert config_reference.MARKER not in config_reference.expand(page)
     with pytest.raises(ValueError, match="no <!-- config-reference --> marker"):
         config_reference.expand("# Configuration\n")
+
+
+def test_the_commented_example_config_is_current_and_loads_to_the_defaults() -> None:
+    """deploy/reference.toml is generated from the config classes: every field, under its description, at its
+    default. Regenerate it with `python -m pipeline.config_reference > deploy/reference.toml`."""
+    from pipeline.config import load_config
+    from tests import REPO
+
+    path = REPO / "deploy" / "reference.toml"
+    assert path.read_text() == config_reference.example_toml(), "deploy/reference.toml is stale: regenerate it"
+    assert load_config(path).model_dump() == load_config(None).model_dump()
+    text = path.read_text()
+    for doc in config_reference.sections():  # every table of the reference is in the example
+        assert f"[{doc.dotted}]" in text, doc.dotted

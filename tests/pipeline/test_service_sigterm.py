@@ -42,9 +42,7 @@ def test_sigterm_mid_round_shuts_down_in_order(
     tmp_path: Path, broker: str, mlflow_uri: str, vllm_tiny: str, tiny_model: Path
 ) -> None:
     conf = _write_config(tmp_path, broker, mlflow_uri, vllm_tiny, tiny_model, steps=500)
-    conf.write_text(
-        conf.read_text().replace('rollout_engine = "hf"', 'rollout_engine = "vllm"')
-    )  # the round publishes into vLLM
+    conf.write_text(conf.read_text().replace('engine = "hf"', 'engine = "vllm"'))  # the round publishes into vLLM
     cfg = load_config(conf)
     ensure_topics(cfg.kafka)
     api = f"http://127.0.0.1:{cfg.api.port}"

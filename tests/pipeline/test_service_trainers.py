@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.service import HourglassService
-from trainer import ray_pool
+from trainer.executors import ray_pool
 from trainer.errors import ExecutorUnavailableError
 
 
@@ -31,9 +31,12 @@ class _BufferDown:
         return {}
 
 
-def _cfg(tmp_path: Path, **rl):
+def _cfg(tmp_path: Path, executor: str = "local", keep_actors: bool | None = None):
     cfg = load_config(None)
-    return cfg.model_copy(update={"state_dir": str(tmp_path), "rl": cfg.rl.model_copy(update=rl)})
+    ray = cfg.rl.ray.model_copy(update={"keep_actors": keep_actors})
+    return cfg.model_copy(
+        update={"state_dir": str(tmp_path), "rl": cfg.rl.model_copy(update={"executor": executor, "ray": ray})}
+    )
 
 
 def _until(predicate, timeout_s: float = 10.0) -> None:
@@ -48,13 +51,13 @@ def test_the_service_keeps_its_trainer_actors_and_warms_them_at_start_and_after_
     calls: list[tuple] = []
     released: list[bool] = []
     monkeypatch.setattr(
-        ray_pool, "warm", lambda rl, model, n: calls.append((rl.ray_keep_actors, model.name, n)) or True
+        ray_pool, "warm", lambda rl, model, n: calls.append((rl.ray.keep_actors, model.name, n)) or True
     )
     monkeypatch.setattr(ray_pool, "release_kept_actors", lambda: released.append(True))
     cfg = _cfg(tmp_path, executor="ray")
-    assert cfg.rl.ray_keep_actors is None
+    assert cfg.rl.ray.keep_actors is None
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
-    assert service.cfg.rl.ray_keep_actors is True and service.runner.cfg.rl.ray_keep_actors is True
+    assert service.cfg.rl.ray.keep_actors is True and service.runner.cfg.rl.ray.keep_actors is True
 
     thread = service.warm_trainers()  # what start() does
     assert thread is not None
@@ -81,15 +84,15 @@ def test_no_warm_up_for_local_rounds_or_without_kept_actors_and_a_dead_cluster_i
         is None
     )
     off = HourglassService(
-        _cfg(tmp_path / "b", executor="ray", ray_keep_actors=False),
+        _cfg(tmp_path / "b", executor="ray", keep_actors=False),
         base_fingerprint="f" * 64,
         ingest=False,
         reconcile=False,
     )
-    assert off.cfg.rl.ray_keep_actors is False and off.warm_trainers() is None
+    assert off.cfg.rl.ray.keep_actors is False and off.warm_trainers() is None
 
     def unreachable(rl, model, n):
-        raise ExecutorUnavailableError("Ray cluster at rl.ray_address='10.0.0.9:6379' is unreachable")
+        raise ExecutorUnavailableError("Ray cluster at rl.ray.address='10.0.0.9:6379' is unreachable")
 
     monkeypatch.setattr(ray_pool, "warm", unreachable)
     service = HourglassService(

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.adapter_share import MANIFEST, AdapterShareError, evict, fetch, publish, remove
+from trainer.adapters.share import MANIFEST, AdapterShareError, evict, fetch, publish, remove
 from trainer.errors import RolloutError
-from trainer.rollout import RolloutRequest
-from trainer.rollout_fleet import FleetEngine
+from trainer.rollout.engine import RolloutRequest
+from trainer.rollout.fleet import FleetEngine
 
 
 def _adapter(folder: Path, weights: bytes = b"weights") -> Path:

@@ -10,9 +10,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.lora_tensors import ADAPTER_WEIGHTS
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.adapters.lora_tensors import ADAPTER_WEIGHTS
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.errors import AdapterStoreError, TrainerConfigError
 
@@ -230,7 +230,7 @@ def test_start_from_an_adapter_of_another_shape_keeps_its_update(
 
 
 def test_lower_rank_start_is_the_best_low_rank_approximation() -> None:
-    from trainer.lora_tensors import fit_adapter
+    from trainer.adapters.lora_tensors import fit_adapter
 
     g = torch.Generator().manual_seed(0)
     saved = {"m.lora_A.weight": torch.randn(8, 20, generator=g), "m.lora_B.weight": torch.randn(12, 8, generator=g)}

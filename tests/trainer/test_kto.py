@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.config import Algorithm, CandidateConfig, ModelConfig, RewardTerm
-from trainer.losses import kto_loss
+from trainer.algorithms.losses import kto_loss
 
 
 def _trl_kto_reference(
@@ -96,10 +96,10 @@ def test_kto_config_needs_logged_rewards_and_names_its_algorithm() -> None:
 def test_kto_batch_cuts_long_logged_completions_and_corrections_to_the_window(tiny_model: Path) -> None:
     """A logged completion or correction from traffic can be far longer than the model's window (about
     250k tokens fit in kafka.max_record_bytes): the batch keeps at most max_seq_len tokens per row."""
-    from trainer.base import load_base
+    from trainer.model.base import load_base
     from trainer.rewards import build_reward
-    from trainer.samples import Prompt
-    from trainer.update import kto_batch
+    from trainer.types import Prompt
+    from trainer.algorithms.kto import kto_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=64))
     candidate = CandidateConfig(

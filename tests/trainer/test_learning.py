@@ -9,12 +9,16 @@ import pytest
 import torch
 
 from trainer import rewards
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
@@ -34,16 +38,18 @@ def test_grpo_raises_reward_on_a_toy_task(peaked_model: Path, tmp_path: Path, mo
     rl = RLConfig(
         steps_per_round=16,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
         adapter_store="offload",
-        eval_prompts=4,
-        max_kl=100.0,
+        gate={"eval_prompts": 4, "max_kl": 100.0},
         seed=0,
     )
-    result = run_round(
-        ModelConfig(name=str(peaked_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(peaked_model)), (candidate,), rl),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
 
     curve = [m["train/reward_mean"] for m in result.candidates[0].step_metrics]
@@ -99,14 +105,16 @@ def test_offline_is_learns_from_logged_rewards(tiny_model: Path, tmp_path: Path)
     rl = RLConfig(
         steps_per_round=8,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=2,
-        max_kl=100.0,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
     )
-    result = run_round(
-        ModelConfig(name=str(tiny_model)), [candidate], rl, train, heldout, {}, tmp_path / "r1", progress=False
+    result = gate_round(
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (candidate,), rl),
+            round_inputs(train, heldout),
+            tmp_path / "r1",
+        ),
+        rl,
     )
     assert all(m["train/behaviour_from_reference"] == 1.0 for m in result.candidates[0].step_metrics)
 
@@ -124,7 +132,7 @@ def test_offline_batch_cuts_logged_completions_to_max_seq_len(tiny_model: Path) 
     """A logged completion from traffic can be ~250k tokens within kafka.max_record_bytes; the offline
     update must not run the model over all of it (logits of [T, vocab] per row: an OOM of the service)."""
     from trainer.rewards import build_reward
-    from trainer.update import offline_batch
+    from trainer.algorithms.offline_is import offline_batch
 
     base = load_base(ModelConfig(name=str(tiny_model), max_seq_len=64))
     prompts = [

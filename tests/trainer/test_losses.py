@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
-    group_advantages,
-    importance_weighted_pg_loss,
-    kl_k3,
-    masked_mean,
-    ppo_clip_loss,
-    token_logprobs,
-)
+from trainer.algorithms.losses import group_advantages, importance_weighted_pg_loss, kl_k3, masked_mean, ppo_clip_loss
+from trainer.model.logprobs import token_logprobs
 
 
 def test_group_advantages_normalise_each_group_and_zero_flat_groups() -> None:

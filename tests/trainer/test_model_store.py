@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import model_store
+from trainer.model import store as model_store
 from trainer.errors import ModelStoreError, UnknownModelError
 
 

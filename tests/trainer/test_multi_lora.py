@@ -1,4 +1,4 @@
-"""One-pass updates (trainer.multi_lora, trainer.one_pass) equal the sequential path, in float32.
+"""One-pass updates (trainer.multi_lora.one_pass, trainer.multi_lora.layer) equal the sequential path, in float32.
 
 Three candidates of different ranks, alphas, learning rates and target
 modules and uneven row counts; the offload and the resident store; groups of
@@ -14,16 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import ResidentBase, load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
-from trainer.losses import kl_k3, masked_mean
+from trainer.algorithms.losses import kl_k3, masked_mean
 from trainer.errors import TrainerConfigError
-from trainer.multi_lora import MultiLoRA, _pull, live_params, one_pass_ok, train_one_pass
-from trainer.one_pass import plan_chunks, update_step_one_pass
-from trainer.update import ALGORITHMS, Batch, LossInputs, update_step
+from trainer.multi_lora.layer import MultiLoRA
+from trainer.multi_lora.one_pass import _pull, live_params, one_pass_ok, train_one_pass
+from trainer.multi_lora.chunks import plan_chunks
+from trainer.multi_lora.one_pass import update_step_one_pass
+from trainer.algorithms.registry import ALGORITHMS
+from trainer.algorithms.batch import Batch, LossInputs
+from trainer.algorithms.update import update_step
 
 from .adamw_tolerance import assert_adamw_weights_close
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
 from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
 
 CANDIDATES = [
@@ -48,8 +54,8 @@ CANDIDATES = [
         target_modules=["q_proj", "up_proj", "gate_proj"],
     ),
 ]
-RL = RLConfig(adapters_per_pass=2)  # per-candidate clipping at 1.0 is part of what must match
-CHUNKED = RLConfig(adapters_per_pass=2, one_pass_chunk_tokens=30)  # 2-3 rows of <= 15 tokens per chunk
+RL = RLConfig(update={"adapters_per_pass": 2})  # per-candidate clipping at 1.0 is part of what must match
+CHUNKED = RLConfig(update={"adapters_per_pass": 2, "chunk_tokens": 30})  # 2-3 rows of <= 15 tokens per chunk
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +298,9 @@ class _Recorder(torch.optim.SGD):
 def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, chunk_tokens: int) -> None:
     """Rows of every candidate spread over several chunks (uneven row counts: 7, 2 and 4): each candidate's
     gradient is still the one of its token-mean loss over all its rows (a per-chunk mean would differ)."""
-    rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)  # no clipping: the raw gradient is compared
+    rl = RLConfig(
+        update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9}
+    )  # no clipping: the raw gradient is compared
     store = _store(base, "resident")
     batches = [_batch(base, seed=200 + k, rows=n) for k, n in enumerate((7, 2, 4))]
     alone = _gradients_alone(base, store, batches)
@@ -374,7 +382,7 @@ def test_plan_chunks_covers_every_row_once_within_the_budget_mixing_all_candidat
 
 def test_grouped_kernel_path_matches_the_loop_forward(base: ResidentBase) -> None:
     """The padded grouped-matmul path (used on CUDA) gives the loop's outputs (forward; CPU kernel)."""
-    from trainer import multi_lora
+    from trainer.multi_lora import layer as multi_lora
 
     if multi_lora._GROUPED is None:
         pytest.skip("this torch has no grouped matmul")
@@ -417,7 +425,7 @@ def test_embedding_targets_are_refused_and_train_sequentially(base: ResidentBase
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/device_check.sh runs it on a GPU machine")
 def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> None:
     """On CUDA the one-pass layer uses the grouped matmul (ranks padded): its gradients equal the loop's (float32)."""
-    from trainer import multi_lora
+    from trainer.multi_lora import layer as multi_lora
 
     if multi_lora._GROUPED is None:
         pytest.skip("this torch has no grouped matmul")
@@ -459,8 +467,9 @@ def test_grouped_kernel_gradients_equal_the_loop_on_cuda(peaked_model: Path) -> 
 
 
 def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
-    from trainer.candidates import run_round
-    from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+    from trainer.round import run_round
+    from trainer.tasks import reasoning_gym_prompts
+    from trainer.data import snapshot_table, split_snapshot
 
     prompts = reasoning_gym_prompts(
         "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
@@ -470,23 +479,14 @@ def test_round_in_one_pass_mode(tiny_model: Path, tmp_path: Path) -> None:
     rl = RLConfig(
         steps_per_round=2,
         prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=2,
-        max_kl=100.0,
-        update_mode="one_pass",
-        adapters_per_pass=2,
+        rollout={"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 2, "max_kl": 100.0},
+        update={"mode": "one_pass", "adapters_per_pass": 2},
     )
     result = run_round(
-        ModelConfig(name=str(tiny_model), dtype="float32"),
-        cands,
-        rl,
-        train,
-        heldout,
-        {},
+        RoundSpec(ModelConfig(name=str(tiny_model), dtype="float32"), tuple(cands), rl),
+        round_inputs(train, heldout),
         tmp_path / "r1",
-        progress=False,
     )
     assert [c.name for c in result.candidates] == ["a", "b", "c"]
     for c in result.candidates:
@@ -517,7 +517,7 @@ def test_one_pass_sharing_prompts_gives_each_candidate_its_gradient_alone(
     """Every candidate draws the same 2 prompts, 3 rows each: the reference pass runs each prompt once for all
     candidates, the policy pass once per candidate (its LoRA changes the prompt's forward); each candidate's
     gradient equals its gradient alone from whole rows."""
-    rl = RLConfig(one_pass_chunk_tokens=chunk_tokens, max_grad_norm=1e9)
+    rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (5, 8)]
     store = _store(base, "resident")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 import trainer.plan as plan_module
-from trainer.config import OFFLINE_ALGORITHMS, Algorithm, CandidateConfig, RewardTerm, RLConfig
+from trainer.config import ALGORITHM_TRAITS, Algorithm, CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import DataError
 from trainer.plan import PromptTokens, plan_round
 from trainer.rewards import RewardMix
-from trainer.samples import Prompt
-from trainer.update import ALGORITHMS, ONE_PASS_ALGORITHMS
+from trainer.types import Prompt
+from trainer.algorithms.registry import ALGORITHMS, ONE_PASS_ALGORITHMS
 
 
 class FakeBase:
@@ -33,7 +33,7 @@ def _prompt(i: int, text: str, **kw) -> Prompt:
     return Prompt(prompt_id=f"p{i}", messages=[{"role": "user", "content": text}], **kw)
 
 
-RL = RLConfig(max_new_tokens=4, rollout_engine="hf")
+RL = RLConfig(rollout={"max_new_tokens": 4, "engine": "hf"})
 GRADED = [
     _prompt(0, "add 1 2", metadata={"reference_answer": "3"}),
     _prompt(1, "add 2 2", metadata={"reference_answer": "4"}),
@@ -79,7 +79,10 @@ def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest
         by_name["graded"].start == champion and by_name["filtered"].start is None and by_name["offline"].start is None
     )
     assert [c.name for c in plan.online] == ["graded", "filtered"]
-    assert plan.one_pass(RL.model_copy(update={"update_mode": "one_pass"})) == {"graded", "filtered"}
+    assert plan.one_pass(RL.model_copy(update={"update": RL.update.model_copy(update={"mode": "one_pass"})})) == {
+        "graded",
+        "filtered",
+    }
     assert plan.one_pass(RL) == set()
 
 
@@ -97,5 +100,8 @@ def test_plan_refuses_a_round_a_candidate_cannot_train() -> None:
 
 def test_every_algorithm_has_one_registry_entry_that_agrees_with_the_config() -> None:
     assert set(ALGORITHMS) == set(Algorithm)
-    assert {a for a, spec in ALGORITHMS.items() if not spec.online} == OFFLINE_ALGORITHMS
+    assert set(ALGORITHMS) == set(Algorithm) and all(
+        spec.traits is ALGORITHM_TRAITS[a] for a, spec in ALGORITHMS.items()
+    )
+    assert {a for a, spec in ALGORITHMS.items() if not spec.online} == {Algorithm.OFFLINE_IS, Algorithm.KTO}
     assert ONE_PASS_ALGORITHMS == {Algorithm.GRPO, Algorithm.PPO_CLIP}

@@ -14,13 +14,18 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
-from trainer.executor import TrainJob
-from trainer import ray_pool
-from trainer.ray_executor import release_kept_actors
-from trainer.candidates import make_executor, run_round
+from trainer.executors.executor import TrainJob
+from trainer.executors import ray_pool
+from trainer.executors.ray_pool import release_kept_actors
+from trainer.executors.registry import make_executor
+from trainer.round import run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
-from trainer.samples import Prompt
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.types import Prompt
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
 
 pytestmark = pytest.mark.integration
 
@@ -60,36 +65,39 @@ def test_four_candidates_over_two_actors_match_the_local_executor(
     rl = RLConfig(
         steps_per_round=2,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=4,
-        max_kl=100.0,
-        gate_reward=reward,
-        bootstrap_samples=100,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 4, "max_kl": 100.0, "reward": reward, "bootstrap_samples": 100},
         adapter_store="offload",
     )
     model = ModelConfig(name=str(peaked_model), dtype="float32")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each actor (rl.ray_actor_cpus = 1): CPU sampling draws depend on the thread count
+    torch.set_num_threads(1)  # as each actor (rl.ray.actor_cpus = 1): CPU sampling draws depend on the thread count
     try:
         started = time.perf_counter()
-        local = run_round(
-            model, cands, rl, train, heldout, {}, tmp_path / "local" / "r1", progress=False, round_id="r1"
+        local = gate_round(
+            run_round(
+                RoundSpec(model, tuple(cands), rl),
+                round_inputs(train, heldout),
+                tmp_path / "local" / "r1",
+                round_id="r1",
+            ),
+            rl,
         )
         local_s = time.perf_counter() - started
     finally:
         torch.set_num_threads(threads)
-    on_ray = run_round(
-        model,
-        cands,
-        rl.model_copy(update={"executor": "ray", "ray_actors": 2}),
-        train,
-        heldout,
-        {},
-        tmp_path / "ray" / "r1",
-        progress=False,
-        round_id="r1",
+    on_ray = gate_round(
+        run_round(
+            RoundSpec(
+                model,
+                tuple(cands),
+                rl.model_copy(update={"executor": "ray", "ray": rl.ray.model_copy(update={"actors": 2})}),
+            ),
+            round_inputs(train, heldout),
+            tmp_path / "ray" / "r1",
+            round_id="r1",
+        ),
+        rl.model_copy(update={"executor": "ray", "ray": rl.ray.model_copy(update={"actors": 2})}),
     )
 
     assert local.decisions["hourglass"].winner is not None, local.decisions[
@@ -116,14 +124,14 @@ def test_four_candidates_over_two_actors_match_the_local_executor(
 
 def test_a_round_that_cannot_place_its_actors_fails_after_the_timeout(ray_cluster, tmp_path: Path) -> None:
     rl = RLConfig(
-        executor="ray", ray_actors=2, ray_actor_cpus=2, ray_placement_timeout_s=1.5
+        executor="ray", ray={"actors": 2, "actor_cpus": 2, "placement_timeout_s": 1.5}
     )  # 4 CPUs on a 2-CPU cluster
     cands = (CandidateConfig(name="a", start="fresh"), CandidateConfig(name="b", start="fresh"))
     job = TrainJob(ModelConfig(name="unused"), cands, (), rl, {}, tmp_path, "r-wait")
     started = time.monotonic()
     with pytest.raises(
         PlacementTimeoutError,
-        match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray_placement_timeout_s=1.5s",
+        match=r"could not reserve 2 trainer actor\(s\) of \{'CPU': 2\.0\} within rl.ray.placement_timeout_s=1.5s",
     ):
         make_executor(rl).train(job, None, None, None)
     assert time.monotonic() - started < 15
@@ -139,14 +147,10 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     rl = RLConfig(
         steps_per_round=1,
         prompts_per_step=1,
-        group_size=2,
-        max_new_tokens=2,
-        rollout_engine="hf",
-        eval_prompts=2,
-        bootstrap_samples=100,
+        rollout={"group_size": 2, "max_new_tokens": 2, "engine": "hf"},
+        gate={"eval_prompts": 2, "bootstrap_samples": 100},
         executor="ray",
-        ray_actors=1,
-        ray_keep_actors=True,
+        ray={"actors": 1, "keep_actors": True},
     )
     model = ModelConfig(name=str(tiny_model))
     # what the service does at its start: the actors start in the background, before any round
@@ -157,12 +161,12 @@ def test_kept_actors_serve_the_next_round_until_released(ray_cluster, tiny_model
     actors, [group] = left
     assert actors == ["TrainerActor"] and group.startswith("hourglass-warm-")
     ray.get(ray_pool._KEPT["pool"].ready, timeout=300)  # started: base loaded
-    first = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, round_id="r1")
+    first = run_round(RoundSpec(model, tuple(cands), rl), round_inputs(train, heldout), tmp_path / "r1", round_id="r1")
     assert first.metrics["executor/actors_reused"] == 0.0  # it never trained before, but it had started:
     assert first.metrics["executor/start_wait_s"] < 1.0 and first.metrics["executor/placement_wait_s"] < 1.0
     assert leftovers() == (["TrainerActor"], [group])  # the same actor, kept for the next round
     assert ray_pool.warm(rl, model, len(cands)) and leftovers() == (["TrainerActor"], [group])  # it fits: kept
-    second = run_round(model, cands, rl, train, heldout, {}, tmp_path / "r2", progress=False, round_id="r2")
+    second = run_round(RoundSpec(model, tuple(cands), rl), round_inputs(train, heldout), tmp_path / "r2", round_id="r2")
     assert second.metrics["executor/actors_reused"] == 1.0 and second.metrics["executor/placement_wait_s"] == 0.0
     assert [c.name for c in second.candidates] == ["a", "b"]
     release_kept_actors()
@@ -201,12 +205,8 @@ def test_a_reward_model_candidate_on_ray_scores_with_the_rounds_reward_model_lik
     rl = RLConfig(
         steps_per_round=2,
         prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=4,
-        rollout_engine="hf",
-        eval_prompts=4,
-        max_kl=100.0,
-        bootstrap_samples=100,
+        rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+        gate={"eval_prompts": 4, "max_kl": 100.0, "bootstrap_samples": 100},
         adapter_store="offload",
     )
     reward_cfg = RewardModelConfig(steps=4, batch_size=8, learning_rate=5e-3, start="fresh", min_examples=8)
@@ -215,17 +215,24 @@ def test_a_reward_model_candidate_on_ray_scores_with_the_rounds_reward_model_lik
     torch.set_num_threads(1)  # the driver trains the reward model, with the actors' thread count: the same scores
     try:
         results = {
-            executor: run_round(
-                model,
-                cands,
-                rl.model_copy(update={"executor": executor, "ray_actors": 2}),
-                train,
-                heldout,
-                {},
-                tmp_path / executor / "r1",
-                progress=False,
-                round_id="r1",
-                reward_cfg=reward_cfg,
+            executor: gate_round(
+                run_round(
+                    RoundSpec(
+                        model,
+                        tuple(cands),
+                        rl.model_copy(
+                            update={
+                                "reward_model": reward_cfg,
+                                "executor": executor,
+                                "ray": rl.ray.model_copy(update={"actors": 2}),
+                            }
+                        ),
+                    ),
+                    round_inputs(train, heldout),
+                    tmp_path / executor / "r1",
+                    round_id="r1",
+                ),
+                rl,
             )
             for executor in ("local", "ray")
         }

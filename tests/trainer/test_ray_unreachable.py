@@ -2,7 +2,7 @@
 
 No cluster here (this module does not use the ``ray_cluster`` fixture): an address nobody
 listens on is refused at once; an address that accepts TCP but never speaks Ray fails
-after ``rl.ray_connect_timeout_s``."""
+after ``rl.ray.connect_timeout_s``."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import pytest
 from pipeline.stack import free_port
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import ExecutorUnavailableError
-from trainer.executor import TrainJob
-from trainer.candidates import make_executor
+from trainer.executors.executor import TrainJob
+from trainer.executors.registry import make_executor
 
 
 def _job(tmp_path: Path, address: str) -> TrainJob:
-    rl = RLConfig(executor="ray", ray_address=address, ray_connect_timeout_s=2)
+    rl = RLConfig(executor="ray", ray={"address": address, "connect_timeout_s": 2})
     return TrainJob(
         ModelConfig(name="unused"), (CandidateConfig(name="a", start="fresh"),), (), rl, {}, tmp_path, "r-unreachable"
     )
@@ -34,7 +34,7 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(
         ExecutorUnavailableError,
-        match=rf"Ray cluster at rl.ray_address='{address}' is unreachable .*ConnectionRefusedError",
+        match=rf"Ray cluster at rl.ray.address='{address}' is unreachable .*ConnectionRefusedError",
     ):
         make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
     assert time.monotonic() - started < 3
@@ -46,7 +46,7 @@ def test_ray_unreachable_is_a_clear_error_fast(tmp_path: Path) -> None:
         started = time.monotonic()
         with pytest.raises(
             ExecutorUnavailableError,
-            match=rf"rl.ray_address='{address}' (did not answer within rl.ray_connect_timeout_s=2s|.*cannot connect)",
+            match=rf"rl.ray.address='{address}' (did not answer within rl.ray.connect_timeout_s=2s|.*cannot connect)",
         ):
             make_executor(_job(tmp_path, address).rl).train(_job(tmp_path, address), None, None, None)
         assert time.monotonic() - started < 10

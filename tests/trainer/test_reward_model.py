@@ -12,12 +12,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import DataError, RewardError, TrainerConfigError
-from trainer.feedback_data import feedback_data
-from trainer.reward_model import (
+from trainer.data import feedback_data, prompts_from_table
+from trainer.reward_model.model import (
     HEAD_FILE,
     create_reward_model,
     evaluate_reward_model,
@@ -28,9 +28,11 @@ from trainer.reward_model import (
     train_reward_model,
 )
 from trainer.rewards import build_reward
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
 
 
 def _row(i: int, prompt: str, completion: str | None, reward: float | None) -> Prompt:
@@ -53,7 +55,7 @@ def test_feedback_rows_give_examples_pairs_and_correction_pairs() -> None:
         _row(6, "6+6?", "12", float("nan")),  # not a finite reward: skipped
     ]
     table = snapshot_table(rows)
-    data = feedback_data(table)  # no correction column: read the same way
+    data = feedback_data(prompts_from_table(table))  # no correction column: read the same way
     assert [(e.trace_id, e.label) for e in data.examples] == [
         ("t000", True),
         ("t001", False),
@@ -65,7 +67,7 @@ def test_feedback_rows_give_examples_pairs_and_correction_pairs() -> None:
     assert (data.positives, data.negatives) == (3, 2)
 
     corrections = pa.array([None, "4", None, "6", "8", "", None], type=pa.string())
-    data = feedback_data(table.append_column("correction", corrections))
+    data = feedback_data(prompts_from_table(table.append_column("correction", corrections)))
     by_source = [(p.chosen, p.rejected) for p in data.pairs if p.source == "correction"]
     # row 1: "4" over "5"; row 3: same text as its completion (no pair); row 4: a correction without a rating still counts
     assert by_source == [("4", "5"), ("8", "9")]
@@ -144,9 +146,9 @@ def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: 
     store = make_store("offload", base)
     cfg = RewardModelConfig(steps=12, batch_size=16, learning_rate=5e-3)
     model = create_reward_model(base, store, cfg, None)
-    held = tokenise_feedback(base, feedback_data(heldout))
+    held = tokenise_feedback(base, feedback_data(prompts_from_table(heldout)))
     before = evaluate_reward_model(model, held, 0.9, 200)
-    history = train_reward_model(model, tokenise_feedback(base, feedback_data(train)), cfg)
+    history = train_reward_model(model, tokenise_feedback(base, feedback_data(prompts_from_table(train))), cfg)
     after = evaluate_reward_model(model, held, 0.9, 200)
     assert after.auc >= 0.9 and after.heldout_examples == 16, (before, after)
     assert after.accuracy > before.accuracy and history[-1]["reward_model/loss"] < history[0]["reward_model/loss"]
@@ -180,27 +182,25 @@ def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_
     cand = CandidateConfig(
         name="rm-user", reward=[RewardTerm(fn="reward_model"), RewardTerm(fn="format")], start="fresh"
     )
-    rl = RLConfig(rollout_engine="hf", eval_prompts=2)
+    rl = RLConfig(rollout={"engine": "hf"}, gate={"eval_prompts": 2})
     # format is verifiable on every row, so evaluation has prompts; the reward model has 3 labelled rows
     with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
-        run_round(ModelConfig(name=str(tiny_model)), [cand], rl, train, heldout, {}, tmp_path, progress=False)
+        run_round(RoundSpec(ModelConfig(name=str(tiny_model)), (cand,), rl), round_inputs(train, heldout), tmp_path)
     with pytest.raises(TrainerConfigError, match="enabled = false"):
         run_round(
-            ModelConfig(name=str(tiny_model)),
-            [cand],
-            rl,
-            train,
-            heldout,
-            {},
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                (cand,),
+                rl.model_copy(update={"reward_model": RewardModelConfig(enabled=False)}),
+            ),
+            round_inputs(train, heldout),
             tmp_path,
-            progress=False,
-            reward_cfg=RewardModelConfig(enabled=False),
         )
     offline = CandidateConfig(
         name="off", algorithm="offline_is", reward=[RewardTerm(fn="logged"), RewardTerm(fn="reward_model")]
     )
     with pytest.raises(TrainerConfigError, match="only grpo / ppo_clip"):
-        run_round(ModelConfig(name=str(tiny_model)), [offline], rl, train, heldout, {}, tmp_path, progress=False)
+        run_round(RoundSpec(ModelConfig(name=str(tiny_model)), (offline,), rl), round_inputs(train, heldout), tmp_path)
     assert not (tmp_path / "rm-user").exists()  # refused before any work
 
 
@@ -221,7 +221,7 @@ def test_logged_token_ids_outside_the_vocabulary_do_not_crash_reward_training(ti
             [("4", [vocab + 5], 1.0), ("5", [-3, 7], -1.0), ("four", [2**31 - 1], 1.0), ("x", [1, 2], -1.0)]
         )
     ]
-    data = tokenise_feedback(base, feedback_data(snapshot_table(rows)))
+    data = tokenise_feedback(base, feedback_data(rows))
     text_ids = list(base.tokenizer("4", add_special_tokens=False)["input_ids"])
     assert data.examples[0][1] == text_ids  # out-of-vocabulary logged ids: the text's tokens
     assert data.examples[3][1] == [1, 2]  # valid logged ids are kept

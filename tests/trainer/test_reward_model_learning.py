@@ -9,15 +9,18 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
-from trainer.evaluate import greedy_answers
-from trainer.reward_model import create_reward_model
-from trainer.rollout import BASE_VERSION, HFEngine
-from trainer.candidates import run_round
-from trainer.samples import Prompt
-from trainer.tasks import prompts_from_table, snapshot_table, split_snapshot
+from trainer.evaluation.measure import greedy_answers
+from trainer.reward_model.model import create_reward_model
+from trainer.rollout.engine import BASE_VERSION
+from trainer.rollout.hf import HFEngine
+from trainer.round import run_round
+from trainer.types import Prompt
+from trainer.data import prompts_from_table, snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
 
 
 def _feedback_rows(n: int) -> list[Prompt]:
@@ -53,24 +56,17 @@ def test_grpo_on_the_reward_model_raises_its_score(peaked_model: Path, tmp_path:
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
-        group_size=8,
-        max_new_tokens=4,
-        rollout_engine="hf",
+        rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
         adapter_store="offload",
-        eval_prompts=6,
-        max_kl=100.0,
+        gate={"eval_prompts": 6, "max_kl": 100.0},
         seed=0,
     )
     result = run_round(
-        ModelConfig(name=str(peaked_model)),
-        [candidate],
-        rl,
-        train,
-        heldout,
-        {},
+        RoundSpec(
+            ModelConfig(name=str(peaked_model)), (candidate,), rl.model_copy(update={"reward_model": reward_cfg})
+        ),
+        round_inputs(train, heldout),
         tmp_path / "r1",
-        progress=False,
-        reward_cfg=reward_cfg,
     )
 
     rm = result.reward_model

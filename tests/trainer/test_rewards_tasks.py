@@ -10,8 +10,9 @@ import pytest
 from trainer.config import RewardTerm
 from trainer.errors import DataError, RewardError
 from trainer.rewards import build_reward, exact_answer, format_reward, json_valid, length_penalty
-from trainer.samples import Prompt
-from trainer.tasks import prompts_from_table, reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.types import Prompt
+from trainer.data import prompts_from_table, snapshot_table, split_snapshot
+from trainer.tasks import reasoning_gym_prompts
 
 MSG = [{"role": "user", "content": "2+2?"}]
 

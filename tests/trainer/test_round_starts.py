@@ -10,17 +10,19 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.candidates import run_round
-from trainer.tasks import reasoning_gym_prompts, snapshot_table, split_snapshot
+from trainer.round import run_round
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table, split_snapshot
+from trainer.types import RoundSpec
+from trainer.data import round_inputs
+from trainer.evaluation.gate import gate_round
+from trainer.round import RoundParts
 
 RL = RLConfig(
     steps_per_round=1,
     prompts_per_step=2,
-    group_size=2,
-    max_new_tokens=3,
-    rollout_engine="hf",
-    eval_prompts=2,
-    max_kl=100.0,
+    rollout={"group_size": 2, "max_new_tokens": 3, "engine": "hf"},
+    gate={"eval_prompts": 2, "max_kl": 100.0},
 )
 MIX = [RewardTerm(fn="format")]
 
@@ -34,14 +36,9 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     model = ModelConfig(name=str(tiny_model))
     first = run_round(
-        model,
-        [CandidateConfig(name="x", reward=MIX, start="fresh", learning_rate=1e-2)],
-        RL,
-        train,
-        heldout,
-        {},
+        RoundSpec(model, (CandidateConfig(name="x", reward=MIX, start="fresh", learning_rate=1e-2),), RL),
+        round_inputs(train, heldout),
         tmp_path / "r1",
-        progress=False,
     )
     champion = first.candidates[0].adapter_dir
 
@@ -50,8 +47,13 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
         CandidateConfig(name="x", reward=MIX, start="self", served_model="t2"),
         CandidateConfig(name="new", reward=MIX, start="fresh", served_model="t2", lora_rank=4),
     ]
-    second = run_round(
-        model, candidates, RL, train, heldout, {"t1": champion, "t2": None}, tmp_path / "r2", progress=False
+    second = gate_round(
+        run_round(
+            RoundSpec(model, tuple(candidates), RL),
+            round_inputs(train, heldout, {"t1": champion, "t2": None}),
+            tmp_path / "r2",
+        ),
+        RL,
     )
     start_champ = _weights(tmp_path / "r2" / "from-champ" / "versions" / "s0")
     start_self = _weights(tmp_path / "r2" / "x" / "versions" / "s0")
@@ -70,17 +72,18 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     twice = [CandidateConfig(name="a", reward=MIX), CandidateConfig(name="a", reward=MIX)]
     with pytest.raises(TrainerConfigError, match=r"duplicate candidate names \['a'\]"):
-        run_round(ModelConfig(name=str(tiny_model)), twice, RL, train, heldout, {}, tmp_path, progress=False)
-    with pytest.raises(TrainerConfigError, match="rollout_url"):
         run_round(
-            ModelConfig(name=str(tiny_model)),
-            twice[:1],
-            RL.model_copy(update={"rollout_engine": "vllm"}),
-            train,
-            heldout,
-            {},
+            RoundSpec(ModelConfig(name=str(tiny_model)), tuple(twice), RL), round_inputs(train, heldout), tmp_path
+        )
+    with pytest.raises(TrainerConfigError, match="rl.rollout.url"):
+        run_round(
+            RoundSpec(
+                ModelConfig(name=str(tiny_model)),
+                tuple(twice[:1]),
+                RL.model_copy(update={"rollout": RL.rollout.model_copy(update={"engine": "vllm"})}),
+            ),
+            round_inputs(train, heldout),
             tmp_path,
-            progress=False,
         )
 
 
@@ -90,8 +93,8 @@ class _Stop(Exception):
 
 def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tmp_path: Path) -> None:
     """The service cancels through this hook: a raise mid-training ends the round cleanly."""
-    from trainer.base import load_base
-    from trainer.rollout import HFEngine
+    from trainer.model.base import load_base
+    from trainer.rollout.hf import HFEngine
 
     prompts = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
@@ -102,7 +105,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
     ]
 
     phases: list[str] = []
-    run_round(model, cands, rl, train, heldout, {}, tmp_path / "r1", progress=False, checkpoint=phases.append)
+    run_round(RoundSpec(model, tuple(cands), rl), round_inputs(train, heldout), tmp_path / "r1", on_phase=phases.append)
     assert phases == [
         "train:0",
         "train:1",
@@ -122,30 +125,22 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
         if phase == "train:1":
             raise _Stop
 
-    import trainer.candidates as round_module
+    from trainer.round import RoundRecipe
 
-    real_make_engine = round_module.make_engine
-
-    def spy_engine(*args):
-        engines.append(real_make_engine(*args))
-        return engines[-1]
+    class SpyRecipe(RoundRecipe):  # the round as it is, remembering the engine it made
+        def _setup_engine(self, base, store):
+            engines.append(super()._setup_engine(base, store))
+            return engines[-1]
 
     phases.clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(round_module, "make_engine", spy_engine)
-        with pytest.raises(_Stop):
-            run_round(
-                model,
-                cands,
-                rl,
-                train,
-                heldout,
-                {},
-                tmp_path / "r2",
-                progress=False,
-                base=base,
-                checkpoint=stop_at_step_1,
-            )
+    with pytest.raises(_Stop):
+        SpyRecipe(
+            RoundSpec(model, tuple(cands), rl),
+            round_inputs(train, heldout),
+            tmp_path / "r2",
+            on_phase=stop_at_step_1,
+            parts=RoundParts(base=base),
+        ).run()
     assert phases == ["train:0", "train:1"]
     assert engines and engines[0].versions == {}, "versions published before the stop are unloaded"
     assert set(getattr(base.model, "peft_config", {})) == adapters_before, (
@@ -157,7 +152,7 @@ def test_checkpoint_sees_every_phase_and_can_stop_the_round(tiny_model: Path, tm
 def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_model: Path, tmp_path: Path) -> None:
     """Gateway traffic carries no reference answer: such rows are skipped, not fatal."""
     from trainer.errors import DataError
-    from trainer.samples import Prompt
+    from trainer.types import Prompt
 
     graded = reasoning_gym_prompts("basic_arithmetic", 8, seed=2, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     plain = [
@@ -170,7 +165,7 @@ def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_m
     train, heldout = split_snapshot(snapshot_table(mixed), 0.5)
     exact = [CandidateConfig(name="exact", reward=[RewardTerm(fn="exact_answer")], start="fresh")]
     result = run_round(
-        ModelConfig(name=str(tiny_model)), exact, RL, train, heldout, {}, tmp_path / "r1", progress=False
+        RoundSpec(ModelConfig(name=str(tiny_model)), tuple(exact), RL), round_inputs(train, heldout), tmp_path / "r1"
     )
     assert result.eval_prompt_ids and all(not pid.startswith("chat-") for pid in result.eval_prompt_ids)
     assert len(result.candidates[0].step_metrics) == 1
@@ -178,12 +173,7 @@ def test_rows_without_a_reference_are_left_out_of_exact_answer_candidates(tiny_m
     only_plain_train, only_plain_heldout = split_snapshot(snapshot_table(plain), 0.5)
     with pytest.raises(DataError, match="reference_answer"):
         run_round(
-            ModelConfig(name=str(tiny_model)),
-            exact,
-            RL,
-            only_plain_train,
-            only_plain_heldout,
-            {},
+            RoundSpec(ModelConfig(name=str(tiny_model)), tuple(exact), RL),
+            round_inputs(only_plain_train, only_plain_heldout),
             tmp_path / "r2",
-            progress=False,
         )

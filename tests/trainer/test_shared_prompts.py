@@ -1,4 +1,4 @@
-"""Each distinct prompt run once (trainer.shared_prompts) gives the whole-row pass's log-probs and gradients (float32)."""
+"""Each distinct prompt run once (trainer.model.logprobs) gives the whole-row pass's log-probs and gradients (float32)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.base import ResidentBase, load_base, lora_config
+from trainer.model.base import ResidentBase, load_base, lora_config
 from trainer.config import CandidateConfig, ModelConfig
-from trainer.shared_prompts import distinct_prompts
+from trainer.model.logprobs import distinct_prompts
 
 from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
 

@@ -76,3 +76,12 @@ def test_no_call_is_a_setting_and_a_schema_that_cannot_be_evaluated_is_invalid_n
     }
     assert tool_call_valid([], call('{"name": "f", "arguments": {}}'), odd) == 0.0
     assert tool_call_valid([], call('{"name": "f", "arguments": {}}'), {"tools": []}) == 0.0
+
+
+def test_the_tool_call_rewards_are_built_ins_a_candidate_can_name() -> None:
+    from trainer.config import RewardTerm
+    from trainer.rewards import build_reward
+
+    mix = build_reward([RewardTerm(fn="tool_call_valid", weight=1.0)])
+    assert mix([], call('{"name": "add", "arguments": {"a": 2, "b": 3}}'), META) == 1.0
+    assert mix([], call('{"name": "add", "arguments": {"a": 2}}'), META) == 0.0

@@ -1,5 +1,5 @@
 """One user's flood cannot own a round: the held-out split is drawn across users and time,
-and no user holds more than ``rl.max_user_share`` of the train or held-out rows."""
+and no user holds more than ``rl.split.max_user_share`` of the train or held-out rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import pyarrow as pa
 import pytest
 
 from trainer.errors import DataError
-from trainer.tasks import SNAPSHOT_SCHEMA, cap_user_share, row_users, split_snapshot, user_cap, user_metrics
+from trainer.data import (
+    SNAPSHOT_SCHEMA,
+    cap_user_share,
+    prompts_from_table,
+    row_users,
+    split_snapshot,
+    user_cap,
+    user_metrics,
+)
 
 START = datetime(2026, 5, 1, tzinfo=timezone.utc)
 
@@ -46,7 +54,7 @@ def test_a_flood_just_before_the_round_owns_neither_train_nor_heldout() -> None:
         assert counts["mallory"] / part.num_rows <= 0.2 + 1e-9, counts
         assert len(counts) == 11
     assert shares(heldout)["mallory"] >= 1 and all(shares(heldout)[f"user-{u}"] >= 1 for u in range(10))
-    metrics = user_metrics(train, heldout)
+    metrics = user_metrics(prompts_from_table(train), prompts_from_table(heldout))
     assert metrics["data/users"] == 11 and metrics["data/max_user_share"] <= 0.2 + 1e-9
     assert metrics["data/heldout_users"] == 11
 
@@ -89,35 +97,36 @@ def test_user_cap_is_the_largest_feasible_bound() -> None:
         split_snapshot(table([("a", 1), ("b", 2)]), 0.5, max_user_share=0.0)
 
 
-def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """pipeline.rounds.job.train_and_evaluate: what reaches the trainer, and the metrics that go to the round's MLflow run."""
-    import trainer.candidates
+def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path) -> None:
+    """pipeline.rounds.steps.LiveSteps.train_and_evaluate: what reaches the trainer (its data, capped per user,
+    and the per-user metrics the round's MLflow run logs), with a fake trainer and no champions."""
     from pipeline.config import HourglassConfig
-    from pipeline.rounds.job import train_and_evaluate
     from pipeline.rounds.records import RoundRecord
+    from pipeline.rounds.steps import LiveSteps
     from trainer.types import RoundResult
 
     seen = {}
 
-    def fake_run_round(model, candidates, rl, train, heldout, champions, out_dir, **kwargs):
-        seen["train"], seen["heldout"] = train, heldout
+    def fake_run_round(spec, inputs, out_dir, **kwargs):
+        seen["inputs"] = inputs
         return RoundResult(
             round_id="r1",
             base_fingerprint="f",
-            window_start=START,
-            window_end=START,
-            train_rows=train.num_rows,
-            heldout_rows=heldout.num_rows,
+            window_start=inputs.data.window_start,
+            window_end=inputs.data.window_end,
+            train_rows=len(inputs.data.train),
+            heldout_rows=len(inputs.data.heldout),
             eval_prompt_ids=(),
             candidates=(),
             decisions={},
             metrics={"round/wall_s": 1.0},
         )
 
-    monkeypatch.setattr(trainer.candidates, "run_round", fake_run_round)
-    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"max_user_share": 0.25, "rollout_engine": "hf"})
+    class NoChampions(LiveSteps):
+        def champions(self, candidates):
+            return {}, None
+
+    cfg = HourglassConfig(state_dir=str(tmp_path), rl={"split": {"max_user_share": 0.25}, "rollout": {"engine": "hf"}})
     record = RoundRecord(
         round_id="r1",
         state="train",
@@ -128,9 +137,11 @@ def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(
         updated_at="",
     )
     rows = [(f"user-{u}", u * 10 + i) for u in range(4) for i in range(5)] + [("mallory", 1000 + i) for i in range(200)]
-    result = train_and_evaluate(cfg, record, table(rows), {})
-    for part in ("train", "heldout"):
-        counts = shares(seen[part])
-        assert counts["mallory"] / seen[part].num_rows <= 0.25 + 1e-9, (part, counts)
-    assert result.metrics["data/users"] == 5 and result.metrics["data/max_user_share"] <= 0.25 + 1e-9
+    steps = NoChampions(cfg, "f" * 64, trainer=fake_run_round)
+    result = steps.train_and_evaluate(record, table(rows), lambda boundary: None)
+    data = seen["inputs"].data
+    for part in (data.train, data.heldout):
+        counts = Counter(p.metadata.get("user_hash") for p in part)
+        assert counts["mallory"] / len(part) <= 0.25 + 1e-9, counts
+    assert data.metrics["data/users"] == 5 and data.metrics["data/max_user_share"] <= 0.25 + 1e-9
     assert result.metrics["round/wall_s"] == 1.0

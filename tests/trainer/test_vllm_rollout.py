@@ -8,12 +8,12 @@ import httpx
 import pytest
 import torch
 
-from trainer.adapter_store import make_store
-from trainer.base import load_base
+from trainer.adapters.registry import make_store
+from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.errors import RolloutError
-from trainer.rollout import RolloutRequest
-from trainer.rollout_vllm import VLLMEngine
+from trainer.rollout.engine import RolloutRequest
+from trainer.rollout.vllm import VLLMEngine
 
 pytestmark = pytest.mark.integration
 

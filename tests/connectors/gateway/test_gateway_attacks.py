@@ -149,8 +149,8 @@ def test_forged_reference_answer_from_an_untrusted_key_is_not_a_label(gateway: s
     # What a round makes of both rows: exact_answer trains and evaluates on the grader's row only.
     from trainer.config import RewardTerm
     from trainer.rewards import build_reward
-    from trainer.samples import Prompt
-    from trainer.tasks import prompts_from_table, snapshot_table
+    from trainer.types import Prompt
+    from trainer.data import prompts_from_table, snapshot_table
 
     rows = [Prompt(prompt_id=t.trace_id, messages=MESSAGES, metadata=t.metadata) for t in (trace, graded_trace)]
     mix = build_reward([RewardTerm(fn="exact_answer")])

@@ -3,6 +3,7 @@ the serving controller signed; a producer without the key cannot move gateways (
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -33,7 +34,7 @@ V3 = {"served_name": "hg-v3", "version": "3", "updated_at": "2026-01-01T00:02:00
 def test_sign_and_verify_cover_topic_key_value_and_the_tombstone() -> None:
     value = json.dumps(V1).encode()
     sig = sign_route(KEY.encode(), "t", b"hg", value)
-    assert len(sig) == 64 and bytes.fromhex(sig.decode())  # hex HMAC-SHA256
+    assert len(base64.urlsafe_b64decode(sig + b"=")) == 32  # an HMAC-SHA256, URL-safe base64 (connectors.signing)
     assert route_signature_problem(KEY.encode(), "t", b"hg", value, [(SIGNATURE_HEADER, sig)]) is None
     assert route_signature_problem(KEY.encode(), "t", b"hg", value, []) == "unsigned"
     assert route_signature_problem(KEY.encode(), "t", b"hg", value, None) == "unsigned"

@@ -33,7 +33,7 @@ from pipeline.serving.controller import ServingController
 from connectors.gateway.routes import read_routes
 from tests.pipeline.canary.test_canary_gateway import _traces
 from tests.pipeline.serving_helpers import make_adapter, make_round, wait_for
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

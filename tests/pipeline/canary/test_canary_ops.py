@@ -21,8 +21,9 @@ from pipeline.registry.client import RegistryError
 from pipeline.config import load_config
 from pipeline.registry.models import register_round
 from pipeline.service import HourglassService
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 
@@ -143,11 +144,12 @@ def test_a_round_puts_its_winner_on_canary_and_says_so(
     fp = fingerprint_of(tiny_model)
     adapter = make_adapter(tiny_model, tmp_path / "w", seed=31)
     results = iter([make_round(adapter, fp, round_id=f"rr-{tmp_path.name}-{i}", model="can-rr") for i in range(2)])
-    monkeypatch.setattr(round_job, "take_snapshot", lambda *_: (pa.table({"x": [1, 2]}), {}))
-    monkeypatch.setattr(round_job, "champion_adapters", lambda *_: {})
-    monkeypatch.setattr(round_job, "train_and_evaluate", lambda *a, **k: next(results))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda _cfg: 2)
-    runner = round_job.RoundRunner(cfg, fp)
+
+    class Rounds(FixedSnapshot):  # the registry and the canary for real; the trainer's results made by hand
+        def train_and_evaluate(self, record, table, on_phase):
+            return next(results)
+
+    runner = round_job.RoundRunner(cfg, fp, steps=Rounds(cfg, fp, pa.table({"x": [1, 2]})))
     first = runner.run("test")
     v1 = first.versions["can-rr"]
     assert first.state == "done" and first.reason == f"can-rr v{v1} on canary against the base", first.reason

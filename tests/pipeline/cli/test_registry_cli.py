@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from pipeline.cli import registry as cli_registry
 from pipeline.registry.models import register_round
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

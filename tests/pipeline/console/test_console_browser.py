@@ -72,12 +72,16 @@ reward = [{{ fn = "format", weight = 1.0 }}]
 [rl]
 steps_per_round = 1
 prompts_per_step = 2
-group_size = 2
-max_new_tokens = 4
-eval_prompts = 4
-rollout_engine = "hf"
 adapter_store = "offload"
 window = "1d"
+
+[rl.rollout]
+group_size = 2
+max_new_tokens = 4
+engine = "hf"
+
+[rl.gate]
+eval_prompts = 4
 [schedule]
 enabled = false
 [registry]

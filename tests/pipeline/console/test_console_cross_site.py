@@ -35,7 +35,7 @@ from pipeline.service import HourglassService
 from pipeline.stack import free_port
 from tests.pipeline.console.console_browser import start_chromium
 from tests.pipeline.serving_helpers import make_adapter, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

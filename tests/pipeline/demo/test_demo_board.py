@@ -67,7 +67,7 @@ def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str
     from pipeline.demo.main import ORACLE_MODEL
 
     cfg = load_config(REPO / "deploy" / name)
-    assert cfg.rl.gate_metric in ("feedback", "reward_model")
+    assert cfg.rl.gate.metric in ("feedback", "reward_model")
     served = [c for c in cfg.candidates if c.served_model == cfg.serving.model_name]
     assert {c.algorithm for c in served} >= {"grpo", "kto"}
     assert all(t.fn not in ("exact_answer", "first_number_answer") for c in served for t in c.reward)

@@ -15,10 +15,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.registry import aliases
+from pipeline.registry.client import find_round_version
 from pipeline.registry.models import (
     TAG_NOT_PROMOTED,
     RegistryUnavailableError,
-    find_round_version,
     list_pending,
     register_round,
 )
@@ -28,7 +28,7 @@ from pipeline.rounds.records import RoundStore
 from pipeline.service import HourglassService
 from pipeline.stack import free_port
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round, wait_for
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.registry import aliases
-from pipeline.registry.models import (
+from pipeline.registry.client import (
     TAG_FINGERPRINT,
     TAG_ROUND,
     TAG_SHA256,
@@ -19,13 +19,11 @@ from pipeline.registry.models import (
     RegistryError,
     RegistryUnavailableError,
     adapter_checksums,
-    list_pending,
-    register_round,
-    retry_pending,
 )
+from pipeline.registry.models import list_pending, register_round, retry_pending
 from pipeline.stack import free_port
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

@@ -19,19 +19,20 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
-from pipeline.registry.models import TAG_ROUND, TAG_SHA256, adapter_checksums
+from pipeline.registry.client import TAG_ROUND, TAG_SHA256, adapter_checksums
 from pipeline.registry.reward_registry import (
     TAG_AUC,
     TAG_DECISION,
     TAG_ROLE,
     pending_reward_dir,
     register_reward_model,
-    reward_champion,
     reward_model_name,
 )
+from pipeline.rounds.steps import reward_champion
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_round
-from trainer.model_store import fingerprint_of
-from trainer.reward_model import HEAD_FILE
+from trainer.model.store import fingerprint_of
+from trainer.reward_model.model import HEAD_FILE
 from trainer.types import RewardModelReport, RewardModelResult
 
 pytestmark = pytest.mark.integration
@@ -55,8 +56,8 @@ def _config(tmp_path: Path, mlflow_uri: str, **extra) -> dict:
             "embedded": False,
             "staging_dir": str(tmp_path / "staging"),
         },
-        "reward_model": {"auc_margin": 0.05},
-        **extra,
+        **{k: v for k, v in extra.items() if k != "rl"},
+        "rl": {"reward_model": {"auc_margin": 0.05}, **extra.get("rl", {})},
     }
 
 
@@ -136,25 +137,25 @@ import json, os, signal, sys
 import pyarrow as pa
 from pipeline.config import HourglassConfig
 from pipeline.rounds import job as round_job
-from trainer import reward_round
-from trainer.model_store import fingerprint_of
+from tests.pipeline.round_fakes import FixedSnapshot
+from trainer.reward_model import phase as reward_round
+from trainer.model.store import fingerprint_of
 
 cfg = HourglassConfig(**json.loads(sys.argv[1]))
 table = pa.ipc.open_file(sys.argv[2]).read_all()
-round_job.take_snapshot = lambda cfg, window: (table, {"data/rows": table.num_rows})  # the buffer's snapshot, fixed
-round_job._buffer_trace_rows = lambda cfg: table.num_rows
 train = reward_round.train_reward_model
 
-def dying(model, data, rm_cfg, max_grad_norm, seed, checkpoint):
+def dying(model, data, rm_cfg, max_grad_norm, seed, on_phase):
     def hook(phase):
         if phase == "reward_model:2":
             print("dying", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # the process dies in the middle of reward-model training
-        checkpoint(phase)
+        on_phase(phase)
     return train(model, data, rm_cfg, max_grad_norm, seed, hook)
 
 reward_round.train_reward_model = dying
-round_job.RoundRunner(cfg, fingerprint_of(cfg.model.name)).run("manual")
+fp = fingerprint_of(cfg.model.name)
+round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")  # the buffer's snapshot, fixed
 print("finished", flush=True)
 """
 
@@ -162,8 +163,8 @@ print("finished", flush=True)
 def _feedback_table(path: Path):
     import pyarrow as pa
 
-    from trainer.samples import Prompt
-    from trainer.tasks import snapshot_table
+    from trainer.types import Prompt
+    from trainer.data import snapshot_table
 
     rows = [
         Prompt(
@@ -204,15 +205,11 @@ def test_crash_mid_reward_model_training_registers_nothing(
         rl={
             "steps_per_round": 2,
             "prompts_per_step": 2,
-            "group_size": 2,
-            "max_new_tokens": 4,
-            "eval_prompts": 4,
-            "rollout_engine": "hf",
+            "rollout": {"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+            "gate": {"eval_prompts": 4, "max_kl": 100.0, "bootstrap_samples": 100},
             "adapter_store": "offload",
-            "max_kl": 100.0,
-            "bootstrap_samples": 100,
+            "reward_model": {"auc_margin": 0.05, "steps": 4, "batch_size": 8, "min_examples": 8},
         },
-        reward_model={"auc_margin": 0.05, "steps": 4, "batch_size": 8, "min_examples": 8},
         schedule={"enabled": False},
     )
     cfg = HourglassConfig(**raw)
@@ -244,9 +241,7 @@ def test_crash_mid_reward_model_training_registers_nothing(
     assert not (cfg.resolve(cfg.state_dir) / "rounds" / "last" / "reward-model").exists()
 
     # the next round (no crash) trains from the staged reward champion and registers its reward model as v2
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
-    record = round_job.RoundRunner(cfg, fp).run("manual")
+    record = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     assert record.state in ("done", "no_winner"), record.reason
     assert record.metrics["reward_model/version"] == 2.0 and "reward_model/auc" in record.metrics
     assert (

@@ -12,7 +12,7 @@ from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
 from pipeline.registry.signing import TAG_SIGNATURE, SignatureError, key_id, sign, signing_keys, verify
 from pipeline.serving.staging import StagingError, base_module_names, check_adapter_config, verify_folder
-from trainer.model_store import sha256_file
+from trainer.model.store import sha256_file
 
 KEY = b"k" * 32
 OTHER = b"o" * 32

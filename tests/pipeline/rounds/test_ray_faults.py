@@ -18,11 +18,13 @@ from pipeline.rounds import job as round_job
 from pipeline.registry.aliases import champion_version
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import register_round
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_round
 from tests.trainer.ray_helpers import until_clean
-from trainer import ray_pool
-from trainer.model_store import fingerprint_of
-from trainer.tasks import reasoning_gym_prompts, snapshot_table
+from trainer.executors import ray_pool
+from trainer.model.store import fingerprint_of
+from trainer.tasks import reasoning_gym_prompts
+from trainer.data import snapshot_table
 
 pytestmark = pytest.mark.integration
 
@@ -51,15 +53,10 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
         rl={
             "steps_per_round": 3,
             "prompts_per_step": 2,
-            "group_size": 2,
-            "max_new_tokens": 4,
-            "eval_prompts": 4,
-            "rollout_engine": "hf",
-            "max_kl": 100.0,
-            "bootstrap_samples": 100,
+            "rollout": {"group_size": 2, "max_new_tokens": 4, "engine": "hf"},
+            "gate": {"eval_prompts": 4, "max_kl": 100.0, "bootstrap_samples": 100},
             "executor": "ray",
-            "ray_actors": 2,
-            "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+            "ray": {"actors": 2, "storage_uri": f"file://{tmp_path / 'exchange'}"},
         },
         schedule={"enabled": False},
     )
@@ -74,8 +71,6 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
         "basic_arithmetic", 12, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
     )
     table = snapshot_table(prompts)
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
     spawned, killed = [], {}
     real_spawn = ray_pool._spawn
@@ -96,7 +91,7 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
 
     killer = threading.Thread(target=kill_mid_round, daemon=True)
     killer.start()
-    record = round_job.RoundRunner(cfg, fp).run("manual")
+    record = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     killer.join(5)
 
     assert "pid" in killed, "the actor was never seen mid-training"
@@ -108,7 +103,7 @@ def test_an_actor_killed_mid_round_fails_it_cleanly_and_the_next_round_runs(
     assert not (tmp_path / "exchange" / record.round_id).exists()
 
     monkeypatch.setattr(ray_pool, "_spawn", real_spawn)
-    again = round_job.RoundRunner(cfg, fp).run("manual")
+    again = round_job.RoundRunner(cfg, fp, steps=FixedSnapshot(cfg, fp, table)).run("manual")
     assert again.state in ("done", "no_winner"), again.reason
     assert again.metrics["executor/actors"] == 2.0
     assert until_clean() == ([], [])

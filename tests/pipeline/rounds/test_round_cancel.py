@@ -17,11 +17,12 @@ from fastapi.testclient import TestClient
 
 import pipeline.registry.models
 import pipeline.registry.reward_registry
-import pipeline.rounds.job as round_job
 from pipeline.api import create_api
 from pipeline.config import load_config
 from pipeline.rounds.job import RoundNotCancellableError, RoundRunner
+from pipeline.rounds.steps import LiveSteps
 from pipeline.service import HourglassService
+from tests.pipeline.round_fakes import evaluated_round
 from tests import REPO
 from trainer.types import PhaseBoundary, RoundPhase
 
@@ -43,49 +44,43 @@ def _wait(predicate, timeout_s: float = 10.0):
     raise AssertionError("timed out")
 
 
-class FakeRound:
-    """Stands in for train_and_evaluate, register_winners and promote_winners; each pauses where a test asks."""
+class FakeRound(LiveSteps):
+    """The live steps with the buffer and the trainer replaced (the registry's calls by monkeypatch); each
+    pauses where a test asks."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, pause_at: str) -> None:
+    def __init__(self, cfg, monkeypatch: pytest.MonkeyPatch, pause_at: str) -> None:
+        super().__init__(cfg, "f" * 64)
         self.pause_at = pause_at
         self.reached = threading.Event()
         self.go = threading.Event()
         self.phases: list[str] = []
         self.unloaded: list[tuple[str, list[str]]] = []
-        monkeypatch.setattr(
-            round_job, "take_snapshot", lambda cfg, window: (pa.table({"x": list(range(10))}), {"data/rows": 10})
-        )
-        monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: 10)
-        monkeypatch.setattr(round_job, "champion_adapters", lambda *a: {})
-        monkeypatch.setattr(round_job, "reward_champion_for", lambda *a: None)
-        monkeypatch.setattr(round_job, "_register_reward_model", lambda cfg, result: {})
         monkeypatch.setattr(pipeline.registry.reward_registry, "save_pending", lambda cfg, result: None)
-        monkeypatch.setattr(round_job, "train_and_evaluate", self.train_and_evaluate)
+        monkeypatch.setattr(pipeline.registry.reward_registry, "register_reward_model", lambda cfg, result, **kw: None)
         monkeypatch.setattr(pipeline.registry.models, "register_winners", self.register_winners)
         monkeypatch.setattr(pipeline.registry.models, "promote_winners", self.promote_winners)
-        monkeypatch.setattr(
-            round_job, "unload_round_adapters", lambda cfg, rid, cands: self.unloaded.append((rid, cands)) or {}
-        )
+
+    def buffer_rows(self) -> int:
+        return 10
+
+    def snapshot(self, window):
+        return pa.table({"x": list(range(10))}), {"data/rows": 10}
+
+    def unload(self, round_id, candidates):
+        self.unloaded.append((round_id, candidates))
+        return {}
 
     def _maybe_pause(self, where: str) -> None:
         if where == self.pause_at:
             self.reached.set()
             assert self.go.wait(30)
 
-    def train_and_evaluate(self, cfg, record, table, champions, checkpoint, **_kwargs):
+    def train_and_evaluate(self, record, table, on_phase):
         for boundary in BOUNDARIES:
             self._maybe_pause(boundary.label)
-            checkpoint(boundary)
+            on_phase(boundary)
             self.phases.append(boundary.label)
-        decision = SimpleNamespace(
-            winner="default",
-            reason="better",
-            champion_reward_mean=0.1,
-            candidate_reward_means={"default": 0.5},
-            lower_bounds={"default": 0.2},
-            metric="verifiable",
-        )
-        return SimpleNamespace(metrics={}, decisions={"hourglass": decision}, candidates=[], reward_model=None)
+        return evaluated_round(record.round_id)
 
     def register_winners(self, cfg, result, promotion_owed):
         self._maybe_pause("register")
@@ -105,8 +100,8 @@ def cfg(tmp_path: Path):
 
 
 def test_evaluation_is_interruptible(cfg, monkeypatch) -> None:
-    fake = FakeRound(monkeypatch, pause_at="evaluate:greedy")
-    runner = RoundRunner(cfg, "f" * 64)
+    fake = FakeRound(cfg, monkeypatch, pause_at="evaluate:greedy")
+    runner = RoundRunner(cfg, "f" * 64, steps=fake)
     record = runner.start("manual")
     assert fake.reached.wait(10)
     assert runner.store.get(record.round_id).state == "evaluate"
@@ -119,8 +114,9 @@ def test_evaluation_is_interruptible(cfg, monkeypatch) -> None:
 
 
 def test_cancel_during_register_is_refused_and_the_round_finishes(cfg, monkeypatch) -> None:
-    fake = FakeRound(monkeypatch, pause_at="register")
+    fake = FakeRound(cfg, monkeypatch, pause_at="register")
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    service.runner.steps = fake
     client = TestClient(create_api(service), base_url="http://localhost")  # Host must name the API
     headers = {"Authorization": f"Bearer {service.api_token}"}
     record = service.runner.start("manual")
@@ -137,8 +133,9 @@ def test_cancel_during_register_is_refused_and_the_round_finishes(cfg, monkeypat
 
 
 def test_shutdown_settles_a_round_that_outlives_the_grace(cfg, monkeypatch) -> None:
-    fake = FakeRound(monkeypatch, pause_at="train:1")  # stuck inside a training step: no boundary comes
+    fake = FakeRound(cfg, monkeypatch, pause_at="train:1")  # stuck inside a training step: no boundary comes
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    service.runner.steps = fake
     service.start()
     record = service.runner.start("manual")
     assert fake.reached.wait(10)
@@ -154,8 +151,9 @@ def test_shutdown_settles_a_round_that_outlives_the_grace(cfg, monkeypatch) -> N
 
 
 def test_shutdown_cancels_at_the_next_boundary(cfg, monkeypatch) -> None:
-    fake = FakeRound(monkeypatch, pause_at="train:1")
+    fake = FakeRound(cfg, monkeypatch, pause_at="train:1")
     service = HourglassService(cfg, base_fingerprint="f" * 64, ingest=False, reconcile=False)
+    service.runner.steps = fake
     service.start()
     record = service.runner.start("manual")
     assert fake.reached.wait(10)

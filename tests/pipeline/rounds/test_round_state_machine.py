@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +23,7 @@ from pipeline.rounds.records import (
     UnknownStateError,
     check_transition,
 )
+from tests.pipeline.round_fakes import evaluated_round
 from trainer.types import PhaseBoundary, PhaseHook, RoundPhase
 
 MODEL = "hourglass"
@@ -93,17 +93,7 @@ class FakeSteps:
                 self.on_boundary(boundary)
             on_phase(boundary)
         self._at("evaluate", record.round_id)
-        decision = SimpleNamespace(
-            winner="default" if self.winner else None,
-            reason="better" if self.winner else "no better",
-            champion_reward_mean=0.1,
-            candidate_reward_means={"default": 0.5},
-            lower_bounds={"default": 0.2},
-            metric="verifiable",
-        )
-        return SimpleNamespace(
-            round_id=record.round_id, metrics={"eval/prompts": 4.0}, decisions={MODEL: decision}, reward_model=None
-        )
+        return evaluated_round(record.round_id, MODEL, winner=self.winner)
 
     def register(self, result: Any) -> tuple[dict[str, str], dict[str, float]]:
         self._at("register:start", result.round_id)
@@ -175,7 +165,7 @@ def test_a_round_passes_every_state_in_order_and_only_promote_moves_the_alias(cf
     ]
     assert alias_at_register == [{}]  # registering moved no alias
     assert registry.alias_moves == [(MODEL, "1")] and final.versions == {MODEL: "1"}
-    assert final.decisions[MODEL]["winner"] == "default" and final.metrics["eval/prompts"] == 4.0  # recorded by gate
+    assert final.decisions[MODEL]["winner"] == "default" and final.metrics["eval/prompts"] == 8.0  # recorded by gate
 
 
 def test_gate_is_a_persisted_state_between_evaluate_and_register(cfg, tmp_path) -> None:
@@ -203,7 +193,7 @@ def test_gate_is_a_persisted_state_between_evaluate_and_register(cfg, tmp_path) 
 def test_no_winner_is_logged_and_ends_as_no_winner(cfg, tmp_path) -> None:
     store, registry = RoundStore(tmp_path), FakeRegistry()
     final = _run(cfg, FakeSteps(registry, store, winner=False), store)
-    assert final.state is RoundState.NO_WINNER and final.reason == f"{MODEL}: no better"
+    assert final.state is RoundState.NO_WINNER and final.reason.startswith(f"{MODEL}: keep base: no candidate passed")
     assert registry.alias_moves == [] and final.versions == {}
 
 

@@ -17,7 +17,7 @@ from pipeline.serving.replica import Replica
 from pipeline.serving.controller import ServingController
 from connectors.gateway.routes import read_routes
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

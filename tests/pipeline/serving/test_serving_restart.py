@@ -18,7 +18,7 @@ from pipeline.serving.controller import ServingController
 from connectors.gateway.routes import read_routes
 from pipeline.stack import free_port, vllm_service
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round, wait_for
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

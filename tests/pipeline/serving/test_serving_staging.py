@@ -10,7 +10,7 @@ import pytest
 
 from connectors.gateway.routes import Route, read_routes, write_route
 from pipeline.serving.staging import StagingError, check_inside, verify_folder
-from trainer.model_store import sha256_file
+from trainer.model.store import sha256_file
 
 FP = "a" * 64
 

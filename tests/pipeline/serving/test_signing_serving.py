@@ -22,7 +22,7 @@ from pipeline.serving.controller import ServingController
 from connectors.gateway.routes import read_routes
 from pipeline.registry.signing import TAG_SIGNATURE, SignatureError, key_id, resign, verify
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
-from trainer.model_store import fingerprint_of
+from trainer.model.store import fingerprint_of
 
 pytestmark = pytest.mark.integration
 

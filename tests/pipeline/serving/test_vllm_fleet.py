@@ -29,6 +29,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
+from tests.pipeline.round_fakes import FixedSnapshot
 from tests.pipeline.serving_helpers import make_adapter, make_config, make_round
 from tests.trainer.ray_helpers import until_clean
 
@@ -39,16 +40,16 @@ from pipeline.registry.models import register_round
 from pipeline.serving.controller import ServingController
 from pipeline.serving.replica import Replica
 from pipeline.stack import free_port, vllm_service
-from trainer.adapter_share import MANIFEST
-from trainer.base import load_base
+from trainer.adapters.share import MANIFEST
+from trainer.model.base import load_base
 from trainer.config import ModelConfig, RLConfig
-from trainer.evaluate import greedy_answers
-from trainer.model_store import fingerprint_of
+from trainer.evaluation.measure import greedy_answers
+from trainer.model.store import fingerprint_of
 from trainer.plan import PromptTokens
-from trainer.rollout import BASE_VERSION, RolloutRequest
-from trainer.rollout_fleet import FleetEngine
-from trainer.samples import Prompt
-from trainer.tasks import snapshot_table
+from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.rollout.fleet import FleetEngine
+from trainer.types import Prompt
+from trainer.data import snapshot_table
 
 pytestmark = pytest.mark.integration
 
@@ -210,7 +211,7 @@ def test_a_version_missing_from_the_share_is_refused_with_the_reason(fleet, tiny
         engine.engines[0]._post("/v1/completions", {"model": "never-published-s0", "prompt": "Hi", "max_tokens": 1})
     # a corrupted shared copy (checksum mismatch) is not loaded either
     a = make_adapter(tiny_model, tmp_path / "a", seed=3)
-    from trainer.adapter_share import publish
+    from trainer.adapters.share import publish
 
     publish(a, str(share), "torn-s0")
     (share / "torn-s0" / "adapter_model.safetensors").write_bytes(b"not the published bytes")
@@ -225,13 +226,13 @@ def test_rounds_roll_out_over_every_serving_replica_unless_told_otherwise(tmp_pa
 
     fleet = ["http://vllm-0:8000", "http://vllm-1:8000"]
     rl = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet, "adapter_share_uri": "s3://b/share"}).rl
-    assert rl.rollout_urls == fleet and rl.rollout_url == fleet[0] and rl.adapter_share_uri == "s3://b/share"
+    assert rl.rollout.urls == fleet and rl.rollout.url == fleet[0] and rl.rollout.adapter_share_uri == "s3://b/share"
     own = HourglassConfig(
-        state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_url": "http://rollouts:8000"}
+        state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"url": "http://rollouts:8000"}}
     ).rl
-    assert own.rollout_urls == [] and own.adapter_share_uri is None  # a separate rollout server is used alone
-    hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout_engine": "hf"}).rl
-    assert hf.rollout_urls == [] and hf.rollout_url is None
+    assert own.rollout.urls == [] and own.rollout.adapter_share_uri is None  # a separate rollout server is used alone
+    hf = HourglassConfig(state_dir=str(tmp_path), serving={"replicas": fleet}, rl={"rollout": {"engine": "hf"}}).rl
+    assert hf.rollout.urls == [] and hf.rollout.url is None
 
 
 def _completion_requests(url: str) -> float:
@@ -278,18 +279,17 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
     rl = {
         "steps_per_round": 2,
         "prompts_per_step": 2,
-        "group_size": 4,
-        "max_new_tokens": 4,
-        "eval_prompts": 4,
-        "rollout_engine": "vllm",  # rollout_urls: every serving replica
-        "max_kl": 100.0,
-        "bootstrap_samples": 100,
-        # the gate's yardstick: "differs from the base's greedy answer", which any trained candidate passes on a
-        # random model, so the round has a winner to register (this test is about where the work runs)
-        "gate_reward": [{"fn": "tests.trainer.ray_helpers:unlike_base"}],
+        "rollout": {"group_size": 4, "max_new_tokens": 4, "engine": "vllm"},  # urls: every serving replica
+        "gate": {
+            "eval_prompts": 4,
+            "max_kl": 100.0,
+            "bootstrap_samples": 100,
+            # the yardstick: "differs from the base's greedy answer", which any trained candidate passes on a
+            # random model, so the round has a winner to register (this test is about where the work runs)
+            "reward": [{"fn": "tests.trainer.ray_helpers:unlike_base"}],
+        },
         "executor": "ray",
-        "ray_actors": 2,
-        "ray_storage_uri": f"file://{tmp_path / 'exchange'}",
+        "ray": {"actors": 2, "storage_uri": f"file://{tmp_path / 'exchange'}"},
     }
     cfg = HourglassConfig(
         state_dir=str(tmp_path / "state"),
@@ -320,17 +320,16 @@ def test_a_ray_round_rolls_out_on_every_replica_and_registers_its_winner(
                 "reward": [{"fn": "reward_model", "kwargs": {"probability": False}}],
             },
         ],
-        rl=rl,
-        reward_model={"steps": 4, "batch_size": 8, "min_examples": 8, "start": "fresh"},
+        rl=rl | {"reward_model": {"steps": 4, "batch_size": 8, "min_examples": 8, "start": "fresh"}},
         schedule={"enabled": False},
     )
-    assert cfg.rl.rollout_urls == urls and cfg.rl.adapter_share_uri == str(share)
+    assert cfg.rl.rollout.urls == urls and cfg.rl.rollout.adapter_share_uri == str(share)
     table = snapshot_table(_rows_with_base_answers(tiny_model, urls, cfg.rl))
-    monkeypatch.setattr(round_job, "take_snapshot", lambda cfg, window: (table, {"data/rows": table.num_rows}))
-    monkeypatch.setattr(round_job, "_buffer_trace_rows", lambda cfg: table.num_rows)
 
     before = [_completion_requests(u) for u in urls]
-    record = round_job.RoundRunner(cfg, fingerprint_of(tiny_model)).run("manual")
+    record = round_job.RoundRunner(
+        cfg, fingerprint_of(tiny_model), steps=FixedSnapshot(cfg, fingerprint_of(tiny_model), table)
+    ).run("manual")
     after = [_completion_requests(u) for u in urls]
 
     assert record.state == "done", record.reason

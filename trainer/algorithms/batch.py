@@ -1,0 +1,84 @@
+"""What every algorithm's step works with: the :class:`Batch` its builder makes, the :class:`StepData` it is
+built from, the :class:`LossInputs` its policy loss reads, and the base-window helpers of logged completions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import CandidateConfig, RLConfig
+from trainer.model.base import ResidentBase
+from trainer.rewards import RewardMix
+from trainer.types import Prompt, Sample
+
+
+@dataclass(frozen=True)
+class Batch:
+    """B sequences ready for the loss. ``behaviour_logprobs[b]`` has one entry per completion token
+    (empty for ``kto``, which needs none); ``desirable[b]`` is the KTO label (None for other algorithms)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    advantages: list[float]
+    rewards: list[float]
+    versions: list[str]
+    desirable: list[bool] | None = None
+
+
+Advantages = Callable[[torch.Tensor], torch.Tensor]
+"""Rewards ``rewards_PG`` (``P`` prompts x ``G`` samples) -> advantages of the same shape."""
+
+
+@dataclass(frozen=True)
+class StepData:
+    """What one candidate learns from in one step: the step's prompts (online: with their rollout
+    ``groups``, ``P`` prompts x ``G`` samples) or logged rows (offline: ``groups`` is None)."""
+
+    candidate: CandidateConfig
+    prompts: Sequence[Prompt]
+    prompt_ids: Sequence[list[int]]
+    groups: Sequence[Sequence[Sample]] | None
+    base: ResidentBase
+    reward: RewardMix
+    extra_metadata_PG: Sequence[Sequence[dict]] | None = (
+        None  # online: per-sample metadata for the reward (e.g. reward_model_score)
+    )
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The policy loss's inputs: log-probs of the batch's completion tokens under the live adapter
+    (``logprobs_BT``, with grad) and the reference (``ref_BT``), and the mask ``mask_BT``."""
+
+    base: ResidentBase
+    candidate: CandidateConfig
+    rl: RLConfig
+    batch: Batch
+    logprobs_BT: torch.Tensor
+    ref_BT: torch.Tensor
+    mask_BT: torch.Tensor
+
+
+PolicyLoss = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
+
+
+def fit_after(base: ResidentBase, prompt_ids: Sequence[int], completion_ids: list[int]) -> list[int]:
+    """``completion_ids`` cut to fit ``base.max_seq_len`` after the prompt (at least one token): a logged
+    completion or a correction from traffic can be far longer than the model's window."""
+    return completion_ids[: max(1, base.max_seq_len - len(prompt_ids))]
+
+
+def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
+    """The logged completion's token ids: the logged ids when the base can embed every one, else the text
+    tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
+    return base.completion_ids(p.logged_completion or "", p.logged_token_ids) or [base.tokenizer.eos_token_id]
+
+
+def pad_rows(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch.Tensor:
+    out_BT = torch.zeros((len(rows), T), dtype=torch.float32)
+    for b, row in enumerate(rows):
+        out_BT[b, : len(row)] = torch.tensor(list(row)[:T], dtype=torch.float32)
+    return out_BT.to(device)

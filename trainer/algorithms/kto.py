@@ -1,0 +1,115 @@
+"""KTO on logged rows (Ethayarajh et al. 2024): the logged completion is desirable when its reward mix is > 0
+(a user correction is one more desirable example), and the loss is taken against the base with adapters
+disabled, its reference point from the batch's completions shifted by one (as TRL)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids
+from trainer.algorithms.losses import kto_loss, sequence_logprobs
+from trainer.algorithms.offline_is import logged_with_reward
+from trainer.config import CandidateConfig
+from trainer.errors import DataError
+from trainer.model.base import ResidentBase
+from trainer.rewards import RewardMix
+from trainer.types import Prompt
+
+
+def kto_batch(
+    candidate: CandidateConfig,
+    prompts: Sequence[Prompt],
+    prompt_ids: Sequence[list[int]],
+    base: ResidentBase,
+    reward: RewardMix,
+) -> tuple[Batch, dict[str, float]]:
+    """Logged rows as KTO examples: the logged completion, desirable when the reward mix
+    (e.g. ``logged``: the buffer's reward from the user's feedback) is > 0; and, with
+    ``candidate.kto_use_corrections``, the user's correction as one more desirable example.
+
+    Raises:
+        DataError: a row has neither a logged completion with a reward nor a usable correction.
+    """
+    ids: list[list[int]] = []
+    completions: list[list[int]] = []
+    desirable: list[bool] = []
+    rewards: list[float] = []
+    versions: list[str] = []
+    corrections = 0
+    for p, pids in zip(prompts, prompt_ids):
+        used = False
+        if p.logged_completion is not None and p.logged_reward is not None:
+            value = reward(p.messages, p.logged_completion, {**p.metadata, "reward": p.logged_reward})
+            ids.append(list(pids))
+            completions.append(fit_after(base, pids, logged_ids(base, p)))
+            desirable.append(value > 0)
+            rewards.append(value)
+            versions.append(p.logged_adapter_version or "base")
+            used = True
+        if candidate.kto_use_corrections and p.logged_correction:
+            ids.append(list(pids))
+            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [
+                base.tokenizer.eos_token_id
+            ]
+            completions.append(fit_after(base, pids, correction))
+            desirable.append(True)
+            versions.append("correction")
+            corrections += 1
+            used = True
+        if not used:
+            raise DataError(
+                f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first"
+            )
+    rewards_t = torch.tensor(rewards or [float("nan")], dtype=torch.float64)
+    batch = Batch(
+        prompt_ids=ids,
+        completion_ids=completions,
+        behaviour_logprobs=[[] for _ in ids],
+        advantages=[1.0 if d else -1.0 for d in desirable],
+        rewards=rewards,
+        versions=versions,
+        desirable=desirable,
+    )
+    metrics = {
+        "train/reward_mean": rewards_t.mean().item(),
+        "train/kto_desirable_frac": sum(desirable) / len(desirable),
+        "train/kto_corrections": float(corrections),
+    }
+    return batch, metrics
+
+
+def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """KTO on the batch; the KL reference point uses the batch's completions shifted by one (as TRL)."""
+    batch = x.batch
+    shifted = [batch.completion_ids[-1], *batch.completion_ids[:-1]]
+    with torch.no_grad():
+        kl_BT, kl_mask_BT = x.base.completion_logprobs(batch.prompt_ids, shifted)
+        with x.base.reference():
+            ref_kl_BT, _ = x.base.completion_logprobs(batch.prompt_ids, shifted)
+    desirable_B = torch.tensor(batch.desirable or [], dtype=torch.bool, device=x.base.device)
+    policy_B = sequence_logprobs(x.logprobs_BT, x.mask_BT)
+    reference_B = sequence_logprobs(x.ref_BT, x.mask_BT)
+    loss, z0 = kto_loss(
+        policy_B,
+        reference_B,
+        desirable_B,
+        sequence_logprobs(kl_BT, kl_mask_BT),
+        sequence_logprobs(ref_kl_BT, kl_mask_BT),
+        beta=x.candidate.kto_beta,
+        desirable_weight=x.candidate.kto_desirable_weight,
+        undesirable_weight=x.candidate.kto_undesirable_weight,
+    )
+    margin_B = (policy_B - reference_B).detach()
+    metrics = {"train/kto_z0": z0.item()}
+    if desirable_B.any():
+        metrics["train/kto_logratio_desirable"] = margin_B[desirable_B].mean().item()
+    if (~desirable_B).any():
+        metrics["train/kto_logratio_undesirable"] = margin_B[~desirable_B].mean().item()
+    return loss, metrics
+
+
+def kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
+    """A row KTO can use: a logged completion with its reward, or (with ``kto_use_corrections``) a correction."""
+    return logged_with_reward(p, candidate) or bool(candidate.kto_use_corrections and p.logged_correction)

@@ -1,0 +1,206 @@
+"""The evaluate phase of a round: every candidate and its served model's champion (or the base when
+there is none) answer the same held-out rows greedily and are measured with the same yardstick,
+``rl.gate.metric`` (:mod:`trainer.evaluation.metrics`), which belongs to the served model and never
+depends on a candidate's own training reward. The result, one
+:class:`~trainer.types.TenantEvaluation` per served model, is all the gate reads
+(:mod:`trainer.evaluation.gate`).
+
+Numbered steps of :func:`evaluate`, in order:
+
+1. the usable held-out rows (the first ``rl.gate.eval_prompts`` the metric can use) and why the round may
+   promote nothing (none usable, a reward model at chance);
+2. each served model's champion loaded into the adapter store and the engine;
+3. greedy answers of every candidate and champion, in one engine call;
+4. the base's log-probs of the candidates' answers (one adapters-off pass: the KL guardrail);
+5. per candidate: its per-row values under the metric, KL and length;
+6. per served model: the champion's values, and the record the gate reads.
+
+Champions loaded in step 2 are unloaded whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.adapters.store import AdapterStore
+from trainer.config import CandidateConfig, RLConfig
+from trainer.evaluation.measure import greedy_answers, kl_to_base, reference_logprobs
+from trainer.evaluation.metrics import GATE_METRICS, HeldOut, feedback_labels, refusal, usable_rows
+from trainer.evaluation.stats import auc
+from trainer.model.base import ResidentBase
+from trainer.plan import PromptTokens
+from trainer.reward_model.phase import RewardPhase
+from trainer.rollout.engine import BASE_VERSION, RolloutEngine
+from trainer.types import Comparison, EvalResult, PhaseBoundary, PhaseHook, Prompt, RoundPhase, TenantEvaluation
+
+
+@dataclass(frozen=True)
+class Contestants:
+    """Who answers the held-out rows: the candidates (config order) with the engine version each was
+    trained to (live in the adapter store and the engine), and per served model the folder of its
+    champion adapter (None or absent: the base is champion)."""
+
+    candidates: Sequence[CandidateConfig]
+    versions: Mapping[str, str]
+    champions: Mapping[str, Path | None]
+
+    @property
+    def tenants(self) -> list[str]:
+        return sorted({c.served_model for c in self.candidates})
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What :func:`evaluate` measured: the held-out rows it used (their ids, oldest first), per candidate its :class:`~trainer.types.EvalResult`, per served
+    model its :class:`~trainer.types.TenantEvaluation`, and round metrics (``eval/prompts``,
+    ``eval/<metric>/<candidate>``, ``eval/<metric>/champion/<tenant>``; undefined values left out)."""
+
+    prompt_ids: tuple[str, ...]
+    results: dict[str, EvalResult]
+    tenants: dict[str, TenantEvaluation]
+    metrics: dict[str, float]
+
+
+def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
+    """The first ``rl.gate.eval_prompts`` held-out rows the gate metric can use; may be empty (the gate then
+    promotes nothing)."""
+    return usable_rows(heldout, rl)[: rl.gate.eval_prompts]
+
+
+def evaluate(
+    base: ResidentBase,
+    store: AdapterStore,
+    engine: RolloutEngine,
+    contestants: Contestants,
+    heldout: Sequence[Prompt],
+    rl: RLConfig,
+    *,
+    round_id: str,
+    reward: RewardPhase | None = None,
+    tokens: PromptTokens | None = None,
+    on_phase: PhaseHook | None = None,
+) -> Evaluation:
+    """The numbered steps of the module docstring. ``reward``: the round's reward model (trained on the
+    train split) and its held-out report; ``tokens``: the round's prompt-token cache.
+
+    ``on_phase`` is called with ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")`` before the greedy
+    answers and ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=name)`` before each candidate
+    is scored; if it raises, the champions loaded here are unloaded and the error propagates.
+    No usable held-out row is not an error: every served model keeps its champion, and the record says why.
+    """
+    check: PhaseHook = on_phase or (lambda _boundary: None)
+    spec = GATE_METRICS[rl.gate.metric]
+    metric = str(rl.gate.metric)
+    reward = reward or RewardPhase()
+    # 1. the rows and why they may not promote
+    rows = eval_prompts(heldout, rl)
+    why_not = refusal(rows, len(heldout), rl, reward.model, reward.report)
+    ids = (tokens or PromptTokens(base, rl)).many(rows)
+    labels = tuple(feedback_labels(rows)) if spec.comparison == Comparison.AUC else None
+    # 2. the champions
+    tenants = contestants.tenants
+    champion_versions, champion_names = _load_champions(store, engine, tenants, contestants.champions, round_id)
+    try:
+        # 3. greedy answers of every version, one engine call
+        check(PhaseBoundary(RoundPhase.EVALUATE, part="greedy"))
+        versions = dict(contestants.versions)
+        everyone = [*versions.values(), *sorted(set(champion_versions.values()))]
+        answers = greedy_answers(engine, everyone, rows, ids, rl) if rows else {}
+        values = spec.values(HeldOut(base, rows, ids, answers, rl, reward.model)) if rows else (lambda _version: ())
+        # 4. the base's log-probs of the candidates' answers: one adapters-off pass, rows by prompt
+        kl_versions = list(
+            dict.fromkeys(versions[c.name] for c in contestants.candidates if versions[c.name] in answers)
+        )
+        base_logprobs = reference_logprobs(base, ids, {v: answers[v] for v in kl_versions})
+        # 5. each candidate (its adapter live: the feedback metric scores through it)
+        results: dict[str, EvalResult] = {}
+        for c in contestants.candidates:
+            check(PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=c.name))
+            samples = answers.get(versions[c.name], [])
+            store.activate(c.name)
+            row_values = values(versions[c.name])
+            results[c.name] = EvalResult(
+                version=versions[c.name],
+                samples=tuple(samples),
+                rewards=row_values,
+                mean_kl=kl_to_base(samples, base_logprobs[versions[c.name]]) if samples else float("nan"),
+                mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
+                value=auc(row_values, labels) if labels is not None else None,
+            )
+        # 6. each served model's champion, and what the gate reads
+        evaluations: dict[str, TenantEvaluation] = {}
+        metrics = {"eval/prompts": float(len(rows))}
+        for tenant in tenants:
+            if tenant in champion_names:
+                store.activate(champion_names[tenant])
+            champion = values(champion_versions[tenant])
+            champion_value = (
+                auc(champion, labels)
+                if labels is not None
+                else (float(np.mean(champion)) if len(champion) else float("nan"))
+            )
+            label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {contestants.champions[tenant]}"
+            evaluations[tenant] = TenantEvaluation(
+                served_model=tenant,
+                metric=metric,
+                unit=spec.unit,
+                comparison=spec.comparison,
+                candidates={c.name: results[c.name] for c in contestants.candidates if c.served_model == tenant},
+                champion=champion,
+                champion_value=champion_value,
+                champion_label=label,
+                labels=labels,
+                refusal=why_not,
+            )
+            metrics[f"eval/{metric}/champion/{tenant}"] = champion_value
+        metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
+    finally:
+        for version in champion_versions.values():
+            if version != BASE_VERSION:
+                engine.unload(version)
+        for name in champion_names.values():
+            store.delete(name)
+    finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+    return Evaluation(tuple(p.prompt_id for p in rows), results, evaluations, finite)
+
+
+def _load_champions(
+    store: AdapterStore,
+    engine: RolloutEngine,
+    tenants: Sequence[str],
+    champions: Mapping[str, Path | None],
+    round_id: str,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each tenant's champion as an adapter in the store and the engine: tenant -> engine version
+    (``BASE_VERSION`` when the base is champion), tenant -> store name (tenants with an adapter only)."""
+    versions: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for i, tenant in enumerate(tenants):
+        folder = champions.get(tenant)
+        if folder is None:
+            versions[tenant] = BASE_VERSION
+            continue
+        name = f"champion-{i}"
+        store.create(name, _champion_candidate(Path(folder), name), init_dir=Path(folder))
+        names[tenant] = name
+        versions[tenant] = f"{name}-{round_id}"
+        engine.load(name, versions[tenant], Path(folder))
+    return versions, names
+
+
+def _champion_candidate(folder: Path, name: str) -> CandidateConfig:
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    targets = cfg["target_modules"]
+    return CandidateConfig(
+        name=name,
+        lora_rank=cfg["r"],
+        lora_alpha=cfg["lora_alpha"],
+        target_modules=sorted(targets) if isinstance(targets, list) else [targets],
+        start="fresh",
+    )

@@ -1,0 +1,86 @@
+"""The promotion gate: a pure function of one served model's held-out evaluation and ``[rl]``.
+
+The gate per served model (tenant) promotes the candidate with the highest paired-bootstrap lower
+confidence bound on (candidate - champion) value - the mean of paired per-row differences, or for
+an AUC comparison the AUC difference on the same resampled rows - if that bound exceeds
+``rl.gate.margin`` and its guardrails hold: mean k3 KL to the base on its greedy answers <=
+``rl.gate.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
+``rl.gate.max_mean_length`` tokens, no NaN. A refusal recorded by the evaluation (no usable held-out row, a
+reward model at chance) promotes nothing. Source of the bound: Efron & Tibshirani 1993, "An
+Introduction to the Bootstrap" (percentile interval).
+
+No model, engine or I/O here: the round's ``gate`` state (:mod:`pipeline.rounds.job`) calls
+:func:`gate_round` on the evaluations the trainer returned, and a test can call :func:`gate` on
+hand-made ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from trainer.config import RLConfig
+from trainer.evaluation.stats import paired_auc_lower_bound, paired_bootstrap_lower_bound
+from trainer.types import Comparison, GateDecision, RoundResult, TenantEvaluation
+
+
+def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
+    """The verdict for one served model (see the module docstring for the rule). ``reason``
+    lists, for every candidate, why it won or lost."""
+    unit, champion, champion_label = evaluation.unit, evaluation.champion, evaluation.champion_label
+    champion_value, refusal = evaluation.champion_value, evaluation.refusal
+    results = evaluation.candidates
+    values = {name: r.metric_value for name, r in results.items()}
+    bounds: dict[str, float] = {}
+    verdicts: list[str] = []
+    eligible: list[str] = []
+    for name, r in results.items():
+        if evaluation.comparison == Comparison.AUC:
+            assert evaluation.labels is not None, "an AUC comparison needs each row's label"
+            lb = paired_auc_lower_bound(
+                r.rewards, champion, evaluation.labels, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed
+            )
+        else:
+            lb = paired_bootstrap_lower_bound(
+                [a - b for a, b in zip(r.rewards, champion)], rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed
+            )
+        bounds[name] = lb
+        if refusal is not None:
+            verdicts.append(f"{name}: {unit} {values[name]:.3f}")
+        elif any(math.isnan(x) for x in (*r.rewards, r.mean_kl, r.mean_length)):
+            verdicts.append(f"{name}: NaN in {unit}s, KL or length")
+        elif r.mean_kl > rl.gate.max_kl:
+            verdicts.append(f"{name}: mean KL to base {r.mean_kl:.3f} > max_kl {rl.gate.max_kl}")
+        elif r.mean_length > rl.gate.max_mean_length:
+            verdicts.append(
+                f"{name}: mean length {r.mean_length:.1f} tokens > max_mean_length {rl.gate.max_mean_length}"
+            )
+        elif not lb > rl.gate.margin:
+            verdicts.append(
+                f"{name}: {unit} {values[name]:.3f} vs {champion_label} {champion_value:.3f}, "
+                f"{rl.gate.confidence:.0%} lower bound {lb:+.3f} does not exceed margin {rl.gate.margin}"
+            )
+        else:
+            eligible.append(name)
+            verdicts.append(
+                f"{name}: beats {champion_label} on {unit} by lower bound {lb:+.3f} > margin {rl.gate.margin}"
+            )
+    winner = max(eligible, key=lambda n: (bounds[n], values[n])) if eligible else None
+    if refusal is not None:
+        head = f"keep {champion_label}: {refusal}"
+    else:
+        head = f"promote {winner}" if winner else f"keep {champion_label}: no candidate passed"
+    return GateDecision(
+        served_model=evaluation.served_model,
+        winner=winner,
+        reason=f"{head}. " + "; ".join(verdicts),
+        champion_reward_mean=champion_value,
+        candidate_reward_means=values,
+        lower_bounds=bounds,
+        metric=evaluation.metric,
+    )
+
+
+def gate_round(result: RoundResult, rl: RLConfig) -> RoundResult:
+    """``result`` with one :class:`~trainer.types.GateDecision` per served model it evaluated."""
+    return replace(result, decisions={model: gate(e, rl) for model, e in sorted(result.evaluations.items())})

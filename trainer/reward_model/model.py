@@ -1,0 +1,400 @@
+"""A reward model learned from users' feedback, as an adapter on the resident base.
+
+The reward model is a LoRA adapter in the round's adapter store (created,
+activated, saved like any candidate) plus a scalar head
+``nn.Linear(hidden, 1)`` in fp32 on the hidden state of the last real token
+(after the final norm). It runs through the same resident base the policy
+candidates use, so no second copy of the base is held in memory.
+
+Loss on one step (labelled rows ``B``, preference pairs ``P``)::
+
+    bce  = mean_B BCEWithLogits(r_b, label_b)                     # unpaired thumbs up / down
+    bt   = mean_P -log σ(r_chosen - r_rejected)                   # Bradley & Terry 1952; Ouyang et al. 2022 (InstructGPT)
+    loss = bce + bt + center_rewards_coefficient * mean_P (r_chosen + r_rejected)^2
+
+The pair term and its optional centering term are TRL's ``RewardTrainer``
+loss (``trl.RewardTrainer.compute_loss``: ``-logsigmoid(rewards_chosen -
+rewards_rejected).mean()`` plus ``center_rewards_coefficient *
+mean((rewards_chosen + rewards_rejected) ** 2)``, Eisenstein et al. 2023);
+the pointwise term uses the same score as a logit of P(thumbs up).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+
+from trainer.model.base import ResidentBase
+from trainer.config import RewardModelConfig
+from trainer.errors import TrainerConfigError
+from trainer.data import FeedbackData
+from trainer.types import PhaseBoundary, PhaseHook, RewardModelReport, RoundPhase
+
+if TYPE_CHECKING:
+    from trainer.adapters.store import AdapterStore
+
+HEAD_FILE = "reward_head.safetensors"
+
+__all__ = [
+    "HEAD_FILE",
+    "RewardModel",
+    "RewardModelReport",
+    "TokenisedFeedback",
+    "create_reward_model",
+    "evaluate_reward_model",
+    "reward_loss",
+    "roc_auc",
+    "tokenise_feedback",
+    "train_reward_model",
+]
+
+
+def reward_loss(
+    scores_B: torch.Tensor,
+    labels_B: torch.Tensor,
+    chosen_P: torch.Tensor,
+    rejected_P: torch.Tensor,
+    center_rewards_coefficient: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pointwise BCE + Bradley-Terry pair loss (+ TRL's centering term), see the module docstring.
+
+    Args:
+        scores_B: scores (logits) of the labelled rows; labels_B: 1.0 thumbs up, 0.0 down. May be empty.
+        chosen_P, rejected_P: scores of the preferred and the other completion of each pair. May be empty.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss and ``reward_model/bce``, ``reward_model/bt`` (0.0 for an empty part).
+    """
+    zero = scores_B.new_zeros(()) if scores_B.numel() else chosen_P.new_zeros(())
+    bce = F.binary_cross_entropy_with_logits(scores_B, labels_B.to(scores_B.dtype)) if scores_B.numel() else zero
+    if chosen_P.numel():
+        bt = -F.logsigmoid(chosen_P - rejected_P).mean()
+        center = torch.mean((chosen_P + rejected_P) ** 2) if center_rewards_coefficient else zero
+    else:
+        bt = center = zero
+    loss = bce + bt + center_rewards_coefficient * center
+    return loss, {"reward_model/bce": float(bce.detach()), "reward_model/bt": float(bt.detach())}
+
+
+@dataclass(frozen=True)
+class TokenisedFeedback:
+    """Feedback as token ids. ``examples``: (prompt ids, completion ids, label); ``pairs``: (prompt, chosen, rejected)."""
+
+    examples: tuple[tuple[list[int], list[int], bool], ...]
+    pairs: tuple[tuple[list[int], list[int], list[int]], ...]
+
+
+def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedback:
+    """Chat-template prompt ids and completion ids (the logged ids, else the tokenised text) of every row."""
+
+    def completion(text: str, ids: Sequence[int] | None) -> list[int]:
+        return base.completion_ids(text, ids)
+
+    examples = tuple(
+        (base.chat_token_ids(e.messages), completion(e.completion, e.completion_token_ids), e.label)
+        for e in data.examples
+    )
+    pairs = tuple(
+        (
+            base.chat_token_ids(p.messages),
+            completion(p.chosen, p.chosen_token_ids),
+            completion(p.rejected, p.rejected_token_ids),
+        )
+        for p in data.pairs
+    )
+    return TokenisedFeedback(examples, pairs)
+
+
+class RewardModel:
+    """A reward adapter in an adapter store plus its scalar head (fp32, on the base's device).
+
+    Scoring and training need the adapter live: :meth:`score` activates it itself.
+    """
+
+    def __init__(
+        self, name: str, base: ResidentBase, store: AdapterStore, head: torch.nn.Linear, batch_size: int = 16
+    ) -> None:
+        self.name = name
+        self.base = base
+        self.store = store
+        self.head = head
+        self.batch_size = batch_size
+        self.head_optimizer: torch.optim.Optimizer | None = None
+
+    def _strip(self, ids: Sequence[int]) -> list[int]:
+        """Completion ids without trailing EOS / pad (logged ids carry them, tokenised text does not)."""
+        out, ends = list(ids), {self.base.tokenizer.eos_token_id, self.base.tokenizer.pad_token_id}
+        while out and out[-1] in ends:
+            out.pop()
+        return out
+
+    def forward(self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Scores ``[B]`` (fp32, with grad): the head on the final-norm hidden state of each sequence's last token.
+
+        Sequences are left-padded into ``[B, L]`` as in :meth:`ResidentBase.completion_logprobs`,
+        so column ``L-1`` is every row's last real token; prompts are cut from the left to
+        fit ``max_seq_len``. The adapter must be live.
+        """
+        base = self.base
+        pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
+        seqs = []
+        for p, c in zip(prompt_ids_B, completion_ids_B):
+            seq = list(p) + self._strip(c)
+            seqs.append(seq[-base.max_seq_len :] or [pad])
+        B, L = len(seqs), max(len(s) for s in seqs)
+        input_BL = torch.full((B, L), pad, dtype=torch.long)
+        attn_BL = torch.zeros((B, L), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            input_BL[b, L - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attn_BL[b, L - len(seq) :] = 1
+        position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)
+        lm = _causal_lm(base)  # LoRA layers are injected in place: the backbone runs the live adapter
+        backbone = getattr(lm, lm.base_model_prefix)
+        out = backbone(
+            input_ids=input_BL.to(base.device),
+            attention_mask=attn_BL.to(base.device),
+            position_ids=position_BL.to(base.device),
+            use_cache=False,
+        )
+        hidden_BH = out.last_hidden_state[:, -1].float()
+        return self.head(hidden_BH).squeeze(-1)
+
+    @torch.no_grad()
+    def score(self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]]) -> list[float]:
+        """Scalar reward (a logit of P(thumbs up)) per (prompt, completion); batched, no grad.
+
+        Activates this reward model's adapter in the store; the caller re-activates whatever it needs next.
+        """
+        if not prompt_ids_B:
+            return []
+        self.store.activate(self.name)
+        was_training = self.base.model.training
+        self.base.model.eval()
+        try:
+            out: list[float] = []
+            for i in range(0, len(prompt_ids_B), self.batch_size):
+                out += self.forward(
+                    prompt_ids_B[i : i + self.batch_size], completion_ids_B[i : i + self.batch_size]
+                ).tolist()
+            return out
+        finally:
+            self.base.model.train(was_training)
+
+    def save(self, out_dir: Path) -> Path:
+        """The PEFT folder of the adapter plus ``reward_head.safetensors`` (``weight [1, H]``, ``bias [1]``)."""
+        folder = self.store.save(self.name, Path(out_dir))
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.head.state_dict().items()}
+        safetensors.torch.save_file(tensors, str(Path(folder) / HEAD_FILE))
+        return Path(folder)
+
+
+def _causal_lm(base: ResidentBase) -> Any:
+    """The transformers model inside the PEFT wrapper (PEFT types it as a plain ``nn.Module``)."""
+    return base.model.get_base_model()
+
+
+def _hidden_size(base: ResidentBase) -> int:
+    return int(_causal_lm(base).config.hidden_size)
+
+
+def create_reward_model(
+    base: ResidentBase,
+    store: AdapterStore,
+    cfg: RewardModelConfig,
+    init_dir: Path | None,
+    seed: int = 0,
+    *,
+    name: str | None = None,
+) -> RewardModel:
+    """Create the reward adapter in ``store`` (from ``init_dir`` or fresh) and its head.
+
+    The head is loaded from ``init_dir / reward_head.safetensors`` when there is one,
+    else initialised ``N(0, 1/H)`` (seeded), bias 0.
+
+    Raises:
+        TrainerConfigError: the saved head does not match the base's hidden size, or
+            the saved adapter does not fit (from the store).
+    """
+    name = name or cfg.name
+    store.create(name, cfg.as_candidate(), init_dir)
+    hidden = _hidden_size(base)
+    head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7)
+        torch.nn.init.normal_(head.weight, std=hidden**-0.5)
+        torch.nn.init.zeros_(head.bias)
+    head_file = Path(init_dir) / HEAD_FILE if init_dir is not None else None
+    if head_file is not None and head_file.is_file():
+        saved = safetensors.torch.load_file(str(head_file))
+        if tuple(saved.get("weight", torch.empty(0)).shape) != (1, hidden):
+            store.delete(name)
+            raise TrainerConfigError(
+                f"reward head {head_file} has weight {tuple(saved.get('weight', torch.empty(0)).shape)}, the base needs (1, {hidden}); "
+                "it was trained on another base: use [reward_model] start = 'fresh'"
+            )
+        head.load_state_dict(saved)
+    head.to(base.device)
+    model = RewardModel(name, base, store, head, max(16, cfg.batch_size))  # no-grad scoring takes larger batches
+    model.head_optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    return model
+
+
+def train_reward_model(
+    model: RewardModel,
+    data: TokenisedFeedback,
+    cfg: RewardModelConfig,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    on_phase: PhaseHook | None = None,
+) -> list[dict[str, float]]:
+    """``cfg.steps`` AdamW steps of adapter + head on :func:`reward_loss`.
+
+    Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
+    ``cfg.batch_size`` pairs (without replacement within an epoch, seeded), and
+    scores them all in one forward pass. ``on_phase`` is called with
+    ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)`` before every step (it may raise to stop the round).
+
+    Returns one metrics dict per step: ``reward_model/loss``, ``/bce``, ``/bt``,
+    ``/grad_norm``, ``/train_accuracy`` (labelled rows of the batch), ``/step_s``.
+    """
+    rng = random.Random(seed * 7919 + 1)
+    decks: dict[str, list[int]] = {"examples": [], "pairs": []}
+
+    def draw(kind: str, n: int, k: int) -> list[int]:
+        out: list[int] = []
+        while n and len(out) < k:
+            if not decks[kind]:
+                decks[kind] = rng.sample(range(n), n)
+            out.append(decks[kind].pop())
+        return out
+
+    history = []
+    for step in range(cfg.steps):
+        if on_phase is not None:
+            on_phase(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
+        started = time.perf_counter()
+        optimizer = model.store.activate(model.name)
+        model.base.model.train()
+        ex = [data.examples[i] for i in draw("examples", len(data.examples), cfg.batch_size)]
+        pr = [data.pairs[i] for i in draw("pairs", len(data.pairs), cfg.batch_size)]
+        prompts = [e[0] for e in ex] + [p[0] for p in pr] * 2
+        completions = [e[1] for e in ex] + [p[1] for p in pr] + [p[2] for p in pr]
+        scores = model.forward(prompts, completions)
+        scores_B, chosen_P, rejected_P = (
+            scores[: len(ex)],
+            scores[len(ex) : len(ex) + len(pr)],
+            scores[len(ex) + len(pr) :],
+        )
+        labels_B = torch.tensor([float(e[2]) for e in ex], device=scores.device)
+        loss, metrics = reward_loss(scores_B, labels_B, chosen_P, rejected_P, cfg.center_rewards_coefficient)
+        optimizer.zero_grad(set_to_none=True)
+        model.head_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        loss.backward()
+        params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+        if np.isfinite(grad_norm):
+            optimizer.step()
+            model.head_optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad(set_to_none=True)
+        model.head_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        accuracy = float(((scores_B.detach() > 0).float() == labels_B).float().mean()) if ex else float("nan")
+        history.append(
+            {
+                "reward_model/loss": float(loss.detach()),
+                **metrics,
+                "reward_model/grad_norm": grad_norm,
+                "reward_model/train_accuracy": accuracy,
+                "reward_model/step_s": time.perf_counter() - started,
+            }
+        )
+    model.base.model.eval()
+    return history
+
+
+# --- held-out evaluation ------------------------------------------------------------------
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties averaged."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(1, len(x) + 1)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.bincount(inverse, weights=ranks) / counts)[inverse]
+
+
+def roc_auc(scores_N: npt.ArrayLike, labels_N: npt.ArrayLike) -> float:
+    """ROC AUC = P(score of a random positive > a random negative), ties count half
+    (Mann-Whitney U / (P N); Hanley & McNeil 1982). NaN without both labels."""
+    scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)
+    pos, neg = int(labels.sum()), int((~labels).sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    return float((_ranks(scores)[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def auc_lower_bound(
+    scores_N: Sequence[float], labels_N: Sequence[bool], confidence: float, resamples: int, seed: int = 0
+) -> float:
+    """Lower ``confidence`` percentile bound of the AUC by the bootstrap over rows
+    (Efron & Tibshirani 1993); resamples with one label only are skipped. NaN when none remain."""
+    scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)
+    if scores.size == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(resamples):
+        idx = rng.integers(0, scores.size, size=scores.size)
+        value = roc_auc(scores[idx], labels[idx])
+        if not np.isnan(value):
+            values.append(value)
+    return float(np.quantile(values, 1.0 - confidence)) if values else float("nan")
+
+
+def expected_calibration_error(scores_N: Sequence[float], labels_N: Sequence[bool], bins: int = 10) -> float:
+    """ECE of ``sigmoid(score)`` against the labels: sum over ``bins`` equal-width bins of
+    (bin share) * |mean label - mean probability| (Guo et al. 2017). NaN without rows."""
+    probs = 1.0 / (1.0 + np.exp(-np.asarray(scores_N, dtype=np.float64)))
+    labels = np.asarray(labels_N, dtype=np.float64)
+    if probs.size == 0:
+        return float("nan")
+    which = np.minimum((probs * bins).astype(int), bins - 1)
+    ece = 0.0
+    for b in range(bins):
+        mask = which == b
+        if mask.any():
+            ece += mask.mean() * abs(labels[mask].mean() - probs[mask].mean())
+    return float(ece)
+
+
+def evaluate_reward_model(
+    model: RewardModel, data: TokenisedFeedback, confidence: float, resamples: int, seed: int = 0
+) -> RewardModelReport:
+    """AUC (+ bootstrap lower bound), accuracy (``score > 0`` vs label), ECE and pair accuracy on held-out feedback."""
+    scores = model.score([e[0] for e in data.examples], [e[1] for e in data.examples])
+    labels = [e[2] for e in data.examples]
+    pair_accuracy = None
+    if data.pairs:
+        chosen = model.score([p[0] for p in data.pairs], [p[1] for p in data.pairs])
+        rejected = model.score([p[0] for p in data.pairs], [p[2] for p in data.pairs])
+        pair_accuracy = float(np.mean([c > r for c, r in zip(chosen, rejected)]))
+    accuracy = float(np.mean([(s > 0) == y for s, y in zip(scores, labels)])) if scores else float("nan")
+    return RewardModelReport(
+        auc=roc_auc(scores, labels),
+        auc_lower_bound=auc_lower_bound(scores, labels, confidence, resamples, seed),
+        accuracy=accuracy,
+        ece=expected_calibration_error(scores, labels),
+        pair_accuracy=pair_accuracy,
+        heldout_examples=len(labels),
+        heldout_pairs=len(data.pairs),
+    )

@@ -1,0 +1,229 @@
+"""The reward model's part of a round (called by :class:`trainer.round.RoundRecipe`).
+
+1. :func:`reward_data`: before any model work, whether this round trains a
+   reward model and the feedback of its train / held-out splits.
+2. :func:`create` (the round's setup): the reward adapter is created in the round's adapter
+   store (from the previous round's reward model under
+   ``out_dir.parent / "last" / <name>``, else the reward champion, else fresh,
+   per ``[reward_model] start``).
+3. :func:`train_phase` (the first phase of the round's training): it is trained on the train split
+   only, then it and the current reward champion (when its folder is given) are evaluated on the
+   held-out split.
+4. :func:`score_rollouts`: every step, the fresh rollouts of the candidates
+   whose reward uses ``reward_model`` are scored in one batched pass; the
+   scores reach the reward mix as ``metadata["reward_model_score"]``.
+5. :func:`finish`: the adapter and its head are saved and kept as ``last``.
+
+One reward model per round, from all rows of the split (every served model's
+traffic): the users' verdict is what it learns, whichever adapter answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from connectors import atomic
+from trainer.adapters.store import AdapterStore
+from trainer.model.base import ResidentBase
+from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
+from trainer.errors import DataError, TrainerConfigError
+from trainer.reward_model.model import (
+    RewardModel,
+    create_reward_model,
+    evaluate_reward_model,
+    tokenise_feedback,
+    train_reward_model,
+)
+from trainer.rewards import REWARD_MODEL_SCORE
+from trainer.types import FeedbackData, PhaseHook, RewardModelReport, RewardModelResult, RoundData, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardPhase:
+    """The round's reward model (None when it trained none) and its held-out reports."""
+
+    model: RewardModel | None = None
+    report: RewardModelReport | None = None
+    champion_report: RewardModelReport | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    train: FeedbackData | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig) -> bool:
+    """Whether this round trains a reward model.
+
+    Raises:
+        TrainerConfigError: a candidate uses ``reward_model`` while ``[reward_model] enabled = false``,
+            a non-``grpo``/``ppo_clip`` candidate uses it, or a candidate has the reward model's name.
+    """
+    users = [c for c in candidates if uses_reward_model(c)]
+    problems = []
+    if users and cfg.enabled is False:
+        problems.append(
+            f"candidates {[c.name for c in users]} use reward 'reward_model' but [reward_model] enabled = false"
+        )
+    offline = [c.name for c in users if not ALGORITHM_TRAITS[c.algorithm].online]
+    if offline:
+        problems.append(
+            f"candidates {offline} use reward 'reward_model', which scores fresh rollouts: only grpo / ppo_clip have them"
+        )
+    if any(c.name == cfg.name for c in candidates):
+        problems.append(f"a candidate is named {cfg.name!r} like the reward model; rename one ([reward_model] name)")
+    if problems:
+        raise TrainerConfigError("; ".join(problems))
+    return cfg.wanted(list(candidates), rl.gate.metric)
+
+
+def reward_data(
+    data: RoundData, candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig
+) -> tuple[FeedbackData, FeedbackData] | None:
+    """The train / held-out feedback when this round trains a reward model, else None.
+
+    A round that wants a reward model but whose train split has fewer than
+    ``min_examples`` labelled rows, or rows of one label only, trains none (logged).
+
+    Raises:
+        TrainerConfigError: see :func:`check_config`.
+        DataError: a candidate needs the reward model and there is too little labelled feedback.
+    """
+    if not check_config(candidates, cfg, rl):
+        return None
+    train_fb = data.train_feedback
+    if len(train_fb.examples) >= cfg.min_examples and train_fb.positives and train_fb.negatives:
+        return train_fb, data.heldout_feedback
+    why = (
+        f"the training split has {len(train_fb.examples)} rows with feedback ({train_fb.positives} up, {train_fb.negatives} down); "
+        f"the reward model needs at least [reward_model] min_examples = {cfg.min_examples} with both labels"
+    )
+    users = [c.name for c in candidates if uses_reward_model(c)]
+    if users:
+        raise DataError(
+            f"candidates {users} learn from reward 'reward_model', but no reward model could be trained: {why}; "
+            "widen the window, collect more feedback, or lower min_examples"
+        )
+    log.warning("no reward model this round: %s", why)
+    return None
+
+
+def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> Path | None:
+    """``start = "self"``: the previous round's reward model, else the reward champion; ``fresh``: None."""
+    if cfg.start == "fresh":
+        return None
+    last = out_dir.parent / "last" / cfg.name
+    if (last / "adapter_model.safetensors").is_file():
+        return last
+    return champion
+
+
+def create(
+    base: ResidentBase, store: AdapterStore, cfg: RewardModelConfig, rl: RLConfig, out_dir: Path, champion: Path | None
+) -> RewardModel:
+    """The round's reward model (adapter + head) in ``store``, at its start point (:func:`start_dir`)."""
+    return create_reward_model(base, store, cfg, start_dir(cfg, out_dir, champion), rl.seed)
+
+
+def train_phase(
+    model: RewardModel,
+    cfg: RewardModelConfig,
+    rl: RLConfig,
+    data: tuple[FeedbackData, FeedbackData],
+    champion: Path | None = None,
+    on_phase: PhaseHook | None = None,
+) -> RewardPhase:
+    """Train the round's reward model and evaluate it (see the module docstring).
+
+    Its round metrics (``reward_model/...``) leave out undefined values (an AUC
+    on held-out rows of one label); the reports keep them as NaN.
+
+    ``champion``: the folder of the current reward champion (adapter + head) to
+    re-measure on this round's held-out rows; None skips that.
+    """
+    started = time.perf_counter()
+    train_fb, held_fb = data
+    base, store = model.base, model.store
+    history = train_reward_model(
+        model, tokenise_feedback(base, train_fb), cfg, rl.update.max_grad_norm, rl.seed, on_phase
+    )
+    held = tokenise_feedback(base, held_fb)
+    report = evaluate_reward_model(model, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
+    champion_report = None
+    if champion is not None:
+        probe = create_reward_model(base, store, cfg, champion, rl.seed, name=f"{cfg.name}-champion")
+        try:
+            champion_report = evaluate_reward_model(probe, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
+        finally:
+            store.delete(probe.name)
+    metrics = {
+        **report.as_metrics(),
+        "reward_model/train_examples": float(len(train_fb.examples)),
+        "reward_model/train_pairs": float(len(train_fb.pairs)),
+        "reward_model/train_s": time.perf_counter() - started,
+    }
+    if history:
+        metrics |= {
+            "reward_model/train_loss": history[-1]["reward_model/loss"],
+            "reward_model/train_loss_first": history[0]["reward_model/loss"],
+        }
+    if champion_report is not None:
+        metrics |= champion_report.as_metrics("reward_model/champion")
+    metrics = {
+        k: v for k, v in metrics.items() if math.isfinite(v)
+    }  # an AUC of one-label rows is undefined: left out, not NaN
+    log.info(
+        "reward model: held-out AUC %.3f (lower bound %.3f) on %d rows",
+        report.auc,
+        report.auc_lower_bound,
+        report.heldout_examples,
+    )
+    return RewardPhase(model, report, champion_report, history, train_fb, metrics)
+
+
+def score_rollouts(
+    model: RewardModel,
+    prompt_ids: Mapping[str, Sequence[Sequence[int]]],
+    groups: Mapping[str, Sequence[Sequence[Sample]]],
+) -> tuple[dict[str, list[list[dict[str, float]]]], dict[str, float]]:
+    """Score every sample of the given candidates' groups in one batched pass.
+
+    ``prompt_ids[name][p]`` are prompt ``p``'s ids, ``groups[name][p]`` its G samples.
+    Returns per candidate ``[p][g] -> {"reward_model_score": score}`` (for
+    :func:`trainer.algorithms.ppo.rollout_batch`) and ``train/reward_model_score_s``.
+    """
+    started = time.perf_counter()
+    flat_prompts, flat_completions, shape = [], [], []
+    for name in groups:
+        for ids, group in zip(prompt_ids[name], groups[name]):
+            shape.append((name, len(group)))
+            for sample in group:
+                flat_prompts.append(list(ids))
+                flat_completions.append(list(sample.token_ids))
+    scores = iter(model.score(flat_prompts, flat_completions))
+    out: dict[str, list[list[dict[str, float]]]] = {name: [] for name in groups}
+    for name, g in shape:
+        out[name].append([{REWARD_MODEL_SCORE: next(scores)} for _ in range(g)])
+    return out, {"train/reward_model_score_s": time.perf_counter() - started}
+
+
+def finish(phase: RewardPhase, out_dir: Path) -> RewardModelResult | None:
+    """Save the reward model (adapter + head) under ``out_dir/<name>/adapter`` and keep it as ``last``."""
+    if phase.model is None or phase.report is None or phase.train is None:
+        return None
+    folder = phase.model.save(out_dir / phase.model.name / "adapter")
+    atomic.copy_dir(folder, out_dir.parent / "last" / phase.model.name)  # replaced in one step
+    return RewardModelResult(
+        name=phase.model.name,
+        adapter_dir=folder,
+        report=phase.report,
+        champion_report=phase.champion_report,
+        step_metrics=tuple(phase.history),
+        train_examples=len(phase.train.examples),
+        train_pairs=len(phase.train.pairs),
+    )
