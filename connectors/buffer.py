@@ -6,8 +6,9 @@ caller commits Kafka offsets: at-least-once. Read path
 (:meth:`RewardBuffer.snapshot`): list the sealed segments once (a fixed set,
 so the result is consistent while writers keep appending), de-duplicate traces
 by ``trace_id`` (first ingested wins: redelivery after a crash shows once),
-and join feedback to traces by ``trace_id`` within
-``buffer.feedback_join_window_s``. Feedback is stored in its own segments, so
+join feedback to traces by ``trace_id`` within
+``buffer.feedback_join_window_s``, and link conversation turns the gateway could
+not link itself (``parent_trace_id`` from the hashes in ``metadata.conversation``). Feedback is stored in its own segments, so
 it may arrive before the trace, after it, or never.
 
 Maintenance: :meth:`sweep_unmatched_feedback` sends feedback that found no
@@ -44,6 +45,7 @@ from connectors.segments import (
     TRACES,
     Coordinates,
     SegmentInfo,
+    conform,
     decode,
     encode,
     feedback_table,
@@ -133,7 +135,7 @@ class RewardBuffer:
         imports (its pandas shim, loaded by the first ``pa.array``: about 0.5 s on an idle 2-core host, seconds
         on a loaded one; the temporal compute kernels) happen at start-up instead of inside the first batch."""
         now = datetime.now(timezone.utc)
-        row = ("warm-up", now, "m", None, "[]", "", [0], [0.0], None, "{}", "warm-up", 0, 0)
+        row = ("warm-up", now, "m", None, "[]", "", [0], [0.0], *[None] * 8, None, "{}", "warm-up", 0, 0)
         for _, table in _split_by_hour(trace_rows_table([row], now)):
             encode(table)
 
@@ -159,7 +161,8 @@ class RewardBuffer:
             return schema.empty_table()
         # Sorted by file name = ingest time: "first ingested" is the first row of a trace_id.
         segs = sorted(segs, key=lambda s: s.path.rsplit("/", 1)[-1])
-        return pa.concat_tables([decode(read_bytes(self.loc, s.path)) for s in segs])
+        # Segments written before a column existed read with that column null.
+        return pa.concat_tables([conform(decode(read_bytes(self.loc, s.path)), schema) for s in segs])
 
     # --- read path ----------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class RewardBuffer:
             pc.greater_equal(ts_ms, int(start.timestamp() * 1000)), pc.less(ts_ms, int(end.timestamp() * 1000))
         )
         traces = traces.filter(keep)
-        traces = _first_per_trace_id(traces)
+        traces = _link_turns(_first_per_trace_id(traces))
         window_s = window.total_seconds()
         fb_segs = [
             s for s in listing if s.kind == FEEDBACK and overlaps(s, shift(start, -window_s), shift(end, window_s))
@@ -450,6 +453,43 @@ def _split_by_hour(table: pa.Table) -> list[tuple[datetime, pa.Table]]:
     if len(distinct) == 1:  # the usual batch: all in one hour, no copy
         return [(hour_of(distinct[0]), table)]
     return [(hour_of(h), table.filter(pc.equal(hours, pa.scalar(h, hours.type)))) for h in distinct]
+
+
+def _link_turns(traces: pa.Table) -> pa.Table:
+    """``parent_trace_id`` filled where the gateway left it null but the trace says which answer it continues
+    (``metadata.conversation.continues``) and a trace of the table gave that answer
+    (``metadata.conversation.answer``): the latest such trace not after it. The gateway links at request time
+    from its own memory; this links what another replica (or a restarted one) answered."""
+    parents = traces["parent_trace_id"].to_pylist()
+    if traces.num_rows == 0 or all(p is not None for p in parents):
+        return traces
+    hashes: list[dict[str, Any]] = []
+    for text in traces["metadata"].to_pylist():
+        found: Any = None
+        if text and '"conversation"' in text:
+            try:
+                found = json.loads(text).get("conversation")
+            except (ValueError, AttributeError):
+                found = None
+        hashes.append(found if isinstance(found, dict) else {})
+    ids, times = traces["trace_id"].to_pylist(), traces["ts"].to_pylist()
+    answered: dict[str, list[tuple[datetime, str]]] = defaultdict(list)
+    for trace_id, ts, known in zip(ids, times, hashes):
+        if isinstance(known.get("answer"), str):
+            answered[known["answer"]].append((ts, trace_id))
+    changed = False
+    for i, known in enumerate(hashes):
+        continues = known.get("continues")
+        if parents[i] is not None or not isinstance(continues, str) or continues not in answered:
+            continue
+        before = [(ts, tid) for ts, tid in answered[continues] if ts <= times[i] and tid != ids[i]]
+        if before:
+            parents[i] = max(before)[1]
+            changed = True
+    if not changed:
+        return traces
+    index = traces.schema.get_field_index("parent_trace_id")
+    return traces.set_column(index, traces.schema.field(index), pa.array(parents, pa.string()))
 
 
 def _first_per_trace_id(table: pa.Table) -> pa.Table:

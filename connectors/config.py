@@ -235,6 +235,36 @@ class GatewayConfig(Section):
     max_schema_bytes: int = Field(
         default=8192, ge=64, description="Largest `response_format` object (a JSON schema is compiled by vLLM), bytes."
     )
+    max_tools: int = Field(
+        default=128, ge=1, le=1024, description="Most `tools` (function definitions) offered in one chat request."
+    )
+    max_tool_schema_bytes: int = Field(
+        default=16_384,
+        ge=64,
+        description="Largest tool definition (`tools[i].function`: name, description and JSON-Schema `parameters`), "
+        "bytes of compact JSON. Tool definitions are rendered into the prompt and count toward `max_prompt_chars`.",
+    )
+    max_tool_calls: int = Field(
+        default=128,
+        ge=1,
+        description="Most tool calls in the assistant messages of one request (all messages together).",
+    )
+    max_tool_arguments_bytes: int = Field(
+        default=16_384,
+        ge=16,
+        description="Largest `arguments` text of one tool call in an assistant message, bytes (UTF-8).",
+    )
+    conversation_cache_entries: int = Field(
+        default=100_000,
+        ge=0,
+        description="Answers the gateway remembers to link the next turn of a conversation to the trace it continues "
+        "(`parent_trace_id`); the oldest go first. 0: no link at request time (ingest-time linking still applies).",
+    )
+    conversation_ttl_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="How long a remembered answer can be continued and still be linked at request time, seconds.",
+    )
     rate_per_min: int = Field(
         default=600, ge=1, description="Requests per minute per API key (token bucket) unless the key sets its own."
     )

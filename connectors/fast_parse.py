@@ -11,8 +11,8 @@ strictly narrower than the reference: everything it accepts the reference
 accepts too, and it produces the same row (``tests/connectors/test_fast_parse.py``
 checks both on mixed batches).
 
-Token ids and logprobs (the bulk of a trace: tens to thousands of numbers) are
-not turned into Python numbers: msgspec checks their JSON syntax and keeps the
+Token ids and logprobs (the bulk of a trace: tens to thousands of numbers, the
+prompt's ids too in ``hourglass.trace/v2``) are not turned into Python numbers: msgspec checks their JSON syntax and keeps the
 text, and the whole batch's lists become two Arrow columns in one split and one
 cast (C++, correctly rounded like Python's ``float()``). If any list is not
 plain numbers that fit the column (``1.0`` for an int, an int32 overflow,
@@ -42,17 +42,23 @@ from connectors.schema import (
     FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
+    MAX_ID_CHARS,
+    MAX_TOOL_NAME_CHARS,
+    MAX_TRACE_TOOLS,
     PARSE_ERROR,
     TRACE_SCHEMA,
+    TRACE_SCHEMA_V1,
     UNDECODABLE_RECORD,
     Rejected,
     TraceEvent,
     TsWindow,
     UserHasher,
+    finite_or_null,
     parse_record,
 )
 from connectors.segments import (
     FEEDBACK_SEGMENT_SCHEMA,
+    PROMPT_IDS,
     TRACE_SEGMENT_SCHEMA,
     FeedbackRow,
     TraceRow,
@@ -68,13 +74,47 @@ _NULL = msgspec.Raw(b"null")
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 _TokenId = Annotated[int, msgspec.Meta(ge=INT32_MIN, le=INT32_MAX)]
 _Rating = Annotated[int, msgspec.Meta(ge=1, le=5)]
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 # gc=False: decoded JSON is a tree (no reference cycles), so these structs need no GC tracking; fewer
 # tracked objects per record means fewer and shorter collections in the ingest process.
-class _Message(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+# Each struct encodes to the bytes of the reference model's dump: same field order; omit_defaults where the
+# reference dumps with exclude_none (messages, function definitions, usage), never where it keeps defaults.
+class _FunctionCall(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TOOL_NAME_CHARS)]
+    arguments: str
+
+
+class _ToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
     role: _NonEmpty
-    content: str  # None, content parts and extra keys go to the reference parser
+    content: str | None = None  # content parts and extra keys go to the reference parser
+    name: str | None = None
+    tool_calls: Annotated[list[_ToolCall], msgspec.Meta(max_length=MAX_TRACE_TOOLS)] | None = None
+    tool_call_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] | None = None
+
+
+class _FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TOOL_NAME_CHARS)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    type: Literal["function"] = "function"
+    function: _FunctionDefinition
+
+
+class _Usage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class _Signals(msgspec.Struct, kw_only=True, gc=False):
@@ -88,7 +128,7 @@ class _Signals(msgspec.Struct, kw_only=True, gc=False):
     metadata: msgspec.Raw = msgspec.Raw(b"{}")  # decoded below; its bytes tell whether floats are inside
 
 
-class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
+class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA_V1, forbid_unknown_fields=True, gc=False):
     trace_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: str | int
     model: _NonEmpty
@@ -101,9 +141,28 @@ class _Trace(_Signals, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbi
     completion_logprobs: msgspec.Raw = _NULL
 
 
-class _TypedTrace(_Trace, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
+class _TraceV2(_Trace, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
+    """``hourglass.trace/v2``: v1 plus the conversation fields (v1 keeps refusing them: forbid_unknown_fields)."""
+
+    tools: Annotated[list[_Tool], msgspec.Meta(max_length=MAX_TRACE_TOOLS)] | None = None
+    completion_tool_calls: Annotated[list[_ToolCall], msgspec.Meta(max_length=MAX_TRACE_TOOLS)] | None = None
+    finish_reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    prompt_token_ids: msgspec.Raw = _NULL  # JSON text, as completion_token_ids
+    usage: _Usage | None = None
+    conversation_id: _Id | None = None
+    turn: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+    parent_trace_id: _Id | None = None
+
+
+class _TypedTrace(_Trace, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA_V1, forbid_unknown_fields=True, gc=False):
     completion_token_ids: list[_TokenId] | None = None  # type: ignore[assignment]
     completion_logprobs: list[float] | None = None  # type: ignore[assignment]  # JSON has no NaN/inf; 1e999 fails
+
+
+class _TypedTraceV2(_TraceV2, kw_only=True, tag_field="schema", tag=TRACE_SCHEMA, forbid_unknown_fields=True, gc=False):
+    completion_token_ids: list[_TokenId] | None = None  # type: ignore[assignment]
+    completion_logprobs: list[float] | None = None  # type: ignore[assignment]
+    prompt_token_ids: list[_TokenId] | None = None  # type: ignore[assignment]
 
 
 class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA, forbid_unknown_fields=True, gc=False):
@@ -112,8 +171,10 @@ class _Feedback(_Signals, kw_only=True, tag_field="schema", tag=FEEDBACK_SCHEMA,
     correction: str | None = None
 
 
-_DECODER = msgspec.json.Decoder(_Trace | _Feedback)
-_TYPED_DECODER = msgspec.json.Decoder(_TypedTrace | _Feedback)
+_DECODER = msgspec.json.Decoder(_Trace | _TraceV2 | _Feedback)
+_TYPED_DECODER = msgspec.json.Decoder(_TypedTrace | _TypedTraceV2 | _Feedback)
+# The list columns built from JSON text for a whole batch, and their Arrow value types as first read.
+_LIST_COLUMNS = ("completion_token_ids", "completion_logprobs", "prompt_token_ids")
 _METADATA = msgspec.json.Decoder(dict[str, Any])
 _ENCODER = msgspec.json.Encoder()
 # Every JSON number that decodes to a float has a digit right before '.', 'e' or 'E'. Without such a pair
@@ -153,9 +214,9 @@ class KafkaRecord(Protocol):
 class ParsedBatch:
     """One batch, parsed: rows for the buffer and the dead letters, each in record order.
 
-    When ``token_ids`` / ``logprobs`` are set they are the ``completion_token_ids`` /
-    ``completion_logprobs`` columns of ``traces`` (one entry per row, in row order), and the rows
-    hold None in those two places.
+    When ``token_ids`` / ``logprobs`` / ``prompt_ids`` are set they are the ``completion_token_ids`` /
+    ``completion_logprobs`` / ``prompt_token_ids`` columns of ``traces`` (one entry per row, in row
+    order), and the rows hold None in those places.
     """
 
     traces: list[TraceRow] = field(default_factory=list)
@@ -169,24 +230,34 @@ class ParsedBatch:
     otel_records: int = 0
     token_ids: pa.Array | None = None  # list<int32>, [len(traces)]
     logprobs: pa.Array | None = None  # list<float32>, [len(traces)]
-    # While parsing with _DECODER: each trace row's lists as JSON text (None = null) and element counts.
-    _ids_json: list[bytes | None] = field(default_factory=list, repr=False)
-    _lps_json: list[bytes | None] = field(default_factory=list, repr=False)
-    _ids_len: list[int] = field(default_factory=list, repr=False)
-    _lps_len: list[int] = field(default_factory=list, repr=False)
+    prompt_ids: pa.Array | None = None  # list<int32>, [len(traces)]
+    # While parsing with _DECODER: each trace row's lists (_LIST_COLUMNS order) as JSON text (None = null),
+    # and their element counts.
+    _texts: tuple[list[bytes | None], ...] = field(default_factory=lambda: ([], [], []), repr=False)
+    _lengths: tuple[list[int], ...] = field(default_factory=lambda: ([], [], []), repr=False)
 
-    def _add_lists(self, ids_json: bytes | None, n_ids: int, lps_json: bytes | None, n_lps: int) -> None:
-        self._ids_json.append(ids_json)
-        self._ids_len.append(n_ids)
-        self._lps_json.append(lps_json)
-        self._lps_len.append(n_lps)
+    def _add_lists(self, texts: tuple[bytes | None, ...], lengths: tuple[int, ...]) -> None:
+        for text_store, text in zip(self._texts, texts, strict=True):
+            text_store.append(text)
+        for length_store, n in zip(self._lengths, lengths, strict=True):
+            length_store.append(n)
+
+    def _truncate_lists(self, n: int) -> None:
+        for text_store in self._texts:
+            del text_store[n:]
+        for length_store in self._lengths:
+            del length_store[n:]
+
+    def _columns(self, rows: slice | None = None) -> dict[str, pa.Array] | None:
+        arrays = (self.token_ids, self.logprobs, self.prompt_ids)
+        if any(a is None for a in arrays):
+            return None
+        picked = [a if rows is None else a[rows] for a in arrays]  # type: ignore[index]
+        return dict(zip(_LIST_COLUMNS, picked))
 
     def trace_table(self, ingested_at: datetime) -> pa.Table:
         """Traces in :data:`~connectors.segments.TRACE_SEGMENT_SCHEMA`."""
-        if self.token_ids is None or self.logprobs is None:
-            return trace_rows_table(self.traces, ingested_at)
-        columns = {"completion_token_ids": self.token_ids, "completion_logprobs": self.logprobs}
-        return trace_rows_table(self.traces, ingested_at, columns=columns)
+        return trace_rows_table(self.traces, ingested_at, columns=self._columns())
 
     def feedback_table(self, ingested_at: datetime) -> pa.Table:
         """Feedback in :data:`~connectors.segments.FEEDBACK_SEGMENT_SCHEMA`."""
@@ -216,13 +287,8 @@ class ParsedBatch:
             try:
                 if kind == FEEDBACK_KIND:
                     good.append(feedback_rows_table([row], ingested_at))
-                elif self.token_ids is None or self.logprobs is None:
-                    good.append(trace_rows_table([row], ingested_at))
                 else:
-                    columns = {
-                        "completion_token_ids": self.token_ids[index : index + 1],
-                        "completion_logprobs": self.logprobs[index : index + 1],
-                    }
+                    columns = self._columns(slice(index, index + 1))
                     good.append(trace_rows_table([row], ingested_at, columns=columns))
             except (pa.ArrowException, ValueError, TypeError, OverflowError) as err:
                 topic, partition, offset = row[-3:]
@@ -304,7 +370,7 @@ def parse_batch(
     Returns:
         A :class:`ParsedBatch`. Rows equal :func:`~connectors.segments.trace_row` /
         :func:`~connectors.segments.feedback_row` of the reference parser's events (with the token
-        ids and logprobs moved to the batch's columns when those are set, see :class:`ParsedBatch`);
+        ids, logprobs and prompt ids moved to the batch's columns when those are set, see :class:`ParsedBatch`);
         its tables equal the reference parser's; dead letters carry the reference parser's reason
         and detail.
     """
@@ -338,13 +404,13 @@ def _parse(records: list[KafkaRecord], limits: _Limits, decoder: msgspec.json.De
                 )
             )
             continue
-        marks = (len(out.traces), len(out.feedback), len(out.dead_letters), len(out._ids_json), out.fast, out.fallback)
+        marks = (len(out.traces), len(out.feedback), len(out.dead_letters), len(out._texts[0]), out.fast, out.fallback)
         try:
             _parse_one(out, record, limits, decoder)
         except Exception as err:  # noqa: BLE001 - last resort: one record the parser cannot handle never stops the batch
             n_traces, n_feedback, n_letters, n_lists, out.fast, out.fallback = marks
             del out.traces[n_traces:], out.feedback[n_feedback:], out.dead_letters[n_letters:]
-            del out._ids_json[n_lists:], out._lps_json[n_lists:], out._ids_len[n_lists:], out._lps_len[n_lists:]
+            out._truncate_lists(n_lists)
             out.dead_letters.append(
                 DeadLetter(
                     PARSE_ERROR,
@@ -405,14 +471,12 @@ def _parse_one(out: ParsedBatch, record: KafkaRecord, limits: _Limits, decoder: 
     elif isinstance(result, TraceEvent):
         row = trace_row(result, record.topic, record.partition, record.offset)
         if decoder is _DECODER:  # this batch carries its lists as columns: JSON text like the fast rows
-            ids, lps = row[6] or [], row[7] or []
+            lists = (row[6], row[7], row[PROMPT_IDS])
             out._add_lists(
-                _ENCODER.encode(ids) if row[6] is not None else None,
-                len(ids),
-                _ENCODER.encode(lps) if row[7] is not None else None,
-                len(lps),
+                tuple(_ENCODER.encode(v) if v is not None else None for v in lists),
+                tuple(len(v or ()) for v in lists),
             )
-            row = (*row[:6], None, None, *row[8:])
+            row = (*row[:6], None, None, *row[8:PROMPT_IDS], None, *row[PROMPT_IDS + 1 :])
         out.traces.append(row)
     else:
         out.feedback.append(feedback_row(result, record.topic, record.partition, record.offset))
@@ -426,28 +490,36 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
     if ts is None or signals is None or not limits.in_window(ts):
         return False
     hasher = limits.hasher
+    v2 = event if isinstance(event, _TraceV2) else None
     # JSON text (msgspec.Raw) from _DECODER, or lists from the decoder whose struct overrides these fields.
     ids: Any = event.completion_token_ids
     lps: Any = event.completion_logprobs
-    ids_json = lps_json = None
+    prompt_ids: Any = v2.prompt_token_ids if v2 is not None else _NULL
+    texts: tuple[bytes | None, ...] = ()
+    lengths: tuple[int, ...] = ()
     if isinstance(ids, msgspec.Raw):  # _DECODER: JSON text, made into columns for the whole batch
-        ids_json = None if ids == _NULL else bytes(ids)
-        lps_json = None if lps == _NULL else bytes(lps)
-        if (ids_json is not None and ids_json[0] != _OPEN) or (lps_json is not None and lps_json[0] != _OPEN):
+        texts = tuple(None if raw == _NULL else bytes(raw) for raw in (ids, lps, prompt_ids))
+        if any(text is not None and text[0] != _OPEN for text in texts):
             return False  # not a list at all
-        n_ids, n_lps = _array_len(ids_json), _array_len(lps_json)
-        if ids_json is not None and lps_json is not None and n_ids != n_lps:
+        lengths = tuple(_array_len(text) for text in texts)
+        if texts[0] is not None and texts[1] is not None and lengths[0] != lengths[1]:
             return False
-        ids = lps = None
+        ids = lps = prompt_ids = None
     elif ids is not None and lps is not None and len(ids) != len(lps):
         return False
     elif lps is not None and not all(abs(v) <= FLOAT32_MAX for v in lps):
         return False  # would be infinite as float32: the reference parser refuses it
-    # A _Message encodes as {"role": ..., "content": ...}, the same bytes as the reference's dicts.
+    if prompt_ids is _NULL:
+        prompt_ids = None
+    conversation = _conversation_columns(v2)
+    if conversation is None:
+        return False
+    # A _Message encodes as the reference's dump (exclude_none): the same bytes.
     messages = [_Message("user", event.prompt)] if isinstance(event.prompt, str) else event.prompt
     metadata = _metadata_json(event.metadata, hasher)
     if metadata is None:
         return False
+    tools, calls, finish, conversation_id, turn, parent, usage = conversation
     out.traces.append(
         (
             event.trace_id,
@@ -458,6 +530,14 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
             event.completion,
             ids,
             lps,
+            tools,
+            calls,
+            finish,
+            prompt_ids,
+            conversation_id,
+            turn,
+            parent,
+            usage,
             _signals_json(signals) if signals else None,
             metadata,
             record.topic,
@@ -465,9 +545,25 @@ def _add_trace(out: ParsedBatch, event: _Trace, record: KafkaRecord, limits: _Li
             record.offset,
         )
     )
-    if isinstance(event.completion_token_ids, msgspec.Raw):
-        out._add_lists(ids_json, n_ids, lps_json, n_lps)
+    if texts:
+        out._add_lists(texts, lengths)
     return True
+
+
+def _conversation_columns(event: _TraceV2 | None) -> tuple[Any, ...] | None:
+    """The stored v2 columns except prompt ids (tools JSON, tool calls JSON, finish_reason, conversation_id,
+    turn, parent_trace_id, usage JSON), all None for a v1 event; None when the reference parser must decide."""
+    if event is None:
+        return (None,) * 7
+    tools = None
+    if event.tools is not None:
+        builtins = msgspec.to_builtins(event.tools)
+        if finite_or_null(builtins) is not builtins:
+            return None  # a number beyond float range (the reference parser refuses it)
+        tools = to_json(builtins)  # parameters may hold floats: the reference encoder formats them
+    calls = None if event.completion_tool_calls is None else _ENCODER.encode(event.completion_tool_calls).decode()
+    usage = None if event.usage is None else _ENCODER.encode(event.usage).decode()
+    return (tools, calls, event.finish_reason, event.conversation_id, event.turn, event.parent_trace_id, usage)
 
 
 _OPEN = ord("[")
@@ -506,19 +602,21 @@ def _number_lists(texts: list[bytes | None], lengths: list[int], value_type: pa.
 
 
 def _lists_to_columns(out: ParsedBatch) -> bool:
-    """Set ``out.token_ids`` / ``out.logprobs`` from the JSON text gathered while parsing; False when
-    some list needs record-by-record decoding."""
+    """Set ``out.token_ids`` / ``out.logprobs`` / ``out.prompt_ids`` from the JSON text gathered while
+    parsing; False when some list needs record-by-record decoding."""
+    (ids_text, lps_text, prompt_text), (ids_len, lps_len, prompt_len) = out._texts, out._lengths
     ids_type = TRACE_SEGMENT_SCHEMA.field("completion_token_ids").type
     lps_type = TRACE_SEGMENT_SCHEMA.field("completion_logprobs").type
-    ids = _number_lists(out._ids_json, out._ids_len, ids_type.value_type)
-    lps = _number_lists(out._lps_json, out._lps_len, pa.float64())  # read as msgspec/pydantic do, float32 as pa.array
-    if ids is None or lps is None:
+    ids = _number_lists(ids_text, ids_len, ids_type.value_type)
+    prompt = _number_lists(prompt_text, prompt_len, ids_type.value_type)
+    lps = _number_lists(lps_text, lps_len, pa.float64())  # read as msgspec/pydantic do, float32 as pa.array
+    if ids is None or lps is None or prompt is None:
         return False
     lps = lps.cast(lps_type)
     if len(lps.values) and not pc.all(pc.is_finite(lps.values)).as_py():
         return False  # beyond float32 (e.g. -1e300): the reference parser refuses it
-    out.token_ids, out.logprobs = ids, lps
-    out._ids_json, out._lps_json, out._ids_len, out._lps_len = [], [], [], []
+    out.token_ids, out.logprobs, out.prompt_ids = ids, lps, prompt
+    out._texts, out._lengths = ([], [], []), ([], [], [])
     return True
 
 

@@ -1,9 +1,16 @@
 """Wire format of trace and feedback events, and the parser for raw Kafka values.
 
 Contract: docs/architecture.md §3. A trace event (topic ``hourglass.traces``, schema tag
-``hourglass.trace/v1``) is one served completion; a feedback event (topic
-``hourglass.feedback``, tag ``hourglass.feedback/v1``) carries user signals
-about a trace, joined later by ``trace_id``.
+``hourglass.trace/v2``, or ``hourglass.trace/v1`` without the conversation fields) is one
+served assistant turn; a feedback event (topic ``hourglass.feedback``, tag
+``hourglass.feedback/v1``) carries user signals about a trace, joined later by ``trace_id``.
+
+``hourglass.trace/v2`` adds optional conversation fields to v1: ``tools`` (the function tools
+offered), ``completion_tool_calls``, ``finish_reason``, ``prompt_token_ids`` (what vLLM
+rendered), ``usage``, ``conversation_id``, ``turn`` and ``parent_trace_id``; chat messages may
+carry ``tool_calls`` (assistant) and ``tool_call_id`` (tool). A v1 event is read as before
+(those fields absent); a v1 event that carries one of them is a schema violation that names
+the tag to use.
 
 :func:`parse_record` turns the raw bytes of one Kafka record into an event or
 a :class:`Rejected` value (a dead-letter reason); it never raises on bad
@@ -42,9 +49,25 @@ from pydantic import (
     model_validator,
 )
 
-TRACE_SCHEMA: Final = "hourglass.trace/v1"
+TRACE_SCHEMA_V1: Final = "hourglass.trace/v1"
+TRACE_SCHEMA: Final = "hourglass.trace/v2"  # what Hourglass writes; v1 is still read
+TRACE_SCHEMAS = (TRACE_SCHEMA_V1, TRACE_SCHEMA)
 FEEDBACK_SCHEMA: Final = "hourglass.feedback/v1"
-KNOWN_SCHEMAS = (TRACE_SCHEMA, FEEDBACK_SCHEMA)
+KNOWN_SCHEMAS = (*TRACE_SCHEMAS, FEEDBACK_SCHEMA)
+# Conversation fields of hourglass.trace/v2 (absent in v1), in stored column order.
+CONVERSATION_FIELDS: Final = (
+    "tools",
+    "completion_tool_calls",
+    "finish_reason",
+    "prompt_token_ids",
+    "conversation_id",
+    "turn",
+    "parent_trace_id",
+    "usage",
+)
+MAX_TRACE_TOOLS = 256  # tools offered, and tool calls of one message or answer, in one trace
+MAX_ID_CHARS = 256  # trace, conversation and tool call ids
+MAX_TOOL_NAME_CHARS = 256
 SIGNAL_FIELDS = ("reward", "thumbs", "rating", "edited", "regenerated")
 
 # Dead-letter reason codes (stable strings; `hourglass dlq list` shows them).
@@ -106,13 +129,72 @@ def _not_bool(value: Any, name: str | None) -> Any:
     return value
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls: its name and its arguments as JSON text (as the model wrote them,
+    which may not parse: the tool-call rewards judge that)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS, description="The function name the model called.")
+    arguments: str = Field(description="The arguments, JSON text as generated.")
+
+
+class ToolCall(BaseModel):
+    """One OpenAI tool call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(default="", max_length=MAX_ID_CHARS, description="The call id (empty when the source had none).")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool offered to the model (OpenAI's ``tools[i].function``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="The arguments' JSON Schema.")
+    strict: bool | None = Field(default=None, strict=True)
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_numbers(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and finite_or_null(value) is not value:
+            raise ValueError("parameters holds a number JSON cannot carry (NaN, Infinity or beyond float range)")
+        return value
+
+
+class ToolDefinition(BaseModel):
+    """One OpenAI tool definition: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class Usage(BaseModel):
+    """Token counts of one answer, as the serving engine reported them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int | None = Field(default=None, ge=0, strict=True)
+    completion_tokens: int | None = Field(default=None, ge=0, strict=True)
+
+
 class ChatMessage(BaseModel):
-    """One OpenAI-style chat message."""
+    """One OpenAI-style chat message (``tool_calls`` on assistant messages, ``tool_call_id`` on tool results)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TRACE_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
 
 
 class _Signals(BaseModel):
@@ -146,7 +228,7 @@ class _Signals(BaseModel):
     @classmethod
     def _hash_user_ids(cls, metadata: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         # pydantic's JSON parser reads NaN, Infinity and 1e999; stored as such they would not be JSON: null instead
-        metadata = _finite_or_null(metadata)
+        metadata = finite_or_null(metadata)
         hasher = (info.context or {}).get("hasher")
         return hasher(metadata) if hasher is not None and metadata else metadata
 
@@ -156,10 +238,10 @@ class _Signals(BaseModel):
 
 
 class TraceEvent(_Signals):
-    """One served completion (``hourglass.trace/v1``)."""
+    """One served assistant turn (``hourglass.trace/v2``; ``hourglass.trace/v1`` = without the conversation fields)."""
 
-    schema_: Literal["hourglass.trace/v1"] = Field(default=TRACE_SCHEMA, alias="schema")
-    trace_id: str = Field(min_length=1, max_length=256)
+    schema_: Literal["hourglass.trace/v1", "hourglass.trace/v2"] = Field(default=TRACE_SCHEMA, alias="schema")
+    trace_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     ts: datetime = Field(description="When the completion was served (UTC).")
     model: str = Field(min_length=1, description="Served model name the client asked for.")
     adapter_version: str | None = Field(default=None, description="Adapter version that answered; None = base.")
@@ -169,6 +251,36 @@ class TraceEvent(_Signals):
         default=None, description="Token ids of the completion (stored as int32)."
     )
     completion_logprobs: list[float] | None = Field(default=None, description="Per-token natural-log probabilities.")
+    # --- hourglass.trace/v2: the conversation (CONVERSATION_FIELDS) ---
+    tools: list[ToolDefinition] | None = Field(
+        default=None, max_length=MAX_TRACE_TOOLS, description="The function tools offered with the prompt."
+    )
+    completion_tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=MAX_TRACE_TOOLS, description="The answer's tool calls."
+    )
+    finish_reason: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Why generation stopped (OpenAI words: stop, length, tool_calls).",
+    )
+    prompt_token_ids: list[Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] | None = Field(
+        default=None, description="Token ids of the prompt as the serving engine rendered it (stored as int32)."
+    )
+    usage: Usage | None = Field(default=None, description="Token counts of the answer.")
+    conversation_id: str | None = Field(
+        default=None, min_length=1, max_length=MAX_ID_CHARS, description="The conversation this turn belongs to."
+    )
+    turn: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        strict=True,
+        description="0-based index of this assistant turn: the assistant messages already in the prompt.",
+    )
+    parent_trace_id: str | None = Field(
+        default=None, min_length=1, max_length=MAX_ID_CHARS, description="The trace whose answer this turn continues."
+    )
 
     @field_validator("ts", mode="before")
     @classmethod
@@ -180,7 +292,12 @@ class TraceEvent(_Signals):
     def _ts_out(cls, value: datetime) -> datetime:
         return _aware_utc(value)
 
-    @field_validator("completion_token_ids", "completion_logprobs", mode="before")
+    @field_validator("turn", mode="before")
+    @classmethod
+    def _turn_not_bool(cls, value: Any) -> Any:
+        return _not_bool(value, "turn")
+
+    @field_validator("completion_token_ids", "completion_logprobs", "prompt_token_ids", mode="before")
     @classmethod
     def _no_bools(cls, values: Any, info: ValidationInfo) -> Any:
         if isinstance(values, list):
@@ -204,6 +321,10 @@ class TraceEvent(_Signals):
         ids, lps = self.completion_token_ids, self.completion_logprobs
         if ids is not None and lps is not None and len(ids) != len(lps):
             raise ValueError(f"completion_token_ids has {len(ids)} entries but completion_logprobs has {len(lps)}")
+        if self.schema_ == TRACE_SCHEMA_V1:
+            present = [name for name in CONVERSATION_FIELDS if getattr(self, name) is not None]
+            if present:
+                raise ValueError(f'{present[0]} is a field of {TRACE_SCHEMA}: tag the event "schema": "{TRACE_SCHEMA}"')
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -299,15 +420,15 @@ class TsWindow:
         )
 
 
-def _finite_or_null(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
     """``value`` with every NaN or infinite float (at any depth) replaced by None; the same object when none."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        out = {key: _finite_or_null(item) for key, item in value.items()}
+        out = {key: finite_or_null(item) for key, item in value.items()}
         return value if all(out[k] is value[k] for k in value) else out
     if isinstance(value, list):
-        items = [_finite_or_null(item) for item in value]
+        items = [finite_or_null(item) for item in value]
         return value if all(a is b for a, b in zip(items, value)) else items
     return value
 
@@ -355,6 +476,13 @@ class UserHasher:
         self._id_keys = frozenset(k.lower() for k in id_keys)
         # The same users come back batch after batch: remember recent digests (bounded, per hasher).
         self._digest_text = functools.lru_cache(maxsize=4096)(self._digest_text)  # type: ignore[method-assign]
+
+    def derive(self, label: str) -> bytes:
+        """A key of its own for another use of this hasher's secret: ``HMAC(key, label)`` (32 bytes), so a
+        digest made for one use (conversation ids, say) never equals a user hash of the same text."""
+        mac = self._keyed.copy()
+        mac.update(b"\x00derive\x00" + label.encode("utf-8"))
+        return mac.digest()
 
     def digest(self, value: Any) -> str:
         """``hmac-sha256:<hex>`` of a value (strings as UTF-8, anything else as sorted-key JSON); never raises
@@ -491,7 +619,7 @@ def _diagnose(value: bytes) -> Rejected:
     reward = data.get("reward")
     if isinstance(reward, float) and not math.isfinite(reward):
         return Rejected(NON_FINITE_REWARD, f"reward is {reward!r} (NaN or infinite); rewards must be finite numbers")
-    model = TraceEvent if tag == TRACE_SCHEMA else FeedbackEvent
+    model = TraceEvent if tag in TRACE_SCHEMAS else FeedbackEvent
     try:
         model.model_validate(data)
     except ValidationError as err:

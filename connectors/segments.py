@@ -46,6 +46,15 @@ _TRACE_COLUMNS = [
     pa.field("completion", pa.string(), nullable=False),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
     pa.field("completion_logprobs", pa.list_(pa.float32())),
+    # hourglass.trace/v2 (null in rows of v1 events and in segments written before these columns existed)
+    pa.field("tools", pa.string()),  # JSON array of the tool definitions offered
+    pa.field("completion_tool_calls", pa.string()),  # JSON array of the answer's tool calls
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("conversation_id", pa.string()),
+    pa.field("turn", pa.int32()),
+    pa.field("parent_trace_id", pa.string()),
+    pa.field("usage", pa.string()),  # JSON {"prompt_tokens", "completion_tokens"}
 ]
 
 TRACE_SEGMENT_SCHEMA = pa.schema(
@@ -146,8 +155,10 @@ def to_json(value: Any) -> str:
 
 TraceRow = tuple[Any, ...]
 """One trace row in :data:`TRACE_SEGMENT_SCHEMA` column order, without ``ingested_at``:
-(trace_id, ts, model, adapter_version, prompt JSON, completion, token ids, logprobs, signals JSON or None,
-metadata JSON, topic, partition, offset)."""
+(trace_id, ts, model, adapter_version, prompt JSON, completion, token ids, logprobs, tools JSON, tool calls
+JSON, finish_reason, prompt token ids, conversation_id, turn, parent_trace_id, usage JSON, signals JSON or
+None, metadata JSON, topic, partition, offset)."""
+PROMPT_IDS = 11  # index of prompt_token_ids in a TraceRow
 
 FeedbackRow = tuple[Any, ...]
 """One feedback row in :data:`FEEDBACK_SEGMENT_SCHEMA` order without ``ingested_at``; ``ts`` may be None
@@ -166,6 +177,16 @@ def trace_row(event: TraceEvent, topic: str, partition: int, offset: int) -> Tra
         event.completion,
         event.completion_token_ids,
         event.completion_logprobs,
+        to_json([t.model_dump(exclude_none=True) for t in event.tools]) if event.tools is not None else None,
+        to_json([c.model_dump() for c in event.completion_tool_calls])
+        if event.completion_tool_calls is not None
+        else None,
+        event.finish_reason,
+        event.prompt_token_ids,
+        event.conversation_id,
+        event.turn,
+        event.parent_trace_id,
+        to_json(event.usage.model_dump(exclude_none=True)) if event.usage is not None else None,
         to_json(signals) if signals else None,
         to_json(event.metadata),
         topic,
@@ -220,6 +241,15 @@ def trace_table(rows: list[tuple[TraceEvent, Coordinates]], ingested_at: datetim
 def feedback_table(rows: list[tuple[FeedbackEvent, Coordinates]], ingested_at: datetime) -> pa.Table:
     """Feedback events as a table in :data:`FEEDBACK_SEGMENT_SCHEMA` (missing ``ts`` = ``ingested_at``)."""
     return feedback_rows_table([feedback_row(e, w.topic, w.partition, w.offset) for e, w in rows], ingested_at)
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A stored table in ``schema``: columns it lacks (a segment written before they existed) added as nulls,
+    in the schema's order. Raises ``pyarrow.ArrowInvalid`` for a column whose type cannot be cast."""
+    if table.schema.equals(schema):
+        return table
+    columns = [table[f.name] if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def encode(table: pa.Table) -> bytes:

@@ -289,6 +289,8 @@ def vllm_service(
     cpu_threads: str = "all",
     startup_timeout_s: float = 300.0,
     dtype: str = "auto",
+    chat_template: Path | None = None,
+    tool_call_parser: str | None = None,
 ) -> Service:
     """The vLLM OpenAI server with runtime LoRA loading enabled.
 
@@ -297,7 +299,12 @@ def vllm_service(
     ``block_size`` and ``cpu_threads`` are described in
     :class:`pipeline.config.ServingConfig`; the grouped CPU LoRA kernels come in
     through the plugin in :mod:`pipeline.serving.vllm_cpu_lora`. ``dtype``: vLLM's
-    ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`.
+    ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`. ``chat_template``: a Jinja
+    file vLLM renders chats with instead of the model folder's (``--chat-template``);
+    ``tool_call_parser``: the vLLM tool parser that reads the model's tool calls
+    (``--enable-auto-tool-choice --tool-call-parser``; e.g. ``hermes`` for ChatML
+    ``<tool_call>`` blocks). Without a parser, ``tool_choice`` ``auto`` is refused by
+    vLLM (400) while ``required`` and named tools still work (guided decoding).
     """
     argv = [
         sys.executable,
@@ -326,6 +333,10 @@ def vllm_service(
         str(block_size),
         "--disable-log-stats",
     ]
+    if chat_template is not None:
+        argv += ["--chat-template", str(chat_template)]
+    if tool_call_parser is not None:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
     env = {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),

@@ -133,6 +133,10 @@ def tiny_model(smollm2_model: Path) -> Path:
     return model_store.build_tiny_llama(MODEL_CACHE / "tiny-random-llama", tokenizer_from=smollm2_model).path
 
 
+# SmolLM2's own template has no tools: the ChatML tools template (Hermes style) and vLLM's hermes parser.
+TOOLS_TEMPLATE = Path(__file__).resolve().parent.parent / "trainer" / "templates" / "chatml_tools.jinja"
+
+
 def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
     service = vllm_service(
         model,
@@ -144,6 +148,8 @@ def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
         max_lora_rank=16,
         max_loras=4,
         startup_timeout_s=900,  # a healthy server returns early; CI hosts are loaded
+        chat_template=TOOLS_TEMPLATE,
+        tool_call_parser="hermes",
     )
     yield from (f"http://127.0.0.1:{s.port}" for s in _run(service))
 

@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from trainer.tool_calls import tool_call_exists, tool_call_json, tool_call_valid
 from trainer.errors import RewardError
 
 Messages = list[dict[str, str]]
@@ -208,6 +209,10 @@ BUILTINS: dict[str, Callable[..., float]] = {
     "format": format_reward,
     "logged": logged,
     "reward_model": reward_model,
+    # tool calls in generated text (trainer/tool_calls.py): JSON, an offered tool, arguments valid by its schema
+    "tool_call_json": tool_call_json,
+    "tool_call_exists": tool_call_exists,
+    "tool_call_valid": tool_call_valid,
 }
 
 

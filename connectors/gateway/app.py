@@ -20,6 +20,11 @@ Every proxied response carries ``x-hourglass-trace-id`` (uuid4 hex) and, when it
 traced, ``x-hourglass-feedback-token`` (see :class:`~connectors.gateway.auth.FeedbackSigner`);
 ``/v1/feedback`` requires that token and the same API key. Only the first
 choice (index 0) is traced; batches and token-id prompts are served, not traced.
+Function tools pass through (``tools``, ``tool_choice``, assistant ``tool_calls``,
+``tool`` messages: :mod:`connectors.gateway.tools`); the answer's ``tool_calls`` and
+``finish_reason`` reach the client as vLLM sent them. Each chat trace carries its
+``conversation_id``, ``turn`` and ``parent_trace_id``
+(:mod:`connectors.gateway.conversation`) and the prompt token ids vLLM rendered.
 The trace event is published after the response body is produced, through
 :class:`~connectors.gateway.events.EventPublisher`, so Kafka never slows or
 fails the client. A stream that does not complete is not traced, and feedback with
@@ -66,6 +71,7 @@ from connectors.gateway.auth import (
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig, RewardSpec
 from connectors.edge import EdgeLimits, server_config
 from connectors.errors import ConnectorConfigError
+from connectors.gateway.conversation import ConversationLinker, PromptHash, TurnLink
 from connectors.gateway.events import TRACE_ERRORS, EventPublisher
 from connectors.gateway.streams import INCOMPLETE_FINISH, StreamLedger
 from connectors.gateway.request import (
@@ -79,6 +85,7 @@ from connectors.gateway.request import (
     client_metadata,
     describe_errors,
     error_param,
+    forwarded_messages,
     openai_error,
     parse_json,
     read_body,
@@ -114,8 +121,9 @@ FEEDBACK_REWARD = Histogram(
 )
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 # What a trace is published with: trace id, endpoint, request body (metadata hashed), public model name,
-# served name, adapter version, user hash, the max_tokens bound vLLM was given.
-_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str, int]
+# served name, adapter version, user hash, the max_tokens bound vLLM was given, and for chat the request's
+# place in its conversation and its prompt hash.
+_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str, int, TurnLink | None, PromptHash | None]
 
 ResolveModel = Callable[[str], tuple[str, str | None]]
 
@@ -249,6 +257,9 @@ def create_gateway_app(
     base = upstream_url.rstrip("/")
     default_max_tokens = cfg.max_tokens if max_model_len is None else min(cfg.max_tokens, max_model_len)
     rates, in_flight = RateLimiter(), ConcurrencyLimiter()
+    linker = ConversationLinker(
+        hasher.derive("conversation"), entries=cfg.conversation_cache_entries, ttl_s=cfg.conversation_ttl_s
+    )
     streams = StreamLedger(signer.ttl_s)  # streamed answers that are not (or never will be) complete traces
     upstream_headers = {"content-type": "application/json"}
     if upstream_api_key:
@@ -531,10 +542,17 @@ def create_gateway_app(
                 400, "field 'model' is required (a public model name, see GET /v1/models)", param="model"
             )
         check_request(endpoint, body, cfg)
+        if endpoint == "chat":
+            body = forwarded_messages(body)  # the null keys an SDK echoes back dropped, upstream and in the trace
         body, max_tokens = bound_generation(body, default_max_tokens)
         trace_id = uuid.uuid4().hex
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
+        link: TurnLink | None = None
+        prompt_hash: PromptHash | None = None
+        if endpoint == "chat":
+            hint = (body.get("metadata") or {}).get("conversation_id")
+            link, prompt_hash = linker.link(user_hash, body["messages"], hint)
         route = getattr(resolve_model, "route", None)  # a canary-aware resolver also takes the routing key
         # Sticky per end user, and keyed: the client sees its user hash (in the feedback token) and the trace id,
         # and canary_bucket is a public function, so routing on either would tell it which side answered.
@@ -568,7 +586,18 @@ def create_gateway_app(
         ok_headers = dict(trace_headers)
         if trace_prompt(endpoint, body) is not None:  # a batch or token-id prompt is never traced: no feedback on it
             ok_headers[FEEDBACK_HEADER] = signer.issue(trace_id, caller.key_id, user_hash)
-        publish_args: _PublishArgs = (trace_id, endpoint, traced, public, served, version, user_hash, max_tokens)
+        publish_args: _PublishArgs = (
+            trace_id,
+            endpoint,
+            traced,
+            public,
+            served,
+            version,
+            user_hash,
+            max_tokens,
+            link,
+            prompt_hash,
+        )
 
         if stream:
             try:
@@ -727,11 +756,15 @@ def create_gateway_app(
         version: str | None,
         user_hash: str,
         max_tokens: int,
+        link: TurnLink | None,
+        prompt_hash: PromptHash | None,
         completion: Completion,
         stream: bool,
         started: float,
     ) -> None:
-        """Build the trace event and queue it (non-blocking); a bad event is logged and counted, never raised."""
+        """Build the trace event and queue it (non-blocking); a bad event is logged and counted, never raised.
+        A chat answer is remembered, so that the request continuing it links to this trace."""
+        answer_hash = prompt_hash.with_answer(completion.answer_message()) if prompt_hash is not None else None
         try:
             event = build_trace(
                 trace_id=trace_id,
@@ -745,6 +778,8 @@ def create_gateway_app(
                 latency_ms=(time.perf_counter() - started) * 1000.0,
                 user_hash=user_hash,
                 max_tokens=max_tokens,
+                link=link,
+                answer_hash=answer_hash,
             )
         except ValidationError as err:
             TRACE_ERRORS.inc()
@@ -754,6 +789,8 @@ def create_gateway_app(
             log.info("gateway: trace %s not published (batch or token-id prompt)", trace_id)
             return
         app.state.publisher.publish_trace(event)
+        if answer_hash is not None:
+            linker.remember(answer_hash, trace_id)
 
     return app
 

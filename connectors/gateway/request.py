@@ -8,8 +8,10 @@ each rule is unit-testable and the gateway turns a refusal into one 4xx.
 Allowed request fields (OpenAI Chat Completions / Completions, plus a few
 vLLM sampling extras that are bounded by ``max_tokens``; anything else,
 e.g. ``prompt_embeds``, ``chat_template``, ``chat_template_kwargs``,
-``guided_*``, ``tools``, ``logit_bias``, ``best_of``, gets a 400 naming it):
-see :data:`ALLOWED`.
+``guided_*``, ``logit_bias``, ``best_of``, gets a 400 naming it):
+see :data:`ALLOWED`. Function tools (``tools``, ``tool_choice``,
+``parallel_tool_calls``, assistant ``tool_calls``, ``tool`` messages) are
+checked by :mod:`connectors.gateway.tools`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from connectors import json_body
 from connectors.config import GatewayConfig
 from connectors.errors import ConnectorError
+from connectors.gateway.tools import (
+    NULL_ONLY_KEYS,
+    ToolHistory,
+    ToolRefused,
+    check_message_tools,
+    check_tool_choice,
+    check_tools,
+    forwarded_message,
+    ref_cycle,
+)
 from connectors.gateway.trace import Endpoint
 
 _COMMON = frozenset(
@@ -55,16 +67,25 @@ _COMMON = frozenset(
     }
 )
 ALLOWED: dict[str, frozenset[str]] = {
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    "chat": _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
     "completions": _COMMON | {"prompt", "echo"},
 }
-_ROLES = frozenset({"system", "developer", "user", "assistant"})
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}) | NULL_ONLY_KEYS
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
 # Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
 # JSON booleans only, so the gateway and vLLM (which reads "false" or "no" as false) agree on them.
 _FLAGS: dict[str, tuple[str, ...]] = {
-    "chat": ("stream", "logprobs", "return_token_ids", "ignore_eos"),
+    "chat": ("stream", "logprobs", "return_token_ids", "ignore_eos", "parallel_tool_calls"),
     "completions": ("stream", "echo", "return_token_ids", "ignore_eos"),
 }
 MAX_USER_CHARS = 256
@@ -293,8 +314,20 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
                 f"field 'metadata' is {size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
                 param="metadata",
             )
+        hint = meta.get("conversation_id")
+        if hint is not None and (not isinstance(hint, str) or not 1 <= len(hint) <= MAX_USER_CHARS):
+            raise RequestRefused(
+                400,
+                f"metadata.conversation_id must be a string of 1-{MAX_USER_CHARS} characters (your conversation id)",
+                param="metadata.conversation_id",
+            )
     if endpoint == "chat":
-        _check_messages(body.get("messages"), cfg)
+        try:
+            names, tool_chars = check_tools(body["tools"], cfg) if body.get("tools") is not None else (None, 0)
+            check_tool_choice(body.get("tool_choice"), names)
+        except ToolRefused as err:
+            raise RequestRefused(400, err.message, param=err.param) from None
+        _check_messages(body.get("messages"), cfg, tool_chars)
         _check_response_format(body.get("response_format"), cfg)
     else:
         _check_prompt(body.get("prompt"), cfg)
@@ -316,7 +349,17 @@ def bound_generation(body: dict[str, Any], default_max_tokens: int) -> tuple[dic
     return out, int(given)
 
 
-def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
+def forwarded_messages(body: dict[str, Any]) -> dict[str, Any]:
+    """A checked chat body with each message as it goes upstream and into the trace
+    (:func:`~connectors.gateway.tools.forwarded_message`: the null keys an SDK echoes back dropped)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    out = [forwarded_message(m) for m in messages]
+    return body if all(a is b for a, b in zip(out, messages)) else {**body, "messages": out}
+
+
+def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestRefused(
             400, "field 'messages' must be a non-empty list of {role, content} objects", param="messages"
@@ -325,7 +368,8 @@ def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
         raise RequestRefused(
             400, f"{len(messages)} messages, above gateway.max_messages={cfg.max_messages}", param="messages"
         )
-    chars = 0
+    chars = tool_chars  # tool definitions are rendered into the prompt too
+    history = ToolHistory()
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(message, dict):
@@ -356,10 +400,21 @@ def _check_messages(messages: Any, cfg: GatewayConfig) -> None:
                 chars += len(part["text"])
         elif content is not None:
             raise RequestRefused(400, f"{where}.content must be a string or a list of text parts", param="messages")
+        name = message.get("name")
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_USER_CHARS):
+            raise RequestRefused(
+                400, f"{where}.name must be a string of at most {MAX_USER_CHARS} characters", param="messages"
+            )
+        try:
+            check_message_tools(message, where, history, cfg)
+        except ToolRefused as err:
+            raise RequestRefused(400, err.message, param=err.param) from None
+    chars += history.chars
     if chars > cfg.max_prompt_chars:
         raise RequestRefused(
             400,
-            f"messages hold {chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}",
+            f"messages (and tool definitions) hold {chars} characters, above gateway.max_prompt_chars="
+            f"{cfg.max_prompt_chars}",
             param="messages",
         )
 
@@ -403,7 +458,7 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
         )
     spec = fmt.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
-    cycle = _ref_cycle(schema) if isinstance(schema, dict) else None
+    cycle = ref_cycle(schema) if isinstance(schema, dict) else None
     if cycle is not None:
         raise RequestRefused(
             400,
@@ -411,49 +466,6 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
             "no output can match it",
             param="response_format",
         )
-
-
-_REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
-
-
-def _ref_cycle(schema: dict[str, Any]) -> str | None:
-    """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
-    (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
-    ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
-
-    def resolve(pointer: str) -> Any:
-        if pointer != "#" and not pointer.startswith("#/"):
-            return None
-        node: Any = schema
-        for part in pointer[2:].split("/") if pointer != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
-
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack.extend(node.values())
-        ref, seen = node.get("$ref"), set()
-        while isinstance(ref, str):
-            if ref in seen:
-                return ref  # back where it started: a cycle of bare references
-            seen.add(ref)
-            target = resolve(ref)
-            if not (isinstance(target, dict) and set(target) <= _REF_ONLY_KEYS and "$ref" in target):
-                break  # the reference reaches a schema with content
-            ref = target["$ref"]
-    return None
 
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:

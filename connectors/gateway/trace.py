@@ -8,7 +8,11 @@ response. This module holds that logic with no I/O, so it is unit-testable.
 vLLM request fields used (vLLM 0.32 OpenAI server, ``ChatCompletionRequest`` /
 ``CompletionRequest``): ``logprobs`` + ``top_logprobs`` (chat), ``logprobs``
 (int, completions) and ``return_token_ids`` (adds ``choices[i].token_ids`` and
-``prompt_token_ids``; in streams, ``token_ids`` of each chunk is the delta).
+``prompt_token_ids``; in streams, ``token_ids`` of each chunk is the delta and
+``prompt_token_ids`` comes in the first chunk). Tool calls: ``message.tool_calls``
+(``[{"id", "type", "function": {"name", "arguments"}}]``) in a response, and
+``delta.tool_calls`` fragments keyed by ``index`` in a stream (the first fragment
+of a call carries its ``id`` and name, later ones pieces of ``arguments``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from connectors.gateway.conversation import TurnLink
 from connectors.schema import TraceEvent
 
 Endpoint = Literal["chat", "completions"]
@@ -86,16 +91,57 @@ class Completion:
     logprobs: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None
+    # Tool calls by their index in the choice: {"id", "type", "function": {"name", "arguments"}} (streams
+    # send pieces: the first with id and name, the rest arguments text to append).
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The answer's tool calls in order (None when it called none)."""
+        if not self.calls:
+            return None
+        return [self.calls[i] for i in sorted(self.calls)]
+
+    def answer_message(self) -> dict[str, Any]:
+        """The answer as the assistant message a client sends back to continue the conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+    def _add_tool_calls(self, calls: Any, *, delta: bool) -> None:
+        if not isinstance(calls, list):
+            return
+        for position, call in enumerate(calls):
+            if not isinstance(call, dict):
+                continue
+            index = call.get("index", position) if delta else position
+            if not isinstance(index, int):
+                continue
+            given = call.get("function")
+            fn: dict[str, Any] = given if isinstance(given, dict) else {}
+            slot = self.calls.setdefault(
+                index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            target: dict[str, str] = slot["function"]
+            if isinstance(call.get("id"), str) and call["id"]:
+                slot["id"] = call["id"]
+            for key in ("name", "arguments"):  # a stream sends pieces to append; a response the whole value
+                piece = fn.get(key)
+                if isinstance(piece, str):
+                    target[key] = target[key] + piece if delta else piece
 
     def add_choice(self, endpoint: Endpoint, choice: dict[str, Any], *, delta: bool) -> None:
         """Fold one choice (a full one, or a stream chunk's when ``delta``) into this completion."""
         if endpoint == "chat":
             message = choice.get("delta" if delta else "message") or {}
             text = message.get("content")
+            self._add_tool_calls(message.get("tool_calls"), delta=delta)
             lp = choice.get("logprobs") or {}
             self.logprobs.extend(entry.get("logprob") for entry in lp.get("content") or [])
         else:
@@ -115,6 +161,22 @@ class Completion:
                 self.add_choice(endpoint, choice, delta=delta)
         if payload.get("usage"):
             self.usage = payload["usage"]
+        prompt_ids = payload.get("prompt_token_ids")
+        if isinstance(prompt_ids, list) and prompt_ids and self.prompt_token_ids is None:
+            self.prompt_token_ids = prompt_ids  # a stream sends them in its first chunk only
+
+    def usage_counts(self) -> dict[str, int] | None:
+        """``{"prompt_tokens", "completion_tokens"}`` from vLLM's usage, else counted from the token ids (a
+        stream reports usage only when the client asked for it)."""
+        usage = self.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if not isinstance(prompt, int) and self.prompt_token_ids is not None:
+            prompt = len(self.prompt_token_ids)
+        if not isinstance(completion, int) and self.token_ids:
+            completion = len(self.token_ids)
+        out = {k: v for k, v in (("prompt_tokens", prompt), ("completion_tokens", completion)) if isinstance(v, int)}
+        return out or None
 
     def token_fields(self) -> tuple[list[int] | None, list[float] | None]:
         """``(completion_token_ids, completion_logprobs)`` for the trace; log-probs are dropped when not one
@@ -153,22 +215,32 @@ def build_trace(
     latency_ms: float,
     user_hash: str | None,
     max_tokens: int | None = None,
+    link: TurnLink | None = None,
+    answer_hash: str | None = None,
 ) -> TraceEvent | None:
-    """The trace event of one served request, or None when the prompt cannot be traced.
+    """The trace event (``hourglass.trace/v2``) of one served request, or None when the prompt cannot be traced.
+
+    Conversation fields: ``tools`` (as offered), ``completion_tool_calls``, ``finish_reason``,
+    ``prompt_token_ids`` / ``completion_token_ids`` / ``completion_logprobs`` (what vLLM used), ``usage``, and
+    from ``link`` (chat only) ``conversation_id``, ``turn``, ``parent_trace_id``.
 
     ``metadata`` = ``body["metadata"]`` as the gateway prepared it (a trusted
     grader's label keys such as ``reference_answer`` at the top, other client
     keys under ``client``, see :func:`connectors.gateway.request.client_metadata`)
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
     ``finish_reason``, ``latency_ms``, ``usage``, ``max_tokens`` (the generation bound vLLM was
-    given: the client's, or ``gateway.max_tokens`` when it sent none) and ``user_hash`` (the caller's
-    identity hash, when given). Raises pydantic.ValidationError when the event is invalid.
+    given: the client's, or ``gateway.max_tokens`` when it sent none), ``user_hash`` (the caller's
+    identity hash, when given), ``tool_choice`` / ``parallel_tool_calls`` (when the request set them) and
+    ``conversation`` (``continues``: ``link.continues``, ``answer``: ``answer_hash``; the hashes a snapshot
+    links turns by, see :mod:`connectors.gateway.conversation`). Raises pydantic.ValidationError when the
+    event is invalid.
     """
     prompt = trace_prompt(endpoint, body)
     if prompt is None:
         return None
     client_meta = body.get("metadata")
     metadata: dict[str, Any] = dict(client_meta) if isinstance(client_meta, dict) else {}
+    usage = completion.usage_counts()
     metadata.update(
         endpoint=endpoint,
         served_name=served_name,
@@ -182,7 +254,16 @@ def build_trace(
         metadata["max_tokens"] = max_tokens
     if user_hash is not None:
         metadata["user_hash"] = user_hash
+    for key in ("tool_choice", "parallel_tool_calls"):
+        if body.get(key) is not None:
+            metadata[key] = body[key]
+    hashes = {
+        k: v for k, v in (("continues", link.continues if link else None), ("answer", answer_hash)) if v is not None
+    }
+    if hashes:
+        metadata["conversation"] = hashes
     ids, lps = completion.token_fields()
+    tools = body.get("tools") if endpoint == "chat" else None
     return TraceEvent(
         trace_id=trace_id,
         ts=datetime.now(UTC),
@@ -192,5 +273,13 @@ def build_trace(
         completion=completion.text,
         completion_token_ids=ids,
         completion_logprobs=lps,
+        tools=tools or None,
+        completion_tool_calls=completion.tool_calls,  # type: ignore[arg-type]  # validated into ToolCall
+        finish_reason=completion.finish_reason,
+        prompt_token_ids=completion.prompt_token_ids,
+        usage=usage,  # type: ignore[arg-type]  # validated into Usage
+        conversation_id=link.conversation_id if link else None,
+        turn=link.turn if link else None,
+        parent_trace_id=link.parent_trace_id if link else None,
         metadata=metadata,
     )

@@ -4,7 +4,7 @@
 Modules: :mod:`.config` (settings), :mod:`.types` (the values produced and the reason codes),
 :mod:`.wire` (payload decoding, bounded attribute reads), :mod:`.messages` (GenAI message shapes ->
 OpenAI chat messages), :mod:`.genai` (one span -> a call; the layouts read and the spec versions),
-:mod:`.feedback` (spans/events carrying feedback), :mod:`.mapping` (-> ``hourglass.trace/v1`` /
+:mod:`.feedback` (spans/events carrying feedback), :mod:`.mapping` (-> ``hourglass.trace/v2`` /
 ``hourglass.feedback/v1`` dicts), :mod:`.source` (one record -> everything in it).
 """
 

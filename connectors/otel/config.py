@@ -66,7 +66,7 @@ class OtelFeedbackRule(Section):
 class OtelSourceConfig(Section):
     """OpenTelemetry GenAI traces from Kafka: what the Collector's Kafka exporter writes, and how it is read.
 
-    Inference spans (`gen_ai.operation.name` = `chat` or `text_completion`) become `hourglass.trace/v1`
+    Inference spans (`gen_ai.operation.name` = `chat` or `text_completion`) become `hourglass.trace/v2`
     events; spans or events that carry a configured feedback attribute become `hourglass.feedback/v1`
     events. An OTel topic is a trusted producer, like the gateway: restrict who may write to it (topic ACLs).
     """

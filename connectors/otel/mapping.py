@@ -1,4 +1,4 @@
-"""GenAI calls and feedback signals -> ``hourglass.trace/v1`` / ``hourglass.feedback/v1`` event dicts.
+"""GenAI calls and feedback signals -> ``hourglass.trace/v2`` / ``hourglass.feedback/v1`` event dicts.
 
 The trace id is derived from the OTel ids, ``otel-<trace id hex>-<span id hex>``: a redelivered payload
 gives the same id (the buffer de-duplicates by it), and feedback that points at the span finds its trace.
@@ -16,6 +16,8 @@ from connectors.otel.config import OtelSourceConfig
 from connectors.otel.types import NO_MODEL, FeedbackSignal, GenAICall, Rejected
 from connectors.schema import FEEDBACK_SCHEMA, TRACE_SCHEMA
 
+# The keys of conversation_fields: hourglass.trace/v2's conversation fields a span can carry (no
+# parent_trace_id: a span does not say which earlier call's answer it continues), and the completion's ids.
 CONVERSATION_FIELDS: Final = (
     "tools",
     "completion_tool_calls",
@@ -48,7 +50,7 @@ def rfc3339(when: datetime) -> str:
 
 
 def trace_event(call: GenAICall, cfg: OtelSourceConfig, digest: Digest | None = None) -> dict[str, Any] | Rejected:
-    """The ``hourglass.trace/v1`` fields the schema has today, for one call; ``no_model`` when no model name.
+    """The ``hourglass.trace/v2`` event of one call; ``no_model`` when no model name.
 
     ``prompt``: the chat messages, led by a system message holding ``gen_ai.system_instructions`` when the
     span recorded them apart; a text completion whose input is one user text is stored as that text (as
@@ -59,7 +61,8 @@ def trace_event(call: GenAICall, cfg: OtelSourceConfig, digest: Digest | None = 
     ``digest`` is given (ingest's ``UserHasher.digest``), ``user_hash`` = ``digest(user_identity(user))``:
     the identity rounds cap per user (``rl.max_user_share``) and feedback counts one vote per, like the
     gateway's. Without it every OTel row counts as the one user ``anonymous``.
-    Token ids are left to :func:`conversation_fields` (they are the producing model's tokenizer's).
+    The conversation fields (tools, tool calls, finish reason, token ids where the span recorded them,
+    conversation id, turn, usage) come from :func:`conversation_fields`, those the span recorded only.
     """
     model = cfg.model_name or call.request_model or call.response_model
     if not model:
@@ -106,12 +109,13 @@ def trace_event(call: GenAICall, cfg: OtelSourceConfig, digest: Digest | None = 
         "adapter_version": None,
         "prompt": _prompt(call),
         "completion": call.output_text,
+        **{key: value for key, value in conversation_fields(call).items() if value is not None},
         "metadata": metadata,
     }
 
 
 def conversation_fields(call: GenAICall) -> dict[str, Any]:
-    """The conversation and tool fields ``hourglass.trace/v1`` is about to gain, exactly the keys of
+    """The conversation and tool fields of ``hourglass.trace/v2`` a span carries, exactly the keys of
     :data:`CONVERSATION_FIELDS` (None where the span recorded nothing):
 
     ``tools`` (OpenAI tool definitions offered), ``completion_tool_calls`` (the answer's tool calls,

@@ -3,7 +3,7 @@
 :func:`decode_payload` is the whole source for one record value: decode (``otlp_proto`` / ``otlp_json``),
 walk every span (at most ``max_spans_per_payload``), classify it (:mod:`connectors.otel.genai`) and read
 its feedback items (:mod:`connectors.otel.feedback`). :func:`native_events` maps the result to
-``hourglass.trace/v1`` / ``hourglass.feedback/v1`` dicts for the ingest path. Neither raises on bad input:
+``hourglass.trace/v2`` / ``hourglass.feedback/v1`` dicts for the ingest path. Neither raises on bad input:
 a payload that cannot be decoded is one :class:`Rejected` without span ids; a span that cannot be used is
 a :class:`Rejected` with its ids, and the other spans of the payload still count.
 """

@@ -2,7 +2,7 @@
 payload was skipped or refused. Frozen dataclasses; the decoder returns them and never raises on bad input.
 
 Messages are in the OpenAI chat shape (``{"role", "content", "tool_calls": [{"id", "type": "function",
-"function": {"name", "arguments"}}], "tool_call_id"}``), the shape ``hourglass.trace/v1`` stores.
+"function": {"name", "arguments"}}], "tool_call_id"}``), the shape ``hourglass.trace/v2`` stores.
 """
 
 from __future__ import annotations

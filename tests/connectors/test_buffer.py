@@ -11,7 +11,7 @@ import pyarrow as pa
 from connectors.buffer import RewardBuffer
 from connectors.config import BufferConfig
 from connectors.dead_letter import DeadLetterStore
-from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent
+from connectors.schema import CONVERSATION_FIELDS, UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent
 from connectors.segments import SNAPSHOT_SCHEMA, Coordinates
 
 T0 = datetime(2026, 3, 1, 10, 15, tzinfo=timezone.utc)
@@ -24,17 +24,17 @@ def _cfg(tmp_path: Path, **over: object) -> BufferConfig:
 
 
 def _trace(i: int, ts: datetime = T0, **over: object) -> tuple[TraceEvent, Coordinates]:
-    event = TraceEvent(
-        trace_id=f"t{i}",
-        ts=ts,
-        model="m",
-        prompt=f"q{i}",
-        completion=f"a{i}",
-        completion_token_ids=[1, 2],
-        completion_logprobs=[-0.5, -0.25],
-        metadata={"reference_answer": str(i)},
-        **over,
-    )
+    fields: dict = {
+        "trace_id": f"t{i}",
+        "ts": ts,
+        "model": "m",
+        "prompt": f"q{i}",
+        "completion": f"a{i}",
+        "completion_token_ids": [1, 2],
+        "completion_logprobs": [-0.5, -0.25],
+        "metadata": {"reference_answer": str(i)},
+    }
+    event = TraceEvent(**{**fields, **over})
     return event, Coordinates("traces", 0, i)
 
 
@@ -229,3 +229,79 @@ def test_a_failed_durable_write_removes_its_temp_file(tmp_path: Path, monkeypatc
     with pytest.raises(BufferStorageError, match="No space left"):
         buf.append([_trace(1)], [])
     assert not list((tmp_path / "buf").rglob(".tmp-*")) and not list((tmp_path / "buf").rglob("*.arrow"))
+
+
+def test_conversation_columns_land_in_the_snapshot(tmp_path: Path) -> None:
+    buf = RewardBuffer(_cfg(tmp_path))
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    buf.append(
+        [
+            _trace(
+                1,
+                prompt=[{"role": "user", "content": "1+1?"}],
+                tools=[tool],
+                completion="",
+                completion_tool_calls=[call],
+                finish_reason="tool_calls",
+                prompt_token_ids=[7, 8, 9],
+                usage={"prompt_tokens": 3, "completion_tokens": 2},
+                conversation_id="conv-1",
+                turn=0,
+            )
+        ],
+        [],
+    )
+    row = buf.snapshot().to_pylist()[0]
+    assert json.loads(row["tools"]) == [tool] and json.loads(row["completion_tool_calls"]) == [call]
+    assert (row["finish_reason"], row["prompt_token_ids"], row["conversation_id"], row["turn"]) == (
+        "tool_calls",
+        [7, 8, 9],
+        "conv-1",
+        0,
+    )
+    assert json.loads(row["usage"]) == {"prompt_tokens": 3, "completion_tokens": 2} and row["parent_trace_id"] is None
+
+
+def test_segments_written_before_the_conversation_columns_still_read(tmp_path: Path) -> None:
+    """A segment in the old layout (no v2 columns) and a new one read together; the old rows read null there."""
+    from connectors.segments import TRACE_SEGMENT_SCHEMA, encode, trace_row, trace_rows_table
+
+    buf = RewardBuffer(_cfg(tmp_path))
+    buf.append([_trace(2, prompt_token_ids=[5], turn=1, conversation_id="conv-2")], [])
+    old_columns = [f.name for f in TRACE_SEGMENT_SCHEMA if f.name not in CONVERSATION_FIELDS]
+    old = trace_rows_table([trace_row(_trace(1)[0], "traces", 0, 1)], T0)
+    old = old.select(old_columns)
+    assert "prompt_token_ids" not in old.column_names
+    folder = tmp_path / "buf" / "traces" / "dt=2026-03-01" / "hour=10"
+    (folder / "seg-0000000000001-old-000000-n1.arrow").write_bytes(encode(old))
+    snap = buf.snapshot()
+    assert sorted(snap["trace_id"].to_pylist()) == ["t1", "t2"]
+    rows = {r["trace_id"]: r for r in snap.to_pylist()}
+    assert rows["t1"]["prompt_token_ids"] is None and rows["t1"]["turn"] is None
+    assert rows["t2"]["prompt_token_ids"] == [5] and rows["t2"]["turn"] == 1
+
+
+def test_a_snapshot_links_turns_the_gateway_could_not(tmp_path: Path) -> None:
+    """Trace 2 continues trace 1's answer (its ``continues`` hash is trace 1's ``answer`` hash) but was served
+    by another gateway replica (no parent_trace_id): the snapshot links it; one already linked is kept; a
+    hash nobody answered stays unlinked; the latest answer before it wins over later ones."""
+    buf = RewardBuffer(_cfg(tmp_path))
+
+    def turn(i: int, minutes: int, **conversation: str) -> tuple[TraceEvent, Coordinates]:
+        return _trace(i, T0 + timedelta(minutes=minutes), metadata={"conversation": conversation})
+
+    linked = _trace(5, T0 + timedelta(minutes=5), parent_trace_id="t9", metadata={"conversation": {"continues": "h1"}})
+    buf.append(
+        [
+            turn(1, 0, answer="h1"),
+            turn(0, 1, answer="h1"),  # the same prompt and answer again (a regeneration that said the same)
+            turn(2, 2, continues="h1", answer="h2"),
+            turn(3, 3, continues="h-unknown"),
+            linked,
+            turn(4, 4, answer="h1"),  # after trace 2: not its parent
+        ],
+        [],
+    )
+    parents = {r["trace_id"]: r["parent_trace_id"] for r in buf.snapshot().to_pylist()}
+    assert parents == {"t0": None, "t1": None, "t2": "t0", "t3": None, "t4": None, "t5": "t9"}

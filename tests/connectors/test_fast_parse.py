@@ -16,6 +16,7 @@ from connectors.segments import to_json
 HASHER = s.UserHasher("secret", ["user", "user_id", "email"])
 MAX_BYTES = 4096
 INGESTED = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+METADATA = -4  # the metadata column of a trace row (before topic, partition, offset)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,43 @@ def _enc(obj: object) -> bytes:
     return obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers é",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number", "minimum": -1.5e3}}},
+        "strict": False,
+    },
+}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+CONVERSATION = [
+    {"role": "system", "content": "You add."},
+    {"role": "user", "content": "2+3?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+]
+# hourglass.trace/v2 records (and a v1 record whose messages carry tool calls) the fast path takes.
+V2_FAST = [
+    _trace(
+        6,
+        schema=s.TRACE_SCHEMA,
+        prompt=CONVERSATION,
+        tools=[TOOL],
+        completion="",
+        completion_tool_calls=[{**CALL, "id": "call_2"}, {"function": {"name": "", "arguments": "{not json"}}],
+        finish_reason="tool_calls",
+        prompt_token_ids=[1, 2, 3, 2**31 - 1],
+        usage={"prompt_tokens": 4, "completion_tokens": 3},
+        conversation_id="conv-abc",
+        turn=1,
+        parent_trace_id="t5",
+    ),
+    _trace(7, schema=s.TRACE_SCHEMA, usage={}, prompt_token_ids=[], tools=[{"function": {"name": "x"}}]),
+    _trace(8, schema=s.TRACE_SCHEMA_V1, prompt=CONVERSATION[:3]),
+    _trace(14, prompt=[{"role": "user", "content": "x", "name": "n"}, {"role": "system", "content": None}]),
+]
+
 # Records the fast path must take (canonical forms), then valid records it must leave to pydantic
 # (lax or unusual forms), then one record per dead-letter reason and a few subtle invalid ones.
 FAST = [
@@ -63,6 +101,7 @@ FAST = [
     _trace(3, metadata={"Email": "a@x.org", "nested": [{"user": "bob"}, 1, None, True], "score": 5e-05, "big": 2**70}),
     _trace(4, completion_token_ids=None, completion_logprobs=None, metadata={}, reward=-1),
     _trace(5, metadata={"note": "v1.2 release", "user": {"id": 7}}),
+    *V2_FAST,
     _feedback(0),
     _feedback(1, ts=None, rating=2, reward=1, metadata={"user": "carol"}),
     _feedback(2, ts="2026-01-02T03:04:05Z", edited=True),
@@ -75,10 +114,11 @@ SLOW_VALID = [
     _trace(11, ts="2026-01-02T03:04:05.1234567Z"),  # more than microseconds
     _trace(12, ts=1767323045999.5),  # float epoch ms
     _trace(13, completion_token_ids=[1.0, 2, 3]),  # lax token ids
-    _trace(14, prompt=[{"role": "user", "content": "x", "name": "n"}, {"role": "system", "content": None}]),
     _trace(15, prompt=[{"content": "reordered", "role": "user"}, {"role": "user", "content": [{"type": "text"}]}]),
     b'{"schema":"hourglass.feedback/v1","trace_id":"t12","schema":"hourglass.trace/v1","ts":0,"model":"m",'
     b'"prompt":"p","completion":"c"}',  # duplicate tag: the last one wins, as in pydantic
+    _trace(18, schema=s.TRACE_SCHEMA, prompt_token_ids=[1.0, 2]),  # lax token ids
+    _trace(19, schema=s.TRACE_SCHEMA, prompt=[{"role": "assistant", "content": "x", "reasoning_content": "r"}]),
 ]
 BAD = [
     (s.EMPTY_VALUE, b""),
@@ -112,6 +152,22 @@ BAD = [
     (s.SCHEMA_VIOLATION, _enc(_feedback(45, regenerated=1))),
     (s.SCHEMA_VIOLATION, _enc(_feedback(46, rating="1"))),
     (s.SCHEMA_VIOLATION, _enc(_feedback(47, reward="0.5"))),
+    # conversation fields: only under hourglass.trace/v2, strict types, bounded
+    (s.SCHEMA_VIOLATION, _enc(_trace(50, schema=s.TRACE_SCHEMA_V1, turn=1))),  # a v1 event with a v2 field
+    (s.SCHEMA_VIOLATION, _enc(_trace(51, schema=s.TRACE_SCHEMA, turn=-1))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(52, schema=s.TRACE_SCHEMA, turn=True))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(53, schema=s.TRACE_SCHEMA, tools=[{"type": "code_interpreter"}]))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(54, schema=s.TRACE_SCHEMA, completion_tool_calls=[{**CALL, "x": 1}]))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(55, schema=s.TRACE_SCHEMA, usage={"prompt_tokens": "3"}))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(56, schema=s.TRACE_SCHEMA, prompt_token_ids=[2**31]))),
+    (s.SCHEMA_VIOLATION, _enc(_trace(57, schema=s.TRACE_SCHEMA, conversation_id=""))),
+    (
+        s.SCHEMA_VIOLATION,
+        _enc(_trace(59, schema=s.TRACE_SCHEMA, tools=[{"function": {"name": "x", "parameters": {"m": "@"}}}])).replace(
+            b'"@"', b"1e999"
+        ),
+    ),
+    (s.SCHEMA_VIOLATION, _enc(_trace(60, prompt=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]))),
     (s.OVERSIZE_CORRECTION, _enc(_feedback(40, correction="y" * 65))),
     (s.INVALID_UNICODE, _enc(_trace(41)).replace(b'"u2"', b'"\\ud800"').replace(b'"u1"', b'"\\ud800"')),
     (s.INVALID_UNICODE, _enc(_feedback(42, metadata={"note": "@"})).replace(b'"@"', b'"a\\udfffb"')),
@@ -168,17 +224,17 @@ def test_fast_rows_hash_user_ids_and_keep_record_order() -> None:
     records = [Record("traces", 0, n, None, _enc(v)) for n, v in enumerate(FAST)]
     batch = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER)
     assert batch.fallback == 0
-    assert [row[0] for row in batch.traces] == [f"t{i}" for i in range(6)]
+    assert [row[0] for row in batch.traces][:6] == [f"t{i}" for i in range(6)]
     assert json.loads(batch.feedback[4][2]) == {
         "thumbs": "up",
         "rating": 1,
         "correction": "the answer is 5, not 6 é \u2028",
     }
-    assert [row[-1] for row in batch.traces] == list(range(6))  # offsets, in record order
-    md = json.loads(batch.traces[3][9])
+    assert [row[-1] for row in batch.traces] == list(range(len(batch.traces)))  # offsets, in record order
+    md = json.loads(batch.traces[3][METADATA])
     assert md["Email"] == HASHER.digest("a@x.org") and md["nested"][0]["user"] == HASHER.digest("bob")
     assert md["score"] == 5e-05 and md["big"] == 2**70
-    assert json.loads(batch.traces[5][9])["user"] == HASHER.digest({"id": 7})
+    assert json.loads(batch.traces[5][METADATA])["user"] == HASHER.digest({"id": 7})
     assert batch.traces[1][1] == datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
     assert batch.feedback[1][1] is None  # no ts: the table fills in the ingest time
     assert batch.feedback_table(INGESTED)["ts"][1].as_py() == INGESTED
@@ -209,8 +265,12 @@ def test_canonical_batch_carries_lists_as_arrow_columns_equal_to_the_reference()
     fast, slow = _tables_equal([Record("traces", 0, n, None, v) for n, v in enumerate(values)])
     assert fast.token_ids is not None and fast.logprobs is not None and slow.token_ids is None
     assert fast.fallback == 0
-    assert [row[:6] + row[8:] for row in fast.traces] == [row[:6] + row[8:] for row in slow.traces]
+    assert [row[:6] + row[8:11] + row[12:] for row in fast.traces] == [
+        row[:6] + row[8:11] + row[12:] for row in slow.traces
+    ]
     assert fast.token_ids.to_pylist() == [row[6] for row in slow.traces]
+    assert fast.prompt_ids is not None and fast.prompt_ids.to_pylist() == [row[11] for row in slow.traces]
+    assert [1, 2, 3, 2**31 - 1] in fast.prompt_ids.to_pylist()
     assert fast.token_ids.to_pylist()[-3:] == [[], [5, 6, 41], [0, 2**31 - 1, -(2**31)]]
     assert fast.logprobs.to_pylist()[-2] is None
 
@@ -415,5 +475,5 @@ def test_non_finite_numbers_in_metadata_are_stored_as_null_so_the_buffer_stays_j
     for fast in (True, False):
         out = parse_batch(records, max_record_bytes=MAX_BYTES, hasher=HASHER, fast=fast)
         assert out.dead_letters == [] and [row[0] for row in out.traces] == ["t0", "t2"]
-        assert strict(out.traces[0][9]) == {"ok": 1.5, "nested": [{"score": None}]}
+        assert strict(out.traces[0][METADATA]) == {"ok": 1.5, "nested": [{"score": None}]}
         assert strict(out.feedback[0][3]) == {"score": None}

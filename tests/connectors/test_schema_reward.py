@@ -68,7 +68,7 @@ def test_user_identifiers_are_hashed_with_hmac_at_any_depth() -> None:
         (b"{not json", s.INVALID_JSON),
         (b"\xff\xfe\x00garbage", s.NOT_UTF8),
         (b"[1, 2]", s.NOT_AN_OBJECT),
-        (json.dumps(_trace(schema="hourglass.trace/v2")).encode(), s.UNKNOWN_SCHEMA),
+        (json.dumps(_trace(schema="hourglass.trace/v9")).encode(), s.UNKNOWN_SCHEMA),
         (json.dumps(_trace()).replace('"hi"', '"hi", "reward": NaN').encode(), s.NON_FINITE_REWARD),
         (json.dumps(_trace()).replace('"hi"', '"hi", "reward": 1e999').encode(), s.NON_FINITE_REWARD),
         (json.dumps({k: v for k, v in _trace().items() if k != "completion"}).encode(), s.SCHEMA_VIOLATION),

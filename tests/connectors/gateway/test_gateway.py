@@ -164,7 +164,10 @@ def test_chat_completion_returns_text_and_publishes_its_trace(
     assert "token_ids" not in (response.choices[0].model_extra or {})
 
     trace = traces.get(trace_id)
-    assert trace["schema"] == "hourglass.trace/v1" and trace["trace_id"] == trace_id
+    assert trace["schema"] == "hourglass.trace/v2" and trace["trace_id"] == trace_id
+    # the conversation fields: the prompt as vLLM rendered it, the turn, the counts
+    assert trace["prompt_token_ids"] and trace["usage"]["prompt_tokens"] == len(trace["prompt_token_ids"])
+    assert trace["turn"] == 0 and trace["conversation_id"].startswith("conv-") and "parent_trace_id" not in trace
     assert trace["model"] == "hourglass" and "adapter_version" not in trace  # base: null, dropped on the wire
     assert trace["prompt"] == MESSAGES and trace["completion"] == text
     _assert_token_fields(trace)

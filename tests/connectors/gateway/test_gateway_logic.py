@@ -250,7 +250,7 @@ def test_a_chat_is_rewritten_for_vllm_and_its_trace_carries_the_adapter_version(
 
     trace = gw.trace(answer)
     assert (trace.model, trace.adapter_version, trace.completion) == ("hourglass", "3", "4")
-    assert trace.model_dump(mode="json")["prompt"] == MESSAGES
+    assert trace.model_dump(mode="json", exclude_none=True)["prompt"] == MESSAGES
     assert trace.completion_token_ids == [19] and trace.completion_logprobs == [-0.1]
     meta = trace.metadata
     assert meta["served_name"] == "hourglass-v3" and meta["stream"] is False and meta["finish_reason"] == "stop"

@@ -57,6 +57,13 @@ def setup(vllm_tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
             }
         },
+        # tools: a strict schema vLLM would compile into a grammar that matches nothing, one that is no schema
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}, "strict": True}}],
+            "tool_choice": "required",
+        },
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}, "strict": True}}]},
+        {"tool_choice": "required"},
     ],
 )
 def test_refused_requests_never_reach_vllm(setup: tuple[str, str], vllm_tiny: str, extra: dict) -> None:

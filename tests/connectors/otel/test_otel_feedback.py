@@ -52,7 +52,7 @@ def test_a_child_span_with_thumbs_becomes_feedback_for_its_parent_genai_span() -
         end_ns=START_NS + 60_000_000_000,
     )
     out = native_events(proto_bytes(genai, vote), CFG)
-    trace = next(e for e in out.events if e["schema"] == "hourglass.trace/v1")
+    trace = next(e for e in out.events if e["schema"] == "hourglass.trace/v2")
     (fb,) = [e for e in out.events if e["schema"] == "hourglass.feedback/v1"]
     assert fb["trace_id"] == trace["trace_id"] == f"otel-{TRACE_ID}-{SPAN_ID}"
     assert (fb["thumbs"], fb["ts"], fb["metadata"]["user"]) == ("up", "2026-01-01T00:01:00Z", "alice")
@@ -92,7 +92,7 @@ def test_an_evaluation_event_on_the_genai_span_itself() -> None:
     genai = v137_span(SIMPLE_INPUT, SIMPLE_OUTPUT, events=[result, other])
     out = native_events(proto_bytes(genai), CFG)
     assert [e["schema"] for e in out.events] == [
-        "hourglass.trace/v1",
+        "hourglass.trace/v2",
         "hourglass.feedback/v1",
     ]  # relevance is not configured
     fb = out.events[1]

@@ -1,4 +1,4 @@
-"""GenAI calls -> hourglass.trace/v1 dicts that the real parser accepts (user id hashed, derived trace id
+"""GenAI calls -> hourglass.trace/v2 dicts that the real parser accepts (user id hashed, derived trace id
 stable across redelivery), and the conversation/tool fields the schema is about to gain."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_trace_event_is_a_valid_native_trace_with_the_user_hashed() -> None:
     assert isinstance(event, dict)
     assert event["trace_id"] == f"otel-{TRACE_ID}-{SPAN_ID}" == derived_trace_id(TRACE_ID.upper(), SPAN_ID)
     assert (event["schema"], event["model"], event["adapter_version"], event["ts"]) == (
-        "hourglass.trace/v1",
+        "hourglass.trace/v2",
         "gpt-4",
         None,
         "2026-01-01T00:00:01.500000Z",
@@ -80,6 +80,9 @@ def test_trace_event_is_a_valid_native_trace_with_the_user_hashed() -> None:
         {"role": "user", "content": "Tell me a joke about OpenTelemetry"},
     ]
     assert stored.completion == SIMPLE_OUTPUT[0]["parts"][0]["content"]
+    # the conversation fields of hourglass.trace/v2, from the span
+    assert (stored.conversation_id, stored.turn, stored.parent_trace_id) == ("conv_1", 0, None)
+    assert stored.usage is not None and (stored.usage.prompt_tokens, stored.usage.completion_tokens) == (52, 47)
 
 
 def test_redelivery_gives_the_same_trace_id_and_event() -> None:
@@ -99,6 +102,9 @@ def test_tool_call_trace_round_trips_through_the_parser() -> None:
     # a call that only calls tools: empty completion text, the calls in conversation_fields
     only_calls = trace_event(call_of(v137_span(TOOL_SPAN1_INPUT, TOOL_SPAN1_OUTPUT, attrs=TOOL_SPAN1_ATTRS)), CFG)
     assert isinstance(only_calls, dict) and ingest(only_calls).completion == ""
+    stored_calls = ingest(only_calls)
+    assert stored_calls.finish_reason == "tool_calls" and stored_calls.completion_tool_calls
+    assert stored_calls.completion_tool_calls[0].function.name == "get_weather"
 
 
 def test_system_instructions_lead_the_prompt_and_text_completions_are_text() -> None:

@@ -1,0 +1,297 @@
+"""What the gateway accepts of OpenAI tool calling: ``tools``, ``tool_choice``, assistant ``tool_calls`` and
+``tool`` messages, each bounded (``gateway.max_tools``, ``max_tool_schema_bytes``, ``max_tool_calls``,
+``max_tool_arguments_bytes``) and refused with a 400 naming the field (``param``) otherwise.
+
+Upstream API: OpenAI Chat Completions function tools (``{"type": "function", "function": {"name",
+"description", "parameters", "strict"}}``; names match ``^[A-Za-z0-9_-]{1,64}$``), as vLLM 0.32 reads them
+(``ChatCompletionRequest.check_tool_usage``). A tool's ``parameters`` must be a valid JSON Schema (checked
+against its meta-schema with ``jsonschema``): with ``tool_choice`` ``required`` or a named tool, vLLM compiles
+it into a grammar, and a schema it cannot compile is a 500 there.
+
+No I/O; every check raises :class:`ToolRefused` (message and ``param``), which the request checks turn into
+a 400. :func:`ref_cycle` is the self-reference check of every JSON Schema a request carries (``response_format``
+too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from connectors.config import GatewayConfig
+from connectors.errors import ConnectorError
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_ID_CHARS = 256  # tool call ids: OpenAI's are ~30 characters, vLLM's ~46
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+_CALL_KEYS = frozenset({"id", "type", "function"})
+_CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
+# Keys the official openai client sends back when an app appends a response's message object to its
+# conversation (``model_dump(exclude_unset=True)`` of what vLLM answered): accepted when null (or an empty
+# list) and dropped, since nothing renders them; anything else in them is refused.
+NULL_ONLY_KEYS = frozenset({"refusal", "annotations", "audio", "function_call", "reasoning", "reasoning_content"})
+
+
+class ToolRefused(ConnectorError, ValueError):
+    """A tool field the gateway refuses (400): ``message`` and the OpenAI error ``param``."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
+    """The offered tools: ``(their names, characters of their definitions)`` (the definitions are rendered
+    into the prompt, so they count toward ``gateway.max_prompt_chars``).
+
+    Raises:
+        ToolRefused: param ``tools`` (not a non-empty list, more than ``gateway.max_tools``, a definition that
+            is not a function tool, a name off the pattern or repeated, a definition above
+            ``gateway.max_tool_schema_bytes``, ``parameters`` that is not a JSON Schema object).
+    """
+    if not isinstance(tools, list) or not tools:
+        raise ToolRefused("field 'tools' must be a non-empty list of function tool definitions", "tools")
+    if len(tools) > cfg.max_tools:
+        raise ToolRefused(f"{len(tools)} tools, above gateway.max_tools={cfg.max_tools}", "tools")
+    names: set[str] = set()
+    chars = 0
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ToolRefused(f"{where} must be {{type: 'function', function: {{name, ...}}}}", where)
+        extra = sorted(set(tool) - _TOOL_KEYS)
+        if extra:
+            raise ToolRefused(f"{where}.{extra[0]} is not accepted; a tool has only type and function", where)
+        function = tool["function"]
+        extra = sorted(set(function) - _FUNCTION_KEYS)
+        if extra:
+            raise ToolRefused(
+                f"{where}.function.{extra[0]} is not accepted; a function has only {sorted(_FUNCTION_KEYS)}", where
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or TOOL_NAME.fullmatch(name) is None:
+            raise ToolRefused(
+                f"{where}.function.name {str(name)[:80]!r} must match ^[A-Za-z0-9_-]{{1,64}}$", f"{where}.function.name"
+            )
+        if name in names:
+            raise ToolRefused(f"{where}.function.name {name!r} is offered twice", f"{where}.function.name")
+        names.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ToolRefused(f"{where}.function.description must be a string", f"{where}.function.description")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolRefused(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+        size = _utf8_len(_compact(function))
+        if size > cfg.max_tool_schema_bytes:
+            raise ToolRefused(
+                f"{where}.function is {size} bytes, above gateway.max_tool_schema_bytes={cfg.max_tool_schema_bytes}",
+                where,
+            )
+        parameters = function.get("parameters")
+        if parameters is not None:
+            _check_schema(parameters, f"{where}.function.parameters")
+        chars += size
+    return frozenset(names), chars
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise ToolRefused(f"{where} must be a JSON Schema object", where)
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        at = "/".join(str(p) for p in err.absolute_path)
+        raise ToolRefused(f"{where} is not a valid JSON Schema{f' at {at}' if at else ''}: {err.message[:200]}", where)
+    cycle = ref_cycle(schema)
+    if cycle is not None:
+        raise ToolRefused(
+            f"{where} refers to itself through $ref {cycle[:100]!r} with nothing in between: no arguments can match it",
+            where,
+        )
+
+
+def check_tool_choice(choice: Any, names: frozenset[str] | None) -> None:
+    """``tool_choice``: ``none`` / ``auto`` / ``required`` or ``{type: 'function', function: {name}}`` naming an
+    offered tool; only with ``tools`` (``names`` None: the request offers none).
+
+    Raises:
+        ToolRefused: param ``tool_choice``.
+    """
+    if choice is None:
+        return
+    if names is None:
+        raise ToolRefused("field 'tool_choice' needs 'tools': offer the tools it chooses from", "tool_choice")
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ToolRefused(
+                f"field 'tool_choice' {choice[:40]!r} is not one of {sorted(TOOL_CHOICES)} or a named function",
+                "tool_choice",
+            )
+        return
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or set(choice) != {"type", "function"}
+        or choice["type"] != "function"
+        or not isinstance(function, dict)
+        or set(function) != {"name"}
+    ):
+        raise ToolRefused(
+            "field 'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', function: {name}}",
+            "tool_choice",
+        )
+    if function["name"] not in names:
+        raise ToolRefused(
+            f"field 'tool_choice' names {str(function['name'])[:80]!r}, which is not one of the offered tools",
+            "tool_choice",
+        )
+
+
+@dataclass
+class ToolHistory:
+    """What the messages of one request said about tools so far (filled message by message, in order)."""
+
+    calls: int = 0
+    chars: int = 0
+    call_ids: set[str] = field(default_factory=set)
+
+
+def check_message_tools(message: dict[str, Any], where: str, history: ToolHistory, cfg: GatewayConfig) -> None:
+    """The tool parts of one message: ``tool_calls`` only on assistant messages (each ``{id, type:
+    'function', function: {name, arguments}}``, arguments text within ``gateway.max_tool_arguments_bytes``,
+    all messages together within ``gateway.max_tool_calls``); ``tool_call_id`` on ``tool`` messages only,
+    naming a tool call of an earlier assistant message; the :data:`NULL_ONLY_KEYS` null.
+
+    Raises:
+        ToolRefused: param = the path of the field (``messages.3.tool_calls.0.function.arguments``).
+    """
+    role = message.get("role")
+    for key in NULL_ONLY_KEYS & message.keys():
+        if message[key] not in (None, []):
+            raise ToolRefused(
+                f"{where}.{key} is not accepted (only null): this gateway serves no {key}", f"{where}.{key}"
+            )
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        if role != "assistant":
+            raise ToolRefused(f"{where}.tool_calls: only assistant messages carry tool calls", f"{where}.tool_calls")
+        if not isinstance(calls, list):
+            raise ToolRefused(f"{where}.tool_calls must be a list of tool calls", f"{where}.tool_calls")
+        history.calls += len(calls)
+        if history.calls > cfg.max_tool_calls:
+            raise ToolRefused(
+                f"the messages hold more than gateway.max_tool_calls={cfg.max_tool_calls} tool calls",
+                f"{where}.tool_calls",
+            )
+        for j, call in enumerate(calls):
+            history.chars += _check_call(call, f"{where}.tool_calls.{j}", history, cfg)
+    call_id = message.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(call_id, str) or not 1 <= len(call_id) <= MAX_ID_CHARS:
+            raise ToolRefused(
+                f"{where}.tool_call_id must be the id (1-{MAX_ID_CHARS} characters) of the tool call it answers",
+                f"{where}.tool_call_id",
+            )
+        if call_id not in history.call_ids:
+            raise ToolRefused(
+                f"{where}.tool_call_id {call_id[:80]!r} answers no tool call of an earlier assistant message",
+                f"{where}.tool_call_id",
+            )
+    elif call_id is not None:
+        raise ToolRefused(f"{where}.tool_call_id: only tool messages carry a tool_call_id", f"{where}.tool_call_id")
+
+
+def _check_call(call: Any, where: str, history: ToolHistory, cfg: GatewayConfig) -> int:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ToolRefused(f"{where} must be {{id, type: 'function', function: {{name, arguments}}}}", where)
+    extra = sorted(set(call) - _CALL_KEYS) or sorted(set(call["function"]) - _CALL_FUNCTION_KEYS)
+    if extra:
+        raise ToolRefused(f"{where}: {extra[0]!r} is not accepted in a tool call", where)
+    if call.get("type", "function") != "function":
+        raise ToolRefused(f"{where}.type must be 'function'", f"{where}.type")
+    call_id = call.get("id")
+    if not isinstance(call_id, str) or not 1 <= len(call_id) <= MAX_ID_CHARS:
+        raise ToolRefused(f"{where}.id must be a string of 1-{MAX_ID_CHARS} characters", f"{where}.id")
+    history.call_ids.add(call_id)
+    name, arguments = call["function"].get("name"), call["function"].get("arguments")
+    # The model may have called a name off the pattern: a client replaying its history is not refused for that.
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise ToolRefused(f"{where}.function.name must be a string of 1-64 characters", f"{where}.function.name")
+    if not isinstance(arguments, str):
+        raise ToolRefused(
+            f"{where}.function.arguments must be a string (the arguments as JSON text)", f"{where}.function.arguments"
+        )
+    size = _utf8_len(arguments)
+    if size > cfg.max_tool_arguments_bytes:
+        raise ToolRefused(
+            f"{where}.function.arguments is {size} bytes, above gateway.max_tool_arguments_bytes="
+            f"{cfg.max_tool_arguments_bytes}",
+            f"{where}.function.arguments",
+        )
+    return len(name) + len(arguments)
+
+
+def forwarded_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A checked message as it goes upstream and into the trace: the null-only keys and an empty
+    ``tool_calls`` dropped (the same message whether the app built it or appended the SDK's object)."""
+    if not (NULL_ONLY_KEYS & message.keys()) and message.get("tool_calls") != []:
+        return message
+    return {k: v for k, v in message.items() if k not in NULL_ONLY_KEYS and not (k == "tool_calls" and v == [])}
+
+
+_REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
+
+
+def ref_cycle(schema: dict[str, Any]) -> str | None:
+    """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
+    (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
+    ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
+
+    def resolve(pointer: str) -> Any:
+        if pointer != "#" and not pointer.startswith("#/"):
+            return None
+        node: Any = schema
+        for part in pointer[2:].split("/") if pointer != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        ref, seen = node.get("$ref"), set()
+        while isinstance(ref, str):
+            if ref in seen:
+                return ref  # back where it started: a cycle of bare references
+            seen.add(ref)
+            target = resolve(ref)
+            if not (isinstance(target, dict) and set(target) <= _REF_ONLY_KEYS and "$ref" in target):
+                break  # the reference reaches a schema with content
+            ref = target["$ref"]
+    return None

@@ -1,0 +1,87 @@
+"""Tool calls read from generated text (the Hermes format vLLM's ``hermes`` parser reads) and the built-in
+tool-call rewards: JSON, the tool exists, the arguments validate against its schema."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.tool_calls import hermes_tool_calls, tool_call_exists, tool_call_json, tool_call_valid
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+FREE = {"type": "function", "function": {"name": "now"}}  # no parameters schema: any object
+META = {"tools": [ADD, FREE]}
+
+
+def call(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def test_blocks_are_read_in_order_including_an_unclosed_last_one() -> None:
+    text = (
+        "Let me add.\n"
+        + call('{"name": "add", "arguments": {"a": 2, "b": 3}}')
+        + '\n<tool_call>\n{"name": "now", "arguments": "{}"}'
+    )
+    calls = hermes_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 2, "b": 3}, None), ("now", {}, None)]
+    assert hermes_tool_calls("no call here") == []
+    broken = hermes_tool_calls(
+        call('{"name": "add", "arguments": {"a": 2,') + call('["add"]') + call('{"name": "add", "arguments": 5}')
+    )
+    assert [c.error is not None for c in broken] == [True, True, True]
+
+
+@pytest.mark.parametrize(
+    ("completion", "json_ok", "exists", "valid"),
+    [
+        (call('{"name": "add", "arguments": {"a": 2, "b": 3}}'), 1.0, 1.0, 1.0),
+        (call('{"name": "add", "arguments": {"a": 2, "b": "3"}}'), 1.0, 1.0, 0.0),  # wrong type
+        (call('{"name": "add", "arguments": {"a": 2}}'), 1.0, 1.0, 0.0),  # missing required
+        (call('{"name": "add", "arguments": {"a": 2, "b": 3, "c": 1}}'), 1.0, 1.0, 0.0),  # additional property
+        (call('{"name": "mul", "arguments": {"a": 2, "b": 3}}'), 1.0, 0.0, 0.0),  # not offered
+        (call('{"name": "now", "arguments": {"tz": "UTC"}}'), 1.0, 1.0, 1.0),  # no schema: any object
+        (call('{"name": "add", "arguments": {"a": 2, "b": 3}'), 0.0, 0.0, 0.0),  # not JSON
+        (
+            call('{"name": "add", "arguments": {"a": 2, "b": 3}}') + call('{"name": "mul", "arguments": {}}'),
+            1.0,
+            0.0,
+            0.0,
+        ),
+        ("5", 0.0, 0.0, 0.0),  # no call: no_call
+    ],
+)
+def test_tool_call_rewards(completion: str, json_ok: float, exists: float, valid: float) -> None:
+    assert tool_call_json([], completion, META) == json_ok
+    assert tool_call_exists([], completion, META) == exists
+    assert tool_call_valid([], completion, META) == valid
+
+
+def test_no_call_is_a_setting_and_a_schema_that_cannot_be_evaluated_is_invalid_not_a_crash() -> None:
+    assert tool_call_valid([], "5", META, no_call=0.5) == 0.5
+    odd = {
+        "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.invalid/s.json"}}}
+        ]
+    }
+    assert tool_call_valid([], call('{"name": "f", "arguments": {}}'), odd) == 0.0
+    assert tool_call_valid([], call('{"name": "f", "arguments": {}}'), {"tools": []}) == 0.0
+
+
+def test_the_tool_call_rewards_are_built_ins_a_candidate_can_name() -> None:
+    from trainer.config import RewardTerm
+    from trainer.rewards import build_reward
+
+    mix = build_reward([RewardTerm(fn="tool_call_valid", weight=1.0)])
+    assert mix([], call('{"name": "add", "arguments": {"a": 2, "b": 3}}'), META) == 1.0
+    assert mix([], call('{"name": "add", "arguments": {"a": 2}}'), META) == 0.0

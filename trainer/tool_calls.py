@@ -1,0 +1,127 @@
+"""Tool calls in generated text, and the built-in tool-call rewards.
+
+A fresh rollout is raw text: the tool calls are in it in the format the model's chat template teaches and
+its vLLM tool parser reads. :func:`hermes_tool_calls` reads the Hermes / ChatML format (the format of
+Hourglass's ``chatml_tools`` template, Qwen2.5 and NousResearch Hermes models; vLLM's ``hermes`` parser):
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the last one possibly unclosed at the
+end of the text (vLLM's parser accepts that too).
+
+Rewards (``(prompt_messages, completion, metadata) -> float``, registered as built-ins in
+:mod:`trainer.rewards`) judge the calls against ``metadata["tools"]``, the OpenAI tool definitions the
+prompt offered (the round puts them there; rows that offered none are left out of a candidate whose reward
+needs them):
+
+- ``tool_call_json``: every call's block and its ``arguments`` parse as JSON (the arguments an object);
+- ``tool_call_exists``: every call names an offered tool;
+- ``tool_call_valid``: both, and the arguments validate against the tool's JSON-Schema ``parameters``
+  (``jsonschema``, the draft the schema names, 2020-12 by default).
+
+Each is 1.0 when it holds for every call of a completion with at least one call, 0.0 when it fails for one,
+and ``no_call`` (default 0.0) for a completion without tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call read from text: its name and arguments, or why it cannot be read (``error``)."""
+
+    name: str | None
+    arguments: Any
+    error: str | None = None
+
+
+def hermes_tool_calls(text: str) -> list[ParsedCall]:
+    """The ``<tool_call>`` blocks of ``text``, in order (an empty list when there is none)."""
+    calls = []
+    for match in _BLOCK.finditer(text):
+        body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
+        try:
+            value = json.loads(body)
+        except ValueError as err:
+            calls.append(ParsedCall(None, None, f"not JSON: {err}"))
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            calls.append(ParsedCall(None, None, 'not an object with a string "name"'))
+            continue
+        arguments = value.get("arguments", value.get("parameters"))
+        if isinstance(arguments, str):  # arguments written as JSON text inside the JSON
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as err:
+                calls.append(ParsedCall(value["name"], None, f"arguments are not JSON: {err}"))
+                continue
+        if not isinstance(arguments, dict):
+            calls.append(ParsedCall(value["name"], None, "arguments are not a JSON object"))
+            continue
+        calls.append(ParsedCall(value["name"], arguments))
+    return calls
+
+
+def offered_tools(metadata: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``metadata["tools"]`` (OpenAI tool definitions) by function name."""
+    out = {}
+    for tool in metadata.get("tools") or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            out[function["name"]] = function
+    return out
+
+
+def _judge(completion: str, metadata: Mapping[str, Any], no_call: float, check: Any) -> float:
+    calls = hermes_tool_calls(completion)
+    if not calls:
+        return no_call
+    tools = offered_tools(metadata)
+    return float(all(check(call, tools) for call in calls))
+
+
+def tool_call_json(
+    prompt_messages: Sequence[Mapping[str, Any]], completion: str, metadata: dict[str, Any], *, no_call: float = 0.0
+) -> float:
+    """1.0 when every tool call of the completion parses as JSON with object arguments (see the module doc)."""
+    return _judge(completion, metadata, no_call, lambda call, tools: call.error is None)
+
+
+def tool_call_exists(
+    prompt_messages: Sequence[Mapping[str, Any]], completion: str, metadata: dict[str, Any], *, no_call: float = 0.0
+) -> float:
+    """1.0 when every tool call of the completion names a tool the prompt offered."""
+    return _judge(completion, metadata, no_call, lambda call, tools: call.name in tools)
+
+
+def tool_call_valid(
+    prompt_messages: Sequence[Mapping[str, Any]], completion: str, metadata: dict[str, Any], *, no_call: float = 0.0
+) -> float:
+    """1.0 when every tool call parses, names an offered tool and its arguments validate against the tool's
+    ``parameters`` schema (a tool without one accepts any object)."""
+
+    def valid(call: ParsedCall, tools: dict[str, dict[str, Any]]) -> bool:
+        if call.error is not None or call.name not in tools:
+            return False
+        schema = tools[call.name].get("parameters")
+        if not isinstance(schema, dict):
+            return True
+        try:
+            validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+            return bool(validator(schema).is_valid(call.arguments))
+        except Exception:  # noqa: BLE001 - a schema from traffic that cannot be evaluated (bad $ref, too deep): invalid
+            return False
+
+    return _judge(completion, metadata, no_call, valid)
+
+
+# The rows a tool-call reward can score: those that offered tools (see trainer.rewards.RewardMix.accepts).
+for _fn in (tool_call_json, tool_call_exists, tool_call_valid):
+    _fn.required_metadata = ("tools",)  # type: ignore[attr-defined]
