@@ -4,7 +4,7 @@ The ingest worker reads the Collector's Kafka-exporter topic (``[otel]`` section
 topics. :func:`expand_otel_records` turns each record of that topic into what the native path takes:
 
 - every GenAI inference span and every configured feedback item becomes one :class:`OtelEventRecord`
-  holding the ``hourglass.trace/v1`` / ``hourglass.feedback/v1`` JSON that
+  holding the ``hourglass.trace/v2`` / ``hourglass.feedback/v1`` JSON that
   :func:`connectors.otel.native_events` built, with the **source record's** topic, partition, offset and
   key. These go through :func:`connectors.fast_parse.parse_batch` like any native record: the same
   validation, time window, user-id hashing (``metadata.user``) and ``metadata.user_hash`` (the same keyed
