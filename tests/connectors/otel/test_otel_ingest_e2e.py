@@ -185,6 +185,10 @@ def test_sdk_genai_spans_of_a_real_vllm_call_land_in_the_buffer(
         "completion_tokens": response.usage.completion_tokens,  # type: ignore[union-attr]
     }
     assert metadata["finish_reason"] == response.choices[0].finish_reason
+    # the hourglass.trace/v2 columns the span carries
+    assert json.loads(row["usage"][0].as_py()) == metadata["usage"]
+    assert row["conversation_id"][0].as_py() == "conv-1" and row["turn"][0].as_py() == 0
+    assert row["finish_reason"][0].as_py() == response.choices[0].finish_reason
     assert metadata["otel"]["conversation_id"] == "conv-1" and metadata["otel"]["service_name"] == "shop-assistant"
     assert "alice" not in row["metadata"][0].as_py()
 
