@@ -153,6 +153,7 @@ def build_trace(
     latency_ms: float,
     user_hash: str | None,
     max_tokens: int | None = None,
+    key_hash: str | None = None,
 ) -> TraceEvent | None:
     """The trace event of one served request, or None when the prompt cannot be traced.
 
@@ -161,8 +162,9 @@ def build_trace(
     keys under ``client``, see :func:`connectors.gateway.request.client_metadata`)
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
     ``finish_reason``, ``latency_ms``, ``usage``, ``max_tokens`` (the generation bound vLLM was
-    given: the client's, or ``gateway.max_tokens`` when it sent none) and ``user_hash`` (the caller's
-    identity hash, when given). Raises pydantic.ValidationError when the event is invalid.
+    given: the client's, or ``gateway.max_tokens`` when it sent none), ``user_hash`` (the caller's
+    identity hash, when given) and ``key_hash`` (the keyed hash of the caller's API key id, when given: the
+    unit rounds and canaries cap per client). Raises pydantic.ValidationError when the event is invalid.
     """
     prompt = trace_prompt(endpoint, body)
     if prompt is None:
@@ -182,6 +184,9 @@ def build_trace(
         metadata["max_tokens"] = max_tokens
     if user_hash is not None:
         metadata["user_hash"] = user_hash
+    metadata.pop("key_hash", None)  # only the gateway sets it
+    if key_hash is not None:
+        metadata["key_hash"] = key_hash
     ids, lps = completion.token_fields()
     return TraceEvent(
         trace_id=trace_id,
