@@ -359,6 +359,18 @@ class SplitConfig(Section):
         description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
         "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
     )
+    max_key_share: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Most rows one API key (metadata.key_hash, the gateway's keyed hash of the caller's key id) may "
+        "hold in a round's train set and in its held-out set, in the reward model's labels and in each side of a "
+        "canary's or guard's evidence, as max_user_share bounds each user: a key's `user` values can be anything, "
+        "the key is the unit the service can trust. Rows without a key hash (native Kafka or OTel producers, "
+        "segments written before the gateway recorded keys) count as one key. With fewer than 1/max_key_share "
+        "keys the bound is an even split (1/keys), so a deployment with a single key is not capped per key. "
+        "1 = no cap.",
+    )
 
 
 class GateConfig(Section):
