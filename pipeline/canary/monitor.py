@@ -260,6 +260,7 @@ class CanaryMonitor:
             control=control,
             started_at=started,
             elapsed_s=round(elapsed, 1),
+            events_before_caps={"challenger": len(rows.get(version, [])), "champion": len(rows.get(champion, []))},
         )
         for v, stats in ((version, chall), (control, champ)):
             FEEDBACK_COUNT.labels(model, v).set(stats.n)

@@ -86,6 +86,7 @@ def test_a_flood_of_down_votes_cannot_abort_a_challenger_honest_users_liked(cana
 
     assert view["decision"] != "abort", view
     assert view["challenger"]["n"] < 30 + FLOOD // 4, "the flood weighs its share, not 60 observations"
+    assert view["events_before_caps"] == {"challenger": 30 + FLOOD, "champion": 23}, "the view shows what was cut"
     assert view["challenger"]["mean"] > 0.7 and canary.alias("challenger") == "2"
 
 
