@@ -369,9 +369,9 @@ class SplitConfig(Section):
         "hold in a round's train set and in its held-out set, in the reward model's labels and in each side of a "
         "canary's or guard's evidence, as max_user_share bounds each user: a key's `user` values can be anything, "
         "the key is the unit the service can trust. Rows without a key hash (native Kafka or OTel producers, "
-        "segments written before the gateway recorded keys) count as one key. With fewer than 1/max_key_share "
-        "keys the bound is an even split (1/keys), so a deployment with a single key is not capped per key. "
-        "1 = no cap.",
+        "segments written before the gateway recorded keys) count as one key. With 1/max_key_share keys or fewer "
+        "there is no key cap (every cap would be an even split, and one busy app key beside a test key would lose "
+        "nearly all its rows): operator-issued keys are trusted when few. 1 = no cap.",
     )
 
 

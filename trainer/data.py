@@ -198,6 +198,16 @@ def user_cap(counts: Sequence[int], max_share: float) -> int:
     return lo
 
 
+def key_share(keys: Sequence[str], max_key_share: float) -> float:
+    """The share the key cap applies to rows of these ``keys``: ``max_key_share`` when there are more keys
+    than ``1 / max_key_share``, else 1.0 (no key cap). With so few keys every cap would be an even split, and a
+    deployment of one busy app key beside a test key (or beside OpenTelemetry or Kafka producers, one key
+    together) would lose nearly all of its rows; API keys are issued by the operator, so a few of them are
+    trusted as they are, while a key that makes up users is bounded once there are enough keys to share the
+    rows (issue 28: 6 keys at the default 0.2). Users keep the even-split floor (:func:`user_cap`)."""
+    return max_key_share if len(set(keys)) * max_key_share > 1.0 + 1e-9 else 1.0
+
+
 def capped_rows(
     trace_ids: Sequence[str], caps: Sequence[tuple[Sequence[str], float]], keep: Sequence[int] | None = None
 ) -> list[int]:
@@ -235,7 +245,8 @@ def cap_shares(table: pa.Table, *, max_user_share: float = 1.0, max_key_share: f
     """``table`` with each API key's and each user's rows cut so that none holds more than its share
     (:func:`capped_rows`; an even split, or a single key or user, is never cut). Row order is kept."""
     trace_ids = [str(t) for t in table.column("trace_id").to_pylist()]
-    keep = capped_rows(trace_ids, [(row_keys(table), max_key_share), (row_users(table), max_user_share)])
+    keys = row_keys(table)
+    keep = capped_rows(trace_ids, [(keys, key_share(keys, max_key_share)), (row_users(table), max_user_share)])
     return table.take(keep) if len(keep) < table.num_rows else table
 
 
@@ -394,7 +405,8 @@ def feedback_data(rows: Sequence[Prompt], *, max_user_share: float = 1.0, max_ke
     if max_user_share < 1.0 or max_key_share < 1.0:
         labelled = [i for i, p in enumerate(rows) if _labelled(p)]
         ids = [p.prompt_id for p in rows]
-        caps = [([_key(p.metadata) for p in rows], max_key_share), ([_user(p.metadata) for p in rows], max_user_share)]
+        keys = [_key(p.metadata) for p in rows]
+        caps = [(keys, key_share(keys, max_key_share)), ([_user(p.metadata) for p in rows], max_user_share)]
         kept = set(capped_rows(ids, caps, keep=labelled))
         rows = [p for i, p in enumerate(rows) if i in kept]
     examples = labelled_examples(rows)

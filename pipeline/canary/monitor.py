@@ -48,7 +48,7 @@ from pipeline.canary import state
 from pipeline.canary.sequential import ArmStats, Verdict, decide
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
-from trainer.data import ANONYMOUS_USER, UNKNOWN_KEY, capped_rows, row_keys, row_users
+from trainer.data import ANONYMOUS_USER, UNKNOWN_KEY, capped_rows, key_share, row_keys, row_users
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ def live_rewards(cfg: HourglassConfig, model: str, since: datetime) -> dict[str 
 def capped_side(side: list[LiveReward], *, max_user_share: float, max_key_share: float) -> list[LiveReward]:
     """One side's evidence with each API key's and each user's weight capped (:func:`trainer.data.capped_rows`,
     the rule a round's split uses): no key holds more than ``max_key_share`` of the side's observations and no
-    user more than ``max_user_share`` (or an even split when there are fewer keys or users than
-    ``1/share``; a single key or user, e.g. traces without user hashes, is never cut). A unit over the cap
+    user more than ``max_user_share`` (or an even split when there are fewer users than ``1/share``; with
+    ``1/max_key_share`` keys or fewer there is no key cap, :func:`trainer.data.key_share`; a single key or user,
+    e.g. traces without user hashes, is never cut). A unit over the cap
     keeps the traces whose SHA-256 of trace id sorts first, not ones it chose.
 
     Why a weight cap and not one observation per user (the mean of that user's feedback): rows without a
@@ -120,7 +121,8 @@ def capped_side(side: list[LiveReward], *, max_user_share: float, max_key_share:
     similar weight) decides as before, while one user (or one key with many made-up users) asking 60
     questions counts as at most its share."""
     trace_ids = [r.trace_id for r in side]
-    caps = [([r.key for r in side], max_key_share), ([r.user for r in side], max_user_share)]
+    keys = [r.key for r in side]
+    caps = [(keys, key_share(keys, max_key_share)), ([r.user for r in side], max_user_share)]
     return [side[i] for i in capped_rows(trace_ids, caps)]
 
 

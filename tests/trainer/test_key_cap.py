@@ -100,7 +100,8 @@ def test_rows_without_a_key_hash_are_one_key_and_a_single_key_is_never_capped() 
     assert train.num_rows + heldout.num_rows == 64
     mixed = table([(None, f"u{i}", i, 1.0) for i in range(30)] + [("key-a", "a", 100 + i, 1.0) for i in range(5)])
     assert row_keys(mixed)[0] == UNKNOWN_KEY
-    assert Counter(row_keys(cap_shares(mixed, max_key_share=0.2))) == Counter({UNKNOWN_KEY: 5, "key-a": 5})
+    # two keys (at most 1/0.2): no key cap, so the unkeyed producer keeps its rows
+    assert Counter(row_keys(cap_shares(mixed, max_key_share=0.2))) == Counter({UNKNOWN_KEY: 30, "key-a": 5})
     with pytest.raises(DataError, match="max_key_share"):
         split_snapshot(one_key, 0.2, max_key_share=0.0)
 
@@ -152,3 +153,18 @@ def test_the_round_caps_keys_by_default_and_logs_key_metrics(tmp_path) -> None:
     key_of = {p.prompt_id: p.metadata.get("key_hash") for p in data.train}
     labels = Counter(key_of[e.trace_id] for e in data.train_feedback.examples)
     assert labels["key-mallory"] / sum(labels.values()) <= 0.2 + 1e-9, labels
+
+
+def test_few_keys_are_not_capped_but_enough_keys_are() -> None:
+    """With 1/max_key_share keys or fewer the key cap is off (a busy app key beside a test key keeps its rows);
+    with one more key it binds (the issue's case: 6 keys at 0.2)."""
+    from trainer.data import capped_rows, key_share
+
+    busy_and_test = ["app"] * 1000 + ["test"] * 10
+    assert key_share(busy_and_test, 0.2) == 1.0
+    ids = [f"t{i}" for i in range(len(busy_and_test))]
+    assert len(capped_rows(ids, [(busy_and_test, key_share(busy_and_test, 0.2))])) == 1010
+    six = ["flood"] * 40 + [k for k in "abcde" for _ in range(6)]
+    assert key_share(six, 0.2) == 0.2
+    kept = capped_rows([f"t{i}" for i in range(len(six))], [(six, key_share(six, 0.2))])
+    assert sum(1 for i in kept if six[i] == "flood") <= 0.2 * len(kept) + 1e-9
