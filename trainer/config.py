@@ -356,8 +356,22 @@ class SplitConfig(Section):
         default=0.2,
         gt=0,
         le=1,
-        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set; "
-        "with fewer than 1/max_user_share users the bound is an even split (1/users). 1 = no cap.",
+        description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set, "
+        "in the reward model's labels and in each side of a canary's or guard's evidence (a weight cap: a user over "
+        "it keeps the traces whose hashed trace id sorts first); with fewer than 1/max_user_share users the bound is "
+        "an even split (1/users). 1 = no cap.",
+    )
+    max_key_share: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Most rows one API key (metadata.key_hash, the gateway's keyed hash of the caller's key id) may "
+        "hold in a round's train set and in its held-out set, in the reward model's labels and in each side of a "
+        "canary's or guard's evidence, as max_user_share bounds each user: a key's `user` values can be anything, "
+        "the key is the unit the service can trust. Rows without a key hash (native Kafka or OTel producers, "
+        "segments written before the gateway recorded keys) count as one key. With 1/max_key_share keys or fewer "
+        "there is no key cap (every cap would be an even split, and one busy app key beside a test key would lose "
+        "nearly all its rows): operator-issued keys are trusted when few. 1 = no cap.",
     )
 
 

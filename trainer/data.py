@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -132,26 +132,45 @@ def prompts_from_table(table: pa.Table) -> list[Prompt]:
 
 
 ANONYMOUS_USER = "anonymous"
+UNKNOWN_KEY = "unknown-key"
+"""The API key unit of rows without ``metadata.key_hash``: traces from other trusted producers (native
+clients on Kafka, OTel) and gateway traces written before the gateway recorded the key. They count as one
+key (one producer), so the key cap bounds them together like any one client."""
 
 
-def row_users(table: pa.Table) -> list[str]:
-    """Each row's user: ``metadata.user_hash`` (the gateway sets it from the caller's API key and ``user``);
-    rows without one (traces produced straight to Kafka) count as one user, ``"anonymous"``."""
+def _metadata_rows(table: pa.Table) -> list[dict[str, Any]]:
     if "metadata" not in table.column_names:
-        return [ANONYMOUS_USER] * table.num_rows
-    users = []
+        return [{} for _ in range(table.num_rows)]
+    out = []
     for raw in table.column("metadata").to_pylist():
         try:
             meta = json.loads(raw) if raw else {}
         except ValueError:
             meta = {}
-        users.append(_user(meta))
-    return users
+        out.append(meta if isinstance(meta, dict) else {})
+    return out
+
+
+def row_users(table: pa.Table) -> list[str]:
+    """Each row's user: ``metadata.user_hash`` (the gateway sets it from the caller's API key and ``user``);
+    rows without one (traces produced straight to Kafka) count as one user, ``"anonymous"``."""
+    return [_user(meta) for meta in _metadata_rows(table)]
+
+
+def row_keys(table: pa.Table) -> list[str]:
+    """Each row's API key: ``metadata.key_hash`` (the gateway's keyed hash of the caller's key id);
+    rows without one count as one key, :data:`UNKNOWN_KEY`."""
+    return [_key(meta) for meta in _metadata_rows(table)]
 
 
 def _user(metadata: object) -> str:
     user = metadata.get("user_hash") if isinstance(metadata, dict) else None
     return user if isinstance(user, str) and user else ANONYMOUS_USER
+
+
+def _key(metadata: object) -> str:
+    key = metadata.get("key_hash") if isinstance(metadata, dict) else None
+    return key if isinstance(key, str) and key else UNKNOWN_KEY
 
 
 def _stable_rank(trace_id: str) -> str:
@@ -160,10 +179,11 @@ def _stable_rank(trace_id: str) -> str:
 
 
 def user_cap(counts: Sequence[int], max_share: float) -> int:
-    """The most rows any one user may keep: the largest ``c`` with ``c <= s * sum(min(n, c))`` where
+    """The most rows any one user (or key) may keep: the largest ``c`` with ``c <= s * sum(min(n, c))`` where
     ``s = max(max_share, 1 / users)`` (so a cap always exists, and an even split is never cut).
 
     Example: counts ``[100, 3, 3, 3, 3]``, share 0.2 -> 3 (the flood keeps 3 of 15 rows = 20 %).
+    A single unit is never cut (``s = 1``): a deployment with one API key is not capped per key.
     """
     if not counts:
         return 0
@@ -178,34 +198,78 @@ def user_cap(counts: Sequence[int], max_share: float) -> int:
     return lo
 
 
+def key_share(keys: Sequence[str], max_key_share: float) -> float:
+    """The share the key cap applies to rows of these ``keys``: ``max_key_share`` when there are more keys
+    than ``1 / max_key_share``, else 1.0 (no key cap). With so few keys every cap would be an even split, and a
+    deployment of one busy app key beside a test key (or beside OpenTelemetry or Kafka producers, one key
+    together) would lose nearly all of its rows; API keys are issued by the operator, so a few of them are
+    trusted as they are, while a key that makes up users is bounded once there are enough keys to share the
+    rows (issue 28: 6 keys at the default 0.2). Users keep the even-split floor (:func:`user_cap`)."""
+    return max_key_share if len(set(keys)) * max_key_share > 1.0 + 1e-9 else 1.0
+
+
+def capped_rows(
+    trace_ids: Sequence[str], caps: Sequence[tuple[Sequence[str], float]], keep: Sequence[int] | None = None
+) -> list[int]:
+    """The indices (ascending) of the rows kept when each unit of every ``(unit of each row, max share)`` in
+    ``caps`` (e.g. users, API keys) is cut to :func:`user_cap` of its share. A unit over its cap keeps the rows
+    whose SHA-256 of trace id sorts first (spread over time, not chosen by the client). Cutting one kind of unit
+    can raise another's share, so the cuts repeat until a pass cuts nothing: then every cap holds at once.
+    ``keep``: the rows to start from (default all)."""
+    kept = list(range(len(trace_ids))) if keep is None else sorted(keep)
+    while True:
+        before = len(kept)
+        for units, max_share in caps:
+            if max_share >= 1.0:
+                continue
+            by_unit: dict[str, list[int]] = {}
+            for i in kept:
+                by_unit.setdefault(units[i], []).append(i)
+            cap = user_cap([len(rows) for rows in by_unit.values()], max_share)
+            kept = sorted(
+                i
+                for rows in by_unit.values()
+                for i in (rows if len(rows) <= cap else sorted(rows, key=lambda i: _stable_rank(trace_ids[i]))[:cap])
+            )
+        if len(kept) == before:
+            return kept
+
+
 def cap_user_share(table: pa.Table, max_share: float) -> pa.Table:
     """``table`` with each user's rows cut to :func:`user_cap` (a user over the cap keeps the rows whose
     SHA-256 of trace id sorts first: spread over time, not chosen by the user). Row order is kept."""
-    users = row_users(table)
-    by_user: dict[str, list[int]] = {}
-    for i, user in enumerate(users):
-        by_user.setdefault(user, []).append(i)
-    cap = user_cap([len(rows) for rows in by_user.values()], max_share)
-    trace_ids = table.column("trace_id").to_pylist()
-    keep: list[int] = []
-    for rows in by_user.values():
-        keep.extend(rows if len(rows) <= cap else sorted(rows, key=lambda i: _stable_rank(str(trace_ids[i])))[:cap])
-    return table.take(sorted(keep)) if len(keep) < table.num_rows else table
+    return cap_shares(table, max_user_share=max_share)
+
+
+def cap_shares(table: pa.Table, *, max_user_share: float = 1.0, max_key_share: float = 1.0) -> pa.Table:
+    """``table`` with each API key's and each user's rows cut so that none holds more than its share
+    (:func:`capped_rows`; an even split, or a single key or user, is never cut). Row order is kept."""
+    trace_ids = [str(t) for t in table.column("trace_id").to_pylist()]
+    keys = row_keys(table)
+    keep = capped_rows(trace_ids, [(keys, key_share(keys, max_key_share)), (row_users(table), max_user_share)])
+    return table.take(keep) if len(keep) < table.num_rows else table
+
+
+def _shares(units: Sequence[str]) -> tuple[float, float]:
+    """(number of units, the largest unit's share of the rows)."""
+    counts = Counter(units)
+    return float(len(counts)), (max(counts.values()) / len(units) if units else 0.0)
 
 
 def user_metrics(train: Sequence[Prompt], heldout: Sequence[Prompt], prefix: str = "data") -> dict[str, float]:
-    """``{data/users, data/max_user_share, data/heldout_users, data/heldout_max_user_share}`` of a split's rows."""
+    """``{data/users, data/max_user_share, data/keys, data/max_key_share}`` of the train rows and the same with
+    ``heldout_`` of the held-out rows (after the caps: what the round trains and evaluates on)."""
     out: dict[str, float] = {}
     for name, part in (("", train), ("heldout_", heldout)):
-        users = [_user(p.metadata) for p in part]
-        counts = {u: users.count(u) for u in set(users)}
-        out[f"{prefix}/{name}users"] = float(len(counts))
-        out[f"{prefix}/{name}max_user_share"] = max(counts.values()) / len(users) if users else 0.0
+        for unit, of in (("user", _user), ("key", _key)):
+            count, top = _shares([of(p.metadata) for p in part])
+            out[f"{prefix}/{name}{unit}s"] = count
+            out[f"{prefix}/{name}max_{unit}_share"] = top
     return out
 
 
 def split_snapshot(
-    table: pa.Table, heldout_fraction: float, *, max_user_share: float = 1.0
+    table: pa.Table, heldout_fraction: float, *, max_user_share: float = 1.0, max_key_share: float = 1.0
 ) -> tuple[pa.Table, pa.Table]:
     """``(train, heldout)``: the held-out set is drawn across users and time, then each part is capped per user.
 
@@ -213,16 +277,20 @@ def split_snapshot(
     users in proportion to their rows (largest remainder; ties to the user with fewer rows); each user gives
     its newest rows. So every user's held-out rows are newer than their training rows, one user's burst
     before a round fills at most that user's proportional part, and with a single user (or no user hashes)
-    the newest ``H`` rows are held out. Then :func:`cap_user_share` cuts each part so no user holds more than
-    ``max_user_share`` of it (or an even split with few users); ``1.0`` = no cap.
+    the newest ``H`` rows are held out. Then :func:`cap_shares` cuts each part so no API key
+    (``metadata.key_hash``) holds more than ``max_key_share`` of it and no user more than ``max_user_share``
+    (or an even split with few keys or users; a single key is never cut); ``1.0`` = no cap. The key cap is
+    what bounds a client that sends a different ``user`` on every request: its made-up users are many, its
+    key is one.
 
     Raises:
-        DataError: fraction outside (0, 1), share outside (0, 1], no ``ts`` column, or fewer than 2 rows.
+        DataError: fraction outside (0, 1), a share outside (0, 1], no ``ts`` column, or fewer than 2 rows.
     """
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"heldout_fraction {heldout_fraction} must lie in (0, 1)")
-    if not 0.0 < max_user_share <= 1.0:
-        raise DataError(f"max_user_share {max_user_share} must lie in (0, 1]")
+    for name, value in (("max_user_share", max_user_share), ("max_key_share", max_key_share)):
+        if not 0.0 < value <= 1.0:
+            raise DataError(f"{name} {value} must lie in (0, 1]")
     if "ts" not in table.column_names:
         raise DataError(f"snapshot table has no 'ts' column to split by time; columns: {table.column_names}")
     if table.num_rows < 2:
@@ -241,8 +309,10 @@ def split_snapshot(
     held_set = set(held)
     train = ordered.take([i for i in range(ordered.num_rows) if i not in held_set])
     heldout = ordered.take(held)
-    if max_user_share < 1.0:
-        train, heldout = cap_user_share(train, max_user_share), cap_user_share(heldout, max_user_share)
+    if max_user_share < 1.0 or max_key_share < 1.0:
+        train, heldout = (
+            cap_shares(part, max_user_share=max_user_share, max_key_share=max_key_share) for part in (train, heldout)
+        )
     return train, heldout
 
 
@@ -318,8 +388,27 @@ def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
     return pairs
 
 
-def feedback_data(rows: Sequence[Prompt]) -> FeedbackData:
-    """Labelled examples and preference pairs (feedback pairs, then correction pairs) of one split."""
+def _labelled(p: Prompt) -> bool:
+    """A row that gives the reward model a label: a finite logged reward, or a correction."""
+    reward = p.logged_reward
+    rated = reward is not None and p.logged_completion is not None and math.isfinite(float(reward))
+    return rated or (isinstance(p.logged_correction, str) and bool(p.logged_correction.strip()))
+
+
+def feedback_data(rows: Sequence[Prompt], *, max_user_share: float = 1.0, max_key_share: float = 1.0) -> FeedbackData:
+    """Labelled examples and preference pairs (feedback pairs, then correction pairs) of one split.
+
+    The rows that carry a label (a reward or a correction) are capped per API key and per user as the
+    split is (:func:`capped_rows`): a client whose rows are all rated, among clients who rarely rate,
+    holds at most its share of the reward model's labels, not only of the round's rows."""
+    rows = list(rows)
+    if max_user_share < 1.0 or max_key_share < 1.0:
+        labelled = [i for i, p in enumerate(rows) if _labelled(p)]
+        ids = [p.prompt_id for p in rows]
+        keys = [_key(p.metadata) for p in rows]
+        caps = [(keys, key_share(keys, max_key_share)), ([_user(p.metadata) for p in rows], max_user_share)]
+        kept = set(capped_rows(ids, caps, keep=labelled))
+        rows = [p for i, p in enumerate(rows) if i in kept]
     examples = labelled_examples(rows)
     return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(rows)))
 
@@ -327,8 +416,11 @@ def feedback_data(rows: Sequence[Prompt]) -> FeedbackData:
 # --- the data preparation step ------------------------------------------------------------------
 
 
-def prepare_round_data(train: pa.Table, heldout: pa.Table) -> RoundData:
-    """Read a round's train and held-out tables once: prompts, feedback, window, per-user metrics.
+def prepare_round_data(
+    train: pa.Table, heldout: pa.Table, *, max_user_share: float = 1.0, max_key_share: float = 1.0
+) -> RoundData:
+    """Read a round's train and held-out tables once: prompts, feedback (its labels capped per key and per
+    user, :func:`feedback_data`), window, per-user and per-key metrics.
 
     Raises:
         DataError: a required column is missing, a row's prompt/metadata is unreadable, or the
@@ -341,8 +433,8 @@ def prepare_round_data(train: pa.Table, heldout: pa.Table) -> RoundData:
     return RoundData(
         train=tuple(train_rows),
         heldout=tuple(heldout_rows),
-        train_feedback=feedback_data(train_rows),
-        heldout_feedback=feedback_data(heldout_rows),
+        train_feedback=feedback_data(train_rows, max_user_share=max_user_share, max_key_share=max_key_share),
+        heldout_feedback=feedback_data(heldout_rows, max_user_share=max_user_share, max_key_share=max_key_share),
         window_start=window_start,
         window_end=window_end,
         metrics=user_metrics(train_rows, heldout_rows),

@@ -49,7 +49,7 @@ class RoundData:
     ``train`` / ``heldout``: one :class:`Prompt` per row, oldest first; ``train_feedback`` /
     ``heldout_feedback``: the users' verdicts in them (the reward model's examples and pairs);
     ``window_start`` / ``window_end``: the oldest and newest ``ts`` of both; ``metrics``: ``data/users``,
-    ``data/max_user_share``, ``data/heldout_users``, ``data/heldout_max_user_share``.
+    ``data/max_user_share``, ``data/keys``, ``data/max_key_share`` and the same with ``heldout_`` (after the caps).
     """
 
     train: tuple[Prompt, ...]

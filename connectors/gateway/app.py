@@ -121,9 +121,11 @@ FEEDBACK_REWARD = Histogram(
 )
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 # What a trace is published with: trace id, endpoint, request body (metadata hashed), public model name,
-# served name, adapter version, user hash, the max_tokens bound vLLM was given, and for chat the request's
-# place in its conversation and its prompt hash.
-_PublishArgs = tuple[str, Endpoint, dict[str, Any], str, str, str | None, str, int, TurnLink | None, PromptHash | None]
+# served name, adapter version, user hash, key hash, the max_tokens bound vLLM was given, and for chat the
+# request's place in its conversation and its prompt hash.
+_PublishArgs = tuple[
+    str, Endpoint, dict[str, Any], str, str, str | None, str, str, int, TurnLink | None, PromptHash | None
+]
 
 ResolveModel = Callable[[str], tuple[str, str | None]]
 
@@ -296,6 +298,12 @@ def create_gateway_app(
         """The end user's hash: the key id, plus the request's ``user`` scoped to that key."""
         return hasher.digest(key_id if user is None else f"{key_id}\x00{user}")
 
+    def key_hash(key_id: str) -> str:
+        """The API key's hash (``metadata.key_hash``): the key's public id under the same keyed hasher as user
+        ids, in its own namespace. Rounds and canaries cap each key's share (``rl.split.max_key_share``): a key
+        may send any ``user`` values, so its users are not the unit a client's influence is bounded by."""
+        return hasher.digest(f"key\x00{key_id}")
+
     def authenticate(request: Request) -> Caller:
         header = request.headers.get("authorization")
         if header is None or not header.lower().startswith("bearer ") or not header[7:].strip():
@@ -459,7 +467,9 @@ def create_gateway_app(
         if body.reward is not None:
             out["reward"] = max(-1.0, min(1.0, body.reward))
         meta = hasher({k: v for k, v in body.metadata.items() if k != "user_hash"})
-        out["metadata"] = {**meta, "user_hash": claims.user_hash}  # the voter: one vote per (trace, user_hash)
+        meta = {k: v for k, v in meta.items() if k != "key_hash"}
+        # the voter: one vote per (trace, user_hash); and the key it came through (the caller's: the token's key)
+        out["metadata"] = {**meta, "user_hash": claims.user_hash, "key_hash": key_hash(caller.key_id)}
         out["ts"] = datetime.now(UTC)  # when the feedback was given
         event = FeedbackEvent.model_validate(out)
         loop = asyncio.get_running_loop()
@@ -594,6 +604,7 @@ def create_gateway_app(
             served,
             version,
             user_hash,
+            key_hash(caller.key_id),
             max_tokens,
             link,
             prompt_hash,
@@ -755,6 +766,7 @@ def create_gateway_app(
         served: str,
         version: str | None,
         user_hash: str,
+        key: str,
         max_tokens: int,
         link: TurnLink | None,
         prompt_hash: PromptHash | None,
@@ -777,6 +789,7 @@ def create_gateway_app(
                 stream=stream,
                 latency_ms=(time.perf_counter() - started) * 1000.0,
                 user_hash=user_hash,
+                key_hash=key,
                 max_tokens=max_tokens,
                 link=link,
                 answer_hash=answer_hash,

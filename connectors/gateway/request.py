@@ -470,8 +470,8 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:
     """Request metadata as the trace stores it: a trusted grader's ``trusted_keys`` at the top (labels),
-    everything else under ``client``; a client's ``user_hash`` is dropped (the gateway sets it)."""
-    meta = {k: v for k, v in (meta or {}).items() if k != "user_hash"}
+    everything else under ``client``; a client's ``user_hash`` and ``key_hash`` are dropped (the gateway sets them)."""
+    meta = {k: v for k, v in (meta or {}).items() if k not in ("user_hash", "key_hash")}
     top = {k: meta.pop(k) for k in list(meta) if trusted and k in trusted_keys}
     if meta:
         top["client"] = meta

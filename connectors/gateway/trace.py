@@ -217,6 +217,7 @@ def build_trace(
     max_tokens: int | None = None,
     link: TurnLink | None = None,
     answer_hash: str | None = None,
+    key_hash: str | None = None,
 ) -> TraceEvent | None:
     """The trace event (``hourglass.trace/v2``) of one served request, or None when the prompt cannot be traced.
 
@@ -230,10 +231,11 @@ def build_trace(
     plus the gateway's keys: ``endpoint``, ``served_name``, ``stream``,
     ``finish_reason``, ``latency_ms``, ``usage``, ``max_tokens`` (the generation bound vLLM was
     given: the client's, or ``gateway.max_tokens`` when it sent none), ``user_hash`` (the caller's
-    identity hash, when given), ``tool_choice`` / ``parallel_tool_calls`` (when the request set them) and
-    ``conversation`` (``continues``: ``link.continues``, ``answer``: ``answer_hash``; the hashes a snapshot
-    links turns by, see :mod:`connectors.gateway.conversation`). Raises pydantic.ValidationError when the
-    event is invalid.
+    identity hash, when given), ``key_hash`` (the keyed hash of the caller's API key id, when given: the
+    unit rounds and canaries cap per client), ``tool_choice`` / ``parallel_tool_calls`` (when the request set
+    them) and ``conversation`` (``continues``: ``link.continues``, ``answer``: ``answer_hash``; the hashes a
+    snapshot links turns by, see :mod:`connectors.gateway.conversation`). Raises pydantic.ValidationError when
+    the event is invalid.
     """
     prompt = trace_prompt(endpoint, body)
     if prompt is None:
@@ -254,6 +256,9 @@ def build_trace(
         metadata["max_tokens"] = max_tokens
     if user_hash is not None:
         metadata["user_hash"] = user_hash
+    metadata.pop("key_hash", None)  # only the gateway sets it
+    if key_hash is not None:
+        metadata["key_hash"] = key_hash
     for key in ("tool_choice", "parallel_tool_calls"):
         if body.get(key) is not None:
             metadata[key] = body[key]

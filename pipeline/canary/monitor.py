@@ -12,7 +12,10 @@ Every ``serving.canary.check_interval_s`` the service calls
    champion's; with no ``@champion`` yet, vs the base model's (the rows whose
    ``adapter_version`` is null: what the gateway's base route answered), shown
    as the version ``"base"`` (``control`` in the view, the ``version`` label of
-   the gauges). Thumbs-only feedback is a success rate (reward > 0); anything
+   the gauges). Each side's evidence is capped per API key and per user
+   (``rl.split.max_key_share`` / ``max_user_share``, :func:`capped_side`), so one
+   user asking many questions, or one key with many made-up users, weighs at
+   most its share. Thumbs-only feedback is a success rate (reward > 0); anything
    else is the mean reward. Nothing is kept in memory, so a restarted service
    resumes with the same evidence and counts nothing twice;
 3. :func:`pipeline.canary.sequential.decide` says promote, abort or continue;
@@ -21,7 +24,8 @@ Every ``serving.canary.check_interval_s`` the service calls
 
 The guard (``serving.guard``): for ``period_s`` after a canary promotion the new
 champion's live rate is compared, with the same test, to the previous
-champion's rate measured during the canary; a significant drop rolls back with
+champion's rate measured during the canary (both capped per key and per user
+as the canary's sides are); a significant drop rolls back with
 :func:`pipeline.registry.aliases.rollback` (what ``hourglass rollback`` runs).
 """
 
@@ -32,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from mlflow.entities import Metric
@@ -44,6 +48,7 @@ from pipeline.canary import state
 from pipeline.canary.sequential import ArmStats, Verdict, decide
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
+from trainer.data import ANONYMOUS_USER, UNKNOWN_KEY, capped_rows, key_share, row_keys, row_users
 
 log = logging.getLogger(__name__)
 
@@ -72,24 +77,68 @@ def _parse(ts: str) -> datetime:
     return out if out.tzinfo else out.replace(tzinfo=timezone.utc)
 
 
-def live_rewards(cfg: HourglassConfig, model: str, since: datetime) -> dict[str | None, list[tuple[float, str]]]:
-    """``{adapter_version: [(reward, reward_source), ...]}`` of the public ``model``'s traces with
-    ``ts >= since`` that have a reward (buffer snapshot: one row per trace id)."""
+@dataclass(frozen=True)
+class LiveReward:
+    """One trace's feedback as canary evidence: its reward and ``reward_source``, and who it came from
+    (``user``: ``metadata.user_hash``, ``key``: ``metadata.key_hash``; see :func:`trainer.data.row_users`)."""
+
+    trace_id: str
+    reward: float
+    source: str
+    user: str = ANONYMOUS_USER
+    key: str = UNKNOWN_KEY
+
+
+def live_rewards(cfg: HourglassConfig, model: str, since: datetime) -> dict[str | None, list[LiveReward]]:
+    """``{adapter_version: [LiveReward, ...]}`` of the public ``model``'s traces with ``ts >= since`` that have a
+    reward (buffer snapshot: one row per trace id)."""
     from connectors.buffer import RewardBuffer
 
     table = RewardBuffer(cfg.buffer).snapshot(start=since)
-    out: dict[str | None, list[tuple[float, str]]] = {}
-    for row in table.select(["model", "adapter_version", "reward", "reward_source"]).to_pylist():
+    columns = ["trace_id", "model", "adapter_version", "reward", "reward_source"]
+    users, keys = row_users(table), row_keys(table)
+    out: dict[str | None, list[LiveReward]] = {}
+    for i, row in enumerate(table.select(columns).to_pylist()):
         if row["model"] == model and row["reward"] is not None:
-            out.setdefault(row["adapter_version"], []).append((float(row["reward"]), row["reward_source"] or ""))
+            out.setdefault(row["adapter_version"], []).append(
+                LiveReward(row["trace_id"], float(row["reward"]), row["reward_source"] or "", users[i], keys[i])
+            )
     return out
 
 
-def arm_stats(rows: dict[str | None, list[tuple[float, str]]], *versions: str | None) -> tuple[list[ArmStats], bool]:
-    """Stats of each version's rows; binary (success rate) when every row's feedback is thumbs only."""
-    picked = [rows.get(v, []) for v in versions]
-    binary = all(source in _THUMBS for side in picked for _, source in side)
-    return [ArmStats.of_rewards([r for r, _ in side], binary=binary) for side in picked], binary
+def capped_side(side: list[LiveReward], *, max_user_share: float, max_key_share: float) -> list[LiveReward]:
+    """One side's evidence with each API key's and each user's weight capped (:func:`trainer.data.capped_rows`,
+    the rule a round's split uses): no key holds more than ``max_key_share`` of the side's observations and no
+    user more than ``max_user_share`` (or an even split when there are fewer users than ``1/share``; with
+    ``1/max_key_share`` keys or fewer there is no key cap, :func:`trainer.data.key_share`; a single key or user,
+    e.g. traces without user hashes, is never cut). A unit over the cap
+    keeps the traces whose SHA-256 of trace id sorts first, not ones it chose.
+
+    Why a weight cap and not one observation per user (the mean of that user's feedback): rows without a
+    user hash (native Kafka or OTel producers, callers that send no ``user``) are one user, so one
+    observation per user would leave such a canary one observation per side and it could never decide; and
+    the thumbs test's variance is that of a success rate over events. Capped, honest traffic (many users of
+    similar weight) decides as before, while one user (or one key with many made-up users) asking 60
+    questions counts as at most its share."""
+    trace_ids = [r.trace_id for r in side]
+    keys = [r.key for r in side]
+    caps = [(keys, key_share(keys, max_key_share)), ([r.user for r in side], max_user_share)]
+    return [side[i] for i in capped_rows(trace_ids, caps)]
+
+
+def arm_stats(
+    rows: dict[str | None, list[LiveReward]],
+    *versions: str | None,
+    max_user_share: float = 1.0,
+    max_key_share: float = 1.0,
+) -> tuple[list[ArmStats], bool]:
+    """Stats of each version's rows, each side capped per key and per user (:func:`capped_side`); binary
+    (success rate) when every row's feedback is thumbs only."""
+    picked = [
+        capped_side(rows.get(v, []), max_user_share=max_user_share, max_key_share=max_key_share) for v in versions
+    ]
+    binary = all(r.source in _THUMBS for side in picked for r in side)
+    return [ArmStats.of_rewards([r.reward for r in side], binary=binary) for side in picked], binary
 
 
 def _evidence(verdict: Verdict, binary: bool, **extra) -> dict:
@@ -193,7 +242,7 @@ class CanaryMonitor:
         since = _parse(started)
         elapsed = (datetime.now(timezone.utc) - since).total_seconds()
         rows = live_rewards(cfg, model, since)
-        (chall, champ), binary = arm_stats(rows, version, champion)
+        (chall, champ), binary = arm_stats(rows, version, champion, **self._shares())
         verdict = decide(
             chall,
             champ,
@@ -213,6 +262,7 @@ class CanaryMonitor:
             control=control,
             started_at=started,
             elapsed_s=round(elapsed, 1),
+            events_before_caps={"challenger": len(rows.get(version, [])), "champion": len(rows.get(champion, []))},
         )
         for v, stats in ((version, chall), (control, champ)):
             FEEDBACK_COUNT.labels(model, v).set(stats.n)
@@ -240,7 +290,7 @@ class CanaryMonitor:
             return None
         since, until = _parse(guard["since"]), _parse(guard["until"])
         baseline = ArmStats(**guard["baseline"])
-        (live,), binary = arm_stats(live_rewards(self.cfg, model, since), champion)
+        (live,), binary = arm_stats(live_rewards(self.cfg, model, since), champion, **self._shares())
         verdict = decide(
             live,
             baseline,
@@ -282,6 +332,11 @@ class CanaryMonitor:
         return {**evidence, "decision": "watching", "reason": f"watching until {guard['until']}"}
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _shares(self) -> dict[str, float]:
+        """The per-user and per-key caps of each side's evidence: the round's (``rl.split``)."""
+        split = self.cfg.rl.split
+        return {"max_user_share": split.max_user_share, "max_key_share": split.max_key_share}
 
     def _changed(self, model: str) -> None:
         if self.on_change is not None:

@@ -120,7 +120,7 @@ class LiveSteps:
         }
 
     def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
-        """Split across users and time (per-user share capped) and prepare the round's data; stage the
+        """Split across users and time (per-key and per-user shares capped) and prepare the round's data; stage the
         champions (and the reward model's, when the round trains one); train the reward model (when
         wanted) and every selected candidate; evaluate them against the champions."""
         from trainer.data import prepare_round_data, split_snapshot
@@ -132,11 +132,11 @@ class LiveSteps:
             )
         cfg = self.cfg
         candidates = tuple(c for c in cfg.candidates if c.name in record.candidates)
-        train, heldout = split_snapshot(
-            table, cfg.rl.split.heldout_fraction, max_user_share=cfg.rl.split.max_user_share
-        )
+        split = cfg.rl.split
+        shares = {"max_user_share": split.max_user_share, "max_key_share": split.max_key_share}
+        train, heldout = split_snapshot(table, split.heldout_fraction, **shares)
         champions, reward_champion = self.champions(candidates)
-        inputs = RoundInputs(prepare_round_data(train, heldout), champions, reward_champion)
+        inputs = RoundInputs(prepare_round_data(train, heldout, **shares), champions, reward_champion)
         spec = RoundSpec(cfg.model, candidates, cfg.rl)  # rl.rollout.url defaults to the serving vLLM
         run = self.trainer or _run_round()
         out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id

@@ -56,6 +56,10 @@ def test_one_pass_over_the_tables_gives_prompts_feedback_window_and_users() -> N
         "data/max_user_share": pytest.approx(2 / 3),
         "data/heldout_users": 1.0,
         "data/heldout_max_user_share": 1.0,
+        "data/keys": 1.0,  # no key hashes: one unknown key
+        "data/max_key_share": 1.0,
+        "data/heldout_keys": 1.0,
+        "data/heldout_max_key_share": 1.0,
     }
 
 

@@ -165,6 +165,32 @@ def test_the_same_user_of_two_keys_is_two_identities(gateway: str, keys: Keys, s
     assert len({a, b, c}) == 3
 
 
+def test_traces_and_feedback_name_the_key_they_came_through_hashed_and_unforgeable(
+    gateway: str, keys: Keys, sink: FakeSink
+) -> None:
+    """A key that sends a new ``user`` on every request is many users but one key: the trace and the feedback
+    carry the keyed hash of the caller's key id (what rounds and canaries cap per client), never the id in
+    clear, and a client cannot set it."""
+    forged = {"key_hash": "someone-else", "reference_answer": "42"}
+    traces = [
+        sink.trace(chat(gateway, keys.client, user=f"u{i}", metadata=forged).headers[TRACE_HEADER]) for i in range(3)
+    ]
+    other = sink.trace(chat(gateway, keys.other, user="u0").headers[TRACE_HEADER])
+    hashes = {t.metadata["key_hash"] for t in traces}
+    client_id = keys.client.split("-")[1]
+    assert len(hashes) == 1 and hashes != {other.metadata["key_hash"]}
+    assert len({t.metadata["user_hash"] for t in traces}) == 3, "three users of one key"
+    (key_hash,) = hashes
+    assert key_hash.startswith("hmac-sha256:") and client_id not in json.dumps(traces[0].metadata)
+    assert "someone-else" not in traces[0].model_dump_json()
+
+    trace_id, token = _served(gateway, keys.client, user="dave")
+    body = {"trace_id": trace_id, "thumbs": "up", "feedback_token": token, "metadata": {"key_hash": "forged"}}
+    assert post(gateway, "/v1/feedback", keys.client, body).status_code == 200
+    (vote,) = [f for f in sink.feedback if f.trace_id == trace_id]
+    assert vote.metadata["key_hash"] == key_hash == sink.trace(trace_id).metadata["key_hash"]
+
+
 # --- what may be sent -------------------------------------------------------------------------------
 
 

@@ -95,9 +95,12 @@ def test_mean_rewards_use_sample_variance() -> None:
 
 
 def test_thumbs_only_feedback_is_a_rate_and_mixed_feedback_a_mean() -> None:
-    from pipeline.canary.monitor import arm_stats
+    from pipeline.canary.monitor import LiveReward, arm_stats
 
-    rows = {"2": [(1.0, "thumbs"), (-1.0, "thumbs")], "1": [(1.0, "thumbs")] * 3, None: [(0.5, "reward")]}
+    def live(reward: float, source: str, n: int = 1) -> list[LiveReward]:
+        return [LiveReward(f"t{reward}{source}{i}", reward, source) for i in range(n)]
+
+    rows = {"2": live(1.0, "thumbs") + live(-1.0, "thumbs"), "1": live(1.0, "thumbs", 3), None: live(0.5, "reward")}
     (chall, champ), binary = arm_stats(rows, "2", "1")
     assert binary and (chall.n, chall.mean, champ.n, champ.mean) == (2, 0.5, 3, 1.0)
     (chall, base), binary = arm_stats(rows, "2", None)
