@@ -35,7 +35,8 @@ from prometheus_client import Counter
 
 from connectors.config import BufferConfig
 from connectors.dead_letter import DeadLetter, DeadLetterStore
-from connectors.reward import merge_signals, reward_from_signals
+from connectors.implicit import Turn, derive
+from connectors.reward import merge_signals, reward_from_signals, with_implicit
 from connectors.schema import UNMATCHED_FEEDBACK, FeedbackEvent, TraceEvent, shift
 from connectors.segments import (
     FEEDBACK,
@@ -166,7 +167,9 @@ class RewardBuffer:
 
     # --- read path ----------------------------------------------------------------
 
-    def snapshot(self, start: datetime | None = None, end: datetime | None = None) -> pa.Table:
+    def snapshot(
+        self, start: datetime | None = None, end: datetime | None = None, *, now: datetime | None = None
+    ) -> pa.Table:
         """Traces with ``start <= ts < end`` from sealed segments, de-duplicated, feedback joined.
 
         Args:
@@ -182,17 +185,27 @@ class RewardBuffer:
             ``metadata.user_hash`` (or none: one anonymous voter), only the latest
             (by ``ts``, then ingest order) counts, so a repeated vote replaces the
             earlier one. ``correction`` is the latest joined correction (or null).
+            Implicit signals (``buffer.implicit``, :mod:`connectors.implicit`) are derived from the traces
+            up to one window after ``end`` and judged at ``now`` (default: the wall clock); they add to the
+            reward of a trace without explicit feedback, and the ``implicit`` column holds each derived
+            signal with its provenance (JSON, null when none).
         """
         start, end = start or _EPOCH, end or _FAR
         window = timedelta(seconds=self.cfg.feedback_join_window_s)
         listing = self.segments()  # the fixed list this snapshot reads
-        traces = self._read([s for s in listing if s.kind == TRACES and overlaps(s, start, end)], TRACE_SEGMENT_SCHEMA)
-        ts_ms = pc.cast(traces["ts"], pa.int64())
-        keep = pc.and_(
-            pc.greater_equal(ts_ms, int(start.timestamp() * 1000)), pc.less(ts_ms, int(end.timestamp() * 1000))
+        implicit = self.cfg.implicit
+        # the evidence of implicit signals: traces up to one window after the snapshot's end
+        reach = shift(end, implicit.window_s) if implicit.enabled else end
+        traces = self._read(
+            [s for s in listing if s.kind == TRACES and overlaps(s, start, reach)], TRACE_SEGMENT_SCHEMA
         )
-        traces = traces.filter(keep)
+        traces = traces.filter(_in_range(traces, start, reach))
         traces = _link_turns(_first_per_trace_id(traces))
+        derived = derive(_turns(traces), now or datetime.now(timezone.utc), implicit) if implicit.enabled else None
+        inside = _in_range(traces, start, end)
+        traces = traces.filter(inside)
+        if derived is not None:
+            derived = [d for d, keep in zip(derived, inside.to_pylist(), strict=True) if keep]
         window_s = window.total_seconds()
         fb_segs = [
             s for s in listing if s.kind == FEEDBACK and overlaps(s, shift(start, -window_s), shift(end, window_s))
@@ -205,8 +218,9 @@ class RewardBuffer:
         rewards: list[float | None] = []
         sources: list[str | None] = []
         corrections: list[str | None] = []
-        for trace_id, ts, inline in zip(
-            traces["trace_id"].to_pylist(), traces["ts"].to_pylist(), traces["signals"].to_pylist()
+        implicit_json: list[str | None] = []
+        for i, (trace_id, ts, inline) in enumerate(
+            zip(traces["trace_id"].to_pylist(), traces["ts"].to_pylist(), traces["signals"].to_pylist())
         ):
             joined = _one_vote_per_user(
                 [(t, who, sig) for t, who, sig in by_trace.get(trace_id, ()) if abs(t - ts) <= window]
@@ -214,6 +228,10 @@ class RewardBuffer:
             merged = merge_signals(json.loads(inline) if inline else {}, joined)
             correction = merged.pop("correction", None)
             reward, source = reward_from_signals(merged, self.cfg.reward)
+            found = derived[i] if derived is not None else {}
+            if found:
+                reward, source = with_implicit(reward, source, merged, found, self.cfg.reward, implicit)
+            implicit_json.append(json.dumps(found, sort_keys=True) if found else None)
             rewards.append(reward)
             sources.append(source)
             corrections.append(correction if isinstance(correction, str) else None)
@@ -221,6 +239,7 @@ class RewardBuffer:
         out = out.append_column("reward", pa.array(rewards, pa.float64()))
         out = out.append_column("reward_source", pa.array(sources, pa.string()))
         out = out.append_column("correction", pa.array(corrections, pa.string()))
+        out = out.append_column("implicit", pa.array(implicit_json, pa.string()))
         out = out.select(SNAPSHOT_SCHEMA.names).cast(SNAPSHOT_SCHEMA)
         return out.sort_by([("ts", "ascending"), ("trace_id", "ascending")])
 
@@ -490,6 +509,18 @@ def _link_turns(traces: pa.Table) -> pa.Table:
         return traces
     index = traces.schema.get_field_index("parent_trace_id")
     return traces.set_column(index, traces.schema.field(index), pa.array(parents, pa.string()))
+
+
+def _in_range(traces: pa.Table, start: datetime, end: datetime) -> pa.ChunkedArray:
+    """The mask of rows with ``start <= ts < end``."""
+    ts_ms = pc.cast(traces["ts"], pa.int64())
+    return pc.and_(pc.greater_equal(ts_ms, int(start.timestamp() * 1000)), pc.less(ts_ms, int(end.timestamp() * 1000)))
+
+
+def _turns(traces: pa.Table) -> list[Turn]:
+    """The columns :func:`connectors.implicit.derive` reads, one :class:`Turn` per row."""
+    cols = ["trace_id", "ts", "prompt", "conversation_id", "turn", "parent_trace_id", "completion_tool_calls"]
+    return [Turn(**row) for row in traces.select(cols).to_pylist()]
 
 
 def _first_per_trace_id(table: pa.Table) -> pa.Table:

@@ -131,6 +131,50 @@ class RewardSpec(Section):
     )
 
 
+class ImplicitConfig(Section):
+    """Implicit feedback read from what users did next (:mod:`connectors.implicit`): derived per trace at
+    snapshot time from the conversation links, each mapped to a reward by its weight. A trace with an
+    explicit ``reward``, ``thumbs`` or ``rating`` keeps that reward: explicit feedback wins."""
+
+    enabled: bool = Field(default=True, description="Derive implicit signals in snapshots.")
+    window_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="How long after an answer its evidence counts (the next turn, a regeneration, a tool "
+        "result), seconds; an answer with none after this long is `abandoned`. A signal whose window has not "
+        "closed at snapshot time is absent, never negative.",
+    )
+    rephrase_similarity: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="A next user message whose word-set Jaccard similarity to the previous user message is at "
+        "least this is a rephrase (`rephrased`), below it the user went on (`continued`).",
+    )
+    continued: float = Field(
+        default=0.5, ge=-1, le=1, description="Reward when the user went on with the conversation."
+    )
+    rephrased: float = Field(default=-0.5, ge=-1, le=1, description="Reward when the user restated the question.")
+    regenerated: float = Field(
+        default=-0.5, ge=-1, le=1, description="Reward when the same prompt was sent again (another answer asked for)."
+    )
+    tool_error: float = Field(
+        default=-1.0, ge=-1, le=1, description="Reward when a tool call of the answer came back with an error."
+    )
+    abandoned: float = Field(
+        default=0.0,
+        ge=-1,
+        le=1,
+        description="Reward when nothing followed the answer within the window. 0 by default: a satisfied last "
+        "turn looks the same (the signal is still recorded in the snapshot's `implicit` column).",
+    )
+
+    def weight(self, signal: str) -> float:
+        """The reward weight of one implicit signal."""
+        return float(getattr(self, signal))
+
+
 class BufferConfig(Section):
     """The Arrow reward buffer and the dead-letter store."""
 
@@ -153,6 +197,9 @@ class BufferConfig(Section):
         default=10 * 1024**3, ge=1024, description="Oldest partitions go first above this size."
     )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Feedback signal to reward mapping.")
+    implicit: ImplicitConfig = Field(
+        default_factory=ImplicitConfig, description="Implicit feedback from what users did next."
+    )
     user_hash_key: SecretStr = Field(
         default=SecretStr("hourglass-change-me"),
         description="HMAC-SHA256 key for user identifiers in metadata (set HOURGLASS_BUFFER__USER_HASH_KEY in production).",

@@ -7,9 +7,10 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from connectors.config import RewardSpec
+from connectors.config import ImplicitConfig, RewardSpec
 
 _ADJUSTMENTS = ("edited", "regenerated")
+EXPLICIT = frozenset({"reward", "thumbs", "rating"})
 
 
 def _value(name: str, signal: Any, spec: RewardSpec) -> float | None:
@@ -68,3 +69,30 @@ def merge_signals(inline: Mapping[str, Any], feedback: Iterable[tuple[datetime, 
     for _, signals in sorted(feedback, key=lambda item: item[0]):
         merged.update({k: v for k, v in signals.items() if v is not None})
     return merged
+
+
+def with_implicit(
+    reward: float | None,
+    source: str | None,
+    signals: Mapping[str, Any],
+    derived: Mapping[str, Any],
+    spec: RewardSpec,
+    implicit: ImplicitConfig,
+) -> tuple[float | None, str | None]:
+    """``(reward, source)`` of :func:`reward_from_signals` with the implicit signals ``derived`` for the trace
+    (:func:`connectors.implicit.derive`) added by their weights, unless an explicit ``reward`` / ``thumbs`` /
+    ``rating`` set the reward (explicit feedback wins). A derived ``regenerated`` is not counted again when
+    the client flagged it; signals of weight 0 add nothing and are not named. The sum is clipped to
+    ``[-spec.clip, spec.clip]``; the source names every part (``"continued"``, ``"edited+rephrased"``)."""
+    if source is not None and source.split("+", 1)[0] in EXPLICIT:
+        return reward, source
+    parts = [
+        name
+        for name in derived
+        if implicit.weight(name) != 0.0 and not (name == "regenerated" and signals.get("regenerated"))
+    ]
+    if not parts:
+        return reward, source
+    total = (reward or 0.0) + sum(implicit.weight(name) for name in parts)
+    named = ([source] if source else []) + parts
+    return max(-spec.clip, min(spec.clip, total)), "+".join(named)

@@ -82,6 +82,7 @@ SNAPSHOT_SCHEMA = pa.schema(
         pa.field("reward", pa.float64()),
         pa.field("reward_source", pa.string()),
         pa.field("correction", pa.string()),  # the latest feedback correction joined for the trace, null when none
+        pa.field("implicit", pa.string()),  # JSON {signal: provenance} of implicit signals (connectors.implicit)
         pa.field("metadata", pa.string(), nullable=False),
         *_LINEAGE,
     ]

@@ -437,8 +437,20 @@ def prepare_round_data(
         heldout_feedback=feedback_data(heldout_rows, max_user_share=max_user_share, max_key_share=max_key_share),
         window_start=window_start,
         window_end=window_end,
-        metrics=user_metrics(train_rows, heldout_rows),
+        metrics={**user_metrics(train_rows, heldout_rows), **label_metrics(train, heldout)},
     )
+
+
+def label_metrics(train: pa.Table, heldout: pa.Table) -> dict[str, float]:
+    """``{data/labels/<signal>: rows}``: how many of the round's rows each feedback signal labelled (the parts
+    of the snapshot's ``reward_source``: ``thumbs``, ``rating``, the implicit ``continued``, ``rephrased``...;
+    a reward from two signals counts for both). Empty when the tables have no ``reward_source``."""
+    counts: Counter[str] = Counter()
+    for table in (train, heldout):
+        if "reward_source" in table.column_names:
+            for source in table.column("reward_source").to_pylist():
+                counts.update(source.split("+") if source else ())
+    return {f"data/labels/{name}": float(n) for name, n in sorted(counts.items())}
 
 
 def round_inputs(

@@ -67,3 +67,20 @@ def test_an_empty_held_out_table_is_refused_before_any_model_work() -> None:
     train = snapshot_table([_row(0, "q", "a", 1.0, "u")])
     with pytest.raises(DataError, match="held-out table is empty"):
         prepare_round_data(train, train.slice(0, 0))
+
+
+def test_the_round_counts_the_rows_each_signal_labelled() -> None:
+    """Per signal (explicit and implicit), how many of the round's rows it labelled: data/labels/<signal>."""
+    import pyarrow as pa
+
+    from trainer.data import label_metrics
+
+    train = pa.table({"reward_source": ["thumbs", "continued", None, "edited+continued"]})
+    heldout = pa.table({"reward_source": ["rephrased", None]})
+    assert label_metrics(train, heldout) == {
+        "data/labels/continued": 2.0,
+        "data/labels/edited": 1.0,
+        "data/labels/rephrased": 1.0,
+        "data/labels/thumbs": 1.0,
+    }
+    assert label_metrics(pa.table({"x": [1]}), pa.table({"x": [2]})) == {}

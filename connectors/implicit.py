@@ -1,0 +1,197 @@
+"""Implicit feedback: what a user did after an answer, read from the linked turns of a snapshot.
+
+Most answers are never rated; nearly every one is followed by behaviour. A snapshot
+(:meth:`connectors.buffer.RewardBuffer.snapshot`) derives these signals per trace from the
+conversation links the gateway writes (``conversation_id``, ``turn``, ``parent_trace_id``: see
+docs/architecture.md, "Conversations"), with no client change:
+
+=============  =====================================================================================
+signal         the trace T gets it when ...
+=============  =====================================================================================
+continued      a later turn C continues T's answer (``C.parent_trace_id == T``) within the window and
+               C's new user message is not a rephrase of T's
+rephrased      such a C's newest user message restates T's: the word-set Jaccard similarity of the
+               two (lower-cased words of letters and digits) is at least ``rephrase_similarity``
+regenerated    the same prompt (identical messages, same conversation, turn and parent) is sent again
+               within the window: the user asked for another answer
+tool_error     T's answer called tools and the tool result that a later turn sends back for one of
+               them reports an error (``{"error": ...}`` JSON, or text starting with an error word)
+abandoned      nothing followed T (no continuation, no regeneration) and the window has closed.
+               A satisfied last turn looks the same: the weight defaults to 0 (recorded, not used)
+=============  =====================================================================================
+
+A signal that cannot be decided yet (the window is still open at ``now``) is absent, never negative:
+a trace younger than the window gets ``continued`` / ``rephrased`` / ``regenerated`` / ``tool_error``
+as soon as the evidence is there, and ``abandoned`` only once the window has closed. Each derived signal
+carries its provenance (the trace that showed it, seconds after T, the window) in the snapshot's
+``implicit`` column.
+
+Why at snapshot time, not in the gateway or at ingest: the evidence for T is a *later* trace, which may
+have been answered by another gateway replica, arrive after a restart, or come from a producer other than
+the gateway (Kafka, OpenTelemetry), so only a reader that sees all traces of the window can decide; the
+snapshot is also where late feedback joins today, and it re-decides on every read, so nothing stored has
+to be rewritten when the evidence arrives. The gateway's links are scoped to one caller's identity
+(keyed hashes per API key and user), so one user's turns never count as another's behaviour.
+
+Explicit feedback wins: :mod:`connectors.reward` uses the derived signals only for a trace that has no
+explicit ``reward``, ``thumbs`` or ``rating``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from connectors.config import ImplicitConfig
+
+CONTINUED, REPHRASED, REGENERATED, TOOL_ERROR, ABANDONED = (
+    "continued",
+    "rephrased",
+    "regenerated",
+    "tool_error",
+    "abandoned",
+)
+IMPLICIT_SIGNALS = (TOOL_ERROR, REPHRASED, REGENERATED, CONTINUED, ABANDONED)
+
+_WORD = re.compile(r"[^\W_]+")
+_ERROR_START = re.compile(r"^\s*(error|exception|traceback|failed|failure)\b", re.IGNORECASE)
+_MAX_TEXT_CHARS = 4096  # the words of at most this much of a message are compared (bounded work per row)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The columns of one snapshot trace this module reads."""
+
+    trace_id: str
+    ts: datetime
+    prompt: str  # JSON array of chat messages (or a plain text prompt)
+    conversation_id: str | None
+    turn: int | None
+    parent_trace_id: str | None
+    completion_tool_calls: str | None  # JSON array of the answer's tool calls, or null
+
+
+def _messages(prompt: str) -> list[dict[str, Any]]:
+    try:
+        value = json.loads(prompt)
+    except ValueError:
+        return [{"role": "user", "content": prompt}]
+    if isinstance(value, list):
+        return [m for m in value if isinstance(m, dict)]
+    return [{"role": "user", "content": prompt}]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def _last_user_text(messages: Sequence[dict[str, Any]]) -> str | None:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            return _text(m.get("content"))
+    return None
+
+
+def words(text: str) -> frozenset[str]:
+    """The lower-cased words (letters and digits) of ``text``'s first characters."""
+    return frozenset(_WORD.findall(text[:_MAX_TEXT_CHARS].lower()))
+
+
+def similarity(a: str, b: str) -> float:
+    """Word-set Jaccard similarity of two texts in [0, 1] (1.0 for two texts without words)."""
+    wa, wb = words(a), words(b)
+    if not wa and not wb:
+        return 1.0
+    return len(wa & wb) / len(wa | wb)
+
+
+def reports_error(content: Any) -> bool:
+    """Whether a tool result reports an error: a JSON object with a non-null ``error`` (or ``is_error``
+    true), or text that starts with an error word (``Error: ...``, ``Traceback ...``)."""
+    text = _text(content)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return bool(_ERROR_START.match(text))
+    if isinstance(value, dict):
+        return value.get("error") not in (None, "", False) or value.get("is_error") is True
+    return False
+
+
+def _call_ids(tool_calls: str | None) -> set[str]:
+    if not tool_calls:
+        return set()
+    try:
+        calls = json.loads(tool_calls)
+    except ValueError:
+        return set()
+    return (
+        {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        if isinstance(calls, list)
+        else set()
+    )
+
+
+def _tool_errors(child_messages: Sequence[dict[str, Any]], call_ids: set[str]) -> bool:
+    return any(
+        m.get("role") == "tool" and m.get("tool_call_id") in call_ids and reports_error(m.get("content"))
+        for m in child_messages
+    )
+
+
+def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[dict[str, dict[str, Any]]]:
+    """The implicit signals of each turn (same order), each ``{signal: provenance}`` (see the module doc).
+
+    Args:
+        turns: the snapshot's traces, and the traces up to one window after them (the evidence).
+        now: the time the windows are judged at (an aware datetime).
+        cfg: windows and thresholds (``buffer.implicit``).
+    """
+    window = cfg.window_s
+    children: dict[str, list[Turn]] = defaultdict(list)
+    same_prompt: dict[tuple[Any, ...], list[Turn]] = defaultdict(list)
+    for t in turns:
+        if t.parent_trace_id:
+            children[t.parent_trace_id].append(t)
+        if t.conversation_id is not None:
+            same_prompt[(t.conversation_id, t.turn, t.parent_trace_id, t.prompt)].append(t)
+    out: list[dict[str, dict[str, Any]]] = []
+    for t in turns:
+        found: dict[str, dict[str, Any]] = {}
+
+        def seen(signal: str, by: Turn) -> None:
+            after = (by.ts - t.ts).total_seconds()
+            if signal not in found or after < found[signal]["after_s"]:
+                found[signal] = {"by": by.trace_id, "after_s": round(after, 3), "window_s": window}
+
+        followers = [c for c in children.get(t.trace_id, ()) if 0 <= (c.ts - t.ts).total_seconds() <= window]
+        call_ids = _call_ids(t.completion_tool_calls)
+        asked = _last_user_text(_messages(t.prompt)) if followers else None
+        for c in followers:
+            messages = _messages(c.prompt)
+            if call_ids and _tool_errors(messages, call_ids):
+                seen(TOOL_ERROR, c)
+            if call_ids:
+                continue  # the app answered the model's tool calls: not a user's move
+            again = _last_user_text(messages)
+            if asked is not None and again is not None and similarity(asked, again) >= cfg.rephrase_similarity:
+                seen(REPHRASED, c)
+            else:
+                seen(CONTINUED, c)
+        if t.conversation_id is not None:
+            for r in same_prompt[(t.conversation_id, t.turn, t.parent_trace_id, t.prompt)]:
+                if r.trace_id != t.trace_id and 0 < (r.ts - t.ts).total_seconds() <= window:
+                    seen(REGENERATED, r)
+        if not followers and REGENERATED not in found and (now - t.ts).total_seconds() >= window:
+            found[ABANDONED] = {"by": None, "after_s": None, "window_s": window}
+        out.append({k: found[k] for k in IMPLICIT_SIGNALS if k in found})
+    return out

@@ -1,0 +1,190 @@
+"""Implicit feedback from linked turns (connectors/implicit.py) and its place in a snapshot's reward."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from connectors.buffer import RewardBuffer
+from connectors.config import BufferConfig, ImplicitConfig, RewardSpec
+from connectors.implicit import Turn, derive, reports_error, similarity
+from connectors.reward import with_implicit
+from connectors.schema import FeedbackEvent, TraceEvent
+from connectors.segments import Coordinates
+
+T0 = datetime(2026, 3, 1, 10, 0, tzinfo=timezone.utc)
+CFG = ImplicitConfig(window_s=600)
+LATER = T0 + timedelta(hours=2)  # every window of a T0 trace has closed
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str = "", calls: list | None = None) -> dict:
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def turn(tid: str, minutes: float, messages: list, *, parent: str | None = None, calls: list | None = None) -> Turn:
+    return Turn(
+        trace_id=tid,
+        ts=T0 + timedelta(minutes=minutes),
+        prompt=json.dumps(messages),
+        conversation_id="conv-a",
+        turn=sum(1 for m in messages if m["role"] == "assistant"),
+        parent_trace_id=parent,
+        completion_tool_calls=json.dumps(calls) if calls else None,
+    )
+
+
+CALL = [{"id": "call-1", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}]
+Q1 = [user("What is the capital of France?")]
+
+
+def signals(turns: list[Turn], now: datetime = LATER, cfg: ImplicitConfig = CFG) -> dict[str, dict]:
+    return {t.trace_id: d for t, d in zip(turns, derive(turns, now, cfg), strict=True)}
+
+
+def test_going_on_is_continued_restating_is_rephrased_and_provenance_names_the_evidence() -> None:
+    went_on = [turn("t1", 0, Q1), turn("t2", 2, [*Q1, assistant("Paris."), user("And of Italy?")], parent="t1")]
+    got = signals(went_on)
+    assert got["t1"] == {"continued": {"by": "t2", "after_s": 120.0, "window_s": 600}}
+    restated = [
+        turn("t1", 0, Q1),
+        turn("t2", 1, [*Q1, assistant("Lyon."), user("what is the capital of france")], parent="t1"),
+    ]
+    assert list(signals(restated)["t1"]) == ["rephrased"]
+    late = [turn("t1", 0, Q1), turn("t2", 11, [*Q1, assistant("Paris."), user("And of Italy?")], parent="t1")]
+    assert list(signals(late)["t1"]) == ["abandoned"]  # the next turn came after the window
+
+
+def test_the_same_prompt_again_is_regenerated_and_nothing_after_a_closed_window_is_abandoned() -> None:
+    again = [turn("t1", 0, Q1), turn("t2", 0.5, Q1)]
+    got = signals(again)
+    assert got["t1"] == {"regenerated": {"by": "t2", "after_s": 30.0, "window_s": 600}}
+    assert got["t2"] == {"abandoned": {"by": None, "after_s": None, "window_s": 600}}
+    other_conversation = [turn("t1", 0, Q1), Turn(**{**turn("t2", 0.5, Q1).__dict__, "conversation_id": "conv-b"})]
+    assert "regenerated" not in signals(other_conversation)["t1"]  # another identity's chat: not this user's move
+
+
+def test_an_undecided_window_is_absent_not_negative() -> None:
+    young = [turn("t1", 0, Q1)]
+    assert signals(young, now=T0 + timedelta(minutes=5)) == {"t1": {}}
+    assert signals(young, now=T0 + timedelta(minutes=10)) == {
+        "t1": {"abandoned": {"by": None, "after_s": None, "window_s": 600}}
+    }
+    # evidence inside an open window decides at once
+    went_on = [turn("t1", 0, Q1), turn("t2", 1, [*Q1, assistant("Paris."), user("Thanks! Next: Spain?")], parent="t1")]
+    assert list(signals(went_on, now=T0 + timedelta(minutes=2))["t1"]) == ["continued"]
+
+
+def test_a_tool_result_reporting_an_error_is_tool_error_and_the_apps_tool_turn_is_not_a_user_move() -> None:
+    calls = [turn("t1", 0, Q1, calls=CALL)]
+    failed = {"role": "tool", "tool_call_id": "call-1", "content": '{"error": "division by zero"}'}
+    fine = {"role": "tool", "tool_call_id": "call-1", "content": '{"result": 4}'}
+    bad = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), failed], parent="t1")]
+    assert list(signals(bad)["t1"]) == ["tool_error"]
+    good = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), fine], parent="t1")]
+    assert signals(good)["t1"] == {}  # the app answered the call: neither continued nor abandoned
+    other = {"role": "tool", "tool_call_id": "call-9", "content": "Error: no such call"}
+    unrelated = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), other], parent="t1")]
+    assert signals(unrelated)["t1"] == {}  # an error for a call this answer did not make
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ('{"error": "boom"}', True),
+        ('{"is_error": true, "content": "x"}', True),
+        ('{"error": null, "result": 1}', False),
+        ("Error: timeout", True),
+        ("Traceback (most recent call last):", True),
+        ("errors are rare", False),
+        ("42", False),
+        ([{"type": "text", "text": "Exception raised"}], True),
+        (None, False),
+    ],
+)
+def test_tool_results_that_report_errors(content: object, error: bool) -> None:
+    assert reports_error(content) is error
+
+
+def test_similarity_is_word_set_jaccard_bounded_in_cost() -> None:
+    assert similarity("What is 2+2?", "what is 2 + 2") == 1.0
+    assert similarity("the cat", "a dog") == 0.0
+    assert similarity("x " * 100_000, "x") == 1.0  # only the first characters are read
+
+
+SPEC = RewardSpec()
+
+
+@pytest.mark.parametrize(
+    ("signals_", "derived", "expected"),
+    [
+        ({"thumbs": "down"}, {"continued": {}}, (-1.0, "thumbs")),  # explicit wins
+        ({"rating": 5}, {"tool_error": {}}, (1.0, "rating")),
+        ({}, {"continued": {}}, (0.5, "continued")),
+        ({}, {"rephrased": {}}, (-0.5, "rephrased")),
+        ({}, {"abandoned": {}}, (None, None)),  # weight 0: recorded, not a reward
+        ({"edited": True}, {"continued": {}}, (0.0, "edited+continued")),
+        ({"regenerated": True}, {"regenerated": {}}, (-0.5, "regenerated")),  # the client's flag, counted once
+        ({}, {"tool_error": {}, "rephrased": {}}, (-1.0, "tool_error+rephrased")),  # clipped
+    ],
+)
+def test_reward_with_implicit_signals(signals_: dict, derived: dict, expected: tuple) -> None:
+    from connectors.reward import reward_from_signals
+
+    reward, source = reward_from_signals(signals_, SPEC)
+    assert with_implicit(reward, source, signals_, derived, SPEC, ImplicitConfig()) == expected
+
+
+def _event(i: int, minutes: float, messages: list, **over: object) -> tuple[TraceEvent, Coordinates]:
+    event = TraceEvent(
+        trace_id=f"t{i}",
+        ts=T0 + timedelta(minutes=minutes),
+        model="m",
+        prompt=messages,
+        completion="",
+        conversation_id="conv-a",
+        turn=sum(1 for m in messages if m["role"] == "assistant"),
+        metadata={},
+        **over,
+    )
+    return event, Coordinates("traces", 0, i)
+
+
+def test_a_snapshot_labels_unrated_turns_from_behaviour_and_explicit_feedback_wins(tmp_path: Path) -> None:
+    buf = RewardBuffer(BufferConfig(root=str(tmp_path / "b"), dead_letter_root=str(tmp_path / "d")))
+    italy = [*Q1, assistant("Paris."), user("And of Italy?")]
+    traces = [
+        _event(1, 0, Q1),  # continued by t2
+        _event(2, 1, italy, parent_trace_id="t1"),  # rated down, and nothing followed
+        _event(3, 2, [user("What is 7 * 6?")]),  # regenerated by t4
+        _event(4, 3, [user("What is 7 * 6?")]),  # the last word: abandoned (weight 0)
+    ]
+    feedback = [(FeedbackEvent(trace_id="t2", ts=T0 + timedelta(minutes=1), thumbs="down"), Coordinates("f", 0, 9))]
+    buf.append(traces, feedback)
+    rows = {r["trace_id"]: r for r in buf.snapshot(now=LATER).to_pylist()}
+    assert (rows["t1"]["reward"], rows["t1"]["reward_source"]) == (0.5, "continued")
+    assert json.loads(rows["t1"]["implicit"]) == {"continued": {"after_s": 60.0, "by": "t2", "window_s": 600.0}}
+    assert (rows["t2"]["reward"], rows["t2"]["reward_source"]) == (-1.0, "thumbs")  # explicit wins over abandoned
+    assert (rows["t3"]["reward"], rows["t3"]["reward_source"]) == (-0.5, "regenerated")
+    assert rows["t4"]["reward"] is None and list(json.loads(rows["t4"]["implicit"])) == ["abandoned"]
+    # the evidence may lie after the snapshot's end: t1's window reaches past it
+    only_first = buf.snapshot(end=T0 + timedelta(seconds=30), now=LATER).to_pylist()
+    assert [(r["trace_id"], r["reward_source"]) for r in only_first] == [("t1", "continued")]
+    # while its window is open, an unrated answer with no evidence yet has no reward at all
+    young = {r["trace_id"]: r for r in buf.snapshot(now=T0 + timedelta(minutes=4)).to_pylist()}
+    assert young["t4"]["reward"] is None and young["t4"]["implicit"] is None
+    off = RewardBuffer(
+        BufferConfig(root=str(tmp_path / "b"), dead_letter_root=str(tmp_path / "d"), implicit={"enabled": False})
+    )
+    assert {r["trace_id"]: r["reward"] for r in off.snapshot(now=LATER).to_pylist()} == {
+        "t1": None,
+        "t2": -1.0,
+        "t3": None,
+        "t4": None,
+    }
