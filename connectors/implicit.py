@@ -48,6 +48,7 @@ from datetime import datetime
 from typing import Any
 
 from connectors.config import ImplicitConfig
+from connectors.schema import content_text
 
 CONTINUED, REPHRASED, REGENERATED, TOOL_ERROR, ABANDONED = (
     "continued",
@@ -86,18 +87,10 @@ def _messages(prompt: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}]
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
-
-
 def _last_user_text(messages: Sequence[dict[str, Any]]) -> str | None:
     for m in reversed(messages):
         if m.get("role") == "user":
-            return _text(m.get("content"))
+            return content_text(m.get("content"))
     return None
 
 
@@ -117,7 +110,7 @@ def similarity(a: str, b: str) -> float:
 def reports_error(content: Any) -> bool:
     """Whether a tool result reports an error: a JSON object with a non-null ``error`` (or ``is_error``
     true), or text that starts with an error word (``Error: ...``, ``Traceback ...``)."""
-    text = _text(content)
+    text = content_text(content)
     try:
         value = json.loads(text)
     except ValueError:

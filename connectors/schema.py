@@ -91,6 +91,21 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # range of the stored token-id colum
 FLOAT32_MAX = 3.4028234663852886e38  # largest finite float32: the stored logprob column's range
 
 
+def content_text(content: Any) -> str:
+    """A chat message's content as one text: a string as is, OpenAI content parts -> their ``text`` parts
+    joined by newlines (other parts, e.g. images, dropped), null or missing -> ``""``. The one reading of
+    content every path shares (conversation hashes, implicit signals, chat rendering)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            p["text"]
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
 def _to_utc(value: Any) -> Any:
     """Epoch milliseconds (int) -> aware UTC datetime; strings are left to pydantic."""
     if isinstance(value, bool):

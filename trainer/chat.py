@@ -21,22 +21,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from connectors.schema import content_text
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CHATML_TOOLS = "chatml-tools"  # the built-in ChatML template with Hermes-style tools
 BUILTIN_TEMPLATES = {CHATML_TOOLS: TEMPLATES / "chatml_tools.jinja"}
-
-
-def content_text(content: Any) -> str:
-    """A message's content as one text: a string as is, text parts joined by newlines, null as ``""``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
 
 
 def _arguments(value: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from connectors.schema import content_text
 from trainer.errors import DataError
 from trainer.types import FeedbackData, LabelledExample, PreferencePair, Prompt, RoundData, RoundInputs
 
@@ -68,21 +69,6 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
     return pa.Table.from_pydict(rows, schema=schema)
 
 
-def _text_content(content: Any) -> str:
-    """A message's content as the text a chat template takes: OpenAI content parts -> their ``text``
-    parts joined by newlines (other parts, e.g. images, dropped), null or missing -> "" (the buffer
-    stores ``"content": null`` messages, e.g. an assistant turn with tool calls, without the key)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
 def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
     try:
         value = json.loads(raw)
@@ -91,7 +77,7 @@ def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
-        return [{**m, "content": _text_content(m.get("content"))} for m in value]
+        return [{**m, "content": content_text(m.get("content"))} for m in value]
     raise DataError(
         f"row {trace_id!r}: prompt must be JSON chat messages [{{role, content}}] or text; got {raw[:80]!r}"
     )

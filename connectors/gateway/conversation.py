@@ -34,6 +34,8 @@ from typing import Any
 
 from cachetools import TTLCache
 
+from connectors.schema import content_text
+
 CONVERSATION_PREFIX = "conv-"
 _HEX_CHARS = 32  # 128-bit hashes
 
@@ -46,15 +48,6 @@ class TurnLink:
     turn: int
     parent_trace_id: str | None
     continues: str | None  # hash of the messages up to the assistant answer this request continues; None: no answer
-
-
-def content_text(content: Any) -> str:
-    """A message's content as one text: a string as is, text parts joined by newlines, null as ``""``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
 
 
 def canonical_message(message: dict[str, Any]) -> bytes:
