@@ -72,9 +72,17 @@ def fit_after(base: ResidentBase, prompt_ids: Sequence[int], completion_ids: lis
 
 
 def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
-    """The logged completion's token ids: the logged ids when the base can embed every one, else the text
-    tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
-    return base.completion_ids(p.logged_completion or "", p.logged_token_ids) or [base.tokenizer.eos_token_id]
+    """The logged completion's token ids: the logged ids when the base can embed every one, else a tool-call
+    answer rendered by the chat template after the conversation, else the text tokenised (see
+    :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
+    ids = base.completion_ids(
+        p.logged_completion or "",
+        p.logged_token_ids,
+        messages=p.messages,
+        tool_calls=p.logged_tool_calls,
+        tools=p.tools,
+    )
+    return ids or [base.tokenizer.eos_token_id]
 
 
 def pad_rows(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch.Tensor:
