@@ -357,3 +357,30 @@ def test_grpo_rollouts_regenerate_the_rated_turn_and_rewards_judge_their_tool_ca
     assert reward.accepts(row.metadata)  # the row offered tools: the tool-call rewards can score it
     batch, _ = rollout_batch([row], [tokens(row)], [[sample(t) for t in texts]], reward, group_advantages)
     assert batch.rewards == [2.0, 0.0, 1.0]
+
+
+def test_logged_tool_call_answers_are_judged_by_the_tool_call_rewards(base) -> None:
+    """A logged answer that only calls tools (``completion`` ``""``) reaches KTO's and offline IS's rewards as its
+    calls in the Hermes text the rewards read (the arguments as the model wrote them), judged against the tools
+    the row offered; a v1 row's text reaches them unchanged."""
+    from trainer.algorithms.batch import logged_text
+    from trainer.algorithms.kto import kto_batch
+    from trainer.algorithms.offline_is import offline_batch
+    from trainer.plan import PromptTokens
+    from trainer.rewards import build_reward
+    from trainer.tool_calls import hermes_tool_calls
+
+    bad_args = [{**RATED_CALL[0], "function": {"name": "add", "arguments": '{"a": 40,'}}]
+    mul = [{**RATED_CALL[0], "function": {"name": "mul", "arguments": '{"a": 1, "b": 2}'}}]
+    rows = [
+        prompts_from_table(snapshot_table([_row(base, t, 1.0, calls)]))[0]
+        for t, calls in (("ok", RATED_CALL), ("bad", bad_args), ("mul", mul))
+    ]
+    assert [(c.name, c.arguments) for c in hermes_tool_calls(logged_text(rows[0]))] == [("add", {"a": 40, "b": 2})]
+    terms = [RewardTerm(fn="tool_call_json"), RewardTerm(fn="tool_call_exists", weight=10.0)]
+    ids = PromptTokens(base, RLConfig()).many(rows)
+    assert offline_batch(rows, ids, base, build_reward(terms))[0].rewards == [11.0, 0.0, 1.0]
+    kto = CandidateConfig(name="k", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged"), *terms])
+    assert kto_batch(kto, rows, ids, base, build_reward(kto.reward))[0].rewards == [12.0, 1.0, 2.0]
+    text = Prompt("v1", [{"role": "user", "content": "hi"}], logged_completion="<b>hello</b>")
+    assert logged_text(text) == "<b>hello</b>"

@@ -11,6 +11,7 @@ import torch
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
 from trainer.rewards import RewardMix
+from trainer.tool_calls import answer_text
 from trainer.types import Prompt, Sample
 
 
@@ -83,6 +84,12 @@ def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
         tools=p.tools,
     )
     return ids or [base.tokenizer.eos_token_id]
+
+
+def logged_text(p: Prompt) -> str:
+    """The logged answer as its rewards read it: the completion text, with its tool calls as Hermes blocks
+    (:func:`trainer.tool_calls.answer_text`; the text alone on rows without calls)."""
+    return answer_text(p.logged_completion or "", p.logged_tool_calls)
 
 
 def pad_rows(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch.Tensor:
