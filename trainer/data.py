@@ -9,7 +9,11 @@ timestamp, ``model`` string, ``adapter_version`` string, ``prompt`` string
 (JSON chat messages), ``completion`` string, ``completion_token_ids``
 list<int32> (nullable), ``completion_logprobs`` list<float32> (nullable),
 ``reward`` float64 (nullable), ``metadata`` string (JSON object); and, when
-the buffer has it, ``correction`` string (nullable: the user's corrected answer).
+the buffer has it, ``correction`` string (nullable: the user's corrected answer). Conversation columns
+(``hourglass.trace/v2``; null on v1 rows, absent from older snapshots): ``tools`` string (JSON array of the
+function tools the turn offered; also put in ``metadata["tools"]`` for the tool-call rewards),
+``prompt_token_ids`` list<int32> (the prompt as vLLM served it: used as is, never rendered again) and
+``completion_tool_calls`` string (JSON array of the answer's tool calls).
 """
 
 from __future__ import annotations
@@ -66,7 +70,28 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
     if any(p.logged_correction is not None for p in prompts):
         rows["correction"] = [p.logged_correction for p in prompts]
         schema = schema.append(pa.field("correction", pa.string()))
+    if any(p.tools or p.logged_prompt_token_ids or p.logged_tool_calls for p in prompts):  # v2 conversation columns
+        rows["tools"] = [json.dumps(p.tools) if p.tools else None for p in prompts]
+        rows["prompt_token_ids"] = [p.logged_prompt_token_ids for p in prompts]
+        rows["completion_tool_calls"] = [
+            json.dumps(p.logged_tool_calls) if p.logged_tool_calls else None for p in prompts
+        ]
+        for name in ("tools", "prompt_token_ids", "completion_tool_calls"):
+            schema = schema.append(pa.field(name, pa.list_(pa.int32()) if name == "prompt_token_ids" else pa.string()))
     return pa.Table.from_pydict(rows, schema=schema)
+
+
+def _json_list(raw: Any, column: str, trace_id: str) -> list[dict[str, Any]] | None:
+    """A JSON array-of-objects column (``tools``, ``completion_tool_calls``): None when null or empty."""
+    if raw is None or raw == "":
+        return None
+    try:
+        value = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as err:
+        raise DataError(f"row {trace_id!r}: {column} is not JSON: {err}") from err
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise DataError(f"row {trace_id!r}: {column} must be a JSON array of objects, got {str(raw)[:80]!r}")
+    return value or None
 
 
 def _messages(raw: str, trace_id: str) -> list[dict[str, str]]:
@@ -101,11 +126,17 @@ def prompts_from_table(table: pa.Table) -> list[Prompt]:
             raise DataError(f"row {trace_id!r}: metadata is not JSON: {err}") from err
         if not isinstance(metadata, dict):
             raise DataError(f"row {trace_id!r}: metadata must be a JSON object, got {type(metadata).__name__}")
+        tools = _json_list(row.get("tools"), "tools", trace_id)
+        if tools:  # the tool-call rewards judge calls against the tools offered (the column wins over metadata)
+            metadata = {**metadata, "tools": tools}
         out.append(
             Prompt(
                 prompt_id=trace_id,
                 messages=_messages(row["prompt"], trace_id),
                 metadata=metadata,
+                tools=tools,
+                logged_prompt_token_ids=row.get("prompt_token_ids") or None,
+                logged_tool_calls=_json_list(row.get("completion_tool_calls"), "completion_tool_calls", trace_id),
                 logged_completion=row.get("completion"),
                 logged_token_ids=row.get("completion_token_ids"),
                 logged_logprobs=row.get("completion_logprobs"),
@@ -312,9 +343,11 @@ def split_snapshot(
 # the texts.
 
 
-def prompt_key(messages: Sequence[dict[str, str]]) -> str:
-    """A canonical key of a chat prompt (same messages, same key)."""
-    return json.dumps([dict(sorted(m.items())) for m in messages], ensure_ascii=False, separators=(",", ":"))
+def prompt_key(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """A canonical key of a chat prompt (same messages and tools offered, same key; without tools, the
+    messages' key alone)."""
+    key = json.dumps([dict(sorted(m.items())) for m in messages], ensure_ascii=False, separators=(",", ":"))
+    return key + json.dumps(list(tools), sort_keys=True, separators=(",", ":")) if tools else key
 
 
 def labelled_examples(rows: Sequence[Prompt]) -> list[LabelledExample]:
@@ -325,8 +358,19 @@ def labelled_examples(rows: Sequence[Prompt]) -> list[LabelledExample]:
         if reward is None or p.logged_completion is None or not math.isfinite(float(reward)):
             continue
         ids = tuple(p.logged_token_ids) if p.logged_token_ids else None
+        prompt_ids = tuple(p.logged_prompt_token_ids) if p.logged_prompt_token_ids else None
         out.append(
-            LabelledExample(p.prompt_id, p.messages, p.logged_completion, ids, float(reward), float(reward) > 0.0)
+            LabelledExample(
+                p.prompt_id,
+                p.messages,
+                p.logged_completion,
+                ids,
+                float(reward),
+                float(reward) > 0.0,
+                p.tools,
+                prompt_ids,
+                p.logged_tool_calls,
+            )
         )
     return out
 
@@ -340,7 +384,7 @@ def feedback_pairs(examples: Sequence[LabelledExample]) -> list[PreferencePair]:
     """
     by_prompt: dict[str, tuple[list[LabelledExample], list[LabelledExample]]] = defaultdict(lambda: ([], []))
     for e in examples:
-        by_prompt[prompt_key(e.messages)][0 if e.label else 1].append(e)
+        by_prompt[prompt_key(e.messages, e.tools)][0 if e.label else 1].append(e)
     pairs = []
     for ups, downs in by_prompt.values():
         if not ups or not downs:
@@ -355,6 +399,10 @@ def feedback_pairs(examples: Sequence[LabelledExample]) -> list[PreferencePair]:
                     down.completion,
                     down.completion_token_ids,
                     "feedback",
+                    up.tools,
+                    up.prompt_token_ids,
+                    up.tool_calls,
+                    down.tool_calls,
                 )
             )
     return pairs
@@ -370,7 +418,21 @@ def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
         if correction.strip() == p.logged_completion.strip():
             continue
         ids = tuple(p.logged_token_ids) if p.logged_token_ids else None
-        pairs.append(PreferencePair(p.messages, correction, None, p.logged_completion, ids, "correction"))
+        prompt_ids = tuple(p.logged_prompt_token_ids) if p.logged_prompt_token_ids else None
+        pairs.append(
+            PreferencePair(
+                p.messages,
+                correction,
+                None,
+                p.logged_completion,
+                ids,
+                "correction",
+                p.tools,
+                prompt_ids,
+                None,
+                p.logged_tool_calls,
+            )
+        )
     return pairs
 
 

@@ -22,8 +22,10 @@ from trainer.algorithms.registry import ALGORITHMS, AlgorithmSpec
 
 
 class PromptTokens:
-    """Each prompt's token ids (chat template; the oldest tokens cut so ``rl.rollout.max_new_tokens`` still
-    fit in ``base.max_seq_len``), tokenised once per round however often a step uses the prompt.
+    """Each prompt's token ids (the logged ``prompt_token_ids`` as vLLM served them where the row has them, else
+    the chat template with the tools offered: :meth:`ResidentBase.prompt_ids`; the oldest tokens cut so
+    ``rl.rollout.max_new_tokens`` still fit in ``base.max_seq_len``), built once per round however often a
+    step uses the prompt.
     The returned lists are shared: callers copy before changing them."""
 
     def __init__(self, base: ResidentBase, rl: RLConfig) -> None:
@@ -34,7 +36,8 @@ class PromptTokens:
     def __call__(self, prompt: Prompt) -> list[int]:
         hit = self._ids.get(id(prompt))
         if hit is None:
-            hit = (prompt, self._base.chat_token_ids(prompt.messages)[-self._keep :])
+            ids = self._base.prompt_ids(prompt.messages, prompt.tools, prompt.logged_prompt_token_ids)
+            hit = (prompt, ids[-self._keep :])
             self._ids[id(prompt)] = hit
         return hit[1]
 

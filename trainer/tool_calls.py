@@ -69,6 +69,21 @@ def hermes_tool_calls(text: str) -> list[ParsedCall]:
     return calls
 
 
+def answer_text(content: str, tool_calls: Sequence[Mapping[str, Any]] | None) -> str:
+    """A logged answer as the text the tool-call rewards read: its content, then one Hermes block per tool call
+    (``tool_calls`` as the trace logs them, OpenAI's shape; the arguments as the model wrote them, so arguments
+    that do not parse still fail ``tool_call_json``). ``content`` alone when there are no calls."""
+    blocks = []
+    for call in tool_calls or ():
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping):
+            continue
+        arguments = fn.get("arguments")
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {})
+        blocks.append(f'<tool_call>\n{{"name": {json.dumps(fn.get("name"))}, "arguments": {text}}}\n</tool_call>')
+    return "\n".join([content, *blocks] if content else blocks)
+
+
 def offered_tools(metadata: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``metadata["tools"]`` (OpenAI tool definitions) by function name."""
     out = {}

@@ -85,10 +85,17 @@ class Prompt:
     served completion of a buffer row (for offline learning); None otherwise.
     ``logged_correction`` is the user's corrected answer from the trace's
     feedback, when the snapshot has a ``correction`` column and the user gave one.
+
+    Conversations (``hourglass.trace/v2``): ``messages`` is the whole conversation up to the rated
+    assistant turn (system prompt, earlier turns, tool results), ``tools`` the OpenAI function tools
+    that turn offered (also in ``metadata["tools"]``, where the tool-call rewards read them),
+    ``logged_prompt_token_ids`` the prompt's ids as vLLM rendered and served them (chat template and tools
+    included; used as they are, never rendered again), and ``logged_tool_calls`` the rated answer's tool
+    calls (its ``logged_completion`` is ``""`` when it only calls tools). None on v1 rows.
     """
 
     prompt_id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     metadata: dict[str, Any] = field(default_factory=dict)
     logged_completion: str | None = None
     logged_token_ids: list[int] | None = None
@@ -96,6 +103,9 @@ class Prompt:
     logged_reward: float | None = None
     logged_adapter_version: str | None = None
     logged_correction: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    logged_prompt_token_ids: list[int] | None = None
+    logged_tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,15 +131,20 @@ class Sample:
 class LabelledExample:
     """One served completion and the user's verdict on it.
 
-    ``completion_token_ids`` are the logged token ids (None: tokenise ``completion``).
+    ``completion_token_ids`` are the logged token ids (None: tokenise ``completion``, or render the answer's
+    ``tool_calls`` with the chat template); ``prompt_token_ids`` the logged prompt ids (None: render
+    ``messages`` with ``tools``).
     """
 
     trace_id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     completion: str
     completion_token_ids: tuple[int, ...] | None
     reward: float
     label: bool
+    tools: list[dict[str, Any]] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,15 +153,21 @@ class PreferencePair:
 
     ``source`` is ``"feedback"`` (two rated completions of one prompt) or
     ``"correction"`` (the user's correction over the served completion).
-    Token ids None: tokenise the text.
+    Token ids None: tokenise the text. ``tools`` / ``prompt_token_ids``: the prompt's tools offered and
+    its logged ids (from the chosen row; None: render ``messages`` with ``tools``); ``rejected_tool_calls``:
+    the rejected answer's tool calls (rendered when it has no logged ids).
     """
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     chosen: str
     chosen_token_ids: tuple[int, ...] | None
     rejected: str
     rejected_token_ids: tuple[int, ...] | None
     source: str
+    tools: list[dict[str, Any]] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    chosen_tool_calls: list[dict[str, Any]] | None = None
+    rejected_tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

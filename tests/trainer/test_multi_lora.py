@@ -257,7 +257,7 @@ def test_one_pass_steps_equal_sequential_steps(base: ResidentBase, kind: str, rl
                 margins.append((abs(got[key] - want[key]) / tol, f"{name} step {step + 1} {key}"))
                 assert abs(got[key] - want[key]) <= tol, (name, step + 1, key, got[key], want[key], tol)
             assert got["train/skipped_nonfinite"] == 0.0
-    print(f"one-pass vs sequential ({kind}, {rl.one_pass_chunk_tokens}-token chunks): diff / bound {_worst(margins)}")
+    print(f"one-pass vs sequential ({kind}, {rl.update.chunk_tokens}-token chunks): diff / bound {_worst(margins)}")
 
 
 @pytest.mark.parametrize("rl", [RL, CHUNKED])
@@ -280,7 +280,7 @@ def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase, r
             joint[1][c.name], seq[1][c.name], c.learning_rate, GRAD_TOL, label=c.name
         )
         margins.append((ratio, f"{c.name} {key}"))
-    print(f"NaN isolation ({rl.one_pass_chunk_tokens} tokens a chunk): largest diff / bound {_worst(margins)}")
+    print(f"NaN isolation ({rl.update.chunk_tokens} tokens a chunk): largest diff / bound {_worst(margins)}")
 
 
 class _Recorder(torch.optim.SGD):

@@ -24,9 +24,9 @@ class FakeBase:
     def __init__(self) -> None:
         self.calls = 0
 
-    def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, str]], tools=None, logged_ids=None) -> list[int]:
         self.calls += 1
-        return [ord(ch) for m in messages for ch in m["content"]]
+        return list(logged_ids) if logged_ids else [ord(ch) for m in messages for ch in m["content"]]
 
 
 def _prompt(i: int, text: str, **kw) -> Prompt:

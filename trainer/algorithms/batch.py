@@ -11,6 +11,7 @@ import torch
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
 from trainer.rewards import RewardMix
+from trainer.tool_calls import answer_text
 from trainer.types import Prompt, Sample
 
 
@@ -72,9 +73,23 @@ def fit_after(base: ResidentBase, prompt_ids: Sequence[int], completion_ids: lis
 
 
 def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
-    """The logged completion's token ids: the logged ids when the base can embed every one, else the text
-    tokenised (see :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
-    return base.completion_ids(p.logged_completion or "", p.logged_token_ids) or [base.tokenizer.eos_token_id]
+    """The logged completion's token ids: the logged ids when the base can embed every one, else a tool-call
+    answer rendered by the chat template after the conversation, else the text tokenised (see
+    :meth:`ResidentBase.completion_ids`); EOS for an empty completion."""
+    ids = base.completion_ids(
+        p.logged_completion or "",
+        p.logged_token_ids,
+        messages=p.messages,
+        tool_calls=p.logged_tool_calls,
+        tools=p.tools,
+    )
+    return ids or [base.tokenizer.eos_token_id]
+
+
+def logged_text(p: Prompt) -> str:
+    """The logged answer as its rewards read it: the completion text, with its tool calls as Hermes blocks
+    (:func:`trainer.tool_calls.answer_text`; the text alone on rows without calls)."""
+    return answer_text(p.logged_completion or "", p.logged_tool_calls)
 
 
 def pad_rows(rows: Sequence[Sequence[float]], T: int, device: torch.device) -> torch.Tensor:

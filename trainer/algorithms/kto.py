@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids
+from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids, logged_text
 from trainer.algorithms.losses import kto_loss, sequence_logprobs
 from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
@@ -41,7 +41,7 @@ def kto_batch(
     for p, pids in zip(prompts, prompt_ids):
         used = False
         if p.logged_completion is not None and p.logged_reward is not None:
-            value = reward(p.messages, p.logged_completion, {**p.metadata, "reward": p.logged_reward})
+            value = reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward})
             ids.append(list(pids))
             completions.append(fit_after(base, pids, logged_ids(base, p)))
             desirable.append(value > 0)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.algorithms.batch import Batch, LossInputs, logged_ids, pad_rows
+from trainer.algorithms.batch import Batch, LossInputs, logged_ids, logged_text, pad_rows
 from trainer.algorithms.losses import importance_weighted_pg_loss
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
@@ -56,7 +56,7 @@ def offline_batch(
         for row, i in enumerate(missing):
             behaviour[i] = ref_BT[row, : len(completions[i])].tolist()
     rewards_B = torch.tensor(
-        [reward(p.messages, p.logged_completion or "", {**p.metadata, "reward": p.logged_reward}) for p in prompts],
+        [reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward}) for p in prompts],
         dtype=torch.float64,
     )
     advantages_B = (rewards_B - rewards_B.mean()) / (rewards_B.std(unbiased=False) + 1e-6)

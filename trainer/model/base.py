@@ -10,7 +10,7 @@ exists. Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer import chat
 from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.model.logprobs import token_logprobs
@@ -66,14 +67,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Prompt token ids of ``messages`` (1-D): the tokenizer's chat template with the generation prompt."""
-    # transformers types the result as a union over its flags: a BatchEncoding (return_dict, the
-    # default in 5.x) or the list of ids (older releases).
-    ids: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+def chat_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Prompt token ids of ``messages`` (1-D): the tokenizer's chat template with the generation prompt and
+    the ``tools`` offered, rendered as vLLM renders a chat request (:func:`trainer.chat.prompt_token_ids`)."""
+    return chat.prompt_token_ids(tokenizer, messages, tools)
 
 
 @dataclass
@@ -90,18 +91,52 @@ class ResidentBase:
         True  # run each distinct prompt of a pass once (trainer.model.logprobs); False: every row whole
     )
 
-    def chat_token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt token ids: the tokenizer's chat template with the generation prompt."""
-        return chat_token_ids(self.tokenizer, messages)
+    def chat_token_ids(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Prompt token ids: the tokenizer's chat template with the generation prompt (and ``tools``)."""
+        return chat_token_ids(self.tokenizer, messages, tools)
 
-    def completion_ids(self, text: str, logged_ids: Sequence[int] | None) -> list[int]:
-        """Completion token ids: the logged ids when the base can embed every one (``0 <= id < vocab``),
-        else ``text`` tokenised. Logged ids come from traffic (ingest accepts any int32), and one id the
-        embedding table lacks would fail the whole round (an IndexError; a device assert on CUDA)."""
-        if logged_ids:
-            vocab = self.model.get_input_embeddings().num_embeddings
-            if all(0 <= t < vocab for t in logged_ids):
-                return list(logged_ids)
+    def embeddable(self, ids: Sequence[int] | None) -> bool:
+        """``ids`` is non-empty and the base can embed every one (``0 <= id < vocab``). Logged ids come from
+        traffic (ingest accepts any int32), and one id the embedding table lacks would fail the whole round
+        (an IndexError; a device assert on CUDA)."""
+        if not ids:
+            return False
+        vocab = self.model.get_input_embeddings().num_embeddings
+        return all(0 <= t < vocab for t in ids)
+
+    def prompt_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        logged_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """A turn's prompt ids: the logged ids as vLLM served them when the base can embed every one (never a
+        second rendering), else ``messages`` and the ``tools`` offered rendered by :meth:`chat_token_ids`."""
+        if logged_ids is not None and self.embeddable(logged_ids):
+            return list(logged_ids)
+        return self.chat_token_ids(messages, tools)
+
+    def completion_ids(
+        self,
+        text: str,
+        logged_ids: Sequence[int] | None,
+        *,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tool_calls: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Completion token ids: the logged ids when the base can embed every one (:meth:`embeddable`);
+        else an answer with ``tool_calls`` rendered by the chat template after ``messages``
+        (:func:`trainer.chat.answer_token_ids`, through the end-of-turn token), else ``text`` tokenised."""
+        if logged_ids and self.embeddable(logged_ids):
+            return list(logged_ids)
+        if tool_calls:
+            answer = {"role": "assistant", "content": text, "tool_calls": list(tool_calls)}
+            rendered = chat.answer_token_ids(self.tokenizer, messages, answer, tools)
+            if rendered:
+                return rendered
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @contextlib.contextmanager

@@ -95,20 +95,27 @@ class TokenisedFeedback:
 
 
 def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedback:
-    """Chat-template prompt ids and completion ids (the logged ids, else the tokenised text) of every row."""
-
-    def completion(text: str, ids: Sequence[int] | None) -> list[int]:
-        return base.completion_ids(text, ids)
-
+    """Prompt ids (the logged ids as served, else the chat template with the tools offered) and completion ids
+    (the logged ids, else a tool-call answer rendered by the template, else the tokenised text) of every row."""
     examples = tuple(
-        (base.chat_token_ids(e.messages), completion(e.completion, e.completion_token_ids), e.label)
+        (
+            base.prompt_ids(e.messages, e.tools, e.prompt_token_ids),
+            base.completion_ids(
+                e.completion, e.completion_token_ids, messages=e.messages, tool_calls=e.tool_calls, tools=e.tools
+            ),
+            e.label,
+        )
         for e in data.examples
     )
     pairs = tuple(
         (
-            base.chat_token_ids(p.messages),
-            completion(p.chosen, p.chosen_token_ids),
-            completion(p.rejected, p.rejected_token_ids),
+            base.prompt_ids(p.messages, p.tools, p.prompt_token_ids),
+            base.completion_ids(
+                p.chosen, p.chosen_token_ids, messages=p.messages, tool_calls=p.chosen_tool_calls, tools=p.tools
+            ),
+            base.completion_ids(
+                p.rejected, p.rejected_token_ids, messages=p.messages, tool_calls=p.rejected_tool_calls, tools=p.tools
+            ),
         )
         for p in data.pairs
     )
