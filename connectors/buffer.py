@@ -448,7 +448,7 @@ def _voter(metadata: str | None) -> str:
     """Who gave a feedback event: its ``metadata.user_hash`` (set by the gateway), else :data:`ANONYMOUS`."""
     try:
         user = json.loads(metadata).get("user_hash") if metadata else None
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         user = None
     return user if isinstance(user, str) and user else ANONYMOUS
 
@@ -520,7 +520,8 @@ def _in_range(traces: pa.Table, start: datetime, end: datetime) -> pa.ChunkedArr
 def _turns(traces: pa.Table) -> list[Turn]:
     """The columns :func:`connectors.implicit.derive` reads, one :class:`Turn` per row."""
     cols = ["trace_id", "ts", "prompt", "conversation_id", "turn", "parent_trace_id", "completion_tool_calls"]
-    return [Turn(**row) for row in traces.select(cols).to_pylist()]
+    users = [_voter(m) for m in traces["metadata"].to_pylist()]
+    return [Turn(**row, user=user) for row, user in zip(traces.select(cols).to_pylist(), users, strict=True)]
 
 
 def _first_per_trace_id(table: pa.Table) -> pa.Table:

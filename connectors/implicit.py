@@ -39,6 +39,7 @@ explicit ``reward``, ``thumbs`` or ``rating``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections import defaultdict
@@ -62,6 +63,7 @@ IMPLICIT_SIGNALS = (TOOL_ERROR, REPHRASED, REGENERATED, CONTINUED, ABANDONED)
 _WORD = re.compile(r"[^\W_]+")
 _ERROR_START = re.compile(r"^\s*(error|exception|traceback|failed|failure)\b", re.IGNORECASE)
 _MAX_TEXT_CHARS = 4096  # the words of at most this much of a message are compared (bounded work per row)
+_MAX_RESULT_CHARS = 65536  # a tool result longer than this is not parsed as JSON
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,13 @@ class Turn:
     turn: int | None
     parent_trace_id: str | None
     completion_tool_calls: str | None  # JSON array of the answer's tool calls, or null
+    user: str | None = None  # metadata.user_hash: evidence counts only from the same identity
 
 
 def _messages(prompt: str) -> list[dict[str, Any]]:
     try:
         value = json.loads(prompt)
-    except ValueError:
+    except (ValueError, RecursionError):
         return [{"role": "user", "content": prompt}]
     if isinstance(value, list):
         return [m for m in value if isinstance(m, dict)]
@@ -111,9 +114,11 @@ def reports_error(content: Any) -> bool:
     """Whether a tool result reports an error: a JSON object with a non-null ``error`` (or ``is_error``
     true), or text that starts with an error word (``Error: ...``, ``Traceback ...``)."""
     text = content_text(content)
+    if len(text) > _MAX_RESULT_CHARS:  # a giant result is read by its start only
+        return bool(_ERROR_START.match(text[:_MAX_TEXT_CHARS]))
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit: read as text
         return bool(_ERROR_START.match(text))
     if isinstance(value, dict):
         return value.get("error") not in (None, "", False) or value.get("is_error") is True
@@ -125,7 +130,7 @@ def _call_ids(tool_calls: str | None) -> set[str]:
         return set()
     try:
         calls = json.loads(tool_calls)
-    except ValueError:
+    except (ValueError, RecursionError):
         return set()
     return (
         {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
@@ -141,6 +146,18 @@ def _tool_errors(child_messages: Sequence[dict[str, Any]], call_ids: set[str]) -
     )
 
 
+def _prompt_key(t: Turn) -> tuple[Any, ...]:
+    """The same prompt sent again by the same identity: same user, conversation, turn, parent and messages."""
+    return (t.user, t.conversation_id, t.turn, t.parent_trace_id, t.prompt)
+
+
+def _next_after(group: Sequence[Turn], t: Turn) -> Turn | None:
+    """The first turn of ``group`` (sorted by ``ts``) strictly later than ``t`` (a binary search: a flood of
+    resends costs O(n log n), not O(n^2))."""
+    i = bisect.bisect_right(group, t.ts, key=lambda r: r.ts)
+    return group[i] if i < len(group) else None
+
+
 def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[dict[str, dict[str, Any]]]:
     """The implicit signals of each turn (same order), each ``{signal: provenance}`` (see the module doc).
 
@@ -153,10 +170,12 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
     children: dict[str, list[Turn]] = defaultdict(list)
     same_prompt: dict[tuple[Any, ...], list[Turn]] = defaultdict(list)
     for t in turns:
-        if t.parent_trace_id:
+        if t.parent_trace_id and t.parent_trace_id != t.trace_id:  # a self-link is no evidence
             children[t.parent_trace_id].append(t)
         if t.conversation_id is not None:
-            same_prompt[(t.conversation_id, t.turn, t.parent_trace_id, t.prompt)].append(t)
+            same_prompt[_prompt_key(t)].append(t)
+    for group in same_prompt.values():
+        group.sort(key=lambda r: r.ts)
     out: list[dict[str, dict[str, Any]]] = []
     for t in turns:
         found: dict[str, dict[str, Any]] = {}
@@ -166,7 +185,9 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
             if signal not in found or after < found[signal]["after_s"]:
                 found[signal] = {"by": by.trace_id, "after_s": round(after, 3), "window_s": window}
 
-        followers = [c for c in children.get(t.trace_id, ()) if 0 <= (c.ts - t.ts).total_seconds() <= window]
+        followers = [
+            c for c in children.get(t.trace_id, ()) if c.user == t.user and 0 <= (c.ts - t.ts).total_seconds() <= window
+        ]
         call_ids = _call_ids(t.completion_tool_calls)
         asked = _last_user_text(_messages(t.prompt)) if followers else None
         for c in followers:
@@ -181,9 +202,9 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
             else:
                 seen(CONTINUED, c)
         if t.conversation_id is not None:
-            for r in same_prompt[(t.conversation_id, t.turn, t.parent_trace_id, t.prompt)]:
-                if r.trace_id != t.trace_id and 0 < (r.ts - t.ts).total_seconds() <= window:
-                    seen(REGENERATED, r)
+            resend = _next_after(same_prompt[_prompt_key(t)], t)  # the earliest resend: the evidence
+            if resend is not None and (resend.ts - t.ts).total_seconds() <= window:
+                seen(REGENERATED, resend)
         if not followers and REGENERATED not in found and (now - t.ts).total_seconds() >= window:
             found[ABANDONED] = {"by": None, "after_s": None, "window_s": window}
         out.append({k: found[k] for k in IMPLICIT_SIGNALS if k in found})

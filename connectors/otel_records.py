@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from connectors.dead_letter import DeadLetter
 from connectors.otel import OtelSourceConfig, native_events
-from connectors.otel.types import Rejected
+from connectors.otel.types import INVALID_CONTENT, Rejected
 from connectors.schema import PARSE_ERROR, UserHasher
 
 
@@ -85,7 +85,7 @@ def expand_otel_records(
         out.otel_records += 1
         try:
             mapped = native_events(record.value, cfg, hasher.digest)
-            events = [json.dumps(event, ensure_ascii=False).encode("utf-8", "surrogatepass") for event in mapped.events]
+            events, unserialisable = _serialise(mapped.events)
         except Exception as err:  # noqa: BLE001 - last resort: one record the decoder cannot handle never stops the batch
             out.dead_letters.append(
                 DeadLetter(
@@ -103,10 +103,36 @@ def expand_otel_records(
         out.spans += mapped.spans
         out.skipped.update(mapped.skipped)
         out.dead_letters.extend(_letter(rejected, record) for rejected in mapped.rejected)
+        out.dead_letters.extend(
+            DeadLetter(
+                INVALID_CONTENT,
+                f"an event of this record holds a value that is not JSON data ({detail}); the record's other "
+                "events count",
+                record.topic,
+                record.partition,
+                record.offset,
+                None,
+                record.key,
+            )
+            for detail in unserialisable
+        )
         out.records.extend(
             OtelEventRecord(record.topic, record.partition, record.offset, record.key, value) for value in events
         )
     return out
+
+
+def _serialise(events: Iterable[dict[str, Any]]) -> tuple[list[bytes], list[str]]:
+    """Each native event as JSON bytes, and a reason for each event that is not JSON data (an OTLP
+    ``bytes_value`` kept inside tool arguments or schemas, nesting too deep): that event alone is refused."""
+    out: list[bytes] = []
+    refused: list[str] = []
+    for event in events:
+        try:
+            out.append(json.dumps(event, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        except (TypeError, ValueError, RecursionError) as err:
+            refused.append(f"{type(err).__name__}: {str(err)[:200]}")
+    return out, refused
 
 
 def _letter(rejected: Any, record: _Record) -> DeadLetter:

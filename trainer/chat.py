@@ -34,7 +34,7 @@ def _arguments(value: Any) -> dict[str, Any]:
     if isinstance(value, str) and value:
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit: no arguments
             return {}
         return parsed if isinstance(parsed, dict) else {}
     return {}

@@ -226,23 +226,26 @@ def key_share(keys: Sequence[str], max_key_share: float) -> float:
 
 
 def capped_rows(
-    trace_ids: Sequence[str], caps: Sequence[tuple[Sequence[str], float]], keep: Sequence[int] | None = None
+    trace_ids: Sequence[str], caps: Sequence[tuple[Any, ...]], keep: Sequence[int] | None = None
 ) -> list[int]:
     """The indices (ascending) of the rows kept when each unit of every ``(unit of each row, max share)`` in
     ``caps`` (e.g. users, API keys) is cut to :func:`user_cap` of its share. A unit over its cap keeps the rows
     whose SHA-256 of trace id sorts first (spread over time, not chosen by the client). Cutting one kind of unit
     can raise another's share, so the cuts repeat until a pass cuts nothing: then every cap holds at once.
-    ``keep``: the rows to start from (default all)."""
+    ``keep``: the rows to start from (default all). A cap may name a third element, the units known
+    beyond these rows (a split's part: the snapshot's keys): the even-split floor counts them too, so a
+    part that holds one key alone is still capped."""
     kept = list(range(len(trace_ids))) if keep is None else sorted(keep)
     while True:
         before = len(kept)
-        for units, max_share in caps:
+        for units, max_share, *known in caps:
             if max_share >= 1.0:
                 continue
             by_unit: dict[str, list[int]] = {}
             for i in kept:
                 by_unit.setdefault(units[i], []).append(i)
-            cap = user_cap([len(rows) for rows in by_unit.values()], max_share)
+            absent = set(known[0]) - set(by_unit) if known else set()  # units elsewhere: they count for the floor
+            cap = user_cap([len(rows) for rows in by_unit.values()] + [0] * len(absent), max_share)
             kept = sorted(
                 i
                 for rows in by_unit.values()
@@ -258,12 +261,24 @@ def cap_user_share(table: pa.Table, max_share: float) -> pa.Table:
     return cap_shares(table, max_user_share=max_share)
 
 
-def cap_shares(table: pa.Table, *, max_user_share: float = 1.0, max_key_share: float = 1.0) -> pa.Table:
+def cap_shares(
+    table: pa.Table,
+    *,
+    max_user_share: float = 1.0,
+    max_key_share: float = 1.0,
+    keys_deciding: Sequence[str] | None = None,
+) -> pa.Table:
     """``table`` with each API key's and each user's rows cut so that none holds more than its share
-    (:func:`capped_rows`; an even split, or a single key or user, is never cut). Row order is kept."""
+    (:func:`capped_rows`; an even split, or a single key or user, is never cut). Row order is kept.
+    ``keys_deciding``: the keys whose number decides whether the key cap applies (:func:`key_share`;
+    default this table's): a split passes the whole snapshot's, so a part that happens to hold few keys
+    is capped like the others."""
     trace_ids = [str(t) for t in table.column("trace_id").to_pylist()]
     keys = row_keys(table)
-    keep = capped_rows(trace_ids, [(keys, key_share(keys, max_key_share)), (row_users(table), max_user_share)])
+    known = keys if keys_deciding is None else keys_deciding
+    keep = capped_rows(
+        trace_ids, [(keys, key_share(known, max_key_share), set(known)), (row_users(table), max_user_share)]
+    )
     return table.take(keep) if len(keep) < table.num_rows else table
 
 
@@ -327,8 +342,10 @@ def split_snapshot(
     train = ordered.take([i for i in range(ordered.num_rows) if i not in held_set])
     heldout = ordered.take(held)
     if max_user_share < 1.0 or max_key_share < 1.0:
+        every_key = row_keys(ordered)  # whether the key cap applies is decided on the whole snapshot
         train, heldout = (
-            cap_shares(part, max_user_share=max_user_share, max_key_share=max_key_share) for part in (train, heldout)
+            cap_shares(part, max_user_share=max_user_share, max_key_share=max_key_share, keys_deciding=every_key)
+            for part in (train, heldout)
         )
     return train, heldout
 

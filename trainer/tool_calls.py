@@ -49,7 +49,7 @@ def hermes_tool_calls(text: str) -> list[ParsedCall]:
         body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
         try:
             value = json.loads(body)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             calls.append(ParsedCall(None, None, f"not JSON: {err}"))
             continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -59,7 +59,7 @@ def hermes_tool_calls(text: str) -> list[ParsedCall]:
         if isinstance(arguments, str):  # arguments written as JSON text inside the JSON
             try:
                 arguments = json.loads(arguments)
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:
                 calls.append(ParsedCall(value["name"], None, f"arguments are not JSON: {err}"))
                 continue
         if not isinstance(arguments, dict):

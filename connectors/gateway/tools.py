@@ -150,6 +150,7 @@ def check_tool_choice(choice: Any, names: frozenset[str] | None) -> None:
         or choice["type"] != "function"
         or not isinstance(function, dict)
         or set(function) != {"name"}
+        or not isinstance(function["name"], str)
     ):
         raise ToolRefused(
             "field 'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', function: {name}}",

@@ -284,7 +284,10 @@ def _as_text(value: Any) -> str:
         return ""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False)
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as err:  # an OTLP bytes_value inside structured content
+        raise Refused(INVALID_CONTENT, f"structured content is not JSON data: {type(err).__name__}: {err}") from err
 
 
 def _role(value: Any, where: str) -> str:

@@ -188,3 +188,30 @@ def test_a_snapshot_labels_unrated_turns_from_behaviour_and_explicit_feedback_wi
         "t3": None,
         "t4": None,
     }
+
+
+def test_hostile_turns_cannot_break_or_stall_the_derivation() -> None:
+    """A tool result nested past the JSON parser's limit reads as text; a self-linked trace is not its own
+    evidence; another user's identical prompt is not a regeneration; a flood of resends stays fast."""
+    deep = "[" * 5000 + "]" * 5000
+    assert reports_error(deep) is False
+    assert reports_error("Error: " + "x" * 200_000) is True
+    calls = [turn("t1", 0, Q1, calls=CALL)]
+    nested = {"role": "tool", "tool_call_id": "call-1", "content": deep}
+    assert signals(calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), nested], parent="t1")])["t1"] == {}
+    own = Turn(**{**turn("t1", 0, Q1).__dict__, "parent_trace_id": "t1"})
+    assert list(signals([own])["t1"]) == ["abandoned"]
+    alice = Turn(**{**turn("t1", 0, Q1).__dict__, "user": "alice"})
+    mallory = Turn(**{**turn("t2", 1, Q1).__dict__, "user": "mallory"})
+    assert "regenerated" not in signals([alice, mallory])["t1"]
+    went_on = Turn(
+        **{**turn("t3", 2, [*Q1, assistant("Paris."), user("And Italy?")], parent="t1").__dict__, "user": "mallory"}
+    )
+    assert "continued" not in signals([alice, went_on])["t1"]  # a continuation by another identity
+    import time
+
+    flood = [turn(f"r{i}", i / 600, Q1) for i in range(20_000)]
+    started = time.perf_counter()
+    got = derive(flood, LATER, CFG)
+    assert time.perf_counter() - started < 20  # O(n log n): seconds, not the hour a quadratic scan takes
+    assert got[0] == {"regenerated": {"by": "r1", "after_s": 0.1, "window_s": 600}}

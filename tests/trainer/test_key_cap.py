@@ -168,3 +168,16 @@ def test_few_keys_are_not_capped_but_enough_keys_are() -> None:
     assert key_share(six, 0.2) == 0.2
     kept = capped_rows([f"t{i}" for i in range(len(six))], [(six, key_share(six, 0.2))])
     assert sum(1 for i in kept if six[i] == "flood") <= 0.2 * len(kept) + 1e-9
+
+
+def test_whether_the_key_cap_applies_is_decided_on_the_whole_snapshot_not_per_split() -> None:
+    """A flooding key with a new user per row among 8 small keys: the held-out part alone holds only a few
+    keys, yet the key cap (decided on all 9) binds there too, so the flood cannot fill what the gate reads."""
+    rows = [("flood", f"made-up-{i}", i, 1.0) for i in range(1000)]
+    rows += [(f"k{k}", f"u{k}-{j}", 2000 + 10 * k + j, 1.0) for k in range(8) for j in range(2)]
+    train, heldout = split_snapshot(table(rows), 0.2, max_user_share=0.2, max_key_share=0.2)
+    assert share(train, "flood") <= 0.2 + 1e-9
+    flood_heldout = sum(1 for k in row_keys(heldout) if k == "flood")
+    honest_heldout = heldout.num_rows - flood_heldout
+    # was ~200 flood rows (98 %) when each part decided on its own keys; now at most an even share
+    assert flood_heldout <= max(1, honest_heldout)

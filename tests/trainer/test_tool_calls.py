@@ -85,3 +85,19 @@ def test_the_tool_call_rewards_are_built_ins_a_candidate_can_name() -> None:
     mix = build_reward([RewardTerm(fn="tool_call_valid", weight=1.0)])
     assert mix([], call('{"name": "add", "arguments": {"a": 2, "b": 3}}'), META) == 1.0
     assert mix([], call('{"name": "add", "arguments": {"a": 2}}'), META) == 0.0
+
+
+def test_nesting_past_the_json_parsers_limit_is_an_invalid_call_not_a_crash() -> None:
+    from trainer.chat import template_messages
+
+    deep = "[" * 8000 + "]" * 8000
+    assert [c.error is not None for c in hermes_tool_calls(call(deep))] == [True]
+    assert tool_call_valid([], call(deep), META) == 0.0
+    history = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}],
+        }
+    ]
+    assert template_messages(history)[0]["tool_calls"][0]["function"]["arguments"] == {}

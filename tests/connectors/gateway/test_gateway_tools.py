@@ -358,3 +358,12 @@ def test_remembered_answers_expire_and_are_bounded() -> None:
 def test_the_trace_header_is_the_trace_id(gw: Gateway) -> None:
     response = chat(gw, TURN_1)
     assert gw.trace(response).trace_id == response.headers[TRACE_HEADER]
+
+
+@pytest.mark.parametrize("name", [["add"], {}, 5, None])
+def test_a_named_tool_choice_whose_name_is_not_a_string_is_a_400(name: object) -> None:
+    from connectors.gateway.tools import ToolRefused, check_tool_choice
+
+    with pytest.raises(ToolRefused) as refused:
+        check_tool_choice({"type": "function", "function": {"name": name}}, frozenset({"add"}))
+    assert refused.value.param == "tool_choice"
