@@ -18,6 +18,7 @@ deletes hour partitions by age and total size. Storage is ``pyarrow.fs``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -488,7 +489,7 @@ def _link_turns(traces: pa.Table) -> pa.Table:
         if text and '"conversation"' in text:
             try:
                 found = json.loads(text).get("conversation")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 found = None
         hashes.append(found if isinstance(found, dict) else {})
     ids, times = traces["trace_id"].to_pylist(), traces["ts"].to_pylist()
@@ -496,14 +497,19 @@ def _link_turns(traces: pa.Table) -> pa.Table:
     for trace_id, ts, known in zip(ids, times, hashes):
         if isinstance(known.get("answer"), str):
             answered[known["answer"]].append((ts, trace_id))
+    for answers in answered.values():
+        answers.sort()
     changed = False
     for i, known in enumerate(hashes):
         continues = known.get("continues")
         if parents[i] is not None or not isinstance(continues, str) or continues not in answered:
             continue
-        before = [(ts, tid) for ts, tid in answered[continues] if ts <= times[i] and tid != ids[i]]
-        if before:
-            parents[i] = max(before)[1]
+        answers = answered[continues]  # the latest answer not after this turn (binary search: O(n log n))
+        j = bisect.bisect_right(answers, times[i], key=lambda answer: answer[0]) - 1
+        if j >= 0 and answers[j][1] == ids[i]:
+            j -= 1
+        if j >= 0:
+            parents[i] = answers[j][1]
             changed = True
     if not changed:
         return traces

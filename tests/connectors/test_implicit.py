@@ -215,3 +215,31 @@ def test_hostile_turns_cannot_break_or_stall_the_derivation() -> None:
     got = derive(flood, LATER, CFG)
     assert time.perf_counter() - started < 20  # O(n log n): seconds, not the hour a quadratic scan takes
     assert got[0] == {"regenerated": {"by": "r1", "after_s": 0.1, "window_s": 600}}
+
+
+def test_linking_a_flood_of_unlinked_turns_is_not_quadratic(tmp_path: Path) -> None:
+    """5,000 answers under one hash and 5,000 unlinked continuations of it: each links to the latest answer
+    not after it, in seconds (the scan of every answer per turn took minutes)."""
+    import time
+
+    import pyarrow as pa
+
+    from connectors.buffer import _link_turns
+
+    n = 5000
+    metadata = [json.dumps({"conversation": {"answer": "h"}})] * n + [
+        json.dumps({"conversation": {"continues": "h"}})
+    ] * n
+    times = [T0 + timedelta(seconds=i) for i in range(n)] + [T0 + timedelta(seconds=i + 0.5) for i in range(n)]
+    table = pa.table(
+        {
+            "trace_id": [f"a{i}" for i in range(n)] + [f"c{i}" for i in range(n)],
+            "ts": pa.array(times, pa.timestamp("ms", tz="UTC")),
+            "parent_trace_id": pa.array([None] * (2 * n), pa.string()),
+            "metadata": metadata,
+        }
+    )
+    started = time.perf_counter()
+    parents = _link_turns(table)["parent_trace_id"].to_pylist()
+    assert time.perf_counter() - started < 10
+    assert parents[n:] == [f"a{i}" for i in range(n)] and parents[:n] == [None] * n
