@@ -6,7 +6,7 @@ pip or setuptools of its own, and sees the project venv's packages through a ``.
 fresh venv's old setuptools would hide the newer one torch needs); into it go only
 ``trl==1.16.0`` (``--no-deps``: its own pins would replace the locked transformers / torch) and
 the three packages TRL imports that the lock lacks (``TRL_PACKAGES``). Known to work with the
-locked transformers 5.19 / peft 0.21 / torch 2.13 CPU (DESIGN.md §3).
+locked transformers 5.19 / peft 0.21 / torch 2.13 CPU (requirements.lock).
 
 Idempotent: a stamp file names what was installed; a venv whose stamp matches is reused as is.
 
