@@ -93,7 +93,7 @@ class _ToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=Fal
 
 
 class _Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
-    role: _NonEmpty
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # schema.CHAT_ROLES (a test holds them equal)
     content: str | None = None  # content parts and extra keys go to the reference parser
     name: str | None = None
     tool_calls: Annotated[list[_ToolCall], msgspec.Meta(max_length=MAX_TRACE_TOOLS)] | None = None

@@ -67,6 +67,8 @@ CONVERSATION_FIELDS: Final = (
 )
 MAX_TRACE_TOOLS = 256  # tools offered, and tool calls of one message or answer, in one trace
 MAX_ID_CHARS = 256  # trace, conversation and tool call ids
+# The chat roles a trace may hold (OpenAI's, "developer" included); chat templates know no others.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_TOOL_NAME_CHARS = 256
 SIGNAL_FIELDS = ("reward", "thumbs", "rating", "edited", "regenerated")
 
@@ -210,6 +212,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TRACE_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in CHAT_ROLES:
+            raise ValueError(f"role {value[:64]!r} is not one of {sorted(CHAT_ROLES)}")
+        return value
 
 
 class _Signals(BaseModel):

@@ -40,6 +40,7 @@ from connectors.gateway.tools import (
     ref_cycle,
 )
 from connectors.gateway.trace import Endpoint
+from connectors.schema import CHAT_ROLES
 
 _COMMON = frozenset(
     {
@@ -79,7 +80,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     },
     "completions": _COMMON | {"prompt", "echo"},
 }
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}) | NULL_ONLY_KEYS
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
 # Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
@@ -368,6 +368,12 @@ def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> N
         raise RequestRefused(
             400, f"{len(messages)} messages, above gateway.max_messages={cfg.max_messages}", param="messages"
         )
+    if tool_chars > cfg.max_prompt_chars:  # the tool definitions alone do not fit: name them, not the messages
+        raise RequestRefused(
+            400,
+            f"tool definitions hold {tool_chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}",
+            param="tools",
+        )
     chars = tool_chars  # tool definitions are rendered into the prompt too
     history = ToolHistory()
     for i, message in enumerate(messages):
@@ -379,9 +385,9 @@ def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> N
             raise RequestRefused(
                 400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages"
             )
-        if message.get("role") not in _ROLES:
+        if message.get("role") not in CHAT_ROLES:
             raise RequestRefused(
-                400, f"{where}.role {message.get('role')!r} is not one of {sorted(_ROLES)}", param="messages"
+                400, f"{where}.role {message.get('role')!r} is not one of {sorted(CHAT_ROLES)}", param="messages"
             )
         content = message.get("content")
         if isinstance(content, str):

@@ -24,6 +24,7 @@ from typing import Any
 from connectors.otel.config import OtelSourceConfig
 from connectors.otel.types import INVALID_CONTENT, TOO_MANY_MESSAGES, TOO_MANY_TOOLS, UNSUPPORTED_CONTENT
 from connectors.otel.wire import Refused, kind_of
+from connectors.schema import CHAT_ROLES
 
 _SEMCONV_FINISH = {"tool_call": "tool_calls"}  # semconv FinishReason -> OpenAI finish_reason
 
@@ -293,6 +294,8 @@ def _as_text(value: Any) -> str:
 def _role(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise Refused(INVALID_CONTENT, f"{where}.role is {kind_of(value)}, expected a role name")
+    if value not in CHAT_ROLES:
+        raise Refused(INVALID_CONTENT, f"{where}.role {value[:64]!r} is not one of {sorted(CHAT_ROLES)}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import typing
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -10,7 +11,7 @@ from datetime import datetime, timezone
 import pytest
 
 from connectors import schema as s
-from connectors.fast_parse import parse_batch
+from connectors.fast_parse import _Message, parse_batch
 from connectors.segments import to_json
 
 HASHER = s.UserHasher("secret", ["user", "user_id", "email"])
@@ -477,3 +478,14 @@ def test_non_finite_numbers_in_metadata_are_stored_as_null_so_the_buffer_stays_j
         assert out.dead_letters == [] and [row[0] for row in out.traces] == ["t0", "t2"]
         assert strict(out.traces[0][METADATA]) == {"ok": 1.5, "nested": [{"score": None}]}
         assert strict(out.feedback[0][3]) == {"score": None}
+
+
+@pytest.mark.parametrize("role", ["banana", "function", "USER"])
+def test_an_unknown_message_role_gets_the_reference_verdict(role: str) -> None:
+    record = Record("t", 0, 1, None, _enc(_trace(1, prompt=[{"role": role, "content": "hi"}])))
+    batch = parse_batch([record], max_record_bytes=MAX_BYTES, hasher=HASHER)
+    assert not batch.traces and [d.reason for d in batch.dead_letters] == [s.SCHEMA_VIOLATION]
+
+
+def test_the_fast_path_knows_the_same_roles_as_the_reference() -> None:
+    assert set(typing.get_args(typing.get_type_hints(_Message)["role"])) == s.CHAT_ROLES

@@ -96,6 +96,13 @@ def test_schema_violation_names_the_field() -> None:
     assert isinstance(result, s.Rejected) and "completion" in result.detail
 
 
+@pytest.mark.parametrize("role", ["banana", "function", "USER", "model"])
+def test_a_message_role_no_chat_template_knows_is_a_schema_violation(role: str) -> None:
+    result = _parse(_trace(prompt=[{"role": role, "content": "hi"}]))
+    assert isinstance(result, s.Rejected) and result.reason == s.SCHEMA_VIOLATION, result
+    assert "role" in result.detail and repr(role) in result.detail
+
+
 def test_feedback_event_and_wire_round_trip() -> None:
     fb = _parse({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", "thumbs": "down", "ts": 1_700_000_000_000})
     assert isinstance(fb, s.FeedbackEvent) and fb.signals() == {"thumbs": "down"}

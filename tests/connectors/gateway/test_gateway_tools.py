@@ -253,14 +253,15 @@ def test_tool_definitions_count_toward_the_prompt_size(keys: Keys) -> None:  # n
         gw = Gateway(http, upstream, sink, keys)
         small = chat(gw, [{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {"name": "f"}}])
         assert small.status_code == 200
-        big = chat(
-            gw,
-            [{"role": "user", "content": "hi"}],
-            tools=[{**ADD, "function": {**ADD["function"], "description": "d" * 150}}],
-        )
-        assert (
-            big.status_code == 400 and error(big)["param"] == "messages" and "tool definitions" in error(big)["message"]
-        )
+        big_tools = [{"type": "function", "function": {"name": "f", "description": "d" * 250}}]
+        big = chat(gw, [{"role": "user", "content": "hi"}], tools=big_tools)  # the tools alone do not fit
+        assert big.status_code == 400 and error(big)["param"] == "tools", big.text
+        assert "tool definitions hold" in error(big)["message"]
+        fit_tools = [{"type": "function", "function": {"name": "f", "description": "d" * 120}}]
+        both = chat(gw, [{"role": "user", "content": "m" * 100}], tools=fit_tools)  # each fits, together they do not
+        assert both.status_code == 400 and error(both)["param"] == "messages", both.text
+        assert "tool definitions" in error(both)["message"]
+        assert len(upstream.requests) == 1  # only the small request went upstream
 
 
 # --- conversations ------------------------------------------------------------------------------------

@@ -82,3 +82,15 @@ def test_bytes_inside_structured_content_refuse_that_span_only(attrs: dict) -> N
     assert len(out.records) == 2  # the good spans still count
     assert [d.reason for d in out.dead_letters] == ["invalid_content"]
     assert out.dead_letters[0].payload is None
+
+
+@pytest.mark.parametrize("role", ["banana", "function", "model"])
+def test_a_message_role_no_chat_template_knows_refuses_that_span_only(role: str) -> None:
+    messages = json.dumps([{"role": role, "parts": [{"type": "text", "content": "hi"}]}])
+    request = ExportTraceServiceRequest()
+    spans = request.resource_spans.add().scope_spans.add().spans
+    spans.extend([span(1), span(2, **{"gen_ai.input.messages": messages}), span(3)])
+    out = expand_otel_records([Record(request.SerializeToString())], CFG, HASHER)
+    assert len(out.records) == 2
+    assert [d.reason for d in out.dead_letters] == ["invalid_content"]
+    assert repr(role) in out.dead_letters[0].detail
