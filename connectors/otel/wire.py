@@ -118,6 +118,9 @@ def _hex_ids_to_base64(data: dict[str, Any]) -> None:
 def _list(obj: Any, keys: Iterable[str], where: str) -> list[Any]:
     if not isinstance(obj, dict):
         raise Refused(INVALID_OTLP, f"{where}: expected an object, got a JSON {type(obj).__name__}")
+    present = [key for key in keys if key in obj]
+    if len(present) > 1:  # protobuf's JSON reader would keep one of them silently
+        raise Refused(INVALID_OTLP, f"{where}: both {' and '.join(present)} given; send one of them")
     for key in keys:
         if key in obj and obj[key] is not None:
             items = obj[key]

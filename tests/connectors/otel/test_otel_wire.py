@@ -103,6 +103,8 @@ def test_spans_from_the_real_opentelemetry_sdk_and_its_otlp_encoder() -> None:
         (b"[" * 100_000 + b"]" * 100_000, JSON_CFG, "nesting_too_deep"),
         (b"{}", JSON_CFG, "invalid_otlp"),
         (b'{"resourceLogs": []}', JSON_CFG, "invalid_otlp"),  # a logs export on the traces topic
+        (b'{"resourceSpans": [], "resource_spans": []}', JSON_CFG, "invalid_otlp"),  # which one? (one was dropped)
+        (b'{"resourceSpans": [{"scopeSpans": [], "scope_spans": [{"spans": [{}]}]}]}', JSON_CFG, "invalid_otlp"),
         (b"\x78\x01", CFG, "invalid_protobuf"),  # parses as an unknown varint field: no spans
         (b"x" * 2048, OtelSourceConfig(max_payload_bytes=1024), "oversize"),
     ],
