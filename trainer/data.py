@@ -143,6 +143,7 @@ def prompts_from_table(table: pa.Table) -> list[Prompt]:
                 logged_reward=row.get("reward"),
                 logged_adapter_version=row.get("adapter_version"),
                 logged_correction=row.get("correction"),  # absent in snapshots without the column
+                logged_reward_source=row.get("reward_source"),
             )
         )
     return out
@@ -387,6 +388,7 @@ def labelled_examples(rows: Sequence[Prompt]) -> list[LabelledExample]:
                 p.tools,
                 prompt_ids,
                 p.logged_tool_calls,
+                p.logged_reward_source or "",
             )
         )
     return out

@@ -106,6 +106,7 @@ class Prompt:
     tools: list[dict[str, Any]] | None = None
     logged_prompt_token_ids: list[int] | None = None
     logged_tool_calls: list[dict[str, Any]] | None = None
+    logged_reward_source: str | None = None  # the snapshot's reward_source: "thumbs", "continued", "thumbs+edited"...
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class LabelledExample:
     tools: list[dict[str, Any]] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    source: str = ""  # the signals the label came from, "+"-joined (the snapshot's reward_source; "" unknown)
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,9 @@ class RewardModelReport:
     bound at ``rl.gate.confidence``; ``accuracy``: share of rows where
     ``score > 0`` agrees with the label; ``ece``: expected calibration error of
     ``sigmoid(score)`` over 10 equal-width bins (Guo et al. 2017); ``pair_accuracy``:
-    share of held-out preference pairs ranked right (None without pairs).
+    share of held-out preference pairs ranked right (None without pairs); ``auc_by_signal``: the AUC on
+    each feedback signal's rows (:func:`trainer.reward_model.model.auc_by_signal`; signals where it is
+    undefined are absent).
     """
 
     auc: float
@@ -404,6 +408,7 @@ class RewardModelReport:
     pair_accuracy: float | None
     heldout_examples: int
     heldout_pairs: int
+    auc_by_signal: dict[str, float] = field(default_factory=dict)
 
     def as_metrics(self, prefix: str = "reward_model") -> dict[str, float]:
         """``{"reward_model/auc": ..., ...}``; ``pair_accuracy`` only when there were pairs."""
@@ -417,6 +422,7 @@ class RewardModelReport:
         }
         if self.pair_accuracy is not None:
             out[f"{prefix}/pair_accuracy"] = self.pair_accuracy
+        out |= {f"{prefix}/auc/{signal}": value for signal, value in self.auc_by_signal.items()}
         return out
 
 

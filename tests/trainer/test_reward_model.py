@@ -19,6 +19,7 @@ from trainer.errors import DataError, RewardError, TrainerConfigError
 from trainer.data import feedback_data, prompts_from_table
 from trainer.reward_model.model import (
     HEAD_FILE,
+    auc_by_signal,
     create_reward_model,
     evaluate_reward_model,
     expected_calibration_error,
@@ -29,7 +30,7 @@ from trainer.reward_model.model import (
 )
 from trainer.rewards import build_reward
 from trainer.round import run_round
-from trainer.types import Prompt
+from trainer.types import Prompt, RewardModelReport
 from trainer.data import snapshot_table, split_snapshot
 from trainer.types import RoundSpec
 from trainer.data import round_inputs
@@ -106,6 +107,39 @@ def test_auc_and_calibration_by_hand() -> None:
     assert math.isnan(roc_auc([1.0, 2.0], [True, True]))
     # sigmoid(0) = 0.5 for all: one bin, mean label 0.25 -> ECE 0.25
     assert expected_calibration_error([0.0] * 4, [True, False, False, False]) == pytest.approx(0.25)
+
+
+def test_auc_per_signal_by_hand() -> None:
+    """Each signal's rows, and where they hold one label only, every row of the other label."""
+    scores = [0.9, 0.2, 0.8, 0.1, 0.3, 0.7, 0.6]
+    labels = [True, False, True, False, False, True, True]
+    sources = ["thumbs", "thumbs", "continued", "rephrased", "thumbs+edited", "continued", ""]
+    by_signal = auc_by_signal(scores, labels, sources)
+    # thumbs: its own rows (0.9 up; 0.2, 0.3 down) -> 1.0
+    assert by_signal["thumbs"] == pytest.approx(1.0)
+    # continued (always up: 0.8, 0.7) against every down row (0.2, 0.1, 0.3) -> 1.0
+    assert by_signal["continued"] == pytest.approx(1.0)
+    # rephrased (always down: 0.1) against every up row (0.9, 0.8, 0.7, 0.6) -> 1.0
+    assert by_signal["rephrased"] == pytest.approx(1.0)
+    # edited (down 0.3) against every up row: all above -> 1.0; an unknown source counts for none
+    assert set(by_signal) == {"thumbs", "continued", "rephrased", "edited"}
+    # a continued row the model scores below a down-voted one pulls only continued's AUC down
+    worse = auc_by_signal([0.9, 0.2, 0.1, 0.3], [True, False, True, False], ["thumbs", "thumbs", "continued", "x"])
+    assert worse["thumbs"] == pytest.approx(1.0) and worse["continued"] == pytest.approx(0.0)
+    assert auc_by_signal([0.5], [True], ["continued"]) == {}  # no other label anywhere: undefined, absent
+
+
+def test_per_signal_aucs_reach_the_round_metrics() -> None:
+    """The snapshot's reward_source travels to each labelled example, and the report names a metric per signal."""
+    rows = [_row(i, f"q{i}", f"a{i}", 1.0 if i % 2 else -1.0) for i in range(4)]
+    table = snapshot_table(rows).append_column(
+        "reward_source", pa.array(["thumbs", "continued", "rephrased", "thumbs"], type=pa.string())
+    )
+    examples = feedback_data(prompts_from_table(table)).examples
+    assert [e.source for e in examples] == ["thumbs", "continued", "rephrased", "thumbs"]
+    report = RewardModelReport(0.7, 0.6, 0.5, 0.1, None, 4, 0, auc_by_signal={"continued": 0.75})
+    assert report.as_metrics()["reward_model/auc/continued"] == 0.75
+    assert report.as_metrics("reward_model/champion")["reward_model/champion/auc/continued"] == 0.75
 
 
 def test_reward_model_term_reads_the_rounds_score() -> None:

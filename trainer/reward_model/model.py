@@ -92,6 +92,7 @@ class TokenisedFeedback:
 
     examples: tuple[tuple[list[int], list[int], bool], ...]
     pairs: tuple[tuple[list[int], list[int], list[int]], ...]
+    sources: tuple[str, ...] = ()  # per example, the signals its label came from (LabelledExample.source)
 
 
 def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedback:
@@ -119,7 +120,7 @@ def tokenise_feedback(base: ResidentBase, data: FeedbackData) -> TokenisedFeedba
         )
         for p in data.pairs
     )
-    return TokenisedFeedback(examples, pairs)
+    return TokenisedFeedback(examples, pairs, tuple(e.source for e in data.examples))
 
 
 class RewardModel:
@@ -350,6 +351,32 @@ def roc_auc(scores_N: npt.ArrayLike, labels_N: npt.ArrayLike) -> float:
     return float((_ranks(scores)[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
+def auc_by_signal(scores_N: Sequence[float], labels_N: Sequence[bool], sources_N: Sequence[str]) -> dict[str, float]:
+    """Per feedback signal, how well the scores tell its verdicts apart: the ROC AUC over the rows that
+    signal labelled (a source ``"thumbs+edited"`` counts for both), joined, where they carry one label only
+    (``continued`` is always up, ``rephrased`` always down), by every row of the other label. So
+    ``continued``'s AUC is P(a continued answer outscores a down-voted or rephrased one). Signals whose
+    rows and their counterparts do not hold both labels are left out (the AUC is undefined)."""
+    scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)
+    by_signal: dict[str, list[int]] = {}
+    for i, source in enumerate(sources_N):
+        for signal in filter(None, source.split("+")):
+            by_signal.setdefault(signal, []).append(i)
+    out = {}
+    for signal, rows in sorted(by_signal.items()):
+        mask = np.zeros(labels.size, dtype=bool)
+        mask[rows] = True
+        own = labels[mask]
+        if own.all():  # one label only: against every row of the other label
+            mask |= ~labels
+        elif not own.any():
+            mask |= labels
+        value = roc_auc(scores[mask], labels[mask])
+        if not np.isnan(value):
+            out[signal] = value
+    return out
+
+
 def auc_lower_bound(
     scores_N: Sequence[float], labels_N: Sequence[bool], confidence: float, resamples: int, seed: int = 0
 ) -> float:
@@ -398,6 +425,7 @@ def evaluate_reward_model(
     accuracy = float(np.mean([(s > 0) == y for s, y in zip(scores, labels)])) if scores else float("nan")
     return RewardModelReport(
         auc=roc_auc(scores, labels),
+        auc_by_signal=auc_by_signal(scores, labels, data.sources) if len(data.sources) == len(labels) else {},
         auc_lower_bound=auc_lower_bound(scores, labels, confidence, resamples, seed),
         accuracy=accuracy,
         ece=expected_calibration_error(scores, labels),
