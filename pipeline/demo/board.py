@@ -9,7 +9,7 @@ each request.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,25 +30,33 @@ class LiveRate:
         return self.up / self.rated if self.rated else float("nan")
 
 
-def live_rates(table: pa.Table, phases: Sequence[Sequence[str]]) -> list[LiveRate]:
+def live_rates(
+    table: pa.Table, phases: Sequence[Sequence[str]], verdicts: Mapping[str, bool] | None = None
+) -> list[LiveRate]:
     """The thumbs-up rate of each phase's traffic, from a buffer snapshot.
 
     Args:
         table: ``RewardBuffer.snapshot()`` rows (``trace_id``, ``adapter_version``, ``reward``).
         phases: the trace ids sent in each phase (``phases[0]``: before round 1).
+        verdicts: trace id -> right by the users' own check. Given, every sent answer counts with that
+            verdict (users who rate only some answers); else each rated row, up when ``reward > 0``.
 
     Returns:
-        One :class:`LiveRate` per phase; rows without feedback, or not sent
-        by the demo, are left out (a phase with no rated row has rate NaN).
+        One :class:`LiveRate` per phase; rows without a verdict, or not sent
+        by the demo, are left out (a phase with no such row has rate NaN).
     """
     phase_of = {trace_id: i for i, ids in enumerate(phases) for trace_id in ids}
     counts: list[dict[str, list[int]]] = [{} for _ in phases]
     for row in table.select(["trace_id", "adapter_version", "reward"]).to_pylist():
         phase = phase_of.get(row["trace_id"])
-        if phase is None or row["reward"] is None:
+        if verdicts is not None:
+            up = verdicts.get(row["trace_id"])
+        else:
+            up = None if row["reward"] is None else row["reward"] > 0
+        if phase is None or up is None:
             continue
         up_rated = counts[phase].setdefault(row["adapter_version"] or "base", [0, 0])
-        up_rated[0] += int(row["reward"] > 0)
+        up_rated[0] += int(up)
         up_rated[1] += 1
     return [
         LiveRate(

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
@@ -57,7 +58,7 @@ from pipeline.cli.main import base_model_dir
 from pipeline.cli.common import load
 from pipeline.config import HourglassConfig
 from pipeline.demo.board import LiveRate, gain_ratio, live_rates, plot_live_rates
-from pipeline.demo.traffic import Exchange, arithmetic_questions, create_demo_key, drive, is_correct
+from pipeline.demo.traffic import Behaviour, Exchange, arithmetic_questions, create_demo_key, drive, is_correct
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
@@ -181,7 +182,14 @@ def _interval(view: dict[str, Any]) -> str:
 
 
 def _run_canary(
-    api: str, gateway: str, cfg: HourglassConfig, key: str, version: str, seed: int, timeout_s: float
+    api: str,
+    gateway: str,
+    cfg: HourglassConfig,
+    key: str,
+    version: str,
+    seed: int,
+    timeout_s: float,
+    behaviour: Behaviour = Behaviour(),
 ) -> tuple[list[Exchange], dict | None]:
     """Keep the users' traffic flowing while ``version`` is on canary, printing the live evidence after each
     batch, until the service's canary monitor decided (promote or abort) or ``timeout_s`` passed.
@@ -218,7 +226,9 @@ def _run_canary(
             console.print(
                 f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]"
             )
-        sent += drive(gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key)
+        sent += drive(
+            gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour
+        )
         batch += 1
     return sent, None
 
@@ -258,21 +268,33 @@ def _promote_oracle(api: str, token: str) -> None:
         )
 
 
-def _live_verdict(cfg: HourglassConfig, phases: list[list[str]], timeout_s: float = 60.0) -> list[LiveRate]:
-    """The users' verdict per phase from the reward buffer, once every sent trace's feedback has landed there (or ``timeout_s``)."""
+def _live_verdict(
+    cfg: HourglassConfig, phases: list[list[str]], verdicts: dict[str, bool] | None = None, timeout_s: float = 60.0
+) -> list[LiveRate]:
+    """The users' verdict per phase from the reward buffer, once every sent trace (and, without ``verdicts``,
+    its feedback) has landed there (or ``timeout_s``). ``verdicts``: trace id -> right by the users' own check,
+    for traffic where users rate only some answers."""
     from connectors.buffer import RewardBuffer
 
     sent = sum(len(p) for p in phases)
     deadline = time.monotonic() + timeout_s
     while True:
-        rates = live_rates(RewardBuffer(cfg.buffer).snapshot(), phases)
+        rates = live_rates(RewardBuffer(cfg.buffer).snapshot(), phases, verdicts)
         if sum(r.rated for r in rates) >= sent or time.monotonic() > deadline:
             return rates
         time.sleep(2)
 
 
 def _say_sent(exchanges: list[Exchange], what: str) -> None:
-    console.print(f"{len(exchanges)} {what}; users gave {sum(e.correct for e in exchanges)} thumbs up")
+    right = sum(e.correct for e in exchanges)
+    if all(e.action == "" for e in exchanges):
+        console.print(f"{len(exchanges)} {what}; users gave {right} thumbs up")
+        return
+    actions = Counter(e.action for e in exchanges)
+    console.print(
+        f"{len(exchanges)} {what}; {right} right by the users' check, {sum(e.rated for e in exchanges)} rated; "
+        "then the users " + ", ".join(f"{a} {actions[a]}" for a in ("continued", "rephrased", "regenerated", "left"))
+    )
 
 
 def _num(value: Any, spec: str = ".3f") -> str:
@@ -303,9 +325,18 @@ def _print_scoreboard(
     canaries: dict[int, tuple[LiveRate, str]],
     accuracy: dict[str, float],
     aucs: list[float | None],
+    judged: bool = False,
 ) -> None:
-    """The users' live verdict per phase (canary traffic on rows of its own), greedy accuracy, AUC by round."""
-    live = Table("phase", "served by (version: up/rated)", "users' thumbs-up", "rate", title="The users' live verdict")
+    """The users' live verdict per phase (canary traffic on rows of its own), greedy accuracy, AUC by round.
+    ``judged``: the verdict is the users' own check of every answer (they rated only some), not their thumbs."""
+    word = "right" if judged else "thumbs-up"
+    live = Table(
+        "phase",
+        f"served by (version: {'right/answered' if judged else 'up/rated'})",
+        "users' check: right" if judged else "users' thumbs-up",
+        "rate",
+        title="The users' live verdict",
+    )
 
     def row(label: str, r: LiveRate) -> None:
         served = ", ".join(f"{v}: {u}/{n}" for v, (u, n) in r.served_by.items()) or "-"
@@ -317,7 +348,7 @@ def _print_scoreboard(
         row("before round 1" if r.phase == 0 else f"after round {r.phase}", r)
     console.print(live)
     if rates and rates[0].rated and rates[-1].rated and rates[0].rate > 0:
-        console.print(f"last phase / first phase thumbs-up rate: {rates[-1].rate / rates[0].rate:.1f}x")
+        console.print(f"last phase / first phase {word} rate: {rates[-1].rate / rates[0].rate:.1f}x")
     for i, (_, line) in sorted(canaries.items()):
         console.print(f"canary of round {i}: {line}")
     greedy = Table("model", "greedy accuracy by the users' check (48 fresh prompts)", title="Fresh prompts")
@@ -338,11 +369,25 @@ def main(
         float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")
     ] = 660.0,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
+    rating_rate: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of answers the users rate explicitly. Below 1 they otherwise only behave, in multi-turn "
+            "chats (go on, restate, regenerate, leave): the implicit signals.",
+        ),
+    ] = 1.0,
+    contradiction: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of the users' behaviour that contradicts their verdict.")
+    ] = 0.2,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
     from pipeline.state_secrets import api_token
 
     started = time.monotonic()
+    behaviour = Behaviour(rating_rate=rating_rate, contradiction=contradiction)
+    verdicts: dict[str, bool] = {}  # trace id -> right by the users' own check
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below on SIGTERM too
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -382,7 +427,8 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, model, traffic, seed=1, concurrency=CONCURRENCY, api_key=key)
+        exchanges = drive(gateway, model, traffic, seed=1, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour)
+        verdicts |= {e.trace_id: e.correct for e in exchanges}
         _say_sent(exchanges, "requests (served by the base)")
         phases: list[list[str]] = [[e.trace_id for e in exchanges]]
         canaries: dict[int, list[str]] = {}
@@ -399,7 +445,10 @@ def main(
             version = str((record.get("versions") or {}).get(model) or "")
             if version and f"{model} v{version} on canary" in (record.get("reason") or ""):
                 ended = time.monotonic()
-                more, decided = _run_canary(api, gateway, cfg, key, version, seed=100 + i, timeout_s=canary_wait)
+                more, decided = _run_canary(
+                    api, gateway, cfg, key, version, seed=100 + i, timeout_s=canary_wait, behaviour=behaviour
+                )
+                verdicts |= {e.trace_id: e.correct for e in more}
                 canaries[i] = [e.trace_id for e in more]
                 canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
                 time.sleep(
@@ -410,9 +459,10 @@ def main(
             console.print(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
-            more = drive(
-                gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key
-            )  # the phase after round i, served by its champion
+            more = drive(  # the phase after round i, served by its champion
+                gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour
+            )
+            verdicts |= {e.trace_id: e.correct for e in more}
             phases.append([e.trace_id for e in more])
             _say_sent(more, "more requests")
 
@@ -432,10 +482,12 @@ def main(
             if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
                 accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions)
         canary_ids = sorted(canaries)
-        all_rates = _live_verdict(cfg, phases + [canaries[i] for i in canary_ids])
+        all_rates = _live_verdict(
+            cfg, phases + [canaries[i] for i in canary_ids], verdicts if behaviour.conversational else None
+        )
         rates = all_rates[: len(phases)]
         canary_rates = {i: (r, canary_lines[i]) for i, r in zip(canary_ids, all_rates[len(phases) :])}
-        _print_scoreboard(rates, canary_rates, accuracy, aucs)
+        _print_scoreboard(rates, canary_rates, accuracy, aucs, judged=behaviour.conversational)
         values = list(accuracy.values())
         if len(values) == 3:
             base_acc, champion_acc, oracle_acc = values

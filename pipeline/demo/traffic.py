@@ -5,8 +5,17 @@ Prompts come from reasoning-gym (procedural arithmetic). The user's feedback
 is a thumbs up when the answer is right and a thumbs down otherwise, sent with
 the API key and the response's feedback token; half of the users (the even
 ones, :data:`EDITING_USERS`) also edit a wrong answer into the right number,
-sent as the feedback's ``correction``: thumbs and edits are all the demo's
-candidates learn from. Each request also carries the reference answer in
+sent as the feedback's ``correction``.
+
+By default every user rates every answer and each exchange is one turn. With a
+:class:`Behaviour` whose ``rating_rate`` is below 1, users rate only that share of
+answers and otherwise just behave, in multi-turn chats: after a right answer
+they go on with their next question in the same chat (or leave), after a wrong
+one they restate the question, ask for another answer (the same messages
+again) or leave, and a ``contradiction`` share of their behaviour goes against
+their own verdict. The gateway links the turns and each snapshot derives the
+implicit signals (``continued``, ``rephrased``, ``regenerated``) from them:
+:mod:`connectors.implicit`. Each request also carries the reference answer in
 ``metadata``, for the demo's own scoreboard and its oracle recipe
 (``first_number_answer``, the users' own check as a reward); the gateway keeps
 it as a label only from a trusted-grader key (:func:`create_demo_key` makes
@@ -16,9 +25,13 @@ several users.
 
 from __future__ import annotations
 
+import random
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import httpx
 from openai import APIConnectionError, InternalServerError, OpenAI
@@ -28,20 +41,49 @@ from connectors.gateway.auth import KeyStore
 from trainer.rewards import first_number_answer
 from trainer.tasks import reasoning_gym_prompts
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 FEEDBACK_HEADER = "x-hourglass-feedback-token"
 SIMULATED_USERS = 16
 EDITING_USERS = frozenset(f"sim-user-{i}" for i in range(0, SIMULATED_USERS, 2))  # they correct wrong answers
 
 
+# A next question in the same chat is just the sum ("5 + 9?"): the implicit signals tell a rephrase from going on
+# by the word-set similarity of the two user messages, so a template shared by both ("What about ...?") would make
+# every next question look like a restatement (a known failure mode of that measure: docs/data-contracts.md).
+FOLLOW_UP = "{q}?"
+RETRY = "Wrong. "  # an unsatisfied user restates their last message with this in front
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How the simulated users act on an answer (see the module docstring)."""
+
+    rating_rate: float = 1.0  # share of answers rated explicitly (thumbs, and corrections from editing users)
+    contradiction: float = 0.2  # share of behaviour that goes against the user's own verdict
+    go_on: float = 0.85  # a satisfied user asks the next question in the same chat; else leaves
+    rephrase: float = 0.5  # an unsatisfied user restates the question ...
+    regenerate: float = 0.3  # ... or asks for another answer; else (the rest) leaves
+    max_turns: int = 4  # requests in one chat before the user leaves
+
+    @property
+    def conversational(self) -> bool:
+        """Users behave in multi-turn chats (else: one rated turn per exchange, the demo's default)."""
+        return self.rating_rate < 1.0
+
+
 @dataclass(frozen=True)
 class Exchange:
-    """One request through the gateway and what the user made of it."""
+    """One request through the gateway and what the user made of it: ``correct`` by the users' own check,
+    ``rated`` when they sent explicit feedback, ``action`` what they did next (conversational users:
+    ``continued``, ``rephrased``, ``regenerated`` or ``left``; ``""`` for one-turn exchanges)."""
 
     trace_id: str
     question: str
     answer: str
     reference: str
     correct: bool
+    rated: bool = True
+    action: str = ""
 
 
 def is_correct(answer: str, reference: str) -> bool:
@@ -74,6 +116,36 @@ def create_demo_key(state_dir: str | Path, name: str = "demo") -> str:
     return key
 
 
+def _chat(
+    client: OpenAI, model: str, messages: list[dict[str, str]], reference: str, max_tokens: int, user: str | None
+) -> tuple[str, str, str]:
+    """One chat completion through the gateway: (trace id, answer, feedback token)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0.7,
+        extra_body={
+            "metadata": {"reference_answer": reference, "task": "basic_arithmetic"},
+            **({"user": user} if user else {}),
+        },
+    )
+    answer = raw.parse().choices[0].message.content or ""
+    return raw.headers.get("x-hourglass-trace-id", ""), answer, raw.headers.get(FEEDBACK_HEADER, "")
+
+
+def _vote(
+    client: OpenAI, gateway_url: str, trace_id: str, token: str, correct: bool, reference: str, user: str | None
+) -> None:
+    """The user's explicit feedback: thumbs by the users' check; from one of :data:`EDITING_USERS` a wrong
+    answer's correction."""
+    vote = {"trace_id": trace_id, "thumbs": "up" if correct else "down", "feedback_token": token}
+    if not correct and user in EDITING_USERS:
+        vote["correction"] = reference  # the user's edit: the answer they wanted
+    headers = {"authorization": f"Bearer {client.api_key}"}
+    httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
+
+
 def ask(
     client: OpenAI,
     gateway_url: str,
@@ -86,29 +158,74 @@ def ask(
 ) -> Exchange:
     """One chat completion through the gateway, then the user's feedback (same API key, the response's token):
     thumbs by the users' check, and from one of :data:`EDITING_USERS` a wrong answer's correction."""
-    raw = client.chat.completions.with_raw_response.create(
-        model=model,
-        messages=[{"role": "user", "content": question}],
-        max_tokens=max_tokens,
-        temperature=0.7,
-        extra_body={
-            "metadata": {"reference_answer": reference, "task": "basic_arithmetic"},
-            **({"user": user} if user else {}),
-        },
-    )
-    trace_id = raw.headers.get("x-hourglass-trace-id", "")
-    answer = raw.parse().choices[0].message.content or ""
+    messages = [{"role": "user", "content": question}]
+    trace_id, answer, token = _chat(client, model, messages, reference, max_tokens, user)
     correct = is_correct(answer, reference)
-    vote = {
-        "trace_id": trace_id,
-        "thumbs": "up" if correct else "down",
-        "feedback_token": raw.headers.get(FEEDBACK_HEADER, ""),
-    }
-    if not correct and user in EDITING_USERS:
-        vote["correction"] = reference  # the user's edit: the answer they wanted
-    headers = {"authorization": f"Bearer {client.api_key}"}
-    httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
+    _vote(client, gateway_url, trace_id, token, correct, reference, user)
     return Exchange(trace_id, question, answer, reference, correct)
+
+
+class _Budget:
+    """The requests one :func:`drive` may still send and the questions it hands out, shared by its users."""
+
+    def __init__(self, questions: list[tuple[str, str]], requests: int) -> None:
+        self._questions, self._left, self._lock = iter(questions), requests, threading.Lock()
+
+    def take(self) -> bool:
+        """One more request, if any is left."""
+        with self._lock:
+            if self._left <= 0:
+                return False
+            self._left -= 1
+            return True
+
+    def question(self) -> tuple[str, str] | None:
+        with self._lock:
+            return next(self._questions, None)
+
+
+def converse(
+    chat: Callable[..., tuple[str, str, str]],
+    vote: Callable[..., None],
+    budget: _Budget,
+    user: str,
+    rng: random.Random,
+    behaviour: Behaviour,
+) -> list[Exchange]:
+    """One user's chat: ask, judge, maybe rate, act (go on, restate, regenerate, leave), until they leave, the
+    chat has ``behaviour.max_turns`` requests or the budget is spent. ``chat(messages, reference)`` and
+    ``vote(trace_id, token, correct, reference)`` talk to the gateway."""
+    out: list[Exchange] = []
+    first = budget.question()
+    if first is None:
+        return out
+    (question, reference), history = first, list[dict[str, str]]()
+    message = question
+    while budget.take():
+        messages = [*history, {"role": "user", "content": message}]
+        trace_id, answer, token = chat(messages, reference)
+        correct = is_correct(answer, reference)
+        rated = rng.random() < behaviour.rating_rate
+        if rated:
+            vote(trace_id, token, correct, reference)
+        satisfied = correct if rng.random() >= behaviour.contradiction else not correct
+        last = len(out) + 1 >= behaviour.max_turns
+        action, pick = "left", rng.random()
+        asked, expected = messages[-1]["content"], reference
+        if satisfied and not last and pick < behaviour.go_on and (following := budget.question()) is not None:
+            action, (question, reference) = "continued", following
+            history = [*messages, {"role": "assistant", "content": answer}]
+            message = FOLLOW_UP.format(q=question.split(".")[0].removeprefix("Calculate "))
+        elif not satisfied and not last and pick < behaviour.rephrase:
+            action = "rephrased"
+            history = [*messages, {"role": "assistant", "content": answer}]
+            message = RETRY + message.removeprefix(RETRY)
+        elif not satisfied and not last and pick < behaviour.rephrase + behaviour.regenerate:
+            action = "regenerated"  # the same messages again: another answer to the same turn
+        out.append(Exchange(trace_id, asked, answer, expected, correct, rated, action))
+        if action == "left":
+            break
+    return out
 
 
 def drive(
@@ -120,9 +237,11 @@ def drive(
     *,
     api_key: str = "demo",
     patience_s: float = 600.0,
+    behaviour: Behaviour = Behaviour(),
 ) -> list[Exchange]:
-    """Send ``n`` questions through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
-    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`).
+    """Send ``n`` requests through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
+    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`): one rated question each, or, with a
+    conversational ``behaviour``, users' chats (:func:`converse`) until ``n`` requests were sent.
 
     A user whose request fails because the model server is away (the gateway's 502/503, a connection
     error or a timeout: e.g. vLLM restarted after the host ran out of memory) asks again every 5 s for up
@@ -130,13 +249,44 @@ def drive(
     client = OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=2, timeout=120)
     questions = arithmetic_questions(n, seed)
     users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]
-    patient = retry(
-        retry=retry_if_exception_type((APIConnectionError, InternalServerError)),
-        wait=wait_fixed(5),
-        stop=stop_after_delay(patience_s),
-        reraise=True,
-    )(ask)  # APITimeoutError is an APIConnectionError
-    with ThreadPoolExecutor(concurrency) as pool:
-        return list(
-            pool.map(lambda args: patient(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users))
+
+    def patient(fn: _F) -> _F:  # APITimeoutError is an APIConnectionError
+        retrying = retry(
+            retry=retry_if_exception_type((APIConnectionError, InternalServerError)),
+            wait=wait_fixed(5),
+            stop=stop_after_delay(patience_s),
+            reraise=True,
         )
+        return cast(_F, retrying(fn))
+
+    if not behaviour.conversational:
+        patient_ask = patient(ask)
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(
+                pool.map(
+                    lambda args: patient_ask(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)
+                )
+            )
+    budget, chat, vote = _Budget(questions, n), patient(_chat), patient(_vote)
+
+    def chats(worker: int) -> list[Exchange]:  # worker w runs chats w, w + concurrency, ... until the budget ends
+        out: list[Exchange] = []
+        for session in range(worker, 10 * n + concurrency, concurrency):
+            user, rng = users[session % n], random.Random(f"{seed}-{session}")
+            said = converse(
+                lambda messages, reference, user=user: chat(client, model, messages, reference, 16, user),
+                lambda trace_id, token, correct, reference, user=user: vote(
+                    client, gateway_url, trace_id, token, correct, reference, user
+                ),
+                budget,
+                user,
+                rng,
+                behaviour,
+            )
+            if not said:
+                break
+            out += said
+        return out
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return [e for part in pool.map(chats, range(concurrency)) for e in part]
