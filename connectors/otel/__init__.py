@@ -45,6 +45,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'connectors.otel' has no attribute {name!r}")
     return getattr(importlib.import_module(f"connectors.otel.{module}"), name)
 
+
 __all__ = [
     "FeedbackSignal",
     "GenAICall",

@@ -44,6 +44,12 @@ def replica_state(cfg: HourglassConfig) -> dict[str, object]:
 def list_models(cfg: HourglassConfig, models: list[str] | None = None) -> dict:
     """Everything ``models list`` shows: per model its versions, aliases, lineage tags and
     route; per replica what it serves. Models not yet registered are listed with no versions."""
+    from mlflow.exceptions import MlflowException
+
+    from connectors.gateway.routes import read_routes
+    from pipeline.registry import aliases
+    from pipeline.registry.models import make_client
+
     client = make_client(cfg)
     routes = read_routes(cfg.resolve(cfg.state_dir))
     names = models or sorted({m.name for m in client.search_registered_models()} | {cfg.serving.model_name})
