@@ -9,7 +9,7 @@
 #   deploy/locks/ROLE.lock one per role extra (gateway, ingest, console, embedded, trainer, ray, service; all
 #                          with the cpu vLLM), for `pip install --no-deps --require-hashes -r` on a host that
 #                          runs only that role; resolved with requirements.lock as constraints, so every
-#                          version is the one the CPU target pins (docs/deployment.md#extras-per-role)
+#                          version is the one the CPU target pins (docs/scaling.md#extras-per-role)
 #
 # uv keeps the versions an existing lock already pins (it reads the output file
 # as preferences), so adding a dependency adds its closure and moves nothing else.
