@@ -29,7 +29,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from connectors.config import BufferConfig, GatewayConfig, KafkaConfig
 from connectors.config_base import Section
-from connectors.otel import OtelSourceConfig
+from connectors.otel.config import OtelSourceConfig  # not the package: its decoders need the ingest extra
 from pipeline.errors import ConfigError
 from trainer.config import MOVED_RL_KEYS, CandidateConfig, ModelConfig, RLConfig
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from mlflow.exceptions import MlflowException
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -29,6 +28,8 @@ def _models(cfg, model: str | None) -> list[str]:
 
 
 def _run(fn, *args, **kwargs):
+    from mlflow.exceptions import MlflowException  # here: `hourglass --help` runs without MLflow
+
     try:
         return fn(*args, **kwargs)
     except (PipelineError, MlflowException) as err:

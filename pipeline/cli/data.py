@@ -20,14 +20,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from connectors.buffer import RewardBuffer
-from connectors.dead_letter import DeadLetterStore
 from connectors.config import check_topic_name
 from connectors.errors import ConnectorError
-from connectors.ingest import IngestWorker
-from connectors.kafka_admin import consumer_group_lag, ensure_topics
-from connectors.replay import read_trace_jsonl, replay_sharegpt
-from connectors.sink import TraceSink, produce_events, produce_jsonl
 from pipeline.cli.common import fail, print_error
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
@@ -70,6 +64,8 @@ def _fail(err: ConnectorError) -> typer.Exit:
 
 def ingest(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Run an ingest worker in the foreground until Ctrl-C / SIGTERM (Kafka -> reward buffer)."""
+    from connectors.ingest import IngestWorker
+
     cfg = _config(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = IngestWorker(cfg.kafka, cfg.buffer, otel=cfg.otel)
@@ -105,6 +101,9 @@ def produce(
     as_json: JsonOpt = False,
 ) -> None:
     """Backfill: send a JSON-lines file to a topic and wait for every acknowledgement."""
+    from connectors.kafka_admin import ensure_topics
+    from connectors.sink import produce_jsonl
+
     cfg = _config(config)
     _readable_file(file)
     if topic is not None:
@@ -146,6 +145,11 @@ def replay(
     A ShareGPT record that is not a usable conversation is dead-lettered with its reason (see
     ``hourglass dlq list``); the command prints how many were replayed and dead-lettered by reason.
     """
+    from connectors.dead_letter import DeadLetterStore
+    from connectors.kafka_admin import ensure_topics
+    from connectors.replay import read_trace_jsonl, replay_sharegpt
+    from connectors.sink import TraceSink, produce_events
+
     cfg = _config(config)
     use_sharegpt = sharegpt is not None or sharegpt_file is not None
     if use_sharegpt == (jsonl is not None):
@@ -181,6 +185,9 @@ def buffer_stats(
     lag: Annotated[bool, typer.Option("--lag/--no-lag", help="Ask the broker for the consumer-group lag.")] = True,
 ) -> None:
     """Rows, partitions, bytes, reward coverage and consumer lag of the buffer."""
+    from connectors.buffer import RewardBuffer
+    from connectors.kafka_admin import consumer_group_lag
+
     cfg = _config(config)
     buffer = RewardBuffer(cfg.buffer)
     stats = buffer.stats().as_dict()
@@ -208,6 +215,8 @@ def dlq_list(
     reason: Annotated[str | None, typer.Option(help="Only this reason code (e.g. invalid_json).")] = None,
 ) -> None:
     """Dead-lettered records with reason and Kafka coordinates (oldest first)."""
+    from connectors.dead_letter import DeadLetterStore
+
     cfg = _config(config)
     store = DeadLetterStore(cfg.buffer.dead_letter_root)
     rows = store.list(limit=limit, reason=reason)

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from fastapi import FastAPI
 from rich.console import Console
 
-from connectors.gateway.auth import FeedbackSigner, KeyStore, load_or_create_secret
 from connectors.errors import ConnectorError
-from connectors.gateway.app import create_gateway_app, serve_gateway
-from connectors.gateway.routes import RouteResolver
-from connectors.kafka_admin import ensure_topics
-from connectors.schema import UserHasher
 from pipeline.config import HourglassConfig, load_config
 from pipeline.errors import ConfigError
+
+# The gateway's packages (fastapi, kafka-python, itsdangerous: the `gateway` extra) are imported where the gateway is
+# built: `hourglass --help` needs only the core dependencies (tests/test_role_imports.py).
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from connectors.gateway.auth import FeedbackSigner, KeyStore
+    from connectors.gateway.routes import RouteResolver
 
 console = Console(stderr=True)
 KEYS_FILE = "gateway-keys.json"
@@ -39,6 +41,8 @@ def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: fl
     started now (waiting up to ``ready_wait_s`` to have read the current routes; it keeps following after, and is
     the resolver's ``follower`` attribute). Only the configured public names (``serving.model_name`` and the
     candidates' ``served_model``) are routed; a route for any other name is ignored."""
+    from connectors.gateway.routes import RouteResolver
+
     served = {c.served_model for c in cfg.candidates} | {cfg.serving.model_name}
     if cfg.serving.routes_source == "file":
         return RouteResolver(
@@ -68,12 +72,16 @@ def route_resolver(cfg: HourglassConfig, *, ttl_s: float = 1.0, ready_wait_s: fl
 
 def key_store(cfg: HourglassConfig) -> KeyStore:
     """The gateway's API keys: ``<state_dir>/gateway-keys.json`` (0600; `hourglass keys` edits it)."""
+    from connectors.gateway.auth import KeyStore
+
     return KeyStore(cfg.resolve(cfg.state_dir) / KEYS_FILE)
 
 
 def feedback_signer(cfg: HourglassConfig) -> FeedbackSigner:
     """Signs feedback tokens with ``gateway.feedback_signing_key``, or a key generated once into
     ``<state_dir>/gateway-feedback.key`` (0600) when that is not set."""
+    from connectors.gateway.auth import FeedbackSigner, load_or_create_secret
+
     configured = cfg.gateway.feedback_signing_key
     if configured is not None:
         return FeedbackSigner(configured.get_secret_value().encode(), cfg.gateway.feedback_token_ttl_s)
@@ -96,6 +104,9 @@ def upstream_url(cfg: HourglassConfig) -> str:
 def build_gateway(cfg: HourglassConfig, *, ttl_s: float = 1.0) -> FastAPI:
     """The gateway app for ``cfg``: upstream = :func:`upstream_url`, routes from :func:`route_resolver`, configured user hashing,
     API keys from the state dir, feedback tokens signed with :func:`feedback_signer`."""
+    from connectors.gateway.app import create_gateway_app
+    from connectors.schema import UserHasher
+
     resolver = route_resolver(cfg, ttl_s=ttl_s)
     hasher = UserHasher(cfg.buffer.user_hash_key.get_secret_value(), cfg.buffer.user_id_keys)
     upstream_key = cfg.serving.api_key.get_secret_value() if cfg.serving.api_key else None
@@ -122,6 +133,9 @@ def gateway(
     ] = None,
 ) -> None:
     """Serve the OpenAI-compatible gateway on api.host:api.gateway_port (traces go to Kafka)."""
+    from connectors.gateway.app import serve_gateway
+    from connectors.kafka_admin import ensure_topics
+
     try:
         cfg = load_config(config)
     except ConfigError as err:

@@ -13,9 +13,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from connectors.gateway.auth import KeyStoreError
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
-from pipeline.cli.gateway import key_store
+
+# The key store (connectors.gateway.auth, with the signer's itsdangerous) is imported by each command: the gateway
+# role's packages stay out of `hourglass --help` (tests/test_role_imports.py).
 
 keys_app = typer.Typer(
     help="Client API keys of the gateway (stored hashed; a key is shown once, at creation).", no_args_is_help=True
@@ -42,6 +43,9 @@ def keys_create(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a key and print it once (store it now: only its hash is kept)."""
+    from connectors.gateway.auth import KeyStoreError
+    from pipeline.cli.gateway import key_store
+
     cfg = load(config)
     try:
         record, key = key_store(cfg).create(
@@ -65,6 +69,9 @@ def keys_revoke(
     as_json: JsonOpt = False,
 ) -> None:
     """Revoke a key: its next request gets 403."""
+    from connectors.gateway.auth import KeyStoreError
+    from pipeline.cli.gateway import key_store
+
     cfg = load(config)
     try:
         record = key_store(cfg).revoke(key_id)
@@ -77,6 +84,9 @@ def keys_revoke(
 @keys_app.command("list")
 def keys_list(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """List the keys (ids, names, flags and limits; never secrets or hashes)."""
+    from connectors.gateway.auth import KeyStoreError
+    from pipeline.cli.gateway import key_store
+
     cfg = load(config)
     try:
         records = sorted(key_store(cfg).keys().values(), key=lambda k: k.created_at)

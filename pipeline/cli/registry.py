@@ -11,24 +11,24 @@ from typing import Annotated
 
 import httpx
 import typer
-from mlflow.exceptions import MlflowException
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.registry import aliases
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.registry.models import make_client
-from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
-from connectors.gateway.routes import read_routes
+
+# MLflow, the registry and the serving replicas are imported by the commands that use them: `hourglass --help`
+# and the commands of the other roles run without the service's packages (tests/test_role_imports.py).
 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Public model name (default: serving.model_name).")]
 
 
 def replica_state(cfg: HourglassConfig) -> dict[str, object]:
     """``{replica url: names it serves}``, or ``"unreachable: ..."`` per replica."""
+    from pipeline.serving.replica import Replica, ReplicaRefusedError, ReplicaUnreachableError
+
     state: dict[str, object] = {}
     for url in cfg.serving.replicas:
         replica = Replica(url, timeout_s=5.0)
@@ -44,6 +44,12 @@ def replica_state(cfg: HourglassConfig) -> dict[str, object]:
 def list_models(cfg: HourglassConfig, models: list[str] | None = None) -> dict:
     """Everything ``models list`` shows: per model its versions, aliases, lineage tags and
     route; per replica what it serves. Models not yet registered are listed with no versions."""
+    from mlflow.exceptions import MlflowException
+
+    from connectors.gateway.routes import read_routes
+    from pipeline.registry import aliases
+    from pipeline.registry.models import make_client
+
     client = make_client(cfg)
     routes = read_routes(cfg.resolve(cfg.state_dir))
     names = models or sorted({m.name for m in client.search_registered_models()} | {cfg.serving.model_name})
@@ -79,6 +85,8 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
     """Add ``promote`` and ``rollback`` to ``app`` and ``list`` to ``models_app``."""
 
     def run(fn, *args, **kwargs):
+        from mlflow.exceptions import MlflowException
+
         try:
             return fn(*args, **kwargs)
         except (PipelineError, MlflowException) as err:
@@ -92,6 +100,8 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Move @champion to VERSION; the serving controller hot-loads it."""
+        from pipeline.registry import aliases
+
         cfg = load(config)
         require_mlflow(cfg)
         result = run(aliases.promote, cfg, model or cfg.serving.model_name, version, reason="cli promote")
@@ -112,6 +122,8 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Move @champion back to the previous champion (or --to VERSION)."""
+        from pipeline.registry import aliases
+
         cfg = load(config)
         require_mlflow(cfg)
         result = run(aliases.rollback, cfg, model or cfg.serving.model_name, to)
@@ -133,6 +145,7 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Re-sign VERSION with the current registry.signing_key (after a key rotation)."""
+        from pipeline.registry.models import make_client
         from pipeline.registry.signing import resign
 
         cfg = load(config)
@@ -158,6 +171,8 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
 
 
 def _table(data: dict) -> Table:
+    from pipeline.registry.aliases import TAG_SERVE_ERROR
+
     table = Table("model", "version", "aliases", "round", "base", "serve error")
     for entry in data["models"]:
         for v in entry["versions"]:
@@ -168,7 +183,7 @@ def _table(data: dict) -> Table:
                 Text(",".join(v["aliases"])),
                 Text(tags.get("hourglass.round_id", "")),
                 Text(tags.get("hourglass.base_fingerprint", "")[:12]),
-                Text(tags.get(aliases.TAG_SERVE_ERROR, "")[:60]),
+                Text(tags.get(TAG_SERVE_ERROR, "")[:60]),
             )
     for url, served in data["replicas"].items():
         table.caption = (table.caption or "") + escape(f"{url}: {served}") + "\n"

