@@ -156,4 +156,6 @@ def test_rendered_tables_cover_production_and_demo() -> None:
     assert len(rows) == 18  # 2 champion rates x 9 differences, every challenger rate in [0, 1]
     s = _pick(rows, 0.5, 0.3)
     assert s.challenger_events is not None and s.champion_events is not None
-    assert f"| 0.50 | 0.30 | -0.20 | abort (80%) | {s.challenger_events:,} | {s.champion_events:,} |" in markdown(PROD, "x")
+    assert f"| 0.50 | 0.30 | -0.20 | abort (80%) | {s.challenger_events:,} | {s.champion_events:,} |" in markdown(
+        PROD, "x"
+    )
