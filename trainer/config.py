@@ -439,8 +439,15 @@ class MonitorConfig(Section):
     max_length_ratio: float | None = Field(
         default=2.0,
         gt=1,
-        description="Answer-length drift: refuse when the candidate's mean answer length in words is above this many "
-        "times the champion's, or below 1/this (answers that grew padded or shrank to nothing).",
+        description="Answer-length growth: refuse when the candidate's mean answer length in words (+1 word on each side, "
+        "so blank answers compare) is above this many times the champion's: padding a reward over-rates.",
+    )
+    min_length_ratio: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="Answer-length shrinkage: refuse when that ratio is below this (answers cut to nothing). Off by "
+        "default: teaching brevity (\"the number only\") is a common, wanted change.",
     )
     format: list[RewardTerm] = Field(
         default_factory=lambda: [RewardTerm(fn="format")],
@@ -473,7 +480,7 @@ class MonitorConfig(Section):
         "champion's by more than this (of the answers to rows that offered tools).",
     )
     max_reward_gap: float | None = Field(
-        default=0.15,
+        default=0.2,
         gt=0,
         le=1,
         description="Canary only: abort when the reward model's predicted gain in thumbs-up rate over the champion "

@@ -47,16 +47,19 @@ def _check(monitor: Monitor, cand: list[Answer], champ: list[Answer], cfg: Monit
     return checks[monitor]
 
 
-def test_length_monitor_refuses_padded_and_emptied_answers_both_ways() -> None:
+def test_length_monitor_refuses_padded_answers_and_emptied_ones_when_asked() -> None:
     champ = _side(*["5"] * 4, *["the answer is 5"] * 4)  # mean 2.5 words
     same = _check(Monitor.LENGTH, _side(*["it is 5"] * 8), champ)
     assert not same.refuses and same.candidate == 3.0 and same.champion == 2.5
     padded = _check(Monitor.LENGTH, _side(*["well " * 12 + "5"] * 8), champ)
     assert padded.refuses and padded.drift == pytest.approx(14 / 3.5)
     assert "monitor length: mean answer length 13.0 words vs champion 2.5" in padded.reason
-    emptied = _check(Monitor.LENGTH, _side(*["\n\n"] * 8), champ)  # nothing a user can read
-    assert emptied.refuses and emptied.candidate == 0.0 and emptied.drift == pytest.approx(1 / 3.5)
-    off = _check(Monitor.LENGTH, _side(*["\n\n"] * 8), champ, CFG.model_copy(update={"max_length_ratio": None}))
+    emptied = _side(*["\n\n"] * 8)  # nothing a user can read: refused only with min_length_ratio (brevity is
+    assert not _check(Monitor.LENGTH, emptied, champ).refuses  # often the point of a round, so off by default)
+    shrunk = _check(Monitor.LENGTH, emptied, champ, CFG.model_copy(update={"min_length_ratio": 0.5}))
+    assert shrunk.refuses and shrunk.candidate == 0.0 and shrunk.drift == pytest.approx(1 / 3.5)
+    assert "(ratio 0.29, allowed 0.5..2)" in shrunk.reason
+    off = _check(Monitor.LENGTH, _side(*["well " * 12 + "5"] * 8), champ, CFG.model_copy(update={"max_length_ratio": None}))
     assert not off.refuses and off.limit is None  # measured, never refuses
 
 
@@ -120,13 +123,13 @@ def test_tool_call_monitor_counts_invalid_calls_on_tool_rows_only() -> None:
 def test_too_few_answers_refuse_nothing_and_disabled_monitors_only_measure() -> None:
     few = _check(Monitor.LENGTH, _side("a " * 50), _side("5"))
     assert not few.refuses and "too few answers" in few.reason
-    cand, champ = read_side(_side(*["\n"] * 8), CFG), read_side(_side(*["it is 5"] * 8), CFG)
+    cand, champ = read_side(_side(*["so so so so so"] * 8), CFG), read_side(_side(*["5"] * 8), CFG)
     on = check_all(cand, champ, CFG)
     assert refusal(on) is not None and "monitor length" in refusal(on) and "monitor format" in refusal(on)
     off = check_all(cand, champ, CFG.model_copy(update={"enabled": False}))
     assert refusal(off) is None and [c.drift for c in off] == pytest.approx([c.drift for c in on], nan_ok=True)
     metrics = check_metrics(on)
-    assert metrics["monitor/length/refused"] == 1.0 and metrics["monitor/length"] == pytest.approx(0.25)
+    assert metrics["monitor/length/refused"] == 1.0 and metrics["monitor/length"] == pytest.approx(3.0)
     assert "monitor/tool_calls" not in metrics and metrics["monitor/tool_calls/refused"] == 0.0
 
 

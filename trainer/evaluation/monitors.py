@@ -128,18 +128,19 @@ def _enough(monitor: Monitor, n_cand: int, n_champ: int, cfg: MonitorConfig, wha
 
 
 def _length(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
-    m, limit = Monitor.LENGTH, cfg.max_length_ratio
+    m, high, low = Monitor.LENGTH, cfg.max_length_ratio, cfg.min_length_ratio
     few = _enough(m, cand.answers, champ.answers, cfg, "answers")
     if few:
         return _skip(m, cand.mean_words, champ.mean_words, few)
     # a side of empty answers: +1 word on both keeps the ratio finite and small differences of tiny answers mild
     ratio = (cand.mean_words + 1.0) / (champ.mean_words + 1.0)
-    refuses = limit is not None and not (1 / limit <= ratio <= limit)
+    refuses = (high is not None and ratio > high) or (low is not None and ratio < low)
+    allowed = f"{'0' if low is None else f'{low:g}'}..{'any' if high is None else f'{high:g}'}"
     reason = (
         f"monitor {m}: mean answer length {cand.mean_words:.1f} words vs champion {champ.mean_words:.1f} "
-        f"(ratio {ratio:.2f}, allowed {'any' if limit is None else f'{1 / limit:.2f}..{limit:g}'})"
+        f"(ratio {ratio:.2f}, allowed {allowed})"
     )
-    return MonitorCheck(m, cand.mean_words, champ.mean_words, ratio, limit, refuses, reason)
+    return MonitorCheck(m, cand.mean_words, champ.mean_words, ratio, high, refuses, reason)
 
 
 def _format(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
