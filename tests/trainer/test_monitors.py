@@ -59,7 +59,9 @@ def test_length_monitor_refuses_padded_answers_and_emptied_ones_when_asked() -> 
     shrunk = _check(Monitor.LENGTH, emptied, champ, CFG.model_copy(update={"min_length_ratio": 0.5}))
     assert shrunk.refuses and shrunk.candidate == 0.0 and shrunk.drift == pytest.approx(1 / 3.5)
     assert "(ratio 0.29, allowed 0.5..2)" in shrunk.reason
-    off = _check(Monitor.LENGTH, _side(*["well " * 12 + "5"] * 8), champ, CFG.model_copy(update={"max_length_ratio": None}))
+    off = _check(
+        Monitor.LENGTH, _side(*["well " * 12 + "5"] * 8), champ, CFG.model_copy(update={"max_length_ratio": None})
+    )
     assert not off.refuses and off.limit is None  # measured, never refuses
 
 
