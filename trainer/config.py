@@ -447,7 +447,7 @@ class MonitorConfig(Section):
         gt=0,
         lt=1,
         description="Answer-length shrinkage: refuse when that ratio is below this (answers cut to nothing). Off by "
-        "default: teaching brevity (\"the number only\") is a common, wanted change.",
+        'default: teaching brevity ("the number only") is a common, wanted change.',
     )
     format: list[RewardTerm] = Field(
         default_factory=lambda: [RewardTerm(fn="format")],
