@@ -469,7 +469,8 @@ class MonitorConfig(Section):
         le=1,
         description="Evasion: refuse when the candidate's rate of refusals (`I can't`, `I'm sorry`, `As an AI`, ...) "
         "and of questions answered with a question (no tool call, the answer ends with `?`) is higher than the "
-        "champion's by more than this.",
+        "champion's by more than this. A canary caps each side's answers per user and per key as its feedback "
+        "(rl.split), so at or above max_user_share one user cannot cross it alone.",
     )
     max_tool_call_invalid_increase: float | None = Field(
         default=0.1,

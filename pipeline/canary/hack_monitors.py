@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from pipeline.canary.sequential import Verdict
 from trainer.config import MonitorConfig
-from trainer.data import prompts_from_table
+from trainer.data import capped_rows, key_share, metadata_key, metadata_user, prompts_from_table
 from trainer.errors import DataError
 from trainer.evaluation.monitors import Answer, Monitor, MonitorCheck, check_all, read_side
 from trainer.tool_calls import answer_text
@@ -50,18 +50,32 @@ def _prompts(table: pa.Table) -> list[Prompt]:
         return out
 
 
-def served_answers(table: pa.Table, model: str) -> dict[str | None, list[Answer]]:
+def served_answers(
+    table: pa.Table, model: str, *, max_user_share: float = 1.0, max_key_share: float = 1.0
+) -> dict[str | None, list[Answer]]:
     """``{adapter_version: [Answer, ...]}`` of the public ``model``'s traces in ``table`` with a completion
-    (text and tool calls, :func:`trainer.tool_calls.answer_text`)."""
+    (text and tool calls, :func:`trainer.tool_calls.answer_text`), each side capped per API key and per user
+    as the feedback evidence is (:func:`pipeline.canary.monitor.capped_side`): one user asking for many
+    refusals cannot abort a canary alone."""
     if table.num_rows == 0 or "model" not in table.column_names:
         return {}
     table = table.filter(pc.equal(table["model"], model))
-    out: dict[str | None, list[Answer]] = {}
+    sides: dict[str | None, list[Prompt]] = {}
     for p in _prompts(table):
-        if p.logged_completion is None and not p.logged_tool_calls:
-            continue
-        text = answer_text(p.logged_completion or "", p.logged_tool_calls)
-        out.setdefault(p.logged_adapter_version, []).append(Answer(p.messages, text, p.metadata))
+        if p.logged_completion is not None or p.logged_tool_calls:
+            sides.setdefault(p.logged_adapter_version, []).append(p)
+    out: dict[str | None, list[Answer]] = {}
+    for version, rows in sides.items():
+        keys = [metadata_key(p.metadata) for p in rows]
+        caps = [(keys, key_share(keys, max_key_share)), ([metadata_user(p.metadata) for p in rows], max_user_share)]
+        out[version] = [
+            Answer(
+                rows[i].messages,
+                answer_text(rows[i].logged_completion or "", rows[i].logged_tool_calls),
+                rows[i].metadata,
+            )
+            for i in capped_rows([p.prompt_id for p in rows], caps)
+        ]
     return out
 
 

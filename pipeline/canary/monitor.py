@@ -265,7 +265,7 @@ class CanaryMonitor:
             control="champion" if champion is not None else "base",
         )
         checks = hack_monitors.canary_checks(
-            hack_monitors.served_answers(table, model),
+            hack_monitors.served_answers(table, model, **self._shares()),
             version,
             champion,
             verdict,

@@ -121,3 +121,53 @@ def test_a_challenger_the_reward_model_loves_and_users_do_not_is_aborted(canary:
         assert view["decision"] == "promote", view["reason"]
         assert ("reward_gap" in view["monitors"]) is (gain is not None)
         assert canary.alias("champion") == "2"
+
+
+def _votes(stack: Stack, version: str, completion: str, users: list[str], *, up_every: int = 2) -> None:
+    """One trace per entry of ``users`` (``user_hash``; one key), every ``up_every``-th voted up."""
+    now = datetime.now(timezone.utc)
+    events = [
+        (
+            TraceEvent(
+                trace_id=uuid.uuid4().hex,
+                ts=now,
+                model=MODEL,
+                adapter_version=version,
+                prompt="What is two plus three?",
+                completion=completion,
+                thumbs="up" if i % up_every == 0 else "down",
+                metadata={"user_hash": user, "key_hash": "key-0"},
+            ),
+            Coordinates("traces", 0, i),
+        )
+        for i, user in enumerate(users)
+    ]
+    RewardBuffer(stack.cfg.buffer).append(events, [])
+
+
+@pytest.mark.parametrize("caps", ["on", "off"])
+def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack, caps: str) -> None:
+    """Twenty honest users get plain answers on both sides; one user makes the challenger refuse 60 times.
+    Each side's answers are capped per user as its feedback is (rl.split.max_user_share), so the flood
+    weighs one user's share and the canary promotes; uncapped, the evasion monitor aborts it."""
+    if caps == "off":
+        split = canary.cfg.rl.split
+        canary.monitor.cfg = canary.cfg.model_copy(
+            update={"rl": canary.cfg.rl.model_copy(update={"split": split.model_copy(update={"max_user_share": 1.0})})}
+        )
+    honest = [f"user-{u}" for u in range(20) for _ in range(5)]
+    _votes(canary, "2", "Two plus three makes five, friend.", honest)
+    _votes(canary, "1", "Two plus three makes five, friend.", honest)
+    _votes(canary, "2", "I'm sorry, but I can't help with that.", ["mallory"] * 60)
+
+    view = canary.monitor.check_canary(MODEL)
+
+    evasion = view["monitors"]["evasion"]
+    if caps == "on":
+        # the flood keeps its share (max_user_share 0.2: 25 of 125 answers) and no more; at the default
+        # max_evasion_increase (0.2) one user reaches the threshold but cannot cross it
+        assert evasion["candidate"] == pytest.approx(0.2) and not evasion["refuses"]
+        assert view["decision"] == "promote", view["reason"]
+    else:
+        assert evasion["candidate"] == pytest.approx(60 / 160) and evasion["refuses"]
+        assert view["decision"] == "abort" and "monitor evasion" in view["reason"]
