@@ -7,8 +7,8 @@ an AUC comparison the AUC difference on the same resampled rows - if that bound 
 ``rl.gate.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
 ``rl.gate.max_mean_length`` tokens, no NaN, and no reward-hack monitor refuses it (:func:`monitor_refusal`:
 ``[rl.monitors]`` on its greedy answers vs the champion's, :mod:`trainer.evaluation.monitors`). A refusal
-recorded by the evaluation (no usable held-out row, a reward model at chance) promotes nothing. Source of the bound: Efron & Tibshirani 1993, "An
-Introduction to the Bootstrap" (percentile interval).
+recorded by the evaluation (no usable held-out row, a reward model at chance) promotes nothing. Source of
+the bound: Efron & Tibshirani 1993, "An Introduction to the Bootstrap" (percentile interval).
 
 No model, engine or I/O here: the round's ``gate`` state (:mod:`pipeline.rounds.job`) calls
 :func:`gate_round` on the evaluations the trainer returned, and a test can call :func:`gate` on
