@@ -113,11 +113,15 @@ def canary_checks(
 
 
 def as_view(checks: Sequence[MonitorCheck]) -> dict[str, dict[str, Any]]:
-    """The checks for the canary's view (``/status``, the version's tag): per monitor its values and reason."""
+    """The checks for the canary's view (``/status``, the version's ``hourglass.canary_result`` tag, which is
+    cut at 4900 characters): per monitor its values, and its reason only when it refuses (the decision's
+    reason repeats it) or cannot judge yet."""
     out = {}
     for c in checks:
         row = asdict(c)
         row.pop("monitor")
+        if not c.refuses and math.isfinite(c.drift):
+            row.pop("reason")
         out[str(c.monitor)] = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
         }

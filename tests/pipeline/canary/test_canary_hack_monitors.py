@@ -93,7 +93,9 @@ def test_a_challenger_that_evades_is_aborted_by_the_evasion_monitor(canary: Stac
     assert view["decision"] == "abort", view["reason"]
     assert view["reason"].startswith("reward-hack monitor: monitor evasion: 100% of answers refuse")
     assert canary.alias("champion") == "1" and canary.alias("challenger") is None
-    assert "monitor evasion" in canary.reg.tags(MODEL, "2")[state.TAG_RESULT]
+    result = state.read_json_tag(canary.reg.tags(MODEL, "2"), state.TAG_RESULT)  # whole JSON: fits the tag
+    assert result is not None and result["evidence"]["monitors"]["evasion"]["refuses"]
+    assert "monitor evasion" in result["reason"]
     assert not view["monitors"]["length"]["refuses"]  # the answers are as long as the champion's
 
 
