@@ -74,3 +74,63 @@ def test_a_candidate_that_exploits_a_reward_flaw_is_refused_by_a_monitor(
     assert gate_round(trained, off).decisions["hourglass"].winner == "hacker"  # the honest one did not beat the base
     loose = rl.model_copy(update={"monitors": rl.monitors.model_copy(update={"max_length_ratio": None})})
     assert gate_round(trained, loose).decisions["hourglass"].winner == "hacker"
+
+
+class _LengthRewardModel:
+    """Scores a completion by its token count (a reward model with a length flaw); records every batched call."""
+
+    name = "hourglass-reward"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def score(self, prompt_ids_B, completion_ids_B) -> list[float]:
+        self.calls.append(len(completion_ids_B))
+        return [float(len(c)) for c in completion_ids_B]
+
+
+def test_evaluation_records_readings_and_the_reward_models_predicted_gain(tiny_model: Path, tmp_path: Path) -> None:
+    """Whatever the gate metric, a round with a reward model scores every side's greedy answers with it (one
+    batched call) and records the candidate's predicted thumbs-up gain over the champion, which the canary's
+    reward_gap monitor reads from the candidate's run; the monitors' readings of both sides are recorded too."""
+    from trainer.adapters.registry import make_store
+    from trainer.evaluation.evaluate import Contestants, evaluate
+    from trainer.executors.local import publish
+    from trainer.model.base import load_base
+    from trainer.reward_model.phase import RewardPhase
+    from trainer.rollout.hf import HFEngine
+    from trainer.types import Prompt
+
+    rl = RLConfig(rollout={"max_new_tokens": 3, "engine": "hf"}, gate={"eval_prompts": 4, "max_kl": 100.0})
+    heldout = [
+        Prompt(
+            prompt_id=f"h{i}", messages=[{"role": "user", "content": f"say {i}"}], metadata={"reference_answer": "1"}
+        )
+        for i in range(4)
+    ]
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    store = make_store("offload", base)
+    engine = HFEngine(base, store)
+    cand = CandidateConfig(name="a", start="fresh")
+    store.create("a", cand)
+    versions = {"a": publish(engine, store, "a", 0, tmp_path, None)[0]}
+    model = _LengthRewardModel()
+    evaluation = evaluate(
+        base,
+        store,
+        engine,
+        Contestants([cand], versions, {}),
+        heldout,
+        rl,
+        round_id="r1",
+        reward=RewardPhase(model=model),
+    )
+    store.close()
+
+    assert model.calls == [2 * 4], "one batched call: the candidate's and the base's answers"
+    tenant = evaluation.tenants["hourglass"]
+    assert tenant.reward_model_gains == {"a": 0.0}  # a fresh adapter answers as the base does
+    assert tenant.champion_reading is not None and tenant.readings["a"].answers == 4
+    assert tenant.readings["a"].mean_words == tenant.champion_reading.mean_words
+    assert evaluation.monitor_metrics["a"]["monitor/reward_model_gain"] == 0.0
+    assert evaluation.metrics["monitor/a/mean_words"] == evaluation.metrics["monitor/champion/hourglass/mean_words"]
