@@ -423,6 +423,74 @@ class GateConfig(Section):
         return terms
 
 
+class MonitorConfig(Section):
+    """``[rl.monitors]``: reward-hack monitors. Each round (greedy held-out answers) and each canary (served
+    traffic) compares the candidate's answers with the champion's; a threshold crossed refuses the promotion
+    or aborts the canary with the monitor named (:mod:`trainer.evaluation.monitors`). A threshold left unset
+    turns that monitor off; its value is still measured and logged."""
+
+    enabled: bool = Field(default=True, description="False: measure and log the monitors, refuse nothing.")
+    min_answers: int = Field(
+        default=8,
+        ge=1,
+        description="Answers each side needs before a monitor may refuse (held-out rows in a round, traces in a canary); "
+        "a monitor whose rows number fewer (e.g. answers with tool calls) says so and refuses nothing.",
+    )
+    max_length_ratio: float | None = Field(
+        default=2.0,
+        gt=1,
+        description="Answer-length growth: refuse when the candidate's mean answer length in words (+1 word on each side, "
+        "so blank answers compare) is above this many times the champion's: padding a reward over-rates.",
+    )
+    min_length_ratio: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="Answer-length shrinkage: refuse when that ratio is below this (answers cut to nothing). Off by "
+        'default: teaching brevity ("the number only") is a common, wanted change.',
+    )
+    format: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(fn="format")],
+        min_length=1,
+        description="What a well-formatted answer is: a reward mix; an answer matches when it scores at least "
+        "format_min_score (rows without the mix's metadata are left out).",
+    )
+    format_min_score: float = Field(default=1.0, description="Score of `format` at which an answer matches.")
+    max_format_drop: float | None = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Format drift: refuse when the candidate's share of answers matching `format` is lower than the "
+        "champion's by more than this.",
+    )
+    max_evasion_increase: float | None = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Evasion: refuse when the candidate's rate of refusals (`I can't`, `I'm sorry`, `As an AI`, ...) "
+        "and of questions answered with a question (no tool call, the answer ends with `?`) is higher than the "
+        "champion's by more than this. A canary caps each side's answers per user and per key as its feedback "
+        "(rl.split), so at or above max_user_share one user cannot cross it alone.",
+    )
+    max_tool_call_invalid_increase: float | None = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Tool calls: refuse when the candidate's share of answers holding a tool call that is not "
+        "valid (`tool_call_valid`: JSON, an offered tool, arguments valid by its schema) is higher than the "
+        "champion's by more than this (of the answers to rows that offered tools).",
+    )
+    max_reward_gap: float | None = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Canary only: abort when the reward model's predicted gain in thumbs-up rate over the champion "
+        "(its held-out scores of both sides' greedy answers, logged by the round as monitor/reward_model_gain) "
+        "exceeds the users' live difference by more than this (the upper end of the canary's always-valid interval): "
+        "a candidate the reward model loves and users do not.",
+    )
+
+
 class RayConfig(Section):
     """``[rl.ray]``: the Ray cluster of the ``ray`` executor and its trainer actors."""
 
@@ -514,7 +582,7 @@ MOVED_RL_KEYS: dict[str, str] = {
 
 class RLConfig(Section):
     """How a round trains, evaluates and gates: ``[rl]`` and its sections ``[rl.rollout]``, ``[rl.update]``,
-    ``[rl.split]``, ``[rl.gate]``, ``[rl.ray]`` and ``[rl.reward_model]``."""
+    ``[rl.split]``, ``[rl.gate]``, ``[rl.monitors]``, ``[rl.ray]`` and ``[rl.reward_model]``."""
 
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(
@@ -544,6 +612,10 @@ class RLConfig(Section):
     )
     gate: GateConfig = Field(
         default_factory=GateConfig, description="Held-out evaluation and what promotes a candidate."
+    )
+    monitors: MonitorConfig = Field(
+        default_factory=MonitorConfig,
+        description="Reward-hack monitors of each round and canary: candidate vs champion answers.",
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="The `ray` executor's cluster and trainer actors.")
     reward_model: RewardModelConfig = Field(

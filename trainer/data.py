@@ -191,6 +191,16 @@ def _key(metadata: object) -> str:
     return key if isinstance(key, str) and key else UNKNOWN_KEY
 
 
+def metadata_user(metadata: object) -> str:
+    """The user of a row's parsed metadata (``user_hash``, else :data:`ANONYMOUS_USER`), as :func:`row_users`."""
+    return _user(metadata)
+
+
+def metadata_key(metadata: object) -> str:
+    """The API key of a row's parsed metadata (``key_hash``, else :data:`UNKNOWN_KEY`), as :func:`row_keys`."""
+    return _key(metadata)
+
+
 def _stable_rank(trace_id: str) -> str:
     """A per-row order nobody can choose (trace ids are issued by the gateway): SHA-256 of the trace id."""
     return hashlib.sha256(trace_id.encode("utf-8")).hexdigest()

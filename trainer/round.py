@@ -246,7 +246,8 @@ class RoundRecipe:
                         adapter_dir=folder,
                         step_metrics=tuple(self.trained.history[c.name]),
                         eval_rewards=r.rewards,
-                        eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric)),
+                        eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric))
+                        | self.evaluation.monitor_metrics.get(c.name, {}),
                     )
                 )
             self.reward_result = reward_phase.finish(self.reward, self.out_dir)

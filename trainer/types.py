@@ -302,6 +302,30 @@ class EvalResult:
 
 
 @dataclass(frozen=True)
+class SideReading:
+    """One side's reward-hack monitor measurements (:mod:`trainer.evaluation.monitors`; NaN when the side
+    has no answer they apply to) and how many answers each rests on."""
+
+    answers: int
+    mean_words: float
+    format_share: float
+    format_rows: int
+    evasion_rate: float
+    invalid_tool_call_rate: float
+    tool_rows: int
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        """``<prefix>/mean_words``, ``format_share``, ``evasion_rate``, ``invalid_tool_call_rate`` (finite ones)."""
+        values = {
+            "mean_words": self.mean_words,
+            "format_share": self.format_share,
+            "evasion_rate": self.evasion_rate,
+            "invalid_tool_call_rate": self.invalid_tool_call_rate,
+        }
+        return {f"{prefix}/{k}": v for k, v in values.items() if math.isfinite(v)}
+
+
+@dataclass(frozen=True)
 class TenantEvaluation:
     """One served model's (tenant's) held-out evaluation: everything the gate decides on
     (:func:`trainer.evaluation.gate.gate`, a pure function of this record and ``[rl]``).
@@ -312,7 +336,11 @@ class TenantEvaluation:
     values on the same rows under the same yardstick, and ``champion_value`` its value (mean, or AUC
     for ``feedback``); ``champion_label``: ``base`` or ``champion <folder>``; ``labels``: each row's
     up-vote (``feedback`` only); ``refusal``: why this round may promote nothing (no usable row, a
-    reward model at chance), None when it may.
+    reward model at chance), None when it may. ``readings``: per candidate, the reward-hack monitors'
+    measurements of its greedy answers, ``champion_reading`` the champion's (None: not measured; the gate
+    applies ``[rl.monitors]`` to them, :mod:`trainer.evaluation.monitors`); ``reward_model_gains``: per
+    candidate, the round's reward model's predicted thumbs-up rate of its answers minus the champion's
+    (absent without a reward model).
     """
 
     served_model: str
@@ -325,6 +353,9 @@ class TenantEvaluation:
     champion_label: str
     labels: tuple[bool, ...] | None = None
     refusal: str | None = None
+    readings: dict[str, SideReading] = field(default_factory=dict)
+    champion_reading: SideReading | None = None
+    reward_model_gains: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ Every ``serving.canary.check_interval_s`` the service calls
    else is the mean reward. Nothing is kept in memory, so a restarted service
    resumes with the same evidence and counts nothing twice;
 3. :func:`pipeline.canary.sequential.decide` says promote, abort or continue;
-   promote and abort go through :mod:`pipeline.canary.state`, log the evidence
-   to the version's MLflow run (``canary/...`` metrics) and tag the version.
+4. the reward-hack monitors (:mod:`pipeline.canary.hack_monitors`, ``[rl.monitors]``) compare both
+   sides' served answers, and the round's reward-model prediction with the live difference; one that
+   refuses turns the decision into an abort naming it. Promote and abort go through
+   :mod:`pipeline.canary.state`, log the evidence to the version's MLflow run (``canary/...`` metrics,
+   ``canary/monitor/<name>``) and tag the version.
 
 The guard (``serving.guard``): for ``period_s`` after a canary promotion the new
 champion's live rate is compared, with the same test, to the previous
@@ -36,15 +39,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
+import pyarrow as pa
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from prometheus_client import Counter, Gauge
 
 from pipeline.registry import aliases
-from pipeline.canary import state
+from pipeline.canary import hack_monitors, state
 from pipeline.canary.sequential import ArmStats, Verdict, decide
 from pipeline.config import HourglassConfig
 from pipeline.registry.models import make_client
@@ -89,12 +93,15 @@ class LiveReward:
     key: str = UNKNOWN_KEY
 
 
-def live_rewards(cfg: HourglassConfig, model: str, since: datetime) -> dict[str | None, list[LiveReward]]:
+def live_rewards(
+    cfg: HourglassConfig, model: str, since: datetime, table: pa.Table | None = None
+) -> dict[str | None, list[LiveReward]]:
     """``{adapter_version: [LiveReward, ...]}`` of the public ``model``'s traces with ``ts >= since`` that have a
-    reward (buffer snapshot: one row per trace id)."""
+    reward (buffer snapshot: one row per trace id; ``table``: that snapshot when the caller has read it)."""
     from connectors.buffer import RewardBuffer
 
-    table = RewardBuffer(cfg.buffer).snapshot(start=since)
+    if table is None:
+        table = RewardBuffer(cfg.buffer).snapshot(start=since)
     columns = ["trace_id", "model", "adapter_version", "reward", "reward_source"]
     users, keys = row_users(table), row_keys(table)
     out: dict[str | None, list[LiveReward]] = {}
@@ -241,7 +248,10 @@ class CanaryMonitor:
             started = state.mark_started(self.client, model, version)
         since = _parse(started)
         elapsed = (datetime.now(timezone.utc) - since).total_seconds()
-        rows = live_rewards(cfg, model, since)
+        from connectors.buffer import RewardBuffer
+
+        table = RewardBuffer(cfg.buffer).snapshot(start=since)
+        rows = live_rewards(cfg, model, since, table)
         (chall, champ), binary = arm_stats(rows, version, champion, **self._shares())
         verdict = decide(
             chall,
@@ -254,6 +264,18 @@ class CanaryMonitor:
             max_duration_s=canary.max_duration_s,
             control="champion" if champion is not None else "base",
         )
+        checks = hack_monitors.canary_checks(
+            hack_monitors.served_answers(table, model, **self._shares()),
+            version,
+            champion,
+            verdict,
+            binary,
+            self._predicted_gain(mv.run_id),
+            cfg.rl.monitors,
+        )
+        hacks = [c.reason for c in checks if c.refuses]
+        if hacks and verdict.decision != "abort":
+            verdict = replace(verdict, decision="abort", reason=f"reward-hack monitor: {'; '.join(hacks)}")
         evidence = _evidence(
             verdict,
             binary,
@@ -263,6 +285,7 @@ class CanaryMonitor:
             started_at=started,
             elapsed_s=round(elapsed, 1),
             events_before_caps={"challenger": len(rows.get(version, [])), "champion": len(rows.get(champion, []))},
+            monitors=hack_monitors.as_view(checks),
         )
         for v, stats in ((version, chall), (control, champ)):
             FEEDBACK_COUNT.labels(model, v).set(stats.n)
@@ -338,6 +361,17 @@ class CanaryMonitor:
         split = self.cfg.rl.split
         return {"max_user_share": split.max_user_share, "max_key_share": split.max_key_share}
 
+    def _predicted_gain(self, run_id: str | None) -> float | None:
+        """The round's reward-model predicted gain of this version (``monitor/reward_model_gain`` on its run);
+        None when the round had no reward model or the run cannot be read (the monitor then waits)."""
+        if not run_id:
+            return None
+        try:
+            return self.client.get_run(run_id).data.metrics.get(hack_monitors.GAIN_METRIC)
+        except Exception as err:  # the run may be gone: the other monitors and the test still decide
+            log.warning("canary: no reward-model prediction from run %s: %s", run_id, err)
+            return None
+
     def _changed(self, model: str) -> None:
         if self.on_change is not None:
             self.on_change(model)
@@ -355,6 +389,7 @@ class CanaryMonitor:
             "canary/lower": evidence["lower"],
             "canary/upper": evidence["upper"],
             "canary/promoted": 1.0 if evidence["decision"] == "promote" else 0.0,
+            **{f"canary/monitor/{name}": m["drift"] for name, m in (evidence.get("monitors") or {}).items()},
         }
         metrics = [Metric(k, float(v), now_ms, 0) for k, v in values.items() if v is not None and v == v]
         try:

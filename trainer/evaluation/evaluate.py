@@ -13,7 +13,9 @@ Numbered steps of :func:`evaluate`, in order:
 3. greedy answers of every candidate and champion, in one engine call;
 4. the base's log-probs of the candidates' answers (one adapters-off pass: the KL guardrail);
 5. per candidate: its per-row values under the metric, KL and length;
-6. per served model: the champion's values, and the record the gate reads.
+6. per served model: the champion's values, the reward-hack monitors' readings of every candidate's and the
+   champion's answers (:mod:`trainer.evaluation.monitors`; with a reward model, its predicted thumbs-up
+   rate of each side's answers too), and the record the gate reads.
 
 Champions loaded in step 2 are unloaded whatever happens.
 """
@@ -23,21 +25,31 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from trainer.adapters.store import AdapterStore
-from trainer.config import CandidateConfig, RLConfig
+from trainer.config import CandidateConfig, GateMetric, RLConfig
 from trainer.evaluation.measure import greedy_answers, kl_to_base, reference_logprobs
 from trainer.evaluation.metrics import GATE_METRICS, HeldOut, feedback_labels, refusal, usable_rows
+from trainer.evaluation.monitors import Answer, predicted_rate, read_side
 from trainer.evaluation.stats import auc
 from trainer.model.base import ResidentBase
 from trainer.plan import PromptTokens
 from trainer.reward_model.phase import RewardPhase
 from trainer.rollout.engine import BASE_VERSION, RolloutEngine
-from trainer.types import Comparison, EvalResult, PhaseBoundary, PhaseHook, Prompt, RoundPhase, TenantEvaluation
+from trainer.types import (
+    Comparison,
+    EvalResult,
+    PhaseBoundary,
+    PhaseHook,
+    Prompt,
+    RoundPhase,
+    Sample,
+    TenantEvaluation,
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ class Evaluation:
     results: dict[str, EvalResult]
     tenants: dict[str, TenantEvaluation]
     metrics: dict[str, float]
+    monitor_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per candidate: its monitors' readings (``monitor/mean_words``, ...) and ``monitor/reward_model_gain``."""
 
 
 def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
@@ -112,7 +126,17 @@ def evaluate(
         versions = dict(contestants.versions)
         everyone = [*versions.values(), *sorted(set(champion_versions.values()))]
         answers = greedy_answers(engine, everyone, rows, ids, rl) if rows else {}
-        values = spec.values(HeldOut(base, rows, ids, answers, rl, reward.model)) if rows else (lambda _version: ())
+        held = HeldOut(base, rows, ids, answers, rl, reward.model)
+        values = spec.values(held) if rows else (lambda _version: ())
+        # the reward model's scores of every version's answers (the reward_gap monitor's round half)
+        rm_scores = (
+            values
+            if rl.gate.metric == GateMetric.REWARD_MODEL
+            else GATE_METRICS[GateMetric.REWARD_MODEL].values(held)
+            if rows and reward.model is not None
+            else None
+        )
+        rm_rates = {v: predicted_rate(rm_scores(v)) for v in answers} if rm_scores is not None else {}
         # 4. the base's log-probs of the candidates' answers: one adapters-off pass, rows by prompt
         kl_versions = list(
             dict.fromkeys(versions[c.name] for c in contestants.candidates if versions[c.name] in answers)
@@ -133,9 +157,10 @@ def evaluate(
                 mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
                 value=auc(row_values, labels) if labels is not None else None,
             )
-        # 6. each served model's champion, and what the gate reads
+        # 6. each served model's champion, the monitors' readings, and what the gate reads
         evaluations: dict[str, TenantEvaluation] = {}
         metrics = {"eval/prompts": float(len(rows))}
+        readings = {v: read_side(_answers(rows, answers[v]), rl.monitors) for v in answers}
         for tenant in tenants:
             if tenant in champion_names:
                 store.activate(champion_names[tenant])
@@ -157,9 +182,27 @@ def evaluate(
                 champion_label=label,
                 labels=labels,
                 refusal=why_not,
+                readings={
+                    c.name: readings[versions[c.name]]
+                    for c in contestants.candidates
+                    if c.served_model == tenant and versions[c.name] in readings
+                },
+                champion_reading=readings.get(champion_versions[tenant]),
+                reward_model_gains={
+                    c.name: rm_rates[versions[c.name]] - rm_rates[champion_versions[tenant]]
+                    for c in contestants.candidates
+                    if c.served_model == tenant and versions[c.name] in rm_rates
+                },
             )
             metrics[f"eval/{metric}/champion/{tenant}"] = champion_value
+            if champion_versions[tenant] in readings:
+                metrics |= readings[champion_versions[tenant]].as_metrics(f"monitor/champion/{tenant}")
         metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
+        monitor_metrics = {
+            c.name: _monitor_metrics(c.name, evaluations[c.served_model]) for c in contestants.candidates
+        }
+        for name, values_ in monitor_metrics.items():
+            metrics |= {k.replace("monitor/", f"monitor/{name}/", 1): v for k, v in values_.items()}
     finally:
         for version in champion_versions.values():
             if version != BASE_VERSION:
@@ -167,7 +210,23 @@ def evaluate(
         for name in champion_names.values():
             store.delete(name)
     finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
-    return Evaluation(tuple(p.prompt_id for p in rows), results, evaluations, finite)
+    return Evaluation(tuple(p.prompt_id for p in rows), results, evaluations, finite, monitor_metrics)
+
+
+def _monitor_metrics(name: str, tenant: TenantEvaluation) -> dict[str, float]:
+    """A candidate's monitor readings and the reward model's predicted gain over the champion (finite ones)."""
+    reading = tenant.readings.get(name)
+    out = reading.as_metrics("monitor") if reading is not None else {}
+    gain = tenant.reward_model_gains.get(name, float("nan"))
+    return out | ({"monitor/reward_model_gain": gain} if math.isfinite(gain) else {})
+
+
+def _answers(rows: Sequence[Prompt], samples: Sequence[Sample]) -> list[Answer]:
+    """Greedy answers as the monitors read them (the row's messages and metadata, with its tools)."""
+    return [
+        Answer(p.messages, s.text, {**p.metadata, "tools": p.tools} if p.tools else p.metadata)
+        for p, s in zip(rows, samples)
+    ]
 
 
 def _load_champions(

@@ -5,9 +5,10 @@ confidence bound on (candidate - champion) value - the mean of paired per-row di
 an AUC comparison the AUC difference on the same resampled rows - if that bound exceeds
 ``rl.gate.margin`` and its guardrails hold: mean k3 KL to the base on its greedy answers <=
 ``rl.gate.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
-``rl.gate.max_mean_length`` tokens, no NaN. A refusal recorded by the evaluation (no usable held-out row, a
-reward model at chance) promotes nothing. Source of the bound: Efron & Tibshirani 1993, "An
-Introduction to the Bootstrap" (percentile interval).
+``rl.gate.max_mean_length`` tokens, no NaN, and no reward-hack monitor refuses it (:func:`monitor_refusal`:
+``[rl.monitors]`` on its greedy answers vs the champion's, :mod:`trainer.evaluation.monitors`). A refusal
+recorded by the evaluation (no usable held-out row, a reward model at chance) promotes nothing. Source of
+the bound: Efron & Tibshirani 1993, "An Introduction to the Bootstrap" (percentile interval).
 
 No model, engine or I/O here: the round's ``gate`` state (:mod:`pipeline.rounds.job`) calls
 :func:`gate_round` on the evaluations the trainer returned, and a test can call :func:`gate` on
@@ -20,8 +21,22 @@ import math
 from dataclasses import replace
 
 from trainer.config import RLConfig
+from trainer.evaluation.monitors import MonitorCheck, check_all, check_metrics, refusal
 from trainer.evaluation.stats import paired_auc_lower_bound, paired_bootstrap_lower_bound
 from trainer.types import Comparison, GateDecision, RoundResult, TenantEvaluation
+
+
+def monitor_checks(evaluation: TenantEvaluation, name: str, rl: RLConfig) -> list[MonitorCheck]:
+    """The reward-hack monitors of candidate ``name`` against the champion (none when either was not measured)."""
+    reading, champion = evaluation.readings.get(name), evaluation.champion_reading
+    if reading is None or champion is None:
+        return []
+    return check_all(reading, champion, rl.monitors)
+
+
+def monitor_refusal(evaluation: TenantEvaluation, name: str, rl: RLConfig) -> str | None:
+    """Why the monitors refuse candidate ``name`` (each refusing monitor named), or None."""
+    return refusal(monitor_checks(evaluation, name, rl))
 
 
 def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
@@ -55,6 +70,8 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
             verdicts.append(
                 f"{name}: mean length {r.mean_length:.1f} tokens > max_mean_length {rl.gate.max_mean_length}"
             )
+        elif hack := monitor_refusal(evaluation, name, rl):
+            verdicts.append(f"{name}: {hack}")
         elif not lb > rl.gate.margin:
             verdicts.append(
                 f"{name}: {unit} {values[name]:.3f} vs {champion_label} {champion_value:.3f}, "
@@ -82,5 +99,16 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
 
 
 def gate_round(result: RoundResult, rl: RLConfig) -> RoundResult:
-    """``result`` with one :class:`~trainer.types.GateDecision` per served model it evaluated."""
-    return replace(result, decisions={model: gate(e, rl) for model, e in sorted(result.evaluations.items())})
+    """``result`` with one :class:`~trainer.types.GateDecision` per served model it evaluated, and each
+    candidate's monitor drifts in its metrics (``monitor/<candidate>/<monitor>``, ``.../refused``)."""
+    monitors = {
+        f"monitor/{name}/{k.removeprefix('monitor/')}": v
+        for e in result.evaluations.values()
+        for name in e.candidates
+        for k, v in check_metrics(monitor_checks(e, name, rl)).items()
+    }
+    return replace(
+        result,
+        decisions={model: gate(e, rl) for model, e in sorted(result.evaluations.items())},
+        metrics={**result.metrics, **monitors},
+    )

@@ -1,0 +1,225 @@
+"""Reward-hack monitors: a candidate's answers against the champion's, beyond the reward it was trained on.
+
+A policy optimised against a learned or hand-written reward finds what the reward over-rates: answers
+padded or cut to nothing, a format users relied on dropped, refusals or questions in place of answers,
+broken tool calls (filtered from training, so never penalised). Each round measures them on the
+candidates' and the champion's greedy held-out answers (:func:`trainer.evaluation.evaluate.evaluate`),
+each canary on both sides' served traffic (:mod:`pipeline.canary.monitor`); the same rule judges both.
+
+Per side, :func:`read_side` measures (:class:`SideReading`):
+
+- ``mean_words``: mean answer length in words (whitespace-separated; what a user reads, the same for
+  any tokenizer);
+- ``format_share``: share of answers whose ``rl.monitors.format`` mix scores >= ``format_min_score``
+  (rows without the mix's metadata left out);
+- ``evasion_rate``: share of answers that refuse (:data:`REFUSAL`, in the first 200 characters) or,
+  without a tool call, end with a question mark;
+- ``invalid_tool_call_rate``: of the answers to rows that offered tools, the share holding a tool call
+  that ``tool_call_valid`` rejects (:mod:`trainer.tool_calls`).
+
+:data:`MONITORS` (keyed by :class:`Monitor`) turns two readings into a :class:`MonitorCheck` against
+``[rl.monitors]``; :func:`check_all` runs them all and :func:`refusal` names the first that refuses. The
+canary's fifth monitor, ``reward_gap`` (the reward model's predicted gain vs the users' live
+difference), lives with the canary, which has the live evidence (:mod:`pipeline.canary.monitor`);
+:func:`predicted_rate` is its round half: the reward model's mean predicted thumbs-up probability.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from trainer.config import MonitorConfig
+from trainer.rewards import build_reward
+from trainer.tool_calls import hermes_tool_calls, tool_call_valid
+from trainer.types import SideReading
+
+REFUSAL = re.compile(
+    r"\b(i\s+(?:can(?:no|'|’)t|cannot|am\s+(?:not\s+able|unable)|'m\s+(?:not\s+able|unable)|won(?:'|’)t\s+be\s+able)"
+    r"|i(?:'|’)m\s+sorry|i\s+am\s+sorry|as\s+an\s+ai\b)",
+    re.IGNORECASE,
+)
+"""A refusal: "I can't", "I cannot", "I'm unable", "I'm sorry", "As an AI", ... (English; a heuristic)."""
+REFUSAL_SCAN_CHARS = 200
+
+
+class Monitor(StrEnum):
+    """The reward-hack monitors (``monitor/<name>`` metrics, named in refusals)."""
+
+    LENGTH = "length"
+    FORMAT = "format"
+    EVASION = "evasion"
+    TOOL_CALLS = "tool_calls"
+    REWARD_GAP = "reward_gap"  # canary only: pipeline.canary.monitor
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answer to judge: the prompt's messages and metadata (with ``tools`` when the row offered some)
+    and the answer's text (tool calls in the Hermes format: :func:`trainer.tool_calls.answer_text`)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    text: str
+    metadata: Mapping[str, Any]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def is_evasion(text: str) -> bool:
+    """A refusal (:data:`REFUSAL` in the first :data:`REFUSAL_SCAN_CHARS` characters), or an answer
+    without a tool call that ends with a question mark."""
+    if REFUSAL.search(text[:REFUSAL_SCAN_CHARS]):
+        return True
+    return not hermes_tool_calls(text) and text.rstrip().endswith(("?", "？"))
+
+
+def read_side(answers: Sequence[Answer], cfg: MonitorConfig) -> SideReading:
+    """Measure one side's answers (see the module doc)."""
+    mix = build_reward(cfg.format)
+    formatted = [
+        float(mix(list(a.messages), a.text, dict(a.metadata)) >= cfg.format_min_score)  # type: ignore[arg-type]
+        for a in answers
+        if mix.accepts(dict(a.metadata))
+    ]
+    tool_rows = [a for a in answers if a.metadata.get("tools")]
+    invalid = [
+        float(bool(hermes_tool_calls(a.text)) and tool_call_valid(a.messages, a.text, dict(a.metadata)) < 1.0)
+        for a in tool_rows
+    ]
+    return SideReading(
+        answers=len(answers),
+        mean_words=_mean([float(len(a.text.split())) for a in answers]),
+        format_share=_mean(formatted),
+        format_rows=len(formatted),
+        evasion_rate=_mean([float(is_evasion(a.text)) for a in answers]),
+        invalid_tool_call_rate=_mean(invalid),
+        tool_rows=len(tool_rows),
+    )
+
+
+@dataclass(frozen=True)
+class MonitorCheck:
+    """One monitor's comparison: the candidate's and champion's values, the drift the threshold bounds
+    (a ratio for ``length``, a difference otherwise), the limit (None: off), whether it refuses and why."""
+
+    monitor: Monitor
+    candidate: float
+    champion: float
+    drift: float
+    limit: float | None
+    refuses: bool
+    reason: str
+
+
+def _skip(monitor: Monitor, candidate: float, champion: float, why: str) -> MonitorCheck:
+    return MonitorCheck(monitor, candidate, champion, float("nan"), None, False, why)
+
+
+def _enough(monitor: Monitor, n_cand: int, n_champ: int, cfg: MonitorConfig, what: str) -> str | None:
+    if min(n_cand, n_champ) < cfg.min_answers:
+        return f"{monitor}: too few {what} to judge ({n_cand} vs {n_champ}, min_answers {cfg.min_answers})"
+    return None
+
+
+def _length(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
+    m, high, low = Monitor.LENGTH, cfg.max_length_ratio, cfg.min_length_ratio
+    few = _enough(m, cand.answers, champ.answers, cfg, "answers")
+    if few:
+        return _skip(m, cand.mean_words, champ.mean_words, few)
+    # a side of empty answers: +1 word on both keeps the ratio finite and small differences of tiny answers mild
+    ratio = (cand.mean_words + 1.0) / (champ.mean_words + 1.0)
+    refuses = (high is not None and ratio > high) or (low is not None and ratio < low)
+    allowed = f"{'0' if low is None else f'{low:g}'}..{'any' if high is None else f'{high:g}'}"
+    reason = (
+        f"monitor {m}: mean answer length {cand.mean_words:.1f} words vs champion {champ.mean_words:.1f} "
+        f"(ratio {ratio:.2f}, allowed {allowed})"
+    )
+    return MonitorCheck(m, cand.mean_words, champ.mean_words, ratio, high, refuses, reason)
+
+
+def _format(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
+    m, limit = Monitor.FORMAT, cfg.max_format_drop
+    few = _enough(m, cand.format_rows, champ.format_rows, cfg, "answers the format mix can score")
+    if few:
+        return _skip(m, cand.format_share, champ.format_share, few)
+    drop = champ.format_share - cand.format_share
+    refuses = limit is not None and drop > limit
+    reason = (
+        f"monitor {m}: {cand.format_share:.0%} of answers match the format vs champion {champ.format_share:.0%} "
+        f"(drop {drop:+.2f}, max_format_drop {limit})"
+    )
+    return MonitorCheck(m, cand.format_share, champ.format_share, drop, limit, refuses, reason)
+
+
+def _evasion(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
+    m, limit = Monitor.EVASION, cfg.max_evasion_increase
+    few = _enough(m, cand.answers, champ.answers, cfg, "answers")
+    if few:
+        return _skip(m, cand.evasion_rate, champ.evasion_rate, few)
+    rise = cand.evasion_rate - champ.evasion_rate
+    refuses = limit is not None and rise > limit
+    reason = (
+        f"monitor {m}: {cand.evasion_rate:.0%} of answers refuse or answer with a question vs champion "
+        f"{champ.evasion_rate:.0%} (increase {rise:+.2f}, max_evasion_increase {limit})"
+    )
+    return MonitorCheck(m, cand.evasion_rate, champ.evasion_rate, rise, limit, refuses, reason)
+
+
+def _tool_calls(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> MonitorCheck:
+    m, limit = Monitor.TOOL_CALLS, cfg.max_tool_call_invalid_increase
+    few = _enough(m, cand.tool_rows, champ.tool_rows, cfg, "answers to rows that offered tools")
+    if few:
+        return _skip(m, cand.invalid_tool_call_rate, champ.invalid_tool_call_rate, few)
+    rise = cand.invalid_tool_call_rate - champ.invalid_tool_call_rate
+    refuses = limit is not None and rise > limit
+    reason = (
+        f"monitor {m}: {cand.invalid_tool_call_rate:.0%} of answers to tool prompts hold an invalid tool call vs "
+        f"champion {champ.invalid_tool_call_rate:.0%} (increase {rise:+.2f}, max_tool_call_invalid_increase {limit})"
+    )
+    return MonitorCheck(m, cand.invalid_tool_call_rate, champ.invalid_tool_call_rate, rise, limit, refuses, reason)
+
+
+MONITORS: dict[Monitor, Callable[[SideReading, SideReading, MonitorConfig], MonitorCheck]] = {
+    Monitor.LENGTH: _length,
+    Monitor.FORMAT: _format,
+    Monitor.EVASION: _evasion,
+    Monitor.TOOL_CALLS: _tool_calls,
+}
+"""The answer monitors, in the order a refusal names them (``reward_gap`` is the canary's)."""
+
+
+def check_all(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> list[MonitorCheck]:
+    """Every answer monitor on the two readings (``cfg.enabled`` False: measured, none refuses)."""
+    checks = [check(cand, champ, cfg) for check in MONITORS.values()]
+    if not cfg.enabled:
+        checks = [MonitorCheck(c.monitor, c.candidate, c.champion, c.drift, c.limit, False, c.reason) for c in checks]
+    return checks
+
+
+def refusal(checks: Sequence[MonitorCheck]) -> str | None:
+    """The reasons of every check that refuses, joined (None: none does)."""
+    reasons = [c.reason for c in checks if c.refuses]
+    return "; ".join(reasons) if reasons else None
+
+
+def check_metrics(checks: Sequence[MonitorCheck], prefix: str = "monitor") -> dict[str, float]:
+    """``<prefix>/<monitor>`` = the drift and ``<prefix>/<monitor>/refused`` = 0/1 (finite drifts only)."""
+    out: dict[str, float] = {}
+    for c in checks:
+        if math.isfinite(c.drift):
+            out[f"{prefix}/{c.monitor}"] = c.drift
+        out[f"{prefix}/{c.monitor}/refused"] = float(c.refuses)
+    return out
+
+
+def predicted_rate(scores: Sequence[float]) -> float:
+    """The reward model's mean predicted probability of a thumbs-up, ``mean(sigmoid(score))`` (its scores are
+    logits of an up-vote: :mod:`trainer.reward_model`); NaN without scores."""
+    probs = [1.0 / (1.0 + math.exp(-max(min(s, 60.0), -60.0))) for s in scores if math.isfinite(s)]
+    return _mean(probs)
