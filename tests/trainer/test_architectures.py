@@ -27,7 +27,7 @@ from tests.trainer.test_conversations import ADD, CONVERSATION, TOOLS_TEMPLATE
 from tests.trainer.test_multi_lora import check_mixed_pass
 from trainer import chat
 from trainer.adapters.registry import make_store
-from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.model.base import ResidentBase, load_base
 from trainer.rollout.engine import RolloutRequest
 from trainer.rollout.vllm import VLLMEngine
@@ -186,3 +186,29 @@ def test_reward_model_head_trains_and_reloads(arch_base: ResidentBase, tmp_path:
 
 def test_one_pass_gradients_equal_each_adapter_alone(arch_base: ResidentBase) -> None:
     check_mixed_pass(arch_base)
+
+
+def test_lora_targets_the_architecture_lacks_are_refused_at_round_setup(
+    arch_model: TinyModel, arch_base: ResidentBase, tmp_path: Path
+) -> None:
+    """PEFT adapts the target names that match and skips the rest silently (one match is enough): a name of another
+    architecture, or the tied LM head (absent from the safetensors, refused by staging after the round), would
+    train other weights than configured. The round refuses them when the base is loaded, every one at once."""
+    from trainer.data import round_inputs, snapshot_table, split_snapshot
+    from trainer.errors import TrainerConfigError
+    from trainer.round import RoundParts, run_round
+    from trainer.tasks import reasoning_gym_prompts
+    from trainer.types import RoundSpec
+
+    assert arch_base.target_module_problems("ok", ALL_LINEAR + ["embed_tokens"]) == []
+    other = CandidateConfig(name="gpt2-names", target_modules=["q_proj", "c_attn"])
+    head = CandidateConfig(name="head", target_modules=["v_proj", "lm_head"])
+    train, heldout = split_snapshot(snapshot_table(reasoning_gym_prompts("basic_arithmetic", 4, seed=2)), 0.25)
+    spec = RoundSpec(ModelConfig(name=str(arch_model.path)), (other, head), RLConfig(rollout={"engine": "hf"}))
+    with pytest.raises(TrainerConfigError) as err:
+        run_round(spec, round_inputs(train, heldout), tmp_path, parts=RoundParts(base=arch_base))
+    message = str(err.value)
+    assert "gpt2-names: target_modules ['c_attn'] are not modules of the base model" in message
+    assert CLASSES[arch_model.arch] in message and "'q_proj'" in message  # the names it has
+    assert "head: target_modules ['lm_head'] is the LM head, which this base ties" in message
+    assert not (tmp_path / "gpt2-names").exists() and not (tmp_path / "head").exists()
