@@ -149,7 +149,7 @@ def test_reward_model_head_trains_and_reloads(arch_base: ResidentBase, tmp_path:
 
     base = arch_base
     store = make_store("offload", base)
-    cfg = RewardModelConfig(steps=6, batch_size=8, learning_rate=5e-3)
+    cfg = RewardModelConfig(steps=3, batch_size=8, learning_rate=5e-3)
     model = create_reward_model(base, store, cfg, None)
     try:
         prompt = base.chat_token_ids([{"role": "user", "content": "Name a fruit."}])
