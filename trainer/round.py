@@ -97,7 +97,8 @@ def run_round(
     with a ``part``). It may raise (e.g. to cancel): the round stops there and its adapters are cleaned up.
 
     Raises:
-        TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit.
+        TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit, LoRA
+            target_modules the base's architecture lacks (or its tied LM head).
         DataError: unreadable tables, no prompts for a candidate, or a candidate on ``reward_model`` and
             too little labelled feedback to train one.
         ExecutorError, ExecutorUnavailableError, PlacementTimeoutError: the ``ray`` executor's
@@ -278,7 +279,15 @@ class RoundRecipe:
         return executor
 
     def _setup_base(self) -> ResidentBase:
-        return self.parts.base or load_base(self.spec.model)
+        base = self.parts.base or load_base(self.spec.model)
+        # every candidate's (and the reward model's) LoRA targets exist in this base's architecture, all at once
+        problems = [p for c in self.spec.candidates for p in base.target_module_problems(c.name, c.target_modules)]
+        reward_cfg = self.spec.rl.reward_model
+        if self.feedback is not None:
+            problems += base.target_module_problems("rl.reward_model", reward_cfg.target_modules)
+        if problems:
+            raise TrainerConfigError("; ".join(problems))
+        return base
 
     def _setup_plan(self, base: ResidentBase) -> RoundPlan:
         return plan_round(

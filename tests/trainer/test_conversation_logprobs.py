@@ -1,20 +1,20 @@
 """Trainer and vLLM log-probs of the same logged ids agree on a multi-turn, tool-calling conversation.
 
 The conversation (system prompt, a user turn, a tool call, its result, a text answer, a second user turn) is
-rendered by :mod:`trainer.chat` with the tools offered, under the ChatML tools template the ``vllm_tiny`` server
-runs with; its rated turn is a tool call rendered the same way. vLLM (the CPU build, float32) scores the prompt
-and answer ids as a prompt (``prompt_logprobs``) and samples its own answers to the same prompt ids (GRPO's
+rendered by :mod:`trainer.chat` with the tools offered, under the ChatML tools template the vLLM servers run
+with; its rated turn is a tool call rendered the same way. vLLM (the CPU build, float32) scores the prompt and
+answer ids as a prompt (``prompt_logprobs``) and samples its own answers to the same prompt ids (GRPO's
 rollouts); the trainer (float32, the base with adapters off) scores the same ids with
-:meth:`~trainer.model.base.ResidentBase.completion_logprobs`.
+:meth:`~trainer.model.base.ResidentBase.completion_logprobs`. On each architecture of ``arch_model`` (Llama, Qwen2,
+Gemma 3), each served by its own ``vllm_arch`` server.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import torch
 
+from tests.conftest import TinyModel
 from tests.trainer.float32_tolerance import LOGPROB_TOL
 from tests.trainer.test_conversations import ADD, CONVERSATION, RATED_CALL, TOOLS_TEMPLATE
 from trainer import chat
@@ -38,12 +38,12 @@ def _vllm_prompt_logprobs(url: str, ids: list[int], start: int) -> list[float]:
     return [float(scored[t][str(ids[t])]["logprob"]) for t in range(start, len(ids))]
 
 
-def test_trainer_and_vllm_logprobs_of_logged_conversation_ids_agree(vllm_tiny: str, tiny_model: Path) -> None:
+def test_trainer_and_vllm_logprobs_of_logged_conversation_ids_agree(vllm_arch: str, arch_model: TinyModel) -> None:
     from trainer.model.base import load_base
     from trainer.rollout.engine import BASE_VERSION, RolloutRequest
     from trainer.rollout.vllm import VLLMEngine
 
-    base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=512))
+    base = load_base(ModelConfig(name=str(arch_model.path), dtype="float32", device="cpu", max_seq_len=512))
     base.tokenizer.chat_template = TOOLS_TEMPLATE.read_text()
     prompt = chat.prompt_token_ids(base.tokenizer, CONVERSATION, [ADD])
     answer = chat.answer_token_ids(
@@ -52,13 +52,13 @@ def test_trainer_and_vllm_logprobs_of_logged_conversation_ids_agree(vllm_tiny: s
     assert answer is not None and "<tools>" in base.tokenizer.decode(prompt)
 
     # the logged answer's ids, scored by both
-    vllm_T = torch.tensor(_vllm_prompt_logprobs(vllm_tiny, prompt + answer, len(prompt)))
+    vllm_T = torch.tensor(_vllm_prompt_logprobs(vllm_arch, prompt + answer, len(prompt)))
     with torch.no_grad(), base.reference():
         trainer_1T, _ = base.completion_logprobs([prompt], [answer])
     diff_T = (trainer_1T[0] - vllm_T).abs()
 
     # GRPO's rollouts of the rated turn: vLLM samples from the same prompt ids, the trainer re-scores its tokens
-    (group,) = VLLMEngine(vllm_tiny).generate(
+    (group,) = VLLMEngine(vllm_arch).generate(
         [RolloutRequest(BASE_VERSION, "t", tuple(prompt), n=4, max_new_tokens=12, temperature=1.0, seed=7)]
     )
     comps = [list(s.token_ids) for s in group]
@@ -73,7 +73,7 @@ def test_trainer_and_vllm_logprobs_of_logged_conversation_ids_agree(vllm_tiny: s
     logged_mae, sampled_mae = float(diff_T.mean()), float(sampled_diff.mean())
     worst = max(float(diff_T.max()), float(sampled_diff.max())) / scale
     print(
-        f"{len(prompt)} prompt tokens; trainer vs vLLM log-probs (nats), mean |diff|: logged answer "
+        f"{arch_model.arch}: {len(prompt)} prompt tokens; trainer vs vLLM log-probs (nats), mean |diff|: logged answer "
         f"{logged_mae:.2e} over {len(answer)} tokens, vLLM's samples {sampled_mae:.2e} over {len(sampled_diff)}; "
         f"worst / largest |log-prob| = {worst:.2e} (bound {VLLM_LOGPROB_TOL:.0e})"
     )

@@ -123,6 +123,12 @@ def _gradients_alone(base, store, batches) -> dict[str, dict[str, torch.Tensor]]
 
 
 def test_mixed_pass_gradients_equal_each_adapter_alone(base: ResidentBase) -> None:
+    check_mixed_pass(base)
+
+
+def check_mixed_pass(base: ResidentBase) -> None:
+    """Three candidates' rows, interleaved, through one forward/backward of the multi-adapter layer: each
+    candidate's LoRA gradients equal those of its rows alone (test_architectures runs it on every architecture)."""
     store = _store(base, "resident")
     batches = [_batch(base, seed=k, rows=3 + k) for k in range(3)]
     alone = _gradients_alone(base, store, batches)

@@ -139,6 +139,43 @@ class ResidentBase:
                 return rendered
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def target_module_problems(self, owner: str, target_modules: Sequence[str]) -> list[str]:
+        """Why ``target_modules`` of ``owner`` (a candidate or the reward model) cannot be trained and served on
+        this base; empty when they can.
+
+        Every name must be a linear or embedding module of the base, by leaf name (``q_proj``) or full path:
+        PEFT adapts the names that match and silently skips the others as long as one matches, so a name of
+        another architecture (GPT-2's ``c_attn`` beside ``q_proj``) would train less than configured. A tied LM
+        head (``tie_word_embeddings``: Qwen2 <= 3B, Gemma, SmolLM2) is refused: it is the input embedding, absent
+        from the folder's safetensors, and staging refuses an adapter on it before vLLM would load it.
+        """
+        lm: Any = self.model.get_base_model()  # a transformers model; PEFT types it as a plain nn.Module
+        kinds = (torch.nn.Linear, torch.nn.Embedding)
+        names: set[str] = set()
+        for path, module in lm.named_modules():
+            if any(part == "base_layer" or part.startswith("lora_") for part in path.split(".")):
+                continue  # PEFT's own layers inside an adapted module
+            if isinstance(module, kinds) or isinstance(getattr(module, "base_layer", None), kinds):
+                names.update((path, path.rsplit(".", 1)[-1]))
+        problems = []
+        unknown = sorted(set(target_modules) - names)
+        if unknown:
+            leaves = sorted(n for n in names if "." not in n)
+            problems.append(
+                f"{owner}: target_modules {unknown} are not modules of the base model "
+                f"({type(lm).__name__}); its linear and embedding modules: {leaves}"
+            )
+        head = lm.get_output_embeddings()
+        tied = head is not None and head.weight is lm.get_input_embeddings().weight
+        head_names = {path for path, module in lm.named_modules() if module is head}
+        head_names |= {n.rsplit(".", 1)[-1] for n in head_names}
+        if tied and head_names & set(target_modules):
+            problems.append(
+                f"{owner}: target_modules {sorted(head_names & set(target_modules))} is the LM head, which this base "
+                "ties to its input embedding (tie_word_embeddings): vLLM cannot serve a LoRA on it; leave it out"
+            )
+        return problems
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The reference policy: the base with every adapter disabled (no weight copy)."""

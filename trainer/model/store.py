@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -253,16 +254,70 @@ def resolve(name: str, cache_dir: str | Path) -> Path:
     )
 
 
-def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0) -> ModelInfo:
-    """A tiny random Llama (2 layers, hidden 64, head_dim 32) with a real tokenizer.
+class TinyArchitecture(StrEnum):
+    """The architectures the tests build tiny random models of (:func:`build_tiny`)."""
 
-    For plumbing tests: same tokenizer and chat template as ``tokenizer_from``
-    so prompts and adapters look like the real ones, weights random but seeded.
-    Written atomically like :func:`pull`.
+    LLAMA = "llama"
+    QWEN2 = "qwen2"
+    GEMMA3 = "gemma3"
+
+
+# Tiny shapes: 2 layers, hidden 64, 2 heads of 32 (Gemma 3: one KV head, grouped-query attention as in its small
+# models). Every one ties its LM head to the input embeddings, as SmolLM2, Qwen2 <= 3B and every Gemma do.
+_TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
+
+def _tiny_config(arch: TinyArchitecture, tokenizer: Any) -> Any:
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    ids = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch is TinyArchitecture.LLAMA:
+        return LlamaConfig(**_TINY_SHAPE, **ids)
+    if arch is TinyArchitecture.QWEN2:  # biased q/k/v projections; no sliding window (Qwen2.5's default)
+        return Qwen2Config(**_TINY_SHAPE, **ids, use_sliding_window=False)
+    # Gemma 3 (text): embeddings scaled by sqrt(hidden), RMSNorm gains (1 + w), q/k norms, GeGLU, local layers
+    # with a sliding window (here wider than any test sequence) and a global one
+    return Gemma3TextConfig(
+        **(_TINY_SHAPE | {"num_key_value_heads": 1}),
+        **ids,
+        query_pre_attn_scalar=32,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def build_tiny(
+    arch: TinyArchitecture | str,
+    out: str | Path,
+    tokenizer_from: str | Path,
+    seed: int = 0,
+    chat_template: str | None = None,
+) -> ModelInfo:
+    """A tiny random model of architecture ``arch`` (2 layers, hidden 64, head_dim 32, tied embeddings) with a real
+    tokenizer, in the folder layout of a hub model (``config.json``, ``model.safetensors``, tokenizer files).
+
+    For plumbing tests: the tokenizer of ``tokenizer_from`` so prompts and adapters look like the real ones, with
+    ``chat_template`` (Jinja text) as its chat template when given; weights random but seeded. Written atomically
+    like :func:`pull`; an existing folder that verifies is returned as is.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    arch = TinyArchitecture(arch)
     out = Path(out)
     if out.exists():
         try:
@@ -270,24 +325,118 @@ def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0)
         except ModelStoreError:
             pass  # rebuilt below, and replaced in one step
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch, tokenizer), dtype=torch.float32)
     with atomic.new_dir(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        info = _write_manifest(staging, source=f"tiny-random-llama:seed={seed}", greedy_sample="")
+        info = _write_manifest(staging, source=f"tiny-random-{arch}:seed={seed}", greedy_sample="")
     return ModelInfo(path=out, fingerprint=info.fingerprint, source=info.source, greedy_sample="")
+
+
+def build_tiny_llama(out: str | Path, tokenizer_from: str | Path, seed: int = 0) -> ModelInfo:
+    """A tiny random Llama (2 layers, hidden 64, head_dim 32) with the tokenizer and chat template of
+    ``tokenizer_from``: :func:`build_tiny` of :attr:`TinyArchitecture.LLAMA`."""
+    return build_tiny(TinyArchitecture.LLAMA, out, tokenizer_from, seed)
+
+
+# --- bringing your own folder -------------------------------------------------------------------------------------
+
+# Weight formats that load code or are not plain tensors: a folder with only these is refused (only safetensors load).
+_UNSAFE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack")
+
+
+@dataclass(frozen=True)
+class FolderReport:
+    """What :func:`inspect_folder` found in a Hugging Face model folder, and every reason it cannot be used."""
+
+    path: Path
+    architecture: str  # config.json's ``architectures[0]``, "" when absent
+    model_type: str
+    tied_embeddings: bool  # the LM head is the input embedding (``tie_word_embeddings``)
+    weight_files: tuple[str, ...]  # the *.safetensors files
+    chat_template: bool  # the tokenizer has a chat template (chat_template.jinja or tokenizer_config.json)
+    template_offers_tools: bool  # that template renders a ``tools`` list
+    problems: tuple[str, ...]  # empty: the trainer can load it (vLLM's side: pipeline.serving.vllm_models)
+
+
+def chat_template_text(folder: str | Path) -> str | None:
+    """The chat template a tokenizer loads from ``folder``: ``chat_template.jinja`` (transformers >= 4.43 writes it)
+    or ``tokenizer_config.json``'s ``chat_template`` (a string, or the default of a list of named templates)."""
+    folder = Path(folder)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(errors="replace")
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or named.get("tool_use")
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def inspect_folder(folder: str | Path) -> FolderReport:
+    """Check a local Hugging Face folder for what the trainer needs, reporting every problem at once.
+
+    Needed: ``config.json`` naming a causal-LM architecture that transformers knows, the weights as safetensors
+    (``*.bin`` / ``*.pt`` / GGUF are pickles or need conversion: refused), a tokenizer with a chat template
+    (traffic is chat; the trainer renders prompts as vLLM does). Nothing is loaded but JSON and file names.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder = Path(os.path.expanduser(str(folder)))
+    problems: list[str] = []
+    config: dict[str, Any] = {}
+    if not folder.is_dir():
+        problems.append(f"{folder} is not a folder")
+    else:
+        try:
+            loaded = json.loads((folder / "config.json").read_text())
+            config = loaded if isinstance(loaded, dict) else {}
+            if not config:
+                problems.append("config.json is not a JSON object")
+        except OSError:
+            problems.append("no config.json: not a Hugging Face model folder")
+        except ValueError as err:
+            problems.append(f"config.json is not valid JSON: {err}")
+    archs = config.get("architectures")
+    architecture = str(archs[0]) if isinstance(archs, list) and archs else ""
+    model_type = str(config.get("model_type", ""))
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if config and not architecture:
+        problems.append("config.json names no architectures: cannot tell which model class to load")
+    elif architecture and architecture not in causal:
+        problems.append(
+            f"architecture {architecture} is not a causal language model transformers can load "
+            "(AutoModelForCausalLM): the trainer cannot train it"
+        )
+    files = sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    weights = tuple(f for f in files if f.endswith(".safetensors"))
+    if folder.is_dir() and not weights:
+        others = [f for f in files if f.endswith(_UNSAFE_WEIGHTS)]
+        problems.append(
+            f"no *.safetensors weights{f' (found {others})' if others else ''}: only safetensors load (pickled "
+            "weights can run code); convert with transformers: AutoModelForCausalLM.from_pretrained(folder)"
+            ".save_pretrained(out, safe_serialization=True)"
+        )
+    template = chat_template_text(folder) if folder.is_dir() else None
+    if folder.is_dir() and template is None:
+        problems.append(
+            "the tokenizer has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json): "
+            "traffic is chat, so set one (tokenizer.chat_template = ...; tokenizer.save_pretrained(folder)), e.g. "
+            "trainer/templates/chatml_tools.jinja for ChatML tokenizers"
+        )
+    return FolderReport(
+        path=folder,
+        architecture=architecture,
+        model_type=model_type,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        weight_files=weights,
+        chat_template=template is not None,
+        template_offers_tools=template is not None and "tools" in template,
+        problems=tuple(problems),
+    )

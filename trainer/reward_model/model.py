@@ -212,7 +212,8 @@ def _causal_lm(base: ResidentBase) -> Any:
 
 
 def _hidden_size(base: ResidentBase) -> int:
-    return int(_causal_lm(base).config.hidden_size)
+    """The width of the backbone's hidden state: the text model's (a multimodal config nests it in text_config)."""
+    return int(_causal_lm(base).config.get_text_config().hidden_size)
 
 
 def create_reward_model(

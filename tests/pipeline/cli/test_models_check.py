@@ -1,0 +1,107 @@
+"""``hourglass models check FOLDER``: any local Hugging Face folder, refused with a reason for what Hourglass cannot
+serve or train (no safetensors weights, an architecture vLLM's build here lacks or cannot load LoRA into, no chat
+template), and ``hourglass up`` refusing such a folder as ``model.name`` before it starts vLLM.
+
+The folders are written by the tests (a config, a one-tensor safetensors file, a tokenizer config): the check reads
+JSON and file names, never weights, so no model runs here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from pipeline.cli.main import app, base_model_dir
+from pipeline.config import HourglassConfig
+from trainer.errors import ModelStoreError
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if tools %}{{ tools }}{% endif %}"
+)
+
+
+def _folder(root: Path, architecture: str = "Qwen2ForCausalLM", model_type: str = "qwen2") -> Path:
+    """A folder that passes: a Qwen2 config with tied embeddings, safetensors weights, a tools chat template."""
+    folder = root / "model"
+    folder.mkdir()
+    config = {"architectures": [architecture], "model_type": model_type, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(folder / "model.safetensors"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return folder
+
+
+def _check(folder: Path) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["models", "check", str(folder), "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_a_servable_folder_passes_with_what_was_found(tmp_path: Path) -> None:
+    code, out = _check(_folder(tmp_path))
+    assert code == 0 and out["ok"] and out["problems"] == [] and out["warnings"] == []
+    assert (out["architecture"], out["tied_embeddings"], out["weight_files"]) == (
+        "Qwen2ForCausalLM",
+        True,
+        ["model.safetensors"],
+    )
+    assert out["chat_template"] and out["template_offers_tools"]
+
+
+def test_a_folder_without_safetensors_is_refused(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"]
+    (problem,) = out["problems"]
+    assert "no *.safetensors" in problem and "pytorch_model.bin" in problem and "safe_serialization" in problem
+
+
+@pytest.mark.parametrize(
+    ("architecture", "model_type", "reason"),
+    [
+        ("CTRLLMHeadModel", "ctrl", "not in the model registry of vLLM"),  # transformers trains it; vLLM has none
+        ("MambaForCausalLM", "mamba", "cannot load LoRA adapters"),  # vLLM serves it, without LoRA
+    ],
+)
+def test_an_architecture_vllm_cannot_serve_with_lora_is_refused(
+    tmp_path: Path, architecture: str, model_type: str, reason: str
+) -> None:
+    code, out = _check(_folder(tmp_path, architecture, model_type))
+    assert code == 2 and out["architecture"] == architecture
+    (problem,) = out["problems"]
+    assert architecture in problem and reason in problem
+
+
+def test_a_folder_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    code, out = _check(folder)
+    assert code == 2 and not out["chat_template"]
+    (problem,) = out["problems"]
+    assert "no chat template" in problem
+
+
+def test_every_problem_is_reported_at_once_and_the_human_form_names_them(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, "CTRLLMHeadModel", "ctrl")
+    (folder / "model.safetensors").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    code, out = _check(folder)
+    assert code == 2 and len(out["problems"]) == 3
+    human = CliRunner().invoke(app, ["models", "check", str(folder)])
+    assert human.exit_code == 2 and "3 problem(s)" in human.output and "no chat template" in human.output
+    code, out = _check(tmp_path / "missing")
+    assert code == 2 and out["problems"] == [f"{tmp_path / 'missing'} is not a folder"]
+
+
+def test_up_refuses_a_brought_folder_before_starting_vllm(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    cfg = HourglassConfig(model={"name": str(folder)})
+    assert base_model_dir(cfg) == folder  # the good folder is used as it is
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ModelStoreError, match="cannot be used: the tokenizer has no chat template"):
+        base_model_dir(cfg)
