@@ -60,9 +60,7 @@ class RegressionSuiteConfig(Section):
         le=4096,
         description="Prompts of the file used, from its start (the file may hold more; at most 4096 lines are read).",
     )
-    max_new_tokens: int = Field(
-        default=32, ge=1, le=4096, description="Longest greedy answer on this suite, tokens."
-    )
+    max_new_tokens: int = Field(default=32, ge=1, le=4096, description="Longest greedy answer on this suite, tokens.")
     served_models: list[str] = Field(
         default_factory=list,
         description="The served models (tenants) whose candidates face this suite; empty (default): every served model.",

@@ -251,8 +251,7 @@ class RoundRecipe:
                         adapter_dir=folder,
                         step_metrics=tuple(self.trained.history[c.name]),
                         eval_rewards=r.rewards,
-                        eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric))
-                        | self._suite_metrics(c),
+                        eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric)) | self._suite_metrics(c),
                     )
                 )
             self.reward_result = reward_phase.finish(self.reward, self.out_dir)

@@ -500,7 +500,8 @@ def _suite_rows(regression: dict[str, Any]) -> list[dict[str, Any]]:
     for name, verdicts in sorted(regression.items()):
         for v in verdicts if isinstance(verdicts, list) else []:
             row = rows.setdefault(
-                v.get("suite", "?"), {"suite": v.get("suite", "?"), "champion": v.get("champion_score"), "candidates": []}
+                v.get("suite", "?"),
+                {"suite": v.get("suite", "?"), "champion": v.get("champion_score"), "candidates": []},
             )
             row["candidates"].append(
                 {

@@ -114,7 +114,9 @@ def suite_score(
     return SuiteScore(model, sum(scores) / len(scores) if scores else float("nan"), len(scores))
 
 
-def forgetting_line(suite: str, base: SuiteScore, champion: SuiteScore | None, target: float = FORGETTING_TARGET) -> str:
+def forgetting_line(
+    suite: str, base: SuiteScore, champion: SuiteScore | None, target: float = FORGETTING_TARGET
+) -> str:
     """The scoreboard's forgetting line: forgetting = base - champion on the shipped suite, against the target."""
     if champion is None:
         return (

@@ -74,8 +74,10 @@ def test_a_suite_file_is_read_from_the_working_directory(tmp_path: Path, monkeyp
         [
             {"id": "a", "prompt": "2 + 2?", "metadata": {"reference_answer": "4"}},
             "",
-            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 3?"}],
-             "metadata": {"reference_answer": "6"}},
+            {
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 3?"}],
+                "metadata": {"reference_answer": "6"},
+            },
             {"prompt": "never read", "metadata": {"reference_answer": "0"}},
         ],
     )
@@ -177,7 +179,9 @@ def _evaluation(suite_champion: list[float], suite_candidate: list[float]) -> Te
         champion_label="base",
         regression={
             "reasoning": SuiteScores(
-                "reasoning", tuple(f"p{i}" for i in range(len(suite_champion))), tuple(suite_champion),
+                "reasoning",
+                tuple(f"p{i}" for i in range(len(suite_champion))),
+                tuple(suite_champion),
                 {"c": tuple(suite_candidate)},
             )
         },
@@ -230,19 +234,29 @@ def test_a_round_refuses_the_candidate_that_forgets_a_suite_and_lets_through_one
     'flat' (trained the other way) keeps it. Without the 'plain' suite, 'lines' forgets nothing and wins."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
-    suite_rows = [{"prompt": f"Say something about {w}.", "metadata": {}} for w in ("rain", "sun", "snow", "wind", "fog", "ice")]
+    suite_rows = [
+        {"prompt": f"Say something about {w}.", "metadata": {}} for w in ("rain", "sun", "snow", "wind", "fog", "ice")
+    ]
     _write(tmp_path / "plain.jsonl", suite_rows)
     _write(tmp_path / "lines.jsonl", suite_rows)
-    prompts = reasoning_gym_prompts("basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    prompts = reasoning_gym_prompts(
+        "basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
     lines = CandidateConfig(
         name="lines", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh"
     )
     flat = lines.model_copy(update={"name": "flat", "reward": [RewardTerm(fn="newline_share", weight=-1.0)]})
     plain = RegressionSuiteConfig(
-        name="plain", path="plain.jsonl", check="tests.trainer.test_regression:no_newline", tolerance=0.1, max_new_tokens=4
+        name="plain",
+        path="plain.jsonl",
+        check="tests.trainer.test_regression:no_newline",
+        tolerance=0.1,
+        max_new_tokens=4,
     )
-    more_lines = RegressionSuiteConfig(name="lines", path="lines.jsonl", check="newline_share", tolerance=0.1, max_new_tokens=4)
+    more_lines = RegressionSuiteConfig(
+        name="lines", path="lines.jsonl", check="newline_share", tolerance=0.1, max_new_tokens=4
+    )
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
