@@ -217,21 +217,23 @@ def test_a_suite_that_was_not_scored_refuses_every_candidate() -> None:
 
 
 def _newline_share(prompt_messages, completion: str, metadata) -> float:
-    """Newlines per completion token slot (4 tokens): what the 'lines' candidate learns."""
+    """Newlines per completion token slot (4 tokens): the 'lines' suite's check."""
     return completion.count("\n") / 4
 
 
 def no_newline(prompt_messages, completion: str, metadata) -> float:
-    """The 'plain' suite's check (imported as module:function): 1.0 for an answer without a newline."""
+    """1.0 for an answer without a newline: the gate's yardstick and the 'plain' suite's check
+    (imported as ``module:function``)."""
     return float("\n" not in completion)
 
 
 def test_a_round_refuses_the_candidate_that_forgets_a_suite_and_lets_through_one_that_does_not(
     peaked_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """'lines' learns to answer with newlines (the gate's yardstick rewards them, so it beats the base); the
-    suite 'plain' counts answers without one: 'lines' forgets it and is refused with the suite named, while
-    'flat' (trained the other way) keeps it. Without the 'plain' suite, 'lines' forgets nothing and wins."""
+    """The peaked tiny model answers with newlines only. 'flat' learns to answer without them, which the
+    gate's yardstick rewards, so it beats the base on the held-out rows; but the suite 'lines' counts
+    newlines, so 'flat' forgets it and is refused with the suite named. Gated on the suite 'plain' (answers
+    without a newline) instead, it forgets nothing there, and wins."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(rewards.BUILTINS, "newline_share", _newline_share)
     suite_rows = [
@@ -243,10 +245,13 @@ def test_a_round_refuses_the_candidate_that_forgets_a_suite_and_lets_through_one
         "basic_arithmetic", 24, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1
     )
     train, heldout = split_snapshot(snapshot_table(prompts), 0.25)
-    lines = CandidateConfig(
-        name="lines", learning_rate=2e-3, kl_coef=0.0, reward=[RewardTerm(fn="newline_share")], start="fresh"
+    flat = CandidateConfig(
+        name="flat",
+        learning_rate=2e-3,
+        kl_coef=0.0,
+        reward=[RewardTerm(fn="newline_share", weight=-1.0)],
+        start="fresh",
     )
-    flat = lines.model_copy(update={"name": "flat", "reward": [RewardTerm(fn="newline_share", weight=-1.0)]})
     plain = RegressionSuiteConfig(
         name="plain",
         path="plain.jsonl",
@@ -254,43 +259,47 @@ def test_a_round_refuses_the_candidate_that_forgets_a_suite_and_lets_through_one
         tolerance=0.1,
         max_new_tokens=4,
     )
-    more_lines = RegressionSuiteConfig(
+    lines = RegressionSuiteConfig(
         name="lines", path="lines.jsonl", check="newline_share", tolerance=0.1, max_new_tokens=4
     )
     rl = RLConfig(
         steps_per_round=12,
         prompts_per_step=2,
         rollout={"group_size": 8, "max_new_tokens": 4, "engine": "hf"},
-        gate={"eval_prompts": 6, "max_kl": 100.0, "reward": [RewardTerm(fn="newline_share")], "bootstrap_samples": 200},
-        regression=[plain, more_lines],
+        gate={
+            "eval_prompts": 6,
+            "max_kl": 100.0,
+            "reward": [RewardTerm(fn="tests.trainer.test_regression:no_newline")],
+            "bootstrap_samples": 200,
+        },
+        regression=[plain, lines],
         seed=0,
     )
     evaluated = run_round(
-        RoundSpec(ModelConfig(name=str(peaked_model)), (lines, flat), rl), round_inputs(train, heldout), tmp_path / "r1"
+        RoundSpec(ModelConfig(name=str(peaked_model)), (flat,), rl), round_inputs(train, heldout), tmp_path / "r1"
     )
     result = gate_round(evaluated, rl)
 
     decision = result.decisions["hourglass"]
     assert decision.winner is None, decision.reason
-    assert "lines: forgets on regression suite 'plain'" in decision.reason
-    assert "flat: forgets on regression suite 'lines'" in decision.reason  # it unlearned newlines: the other suite
-    by_suite = {v.suite: v for v in decision.regression["flat"]}
-    assert by_suite["plain"].passed and by_suite["plain"].candidate_score >= by_suite["plain"].champion_score
-    plain_lines = {v.suite: v for v in decision.regression["lines"]}["plain"]
-    assert plain_lines.candidate_score < plain_lines.champion_score - 0.1
-    # per-suite scores: round metrics (MLflow's round run), candidate metrics, bounds from the gate
+    assert "flat: forgets on regression suite 'lines'" in decision.reason
+    assert decision.lower_bounds["flat"] > 0, "the test needs a candidate that beats the base on the gate"
+    verdicts = {v.suite: v for v in decision.regression["flat"]}
+    assert verdicts["plain"].passed and verdicts["plain"].candidate_score > verdicts["plain"].champion_score
+    assert not verdicts["lines"].passed
+    assert verdicts["lines"].candidate_score < verdicts["lines"].champion_score - 0.1
+    # per-suite scores: round metrics (logged on the round's MLflow run), candidate metrics, bounds from the gate
     metrics = result.metrics
-    assert metrics["regression/plain/lines"] == plain_lines.candidate_score
-    assert metrics["regression/plain/champion/hourglass"] == plain_lines.champion_score
-    assert metrics["regression/plain/lines/lower_bound"] == plain_lines.lower_bound
-    assert metrics["regression/plain/lines/passed"] == 0.0 and metrics["regression/plain/flat/passed"] == 1.0
-    by_name = {c.name: c for c in result.candidates}
-    assert by_name["lines"].eval_metrics["regression/plain"] == plain_lines.candidate_score
+    assert metrics["regression/lines/flat"] == verdicts["lines"].candidate_score
+    assert metrics["regression/lines/champion/hourglass"] == verdicts["lines"].champion_score
+    assert metrics["regression/lines/flat/lower_bound"] == verdicts["lines"].lower_bound
+    assert metrics["regression/lines/flat/passed"] == 0.0 and metrics["regression/plain/flat/passed"] == 1.0
+    assert result.candidates[0].eval_metrics["regression/lines"] == verdicts["lines"].candidate_score
     scored = evaluated.evaluations["hourglass"].regression["plain"]
     assert scored.prompt_ids == tuple(f"plain-{i}" for i in range(1, 7)) and len(scored.champion) == 6
 
-    # the same round gated on the 'lines' suite only: 'lines' forgets nothing there, and wins
-    only_lines = rl.model_copy(update={"regression": [more_lines]})
-    decision = gate_round(evaluated, only_lines).decisions["hourglass"]
-    assert decision.winner == "lines", decision.reason
-    assert [v.suite for v in decision.regression["lines"]] == ["lines"] and decision.regression["lines"][0].passed
+    # the same round gated on the 'plain' suite only: 'flat' forgets nothing there, and wins
+    only_plain = rl.model_copy(update={"regression": [plain]})
+    decision = gate_round(evaluated, only_plain).decisions["hourglass"]
+    assert decision.winner == "flat", decision.reason
+    assert [v.suite for v in decision.regression["flat"]] == ["plain"] and decision.regression["flat"][0].passed
