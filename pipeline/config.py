@@ -407,6 +407,14 @@ class HourglassConfig(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"candidate names must be unique; repeated: {duplicates}")
+        served = {c.served_model for c in self.candidates}
+        for suite in self.rl.regression:
+            unknown = sorted(set(suite.served_models) - served)
+            if unknown:
+                raise ValueError(
+                    f"rl.regression suite {suite.name!r}: served_models {unknown} have no candidate "
+                    f"(candidates compete for {sorted(served)})"
+                )
         too_big = [c.name for c in self.candidates if c.lora_rank > self.serving.max_lora_rank]
         if too_big:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Typed settings of the trainer: the ``[model]``, ``[[candidates]]`` and ``[rl]`` sections of
 ``hourglass.toml`` (``[rl]`` with its sections ``[rl.rollout]``, ``[rl.update]``, ``[rl.split]``,
-``[rl.gate]``, ``[rl.ray]``, ``[rl.reward_model]``), and the names of every strategy a round
+``[rl.gate]``, ``[rl.ray]``, ``[rl.reward_model]``, ``[[rl.regression]]``: :mod:`trainer.regression_config`), and the names of every strategy a round
 chooses by config (:class:`Algorithm`, :class:`GateMetric`, :class:`RolloutEngineKind`,
 :class:`AdapterStoreKind`, :class:`ExecutorKind`, :class:`UpdateMode`): each is a ``StrEnum`` that
 keys the registry of its room."""
@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from connectors.config_base import Section
+from trainer.regression_config import RegressionSuiteConfig
 from trainer.rewards import resolve
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
@@ -583,7 +584,7 @@ MOVED_RL_KEYS: dict[str, str] = {
 
 class RLConfig(Section):
     """How a round trains, evaluates and gates: ``[rl]`` and its sections ``[rl.rollout]``, ``[rl.update]``,
-    ``[rl.split]``, ``[rl.gate]``, ``[rl.monitors]``, ``[rl.ray]`` and ``[rl.reward_model]``."""
+    ``[rl.split]``, ``[rl.gate]``, ``[rl.monitors]``, ``[rl.ray]``, ``[rl.reward_model]`` and ``[[rl.regression]]``."""
 
     window: str = Field(default="24h", description="Default data window of a round (e.g. 6h, 2d).")
     seed: int = Field(
@@ -622,12 +623,27 @@ class RLConfig(Section):
     reward_model: RewardModelConfig = Field(
         default_factory=RewardModelConfig, description="The reward model learned from feedback each round."
     )
+    regression: list[RegressionSuiteConfig] = Field(
+        default_factory=list,
+        description="Regression suites against forgetting (`[[rl.regression]]`), scored greedily for every candidate "
+        "and its champion each round; a candidate that drops below the champion on one by more than its tolerance "
+        "is refused. None by default; `shipped:reasoning-gym-mix` is the suite Hourglass ships.",
+    )
 
     @field_validator("window")
     @classmethod
     def _window(cls, window: str) -> str:
         window_seconds(window)
         return window
+
+    @field_validator("regression")
+    @classmethod
+    def _unique_suites(cls, suites: list[RegressionSuiteConfig]) -> list[RegressionSuiteConfig]:
+        names = [s.name for s in suites]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"regression suite names must be unique; repeated: {repeated}")
+        return suites
 
 
 def uses_reward_model(candidate: CandidateConfig) -> bool:

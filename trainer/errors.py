@@ -35,6 +35,11 @@ class RolloutError(TrainerError, RuntimeError):
     """A rollout engine failed: an HTTP error from vLLM, or a malformed answer."""
 
 
+class SuiteError(TrainerError, ValueError):
+    """A regression suite (``[[rl.regression]]``) cannot be read or scored: its file is missing or outside the
+    working directory, a line is not a prompt, or its check cannot be imported or fails on an answer."""
+
+
 class DataError(TrainerError, ValueError):
     """A snapshot table lacks a column, or a row holds unreadable JSON."""
 

@@ -4,7 +4,7 @@ A reward function is any callable ``(prompt_messages, completion, metadata)
 -> float``; ``metadata`` is the row's metadata object (``reference_answer``
 lives there) plus, for logged rows, ``reward`` (the logged scalar).
 
-Built-ins (name -> function): ``exact_answer``, ``first_number_answer``,
+Built-ins (name -> function): ``exact_answer``, ``first_number_answer``, ``short_answer``,
 ``json_valid``, ``length_penalty``, ``format``, ``logged``, ``reward_model`` (the round's
 reward model's score of a fresh rollout, see :mod:`trainer.reward_model.model`). Anything else is imported from a
 ``module:function`` path. :func:`build_reward` turns a list of
@@ -122,6 +122,47 @@ def first_number_answer(
 first_number_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defined]
 
 
+_ANSWER_PREFIX = re.compile(r"^(?:final answer|the answer is|answer)\s*[:\-]?\s*", re.IGNORECASE)
+_EDGE_PUNCT = "\"'`*_.,;:!?()[]{}"
+
+
+def _words(text: str) -> list[str]:
+    """Words casefolded, punctuation and markdown stripped at their edges (empty ones dropped)."""
+    return [w for w in (word.strip(_EDGE_PUNCT).casefold() for word in text.split()) if w]
+
+
+def short_answer(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
+    """1.0 when the completion starts with ``metadata["reference_answer"]``: its first non-empty line,
+    an ``Answer:`` / ``The answer is`` prefix removed, begins with the reference's words (compared
+    casefolded, punctuation and markdown stripped at each word's edges; a numeric word numerically);
+    0.0 otherwise. For prompts that ask for a short answer first (Yes/No, one word, a number, a short list):
+    the shipped regression suite's check (``shipped:reasoning-gym-mix``).
+
+    Raises:
+        RewardError: the row has no ``reference_answer``.
+    """
+    if "reference_answer" not in metadata:
+        raise RewardError(f"short_answer needs metadata['reference_answer'] on every row; got keys {sorted(metadata)}")
+    reference = _words(str(metadata["reference_answer"]))
+    lines = [line for line in completion.strip().splitlines() if line.strip()]
+    if not reference or not lines:
+        return 0.0
+    answer = _words(_ANSWER_PREFIX.sub("", lines[0].strip().strip("*").strip()))[: len(reference)]
+    if len(answer) != len(reference):
+        return 0.0
+    for got, want in zip(answer, reference):
+        got_number, want_number = _as_number(got), _as_number(want)
+        if want_number is not None and got_number is not None:
+            if not math.isclose(got_number, want_number, rel_tol=0.0, abs_tol=1e-6):
+                return 0.0
+        elif got != want:
+            return 0.0
+    return 1.0
+
+
+short_answer.required_metadata = ("reference_answer",)  # type: ignore[attr-defined]
+
+
 def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, Any]) -> float:
     """1.0 when the completion (stripped, optional ```json fences removed) parses as JSON."""
     text = completion.strip()
@@ -204,6 +245,7 @@ TRAINING_ONLY = frozenset({"logged", "reward_model"})
 BUILTINS: dict[str, Callable[..., float]] = {
     "exact_answer": exact_answer,
     "first_number_answer": first_number_answer,
+    "short_answer": short_answer,
     "json_valid": json_valid,
     "length_penalty": length_penalty,
     "format": format_reward,

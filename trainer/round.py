@@ -42,6 +42,7 @@ from trainer.adapters.store import AdapterStore
 from trainer.config import CandidateConfig
 from trainer.errors import TrainerConfigError
 from trainer.evaluation.evaluate import Contestants, Evaluation, evaluate
+from trainer.evaluation.regression import load_suites
 from trainer.executors.executor import Executor, TrainJob, TrainOutcome
 from trainer.executors.registry import make_executor
 from trainer.model.base import ResidentBase, load_base
@@ -101,6 +102,7 @@ def run_round(
             target_modules the base's architecture lacks (or its tied LM head).
         DataError: unreadable tables, no prompts for a candidate, or a candidate on ``reward_model`` and
             too little labelled feedback to train one.
+        SuiteError: a regression suite (``[[rl.regression]]``) cannot be read, or its check fails on an answer.
         ExecutorError, ExecutorUnavailableError, PlacementTimeoutError: the ``ray`` executor's
             (:mod:`trainer.executors.ray_executor`).
     """
@@ -131,6 +133,8 @@ class RoundRecipe:
         self.on_phase, self.progress = on_phase, progress
         # the reward model's feedback (None: this round trains none); refused here when it cannot train one
         self.feedback = reward_phase.reward_data(inputs.data, spec.candidates, spec.rl.reward_model, spec.rl)
+        # the regression suites' prompts ([[rl.regression]]), read now: a missing or broken file fails the round here
+        self.suites = load_suites(spec.rl)
         # the components, built by setup(); None until then (and after a setup that failed part-way)
         self.executor: Executor | None = None
         self.base: ResidentBase | None = None
@@ -225,6 +229,7 @@ class RoundRecipe:
                 reward=self.reward,
                 tokens=self.plan.tokens,
                 on_phase=self.on_phase,
+                suites=self.suites,
             )
         return self.evaluation
 
@@ -248,7 +253,8 @@ class RoundRecipe:
                         step_metrics=tuple(self.trained.history[c.name]),
                         eval_rewards=r.rewards,
                         eval_metrics=r.as_metrics(str(self.spec.rl.gate.metric))
-                        | self.evaluation.monitor_metrics.get(c.name, {}),
+                        | self.evaluation.monitor_metrics.get(c.name, {})
+                        | self._suite_metrics(c),
                     )
                 )
             self.reward_result = reward_phase.finish(self.reward, self.out_dir)
@@ -306,6 +312,18 @@ class RoundRecipe:
         return reward_phase.create(
             base, store, self.spec.rl.reward_model, self.spec.rl, self.out_dir, self.inputs.reward_champion
         )
+
+    def _suite_metrics(self, candidate: CandidateConfig) -> dict[str, float]:
+        """``regression/<suite>``: the candidate's mean score on each regression suite of its served model."""
+        assert self.evaluation is not None
+        tenant = self.evaluation.tenants.get(candidate.served_model)
+        if tenant is None:
+            return {}
+        return {
+            f"regression/{name}": float(sum(scores.candidates[candidate.name]) / len(scores.candidates[candidate.name]))
+            for name, scores in tenant.regression.items()
+            if scores.candidates.get(candidate.name)
+        }
 
     # --- the result --------------------------------------------------------------------------------------
 

@@ -326,6 +326,34 @@ class SideReading:
 
 
 @dataclass(frozen=True)
+class SuiteScores:
+    """One regression suite on one served model: its check's score of each greedy answer, the champion's
+    and every candidate's on the same prompts (``champion[i]`` and ``candidates[name][i]`` answer prompt
+    ``i``; :mod:`trainer.evaluation.regression`)."""
+
+    suite: str
+    prompt_ids: tuple[str, ...]
+    champion: tuple[float, ...]
+    candidates: dict[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class SuiteVerdict:
+    """The gate's verdict on one candidate for one regression suite: mean scores of the champion and the
+    candidate on ``prompts`` prompts, the paired-bootstrap lower bound of mean(candidate - champion) at
+    ``rl.gate.confidence``, the suite's tolerance, and ``passed`` (bound >= -tolerance). ``prompts`` = 0:
+    the suite was not scored for the candidate (it fails)."""
+
+    suite: str
+    champion_score: float
+    candidate_score: float
+    lower_bound: float
+    tolerance: float
+    prompts: int
+    passed: bool
+
+
+@dataclass(frozen=True)
 class TenantEvaluation:
     """One served model's (tenant's) held-out evaluation: everything the gate decides on
     (:func:`trainer.evaluation.gate.gate`, a pure function of this record and ``[rl]``).
@@ -340,7 +368,8 @@ class TenantEvaluation:
     measurements of its greedy answers, ``champion_reading`` the champion's (None: not measured; the gate
     applies ``[rl.monitors]`` to them, :mod:`trainer.evaluation.monitors`); ``reward_model_gains``: per
     candidate, the round's reward model's predicted thumbs-up rate of its answers minus the champion's
-    (absent without a reward model).
+    (absent without a reward model); ``regression``: suite name -> the regression suites' scores
+    (``[[rl.regression]]`` suites of this served model).
     """
 
     served_model: str
@@ -356,6 +385,7 @@ class TenantEvaluation:
     readings: dict[str, SideReading] = field(default_factory=dict)
     champion_reading: SideReading | None = None
     reward_model_gains: dict[str, float] = field(default_factory=dict)
+    regression: dict[str, SuiteScores] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -387,7 +417,8 @@ class GateDecision:
     ``feedback``); ``champion_reward_mean`` and ``candidate_reward_means``
     hold each policy's value under it (mean reward, mean reward-model score,
     or feedback AUC), and ``lower_bounds`` maps candidate name to the
-    paired-bootstrap lower confidence bound of (candidate - champion) value.
+    paired-bootstrap lower confidence bound of (candidate - champion) value. ``regression`` maps
+    candidate name to its :class:`SuiteVerdict` s on the served model's regression suites (config order).
     """
 
     served_model: str
@@ -397,6 +428,7 @@ class GateDecision:
     candidate_reward_means: dict[str, float]
     lower_bounds: dict[str, float]
     metric: str = "verifiable"
+    regression: dict[str, tuple[SuiteVerdict, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ def config_check(
     """Validate FILE and report every problem at once (exit 2 when invalid).
 
     With ``deployment = "production"``, default, placeholder or missing secrets
-    (from the file or the HOURGLASS_* environment) are problems too.
+    (from the file or the HOURGLASS_* environment) are problems too; for the service, so is a
+    regression suite (``[[rl.regression]]``) whose file cannot be read from the working directory.
     """
     try:
         if role not in ("service", "gateway"):
@@ -98,6 +99,10 @@ def config_check(
         problems = secret_problems(cfg, role)  # type: ignore[arg-type]
         if problems:
             raise ConfigError(f"{file}: {len(problems)} unsafe secret(s)", problems)
+        if role == "service":
+            suite_problems = regression_suite_problems(cfg)
+            if suite_problems:
+                raise ConfigError(f"{file}: {len(suite_problems)} unreadable regression suite(s)", suite_problems)
     except ConfigError as err:
         emit({"ok": False, "problems": err.problems}, as_json)
         if not as_json:
@@ -108,6 +113,20 @@ def config_check(
     warnings = config_warnings(cfg)
     human = "\n".join([f"[green]{file}: OK[/]", *(f"  [yellow]warning:[/] {escape(w)}" for w in warnings)])
     emit({"ok": True, "problems": [], "warnings": warnings}, as_json, human)
+
+
+def regression_suite_problems(cfg: HourglassConfig) -> list[str]:
+    """Each ``[[rl.regression]]`` suite that cannot be read from the working directory, in words."""
+    from trainer.errors import SuiteError
+    from trainer.evaluation.regression import load_suite
+
+    problems = []
+    for suite in cfg.rl.regression:
+        try:
+            load_suite(suite)
+        except SuiteError as err:
+            problems.append(f"rl.regression: {err}")
+    return problems
 
 
 @config_app.command("show")

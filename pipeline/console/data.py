@@ -330,6 +330,7 @@ class ConsoleData:
                         }
                         for name, reward in sorted((d.get("candidate_rewards") or {}).items())
                     ],
+                    "suites": _suite_rows(d.get("regression") or {}),
                 }
             )
         metrics = record.get("metrics") or {}
@@ -490,3 +491,25 @@ def canary_view(status_canary: Any) -> dict[str, str]:
                 shown = {**view, "control": view.get("control") if view.get("control") == "base" else None}
                 out[f"{model} {label}"] = "; ".join(f"{k} {shown[k]}" for k in keys if shown.get(k) is not None)
     return out
+
+
+def _suite_rows(regression: dict[str, Any]) -> list[dict[str, Any]]:
+    """A decision's regression verdicts (candidate -> [verdict]) as one row per suite: the champion's score
+    and each candidate's score, lower bound of (candidate - champion), tolerance and pass."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, verdicts in sorted(regression.items()):
+        for v in verdicts if isinstance(verdicts, list) else []:
+            row = rows.setdefault(
+                v.get("suite", "?"),
+                {"suite": v.get("suite", "?"), "champion": v.get("champion_score"), "candidates": []},
+            )
+            row["candidates"].append(
+                {
+                    "name": name,
+                    "score": v.get("candidate_score"),
+                    "lower_bound": v.get("lower_bound"),
+                    "tolerance": v.get("tolerance"),
+                    "passed": bool(v.get("passed")),
+                }
+            )
+    return list(rows.values())

@@ -1,4 +1,5 @@
-"""The demo's scoreboard: the users' live verdict per phase of traffic, and gains.
+"""The demo's scoreboard: the users' live verdict per phase of traffic, gains, and forgetting on the
+shipped regression suite (base vs final champion).
 
 A *phase* is the traffic sent between two rounds (phase 0: before the first
 round). Its live thumbs-up rate comes from the reward buffer itself - the
@@ -9,11 +10,13 @@ each request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+
+from trainer.types import Prompt
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,40 @@ def plot_live_rates(rates: Sequence[LiveRate], out: Path) -> None:
     ax.set_title("Hourglass demo: what the users say, by round")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+
+
+FORGETTING_TARGET = 0.05  # issue 28: the final champion may lose at most this much on the shipped suite
+
+
+@dataclass(frozen=True)
+class SuiteScore:
+    """One model's greedy score on a regression suite: the check's mean over ``prompts`` answers."""
+
+    model: str
+    score: float
+    prompts: int
+
+
+def suite_score(
+    model: str, prompts: Sequence[Prompt], answer: Callable[[Prompt], str], check: Callable[..., float]
+) -> SuiteScore:
+    """``model``'s mean ``check`` score of ``answer(prompt)`` (its greedy answer) over ``prompts``."""
+    scores = [float(check(p.messages, answer(p), p.metadata)) for p in prompts]
+    return SuiteScore(model, sum(scores) / len(scores) if scores else float("nan"), len(scores))
+
+
+def forgetting_line(
+    suite: str, base: SuiteScore, champion: SuiteScore | None, target: float = FORGETTING_TARGET
+) -> str:
+    """The scoreboard's forgetting line: forgetting = base - champion on the shipped suite, against the target."""
+    if champion is None:
+        return (
+            f"regression suite {suite}: base {base.score:.3f} on {base.prompts} prompts; no champion was promoted, "
+            "so nothing was forgotten"
+        )
+    loss = base.score - champion.score
+    verdict = "within" if loss <= target else "OVER"
+    return (
+        f"regression suite {suite}: base {base.score:.3f}, final champion ({champion.model}) {champion.score:.3f} "
+        f"on {base.prompts} prompts; forgetting (base - champion) {loss:+.3f}, {verdict} the target <= {target:g}"
+    )

@@ -23,7 +23,8 @@ model learns from what its users say, and nothing else.
    (from the reward buffer), greedy accuracy by the users' own check on fresh
    prompts for the base, the final champion and the oracle (a recipe trained on
    that very check, served as its own model so it never competes for
-   promotion), feedback-only gain / oracle gain; a plot of the live rate.
+   promotion), feedback-only gain / oracle gain; the shipped regression suite's greedy score for the base
+   and the final champion (forgetting = base - champion; target <= 0.05); a plot of the live rate.
 
 The candidates of ``hourglass`` see only the users' feedback (reward model,
 KTO) and the gate uses no reference answer; the reference answers the traffic
@@ -57,8 +58,18 @@ from pipeline import stack
 from pipeline.cli.main import base_model_dir
 from pipeline.cli.common import load
 from pipeline.config import HourglassConfig
-from pipeline.demo.board import LiveRate, gain_ratio, live_rates, plot_live_rates
+from pipeline.demo.board import (
+    LiveRate,
+    SuiteScore,
+    forgetting_line,
+    gain_ratio,
+    live_rates,
+    plot_live_rates,
+    suite_score,
+)
 from pipeline.demo.traffic import Behaviour, Exchange, arithmetic_questions, create_demo_key, drive, is_correct
+from trainer.regression_config import RegressionSuiteConfig
+from trainer.types import Prompt
 
 console = Console(soft_wrap=True)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
@@ -142,6 +153,43 @@ def _greedy_accuracy(vllm_url: str, model: str, questions: list[tuple[str, str]]
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         return sum(pool.map(right, questions)) / len(questions)
+
+
+SHIPPED_SUITE = RegressionSuiteConfig(name="reasoning", path="shipped:reasoning-gym-mix", check="short_answer")
+
+
+def _suite_of(cfg: HourglassConfig) -> RegressionSuiteConfig:
+    """The regression suite the scoreboard reports: the config's first suite of the served model (the
+    demo's is the shipped one), else the shipped suite."""
+    return next((s for s in cfg.rl.regression if s.applies_to(cfg.serving.model_name)), SHIPPED_SUITE)
+
+
+def _suite_scores(vllm_url: str, models: dict[str, str], suite: RegressionSuiteConfig) -> dict[str, SuiteScore]:
+    """Each model's greedy score on ``suite`` (label -> served name), answers from vLLM 8 at a time."""
+    from trainer.evaluation.regression import load_suite, suite_check
+
+    prompts, check = load_suite(suite), suite_check(suite)
+
+    def scores(served: str) -> SuiteScore:
+        def answer(prompt: Prompt) -> str:
+            response = httpx.post(
+                f"{vllm_url}/v1/chat/completions",
+                json={
+                    "model": served,
+                    "messages": prompt.messages,
+                    "max_tokens": suite.max_new_tokens,
+                    "temperature": 0.0,
+                },
+                timeout=300,
+            )
+            response.raise_for_status()
+            return response.json()["choices"][0]["message"]["content"] or ""
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = dict(zip((p.prompt_id for p in prompts), pool.map(answer, prompts)))
+        return suite_score(served, prompts, lambda p: answers[p.prompt_id], check)
+
+    return {label: scores(served) for label, served in models.items()}
 
 
 def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -476,11 +524,16 @@ def main(
                 vllm_url, cfg.serving.base_served_name, questions
             )
         }
+        on_suite = {"base": cfg.serving.base_served_name}
         for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
             route = routes.get(served_model, {})
             served = route.get("served_name")
             if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
                 accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions)
+                if label == "champion":
+                    on_suite["champion"] = served
+        suite = _suite_of(cfg)
+        suite_scores = _suite_scores(vllm_url, on_suite, suite)
         canary_ids = sorted(canaries)
         all_rates = _live_verdict(
             cfg, phases + [canaries[i] for i in canary_ids], verdicts if behaviour.conversational else None
@@ -497,6 +550,7 @@ def main(
                 f"feedback-only gain {champion_acc - base_acc:+.3f}, oracle gain {oracle_acc - base_acc:+.3f}: "
                 f"feedback-only / oracle = {verdict}"
             )
+        console.print(forgetting_line(suite.name, suite_scores["base"], suite_scores.get("champion")))
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key):
             console.print(
                 f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})"

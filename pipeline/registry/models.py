@@ -69,7 +69,7 @@ from pipeline.registry.client import short_retry as _short_retry
 from pipeline.registry.client import transient as _transient
 from pipeline.registry.outbox import ROUNDS, Outbox
 from pipeline.registry.signing import TAG_SIGNATURE, sign, signing_keys
-from trainer.types import CandidateResult, GateDecision, RoundResult
+from trainer.types import CandidateResult, GateDecision, RoundResult, SuiteVerdict
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,18 @@ def _result_from_json(data: dict) -> tuple[RoundResult, bool]:
         heldout_rows=data["heldout_rows"],
         eval_prompt_ids=tuple(data["eval_prompt_ids"]),
         candidates=candidates,
-        decisions={k: GateDecision(**v) for k, v in data["decisions"].items()},
+        decisions={k: _decision_from_json(v) for k, v in data["decisions"].items()},
         metrics=data.get("metrics", {}),
     )
     return result, bool(data.get("_promote", False))
+
+
+def _decision_from_json(data: dict) -> GateDecision:
+    """A gate decision as :func:`_result_to_json` wrote it (entries written before regression suites have none)."""
+    regression = {
+        name: tuple(SuiteVerdict(**v) for v in verdicts) for name, verdicts in (data.get("regression") or {}).items()
+    }
+    return GateDecision(**{**data, "regression": regression})
 
 
 def save_pending(cfg: HourglassConfig, result: RoundResult, promote: bool) -> Path:

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -276,7 +277,8 @@ class RoundRunner:
             raise RoundCancelled(f"cancelled during train (before {boundary.phase} step {boundary.step})")
 
     def _record_gate(self, record: RoundRecord, result: RoundResult) -> None:
-        """``gate``: the decisions per served model (in the gate metric's unit) go into the record and the gauges."""
+        """``gate``: the decisions per served model (in the gate metric's unit, with each candidate's regression
+        suite verdicts) go into the record and the gauges."""
         record.metrics.update(result.metrics)
         record.decisions = {
             m: {
@@ -286,6 +288,7 @@ class RoundRunner:
                 "champion_reward": d.champion_reward_mean,
                 "candidate_rewards": d.candidate_reward_means,
                 "lower_bounds": d.lower_bounds,
+                "regression": {name: [asdict(v) for v in suites] for name, suites in d.regression.items()},
             }
             for m, d in result.decisions.items()
         }

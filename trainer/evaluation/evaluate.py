@@ -10,12 +10,13 @@ Numbered steps of :func:`evaluate`, in order:
 1. the usable held-out rows (the first ``rl.gate.eval_prompts`` the metric can use) and why the round may
    promote nothing (none usable, a reward model at chance);
 2. each served model's champion loaded into the adapter store and the engine;
-3. greedy answers of every candidate and champion, in one engine call;
+3. greedy answers of every candidate and champion, to the held-out rows and to every regression suite
+   (``[[rl.regression]]``, :mod:`trainer.evaluation.regression`) of its served model, in one engine call;
 4. the base's log-probs of the candidates' answers (one adapters-off pass: the KL guardrail);
 5. per candidate: its per-row values under the metric, KL and length;
-6. per served model: the champion's values, the reward-hack monitors' readings of every candidate's and the
-   champion's answers (:mod:`trainer.evaluation.monitors`; with a reward model, its predicted thumbs-up
-   rate of each side's answers too), and the record the gate reads.
+6. per served model: the champion's values, the regression suites' scores, the reward-hack monitors'
+   readings of every candidate's and the champion's answers (:mod:`trainer.evaluation.monitors`; with a
+   reward model, its predicted thumbs-up rate of each side's answers too), and the record the gate reads.
 
 Champions loaded in step 2 are unloaded whatever happens.
 """
@@ -32,9 +33,10 @@ import numpy as np
 
 from trainer.adapters.store import AdapterStore
 from trainer.config import CandidateConfig, GateMetric, RLConfig
-from trainer.evaluation.measure import greedy_answers, kl_to_base, reference_logprobs
+from trainer.evaluation.measure import GreedySet, greedy_sets, kl_to_base, reference_logprobs
 from trainer.evaluation.metrics import GATE_METRICS, HeldOut, feedback_labels, refusal, usable_rows
 from trainer.evaluation.monitors import Answer, predicted_rate, read_side
+from trainer.evaluation.regression import load_suites, score_suite
 from trainer.evaluation.stats import auc
 from trainer.model.base import ResidentBase
 from trainer.plan import PromptTokens
@@ -48,6 +50,7 @@ from trainer.types import (
     Prompt,
     RoundPhase,
     Sample,
+    SuiteScores,
     TenantEvaluation,
 )
 
@@ -71,7 +74,9 @@ class Contestants:
 class Evaluation:
     """What :func:`evaluate` measured: the held-out rows it used (their ids, oldest first), per candidate its :class:`~trainer.types.EvalResult`, per served
     model its :class:`~trainer.types.TenantEvaluation`, and round metrics (``eval/prompts``,
-    ``eval/<metric>/<candidate>``, ``eval/<metric>/champion/<tenant>``; undefined values left out)."""
+    ``eval/<metric>/<candidate>``, ``eval/<metric>/champion/<tenant>``, and per regression suite
+    ``regression/<suite>/<candidate>`` and ``regression/<suite>/champion/<tenant>``, the mean scores;
+    undefined values left out)."""
 
     prompt_ids: tuple[str, ...]
     results: dict[str, EvalResult]
@@ -99,14 +104,19 @@ def evaluate(
     reward: RewardPhase | None = None,
     tokens: PromptTokens | None = None,
     on_phase: PhaseHook | None = None,
+    suites: Mapping[str, Sequence[Prompt]] | None = None,
 ) -> Evaluation:
     """The numbered steps of the module docstring. ``reward``: the round's reward model (trained on the
-    train split) and its held-out report; ``tokens``: the round's prompt-token cache.
+    train split) and its held-out report; ``tokens``: the round's prompt-token cache; ``suites``: each
+    ``[[rl.regression]]`` suite's prompts by name (default: read now, :func:`~trainer.evaluation.regression.load_suites`).
 
     ``on_phase`` is called with ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")`` before the greedy
     answers and ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=name)`` before each candidate
     is scored; if it raises, the champions loaded here are unloaded and the error propagates.
     No usable held-out row is not an error: every served model keeps its champion, and the record says why.
+
+    Raises:
+        SuiteError: a regression suite cannot be read, or its check fails on an answer.
     """
     check: PhaseHook = on_phase or (lambda _boundary: None)
     spec = GATE_METRICS[rl.gate.metric]
@@ -115,17 +125,40 @@ def evaluate(
     # 1. the rows and why they may not promote
     rows = eval_prompts(heldout, rl)
     why_not = refusal(rows, len(heldout), rl, reward.model, reward.report)
-    ids = (tokens or PromptTokens(base, rl)).many(rows)
+    tokens = tokens or PromptTokens(base, rl)
+    ids = tokens.many(rows)
     labels = tuple(feedback_labels(rows)) if spec.comparison == Comparison.AUC else None
+    suite_prompts = load_suites(rl) if suites is None else suites
+    suite_ids = {  # the oldest tokens cut so the suite's answers still fit in base.max_seq_len
+        s.name: [ids_[-max(1, base.max_seq_len - s.max_new_tokens) :] for ids_ in tokens.many(suite_prompts[s.name])]
+        for s in rl.regression
+        if s.name in suite_prompts
+    }
     # 2. the champions
     tenants = contestants.tenants
     champion_versions, champion_names = _load_champions(store, engine, tenants, contestants.champions, round_id)
     try:
-        # 3. greedy answers of every version, one engine call
+        # 3. greedy answers of every version to the held-out rows and its suites, one engine call
         check(PhaseBoundary(RoundPhase.EVALUATE, part="greedy"))
         versions = dict(contestants.versions)
         everyone = [*versions.values(), *sorted(set(champion_versions.values()))]
-        answers = greedy_answers(engine, everyone, rows, ids, rl) if rows else {}
+        on_suite = {  # each suite's versions: its served models' candidates and champions
+            s.name: list(
+                dict.fromkeys(
+                    [versions[c.name] for c in contestants.candidates if s.applies_to(c.served_model)]
+                    + [champion_versions[t] for t in tenants if s.applies_to(t)]
+                )
+            )
+            for s in rl.regression
+            if s.name in suite_prompts
+        }
+        sets = [GreedySet(everyone if rows else [], rows, ids, rl.rollout.max_new_tokens)] + [
+            GreedySet(on_suite[s.name], suite_prompts[s.name], suite_ids[s.name], s.max_new_tokens)
+            for s in rl.regression
+            if s.name in on_suite
+        ]
+        answered = greedy_sets(engine, sets, rl.seed)
+        answers, suite_answers = answered[0], dict(zip(on_suite, answered[1:]))
         held = HeldOut(base, rows, ids, answers, rl, reward.model)
         values = spec.values(held) if rows else (lambda _version: ())
         # the reward model's scores of every version's answers (the reward_gap monitor's round half)
@@ -157,9 +190,11 @@ def evaluate(
                 mean_length=sum(len(s.token_ids) for s in samples) / len(samples) if samples else float("nan"),
                 value=auc(row_values, labels) if labels is not None else None,
             )
-        # 6. each served model's champion, the monitors' readings, and what the gate reads
+        # 6. each served model's champion, the regression suites' scores, the monitors' readings, and what the
+        #    gate reads
         evaluations: dict[str, TenantEvaluation] = {}
         metrics = {"eval/prompts": float(len(rows))}
+        suite_scores = _score_suites(rl, suite_prompts, suite_answers)
         readings = {v: read_side(_answers(rows, answers[v]), rl.monitors) for v in answers}
         for tenant in tenants:
             if tenant in champion_names:
@@ -182,6 +217,9 @@ def evaluate(
                 champion_label=label,
                 labels=labels,
                 refusal=why_not,
+                regression=_tenant_suites(
+                    rl, tenant, contestants, versions, champion_versions[tenant], suite_prompts, suite_scores
+                ),
                 readings={
                     c.name: readings[versions[c.name]]
                     for c in contestants.candidates
@@ -197,6 +235,9 @@ def evaluate(
             metrics[f"eval/{metric}/champion/{tenant}"] = champion_value
             if champion_versions[tenant] in readings:
                 metrics |= readings[champion_versions[tenant]].as_metrics(f"monitor/champion/{tenant}")
+            for name, scored in evaluations[tenant].regression.items():
+                metrics[f"regression/{name}/champion/{tenant}"] = float(np.mean(scored.champion))
+                metrics |= {f"regression/{name}/{c}": float(np.mean(v)) for c, v in scored.candidates.items()}
         metrics |= {f"eval/{metric}/{name}": r.metric_value for name, r in results.items()}
         monitor_metrics = {
             c.name: _monitor_metrics(c.name, evaluations[c.served_model]) for c in contestants.candidates
@@ -227,6 +268,43 @@ def _answers(rows: Sequence[Prompt], samples: Sequence[Sample]) -> list[Answer]:
         Answer(p.messages, s.text, {**p.metadata, "tools": p.tools} if p.tools else p.metadata)
         for p, s in zip(rows, samples)
     ]
+
+
+def _score_suites(
+    rl: RLConfig, prompts: Mapping[str, Sequence[Prompt]], answers: Mapping[str, Mapping[str, Sequence[Sample]]]
+) -> dict[str, dict[str, tuple[float, ...]]]:
+    """Suite name -> version -> the suite check's score of each of its greedy answers."""
+    return {
+        s.name: {v: score_suite(s, prompts[s.name], a) for v, a in answers[s.name].items()}
+        for s in rl.regression
+        if s.name in answers
+    }
+
+
+def _tenant_suites(
+    rl: RLConfig,
+    tenant: str,
+    contestants: Contestants,
+    versions: Mapping[str, str],
+    champion_version: str,
+    prompts: Mapping[str, Sequence[Prompt]],
+    scores: Mapping[str, Mapping[str, tuple[float, ...]]],
+) -> dict[str, SuiteScores]:
+    """One served model's regression suites: its champion's and candidates' scores (suites it faces)."""
+    out = {}
+    for s in rl.regression:
+        if not s.applies_to(tenant) or s.name not in scores:
+            continue
+        by_version = scores[s.name]
+        out[s.name] = SuiteScores(
+            suite=s.name,
+            prompt_ids=tuple(p.prompt_id for p in prompts[s.name]),
+            champion=by_version[champion_version],
+            candidates={
+                c.name: by_version[versions[c.name]] for c in contestants.candidates if c.served_model == tenant
+            },
+        )
+    return out
 
 
 def _load_champions(

@@ -5,10 +5,13 @@ confidence bound on (candidate - champion) value - the mean of paired per-row di
 an AUC comparison the AUC difference on the same resampled rows - if that bound exceeds
 ``rl.gate.margin`` and its guardrails hold: mean k3 KL to the base on its greedy answers <=
 ``rl.gate.max_kl`` (the serving engine's log-probs against the base's), mean completion length <=
-``rl.gate.max_mean_length`` tokens, no NaN, and no reward-hack monitor refuses it (:func:`monitor_refusal`:
-``[rl.monitors]`` on its greedy answers vs the champion's, :mod:`trainer.evaluation.monitors`). A refusal
-recorded by the evaluation (no usable held-out row, a reward model at chance) promotes nothing. Source of
-the bound: Efron & Tibshirani 1993, "An Introduction to the Bootstrap" (percentile interval).
+``rl.gate.max_mean_length`` tokens, no NaN, it forgets nothing: on every regression suite of its
+served model (``[[rl.regression]]``) the paired-bootstrap lower bound of mean(candidate - champion)
+score is at least ``-tolerance`` (:func:`trainer.evaluation.regression.suite_verdicts`), and no
+reward-hack monitor refuses it (:func:`monitor_refusal`: ``[rl.monitors]`` on its greedy answers vs the
+champion's, :mod:`trainer.evaluation.monitors`). A refusal recorded by the evaluation (no usable held-out
+row, a reward model at chance) promotes nothing. Source of the bound: Efron & Tibshirani 1993, "An
+Introduction to the Bootstrap" (percentile interval).
 
 No model, engine or I/O here: the round's ``gate`` state (:mod:`pipeline.rounds.job`) calls
 :func:`gate_round` on the evaluations the trainer returned, and a test can call :func:`gate` on
@@ -22,6 +25,7 @@ from dataclasses import replace
 
 from trainer.config import RLConfig
 from trainer.evaluation.monitors import MonitorCheck, check_all, check_metrics, refusal
+from trainer.evaluation.regression import describe_failure, suite_verdicts
 from trainer.evaluation.stats import paired_auc_lower_bound, paired_bootstrap_lower_bound
 from trainer.types import Comparison, GateDecision, RoundResult, TenantEvaluation
 
@@ -49,7 +53,9 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
     bounds: dict[str, float] = {}
     verdicts: list[str] = []
     eligible: list[str] = []
+    regression = {name: suite_verdicts(name, evaluation.regression, evaluation.served_model, rl) for name in results}
     for name, r in results.items():
+        forgets = [v for v in regression[name] if not v.passed]
         if evaluation.comparison == Comparison.AUC:
             assert evaluation.labels is not None, "an AUC comparison needs each row's label"
             lb = paired_auc_lower_bound(
@@ -70,6 +76,8 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
             verdicts.append(
                 f"{name}: mean length {r.mean_length:.1f} tokens > max_mean_length {rl.gate.max_mean_length}"
             )
+        elif forgets:
+            verdicts.append(f"{name}: " + "; ".join(describe_failure(v, champion_label) for v in forgets))
         elif hack := monitor_refusal(evaluation, name, rl):
             verdicts.append(f"{name}: {hack}")
         elif not lb > rl.gate.margin:
@@ -95,20 +103,27 @@ def gate(evaluation: TenantEvaluation, rl: RLConfig) -> GateDecision:
         candidate_reward_means=values,
         lower_bounds=bounds,
         metric=evaluation.metric,
+        regression=regression,
     )
 
 
 def gate_round(result: RoundResult, rl: RLConfig) -> RoundResult:
-    """``result`` with one :class:`~trainer.types.GateDecision` per served model it evaluated, and each
-    candidate's monitor drifts in its metrics (``monitor/<candidate>/<monitor>``, ``.../refused``)."""
-    monitors = {
+    """``result`` with one :class:`~trainer.types.GateDecision` per served model it evaluated, each
+    candidate's monitor drifts in its metrics (``monitor/<candidate>/<monitor>``, ``.../refused``), and the
+    regression verdicts as round metrics: ``regression/<suite>/<candidate>/lower_bound`` and ``.../passed``
+    (1 or 0; the scores themselves come from the evaluation)."""
+    decisions = {model: gate(e, rl) for model, e in sorted(result.evaluations.items())}
+    metrics = dict(result.metrics)
+    metrics |= {
         f"monitor/{name}/{k.removeprefix('monitor/')}": v
         for e in result.evaluations.values()
         for name in e.candidates
         for k, v in check_metrics(monitor_checks(e, name, rl)).items()
     }
-    return replace(
-        result,
-        decisions={model: gate(e, rl) for model, e in sorted(result.evaluations.items())},
-        metrics={**result.metrics, **monitors},
-    )
+    for decision in decisions.values():
+        for name, suites in decision.regression.items():
+            for v in suites:
+                if math.isfinite(v.lower_bound):
+                    metrics[f"regression/{v.suite}/{name}/lower_bound"] = v.lower_bound
+                metrics[f"regression/{v.suite}/{name}/passed"] = float(v.passed)
+    return replace(result, decisions=decisions, metrics=metrics)

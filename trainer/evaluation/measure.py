@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +20,44 @@ from trainer.rollout.engine import RolloutEngine, RolloutRequest
 from trainer.types import Prompt, Sample
 
 
+@dataclass(frozen=True)
+class GreedySet:
+    """Prompts that some versions answer greedily: ``prompt_ids[i]`` are ``prompts[i]``'s token ids;
+    answers are at most ``max_new_tokens`` tokens."""
+
+    versions: Sequence[str]
+    prompts: Sequence[Prompt]
+    prompt_ids: Sequence[list[int]]
+    max_new_tokens: int
+
+
+def greedy_sets(engine: RolloutEngine, sets: Sequence[GreedySet], seed: int) -> list[dict[str, list[Sample]]]:
+    """Greedy completions of every set's versions on its prompts, all sets in one engine call (the engine
+    batches them). Returns per set ``{version: [answer to prompts[i]]}``."""
+    keys: list[tuple[int, str]] = []
+    requests: list[RolloutRequest] = []
+    for k, one in enumerate(sets):
+        for v in one.versions:
+            for p, ids in zip(one.prompts, one.prompt_ids, strict=True):
+                keys.append((k, v))
+                requests.append(
+                    RolloutRequest(
+                        version=v,
+                        prompt_id=p.prompt_id,
+                        prompt_token_ids=tuple(ids),
+                        n=1,
+                        max_new_tokens=one.max_new_tokens,
+                        temperature=0.0,
+                        seed=seed,
+                    )
+                )
+    groups = engine.generate(requests) if requests else []
+    out: list[dict[str, list[Sample]]] = [{v: [] for v in one.versions} for one in sets]
+    for (k, v), group in zip(keys, groups, strict=True):
+        out[k][v].append(group[0])
+    return out
+
+
 def greedy_answers(
     engine: RolloutEngine,
     versions: Sequence[str],
@@ -26,25 +65,8 @@ def greedy_answers(
     prompt_ids: Sequence[list[int]],
     rl: RLConfig,
 ) -> dict[str, list[Sample]]:
-    """Greedy completions of every version on every prompt, in one engine call."""
-    requests = [
-        RolloutRequest(
-            version=v,
-            prompt_id=p.prompt_id,
-            prompt_token_ids=tuple(ids),
-            n=1,
-            max_new_tokens=rl.rollout.max_new_tokens,
-            temperature=0.0,
-            seed=rl.seed,
-        )
-        for v in versions
-        for p, ids in zip(prompts, prompt_ids)
-    ]
-    groups = engine.generate(requests)
-    out: dict[str, list[Sample]] = {v: [] for v in versions}
-    for req, group in zip(requests, groups):
-        out[req.version].append(group[0])
-    return out
+    """Greedy completions of every version on every prompt, in one engine call (``rl.rollout.max_new_tokens``)."""
+    return greedy_sets(engine, [GreedySet(versions, prompts, prompt_ids, rl.rollout.max_new_tokens)], rl.seed)[0]
 
 
 EVAL_CHUNK = 16  # sequences per forward pass at evaluation (bounds the [B, T, V] logits)

@@ -46,20 +46,20 @@ class HFEngine:
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
         """``n`` samples per request, in request order.
 
-        Requests of one version run as left-padded batches (about
-        ``batch_size`` sequences); a batch uses the sampling settings
-        (temperature, max_new_tokens, seed) of its first request.
+        Requests of one version and the same sampling settings (``n``,
+        temperature, max_new_tokens, seed) run as left-padded batches (about
+        ``batch_size`` sequences).
 
         Raises:
             RolloutError: a version that was never loaded.
         """
         out: list[list[Sample] | None] = [None] * len(requests)
-        by_version: dict[str, list[int]] = {}
+        batches: dict[tuple[str, int, int, float, int], list[int]] = {}
         for i, req in enumerate(requests):
             if req.version != BASE_VERSION and req.version not in self.versions:
                 raise RolloutError(f"version {req.version!r} is not loaded; loaded: {sorted(self.versions)}")
-            by_version.setdefault(req.version, []).append(i)
-        for version, indices in by_version.items():
+            batches.setdefault((req.version, req.n, req.max_new_tokens, req.temperature, req.seed), []).append(i)
+        for (version, *_settings), indices in batches.items():
             for start in range(0, len(indices), max(1, self.batch_size // max(1, requests[indices[0]].n))):
                 chunk = indices[start : start + max(1, self.batch_size // max(1, requests[indices[0]].n))]
                 samples = self._generate_chunk(version, [requests[i] for i in chunk])

@@ -274,3 +274,28 @@ def test_editing_users_correct_wrong_answers_and_the_others_only_vote() -> None:
         else:
             assert "correction" not in vote, user
     assert 0 < sum("correction" in v for v in votes) < len(votes)
+
+
+def test_the_scoreboard_reports_forgetting_on_the_shipped_suite() -> None:
+    """The demo's suite is the shipped one; base and champion scored by its check; forgetting = base - champion."""
+    from pipeline.config import load_config
+    from pipeline.demo.board import forgetting_line, suite_score
+    from pipeline.demo.main import _suite_of
+    from trainer.evaluation.regression import load_suite, suite_check
+
+    suite = _suite_of(load_config(REPO / "deploy" / "demo.toml"))
+    assert suite.path == "shipped:reasoning-gym-mix" and suite.check == "short_answer"
+    prompts, check = load_suite(suite), suite_check(suite)
+    right = {p.prompt_id: p.metadata["reference_answer"] for p in prompts}
+    base = suite_score("base", prompts, lambda p: f"{right[p.prompt_id]}\nbecause ...", check)
+    half = {p.prompt_id for p in prompts[::2]}
+    champion = suite_score(
+        "hourglass-v3", prompts, lambda p: right[p.prompt_id] if p.prompt_id in half else "I do not know", check
+    )
+    assert (base.score, base.prompts, champion.score) == (1.0, 64, 0.5)
+    assert forgetting_line("reasoning", base, champion) == (
+        "regression suite reasoning: base 1.000, final champion (hourglass-v3) 0.500 on 64 prompts; "
+        "forgetting (base - champion) +0.500, OVER the target <= 0.05"
+    )
+    assert "+0.000, within the target" in forgetting_line("reasoning", champion, champion)
+    assert "no champion was promoted" in forgetting_line("reasoning", base, None)
