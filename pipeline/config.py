@@ -196,6 +196,14 @@ class ServingConfig(Section):
         "API server, half the compute on a 2-core host), 'auto' = vLLM's default, or a list such as '0-3'.",
     )
     startup_timeout_s: float = Field(default=300.0, gt=0, description="How long vLLM may take to become healthy.")
+    tool_call_parser: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9_]+$",
+        description="The embedded vLLM's tool parser (`--enable-auto-tool-choice --tool-call-parser`), the one that "
+        "fits the model's chat template: `hermes` for ChatML `<tool_call>` blocks (`model.chat_template = "
+        '"chatml-tools"`, Qwen2.5, Hermes models), `llama3_json`, `mistral`, `pythonic`... Unset: `tool_choice` '
+        "`auto` is refused by vLLM (400), `required` and a named tool still work (guided decoding).",
+    )
     reconcile_interval_s: float = Field(
         default=10.0,
         gt=0,

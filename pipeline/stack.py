@@ -29,6 +29,7 @@ import httpx
 from typing import TYPE_CHECKING
 
 from pipeline.errors import PortInUseError, StackError
+from trainer.templates import template_path
 
 if TYPE_CHECKING:
     from pipeline.config import HourglassConfig
@@ -449,6 +450,8 @@ def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Servi
                 block_size=cfg.serving.block_size,
                 cpu_threads=cfg.serving.cpu_threads,
                 startup_timeout_s=cfg.serving.startup_timeout_s,
+                chat_template=template_path(cfg.model.chat_template),  # the trainer renders with the same file
+                tool_call_parser=cfg.serving.tool_call_parser,
             )
         )
     return services

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from connectors.schema import content_text
-
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-CHATML_TOOLS = "chatml-tools"  # the built-in ChatML template with Hermes-style tools
-BUILTIN_TEMPLATES = {CHATML_TOOLS: TEMPLATES / "chatml_tools.jinja"}
 
 
 def _arguments(value: Any) -> dict[str, Any]:
@@ -104,11 +99,3 @@ def answer_token_ids(
     if isinstance(eos, str) and eos and eos in text:
         text = text[: text.rindex(eos) + len(eos)]  # the template's newline after the turn is not generated
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def template_path(choice: str | None) -> Path | None:
-    """The Jinja file of a ``model.chat_template`` setting: a built-in name (:data:`BUILTIN_TEMPLATES`), a path
-    to a file, or None (the model folder's own template)."""
-    if not choice:
-        return None
-    return BUILTIN_TEMPLATES.get(choice, Path(choice).expanduser())

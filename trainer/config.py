@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from connectors.config_base import Section
 from trainer.regression_config import RegressionSuiteConfig
 from trainer.rewards import resolve
+from trainer.templates import BUILTIN_TEMPLATES, template_path
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 
@@ -39,6 +40,23 @@ class ModelConfig(Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="`auto` picks cuda when available.")
     max_seq_len: int = Field(default=1024, ge=32, description="Longest prompt + completion, tokens.")
+    chat_template: str | None = Field(
+        default=None,
+        description="The chat template the trainer renders prompts with and the embedded vLLM serves with "
+        "(`--chat-template`), one file for both: a built-in name (`chatml-tools`: ChatML with Hermes-style tools, "
+        'for ChatML tokenizers such as SmolLM2\'s, with `serving.tool_call_parser = "hermes"`) or a path to a Jinja '
+        "file. Unset: the model folder's own template.",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, value: str | None) -> str | None:
+        path = template_path(value)
+        if path is not None and not path.is_file():
+            raise ValueError(
+                f"chat_template {value!r} is neither a built-in template ({sorted(BUILTIN_TEMPLATES)}) nor a file"
+            )
+        return value
 
 
 class RewardTerm(Section):

@@ -23,6 +23,7 @@ from trainer import chat
 from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.model.logprobs import token_logprobs
+from trainer.templates import template_path
 from trainer.model.logprobs import RowsContext, distinct_prompts, no_rows_context, shared_prompt_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -265,6 +266,9 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
     """
     path = model_store.resolve(cfg.name, cfg.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    template = template_path(cfg.chat_template)
+    if template is not None:  # the template vLLM serves with too (serving's --chat-template)
+        tokenizer.chat_template = template.read_text()
     device = pick_device(cfg.device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device))
     module: torch.nn.Module = model  # transformers types its `to` override so that mypy rejects the call
