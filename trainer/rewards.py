@@ -171,7 +171,10 @@ def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, A
         text = fenced.group(1)
     try:
         json.loads(text)
-    except ValueError:
+    except (
+        ValueError,
+        RecursionError,
+    ):  # nested past the parser's limit (a degenerate "[[[[..." answer): not JSON here
         return 0.0
     return 1.0
 
