@@ -133,3 +133,16 @@ def test_a_config_linked_to_an_endless_file_is_refused_without_reading_it_all(tm
     (folder / "config.json").symlink_to("/dev/zero")
     code, out = _check(folder)
     assert code == 2 and any("config.json" in p for p in out["problems"]), out["problems"]
+
+
+def test_a_host_without_transformers_is_told_which_extra_checks_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a red-team pass: on a light role's host (no transformers) the check was a ModuleNotFoundError
+    traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers.models.auto.modeling_auto", None)
+    result = CliRunner().invoke(app, ["models", "check", str(_folder(tmp_path))])
+    assert result.exit_code == 1 and not isinstance(result.exception, ImportError)
+    assert "hourglass[trainer]" in result.output
