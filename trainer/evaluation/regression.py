@@ -62,8 +62,8 @@ def suite_check(suite: RegressionSuiteConfig) -> RewardMix:
         inspect.signature(fn).bind([], "", {}, **suite.check_kwargs)
     except TypeError as err:
         raise SuiteError(
-            f"regression suite {suite.name!r}: check {suite.check!r} does not take check_kwargs "
-            f"{sorted(suite.check_kwargs)}: {err}"
+            f"regression suite {suite.name!r}: check {suite.check!r} cannot be called as "
+            f"check(messages, answer, metadata, **check_kwargs) with check_kwargs {sorted(suite.check_kwargs)}: {err}"
         ) from None
     except ValueError:  # no signature to read (a builtin): checked when it is called
         pass
