@@ -15,7 +15,6 @@ No model or engine here: reading files and numbers only.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -29,7 +28,7 @@ from trainer.config import RLConfig
 from trainer.errors import SuiteError
 from trainer.evaluation.stats import paired_bootstrap_lower_bound
 from trainer.regression_config import SHIPPED_PREFIX, RegressionSuiteConfig
-from trainer.rewards import RewardError, RewardMix, build_reward, resolve
+from trainer.rewards import RewardError, RewardMix, build_reward, kwargs_problem, resolve
 from trainer.types import Prompt, Sample, SuiteScores, SuiteVerdict
 
 SHIPPED_DIR = Path(__file__).parent / "suites"
@@ -51,22 +50,20 @@ def suite_check(suite: RegressionSuiteConfig) -> RewardMix:
     """The suite's check as a reward mix of one term (a ``module:function`` is imported here).
 
     Raises:
-        SuiteError: the check cannot be imported or is not callable.
+        SuiteError: the check cannot be imported, is not callable, or cannot be called with its check_kwargs.
     """
     try:
         mix = build_reward([_CheckTerm(suite)])
         fn = resolve(suite.check)
     except RewardError as err:
         raise SuiteError(f"regression suite {suite.name!r}: check {suite.check!r}: {err}") from err
-    try:  # an unknown or missing keyword argument: refused when the suite loads, not after the engine call
-        inspect.signature(fn).bind([], "", {}, **suite.check_kwargs)
-    except TypeError as err:
+    problem = kwargs_problem(fn, suite.check_kwargs)  # refused when the suite loads, not after the engine call
+    if problem is not None:
         raise SuiteError(
             f"regression suite {suite.name!r}: check {suite.check!r} cannot be called as "
-            f"check(messages, answer, metadata, **check_kwargs) with check_kwargs {sorted(suite.check_kwargs)}: {err}"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): checked when it is called
-        pass
+            f"check(messages, answer, metadata, **check_kwargs) with check_kwargs {sorted(suite.check_kwargs)}: "
+            f"{problem}"
+        )
     return mix
 
 
