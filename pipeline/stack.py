@@ -333,6 +333,8 @@ def vllm_service(
         "--block-size",
         str(block_size),
         "--disable-log-stats",
+        "--load-format",  # the base's weights from *.safetensors only: never a pickled *.bin / *.pt
+        "safetensors",
     ]
     if chat_template is not None:
         argv += ["--chat-template", str(chat_template)]

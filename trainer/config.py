@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from connectors.config_base import Section
 from trainer.regression_config import RegressionSuiteConfig
-from trainer.rewards import resolve
+from trainer.rewards import kwargs_problem, resolve
 from trainer.templates import BUILTIN_TEMPLATES, template_path
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
@@ -76,6 +76,14 @@ class RewardTerm(Section):
         if ":" not in fn:  # a built-in: check the name now (a module:function is imported when the round builds it)
             resolve(fn)
         return fn
+
+    @model_validator(mode="after")
+    def _callable_with_kwargs(self) -> RewardTerm:
+        if ":" not in self.fn:  # a built-in: its keywords checked now, not when the round first scores a rollout
+            problem = kwargs_problem(resolve(self.fn), self.kwargs)
+            if problem is not None:
+                raise ValueError(f"reward {self.fn!r} with kwargs {sorted(self.kwargs)}: {problem}")
+        return self
 
 
 class Algorithm(StrEnum):

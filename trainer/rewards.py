@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import math
 import re
@@ -171,7 +172,10 @@ def json_valid(prompt_messages: Messages, completion: str, metadata: dict[str, A
         text = fenced.group(1)
     try:
         json.loads(text)
-    except ValueError:
+    except (
+        ValueError,
+        RecursionError,
+    ):  # nested past the parser's limit (a degenerate "[[[[..." answer): not JSON here
         return 0.0
     return 1.0
 
@@ -287,6 +291,18 @@ def resolve(name: str) -> Callable[..., float]:
     if not callable(fn):
         raise RewardError(f"reward {name!r} is not callable")
     return fn
+
+
+def kwargs_problem(fn: Callable[..., float], kwargs: Mapping[str, Any]) -> str | None:
+    """Why ``fn(messages, completion, metadata, **kwargs)`` cannot be called (an unknown or missing keyword, a
+    function of other arity), in words; None when it can, or when ``fn`` has no signature to read."""
+    try:
+        inspect.signature(fn).bind([], "", {}, **kwargs)
+    except TypeError as err:
+        return str(err)
+    except ValueError:  # no signature to read (a C builtin): found when it is called
+        return None
+    return None
 
 
 class RewardMix:

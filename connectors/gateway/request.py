@@ -385,10 +385,10 @@ def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> N
             raise RequestRefused(
                 400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages"
             )
-        if message.get("role") not in CHAT_ROLES:
-            raise RequestRefused(
-                400, f"{where}.role {message.get('role')!r} is not one of {sorted(CHAT_ROLES)}", param="messages"
-            )
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or object role is unhashable
+            shown = repr(role[:64]) if isinstance(role, str) else f"a {type(role).__name__}"
+            raise RequestRefused(400, f"{where}.role {shown} is not one of {sorted(CHAT_ROLES)}", param="messages")
         content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
@@ -449,7 +449,7 @@ def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
 def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
     if fmt is None:
         return
-    if not isinstance(fmt, dict) or fmt.get("type") not in _RESPONSE_FORMATS:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str) or fmt["type"] not in _RESPONSE_FORMATS:
         raise RequestRefused(
             400,
             f"field 'response_format' must be an object with type in {sorted(_RESPONSE_FORMATS)}",

@@ -180,7 +180,14 @@ def models_check(
     Set ``model.name`` to the folder to use it. Refused: no safetensors weights, an architecture transformers cannot
     load as a causal LM or the installed vLLM cannot serve with LoRA adapters, no chat template.
     """
-    report, problems, warnings = check_base_folder(folder)
+    try:
+        report, problems, warnings = check_base_folder(folder)
+    except ImportError as err:  # a host of a light role (the gateway's, the bare CLI) has no transformers
+        fail(
+            f"models check reads transformers' architecture table, not installed here ({err}): run it where the "
+            "trainer's extra is installed (pip install 'hourglass[trainer]')"
+        )
+        return
     data = {
         "ok": not problems,
         "path": str(report.path),

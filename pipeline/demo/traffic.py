@@ -246,6 +246,8 @@ def drive(
     A user whose request fails because the model server is away (the gateway's 502/503, a connection
     error or a timeout: e.g. vLLM restarted after the host ran out of memory) asks again every 5 s for up
     to ``patience_s`` seconds (tenacity), then the error is raised."""
+    if n <= 0:  # no requests, no users (a chat picks its user as ``session % n``)
+        return []
     client = OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=2, timeout=120)
     questions = arithmetic_questions(n, seed)
     users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]

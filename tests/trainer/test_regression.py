@@ -303,3 +303,40 @@ def test_a_round_refuses_the_candidate_that_forgets_a_suite_and_lets_through_one
     decision = gate_round(evaluated, only_plain).decisions["hourglass"]
     assert decision.winner == "flat", decision.reason
     assert [v.suite for v in decision.regression["flat"]] == ["plain"] and decision.regression["flat"][0].passed
+
+
+def _inf_check(prompt_messages, completion: str, metadata) -> float:
+    return float("inf") if completion == "inf" else 1.0
+
+
+def test_hostile_suite_files_and_checks_are_refused_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a red-team pass: a line nested past the JSON parser's limit escaped as a RecursionError (a traceback
+    from `hourglass config check`), a line of gigabytes was read whole before its length was checked, a check's
+    unknown keyword argument passed the load and failed only when the round scored, after the engine call, and a
+    check returning infinity was scored (an infinite candidate score passes any tolerance)."""
+    from trainer.evaluation.regression import MAX_LINE_BYTES, score_suite
+    from trainer.types import Sample
+
+    monkeypatch.chdir(tmp_path)
+    good = {"prompt": "2 + 2?", "metadata": {"reference_answer": "4"}}
+    for line, message in [
+        ("[" * 60_000, "line 1: not JSON"),
+        ('{"prompt": "x", "metadata": ' + "[" * 60_000 + "}", "line 1: not JSON"),
+        ("x" * (MAX_LINE_BYTES * 64), f"line 1: longer than {MAX_LINE_BYTES} bytes"),
+    ]:
+        _write(tmp_path / "s.jsonl", [line])
+        with pytest.raises(SuiteError, match=message.replace("[", r"\[")):
+            load_suite(RegressionSuiteConfig(name="s", path="s.jsonl", check="exact_answer"))
+    (tmp_path / "s.jsonl").write_text("x" * (MAX_LINE_BYTES * 64))  # no newline at all
+    with pytest.raises(SuiteError, match="longer than"):
+        load_suite(RegressionSuiteConfig(name="s", path="s.jsonl", check="exact_answer"))
+    _write(tmp_path / "s.jsonl", [good])
+    with pytest.raises(SuiteError, match="bogus"):
+        load_suite(RegressionSuiteConfig(name="s", path="s.jsonl", check="exact_answer", check_kwargs={"bogus": 1}))
+    suite = RegressionSuiteConfig(name="s", path="s.jsonl", check=f"{__name__}:_inf_check")
+    prompts = load_suite(suite)
+    sample = Sample(prompt_id=prompts[0].prompt_id, text="inf", token_ids=(), logprobs=(), adapter_version="base")
+    with pytest.raises(SuiteError, match="not a finite number"):
+        score_suite(suite, prompts, [sample])

@@ -267,3 +267,15 @@ def test_logged_token_ids_outside_the_vocabulary_do_not_crash_reward_training(ti
     history = train_reward_model(model, data, cfg)
     assert len(history) == 1 and math.isfinite(history[0]["reward_model/loss"])
     store.close()
+
+
+def test_a_reward_model_that_scores_nan_has_no_auc() -> None:
+    """Found by a red-team pass: NaN scores ranked above every number, so a head that scored NaN on exactly the
+    up-voted rows had AUC 1.0 (and a bootstrap lower bound above 0.5: the round would use it); undefined now."""
+    from trainer.reward_model.model import auc_lower_bound
+
+    nan = float("nan")
+    scores, labels = [nan, 0.1, nan, 0.2, nan, 0.3], [True, False, True, False, True, False]
+    assert math.isnan(roc_auc(scores, labels))
+    assert math.isnan(auc_lower_bound(scores, labels, 0.95, 50))
+    assert auc_by_signal(scores, labels, ["thumbs"] * 6) == {}

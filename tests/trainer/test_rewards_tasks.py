@@ -147,3 +147,23 @@ def test_every_prompt_form_ingest_accepts_is_readable_as_chat_messages(tmp_path)
         "empty": [],
         "text": [{"role": "user", "content": "plain"}],
     }
+
+
+def test_json_valid_scores_an_answer_nested_past_the_parser_as_not_json() -> None:
+    """Found by a red-team pass: a degenerate candidate answering ``[[[[...`` (a thousand brackets) made json_valid
+    raise RecursionError, out of the reward, the monitors' format mix and a regression suite's check."""
+    assert json_valid(MSG, "[" * 5000 + "]" * 5000, {}) == 0.0
+    assert json_valid(MSG, "[" * 50 + "]" * 50, {}) == 1.0
+
+
+def test_a_built_in_rewards_unknown_keyword_is_a_config_error() -> None:
+    """Found by a red-team pass: `kwargs = {bogus = 1}` on a built-in reward passed `hourglass config check` and
+    failed only when a round first scored a rollout."""
+    import pydantic
+
+    from trainer.config import RewardTerm
+
+    with pytest.raises(pydantic.ValidationError, match="bogus"):
+        RewardTerm(fn="exact_answer", kwargs={"bogus": 1})
+    assert RewardTerm(fn="length_penalty", kwargs={"target_chars": 10}).kwargs == {"target_chars": 10}
+    assert RewardTerm(fn="reward_model", kwargs={"probability": False}).fn == "reward_model"

@@ -28,7 +28,7 @@ from trainer.config import RLConfig
 from trainer.errors import SuiteError
 from trainer.evaluation.stats import paired_bootstrap_lower_bound
 from trainer.regression_config import SHIPPED_PREFIX, RegressionSuiteConfig
-from trainer.rewards import RewardError, RewardMix, build_reward
+from trainer.rewards import RewardError, RewardMix, build_reward, kwargs_problem, resolve
 from trainer.types import Prompt, Sample, SuiteScores, SuiteVerdict
 
 SHIPPED_DIR = Path(__file__).parent / "suites"
@@ -50,12 +50,21 @@ def suite_check(suite: RegressionSuiteConfig) -> RewardMix:
     """The suite's check as a reward mix of one term (a ``module:function`` is imported here).
 
     Raises:
-        SuiteError: the check cannot be imported or is not callable.
+        SuiteError: the check cannot be imported, is not callable, or cannot be called with its check_kwargs.
     """
     try:
-        return build_reward([_CheckTerm(suite)])
+        mix = build_reward([_CheckTerm(suite)])
+        fn = resolve(suite.check)
     except RewardError as err:
         raise SuiteError(f"regression suite {suite.name!r}: check {suite.check!r}: {err}") from err
+    problem = kwargs_problem(fn, suite.check_kwargs)  # refused when the suite loads, not after the engine call
+    if problem is not None:
+        raise SuiteError(
+            f"regression suite {suite.name!r}: check {suite.check!r} cannot be called as "
+            f"check(messages, answer, metadata, **check_kwargs) with check_kwargs {sorted(suite.check_kwargs)}: "
+            f"{problem}"
+        )
+    return mix
 
 
 def suite_file(suite: RegressionSuiteConfig, root: Path | None = None) -> Path:
@@ -101,8 +110,11 @@ def load_suite(suite: RegressionSuiteConfig, root: Path | None = None) -> tuple[
     prompts: list[Prompt] = []
     seen: set[str] = set()
     with file.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if len(prompts) >= suite.max_prompts or number > MAX_LINES:
+        for number in range(1, MAX_LINES + 1):
+            if len(prompts) >= suite.max_prompts:
+                break
+            raw = lines.readline(MAX_LINE_BYTES + 2)  # bounded: a line is never read past its limit
+            if not raw:
                 break
             if len(raw) > MAX_LINE_BYTES:
                 raise SuiteError(f"{where} line {number}: longer than {MAX_LINE_BYTES} bytes")
@@ -148,6 +160,8 @@ def _prompt(text: str, where: str, default_id: str) -> Prompt:
         row = json.loads(text)
     except json.JSONDecodeError as err:
         raise SuiteError(f"{where}: not JSON ({err.msg})") from err
+    except RecursionError:
+        raise SuiteError(f"{where}: not JSON this parser reads (nested too deep)") from None
     if not isinstance(row, dict):
         raise SuiteError(f"{where}: a line must be a JSON object, got {type(row).__name__}")
     unknown = sorted(set(row) - {"id", "messages", "prompt", "metadata"})
@@ -189,7 +203,7 @@ def score_suite(
     """The check's score of each greedy answer (``answers[i]`` answers ``prompts[i]``).
 
     Raises:
-        SuiteError: the check raised or returned NaN on an answer (named by its prompt id).
+        SuiteError: the check raised or returned NaN or an infinity on an answer (named by its prompt id).
     """
     check = suite_check(suite)
     out = []
@@ -200,6 +214,11 @@ def score_suite(
             raise SuiteError(
                 f"regression suite {suite.name!r}: check {suite.check!r} failed on prompt {prompt.prompt_id!r}: {err}"
             ) from err
+        if not math.isfinite(value):
+            raise SuiteError(
+                f"regression suite {suite.name!r}: check {suite.check!r} returned {value} on prompt "
+                f"{prompt.prompt_id!r}: not a finite number"
+            )
         out.append(value)
     return tuple(out)
 

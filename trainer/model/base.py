@@ -20,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer import chat
+from trainer.errors import ModelStoreError
 from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.model.logprobs import token_logprobs
@@ -262,15 +263,22 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
     candidates' adapters.
 
     Raises:
-        UnknownModelError, ModelStoreError: from ``model_store.resolve``.
+        UnknownModelError, ModelStoreError: from ``model_store.resolve``; ModelStoreError: the folder has no
+            safetensors weights (pickles are never loaded).
     """
     path = model_store.resolve(cfg.name, cfg.cache_dir)
+    if not any(path.glob("*.safetensors")):  # pickled weights (*.bin, *.pt) can run code: never loaded
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        raise ModelStoreError(
+            f"base model {path} has no *.safetensors weights{f' (found {found})' if found else ''}: only safetensors "
+            "load; convert it (hourglass models check names how)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     template = template_path(cfg.chat_template)
     if template is not None:  # the template vLLM serves with too (serving's --chat-template)
         tokenizer.chat_template = template.read_text()
     device = pick_device(cfg.device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(cfg.dtype, device), use_safetensors=True)
     module: torch.nn.Module = model  # transformers types its `to` override so that mypy rejects the call
     module.to(device)  # in place
     return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)

@@ -362,19 +362,59 @@ class FolderReport:
     problems: tuple[str, ...]  # empty: the trainer can load it (vLLM's side: pipeline.serving.vllm_models)
 
 
+MAX_METADATA_FILE_BYTES = 64 << 20
+"""Largest ``config.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` read (a real one is kilobytes to a
+few MiB; a larger one, or one linked to an endless device, is refused, not read whole)."""
+
+
+def _read_small(path: Path) -> str:
+    """``path``'s text, at most :data:`MAX_METADATA_FILE_BYTES`.
+
+    Raises:
+        OSError: missing or unreadable.
+        ValueError: larger than the limit, or not UTF-8.
+    """
+    with path.open("rb") as file:
+        raw = file.read(MAX_METADATA_FILE_BYTES + 1)
+    if len(raw) > MAX_METADATA_FILE_BYTES:
+        raise ValueError(f"{path.name} is larger than {MAX_METADATA_FILE_BYTES >> 20} MiB")
+    return raw.decode("utf-8")
+
+
+def _read_json(path: Path) -> Any:
+    """``path`` parsed as JSON, bounded (:func:`_read_small`).
+
+    Raises:
+        OSError: missing or unreadable.
+        ValueError: too large, not UTF-8, not JSON, or nested past the parser's recursion limit.
+    """
+    try:
+        return json.loads(_read_small(path))
+    except RecursionError:
+        raise ValueError(f"{path.name} nests deeper than the JSON parser allows") from None
+
+
 def chat_template_text(folder: str | Path) -> str | None:
     """The chat template a tokenizer loads from ``folder``: ``chat_template.jinja`` (transformers >= 4.43 writes it)
-    or ``tokenizer_config.json``'s ``chat_template`` (a string, or the default of a list of named templates)."""
+    or ``tokenizer_config.json``'s ``chat_template`` (a string, or the default of a list of named templates).
+    None when there is none, or the file cannot be read (too large, not JSON: :func:`_read_json`)."""
     folder = Path(folder)
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(errors="replace")
+        try:
+            with jinja.open("rb") as file:
+                return file.read(MAX_METADATA_FILE_BYTES).decode("utf-8", errors="replace")
+        except OSError:
+            return None
     try:
-        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
+        config = _read_json(folder / "tokenizer_config.json")
+    except (OSError, ValueError):
         return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {
+            t.get("name"): t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         template = named.get("default") or named.get("tool_use")
     return template if isinstance(template, str) and template.strip() else None
 
@@ -395,7 +435,7 @@ def inspect_folder(folder: str | Path) -> FolderReport:
         problems.append(f"{folder} is not a folder")
     else:
         try:
-            loaded = json.loads((folder / "config.json").read_text())
+            loaded = _read_json(folder / "config.json")
             config = loaded if isinstance(loaded, dict) else {}
             if not config:
                 problems.append("config.json is not a JSON object")

@@ -344,10 +344,11 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 def roc_auc(scores_N: npt.ArrayLike, labels_N: npt.ArrayLike) -> float:
     """ROC AUC = P(score of a random positive > a random negative), ties count half
-    (Mann-Whitney U / (P N); Hanley & McNeil 1982). NaN without both labels."""
+    (Mann-Whitney U / (P N); Hanley & McNeil 1982). NaN without both labels, or when a score is NaN (it would
+    rank above every number: a head that scores NaN on the up-voted rows would look perfect)."""
     scores, labels = np.asarray(scores_N, dtype=np.float64), np.asarray(labels_N, dtype=bool)
     pos, neg = int(labels.sum()), int((~labels).sum())
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or np.isnan(scores).any():
         return float("nan")
     return float((_ranks(scores)[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
 

@@ -713,3 +713,26 @@ def _burst(gateway: str, keys: Keys) -> None:
     refill = (time.monotonic() - started) * 30 / 60
     assert len(codes) == 200 and set(codes) <= {200, 429}
     assert 25 <= codes.count(200) <= 30 + refill + 1, codes.count(200)  # up to the rate, not 9
+
+
+@pytest.mark.parametrize("role", [[], ["user"], {"role": "user"}, "r" * 100_000])
+def test_a_message_role_that_is_not_a_string_is_a_400_naming_messages(gateway: str, keys: Keys, role: Any) -> None:
+    """Found by a red-team pass: a list or object role was a 500 (unhashable in the role set), and a long one
+    came back whole in the 400."""
+    response = post(
+        gateway,
+        "/v1/chat/completions",
+        keys.client,
+        {"model": "hourglass", "messages": [{"role": role, "content": "x"}]},
+    )
+    assert response.status_code == 400, response.text[:300]
+    err = error(response)
+    assert err["param"] == "messages" and "messages.0.role" in err["message"] and len(err["message"]) < 500
+
+
+@pytest.mark.parametrize("kind", [[], {"type": "text"}])
+def test_a_response_format_type_that_is_not_a_string_is_a_400(gateway: str, keys: Keys, kind: Any) -> None:
+    """Found by a red-team pass: an unhashable response_format.type was a 500."""
+    response = chat(gateway, keys.client, response_format={"type": kind})
+    assert response.status_code == 400, response.text[:300]
+    assert error(response)["param"] == "response_format"

@@ -105,3 +105,44 @@ def test_up_refuses_a_brought_folder_before_starting_vllm(tmp_path: Path) -> Non
     (folder / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ModelStoreError, match="cannot be used: the tokenizer has no chat template"):
         base_model_dir(cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("config.json", "[" * 100_000, "config.json"),  # nests past the JSON parser's recursion limit
+        ("tokenizer_config.json", "[" * 100_000, "chat template"),
+        ("tokenizer_config.json", json.dumps({"chat_template": [{"name": ["x"], "template": "t"}]}), "chat template"),
+        ("config.json", json.dumps({"architectures": ["Qwen2ForCausalLM"], "pad": "x" * (65 << 20)}), "MiB"),
+    ],
+)
+def test_a_hostile_json_file_is_a_problem_not_a_traceback(tmp_path: Path, name: str, text: str, needle: str) -> None:
+    """Found by a red-team pass: a deeply nested config.json / tokenizer_config.json (RecursionError) or a named
+    chat template list whose name is a list (TypeError) crashed the check with a traceback; a huge config.json (or
+    one linked to /dev/zero) was read whole."""
+    folder = _folder(tmp_path)
+    (folder / name).write_text(text)
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"]
+    assert any(needle in problem for problem in out["problems"]), out["problems"]
+
+
+def test_a_config_linked_to_an_endless_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("/dev/zero")
+    code, out = _check(folder)
+    assert code == 2 and any("config.json" in p for p in out["problems"]), out["problems"]
+
+
+def test_a_host_without_transformers_is_told_which_extra_checks_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a red-team pass: on a light role's host (no transformers) the check was a ModuleNotFoundError
+    traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers.models.auto.modeling_auto", None)
+    result = CliRunner().invoke(app, ["models", "check", str(_folder(tmp_path))])
+    assert result.exit_code == 1 and not isinstance(result.exception, ImportError)
+    assert "hourglass[trainer]" in result.output

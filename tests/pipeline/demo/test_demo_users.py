@@ -144,3 +144,12 @@ def test_the_gateway_links_and_the_snapshot_reads_back_what_the_users_did(
     for e in out:
         expected = {"abandoned"} if e.action == "left" else {e.action}
         assert set(derived[e.trace_id]) == expected, (e, derived[e.trace_id])
+
+
+def test_no_requests_drive_no_users_instead_of_dividing_by_zero() -> None:
+    """Found by a red-team pass: `--traffic 0` (or `--between 0`) with `--rating-rate` below 1 raised
+    ZeroDivisionError (each chat picks its user as `session % n`); nothing is sent to the gateway either way."""
+    from pipeline.demo.traffic import drive
+
+    for behaviour in (Behaviour(), Behaviour(rating_rate=0.5)):
+        assert drive("http://127.0.0.1:9", "hourglass", 0, seed=1, behaviour=behaviour) == []
