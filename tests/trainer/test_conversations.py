@@ -55,10 +55,10 @@ RATED_CALL = [_call("c2", 40, 2)]
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model: Path):
+def base(arch_model):  # every test on the base runs on each architecture (Llama, Qwen2, Gemma 3)
     from trainer.model.base import load_base
 
-    b = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=1024))
+    b = load_base(ModelConfig(name=str(arch_model.path), dtype="float32", device="cpu", max_seq_len=1024))
     b.tokenizer.chat_template = TOOLS_TEMPLATE.read_text()  # the template vllm_tiny serves with
     return b
 
