@@ -463,6 +463,15 @@ def inspect_folder(folder: str | Path) -> FolderReport:
             "weights can run code); convert with transformers: AutoModelForCausalLM.from_pretrained(folder)"
             ".save_pretrained(out, safe_serialization=True)"
         )
+    elif weights and not {"model.safetensors", "model.safetensors.index.json"} & set(files):
+        problems.append(
+            f"safetensors files {list(weights)} but no model.safetensors (or model.safetensors.index.json for "
+            "shards): transformers loads the base from those names only (an adapter_model.safetensors is a LoRA "
+            "adapter, not a base model)"
+        )
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):  # bool("false") is True: a string here would tie the head silently
+        problems.append(f"config.json tie_word_embeddings is {tied!r} ({type(tied).__name__}): must be true or false")
     template = chat_template_text(folder) if folder.is_dir() else None
     if folder.is_dir() and template is None:
         problems.append(
@@ -474,7 +483,7 @@ def inspect_folder(folder: str | Path) -> FolderReport:
         path=folder,
         architecture=architecture,
         model_type=model_type,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=tied is True,
         weight_files=weights,
         chat_template=template is not None,
         template_offers_tools=template is not None and "tools" in template,

@@ -146,3 +146,32 @@ def test_a_host_without_transformers_is_told_which_extra_checks_a_folder(
     result = CliRunner().invoke(app, ["models", "check", str(_folder(tmp_path))])
     assert result.exit_code == 1 and not isinstance(result.exception, ImportError)
     assert "hourglass[trainer]" in result.output
+
+
+def test_safetensors_under_a_name_transformers_does_not_load_are_refused(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors").rename(folder / "adapter_model.safetensors")  # a LoRA adapter, not a base
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"]
+    (problem,) = out["problems"]
+    assert "no model.safetensors" in problem and "adapter_model.safetensors" in problem
+
+
+def test_sharded_safetensors_with_their_index_pass(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, out = _check(folder)
+    assert code == 0 and out["ok"], out["problems"]
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_a_tie_word_embeddings_that_is_not_a_bool_is_refused(tmp_path: Path, value: object) -> None:
+    folder = _folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": value}))
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"] and out["tied_embeddings"] is False
+    (problem,) = out["problems"]
+    assert f"tie_word_embeddings is {value!r}" in problem
