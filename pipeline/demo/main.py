@@ -408,13 +408,14 @@ def _print_scoreboard(
 
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
-    rounds: Annotated[int, typer.Option(help="Rounds to run.")] = 4,
-    traffic: Annotated[int, typer.Option(help="Requests before the first round.")] = 192,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds to run.")] = 4,
+    traffic: Annotated[int, typer.Option(min=1, help="Requests before the first round.")] = 192,
     between: Annotated[
-        int, typer.Option(help="Requests after each round (and its canary), served by the champion.")
+        int, typer.Option(min=1, help="Requests after each round (and its canary), served by the champion.")
     ] = 96,
     canary_wait: Annotated[
-        float, typer.Option(help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile).")
+        float,
+        typer.Option(min=0.0, help="Longest wait for a canary decision, seconds (traffic keeps flowing meanwhile)."),
     ] = 660.0,
     keep_up: Annotated[bool, typer.Option(help="Leave the stack, service and gateway running.")] = False,
     rating_rate: Annotated[

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from connectors.buffer import RewardBuffer
 from connectors.config import BufferConfig, ImplicitConfig
@@ -153,3 +154,19 @@ def test_no_requests_drive_no_users_instead_of_dividing_by_zero() -> None:
 
     for behaviour in (Behaviour(), Behaviour(rating_rate=0.5)):
         assert drive("http://127.0.0.1:9", "hourglass", 0, seed=1, behaviour=behaviour) == []
+
+
+@pytest.mark.parametrize(
+    "option", [["--traffic", "0"], ["--between", "-5"], ["--rounds", "0"], ["--canary-wait", "-1"]]
+)
+def test_demo_counts_below_their_floor_are_refused_before_anything_starts(option: list[str]) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from pipeline.demo.main import main
+
+    app = typer.Typer()
+    app.command()(main)
+    result = CliRunner().invoke(app, [*option, "--config", "does-not-exist.toml"])
+    assert result.exit_code == 2, result.output  # a usage error: the config is never read, no service started
+    assert option[0] in result.output
