@@ -28,8 +28,11 @@ Every ``serving.canary.check_interval_s`` the service calls
 The guard (``serving.guard``): for ``period_s`` after a canary promotion the new
 champion's live rate is compared, with the same test, to the previous
 champion's rate measured during the canary (both capped per key and per user
-as the canary's sides are); a significant drop rolls back with
-:func:`pipeline.registry.aliases.rollback` (what ``hourglass rollback`` runs).
+as the canary's sides are), and the answer monitors compare its answers since
+the promotion with the previous champion's during the canary; a significant
+drop, or a monitor that refuses, rolls back with
+:func:`pipeline.registry.aliases.rollback` (what ``hourglass rollback`` runs)
+and names the reason.
 """
 
 from __future__ import annotations
@@ -313,7 +316,11 @@ class CanaryMonitor:
             return None
         since, until = _parse(guard["since"]), _parse(guard["until"])
         baseline = ArmStats(**guard["baseline"])
-        (live,), binary = arm_stats(live_rewards(self.cfg, model, since), champion, **self._shares())
+        from connectors.buffer import RewardBuffer
+
+        buffer = RewardBuffer(self.cfg.buffer)
+        after = buffer.snapshot(start=since)
+        (live,), binary = arm_stats(live_rewards(self.cfg, model, since, after), champion, **self._shares())
         verdict = decide(
             live,
             baseline,
@@ -322,15 +329,35 @@ class CanaryMonitor:
             min_feedback=2**62,
             tau=self.cfg.serving.canary.mixture_sd,
         )
+        # The answer monitors: the new champion's answers since the promotion against the previous champion's
+        # during the canary (what the users' rate is compared with too); no reward-model prediction here.
+        started = mv.tags.get(state.TAG_STARTED)
+        before = buffer.snapshot(start=_parse(started), end=since) if started else after.slice(0, 0)
+        answers = {
+            champion: hack_monitors.served_answers(after, model, **self._shares()).get(champion, []),
+            guard["previous"]: hack_monitors.served_answers(before, model, **self._shares()).get(guard["previous"], []),
+        }
+        checks = hack_monitors.canary_checks(
+            answers, champion, guard["previous"], verdict, binary, None, self.cfg.rl.monitors
+        )
+        hacks = [c.reason for c in checks if c.refuses]
         evidence = _evidence(
-            verdict, binary, version=champion, previous=guard["previous"], since=guard["since"], until=guard["until"]
+            verdict,
+            binary,
+            version=champion,
+            previous=guard["previous"],
+            since=guard["since"],
+            until=guard["until"],
+            monitors=hack_monitors.as_view(checks),
         )
         FEEDBACK_COUNT.labels(model, champion).set(live.n)
         FEEDBACK_RATE.labels(model, champion).set(live.mean)
-        if verdict.decision == "abort":
-            reason = (
-                f"guard: live rate dropped after the promotion; {verdict.reason.replace('challenger', 'new champion')}"
-            )
+        if verdict.decision == "abort" or hacks:
+            if verdict.decision == "abort":
+                why = f"live rate dropped after the promotion; {verdict.reason.replace('challenger', 'new champion')}"
+            else:
+                why = f"reward-hack monitor: {'; '.join(hacks)}"
+            reason = f"guard: {why}"
             aliases.rollback(self.cfg, model, guard["previous"], client=self.client)
             self.client.set_model_version_tag(
                 model,

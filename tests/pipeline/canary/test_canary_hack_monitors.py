@@ -173,3 +173,29 @@ def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack,
     else:
         assert evasion["candidate"] == pytest.approx(60 / 160) and evasion["refuses"]
         assert view["decision"] == "abort" and "monitor evasion" in view["reason"]
+
+
+@pytest.mark.parametrize("monitors", ["on", "off"])
+def test_the_guard_rolls_back_a_new_champion_that_starts_to_evade(canary: Stack, monitors: str) -> None:
+    """The canary saw both sides answer alike and promoted v2; after the promotion v2's answers turn into
+    refusals while users rate it as they rated v1. The guard's rate test alone would keep it; the evasion
+    monitor (v2 since the promotion against v1 during the canary) rolls it back, naming the monitor."""
+    if monitors == "off":
+        _monitors_off(canary)
+    served(canary, "2", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    served(canary, "1", "Two plus three makes five, friend.", PER_SIDE // 2, PER_SIDE // 2)
+    assert canary.monitor.check_canary(MODEL)["decision"] == "promote"
+    assert canary.alias("champion") == "2" and state.TAG_GUARD in canary.reg.tags(MODEL, "2")
+    served(canary, "2", "I'm sorry, but I can't help with that.", PER_SIDE // 2, PER_SIDE // 2)
+
+    view = canary.monitor.check_guard(MODEL)
+
+    assert view["monitors"]["evasion"]["candidate"] == 1.0 and view["monitors"]["evasion"]["champion"] == 0.0
+    if monitors == "off":  # measured; the rate did not drop, so the guard keeps watching
+        assert view["decision"] == "watching" and canary.alias("champion") == "2"
+        return
+    assert view["decision"] == "rollback", view
+    assert view["reason"].startswith("guard: reward-hack monitor: monitor evasion: 100% of answers refuse")
+    assert canary.alias("champion") == "1"
+    result = state.read_json_tag(canary.reg.tags(MODEL, "2"), state.TAG_GUARD_RESULT)
+    assert result is not None and result["decision"] == "rollback" and "monitor evasion" in result["reason"]
