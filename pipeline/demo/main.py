@@ -211,10 +211,13 @@ def _sides(view: dict[str, Any]) -> str:
     """'challenger n events, r up vs champion n events, r up' of a canary view ('base' instead of
     'champion' when the model had no champion and the base served the other side)."""
 
+    rate = view.get("metric", "thumbs_up_rate") == "thumbs_up_rate"  # else implicit signals count: a mean reward
+
     def side(name: str, label: str) -> str:
         arm = view.get(name) or {}
         n, mean = arm.get("n", 0), arm.get("mean")
-        return f"{label} {n} feedback events, {'-' if not n or mean is None else f'{mean:.0%}'} thumbs-up"
+        value = "-" if not n or mean is None else f"{mean:.0%} thumbs-up" if rate else f"mean reward {mean:+.2f}"
+        return f"{label} {n} feedback events, {value}"
 
     return f"{side('challenger', 'challenger')} vs {side('champion', _control(view))}"
 
@@ -258,7 +261,8 @@ def _run_canary(
         f"canary: {model} v{version} serves {canary.fraction:.0%} of the users (sticky per user) beside {beside}, "
         f"{time.monotonic() - started:.0f} s after the round; decision rule: promote when both sides have "
         f"{canary.min_feedback} feedback events and the {1 - canary.alpha:.0%} always-valid interval of "
-        f"(challenger - {other}) thumbs-up rate is above -{canary.margin:g}; "
+        f"(challenger - {other}) thumbs-up rate (mean reward where implicit signals count) is above "
+        f"-{canary.margin:g}; "
         "abort when it is below 0 "
         f"or after {canary.max_duration_s:g} s"
     )

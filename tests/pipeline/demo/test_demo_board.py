@@ -144,6 +144,10 @@ def test_canary_printout_shows_fraction_counts_rates_decision_and_time(capsys: p
         "champion": {"n": 38, "mean": 0.24, "var": 0.2},
     }
     assert _sides(view) == "challenger 40 feedback events, 45% thumbs-up vs champion 38 feedback events, 24% thumbs-up"
+    implicit = {**view, "metric": "mean_reward", "challenger": {"n": 80, "mean": -0.263}}  # behaviour counts too
+    assert _sides(implicit) == (
+        "challenger 80 feedback events, mean reward -0.26 vs champion 38 feedback events, mean reward +0.24"
+    )
     sent = [Exchange(str(i), "q", "a", "1", True) for i in range(80)]
     line = _print_canary("2", view, sent, 63.2)
     assert (
