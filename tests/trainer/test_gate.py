@@ -138,3 +138,10 @@ def test_every_gate_metric_has_one_entry_with_its_unit_and_comparison() -> None:
         GateMetric.REWARD_MODEL: ("reward-model score", Comparison.MEAN),
         GateMetric.FEEDBACK: ("feedback AUC", Comparison.AUC),
     }
+
+
+def test_the_staged_champion_is_named_by_its_version_in_a_gate_reason() -> None:
+    from trainer.evaluation.evaluate import _champion_label
+
+    assert _champion_label("/srv/hourglass/state/staging/hourglass/v12") == "champion v12"
+    assert _champion_label("/tmp/rounds/r1/kto") == "champion /tmp/rounds/r1/kto"  # any other folder: its path

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +206,9 @@ def evaluate(
                 if labels is not None
                 else (float(np.mean(champion)) if len(champion) else float("nan"))
             )
-            label = "base" if champion_versions[tenant] == BASE_VERSION else f"champion {contestants.champions[tenant]}"
+            label = (
+                "base" if champion_versions[tenant] == BASE_VERSION else _champion_label(contestants.champions[tenant])
+            )
             evaluations[tenant] = TenantEvaluation(
                 served_model=tenant,
                 metric=metric,
@@ -260,6 +263,12 @@ def _monitor_metrics(name: str, tenant: TenantEvaluation) -> dict[str, float]:
     out = reading.as_metrics("monitor") if reading is not None else {}
     gain = tenant.reward_model_gains.get(name, float("nan"))
     return out | ({"monitor/reward_model_gain": gain} if math.isfinite(gain) else {})
+
+
+def _champion_label(folder: str | Path) -> str:
+    """``champion v3`` for the service's staged champion (``staging/<model>/v3``), else ``champion <folder>``."""
+    name = Path(folder).name
+    return f"champion {name}" if re.fullmatch(r"v\d+", name) else f"champion {folder}"
 
 
 def _answers(rows: Sequence[Prompt], samples: Sequence[Sample]) -> list[Answer]:
