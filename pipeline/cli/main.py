@@ -209,7 +209,7 @@ def models_check(
         raise typer.Exit(2)
     human = "\n".join(
         [
-            f"[green]{escape(str(folder))}: OK[/] ({report.architecture}, model_type {report.model_type}, "
+            f"[green]{escape(str(folder))}: OK[/] ({report.architecture}, model_type {escape(report.model_type)}, "
             f"{'tied' if report.tied_embeddings else 'untied'} embeddings, chat template "
             f"{'with' if report.template_offers_tools else 'without'} tools)",
             *(f"  [yellow]warning:[/] {escape(w)}" for w in warnings),

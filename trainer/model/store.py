@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import metadata
@@ -372,9 +373,12 @@ def _read_small(path: Path) -> str:
 
     Raises:
         OSError: missing or unreadable.
-        ValueError: larger than the limit, or not UTF-8.
+        ValueError: larger than the limit, not UTF-8, or a named pipe.
     """
-    with path.open("rb") as file:
+    # Opened non-blocking: a named pipe under the name would block a plain open() until a writer came (a hang).
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
+        if stat.S_ISFIFO(os.fstat(file.fileno()).st_mode):
+            raise ValueError(f"{path.name} is a named pipe, not a file")
         raw = file.read(MAX_METADATA_FILE_BYTES + 1)
     if len(raw) > MAX_METADATA_FILE_BYTES:
         raise ValueError(f"{path.name} is larger than {MAX_METADATA_FILE_BYTES >> 20} MiB")
@@ -403,9 +407,10 @@ def chat_template_text(folder: str | Path) -> str | None:
     if jinja.is_file():
         try:
             with jinja.open("rb") as file:
-                return file.read(MAX_METADATA_FILE_BYTES).decode("utf-8", errors="replace")
+                text = file.read(MAX_METADATA_FILE_BYTES).decode("utf-8", errors="replace")
         except OSError:
             return None
+        return text if text.strip() else None  # a blank template renders every prompt as nothing
     try:
         config = _read_json(folder / "tokenizer_config.json")
     except (OSError, ValueError):

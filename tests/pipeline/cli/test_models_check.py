@@ -175,3 +175,36 @@ def test_a_tie_word_embeddings_that_is_not_a_bool_is_refused(tmp_path: Path, val
     assert code == 2 and not out["ok"] and out["tied_embeddings"] is False
     (problem,) = out["problems"]
     assert f"tie_word_embeddings is {value!r}" in problem
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_named_pipe_in_place_of_a_json_file_is_refused_not_waited_on(tmp_path: Path, name: str) -> None:
+    """Found by a red-team pass: a named pipe under config.json / tokenizer_config.json blocked open() until a
+    writer came: the check hung."""
+    import os
+
+    folder = _folder(tmp_path)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"], out
+
+
+def test_a_blank_chat_template_file_is_no_chat_template(tmp_path: Path) -> None:
+    """Found by a red-team pass: a whitespace-only chat_template.jinja (which the tokenizer loads over the one in
+    tokenizer_config.json) passed as a chat template; every prompt renders as nothing."""
+    folder = _folder(tmp_path)
+    (folder / "chat_template.jinja").write_text("  \n")
+    code, out = _check(folder)
+    assert code == 2 and not out["chat_template"]
+    (problem,) = out["problems"]
+    assert "no chat template" in problem
+
+
+def test_a_model_type_that_looks_like_markup_is_printed_as_text(tmp_path: Path) -> None:
+    """Found by a red-team pass: config.json's model_type went unescaped into the human OK line; ``[/]`` made Rich
+    raise MarkupError (a traceback, exit 1) for a folder that passes."""
+    folder = _folder(tmp_path, model_type="[/] [bold]x")
+    result = CliRunner().invoke(app, ["models", "check", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "[/] [bold]x" in result.output
