@@ -331,8 +331,11 @@ class CanaryMonitor:
         )
         # The answer monitors: the new champion's answers since the promotion against the previous champion's
         # during the canary (what the users' rate is compared with too); no reward-model prediction here.
-        started = mv.tags.get(state.TAG_STARTED)
-        before = buffer.snapshot(start=_parse(started), end=since) if started else after.slice(0, 0)
+        try:
+            started: datetime | None = _parse(mv.tags[state.TAG_STARTED])
+        except (KeyError, ValueError):  # none, or edited in MLflow: the monitors wait, the rate test still decides
+            started = None
+        before = buffer.snapshot(start=started, end=since) if started else after.slice(0, 0)
         answers = {
             champion: hack_monitors.served_answers(after, model, **self._shares()).get(champion, []),
             guard["previous"]: hack_monitors.served_answers(before, model, **self._shares()).get(guard["previous"], []),

@@ -199,3 +199,26 @@ def test_the_guard_rolls_back_a_new_champion_that_starts_to_evade(canary: Stack,
     assert canary.alias("champion") == "1"
     result = state.read_json_tag(canary.reg.tags(MODEL, "2"), state.TAG_GUARD_RESULT)
     assert result is not None and result["decision"] == "rollback" and "monitor evasion" in result["reason"]
+
+
+@pytest.mark.parametrize("started", ["not-a-date", None])
+def test_a_canary_start_tag_that_does_not_parse_leaves_the_guard_s_rate_test_deciding(
+    canary: Stack, started: str | None
+) -> None:
+    """Found by a red-team pass: the guard reads the canary's start (``hourglass.canary_started_at``, a tag anyone
+    with MLflow access can edit) to find the previous champion's answers; a value that is not a time raised
+    ValueError on every look, so a new champion whose rate collapsed was never rolled back. Without a start the
+    monitors have no answers to compare and wait; the rate test still rolls back."""
+    served(canary, "2", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    served(canary, "1", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    assert canary.monitor.check_canary(MODEL)["decision"] == "promote"
+    if started is None:
+        canary.reg.delete_model_version_tag(MODEL, "2", state.TAG_STARTED)
+    else:
+        canary.reg.set_model_version_tag(MODEL, "2", state.TAG_STARTED, started)
+    served(canary, "2", "Two plus three makes five.", 0, PER_SIDE)  # users stop liking it
+
+    view = canary.monitor.check_guard(MODEL)
+
+    assert view["decision"] == "rollback", view
+    assert view["reason"].startswith("guard: live rate dropped") and canary.alias("champion") == "1"
