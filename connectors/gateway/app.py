@@ -669,12 +669,19 @@ def create_gateway_app(
         try:
             payload = json.loads(raw)
         except ValueError:
+            payload = None
+        if not isinstance(payload, dict):  # a JSON array or string is no answer either
             log.error(
-                "gateway: upstream %s answered trace %s with a body that is not JSON: %r", base, trace_id, raw[:200]
+                "gateway: upstream %s answered trace %s with a body that is not a JSON object: %r",
+                base,
+                trace_id,
+                raw[:200],
             )
             raise RequestRefused(
-                502, "the model server answered with a body that is not JSON", type_="upstream_error"
-            ) from None
+                502,
+                "the model server answered with a body that is not JSON (or not a JSON object)",
+                type_="upstream_error",
+            )
         completion = Completion()
         completion.add_payload(endpoint, payload, delta=False)
         strip_extras(payload, asked)

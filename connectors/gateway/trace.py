@@ -73,13 +73,28 @@ def strip_extras(payload: dict[str, Any], asked: ClientAsked) -> dict[str, Any]:
         payload["model"] = asked.model
     if not asked.token_ids:
         payload.pop("prompt_token_ids", None)
-    for choice in payload.get("choices") or []:
+    for choice in _choices(payload):
         if not asked.logprobs and "logprobs" in choice:
             choice["logprobs"] = None
         if not asked.token_ids:
             for key in _TOKEN_ID_KEYS:
                 choice.pop(key, None)
     return payload
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _choices(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's or chunk's choices that are objects. The model server's answer is read defensively (a
+    ``choices``, ``message``, ``logprobs`` or ``usage`` of another JSON type raised AttributeError: a 500, a
+    stream cut midway, or a trace lost with a traceback); what is not of the expected type counts as absent."""
+    return [c for c in _list(payload.get("choices")) if isinstance(c, dict)]
 
 
 @dataclass
@@ -138,28 +153,27 @@ class Completion:
 
     def add_choice(self, endpoint: Endpoint, choice: dict[str, Any], *, delta: bool) -> None:
         """Fold one choice (a full one, or a stream chunk's when ``delta``) into this completion."""
+        lp = _dict(choice.get("logprobs"))
         if endpoint == "chat":
-            message = choice.get("delta" if delta else "message") or {}
+            message = _dict(choice.get("delta" if delta else "message"))
             text = message.get("content")
             self._add_tool_calls(message.get("tool_calls"), delta=delta)
-            lp = choice.get("logprobs") or {}
-            self.logprobs.extend(entry.get("logprob") for entry in lp.get("content") or [])
+            self.logprobs.extend(_dict(entry).get("logprob") for entry in _list(lp.get("content")))
         else:
             text = choice.get("text")
-            lp = choice.get("logprobs") or {}
-            self.logprobs.extend(lp.get("token_logprobs") or [])
+            self.logprobs.extend(_list(lp.get("token_logprobs")))
         if isinstance(text, str):
             self.text_parts.append(text)
-        self.token_ids.extend(choice.get("token_ids") or [])
-        if choice.get("finish_reason"):
+        self.token_ids.extend(_list(choice.get("token_ids")))
+        if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
             self.finish_reason = choice["finish_reason"]
 
     def add_payload(self, endpoint: Endpoint, payload: dict[str, Any], *, delta: bool) -> None:
         """Fold the index-0 choice of a response / chunk, and its usage if present."""
-        for choice in payload.get("choices") or []:
+        for choice in _choices(payload):
             if choice.get("index", 0) == 0:
                 self.add_choice(endpoint, choice, delta=delta)
-        if payload.get("usage"):
+        if payload.get("usage") and isinstance(payload["usage"], dict):
             self.usage = payload["usage"]
         prompt_ids = payload.get("prompt_token_ids")
         if isinstance(prompt_ids, list) and prompt_ids and self.prompt_token_ids is None:

@@ -735,3 +735,45 @@ def test_feedback_over_the_buffers_limits_is_refused_not_stored_then_dead_letter
 
     assert refused.status_code == 400 and error(refused)["param"] == param and says in error(refused)["message"]
     assert gw.sink.feedback == []  # was 200 "stored", then an oversize_correction dead letter at ingest
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [1],  # a JSON array
+        {"choices": ["x"]},
+        {"choices": {"a": 1}},
+        {"choices": [{"index": 0, "message": "x", "logprobs": "x", "token_ids": 5, "finish_reason": ["x"]}]},
+        {"choices": [{"index": 0, "message": {"role": "assistant", "content": "4"}}], "usage": "x"},
+    ],
+)
+def test_an_upstream_answer_of_odd_json_types_is_not_a_500(gw: Gateway, answer: Any) -> None:
+    """Found by a red-team pass: a model server answer whose body, ``choices``, ``message``, ``logprobs`` or
+    ``usage`` was another JSON type raised AttributeError in the trace assembly (a 500, or a lost trace with a
+    traceback after the answer went out). A body that is not an object is a 502; odd parts count as absent."""
+    gw.upstream.reply = lambda body: httpx.Response(200, json=answer)
+
+    response = gw.chat()
+
+    if isinstance(answer, list):
+        assert response.status_code == 502 and error(response)["type"] == "upstream_error"
+    else:
+        assert response.status_code == 200
+
+
+def test_a_stream_chunk_of_odd_json_types_does_not_cut_the_stream(gw: Gateway) -> None:
+    """The same in a stream: a chunk whose choices are not objects raised in the relay and cut the stream."""
+    chunks = [
+        {"id": "c", "choices": ["x"]},
+        {"id": "c", "choices": [{"index": 0, "delta": "x", "logprobs": {"content": ["x"]}}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "four"}, "finish_reason": "stop"}], "usage": "x"},
+    ]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    gw.upstream.reply = lambda body: httpx.Response(
+        200, content=sse.encode(), headers={"content-type": "text/event-stream"}
+    )
+
+    response = gw.chat(stream=True)
+
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    assert gw.trace(response).completion == "four"
