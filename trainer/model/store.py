@@ -424,6 +424,22 @@ def chat_template_text(folder: str | Path) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
+def _index_problems(index: Path, files: set[str]) -> list[str]:
+    """Why the shard index ``model.safetensors.index.json`` cannot load: unreadable, no ``weight_map`` of file
+    names, or naming shards that are not files of the folder (a name with ``../`` reads outside it)."""
+    try:
+        loaded = _read_json(index)
+    except (OSError, ValueError) as err:
+        return [f"{index.name} cannot be read ({err}): transformers finds the shards through it"]
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        return [f"{index.name} has no weight_map of tensor names to shard files: transformers cannot find the shards"]
+    missing = sorted(set(weight_map.values()) - files)
+    if missing:
+        return [f"{index.name} names shards that are not files of the folder: {missing[:5]}"]
+    return []
+
+
 def inspect_folder(folder: str | Path) -> FolderReport:
     """Check a local Hugging Face folder for what the trainer needs, reporting every problem at once.
 
@@ -474,6 +490,8 @@ def inspect_folder(folder: str | Path) -> FolderReport:
             "shards): transformers loads the base from those names only (an adapter_model.safetensors is a LoRA "
             "adapter, not a base model)"
         )
+    elif weights and "model.safetensors" not in files:  # the shards transformers loads are the ones its index names
+        problems += _index_problems(folder / "model.safetensors.index.json", set(files))
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):  # bool("false") is True: a string here would tie the head silently
         problems.append(f"config.json tie_word_embeddings is {tied!r} ({type(tied).__name__}): must be true or false")

@@ -208,3 +208,24 @@ def test_a_model_type_that_looks_like_markup_is_printed_as_text(tmp_path: Path) 
     result = CliRunner().invoke(app, ["models", "check", str(folder)])
     assert result.exit_code == 0, result.output
     assert "[/] [bold]x" in result.output
+
+
+@pytest.mark.parametrize(
+    ("index", "needle"),
+    [
+        ({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}, "not files of the folder"),
+        ({"weight_map": {"model.embed_tokens.weight": "../other/model.safetensors"}}, "not files of the folder"),
+        ({"metadata": {}}, "no weight_map"),
+        ("[", "cannot be read"),
+    ],
+)
+def test_a_shard_index_naming_shards_the_folder_lacks_is_refused(tmp_path: Path, index: object, needle: str) -> None:
+    """Found by a red-team pass: any model.safetensors.index.json passed the check next to any *.safetensors (an
+    adapter_model.safetensors, a missing shard, a shard outside the folder); transformers failed only at load."""
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors").rename(folder / "adapter_model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    code, out = _check(folder)
+    assert code == 2 and not out["ok"]
+    (problem,) = out["problems"]
+    assert "model.safetensors.index.json" in problem and needle in problem
