@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,78 @@ from typing import Any
 import jsonschema
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+SCHEMA_STEPS = 10_000
+SCHEMA_STEPS_PER_CHAR = 20
+"""Most schema keywords one call's arguments may evaluate (:func:`tool_call_valid`): :data:`SCHEMA_STEPS` plus
+this many per character of the arguments as JSON (a legitimate validation costs about linearly in the arguments'
+size; a model's arguments are bounded by ``max_tokens``). The schema comes from
+traffic: ``anyOf`` branches that each ``$ref`` the next level, n levels deep, cost 2**n steps, and a ``pattern``
+like ``^(a+)+$`` backtracks exponentially in Python's ``re``; one answer then stalled a canary's monitors (and
+their lock) or a round's rewards for hours. Past the budget, or a pattern past :data:`PATTERN_TIMEOUT_S`, the call
+is invalid."""
+PATTERN_TIMEOUT_S = 0.1
+
+
+class _TooCostly(Exception):
+    """Validating a call's arguments went past its step budget (:data:`SCHEMA_STEPS_PER_CHAR`)."""
+
+
+def _search(pattern: str, text: str) -> Any:
+    """``re.search`` run by the ``regex`` engine with a timeout (TimeoutError), where it is installed (transformers
+    needs it: every host that trains or runs a canary); else by ``re``."""
+    try:
+        import regex
+    except ImportError:
+        return re.search(pattern, text)
+    return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S)
+
+
+def _pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Any:
+    if validator.is_type(instance, "string") and not _search(patrn, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+
+def _pattern_properties(validator: Any, properties: Any, instance: Any, schema: Any) -> Any:
+    if not validator.is_type(instance, "object"):
+        return
+    for patrn, subschema in properties.items():
+        for k, v in instance.items():
+            if _search(patrn, k):
+                yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+
+_STEPS = threading.local()  # keywords evaluated by the current validation of this thread
+_BOUNDED: dict[type, Any] = {}  # validator class -> its counted extension (built once: extend() costs ~2 ms)
+
+
+def _counted(fn: Any) -> Any:
+    def keyword(validator: Any, value: Any, instance: Any, sub: Any) -> Any:
+        _STEPS.n += 1
+        if _STEPS.n > _STEPS.budget:
+            raise _TooCostly(f"validating the arguments took more than {_STEPS.budget} schema steps")
+        return fn(validator, value, instance, sub)
+
+    return keyword
+
+
+def _bounded_valid(schema: dict[str, Any], arguments: Any) -> bool:
+    """``arguments`` valid by ``schema`` (the draft it names, 2020-12 by default), every keyword counted against
+    the step budget (:data:`SCHEMA_STEPS_PER_CHAR`) and every pattern run under :data:`PATTERN_TIMEOUT_S`.
+
+    Raises:
+        _TooCostly: past the step budget; TimeoutError: a pattern past its timeout.
+    """
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    bounded = _BOUNDED.get(cls)
+    if bounded is None:
+        keywords = {**cls.VALIDATORS}
+        for name, fn in (("pattern", _pattern), ("patternProperties", _pattern_properties)):
+            if name in keywords:
+                keywords[name] = fn
+        bounded = _BOUNDED[cls] = jsonschema.validators.extend(cls, {k: _counted(f) for k, f in keywords.items()})
+    _STEPS.n, _STEPS.budget = 0, SCHEMA_STEPS + SCHEMA_STEPS_PER_CHAR * len(json.dumps(arguments))
+    return bool(bounded(schema).is_valid(arguments))
 
 
 @dataclass(frozen=True)
@@ -129,9 +202,8 @@ def tool_call_valid(
         if not isinstance(schema, dict):
             return True
         try:
-            validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-            return bool(validator(schema).is_valid(call.arguments))
-        except Exception:  # noqa: BLE001 - a schema from traffic that cannot be evaluated (bad $ref, too deep): invalid
+            return _bounded_valid(schema, call.arguments)
+        except Exception:  # noqa: BLE001 - a schema from traffic that cannot be evaluated (bad $ref, too deep, too costly): invalid
             return False
 
     return _judge(completion, metadata, no_call, valid)

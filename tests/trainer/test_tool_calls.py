@@ -3,6 +3,8 @@ tool-call rewards: JSON, the tool exists, the arguments validate against its sch
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from trainer.tool_calls import hermes_tool_calls, tool_call_exists, tool_call_json, tool_call_valid
@@ -101,3 +103,53 @@ def test_nesting_past_the_json_parsers_limit_is_an_invalid_call_not_a_crash() ->
         }
     ]
     assert template_messages(history)[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def _fan_out(depth: int) -> dict:
+    """A schema whose every level is two ``anyOf`` branches that ``$ref`` the next: 2**depth paths to try."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "arguments"),
+    [
+        (_fan_out(40), {"a": "x"}),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}, {"a": "a" * 40 + "!"}),
+        ({"type": "object", "patternProperties": {"^(a|a)+$": {"type": "integer"}}}, {"a" * 40 + "!": 1}),
+    ],
+)
+def test_a_schema_from_traffic_that_costs_exponential_time_is_an_invalid_call_not_a_hang(
+    parameters: dict, arguments: dict
+) -> None:
+    """Found by a red-team pass: a client offers a tool whose schema makes validation exponential (anyOf branches
+    that $ref the same next level, or a backtracking pattern) and has the model call it: tool_call_valid ran for
+    hours, in a canary's monitors (holding the monitor's lock) or a round's rewards."""
+    import time
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    started = time.monotonic()
+    valid = tool_call_valid([], call(json.dumps({"name": "f", "arguments": arguments})), {"tools": [tool]})
+    assert valid == 0.0 and time.monotonic() - started < 10
+
+
+def test_patterns_still_judge_arguments() -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"city": {"pattern": "^[A-Z]"}}}},
+    }
+    judge = lambda city: tool_call_valid(
+        [], call(json.dumps({"name": "f", "arguments": {"city": city}})), {"tools": [tool]}
+    )  # noqa: E731
+    assert (judge("Paris"), judge("paris")) == (1.0, 0.0)
+
+
+def test_long_legitimate_arguments_stay_within_the_step_budget() -> None:
+    """The budget grows with the arguments' size: a 5000-item list of objects validates as before."""
+    items = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}}, "required": ["x"]}
+    schema = {"type": "object", "properties": {"rows": {"type": "array", "items": items}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    rows = [{"x": i} for i in range(5000)]
+    text = call(json.dumps({"name": "f", "arguments": {"rows": rows}}))
+    assert tool_call_valid([], text, {"tools": [tool]}) == 1.0
