@@ -265,8 +265,10 @@ def _monitor_metrics(name: str, tenant: TenantEvaluation) -> dict[str, float]:
     return out | ({"monitor/reward_model_gain": gain} if math.isfinite(gain) else {})
 
 
-def _champion_label(folder: str | Path) -> str:
+def _champion_label(folder: str | Path | None) -> str:
     """``champion v3`` for the service's staged champion (``staging/<model>/v3``), else ``champion <folder>``."""
+    if folder is None:
+        return "champion"
     name = Path(folder).name
     return f"champion {name}" if re.fullmatch(r"v\d+", name) else f"champion {folder}"
 
