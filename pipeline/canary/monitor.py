@@ -249,7 +249,15 @@ class CanaryMonitor:
                     "reason": "waiting for the serving controller to route traffic to it",
                 }
             started = state.mark_started(self.client, model, version)
-        since = _parse(started)
+        try:
+            since = _parse(started)
+        except ValueError:  # edited in MLflow: evidence cannot be dated, so the canary starts again (never stalls)
+            if not act:
+                return {**view, "decision": "continue", "reason": f"start tag {started[:64]!r} is not a time"}
+            log.warning(
+                "canary %s v%s: start tag %r is not a time; its evidence starts now", model, version, started[:64]
+            )
+            since = _parse(state.mark_started(self.client, model, version, restart=True))
         elapsed = (datetime.now(timezone.utc) - since).total_seconds()
         from connectors.buffer import RewardBuffer
 

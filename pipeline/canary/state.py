@@ -135,10 +135,12 @@ def start_challenger(
     return {"model": model, "version": str(version), "action": "challenger", "reason": reason}
 
 
-def mark_started(client: MlflowClient, model: str, version: str, when: str | None = None) -> str:
-    """Record when the canary's traffic started (kept if already set); returns the ISO time."""
+def mark_started(
+    client: MlflowClient, model: str, version: str, when: str | None = None, *, restart: bool = False
+) -> str:
+    """Record when the canary's traffic started (kept if already set, unless ``restart``); returns the ISO time."""
     mv = client.get_model_version(model, version)
-    if TAG_STARTED in mv.tags:
+    if TAG_STARTED in mv.tags and not restart:
         return mv.tags[TAG_STARTED]
     when = when or now_iso()
     client.set_model_version_tag(model, version, TAG_STARTED, when)

@@ -222,3 +222,23 @@ def test_a_canary_start_tag_that_does_not_parse_leaves_the_guard_s_rate_test_dec
 
     assert view["decision"] == "rollback", view
     assert view["reason"].startswith("guard: live rate dropped") and canary.alias("champion") == "1"
+
+
+def test_a_canary_start_tag_that_does_not_parse_restarts_the_canary_instead_of_stalling_it(canary: Stack) -> None:
+    """The canary dates its evidence by ``hourglass.canary_started_at`` (editable in MLflow); a value that is
+    not a time raised ValueError on every look, so the canary never decided. Now a status look says so and
+    writes nothing, and the next acting look starts the evidence again from now: events before it do not
+    count, events after it decide."""
+    canary.reg.set_model_version_tag(MODEL, "2", state.TAG_STARTED, "yesterday")
+    served(canary, "2", "Two plus three makes five.", 0, PER_SIDE)  # before the restart: never counted
+
+    look = canary.monitor.check_canary(MODEL, act=False)
+    assert look["decision"] == "continue" and "is not a time" in look["reason"]
+    assert canary.reg.tags(MODEL, "2")[state.TAG_STARTED] == "yesterday"  # a status look writes nothing
+
+    restarted = canary.monitor.check_canary(MODEL)
+    assert restarted["decision"] == "continue" and restarted["challenger"]["n"] == 0, restarted
+    assert canary.reg.tags(MODEL, "2")[state.TAG_STARTED] != "yesterday"
+    served(canary, "2", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    served(canary, "1", "Two plus three makes five, friend.", PER_SIDE // 2, PER_SIDE // 2)
+    assert canary.monitor.check_canary(MODEL)["decision"] == "promote"
