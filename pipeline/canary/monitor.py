@@ -212,7 +212,7 @@ class CanaryMonitor:
                         log.warning("canary %s of %s: %s", part, model, err)
                         view[part] = {"error": f"{type(err).__name__}: {err}"}
                 for part in ("canary", "guard"):  # the last decision stays visible after the canary or guard ended
-                    if (view[part] or {}).get("decision") in ("promote", "abort", "rollback", "passed"):
+                    if (view[part] or {}).get("decision") in ("promote", "abort", "rollback", "passed", "ended"):
                         self._last[f"{model}/{part}"] = view[part]
                 view["last_canary"], view["last_guard"] = (
                     self._last.get(f"{model}/canary"),
@@ -322,8 +322,17 @@ class CanaryMonitor:
         guard = state.read_json_tag(mv.tags, state.TAG_GUARD)
         if guard is None or state.TAG_GUARD_RESULT in mv.tags:
             return None
-        since, until = _parse(guard["since"]), _parse(guard["until"])
-        baseline = ArmStats(**guard["baseline"])
+        try:
+            since, until = _parse(guard["since"]), _parse(guard["until"])
+            baseline = ArmStats(**guard["baseline"])
+            if not isinstance(guard["previous"], str):
+                raise TypeError(f"previous is {type(guard['previous']).__name__}, not a version")
+        except (TypeError, KeyError, ValueError) as err:  # edited in MLflow: end the guard, say why, keep serving
+            reason = f"guard: the {state.TAG_GUARD} tag cannot be read ({type(err).__name__}: {str(err)[:200]}); ended"
+            ended = {"decision": "ended", "reason": reason, "at": state.now_iso()}
+            self.client.set_model_version_tag(model, champion, state.TAG_GUARD_RESULT, _dump(ended))
+            log.warning("guard of %s v%s: %s", model, champion, reason)
+            return ended
         from connectors.buffer import RewardBuffer
 
         buffer = RewardBuffer(self.cfg.buffer)
@@ -344,7 +353,7 @@ class CanaryMonitor:
         except (KeyError, ValueError):  # none, or edited in MLflow: the monitors wait, the rate test still decides
             started = None
         before = buffer.snapshot(start=started, end=since) if started else after.slice(0, 0)
-        answers = {
+        answers: dict[str | None, list[hack_monitors.Answer]] = {
             champion: hack_monitors.served_answers(after, model, **self._shares()).get(champion, []),
             guard["previous"]: hack_monitors.served_answers(before, model, **self._shares()).get(guard["previous"], []),
         }

@@ -9,7 +9,7 @@ Everything that must survive a restart lives in MLflow, never in memory:
   once the canary ended (promoted or aborted);
 - ``hourglass.guard`` on a version promoted by a canary: JSON ``{"since", "until",
   "previous", "baseline": {n, mean, var}}`` for the post-promotion guard, and
-  ``hourglass.guard_result`` once the guard passed or rolled back.
+  ``hourglass.guard_result`` once the guard passed, rolled back, or ended on a tag it could not read.
 
 Source: MLflow model registry aliases and tags (``MlflowClient``).
 """

@@ -242,3 +242,31 @@ def test_a_canary_start_tag_that_does_not_parse_restarts_the_canary_instead_of_s
     served(canary, "2", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
     served(canary, "1", "Two plus three makes five, friend.", PER_SIDE // 2, PER_SIDE // 2)
     assert canary.monitor.check_canary(MODEL)["decision"] == "promote"
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [
+        "[1, 2]",  # JSON, not an object
+        '{"since": "soon", "until": "later", "previous": "1", "baseline": {"n": 1, "mean": 1.0, "var": 0.0}}',
+        '{"since": "2026-01-01T00:00:00+00:00", "until": "2026-01-02T00:00:00+00:00", "previous": "1"}',
+        '{"since": "2026-01-01T00:00:00+00:00", "until": "2026-01-02T00:00:00+00:00", "previous": ["1"], '
+        '"baseline": {"n": 1, "mean": 1.0, "var": 0.0}}',
+    ],
+)
+def test_a_guard_tag_that_cannot_be_read_ends_the_guard_with_the_reason_and_keeps_the_champion(
+    canary: Stack, guard: str
+) -> None:
+    """``hourglass.guard`` is editable in MLflow; a value of the wrong shape raised on every look (an error in
+    ``/status`` each interval, the guard never ending). Now the guard ends once, says why, and rolls nothing back."""
+    served(canary, "2", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    served(canary, "1", "Two plus three makes five.", PER_SIDE // 2, PER_SIDE // 2)
+    assert canary.monitor.check_canary(MODEL)["decision"] == "promote"
+    canary.reg.set_model_version_tag(MODEL, "2", state.TAG_GUARD, guard)
+
+    view = canary.monitor.check_guard(MODEL)
+
+    assert view["decision"] == "ended" and "hourglass.guard tag cannot be read" in view["reason"], view
+    assert canary.alias("champion") == "2"
+    assert state.read_json_tag(canary.reg.tags(MODEL, "2"), state.TAG_GUARD_RESULT)["decision"] == "ended"
+    assert canary.monitor.check_guard(MODEL) is None  # ended: not looked at again
