@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 from bench import writer  # noqa: E402
 
 from trainer.model import store as model_store  # noqa: E402
-from trainer.adapters.registry import make_store  # noqa: E402
+from trainer.adapters.store import make_store  # noqa: E402
 from trainer.adapters.offload import OffloadStore  # noqa: E402
 from trainer.model.base import ResidentBase, pick_device, wrap_base  # noqa: E402
 from trainer.config import CandidateConfig, ModelConfig, RLConfig  # noqa: E402

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from bench import writer  # noqa: E402
 from bench.multilora import EVAL_REWARD, candidates, tables  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
-from trainer.adapters.registry import make_store  # noqa: E402
+from trainer.adapters.store import make_store  # noqa: E402
 from trainer.model.base import ResidentBase, load_base  # noqa: E402
 from trainer.config import GateConfig, ModelConfig, RLConfig, RolloutConfig, UpdateConfig  # noqa: E402
 from trainer.algorithms.losses import group_advantages, masked_mean  # noqa: E402

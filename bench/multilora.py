@@ -234,7 +234,7 @@ def rollout_throughput(engine, result, args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from trainer.model.base import chat_token_ids
-    from trainer.rollout.engine import RolloutRequest
+    from trainer.types import RolloutRequest
     from trainer.data import prompts_from_table
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)

@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
 from trainer.adapters.store import AdapterStore  # noqa: E402
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import ResidentBase  # noqa: E402
 from trainer.config import CandidateConfig, RLConfig, UpdateConfig  # noqa: E402
 from trainer.algorithms.batch import Batch  # noqa: E402

@@ -100,7 +100,7 @@ def run_variant(
     import torch
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    from trainer.adapters.registry import make_store
+    from trainer.adapters.store import make_store
     from trainer.model.base import load_base, pick_device
     from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig
     from trainer.reward_model.model import create_reward_model

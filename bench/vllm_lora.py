@@ -41,7 +41,7 @@ from bench import writer  # noqa: E402
 from pipeline.stack import free_port, vllm_service  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.rollout.engine import RolloutRequest  # noqa: E402
+from trainer.types import RolloutRequest  # noqa: E402
 from trainer.rollout.vllm import VLLMEngine  # noqa: E402
 from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
 

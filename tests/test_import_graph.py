@@ -206,3 +206,45 @@ def test_a_planted_upward_import_fails_the_layer_check(graph: dict[str, set[str]
     assert stated[room("trainer.config")] >= stated[room("connectors.buffer")]
     assert any(stated[room(t)] >= stated[room(m)] for m, ts in planted.items() for t in ts if room(t) != room(m))
     assert "pipeline.rounds" not in only["pipeline.service"]
+
+
+ROUND = REPO / "trainer" / "round.py"
+ROUND_FILES = 10
+"""A reader follows one round through at most this many files: ``trainer/round.py`` and the modules whose
+functions and records it calls (its ``TYPE_CHECKING`` imports are the components' types, not steps)."""
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """Our modules ``path`` imports outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+    return {m for m in found if m in modules}
+
+
+def test_a_round_reads_through_at_most_ten_files(graph: dict[str, set[str]]) -> None:
+    steps = _runtime_imports(ROUND, set(graph))
+    assert len(steps) + 1 <= ROUND_FILES, f"trainer/round.py calls into {len(steps)} modules: {sorted(steps)}"
+    # no jump back: nothing the round calls imports the round
+    assert not [m for m in steps if "trainer.round" in graph[m]]
+
+
+def test_the_round_file_count_sees_a_planted_import(graph: dict[str, set[str]], tmp_path: Path) -> None:
+    planted = tmp_path / "round.py"
+    planted.write_text(ROUND.read_text() + "\nfrom trainer import errors\nfrom connectors import atomic\n")
+    before, after = _runtime_imports(ROUND, set(graph)), _runtime_imports(planted, set(graph))
+    assert after - before == {"trainer.errors", "connectors.atomic"}

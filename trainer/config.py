@@ -291,21 +291,21 @@ class RewardModelConfig(Section):
 
 
 class RolloutEngineKind(StrEnum):
-    """Where rollouts come from (``[rl.rollout] engine``); :mod:`trainer.rollout.registry` maps each to its engine."""
+    """Where rollouts come from (``[rl.rollout] engine``); :func:`trainer.rollout.engine.make_engine` builds each."""
 
     VLLM = "vllm"
     HF = "hf"
 
 
 class AdapterStoreKind(StrEnum):
-    """Where idle candidates wait (``rl.adapter_store``); :mod:`trainer.adapters.registry` maps each to its store."""
+    """Where idle candidates wait (``rl.adapter_store``); :func:`trainer.adapters.store.make_store` builds each."""
 
     RESIDENT = "resident"
     OFFLOAD = "offload"
 
 
 class ExecutorKind(StrEnum):
-    """Where candidates train (``rl.executor``); :mod:`trainer.executors.registry` maps each to its executor."""
+    """Where candidates train (``rl.executor``); :func:`trainer.executors.executor.make_executor` builds each."""
 
     LOCAL = "local"
     RAY = "ray"

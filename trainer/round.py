@@ -30,27 +30,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from connectors import atomic
 from trainer import timers
-from trainer.adapters.registry import make_store
-from trainer.adapters.store import AdapterStore
-from trainer.config import CandidateConfig
-from trainer.errors import TrainerConfigError
-from trainer.evaluation.evaluate import Contestants, Evaluation, evaluate
-from trainer.evaluation.regression import load_suites
-from trainer.executors.executor import Executor, TrainJob, TrainOutcome
-from trainer.executors.registry import make_executor
-from trainer.model.base import ResidentBase, load_base
-from trainer.plan import RoundPlan, plan_round
+from trainer.adapters.store import keep_as_last, make_store
+from trainer.evaluation.evaluate import Contestants, evaluate, load_suites
+from trainer.executors.executor import make_executor
+from trainer.model.base import load_base
+from trainer.plan import plan_round
 from trainer.reward_model import phase as reward_phase
-from trainer.reward_model.model import RewardModel
-from trainer.rollout.engine import RolloutEngine, unload_versions
-from trainer.rollout.registry import make_engine
+from trainer.rollout.engine import make_engine, unload_versions
 from trainer.types import (
     CandidateResult,
     PhaseBoundary,
@@ -60,7 +52,19 @@ from trainer.types import (
     RoundPhase,
     RoundResult,
     RoundSpec,
+    TrainJob,
+    TrainOutcome,
 )
+
+if TYPE_CHECKING:  # the components' types; a reader meets each where the round builds it
+    from trainer.adapters.store import AdapterStore
+    from trainer.config import CandidateConfig
+    from trainer.evaluation.evaluate import Evaluation
+    from trainer.executors.executor import Executor
+    from trainer.model.base import ResidentBase
+    from trainer.plan import RoundPlan
+    from trainer.reward_model.model import RewardModel
+    from trainer.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,6 @@ class RoundRecipe:
         progress: bool = False,
         parts: RoundParts = RoundParts(),
     ) -> None:
-        check_candidates(spec.candidates)
         self.spec, self.inputs, self.out_dir, self.parts = spec, inputs, Path(out_dir), parts
         self.round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
         self.on_phase, self.progress = on_phase, progress
@@ -205,11 +208,11 @@ class RoundRecipe:
             self.round_id,
             self.progress,
             self.on_phase,
-            self.reward.model,
-            plan=self.plan,
             reward_cfg=spec.rl.reward_model if self.reward.model is not None else None,
         )
-        self.trained = self.executor.train(job, self.base, self.store, self.engine)
+        self.trained = self.executor.train(
+            job, self.base, self.store, self.engine, plan=self.plan, reward_model=self.reward.model
+        )
         return self.trained
 
     def evaluate(self) -> Evaluation:
@@ -242,7 +245,7 @@ class RoundRecipe:
             out = []
             for c in self.spec.candidates:
                 folder = self.store.save(c.name, self.out_dir / c.name / "adapter")
-                atomic.copy_dir(folder, self.out_dir.parent / "last" / c.name)  # replaced in one step
+                keep_as_last(folder, self.out_dir, c.name)
                 r = self.evaluation.results[c.name]
                 out.append(
                     CandidateResult(
@@ -287,12 +290,10 @@ class RoundRecipe:
     def _setup_base(self) -> ResidentBase:
         base = self.parts.base or load_base(self.spec.model)
         # every candidate's (and the reward model's) LoRA targets exist in this base's architecture, all at once
-        problems = [p for c in self.spec.candidates for p in base.target_module_problems(c.name, c.target_modules)]
-        reward_cfg = self.spec.rl.reward_model
+        targets = {c.name: c.target_modules for c in self.spec.candidates}
         if self.feedback is not None:
-            problems += base.target_module_problems("rl.reward_model", reward_cfg.target_modules)
-        if problems:
-            raise TrainerConfigError("; ".join(problems))
+            targets["rl.reward_model"] = self.spec.rl.reward_model.target_modules
+        base.check_targets(targets)
         return base
 
     def _setup_plan(self, base: ResidentBase) -> RoundPlan:
@@ -351,16 +352,3 @@ class RoundRecipe:
             reward_model=self.reward_result,
             evaluations=evaluation.tenants,
         )
-
-
-def check_candidates(candidates: Sequence[CandidateConfig]) -> None:
-    """Raises TrainerConfigError listing every problem: none given, duplicate names."""
-    problems = []
-    if not candidates:
-        problems.append("no candidates given")
-    names = [c.name for c in candidates]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        problems.append(f"duplicate candidate names {dupes}")
-    if problems:
-        raise TrainerConfigError("; ".join(problems))

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config import CandidateConfig, ModelConfig, RLConfig
+from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
+from trainer.errors import TrainerConfigError
 
 # --- 1. what a round is asked -------------------------------------------------------------------
 
@@ -39,6 +40,18 @@ class RoundSpec:
     model: ModelConfig
     candidates: tuple[CandidateConfig, ...]
     rl: RLConfig
+
+    def __post_init__(self) -> None:
+        """Raises TrainerConfigError listing every problem: no candidates, duplicate names."""
+        problems = []
+        if not self.candidates:
+            problems.append("no candidates given")
+        names = [c.name for c in self.candidates]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"duplicate candidate names {dupes}")
+        if problems:
+            raise TrainerConfigError("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -250,6 +263,64 @@ class PhaseBoundary:
 
 PhaseHook = Callable[[PhaseBoundary], None]
 """Called by the trainer at every :class:`PhaseBoundary`; it may raise to stop the round there."""
+
+
+# --- 3b. what the training phase and the rollouts are handed --------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """The training phase of one round, as an executor receives it (:mod:`trainer.executors`).
+
+    ``starts``: candidate name -> the folder its adapter starts from (None: fresh), resolved by the round
+    (champion, ``last``, or nothing). ``on_phase``: called with ``PhaseBoundary(RoundPhase.TRAIN, step=k)``
+    before every step; may raise to cancel. ``reward_cfg``: the ``[reward_model]`` settings when the round
+    scores rollouts with its reward model (the Ray executor rebuilds the model on the actors with them).
+    """
+
+    model_cfg: ModelConfig
+    candidates: tuple[CandidateConfig, ...]
+    train_prompts: tuple[Prompt, ...]
+    rl: RLConfig
+    starts: dict[str, Path | None]
+    out_dir: Path
+    round_id: str
+    progress: bool = False
+    on_phase: PhaseHook | None = None
+    reward_cfg: RewardModelConfig | None = None
+
+
+@dataclass
+class TrainOutcome:
+    """What training left behind: per-candidate step metrics, the final published version name of each
+    candidate (live in the caller's engine and store), rollout metrics, and the executor's own metrics
+    (``executor/...``)."""
+
+    history: dict[str, list[dict[str, float]]]
+    versions: dict[str, str]
+    rollout_metrics: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+BASE_VERSION = "base"
+"""The rollout version name of the base model with no adapter (:mod:`trainer.rollout`)."""
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """``n`` completions of one prompt from one adapter version (:mod:`trainer.rollout`).
+
+    ``temperature == 0`` means greedy. ``prompt_token_ids`` already has the chat template applied (with the
+    generation prompt).
+    """
+
+    version: str
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    seed: int = 0
 
 
 # --- 4. what it returns ---------------------------------------------------------------------------

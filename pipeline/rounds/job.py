@@ -44,7 +44,7 @@ from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
 from trainer.evaluation.gate import gate_round
 from trainer.executors.executor import Executor
-from trainer.executors.registry import make_executor
+from trainer.executors.executor import make_executor
 from trainer.types import PhaseBoundary, RoundPhase, RoundResult
 
 log = logging.getLogger(__name__)

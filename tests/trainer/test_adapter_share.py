@@ -9,7 +9,7 @@ import pytest
 
 from trainer.adapters.share import MANIFEST, AdapterShareError, evict, fetch, publish, remove
 from trainer.errors import RolloutError
-from trainer.rollout.engine import RolloutRequest
+from trainer.types import RolloutRequest
 from trainer.rollout.fleet import FleetEngine
 
 

@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.adapters.lora_tensors import ADAPTER_WEIGHTS
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig

@@ -26,10 +26,10 @@ from tests.trainer.float32_tolerance import LOGPROB_TOL, max_relative_error
 from tests.trainer.test_conversations import ADD, CONVERSATION, TOOLS_TEMPLATE
 from tests.trainer.test_multi_lora import check_mixed_pass
 from trainer import chat
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.model.base import ResidentBase, load_base
-from trainer.rollout.engine import RolloutRequest
+from trainer.types import RolloutRequest
 from trainer.rollout.vllm import VLLMEngine
 
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from trainer.model import base as base_mod
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import load_base, pick_dtype
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.algorithms.batch import Batch
@@ -109,7 +109,7 @@ def test_trainer_logprobs_of_vllm_samples_fp32_and_bf16(vllm_tiny: str, tiny_mod
     """Per-token log-probs of the trainer vs the (float32, CPU) vLLM's on vLLM's own samples, and the
     PPO ratio at step 0 (mean of exp(trainer - vLLM) over tokens). Tiny random model: its next-token
     distribution is near-uniform, so this understates bf16's error on a trained model."""
-    from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+    from trainer.types import BASE_VERSION, RolloutRequest
     from trainer.rollout.vllm import VLLMEngine
 
     engine = VLLMEngine(vllm_tiny)

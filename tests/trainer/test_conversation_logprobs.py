@@ -40,7 +40,7 @@ def _vllm_prompt_logprobs(url: str, ids: list[int], start: int) -> list[float]:
 
 def test_trainer_and_vllm_logprobs_of_logged_conversation_ids_agree(vllm_arch: str, arch_model: TinyModel) -> None:
     from trainer.model.base import load_base
-    from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+    from trainer.types import BASE_VERSION, RolloutRequest
     from trainer.rollout.vllm import VLLMEngine
 
     base = load_base(ModelConfig(name=str(arch_model.path), dtype="float32", device="cpu", max_seq_len=512))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import ResidentBase, load_base
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import RolloutError

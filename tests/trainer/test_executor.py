@@ -10,10 +10,10 @@ from pydantic import ValidationError
 
 from trainer.config import RayConfig, CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import TrainerConfigError
-from trainer.executors.registry import make_executor
+from trainer.executors.executor import make_executor
 from trainer.executors.exchange import Exchange
 from trainer.executors.local import LocalExecutor
-from trainer.executors.executor import assign, estimate_cost
+from trainer.executors.ray_executor import assign, estimate_cost
 from trainer.executors.ray_pool import actor_count
 
 

@@ -224,7 +224,7 @@ class _FakeRewardModel:
 def test_reward_model_gate_scores_greedy_answers_and_refuses_without_a_better_than_chance_model(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from trainer.adapters.registry import make_store
+    from trainer.adapters.store import make_store
     from trainer.model.base import load_base
     from trainer.evaluation.evaluate import Contestants, evaluate
     from trainer.evaluation.gate import gate

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer import rewards
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.round import run_round

@@ -93,7 +93,7 @@ def test_evaluation_records_readings_and_the_reward_models_predicted_gain(tiny_m
     """Whatever the gate metric, a round with a reward model scores every side's greedy answers with it (one
     batched call) and records the candidate's predicted thumbs-up gain over the champion, which the canary's
     reward_gap monitor reads from the candidate's run; the monitors' readings of both sides are recorded too."""
-    from trainer.adapters.registry import make_store
+    from trainer.adapters.store import make_store
     from trainer.evaluation.evaluate import Contestants, evaluate
     from trainer.executors.local import publish
     from trainer.model.base import load_base

@@ -14,10 +14,10 @@ import torch
 
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import PlacementTimeoutError
-from trainer.executors.executor import TrainJob
+from trainer.types import TrainJob
 from trainer.executors import ray_pool
 from trainer.executors.ray_pool import release_kept_actors
-from trainer.executors.registry import make_executor
+from trainer.executors.executor import make_executor
 from trainer.round import run_round
 from tests.trainer.ray_helpers import leftovers, until_clean
 from trainer.types import Prompt

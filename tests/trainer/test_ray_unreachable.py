@@ -15,8 +15,8 @@ import pytest
 from pipeline.stack import free_port
 from trainer.config import CandidateConfig, ModelConfig, RLConfig
 from trainer.errors import ExecutorUnavailableError
-from trainer.executors.executor import TrainJob
-from trainer.executors.registry import make_executor
+from trainer.types import TrainJob
+from trainer.executors.executor import make_executor
 
 
 def _job(tmp_path: Path, address: str) -> TrainJob:

@@ -17,7 +17,8 @@ from trainer.data import round_inputs, snapshot_table, split_snapshot
 from trainer.errors import SuiteError
 from trainer.evaluation import shipped_suites
 from trainer.evaluation.gate import gate, gate_round
-from trainer.evaluation.regression import load_suite, load_suites, suite_verdicts
+from trainer.evaluation.evaluate import load_suites
+from trainer.evaluation.regression import load_suite, suite_verdicts
 from trainer.regression_config import RegressionSuiteConfig
 from trainer.round import run_round
 from trainer.tasks import reasoning_gym_prompts

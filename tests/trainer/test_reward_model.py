@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import DataError, RewardError, TrainerConfigError

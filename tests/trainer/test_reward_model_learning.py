@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.evaluation.measure import greedy_answers
 from trainer.reward_model.model import create_reward_model
-from trainer.rollout.engine import BASE_VERSION
+from trainer.types import BASE_VERSION
 from trainer.rollout.hf import HFEngine
 from trainer.round import run_round
 from trainer.types import Prompt

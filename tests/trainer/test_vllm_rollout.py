@@ -8,11 +8,11 @@ import httpx
 import pytest
 import torch
 
-from trainer.adapters.registry import make_store
+from trainer.adapters.store import make_store
 from trainer.model.base import load_base
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.errors import RolloutError
-from trainer.rollout.engine import RolloutRequest
+from trainer.types import RolloutRequest
 from trainer.rollout.vllm import VLLMEngine
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,7 @@
 """Where candidates' LoRA weights and AdamW state live between their turns.
 
-Two stores behind one :class:`AdapterStore` Protocol (:mod:`trainer.adapters.registry` names them):
+Two stores behind one :class:`AdapterStore` Protocol (:func:`make_store` builds the one ``rl.adapter_store``
+names):
 
 - :class:`trainer.adapters.resident.ResidentStore`: every candidate is its own PEFT adapter on the
   device, with its own AdamW; switching is ``set_adapter(name)``.
@@ -15,17 +16,25 @@ Candidates never share optimizer state, step counts or gradients. They may
 be created and deleted between steps. Adapter tensors are keyed by PEFT's
 saved names (``...q_proj.lora_A.weight``, the adapter name removed), so a
 saved folder loads in PEFT and in vLLM.
+
+A round keeps every final adapter twice: under its own folder and as the candidate's ``last``
+(:func:`keep_as_last`), the start point of the next round's ``start = "self"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from connectors import atomic
+from trainer.adapters.offload import OffloadStore
+from trainer.adapters.resident import ResidentStore
+from trainer.config import AdapterStoreKind, CandidateConfig
+from trainer.errors import TrainerConfigError
 from trainer.model.base import ResidentBase
-from trainer.config import CandidateConfig
 
 
 class AdapterStore(Protocol):
@@ -45,3 +54,29 @@ class AdapterStore(Protocol):
     def snapshot(self, name: str) -> dict[str, torch.Tensor]: ...
     def names(self) -> list[str]: ...
     def close(self) -> None: ...
+
+
+STORES: dict[AdapterStoreKind, Callable[[ResidentBase, int], AdapterStore]] = {
+    AdapterStoreKind.RESIDENT: ResidentStore,
+    AdapterStoreKind.OFFLOAD: OffloadStore,
+}
+"""The adapter stores by name (``rl.adapter_store``)."""
+
+
+def make_store(kind: str, base: ResidentBase, seed: int = 0) -> AdapterStore:
+    """The store ``kind`` names (``rl.adapter_store``: ``resident`` or ``offload``) on ``base``.
+
+    Raises:
+        TrainerConfigError: any other kind.
+    """
+    try:
+        return STORES[AdapterStoreKind(kind)](base, seed)
+    except ValueError:
+        raise TrainerConfigError(f"adapter_store {kind!r} must be one of {[k.value for k in STORES]}") from None
+
+
+def keep_as_last(folder: Path, out_dir: Path, name: str) -> Path:
+    """Copy the saved adapter ``folder`` of ``name`` (a candidate or the reward model) to
+    ``out_dir.parent / "last" / name``, replacing the previous round's in one step (a crash leaves the old
+    one or the new one, never half of either). Returns the ``last`` folder."""
+    return atomic.copy_dir(folder, out_dir.parent / "last" / name)

@@ -34,15 +34,17 @@ import numpy as np
 
 from trainer.adapters.store import AdapterStore
 from trainer.config import CandidateConfig, GateMetric, RLConfig
+from trainer.errors import SuiteError
 from trainer.evaluation.measure import GreedySet, greedy_sets, kl_to_base, reference_logprobs
 from trainer.evaluation.metrics import GATE_METRICS, HeldOut, feedback_labels, refusal, usable_rows
 from trainer.evaluation.monitors import Answer, predicted_rate, read_side
-from trainer.evaluation.regression import load_suites, score_suite
+from trainer.evaluation.regression import load_suite, score_suite
 from trainer.evaluation.stats import auc
 from trainer.model.base import ResidentBase
 from trainer.plan import PromptTokens
 from trainer.reward_model.phase import RewardPhase
-from trainer.rollout.engine import BASE_VERSION, RolloutEngine
+from trainer.rollout.engine import RolloutEngine
+from trainer.types import BASE_VERSION
 from trainer.types import (
     Comparison,
     EvalResult,
@@ -93,6 +95,24 @@ def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
     return usable_rows(heldout, rl)[: rl.gate.eval_prompts]
 
 
+def load_suites(rl: RLConfig, root: Path | None = None) -> dict[str, tuple[Prompt, ...]]:
+    """Every ``[[rl.regression]]`` suite's prompts by suite name (:func:`trainer.evaluation.regression.load_suite`), in config order.
+
+    Raises:
+        SuiteError: listing every suite that cannot be read.
+    """
+    out: dict[str, tuple[Prompt, ...]] = {}
+    problems: list[str] = []
+    for suite in rl.regression:
+        try:
+            out[suite.name] = load_suite(suite, root)
+        except SuiteError as err:
+            problems.append(str(err))
+    if problems:
+        raise SuiteError("; ".join(problems))
+    return out
+
+
 def evaluate(
     base: ResidentBase,
     store: AdapterStore,
@@ -109,7 +129,7 @@ def evaluate(
 ) -> Evaluation:
     """The numbered steps of the module docstring. ``reward``: the round's reward model (trained on the
     train split) and its held-out report; ``tokens``: the round's prompt-token cache; ``suites``: each
-    ``[[rl.regression]]`` suite's prompts by name (default: read now, :func:`~trainer.evaluation.regression.load_suites`).
+    ``[[rl.regression]]`` suite's prompts by name (default: read now, :func:`load_suites`).
 
     ``on_phase`` is called with ``PhaseBoundary(RoundPhase.EVALUATE, part="greedy")`` before the greedy
     answers and ``PhaseBoundary(RoundPhase.EVALUATE, part="score", candidate=name)`` before each candidate

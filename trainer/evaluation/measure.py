@@ -16,7 +16,8 @@ from trainer.config import RLConfig
 from trainer.errors import RolloutError
 from trainer.model.base import ResidentBase
 from trainer.rewards import RewardMix
-from trainer.rollout.engine import RolloutEngine, RolloutRequest
+from trainer.rollout.engine import RolloutEngine
+from trainer.types import RolloutRequest
 from trainer.types import Prompt, Sample
 
 

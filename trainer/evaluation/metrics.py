@@ -27,7 +27,7 @@ from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
 from trainer.rewards import RewardMix, build_reward
-from trainer.rollout.engine import BASE_VERSION
+from trainer.types import BASE_VERSION
 from trainer.types import Comparison, Prompt, RewardModelReport, Sample
 
 Values = Callable[[str], tuple[float, ...]]

@@ -137,24 +137,6 @@ def load_suite(suite: RegressionSuiteConfig, root: Path | None = None) -> tuple[
     return tuple(prompts)
 
 
-def load_suites(rl: RLConfig, root: Path | None = None) -> dict[str, tuple[Prompt, ...]]:
-    """Every ``[[rl.regression]]`` suite's prompts by suite name (:func:`load_suite`), in config order.
-
-    Raises:
-        SuiteError: listing every suite that cannot be read.
-    """
-    out: dict[str, tuple[Prompt, ...]] = {}
-    problems: list[str] = []
-    for suite in rl.regression:
-        try:
-            out[suite.name] = load_suite(suite, root)
-        except SuiteError as err:
-            problems.append(str(err))
-    if problems:
-        raise SuiteError("; ".join(problems))
-    return out
-
-
 def _prompt(text: str, where: str, default_id: str) -> Prompt:
     try:
         row = json.loads(text)

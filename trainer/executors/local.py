@@ -31,14 +31,13 @@ from trainer.algorithms.batch import Batch, StepData
 from trainer.algorithms.update import update_step
 from trainer.config import CandidateConfig, ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError
-from trainer.executors.executor import TrainJob, TrainOutcome, replica_requests
 from trainer.model.base import ResidentBase
 from trainer.multi_lora.one_pass import train_one_pass
 from trainer.plan import CandidatePlan, PromptTokens, RoundPlan, draw_prompts, plan_round
 from trainer.reward_model.model import RewardModel
 from trainer.reward_model.phase import score_rollouts
-from trainer.rollout.engine import RolloutEngine, RolloutRequest
-from trainer.types import PhaseBoundary, PhaseHook, Prompt, RoundPhase, Sample
+from trainer.rollout.engine import RolloutEngine
+from trainer.types import PhaseBoundary, PhaseHook, Prompt, RolloutRequest, RoundPhase, Sample, TrainJob, TrainOutcome
 
 
 class LocalExecutor:
@@ -59,23 +58,31 @@ class LocalExecutor:
     def close(self) -> None:
         """Nothing to give back."""
 
-    def train(self, job: TrainJob, base: ResidentBase, store: AdapterStore, engine: RolloutEngine) -> TrainOutcome:
+    def train(
+        self,
+        job: TrainJob,
+        base: ResidentBase,
+        store: AdapterStore,
+        engine: RolloutEngine,
+        *,
+        plan: RoundPlan | None = None,
+        reward_model: RewardModel | None = None,
+    ) -> TrainOutcome:
         """Create every candidate in ``store`` at its start point and run the step loop (module docstring).
 
         Raises:
-            DataError: a candidate uses ``reward_model`` but the job carries no reward model.
+            DataError: a candidate uses ``reward_model`` but no reward model is given.
         """
-        plan = job.plan
         if plan is None:  # a trainer actor: plan its share on its own base, starting where the job says
             plan = plan_round(base, job.candidates, job.rl, job.train_prompts, {}, job.out_dir)
             plan = replace(plan, candidates=tuple(replace(c, start=job.starts.get(c.name)) for c in plan.candidates))
         for c in plan.candidates:
             store.create(c.name, c.config, c.start)
-        before = replica_requests(engine)
+        before = _replica_requests(engine)
         trained, rollout = train_candidates(
-            base, store, engine, plan, job.rl, job.out_dir, job.progress, job.on_phase, reward_model=job.reward_model
+            base, store, engine, plan, job.rl, job.out_dir, job.progress, job.on_phase, reward_model=reward_model
         )
-        for j, (now, then) in enumerate(zip(replica_requests(engine), before)):
+        for j, (now, then) in enumerate(zip(_replica_requests(engine), before)):
             rollout[f"rollout/replica{j}/requests"] = float(now - then)
         return TrainOutcome(trained.history, trained.versions, rollout)
 
@@ -232,3 +239,10 @@ def publish(
         if previous is not None:
             engine.unload(previous)
     return version, {"train/publish_s": time.perf_counter() - started}
+
+
+def _replica_requests(engine: object) -> list[int]:
+    """Requests a vLLM fleet engine sent to each of its replicas so far (``FleetEngine.requests_per_replica``);
+    empty for other engines."""
+    counts = getattr(engine, "requests_per_replica", None)
+    return list(counts()) if callable(counts) else []

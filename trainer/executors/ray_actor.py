@@ -14,7 +14,7 @@ from pathlib import Path
 from trainer.config import ModelConfig, RewardModelConfig
 from trainer.executors.exchange import Exchange, local_scratch
 from trainer.executors.local import LocalExecutor
-from trainer.executors.executor import TrainJob
+from trainer.types import TrainJob
 
 __all__ = ["TrainerActor"]
 
@@ -65,10 +65,10 @@ class TrainerActor:
         ``reward_cfg``: load the round's reward model from ``reward_model/`` of the exchange
         (its candidates on ``reward_model`` are scored with it). Returns the results' path
         relative to the exchange root."""
-        from trainer.adapters.registry import make_store
+        from trainer.adapters.store import make_store
         from trainer.reward_model.model import create_reward_model
         from trainer.rollout.engine import unload_versions
-        from trainer.rollout.registry import make_engine
+        from trainer.rollout.engine import make_engine
 
         started = time.perf_counter()
         self.phase = "start"
@@ -92,9 +92,8 @@ class TrainerActor:
                 starts=starts,
                 out_dir=scratch / "out",
                 on_phase=self._mark,
-                reward_model=reward_model,
             )
-            outcome = LocalExecutor().train(local_job, self.base, store, engine)
+            outcome = LocalExecutor().train(local_job, self.base, store, engine, reward_model=reward_model)
             for c in job.candidates:
                 exchange.put_dir(store.save(c.name, scratch / "final" / c.name), "adapters", c.name)
             for version in outcome.versions.values():

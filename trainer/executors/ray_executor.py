@@ -17,7 +17,7 @@ What runs where (one round):
   adapter store and rollout engine (``rl.rollout.engine``: the vLLM fleet from
   config, placed by the round's candidate order so that candidate ``i`` uses
   replica ``i mod N`` whichever actor trains it, or transformers on the actor),
-  and trains its share of the candidates (:func:`trainer.executors.executor.assign`) with
+  and trains its share of the candidates (:func:`assign`, cost rule below) with
   :class:`trainer.executors.local.LocalExecutor` — the local code path, unchanged;
 - the round's reward model (trained by the driver, like the local round
   does) goes out once, as its adapter folder plus scalar head, and each actor
@@ -37,6 +37,12 @@ exchange folder is deleted before :meth:`RayExecutor.train` returns or raises
 — except that with ``rl.ray.keep_actors`` (on in the service) a *successful*
 round, or one that failed before training, keeps its actors (resident bases
 loaded) for the next round of this process, which then skips the start-up.
+Cost rule (:func:`estimate_cost`, :func:`assign`): a candidate's cost is the tokens it pushes through the
+base per round, ``steps_per_round × prompts_per_step × group_size × max_new_tokens``, doubled for online
+algorithms (``grpo`` / ``ppo_clip``: the rollouts generate those tokens and the update scores them again);
+candidates go to actors greedy longest-first (the costliest candidate to the least-loaded actor, ties by
+name and actor index).
+
 Upstream API: https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
 """
 
@@ -52,15 +58,16 @@ from typing import Any
 
 from trainer.executors import ray_pool
 from trainer.adapters.store import AdapterStore
-from trainer.config import CandidateConfig, ModelConfig, RLConfig, uses_reward_model
-from trainer.errors import DataError, ExecutorError, TrainerError
+from trainer.config import ALGORITHM_TRAITS, CandidateConfig, ModelConfig, RLConfig, uses_reward_model
+from trainer.errors import DataError, ExecutorError, TrainerConfigError, TrainerError
 from trainer.executors.exchange import Exchange, local_scratch
-from trainer.executors.executor import TrainJob, TrainOutcome, assign
 from trainer.executors.ray_actor import TrainerActor
 from trainer.executors.ray_pool import actor_count, connect, release_kept_actors
 from trainer.model.base import ResidentBase
+from trainer.plan import RoundPlan
+from trainer.reward_model.model import RewardModel
 from trainer.rollout.engine import RolloutEngine
-from trainer.types import PhaseBoundary, RoundPhase
+from trainer.types import PhaseBoundary, RoundPhase, TrainJob, TrainOutcome
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +130,20 @@ class RayExecutor:
             pool, self._pool = self._pool, None
             ray_pool.release(pool, keep=self._keep)
 
-    def train(self, job: TrainJob, base: ResidentBase, store: AdapterStore, engine: RolloutEngine) -> TrainOutcome:
-        """Raises:
+    def train(
+        self,
+        job: TrainJob,
+        base: ResidentBase,
+        store: AdapterStore,
+        engine: RolloutEngine,
+        *,
+        plan: RoundPlan | None = None,
+        reward_model: RewardModel | None = None,
+    ) -> TrainOutcome:
+        """Each actor plans its own share (``plan`` is not shipped); ``reward_model`` goes to the actors whose
+        candidates need it, as files.
+
+        Raises:
         ExecutorUnavailableError: the cluster does not answer.
         PlacementTimeoutError: the actors could not all be placed in time.
         ExecutorError: an actor could not start, died or failed; nothing of the round is kept.
@@ -135,7 +154,7 @@ class RayExecutor:
 
         rl = job.rl
         scored = [c.name for c in job.candidates if uses_reward_model(c)]
-        if scored and (job.reward_model is None or job.reward_cfg is None):
+        if scored and (reward_model is None or job.reward_cfg is None):
             raise DataError(f"candidates {scored} use reward 'reward_model' but the round has no reward model")
         self.prepare(job.model_cfg, job.candidates, job.round_id)
         pool, metrics = self._pool, dict(self._metrics)
@@ -150,7 +169,8 @@ class RayExecutor:
                     exchange.put_dir(folder, "start", name)
                     remote_starts.append(name)
             if scored:
-                _ship_reward_model(job, exchange)
+                assert reward_model is not None
+                _ship_reward_model(job, reward_model, exchange)
 
             def who(i: int) -> str:
                 return f"trainer actor {i} (candidates {[c.name for c in shares[i]] if i < len(shares) else []})"
@@ -169,9 +189,7 @@ class RayExecutor:
                     train_prompts=(),
                     starts={},
                     on_phase=None,
-                    reward_model=None,
                     progress=False,
-                    plan=None,
                 )
                 needs_rm = any(uses_reward_model(c) for c in share)
                 refs[
@@ -197,12 +215,11 @@ class RayExecutor:
             exchange.remove()
 
 
-def _ship_reward_model(job: TrainJob, exchange: Exchange) -> None:
+def _ship_reward_model(job: TrainJob, reward_model: RewardModel, exchange: Exchange) -> None:
     """The round's reward model (adapter folder + ``reward_head.safetensors``) to ``reward_model/`` of the exchange."""
     scratch = local_scratch(f"hourglass-{job.round_id}-reward-")
     try:
-        assert job.reward_model is not None
-        folder = job.reward_model.save(scratch / "reward_model")
+        folder = reward_model.save(scratch / "reward_model")
         exchange.put_dir(folder, "reward_model")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -284,3 +301,29 @@ def _collect(
             engine.load(c.name, versions[c.name], folder)
     metrics |= {"executor/actors": float(len(shares)), "executor/train_wall_s": wall}
     return TrainOutcome(history, versions, rollout, metrics)
+
+
+def estimate_cost(candidate: CandidateConfig, rl: RLConfig) -> int:
+    """Base-token work of one candidate per round (:func:`assign`); a relative unit."""
+    tokens = rl.steps_per_round * rl.prompts_per_step * rl.rollout.group_size * rl.rollout.max_new_tokens
+    return 2 * tokens if ALGORITHM_TRAITS[candidate.algorithm].online else tokens
+
+
+def assign(candidates: Sequence[CandidateConfig], rl: RLConfig, actors: int) -> list[list[CandidateConfig]]:
+    """Candidates split over ``actors`` workers, greedy longest-first by :func:`estimate_cost`.
+
+    Returns one list per actor (in the candidates' configured order within each);
+    an actor may get none when there are fewer candidates than actors.
+
+    Raises:
+        TrainerConfigError: ``actors`` < 1.
+    """
+    if actors < 1:
+        raise TrainerConfigError(f"need at least one trainer actor, got {actors}")
+    loads = [0] * actors
+    shares: list[set[str]] = [set() for _ in range(actors)]
+    for c in sorted(candidates, key=lambda c: (-estimate_cost(c, rl), c.name)):
+        target = min(range(actors), key=lambda i: (loads[i], i))
+        loads[target] += estimate_cost(c, rl)
+        shares[target].add(c.name)
+    return [[c for c in candidates if c.name in share] for share in shares]

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer import chat
-from trainer.errors import ModelStoreError
+from trainer.errors import ModelStoreError, TrainerConfigError
 from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.model.logprobs import token_logprobs
@@ -177,6 +177,17 @@ class ResidentBase:
                 "ties to its input embedding (tie_word_embeddings): vLLM cannot serve a LoRA on it; leave it out"
             )
         return problems
+
+    def check_targets(self, owners: Mapping[str, Sequence[str]]) -> None:
+        """Every owner's (candidates', the reward model's) ``target_modules`` can be trained and served on this
+        base (:meth:`target_module_problems`).
+
+        Raises:
+            TrainerConfigError: listing every problem of every owner at once.
+        """
+        problems = [p for owner, targets in owners.items() for p in self.target_module_problems(owner, targets)]
+        if problems:
+            raise TrainerConfigError("; ".join(problems))
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

@@ -27,8 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors import atomic
-from trainer.adapters.store import AdapterStore
+from trainer.adapters.store import AdapterStore, keep_as_last
 from trainer.model.base import ResidentBase
 from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError, TrainerConfigError
@@ -217,7 +216,7 @@ def finish(phase: RewardPhase, out_dir: Path) -> RewardModelResult | None:
     if phase.model is None or phase.report is None or phase.train is None:
         return None
     folder = phase.model.save(out_dir / phase.model.name / "adapter")
-    atomic.copy_dir(folder, out_dir.parent / "last" / phase.model.name)  # replaced in one step
+    keep_as_last(folder, out_dir, phase.model.name)
     return RewardModelResult(
         name=phase.model.name,
         adapter_dir=folder,

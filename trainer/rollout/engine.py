@@ -1,6 +1,7 @@
 """The rollout engine contract: sample G completions per prompt from named adapter versions.
 
-One small Protocol, :class:`RolloutEngine`, and its request record; the engines:
+One small Protocol, :class:`RolloutEngine` (its request record, :class:`~trainer.types.RolloutRequest`, is
+in the vocabulary), and :func:`make_engine`, which builds the one ``[rl.rollout] engine`` names:
 
 - :class:`trainer.rollout.hf.HFEngine`: transformers ``generate`` on the resident base,
   for hosts without vLLM and for small tests; one adapter at a time.
@@ -17,34 +18,19 @@ the version that produced it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from trainer.errors import RolloutError
-from trainer.types import Sample
+from trainer.config import RLConfig, RolloutEngineKind
+from trainer.errors import RolloutError, TrainerConfigError
+from trainer.types import RolloutRequest, Sample
+
+if TYPE_CHECKING:
+    from trainer.adapters.store import AdapterStore
+    from trainer.model.base import ResidentBase
 
 log = logging.getLogger(__name__)
-
-BASE_VERSION = "base"
-
-
-@dataclass(frozen=True)
-class RolloutRequest:
-    """``n`` completions of one prompt from one adapter version.
-
-    ``temperature == 0`` means greedy. ``prompt_token_ids`` already has the
-    chat template applied (with the generation prompt).
-    """
-
-    version: str
-    prompt_id: str
-    prompt_token_ids: tuple[int, ...]
-    n: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    seed: int = 0
 
 
 class RolloutEngine(Protocol):
@@ -64,3 +50,37 @@ def unload_versions(engine: RolloutEngine, candidates: set[str]) -> None:
             engine.unload(version)
         except RolloutError as err:
             log.warning("could not unload %s after the round: %s", version, err)
+
+
+def _hf(rl: RLConfig, base: ResidentBase, store: AdapterStore, order: Sequence[str]) -> RolloutEngine:
+    from trainer.rollout.hf import HFEngine  # torch: imported when chosen
+
+    return HFEngine(base, store)
+
+
+def _vllm(rl: RLConfig, base: ResidentBase, store: AdapterStore, order: Sequence[str]) -> RolloutEngine:
+    urls = list(rl.rollout.urls) or ([rl.rollout.url] if rl.rollout.url else [])
+    if not urls:
+        raise TrainerConfigError(
+            "rollout engine 'vllm' needs rl.rollout.url (the vLLM server's base URL), or pass an engine"
+        )
+    from trainer.rollout.fleet import make_vllm_engine
+
+    return make_vllm_engine(urls, order=order, adapter_share=rl.rollout.adapter_share_uri)  # several URLs: a fleet
+
+
+ENGINES: dict[RolloutEngineKind, Callable[[RLConfig, ResidentBase, AdapterStore, Sequence[str]], RolloutEngine]] = {
+    RolloutEngineKind.HF: _hf,
+    RolloutEngineKind.VLLM: _vllm,
+}
+"""The rollout engines by name (``[rl.rollout] engine``)."""
+
+
+def make_engine(rl: RLConfig, base: ResidentBase, store: AdapterStore, order: Sequence[str] = ()) -> RolloutEngine:
+    """The rollout engine the config asks for (``[rl.rollout] engine``); ``order``: the round's candidate
+    names, the placement order of a vLLM fleet (:class:`trainer.rollout.fleet.FleetEngine`).
+
+    Raises:
+        TrainerConfigError: ``vllm`` without ``rl.rollout.url`` (or ``urls``).
+    """
+    return ENGINES[RolloutEngineKind(rl.rollout.engine)](rl, base, store, order)

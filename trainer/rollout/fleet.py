@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.errors import RolloutError
-from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.types import BASE_VERSION, RolloutRequest
 from trainer.rollout.vllm import VLLMEngine
 from trainer.types import Sample
 

@@ -12,7 +12,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from trainer.model.base import ResidentBase
 from trainer.errors import RolloutError
-from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.types import BASE_VERSION, RolloutRequest
 from trainer.types import Sample
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from trainer.errors import RolloutError, TrainerConfigError
-from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.types import BASE_VERSION, RolloutRequest
 from trainer.types import Sample
 
 

@@ -46,7 +46,7 @@ from trainer.config import ModelConfig, RLConfig
 from trainer.evaluation.measure import greedy_answers
 from trainer.model.store import fingerprint_of
 from trainer.plan import PromptTokens
-from trainer.rollout.engine import BASE_VERSION, RolloutRequest
+from trainer.types import BASE_VERSION, RolloutRequest
 from trainer.rollout.fleet import FleetEngine
 from trainer.types import Prompt
 from trainer.data import snapshot_table
