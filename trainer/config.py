@@ -454,15 +454,23 @@ class GateConfig(Section):
 class MonitorConfig(Section):
     """``[rl.monitors]``: reward-hack monitors. Each round (greedy held-out answers) and each canary (served
     traffic) compares the candidate's answers with the champion's; a threshold crossed refuses the promotion
-    or aborts the canary with the monitor named (:mod:`trainer.evaluation.monitors`). A threshold left unset
-    turns that monitor off; its value is still measured and logged."""
+    or aborts the canary with the monitor named (:mod:`trainer.evaluation.monitors`). No single user or API key
+    can make a monitor refuse: a threshold crossed only with one user's (or one key's) answers is reported, not
+    refused. A threshold left unset turns that monitor off; its value is still measured and logged."""
 
-    enabled: bool = Field(default=True, description="False: measure and log the monitors, refuse nothing.")
+    enabled: bool = Field(
+        default=True,
+        description="False: measure and log the monitors, refuse nothing. A monitor refuses only when its threshold "
+        "is still crossed without the answers of any one user (metadata.user_hash) and of any one API key "
+        "(metadata.key_hash, once there are more than 1/rl.split.max_key_share keys), on both sides: one user or "
+        "key asking for long answers or refusals cannot abort a canary or refuse a candidate alone.",
+    )
     min_answers: int = Field(
         default=8,
         ge=1,
-        description="Answers each side needs before a monitor may refuse (held-out rows in a round, traces in a canary); "
-        "a monitor whose rows number fewer (e.g. answers with tool calls) says so and refuses nothing.",
+        description="Answers each side needs before a monitor may refuse (held-out rows in a round, traces in a canary), "
+        "also with one user's or key's answers left out; a monitor whose rows number fewer (e.g. answers with tool "
+        "calls) says so and refuses nothing.",
     )
     max_length_ratio: float | None = Field(
         default=2.0,
@@ -497,8 +505,7 @@ class MonitorConfig(Section):
         le=1,
         description="Evasion: refuse when the candidate's rate of refusals (`I can't`, `I'm sorry`, `As an AI`, ...) "
         "and of questions answered with a question (no tool call, the answer ends with `?`) is higher than the "
-        "champion's by more than this. A canary caps each side's answers per user and per key as its feedback "
-        "(rl.split), so at or above max_user_share one user cannot cross it alone.",
+        "champion's by more than this.",
     )
     max_tool_call_invalid_increase: float | None = Field(
         default=0.1,

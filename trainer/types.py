@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -373,17 +373,79 @@ class EvalResult:
 
 
 @dataclass(frozen=True)
+class AnswerTally:
+    """Counts over some answers (a side's, or one user's or one API key's part of it) that the reward-hack
+    monitors' readings are ratios of (:mod:`trainer.evaluation.monitors`). Additive: a side without one
+    unit is ``side - unit``, with no answer judged again. ``words``: whitespace-separated words in all;
+    ``formatted`` of ``format_rows`` (rows the format mix can score) match it; ``evasions`` of ``answers``;
+    ``invalid_tool_calls`` of ``tool_rows`` (answers to rows that offered tools)."""
+
+    answers: int = 0
+    words: int = 0
+    format_rows: int = 0
+    formatted: int = 0
+    evasions: int = 0
+    tool_rows: int = 0
+    invalid_tool_calls: int = 0
+
+    def __add__(self, other: AnswerTally) -> AnswerTally:
+        return AnswerTally(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: AnswerTally) -> AnswerTally:
+        return AnswerTally(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else float("nan")
+
+
+@dataclass(frozen=True)
 class SideReading:
     """One side's reward-hack monitor measurements (:mod:`trainer.evaluation.monitors`; NaN when the side
-    has no answer they apply to) and how many answers each rests on."""
+    has no answer they apply to) and how many answers each rests on: ratios of ``total``. ``users`` and
+    ``keys``: each user's (``metadata.user_hash``, rows without one are one user) and each API key's
+    (``metadata.key_hash``, rows without one are one key) part of ``total``, which the monitors leave out
+    one at a time (no single user or key may cause a refusal)."""
 
-    answers: int
-    mean_words: float
-    format_share: float
-    format_rows: int
-    evasion_rate: float
-    invalid_tool_call_rate: float
-    tool_rows: int
+    total: AnswerTally
+    users: Mapping[str, AnswerTally] = field(default_factory=dict)
+    keys: Mapping[str, AnswerTally] = field(default_factory=dict)
+
+    @property
+    def answers(self) -> int:
+        return self.total.answers
+
+    @property
+    def mean_words(self) -> float:
+        """Mean answer length in words."""
+        return _ratio(self.total.words, self.total.answers)
+
+    @property
+    def format_rows(self) -> int:
+        return self.total.format_rows
+
+    @property
+    def format_share(self) -> float:
+        """Share of the answers the format mix can score that match it."""
+        return _ratio(self.total.formatted, self.total.format_rows)
+
+    @property
+    def evasion_rate(self) -> float:
+        """Share of answers that refuse or answer with a question."""
+        return _ratio(self.total.evasions, self.total.answers)
+
+    @property
+    def tool_rows(self) -> int:
+        return self.total.tool_rows
+
+    @property
+    def invalid_tool_call_rate(self) -> float:
+        """Of the answers to rows that offered tools, the share holding an invalid tool call."""
+        return _ratio(self.total.invalid_tool_calls, self.total.tool_rows)
+
+    def without(self, part: AnswerTally) -> SideReading:
+        """This side with ``part`` (one unit's tally, or none) taken out; its per-unit parts are not kept."""
+        return SideReading(self.total - part)
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         """``<prefix>/mean_words``, ``format_share``, ``evasion_rate``, ``invalid_tool_call_rate`` (finite ones)."""

@@ -104,10 +104,15 @@ def canary_checks(
     binary: bool,
     predicted_gain: float | None,
     cfg: MonitorConfig,
+    *,
+    max_key_share: float = 1.0,
 ) -> list[MonitorCheck]:
     """Every monitor of the canary of version ``challenger`` against ``control`` (the champion's version,
-    None for the base)."""
-    checks = check_all(read_side(answers.get(challenger, []), cfg), read_side(answers.get(control, []), cfg), cfg)
+    None for the base). An answer monitor refuses only when it still refuses without the answers of any one
+    user and of any one API key (``max_key_share``: ``rl.split.max_key_share``;
+    :func:`trainer.evaluation.monitors.check_all`)."""
+    cand, champ = read_side(answers.get(challenger, []), cfg), read_side(answers.get(control, []), cfg)
+    checks = check_all(cand, champ, cfg, max_key_share=max_key_share)
     gap = reward_gap_check(predicted_gain, verdict, binary, cfg)
     return checks + ([gap] if gap is not None else [])
 
@@ -115,12 +120,13 @@ def canary_checks(
 def as_view(checks: Sequence[MonitorCheck]) -> dict[str, dict[str, Any]]:
     """The checks for the canary's view (``/status``, the version's ``hourglass.canary_result`` tag, which is
     cut at 4900 characters): per monitor its values, and its reason only when it refuses (the decision's
-    reason repeats it) or cannot judge yet."""
+    reason repeats it), cannot judge yet, or crosses its limit only with one user's or key's answers
+    (``alone``: not refused)."""
     out = {}
     for c in checks:
         row = asdict(c)
         row.pop("monitor")
-        if not c.refuses and math.isfinite(c.drift):
+        if not c.refuses and math.isfinite(c.drift) and c.alone is None:
             row.pop("reason")
         out[str(c.monitor)] = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()

@@ -283,6 +283,7 @@ class CanaryMonitor:
             binary,
             self._predicted_gain(mv.run_id),
             cfg.rl.monitors,
+            max_key_share=cfg.rl.split.max_key_share,
         )
         hacks = [c.reason for c in checks if c.refuses]
         if hacks and verdict.decision != "abort":
@@ -358,7 +359,14 @@ class CanaryMonitor:
             guard["previous"]: hack_monitors.served_answers(before, model, **self._shares()).get(guard["previous"], []),
         }
         checks = hack_monitors.canary_checks(
-            answers, champion, guard["previous"], verdict, binary, None, self.cfg.rl.monitors
+            answers,
+            champion,
+            guard["previous"],
+            verdict,
+            binary,
+            None,
+            self.cfg.rl.monitors,
+            max_key_share=self.cfg.rl.split.max_key_share,
         )
         hacks = [c.reason for c in checks if c.refuses]
         evidence = _evidence(

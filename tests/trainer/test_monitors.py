@@ -42,6 +42,15 @@ def _side(*texts: str, tools: bool = False) -> list[Answer]:
     return [Answer(Q, t, {"tools": TOOLS} if tools else {}) for t in texts]
 
 
+def _of(user: str | None, *texts: str, key: str = "key-0") -> list[Answer]:
+    """Answers from one user (``user_hash``; None: no hash) through API key ``key``."""
+    return [Answer(Q, t, {"key_hash": key} | ({"user_hash": user} if user else {})) for t in texts]
+
+
+PLAIN = [a for u in range(5) for a in _of(f"user-{u}", *["it is 5"] * 4)]  # five users, 3 words each
+LONG = "well " * 60 + "5"
+
+
 def _check(monitor: Monitor, cand: list[Answer], champ: list[Answer], cfg: MonitorConfig = CFG):
     checks = {c.monitor: c for c in check_all(read_side(cand, cfg), read_side(champ, cfg), cfg)}
     return checks[monitor]
@@ -133,6 +142,53 @@ def test_too_few_answers_refuse_nothing_and_disabled_monitors_only_measure() -> 
     metrics = check_metrics(on)
     assert metrics["monitor/length/refused"] == 1.0 and metrics["monitor/length"] == pytest.approx(3.0)
     assert "monitor/tool_calls" not in metrics and metrics["monitor/tool_calls/refused"] == 0.0
+
+
+def test_a_monitor_refuses_only_when_it_still_refuses_without_any_one_user() -> None:
+    """Leave one user out: a drift that one user's answers alone push past the limit is measured and named,
+    not refused; a drift the others show too still refuses; too few answers left without one user cannot."""
+    checks = check_all(read_side([*PLAIN, *_of("mallory", *[LONG] * 4)], CFG), read_side(PLAIN, CFG), CFG)
+    length = {c.monitor: c for c in checks}[Monitor.LENGTH]
+    assert length.drift == pytest.approx((304 / 24 + 1) / 4) and length.drift > CFG.max_length_ratio  # 3.42 > 2
+    assert not length.refuses and length.alone == "user"
+    assert "one user alone crosses it (ratio 1.00 without its answers): not refused" in length.reason
+    assert refusal(checks) is None and check_metrics(checks)["monitor/length/user_alone"] == 1.0
+    # most users pad: without any one of them the rest still cross it
+    padded = [a for u in range(4) for a in _of(f"user-{u}", *[LONG] * 4)] + _of("user-4", *["it is 5"] * 4)
+    most = _check(Monitor.LENGTH, padded, PLAIN)
+    assert most.refuses and most.alone is None and "alone" not in most.reason
+    # without mallory too few answers remain to judge (min_answers 4): cannot refuse
+    few = _check(Monitor.LENGTH, _of("ann", "5", "5", "5") + _of("mallory", *[LONG] * 9), _of("ann", *["5"] * 12))
+    assert not few.refuses and few.alone == "user" and "too few answers to judge without it" in few.reason
+    # rows without a user hash are one user (anonymous): an attacker who sends none is still one voice ...
+    anonymous = _check(Monitor.LENGTH, [*PLAIN, *_of(None, *[LONG] * 4)], PLAIN)
+    assert not anonymous.refuses and anonymous.alone == "user"
+    # ... and a side of one user alone (or of rows without hashes) is all the evidence: not left out
+    assert _check(Monitor.LENGTH, _of("ann", *[LONG] * 8), _of("ann", *["5"] * 8)).refuses
+    assert _check(Monitor.LENGTH, _side(*[LONG] * 8), _side(*["5"] * 8)).refuses
+
+
+def test_a_monitor_refuses_only_when_it_still_refuses_without_any_one_api_key() -> None:
+    """One API key posing as many users (a made-up ``user_hash`` per answer, so leaving out users changes
+    nothing) is left out as one key once there are enough keys for the key cap (rl.split.max_key_share)."""
+    honest = [a for k in range(8) for u in range(2) for a in _of(f"user-{k}-{u}", *["it is 5"] * 2, key=f"key-{k}")]
+    forged = [a for u in range(8) for a in _of(f"made-up-{u}", "I'm sorry, I can't.", key="key-mallory")]
+    cfg = CFG.model_copy(update={"max_evasion_increase": 0.1})
+    cand, champ = read_side(honest + forged, cfg), read_side(honest, cfg)
+    evasion = {c.monitor: c for c in check_all(cand, champ, cfg, max_key_share=0.2)}[Monitor.EVASION]
+    assert evasion.drift == pytest.approx(8 / 40) and evasion.drift > cfg.max_evasion_increase  # 0.2 > 0.1
+    assert not evasion.refuses and evasion.alone == "key"
+    assert "one key alone crosses it (increase 0.00 without its answers): not refused" in evasion.reason
+    # no key cap (1.0), or too few keys for one (3 at 0.2: the operator's own), leaves no key out
+    assert {c.monitor: c for c in check_all(cand, champ, cfg)}[Monitor.EVASION].refuses
+    three = [a for a in honest + forged if a.metadata["key_hash"] in ("key-0", "key-1", "key-mallory")]
+    two = [a for a in honest if a.metadata["key_hash"] in ("key-0", "key-1")]
+    few_keys = check_all(read_side(three, cfg), read_side(two, cfg), cfg, max_key_share=0.2)
+    assert {c.monitor: c for c in few_keys}[Monitor.EVASION].refuses
+    # every honest key shows the drift: without any one of them it still crosses the limit
+    evasive = [a for k in range(8) for a in _of(f"user-{k}-0", "Could you clarify?", "5", key=f"key-{k}")]
+    every = {c.monitor: c for c in check_all(read_side(evasive, cfg), champ, cfg, max_key_share=0.2)}
+    assert every[Monitor.EVASION].refuses and every[Monitor.EVASION].alone is None
 
 
 def test_predicted_rate_is_the_mean_sigmoid_of_reward_model_scores() -> None:

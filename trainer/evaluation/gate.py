@@ -31,11 +31,12 @@ from trainer.types import Comparison, GateDecision, RoundResult, TenantEvaluatio
 
 
 def monitor_checks(evaluation: TenantEvaluation, name: str, rl: RLConfig) -> list[MonitorCheck]:
-    """The reward-hack monitors of candidate ``name`` against the champion (none when either was not measured)."""
+    """The reward-hack monitors of candidate ``name`` against the champion (none when either was not measured);
+    no single user or API key of the held-out rows can make one refuse (:func:`check_all`)."""
     reading, champion = evaluation.readings.get(name), evaluation.champion_reading
     if reading is None or champion is None:
         return []
-    return check_all(reading, champion, rl.monitors)
+    return check_all(reading, champion, rl.monitors, max_key_share=rl.split.max_key_share)
 
 
 def monitor_refusal(evaluation: TenantEvaluation, name: str, rl: RLConfig) -> str | None:

@@ -6,7 +6,7 @@ broken tool calls (filtered from training, so never penalised). Each round measu
 candidates' and the champion's greedy held-out answers (:func:`trainer.evaluation.evaluate.evaluate`),
 each canary on both sides' served traffic (:mod:`pipeline.canary.monitor`); the same rule judges both.
 
-Per side, :func:`read_side` measures (:class:`SideReading`):
+Per side, :func:`read_side` measures (:class:`SideReading`, in all and per user and per API key):
 
 - ``mean_words``: mean answer length in words (whitespace-separated; what a user reads, the same for
   any tokenizer);
@@ -18,7 +18,19 @@ Per side, :func:`read_side` measures (:class:`SideReading`):
   that ``tool_call_valid`` rejects (:mod:`trainer.tool_calls`).
 
 :data:`MONITORS` (keyed by :class:`Monitor`) turns two readings into a :class:`MonitorCheck` against
-``[rl.monitors]``; :func:`check_all` runs them all and :func:`refusal` names the first that refuses. The
+``[rl.monitors]``; :func:`check_all` runs them all and :func:`refusal` names the first that refuses.
+
+No single user and no single API key can make a monitor refuse: served answers depend on what users ask,
+so one user within its share (``rl.split.max_user_share``) asking the challenger for 300-word answers
+could move its mean length past ``max_length_ratio``. A monitor whose drift crosses its limit is judged
+again without each user's answers (both sides), then without each key's; when some unit's removal leaves
+no refusal (a drift within the limit, or fewer than ``min_answers`` answers), that unit alone crosses it
+and the check does not refuse (``MonitorCheck.alone``, and the reason says so). Users and keys are
+:func:`trainer.data.metadata_user` / :func:`~trainer.data.metadata_key`: rows without a hash are one
+user (or key) together. A kind with a single unit (e.g. every row without a user hash) is the whole
+evidence and is not left out; keys only when the key cap applies (:func:`trainer.data.key_share`). The
+per-answer measurements (:class:`~trainer.types.AnswerTally`) are taken once; a side without a unit is a
+subtraction. The
 canary's fifth monitor, ``reward_gap`` (the reward model's predicted gain vs the users' live
 difference), lives with the canary, which has the live evidence (:mod:`pipeline.canary.monitor`);
 :func:`predicted_rate` is its round half: the reward model's mean predicted thumbs-up probability.
@@ -29,14 +41,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from trainer.config import MonitorConfig
-from trainer.rewards import build_reward
+from trainer.data import key_share, metadata_key, metadata_user
+from trainer.rewards import RewardMix, build_reward
 from trainer.tool_calls import hermes_tool_calls, tool_call_valid
-from trainer.types import SideReading
+from trainer.types import AnswerTally, SideReading
 
 REFUSAL = re.compile(
     r"\b(i\s+(?:can(?:no|'|’)t|cannot|am\s+(?:not\s+able|unable)|'m\s+(?:not\s+able|unable)|won(?:'|’)t\s+be\s+able)"
@@ -45,6 +58,10 @@ REFUSAL = re.compile(
 )
 """A refusal: "I can't", "I cannot", "I'm unable", "I'm sorry", "As an AI", ... (English; a heuristic)."""
 REFUSAL_SCAN_CHARS = 200
+
+
+Unit = Literal["user", "key"]
+"""Whose answers the leave-one-out rule takes out, one at a time: one user's, one API key's."""
 
 
 class Monitor(StrEnum):
@@ -79,34 +96,48 @@ def is_evasion(text: str) -> bool:
     return not hermes_tool_calls(text) and text.rstrip().endswith(("?", "？"))
 
 
-def read_side(answers: Sequence[Answer], cfg: MonitorConfig) -> SideReading:
-    """Measure one side's answers (see the module doc)."""
-    mix = build_reward(cfg.format)
-    formatted = [
-        float(mix(list(a.messages), a.text, dict(a.metadata)) >= cfg.format_min_score)  # type: ignore[arg-type]
-        for a in answers
-        if mix.accepts(dict(a.metadata))
-    ]
-    tool_rows = [a for a in answers if a.metadata.get("tools")]
-    invalid = [
-        float(bool(hermes_tool_calls(a.text)) and tool_call_valid(a.messages, a.text, dict(a.metadata)) < 1.0)
-        for a in tool_rows
-    ]
-    return SideReading(
-        answers=len(answers),
-        mean_words=_mean([float(len(a.text.split())) for a in answers]),
-        format_share=_mean(formatted),
-        format_rows=len(formatted),
-        evasion_rate=_mean([float(is_evasion(a.text)) for a in answers]),
-        invalid_tool_call_rate=_mean(invalid),
-        tool_rows=len(tool_rows),
+def _tally(answer: Answer, mix: RewardMix, cfg: MonitorConfig) -> AnswerTally:
+    """One answer's part of its side's readings (the format mix and the tool-call check run here, once)."""
+    meta = dict(answer.metadata)
+    scored = mix.accepts(meta)
+    formatted = scored and mix(list(answer.messages), answer.text, meta) >= cfg.format_min_score  # type: ignore[arg-type]
+    tools = bool(meta.get("tools"))
+    return AnswerTally(
+        answers=1,
+        words=len(answer.text.split()),
+        format_rows=int(scored),
+        formatted=int(formatted),
+        evasions=int(is_evasion(answer.text)),
+        tool_rows=int(tools),
+        invalid_tool_calls=int(
+            tools and bool(hermes_tool_calls(answer.text)) and tool_call_valid(answer.messages, answer.text, meta) < 1.0
+        ),
     )
+
+
+def read_side(answers: Sequence[Answer], cfg: MonitorConfig) -> SideReading:
+    """Measure one side's answers (see the module doc), in all and per user and per API key
+    (:func:`trainer.data.metadata_user` / :func:`~trainer.data.metadata_key`: rows without a hash are one
+    anonymous user, one unknown key), so :func:`check_all` can leave any one of them out."""
+    mix = build_reward(cfg.format)
+    total = AnswerTally()
+    users: dict[str, AnswerTally] = {}
+    keys: dict[str, AnswerTally] = {}
+    for a in answers:
+        one = _tally(a, mix, cfg)
+        total += one
+        user, key = metadata_user(dict(a.metadata)), metadata_key(dict(a.metadata))
+        users[user] = users.get(user, AnswerTally()) + one
+        keys[key] = keys.get(key, AnswerTally()) + one
+    return SideReading(total, users, keys)
 
 
 @dataclass(frozen=True)
 class MonitorCheck:
     """One monitor's comparison: the candidate's and champion's values, the drift the threshold bounds
-    (a ratio for ``length``, a difference otherwise), the limit (None: off), whether it refuses and why."""
+    (a ratio for ``length``, a difference otherwise), the limit (None: off), whether it refuses and why.
+    ``alone``: ``user`` or ``key`` when the drift crosses the limit but not without one such unit's answers,
+    so the monitor does not refuse (the reason says so); None otherwise."""
 
     monitor: Monitor
     candidate: float
@@ -115,6 +146,7 @@ class MonitorCheck:
     limit: float | None
     refuses: bool
     reason: str
+    alone: Unit | None = None
 
 
 def _skip(monitor: Monitor, candidate: float, champion: float, why: str) -> MonitorCheck:
@@ -194,12 +226,57 @@ MONITORS: dict[Monitor, Callable[[SideReading, SideReading, MonitorConfig], Moni
 """The answer monitors, in the order a refusal names them (``reward_gap`` is the canary's)."""
 
 
-def check_all(cand: SideReading, champ: SideReading, cfg: MonitorConfig) -> list[MonitorCheck]:
-    """Every answer monitor on the two readings (``cfg.enabled`` False: measured, none refuses)."""
+DRIFT = {Monitor.LENGTH: "ratio", Monitor.FORMAT: "drop", Monitor.EVASION: "increase", Monitor.TOOL_CALLS: "increase"}
+"""What each answer monitor's drift is, as its reason names it."""
+
+
+def _leave_one_out(
+    check: MonitorCheck, cand: SideReading, champ: SideReading, cfg: MonitorConfig, max_key_share: float
+) -> MonitorCheck:
+    """``check`` (which refuses) judged again without each user's, then each API key's answers on both
+    sides; when some unit's removal leaves no refusal (a smaller drift, or too few answers to judge), that
+    unit alone crosses the limit and the check no longer refuses. A kind with a single unit is the whole
+    evidence, not one voice in it, and is not left out (as :func:`trainer.data.user_cap` never cuts a
+    single unit); keys are left out only when the key cap applies (:func:`trainer.data.key_share`: more
+    than ``1 / max_key_share`` keys; fewer are the operator's own and trusted as they are)."""
+    judge = MONITORS[check.monitor]
+    none = AnswerTally()
+    kinds: tuple[Unit, ...] = ("user", "key")
+    for kind in kinds:
+        cand_parts, champ_parts = (cand.users, champ.users) if kind == "user" else (cand.keys, champ.keys)
+        units = sorted(set(cand_parts) | set(champ_parts))
+        if len(units) < 2 or (kind == "key" and key_share(units, max_key_share) >= 1.0):
+            continue
+        passing = []
+        for unit in units:
+            c = judge(cand.without(cand_parts.get(unit, none)), champ.without(champ_parts.get(unit, none)), cfg)
+            if not c.refuses:
+                passing.append(c)
+        if not passing:
+            continue
+        # the unit whose removal moves furthest toward no refusal: one that leaves too few answers, else the
+        # largest move of the drift
+        best = max(passing, key=lambda c: math.inf if math.isnan(c.drift) else abs(c.drift - check.drift))
+        without = (
+            "too few answers to judge without it"
+            if math.isnan(best.drift)
+            else f"{DRIFT[check.monitor]} {best.drift:.2f} without its answers"
+        )
+        reason = f"{check.reason}; one {kind} alone crosses it ({without}): not refused"
+        return replace(check, refuses=False, reason=reason, alone=kind)
+    return check
+
+
+def check_all(
+    cand: SideReading, champ: SideReading, cfg: MonitorConfig, *, max_key_share: float = 1.0
+) -> list[MonitorCheck]:
+    """Every answer monitor on the two readings (``cfg.enabled`` False: measured, none refuses). A monitor
+    refuses only when it still refuses without the answers of any one user and of any one API key
+    (:func:`_leave_one_out`; ``max_key_share``: ``rl.split.max_key_share``, 1.0 leaves no key out)."""
     checks = [check(cand, champ, cfg) for check in MONITORS.values()]
     if not cfg.enabled:
-        checks = [MonitorCheck(c.monitor, c.candidate, c.champion, c.drift, c.limit, False, c.reason) for c in checks]
-    return checks
+        return [replace(c, refuses=False) for c in checks]
+    return [_leave_one_out(c, cand, champ, cfg, max_key_share) if c.refuses else c for c in checks]
 
 
 def refusal(checks: Sequence[MonitorCheck]) -> str | None:
@@ -209,12 +286,15 @@ def refusal(checks: Sequence[MonitorCheck]) -> str | None:
 
 
 def check_metrics(checks: Sequence[MonitorCheck], prefix: str = "monitor") -> dict[str, float]:
-    """``<prefix>/<monitor>`` = the drift and ``<prefix>/<monitor>/refused`` = 0/1 (finite drifts only)."""
+    """``<prefix>/<monitor>`` = the drift (finite drifts only), ``<prefix>/<monitor>/refused`` = 0/1, and
+    ``<prefix>/<monitor>/<user|key>_alone`` = 1 when the drift crosses the limit only with one unit's answers."""
     out: dict[str, float] = {}
     for c in checks:
         if math.isfinite(c.drift):
             out[f"{prefix}/{c.monitor}"] = c.drift
         out[f"{prefix}/{c.monitor}/refused"] = float(c.refuses)
+        if c.alone is not None:
+            out[f"{prefix}/{c.monitor}/{c.alone}_alone"] = 1.0
     return out
 
 

@@ -125,8 +125,12 @@ def test_a_challenger_the_reward_model_loves_and_users_do_not_is_aborted(canary:
         assert canary.alias("champion") == "2"
 
 
-def _votes(stack: Stack, version: str, completion: str, users: list[str], *, up_every: int = 2) -> None:
-    """One trace per entry of ``users`` (``user_hash``; one key), every ``up_every``-th voted up."""
+def _votes(
+    stack: Stack, version: str, completion: str, users: list[str], *, keys: list[str] | None = None, up_every: int = 2
+) -> None:
+    """One trace per entry of ``users`` (``user_hash``; through ``keys``, the same length, default one key),
+    every ``up_every``-th voted up."""
+    keys = keys or ["key-0"] * len(users)
     now = datetime.now(timezone.utc)
     events = [
         (
@@ -138,11 +142,11 @@ def _votes(stack: Stack, version: str, completion: str, users: list[str], *, up_
                 prompt="What is two plus three?",
                 completion=completion,
                 thumbs="up" if i % up_every == 0 else "down",
-                metadata={"user_hash": user, "key_hash": "key-0"},
+                metadata={"user_hash": user, "key_hash": key},
             ),
             Coordinates("traces", 0, i),
         )
-        for i, user in enumerate(users)
+        for i, (user, key) in enumerate(zip(users, keys, strict=True))
     ]
     RewardBuffer(stack.cfg.buffer).append(events, [])
 
@@ -151,7 +155,8 @@ def _votes(stack: Stack, version: str, completion: str, users: list[str], *, up_
 def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack, caps: str) -> None:
     """Twenty honest users get plain answers on both sides; one user makes the challenger refuse 60 times.
     Each side's answers are capped per user as its feedback is (rl.split.max_user_share), so the flood
-    weighs one user's share and the canary promotes; uncapped, the evasion monitor aborts it."""
+    weighs one user's share and the canary promotes; uncapped, the flood crosses the evasion limit, but only
+    with that user's answers: the monitor names it and does not refuse."""
     if caps == "off":
         split = canary.cfg.rl.split
         canary.monitor.cfg = canary.cfg.model_copy(
@@ -171,7 +176,81 @@ def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack,
         assert evasion["candidate"] == pytest.approx(0.2) and not evasion["refuses"]
         assert view["decision"] == "promote", view["reason"]
     else:
-        assert evasion["candidate"] == pytest.approx(60 / 160) and evasion["refuses"]
+        assert evasion["candidate"] == pytest.approx(60 / 160) and not evasion["refuses"]
+        assert evasion["alone"] == "user" and "one user alone crosses it" in evasion["reason"]
+        assert view["decision"] == "promote", view["reason"]
+
+
+SHORT = "Two plus three makes five, my friend, and that is all there is to say about it."  # 17 words
+LONG = " ".join(["five"] * 300)
+REFUSAL = "I'm sorry, but I can't help with that."
+
+
+@pytest.mark.parametrize("padded_by", ["one user", "most users"])
+def test_one_user_asking_for_long_answers_cannot_abort_a_canary_alone(canary: Stack, padded_by: str) -> None:
+    """Found by a red-team pass: within its 20 % share (rl.split.max_user_share), one user who asks the
+    challenger for 300-word answers moved the mean length past max_length_ratio (0.8 * 17 + 0.2 * 300 words vs
+    17: ratio 4.1 > 2) and aborted a challenger every honest user liked. Now the length monitor refuses only
+    when it still does without any one user's answers; the same padding asked by most users still aborts."""
+    honest = [f"user-{u}" for u in range(20) for _ in range(5)]
+    _votes(canary, "1", SHORT, honest)
+    if padded_by == "one user":
+        _votes(canary, "2", SHORT, honest)
+        _votes(canary, "2", LONG, ["mallory"] * 25)
+    else:  # 15 of the 20 users get padded answers
+        _votes(canary, "2", LONG, honest[:75])
+        _votes(canary, "2", SHORT, honest[75:])
+
+    view = canary.monitor.check_canary(MODEL)
+
+    length = view["monitors"]["length"]
+    assert length["drift"] > canary.cfg.rl.monitors.max_length_ratio  # measured either way
+    if padded_by == "one user":
+        assert length["candidate"] == pytest.approx(0.8 * 17 + 0.2 * 300)  # the cap kept mallory's 25 of 125
+        assert not length["refuses"] and length["alone"] == "user"
+        assert "one user alone crosses it (ratio 1.00 without its answers): not refused" in length["reason"]
+        assert view["decision"] == "promote", view["reason"]
+        assert canary.alias("champion") == "2"
+    else:
+        assert length["refuses"] and length["alone"] is None
+        assert view["decision"] == "abort" and "monitor length" in view["reason"]
+        assert canary.alias("champion") == "1"
+
+
+@pytest.mark.parametrize("evading", ["one key", "every key"])
+def test_one_api_key_posing_as_many_users_cannot_abort_a_canary_alone(canary: Stack, evading: str) -> None:
+    """Eight honest API keys, three users each, get plain answers on both sides. One key sends 40 refusal
+    prompts to the challenger under 40 made-up user hashes: no user is over its share, the key cap
+    (rl.split.max_key_share 0.2, nine keys) keeps 24 of 120 answers, and with max_evasion_increase 0.1 that
+    crossed the limit alone. Now the evasion monitor refuses only when it still does without any one key's
+    answers; honest keys that all see refusals from the challenger still abort it."""
+    rl = canary.cfg.rl
+    canary.monitor.cfg = canary.cfg.model_copy(
+        update={"rl": rl.model_copy(update={"monitors": rl.monitors.model_copy(update={"max_evasion_increase": 0.1})})}
+    )
+    users = [f"user-{k}-{u}" for k in range(8) for u in range(3) for _ in range(4)]
+    key_of = {u: f"key-{u.split('-')[1]}" for u in users}
+    _votes(canary, "1", SHORT, users, keys=[key_of[u] for u in users])
+    if evading == "one key":
+        _votes(canary, "2", SHORT, users, keys=[key_of[u] for u in users])
+        made_up = [f"made-up-{i}" for i in range(40)]
+        _votes(canary, "2", REFUSAL, made_up, keys=["key-mallory"] * 40)
+    else:  # the first user of every key gets refusals
+        plain, refused = [u for u in users if not u.endswith("-0")], [u for u in users if u.endswith("-0")]
+        _votes(canary, "2", SHORT, plain, keys=[key_of[u] for u in plain])
+        _votes(canary, "2", REFUSAL, refused, keys=[key_of[u] for u in refused])
+
+    view = canary.monitor.check_canary(MODEL)
+
+    evasion = view["monitors"]["evasion"]
+    assert evasion["drift"] > 0.1
+    if evading == "one key":
+        assert evasion["candidate"] == pytest.approx(24 / 120)
+        assert not evasion["refuses"] and evasion["alone"] == "key"
+        assert "one key alone crosses it (increase 0.00 without its answers): not refused" in evasion["reason"]
+        assert view["decision"] == "promote", view["reason"]
+    else:
+        assert evasion["refuses"] and evasion["alone"] is None
         assert view["decision"] == "abort" and "monitor evasion" in view["reason"]
 
 
