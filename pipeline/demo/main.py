@@ -628,7 +628,7 @@ def main(
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, _start_round(api, token), timeout_s=1800)
-            sent = sum(len(p) for p in phases) + sum(len(c) for c in canaries.values())
+            sent = len(verdicts)  # every trace sent so far, hostile ones included
             _print_round(record, sent, _get(f"{api}/buffer/stats"), hostile=hostile is not None)
             aucs.append((record.get("metrics") or {}).get("reward_model/auc"))
             console.print(f"round: {escape(record['reason'])}")

@@ -135,3 +135,17 @@ def test_the_honest_canary_line_names_both_sides_and_the_outcome() -> None:
     assert honest_canary_line(2, rate, "3", None).endswith(
         "challenger v3 0/0 (-), replaced side v2 4/8 (50%); undecided"
     )
+
+
+@pytest.mark.parametrize("option", [["--hostile-share", "0.6"], ["--hostile-share", "-0.1"], ["--hostile-keys", "few"]])
+def test_hostile_options_out_of_range_are_refused_before_anything_starts(option: list[str]) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from pipeline.demo.main import main
+
+    app = typer.Typer()
+    app.command()(main)
+    result = CliRunner().invoke(app, [*option, "--config", "does-not-exist.toml"])
+    assert result.exit_code == 2, result.output  # a usage error: the config is never read, no service started
+    assert option[0] in result.output

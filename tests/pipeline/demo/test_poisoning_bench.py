@@ -12,12 +12,13 @@ CAPTURED = Path(__file__).with_name("demo_hostile_output.txt")
 
 
 def test_parses_a_captured_demo_run() -> None:
+    """The 2026-12-03 smoke run (its 'traces sent 80' counted honest traces only, fixed since: the parser
+    does not read that line)."""
     run = parse(CAPTURED.read_text())
-    assert len(run.accuracy) == 1 and 0.0 <= run.accuracy[0] <= 1.0 and run.final == run.accuracy[0]
-    assert len(run.aucs) == 1
-    assert run.total_s is not None and run.total_s > 0
-    for canary in run.canaries:
-        assert canary.round == 1 and canary.outcome in ("PROMOTED", "ABORTED", "undecided")
+    assert run.accuracy == [0.479] and run.final == 0.479
+    assert run.aucs == [0.63] and run.total_s == 788
+    assert run.canaries == [Canary(1, "1", (9, 16), "base", (10, 40), "PROMOTED")]
+    assert not run.canaries[0].worse  # the honest users rate v1 56 % vs the base's 25 %
 
 
 SYNTHETIC = """\
