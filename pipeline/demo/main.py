@@ -26,6 +26,15 @@ model learns from what its users say, and nothing else.
    promotion), feedback-only gain / oracle gain; the shipped regression suite's greedy score for the base
    and the final champion (forgetting = base - champion; target <= 0.05); a plot of the live rate.
 
+With ``--hostile-share F`` a share F of the requests comes from coordinated hostile
+users (:class:`pipeline.demo.traffic.Hostile`: every answer rated with the inverted
+verdict, no corrections) through plain API keys, one key posing as many users
+(``--hostile-keys one``) or a key each (``many``). The users' live verdict, the
+canaries' honest lines and the per-round greedy accuracy count honest users only;
+the reward model's held-out AUC is the round's own, over all held-out votes,
+hostile ones included (the demo cannot see the reward model's per-row scores).
+``bench/poisoning.py`` runs this at several shares and reads these lines.
+
 The candidates of ``hourglass`` see only the users' feedback (reward model,
 KTO) and the gate uses no reference answer; the reference answers the traffic
 carries feed only this scoreboard and the oracle recipe.
@@ -43,6 +52,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
+from enum import Enum
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
@@ -67,11 +78,22 @@ from pipeline.demo.board import (
     plot_live_rates,
     suite_score,
 )
-from pipeline.demo.traffic import Behaviour, Exchange, arithmetic_questions, create_demo_key, drive, is_correct
+from pipeline.demo.traffic import (
+    Behaviour,
+    Exchange,
+    Hostile,
+    arithmetic_questions,
+    create_demo_key,
+    create_hostile,
+    drive,
+    hostile_users,
+    is_correct,
+)
 from trainer.regression_config import RegressionSuiteConfig
 from trainer.types import Prompt
 
 console = Console(soft_wrap=True)
+FRESH_PROMPTS = 48  # greedy accuracy is measured on this many fresh prompts (seed 999, never trained on)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
 CONCURRENCY = 8  # requests in flight at once, so vLLM batches them
 
@@ -241,6 +263,7 @@ def _run_canary(
     seed: int,
     timeout_s: float,
     behaviour: Behaviour = Behaviour(),
+    hostile: Hostile | None = None,
 ) -> tuple[list[Exchange], dict | None]:
     """Keep the users' traffic flowing while ``version`` is on canary, printing the live evidence after each
     batch, until the service's canary monitor decided (promote or abort) or ``timeout_s`` passed.
@@ -279,7 +302,14 @@ def _run_canary(
                 f"  [dim]{time.monotonic() - started:4.0f} s  {_sides(view)}; interval {_interval(view)}: {view.get('decision')}[/]"
             )
         sent += drive(
-            gateway, model, 16, seed=seed * 1000 + batch, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour
+            gateway,
+            model,
+            16,
+            seed=seed * 1000 + batch,
+            concurrency=CONCURRENCY,
+            api_key=key,
+            behaviour=behaviour,
+            hostile=hostile,
         )
         batch += 1
     return sent, None
@@ -338,14 +368,19 @@ def _live_verdict(
 
 
 def _say_sent(exchanges: list[Exchange], what: str) -> None:
-    right = sum(e.correct for e in exchanges)
-    if all(e.action == "" for e in exchanges):
-        console.print(f"{len(exchanges)} {what}; users gave {right} thumbs up")
+    """How many requests went out and what the users made of them (hostile users' requests counted apart)."""
+    bad = [e for e in exchanges if e.hostile]
+    honest = [e for e in exchanges if not e.hostile]
+    if bad:
+        what += f" ({len(bad)} from hostile users, {sum(not e.correct for e in bad)} wrong answers voted up)"
+    right, who = sum(e.correct for e in honest), "honest users" if bad else "users"
+    if all(e.action == "" for e in honest):
+        console.print(f"{len(exchanges)} {what}; {who} gave {right} thumbs up")
         return
-    actions = Counter(e.action for e in exchanges)
+    actions = Counter(e.action for e in honest)
     console.print(
-        f"{len(exchanges)} {what}; {right} right by the users' check, {sum(e.rated for e in exchanges)} rated; "
-        "then the users " + ", ".join(f"{a} {actions[a]}" for a in ("continued", "rephrased", "regenerated", "left"))
+        f"{len(exchanges)} {what}; {right} right by the {who}' check, {sum(e.rated for e in honest)} rated; "
+        f"then the {who} " + ", ".join(f"{a} {actions[a]}" for a in ("continued", "rephrased", "regenerated", "left"))
     )
 
 
@@ -354,12 +389,16 @@ def _num(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
-def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any]) -> None:
-    """One round: the reward model's held-out AUC, then per served model the gate values and the verdict."""
+AUC_NOTE = " (over all held-out votes, hostile ones included)"
+
+
+def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any], hostile: bool = False) -> None:
+    """One round: the reward model's held-out AUC (the round's own: with ``hostile`` users, their votes are among
+    the held-out labels, and the line says so), then per served model the gate values and the verdict."""
     metrics = record.get("metrics") or {}
     console.print(
         f"traces sent {sent}, in the buffer {buffer.get('trace_rows')}; round state [bold]{record['state']}[/]; "
-        f"reward model held-out AUC {_num(metrics.get('reward_model/auc'))}"
+        f"reward model held-out AUC {_num(metrics.get('reward_model/auc'))}{AUC_NOTE if hostile else ''}"
     )
     for model, decision in (record.get("decisions") or {}).items():
         table = Table(f"{model}: candidate", f"gate value ({decision.get('metric', '-')})", "lower bound vs champion")
@@ -372,22 +411,46 @@ def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any]) -> N
         )
 
 
+def honest_canary_line(i: int, rate: LiveRate, version: str, decision: str | None) -> str:
+    """The honest users' verdict on both sides of round ``i``'s canary of ``version``, from its traffic's
+    :class:`LiveRate` (served by the challenger, and by the replaced side: the champion or the base), and the
+    monitor's ``decision`` (promote, abort, None: undecided). ``bench/poisoning.py`` parses this line."""
+
+    def side(up: int, n: int) -> str:
+        return f"{up}/{n} ({up / n:.0%})" if n else "0/0 (-)"
+
+    up, n = rate.served_by.get(version, (0, 0))
+    others = {v: c for v, c in rate.served_by.items() if v != version}
+    replaced = "+".join(v if v == "base" else f"v{v}" for v in others) or "-"
+    outcome = {"promote": "PROMOTED", "abort": "ABORTED"}.get(decision or "", "undecided")
+    return (
+        f"canary of round {i}, honest users only: challenger v{version} {side(up, n)}, replaced side {replaced} "
+        f"{side(sum(c[0] for c in others.values()), sum(c[1] for c in others.values()))}; {outcome}"
+    )
+
+
 def _print_scoreboard(
     rates: list[LiveRate],
     canaries: dict[int, tuple[LiveRate, str]],
     accuracy: dict[str, float],
     aucs: list[float | None],
     judged: bool = False,
+    honest: Sequence[str] = (),
+    by_round: Sequence[float] = (),
+    hostile: bool = False,
 ) -> None:
     """The users' live verdict per phase (canary traffic on rows of its own), greedy accuracy, AUC by round.
-    ``judged``: the verdict is the users' own check of every answer (they rated only some), not their thumbs."""
+    ``judged``: the verdict is the users' own check of every answer (they rated only some), not their thumbs.
+    ``honest``: each canary's :func:`honest_canary_line`. ``by_round``: greedy accuracy of the served model after
+    each round. ``hostile``: there were hostile users, left out of the live verdict (the title says so); the
+    AUC line says it includes their votes."""
     word = "right" if judged else "thumbs-up"
     live = Table(
         "phase",
         f"served by (version: {'right/answered' if judged else 'up/rated'})",
         "users' check: right" if judged else "users' thumbs-up",
         "rate",
-        title="The users' live verdict",
+        title="The honest users' live verdict (hostile users left out)" if hostile else "The users' live verdict",
     )
 
     def row(label: str, r: LiveRate) -> None:
@@ -403,11 +466,38 @@ def _print_scoreboard(
         console.print(f"last phase / first phase {word} rate: {rates[-1].rate / rates[0].rate:.1f}x")
     for i, (_, line) in sorted(canaries.items()):
         console.print(f"canary of round {i}: {line}")
-    greedy = Table("model", "greedy accuracy by the users' check (48 fresh prompts)", title="Fresh prompts")
+    for line in honest:
+        console.print(line)
+    greedy = Table(
+        "model", f"greedy accuracy by the users' check ({FRESH_PROMPTS} fresh prompts)", title="Fresh prompts"
+    )
     for label, value in accuracy.items():
         greedy.add_row(label, f"{value:.3f}")
     console.print(greedy)
-    console.print("reward model held-out AUC by round: " + ", ".join(_num(a) for a in aucs))
+    if by_round:
+        console.print(
+            f"greedy accuracy of the served model by round ({FRESH_PROMPTS} fresh prompts): "
+            + ", ".join(f"{a:.3f}" for a in by_round)
+        )
+    console.print(
+        "reward model held-out AUC by round: " + ", ".join(_num(a) for a in aucs) + (AUC_NOTE if hostile else "")
+    )
+
+
+class HostileKeys(str, Enum):
+    """How the hostile users reach the gateway: ``one`` API key posing as a fresh user per request, or ``many``
+    keys, one per hostile user."""
+
+    one = "one"
+    many = "many"
+
+
+def _served(cfg: HourglassConfig, served_model: str) -> str | None:
+    """The vLLM model name that serves ``served_model`` now (its route in ``routes.json``), None while no
+    version does (the base serves it, or nothing does)."""
+    routes_file = cfg.resolve(cfg.state_dir) / "routes.json"
+    route = (json.loads(routes_file.read_text()) if routes_file.exists() else {}).get(served_model, {})
+    return route.get("served_name") if route.get("served_name") and route.get("version") else None
 
 
 def main(
@@ -434,6 +524,30 @@ def main(
     contradiction: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Share of the users' behaviour that contradicts their verdict.")
     ] = 0.2,
+    hostile_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.5,
+            help="Share of the requests sent by coordinated hostile users: they rate every answer with the inverted "
+            "verdict and never correct. 0: none.",
+        ),
+    ] = 0.0,
+    hostile_keys: Annotated[
+        HostileKeys,
+        typer.Option(
+            help="one: all hostile traffic through one plain API key, a fresh user per request; many: one key and "
+            "one user per hostile user (share x 16 of them, at least 1)."
+        ),
+    ] = HostileKeys.one,
+    seed: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Shifts every traffic seed by 10 000 x SEED (questions, users, hostile draws); the fresh prompts of "
+            "the greedy accuracy stay the same. 0: the default traffic.",
+        ),
+    ] = 0,
 ) -> None:
     """Run the whole loop on the embedded default and show it improve."""
     from pipeline.state_secrets import api_token
@@ -469,6 +583,18 @@ def main(
     api, gateway = f"http://127.0.0.1:{cfg.api.port}", f"http://127.0.0.1:{cfg.api.gateway_port}"
     vllm_url, model = cfg.serving.replicas[0], cfg.serving.model_name
     key = create_demo_key(cfg.resolve(cfg.state_dir))  # trusted grader: the simulated users send reference answers
+    hostile = create_hostile(cfg.resolve(cfg.state_dir), hostile_share, hostile_keys.value)  # plain keys
+    if hostile is not None:
+        who = (
+            "one plain API key posing as a fresh user per request"
+            if hostile.mode == "one"
+            else f"{hostile_users(hostile_share)} hostile users, each with its own plain API key and user"
+        )
+        console.print(
+            f"hostile users: share {hostile_share:g} of the requests, mode {hostile.mode} ({who}); coordinated: every "
+            "answer rated with the inverted verdict, no corrections. The live verdict, the canaries' honest lines and "
+            "the greedy accuracy count honest users only; the reward model's AUC includes the hostile votes."
+        )
     procs = {
         "service": _spawn("service", ["service"], cfg, config),
         "gateway": _spawn("gateway", ["gateway"], cfg, config),
@@ -480,18 +606,30 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
-        exchanges = drive(gateway, model, traffic, seed=1, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour)
+        exchanges = drive(
+            gateway,
+            model,
+            traffic,
+            seed=1 + 10_000 * seed,
+            concurrency=CONCURRENCY,
+            api_key=key,
+            behaviour=behaviour,
+            hostile=hostile,
+        )
         verdicts |= {e.trace_id: e.correct for e in exchanges}
         _say_sent(exchanges, "requests (served by the base)")
-        phases: list[list[str]] = [[e.trace_id for e in exchanges]]
+        phases: list[list[str]] = [[e.trace_id for e in exchanges if not e.hostile]]  # honest users' traces only
         canaries: dict[int, list[str]] = {}
         canary_lines: dict[int, str] = {}
+        canary_of: dict[int, tuple[str, str | None]] = {}  # round -> (version, decision)
         aucs: list[float | None] = []
+        questions = arithmetic_questions(FRESH_PROMPTS, seed=999)  # fresh prompts, never seen in training
+        by_round: list[float] = []
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, _start_round(api, token), timeout_s=1800)
-            sent = sum(len(p) for p in phases) + sum(len(c) for c in canaries.values())
-            _print_round(record, sent, _get(f"{api}/buffer/stats"))
+            sent = len(verdicts)  # every trace sent so far, hostile ones included
+            _print_round(record, sent, _get(f"{api}/buffer/stats"), hostile=hostile is not None)
             aucs.append((record.get("metrics") or {}).get("reward_model/auc"))
             console.print(f"round: {escape(record['reason'])}")
             _promote_oracle(api, token)
@@ -499,10 +637,19 @@ def main(
             if version and f"{model} v{version} on canary" in (record.get("reason") or ""):
                 ended = time.monotonic()
                 more, decided = _run_canary(
-                    api, gateway, cfg, key, version, seed=100 + i, timeout_s=canary_wait, behaviour=behaviour
+                    api,
+                    gateway,
+                    cfg,
+                    key,
+                    version,
+                    seed=100 + i + 10_000 * seed,
+                    timeout_s=canary_wait,
+                    behaviour=behaviour,
+                    hostile=hostile,
                 )
                 verdicts |= {e.trace_id: e.correct for e in more}
-                canaries[i] = [e.trace_id for e in more]
+                canaries[i] = [e.trace_id for e in more if not e.hostile]
+                canary_of[i] = (version, decided["decision"] if decided else None)
                 canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
                 time.sleep(
                     2 * cfg.serving.reconcile_interval_s
@@ -512,18 +659,27 @@ def main(
             console.print(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
+            served_now = _served(cfg, model) or cfg.serving.base_served_name
+            by_round.append(_greedy_accuracy(vllm_url, served_now, questions))
+            console.print(f"greedy accuracy after round {i} ({served_now}): {by_round[-1]:.3f}")
             more = drive(  # the phase after round i, served by its champion
-                gateway, model, between, seed=200 + i, concurrency=CONCURRENCY, api_key=key, behaviour=behaviour
+                gateway,
+                model,
+                between,
+                seed=200 + i + 10_000 * seed,
+                concurrency=CONCURRENCY,
+                api_key=key,
+                behaviour=behaviour,
+                hostile=hostile,
             )
             verdicts |= {e.trace_id: e.correct for e in more}
-            phases.append([e.trace_id for e in more])
+            phases.append([e.trace_id for e in more if not e.hostile])
             _say_sent(more, "more requests")
 
         console.rule("4. the scoreboard")
         time.sleep(cfg.serving.reconcile_interval_s)  # let the reconcile loop settle the last promotion
         routes_file = cfg.resolve(cfg.state_dir) / "routes.json"
         routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
-        questions = arithmetic_questions(48, seed=999)  # fresh prompts, never seen in training
         accuracy = {
             f"base ({cfg.serving.base_served_name})": _greedy_accuracy(
                 vllm_url, cfg.serving.base_served_name, questions
@@ -545,7 +701,17 @@ def main(
         )
         rates = all_rates[: len(phases)]
         canary_rates = {i: (r, canary_lines[i]) for i, r in zip(canary_ids, all_rates[len(phases) :])}
-        _print_scoreboard(rates, canary_rates, accuracy, aucs, judged=behaviour.conversational)
+        honest = [honest_canary_line(i, canary_rates[i][0], *canary_of[i]) for i in canary_ids]
+        _print_scoreboard(
+            rates,
+            canary_rates,
+            accuracy,
+            aucs,
+            judged=behaviour.conversational,
+            honest=honest,
+            by_round=by_round,
+            hostile=hostile is not None,
+        )
         values = list(accuracy.values())
         if len(values) == 3:
             base_acc, champion_acc, oracle_acc = values

@@ -21,6 +21,15 @@ implicit signals (``continued``, ``rephrased``, ``regenerated``) from them:
 it as a label only from a trusted-grader key (:func:`create_demo_key` makes
 one). Each simulated user sends its own ``user`` id, so per-user caps see
 several users.
+
+With :class:`Hostile` users (the demo's ``--hostile-share``), a share of the
+requests comes from coordinated hostile users instead: they rate every answer
+with the inverted verdict (thumbs up when wrong by the users' check, down when
+right), never send a correction, and (conversational) act as satisfied when the
+answer is wrong. They use plain API keys (not trusted graders): either one key
+posing as a fresh ``user`` per request (or chat), or one key and one stable
+``user`` per hostile user. Their exchanges are marked ``hostile``, so the
+demo's scoreboard counts honest users only.
 """
 
 from __future__ import annotations
@@ -29,9 +38,9 @@ import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import httpx
 from openai import APIConnectionError, InternalServerError, OpenAI
@@ -84,6 +93,51 @@ class Exchange:
     correct: bool
     rated: bool = True
     action: str = ""
+    hostile: bool = False  # sent by a hostile user (:class:`Hostile`): its vote, if any, was inverted
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """Coordinated hostile users: each request of a :func:`drive` is theirs with probability ``share`` (a seeded
+    draw per request, so reruns send the same), with ``keys`` as their API keys (plain keys, not trusted graders).
+
+    ``mode`` ``one``: a single key poses as many users, a fresh ``user`` value per request (per chat when
+    conversational), the attack the per-key cap (``max_key_share``) exists for; ``many``: one key and one
+    stable ``user`` per hostile user."""
+
+    share: float
+    keys: tuple[str, ...]
+    mode: Literal["one", "many"] = "one"
+
+    def sender(self, seed: int, i: int) -> tuple[str, str] | None:
+        """(API key, ``user``) of request ``i`` of the drive with ``seed`` when a hostile user sends it, else None."""
+        if not self.keys or random.Random(f"hostile-{seed}-{i}").random() >= self.share:
+            return None
+        if self.mode == "one":
+            return self.keys[0], f"user-{seed}-{i}"  # a fresh user value every time: nothing ties them but the key
+        j = (seed * 7 + i) % len(self.keys)
+        return self.keys[j], f"hostile-user-{j}"
+
+
+def hostile_users(share: float) -> int:
+    """How many hostile users mode ``many`` has at ``share``: ``share`` x :data:`SIMULATED_USERS`, at least 1."""
+    return max(1, round(share * SIMULATED_USERS))
+
+
+def create_hostile(state_dir: str | Path, share: float, mode: Literal["one", "many"]) -> Hostile | None:
+    """The hostile users' plain API keys, created in the gateway's key store under ``state_dir``: one key (mode
+    ``one``) or one per hostile user (``many``, :func:`hostile_users`). None when ``share`` is 0 (no key made).
+
+    Raises:
+        ValueError: ``share`` is not in [0, 1] or ``mode`` is neither ``one`` nor ``many``.
+    """
+    if not 0.0 <= share <= 1.0 or mode not in ("one", "many"):
+        raise ValueError(f"hostile share must be in [0, 1] and mode one or many, got {share!r} and {mode!r}")
+    if share == 0.0:
+        return None
+    store = KeyStore(Path(state_dir) / "gateway-keys.json")
+    names = ["hostile"] if mode == "one" else [f"hostile-{j}" for j in range(hostile_users(share))]
+    return Hostile(share, tuple(store.create(name)[1] for name in names), mode)
 
 
 def is_correct(answer: str, reference: str) -> bool:
@@ -135,12 +189,19 @@ def _chat(
 
 
 def _vote(
-    client: OpenAI, gateway_url: str, trace_id: str, token: str, correct: bool, reference: str, user: str | None
+    client: OpenAI,
+    gateway_url: str,
+    trace_id: str,
+    token: str,
+    correct: bool,
+    reference: str,
+    user: str | None,
+    hostile: bool = False,
 ) -> None:
     """The user's explicit feedback: thumbs by the users' check; from one of :data:`EDITING_USERS` a wrong
-    answer's correction."""
-    vote = {"trace_id": trace_id, "thumbs": "up" if correct else "down", "feedback_token": token}
-    if not correct and user in EDITING_USERS:
+    answer's correction. A ``hostile`` user inverts the thumbs and never corrects."""
+    vote = {"trace_id": trace_id, "thumbs": "up" if correct != hostile else "down", "feedback_token": token}
+    if not correct and not hostile and user in EDITING_USERS:
         vote["correction"] = reference  # the user's edit: the answer they wanted
     headers = {"authorization": f"Bearer {client.api_key}"}
     httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
@@ -155,14 +216,16 @@ def ask(
     max_tokens: int = 16,
     *,
     user: str | None = None,
+    hostile: bool = False,
 ) -> Exchange:
     """One chat completion through the gateway, then the user's feedback (same API key, the response's token):
-    thumbs by the users' check, and from one of :data:`EDITING_USERS` a wrong answer's correction."""
+    thumbs by the users' check, and from one of :data:`EDITING_USERS` a wrong answer's correction; a
+    ``hostile`` user's thumbs inverted, never a correction."""
     messages = [{"role": "user", "content": question}]
     trace_id, answer, token = _chat(client, model, messages, reference, max_tokens, user)
     correct = is_correct(answer, reference)
-    _vote(client, gateway_url, trace_id, token, correct, reference, user)
-    return Exchange(trace_id, question, answer, reference, correct)
+    _vote(client, gateway_url, trace_id, token, correct, reference, user, hostile)
+    return Exchange(trace_id, question, answer, reference, correct, hostile=hostile)
 
 
 class _Budget:
@@ -238,19 +301,30 @@ def drive(
     api_key: str = "demo",
     patience_s: float = 600.0,
     behaviour: Behaviour = Behaviour(),
+    hostile: Hostile | None = None,
 ) -> list[Exchange]:
     """Send ``n`` requests through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
     ``api_key`` (a trusted-grader key, see :func:`create_demo_key`): one rated question each, or, with a
-    conversational ``behaviour``, users' chats (:func:`converse`) until ``n`` requests were sent.
+    conversational ``behaviour``, users' chats (:func:`converse`) until ``n`` requests were sent. With
+    ``hostile``, each request (each chat) is a hostile user's with probability ``hostile.share``
+    (:meth:`Hostile.sender`): sent with its key and ``user``, every answer rated, inverted.
 
     A user whose request fails because the model server is away (the gateway's 502/503, a connection
     error or a timeout: e.g. vLLM restarted after the host ran out of memory) asks again every 5 s for up
     to ``patience_s`` seconds (tenacity), then the error is raised."""
     if n <= 0:  # no requests, no users (a chat picks its user as ``session % n``)
         return []
-    client = OpenAI(base_url=f"{gateway_url}/v1", api_key=api_key, max_retries=2, timeout=120)
+    clients = {
+        key: OpenAI(base_url=f"{gateway_url}/v1", api_key=key, max_retries=2, timeout=120)
+        for key in (api_key, *(hostile.keys if hostile else ()))
+    }
     questions = arithmetic_questions(n, seed)
-    users = [f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}" for i in range(n)]
+    senders = [(hostile.sender(seed, i) if hostile else None) for i in range(n)]
+    # per request (per chat): (API key, user, hostile)
+    users = [
+        (s[0], s[1], True) if s else (api_key, f"sim-user-{(seed * 7 + i) % SIMULATED_USERS}", False)
+        for i, s in enumerate(senders)
+    ]
 
     def patient(fn: _F) -> _F:  # APITimeoutError is an APIConnectionError
         retrying = retry(
@@ -266,28 +340,36 @@ def drive(
         with ThreadPoolExecutor(concurrency) as pool:
             return list(
                 pool.map(
-                    lambda args: patient_ask(client, gateway_url, model, *args[0], user=args[1]), zip(questions, users)
+                    lambda args: patient_ask(
+                        clients[args[1][0]], gateway_url, model, *args[0], user=args[1][1], hostile=args[1][2]
+                    ),
+                    zip(questions, users),
                 )
             )
     budget, chat, vote = _Budget(questions, n), patient(_chat), patient(_vote)
+    # hostile users rate every answer and act satisfied when it is wrong (their behaviour inverted too)
+    inverted = replace(behaviour, rating_rate=1.0, contradiction=1.0 - behaviour.contradiction)
 
     def chats(worker: int) -> list[Exchange]:  # worker w runs chats w, w + concurrency, ... until the budget ends
         out: list[Exchange] = []
         for session in range(worker, 10 * n + concurrency, concurrency):
-            user, rng = users[session % n], random.Random(f"{seed}-{session}")
+            (key, user, bad), rng = users[session % n], random.Random(f"{seed}-{session}")
+            client = clients[key]
             said = converse(
-                lambda messages, reference, user=user: chat(client, model, messages, reference, 16, user),
-                lambda trace_id, token, correct, reference, user=user: vote(
-                    client, gateway_url, trace_id, token, correct, reference, user
+                lambda messages, reference, user=user, client=client: chat(
+                    client, model, messages, reference, 16, user
+                ),
+                lambda trace_id, token, correct, reference, user=user, client=client, bad=bad: vote(
+                    client, gateway_url, trace_id, token, correct, reference, user, bad
                 ),
                 budget,
                 user,
                 rng,
-                behaviour,
+                inverted if bad else behaviour,
             )
             if not said:
                 break
-            out += said
+            out += [replace(e, hostile=True) for e in said] if bad else said
         return out
 
     with ThreadPoolExecutor(concurrency) as pool:

@@ -1,0 +1,226 @@
+"""Poisoning resistance, measured (issue #28): the demo's arithmetic scenario with a share of coordinated hostile
+users who vote up wrong answers and down right ones, at 0 %, 2 %, 5 % and 10 % of the requests, each share once
+as one API key posing as many users (``--hostile-keys one``) and once as a key per hostile user (``many``).
+
+Each run is the demo itself (``python -m pipeline.demo``, a subprocess; one after the other, never two at once:
+they share the stack's ports and state), with ``--rounds``, ``--traffic``, ``--between`` and ``--seed`` passed
+through. From each run's printed lines (see :func:`parse`) it reads the greedy accuracy of the served model by
+round (48 fresh prompts, the users' own check), the reward model's held-out AUC by round (the round's own, over
+all held-out votes: hostile ones included, the demo cannot see the reward model's per-row scores) and each
+canary's outcome with the honest users' live thumbs-up on both sides. A *worse promotion* is a promoted
+challenger whose honest thumbs-up rate (point estimate) is below the replaced side's (champion or base).
+
+Target: at 5 % hostile users the final accuracy is >= 90 % of the clean run's, and no run promotes a worse
+model. A run that fails (exit status not 0) is a row of its own and fails the target.
+
+    python bench/poisoning.py [--rounds 4] [--traffic 192] [--between 96] [--seed 0]
+
+One clean run of the default demo takes about 40 min on the 2-core dev host; the whole benchmark (7 runs)
+several hours. Each run's full output is kept under ``--logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import writer  # noqa: E402
+
+SHARES = (0.0, 0.02, 0.05, 0.10)
+MODES = ("one", "many")
+TARGET_SHARE = 0.05
+TARGET_RATIO = 0.9
+
+_ACCURACY = re.compile(r"greedy accuracy of the served model by round \(\d+ fresh prompts\): (.+)$", re.M)
+_ACCURACY_AFTER = re.compile(r"^greedy accuracy after round (\d+) \(.*\): ([0-9.]+)$", re.M)
+_AUC = re.compile(r"^reward model held-out AUC by round: ([-0-9., ]+)", re.M)
+_CANARY = re.compile(
+    r"^canary of round (\d+), honest users only: challenger v(\S+) (\d+)/(\d+) \(.*?\), "
+    r"replaced side (\S+) (\d+)/(\d+) \(.*?\); (PROMOTED|ABORTED|undecided)$",
+    re.M,
+)
+_TOTAL = re.compile(r"^total time (\d+) s", re.M)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """One canary as the demo's honest line tells it: thumbs-up ``up`` of ``rated`` honest votes per side."""
+
+    round: int
+    version: str
+    challenger: tuple[int, int]  # (up, rated) by honest users
+    replaced: str  # "base", "v3", ...: the side the challenger would replace
+    control: tuple[int, int]
+    outcome: str  # PROMOTED, ABORTED or undecided
+
+    @property
+    def worse(self) -> bool:
+        """Promoted although the honest users' thumbs-up rate (point estimate) is below the replaced side's;
+        a side without honest votes compares as unknown (not worse)."""
+        (up, n), (c_up, c_n) = self.challenger, self.control
+        return self.outcome == "PROMOTED" and n > 0 and c_n > 0 and up / n < c_up / c_n
+
+
+@dataclass
+class Run:
+    """What one demo run printed: greedy accuracy and AUC by round (None: the API sent none), the canaries."""
+
+    accuracy: list[float] = field(default_factory=list)
+    aucs: list[float | None] = field(default_factory=list)
+    canaries: list[Canary] = field(default_factory=list)
+    total_s: float | None = None
+
+    @property
+    def final(self) -> float | None:
+        """Greedy accuracy of the model served after the last round; None when the run printed none."""
+        return self.accuracy[-1] if self.accuracy else None
+
+
+def parse(text: str) -> Run:
+    """The figures of one demo run's output (plain text, as the demo prints when its output is not a terminal).
+
+    Reads the scoreboard's ``greedy accuracy of the served model by round`` line (else the per-round ``greedy
+    accuracy after round i`` lines, from a run that ended early), ``reward model held-out AUC by round`` and each
+    ``canary of round i, honest users only`` line. Missing lines leave their field empty; nothing raises."""
+    run = Run()
+    if match := _ACCURACY.search(text):
+        run.accuracy = [float(x) for x in match.group(1).split(",")]
+    else:
+        run.accuracy = [float(m.group(2)) for m in _ACCURACY_AFTER.finditer(text)]
+    if match := _AUC.search(text):
+        run.aucs = [None if x.strip() == "-" else float(x) for x in match.group(1).strip().split(",")]
+    for m in _CANARY.finditer(text):
+        run.canaries.append(
+            Canary(
+                round=int(m.group(1)),
+                version=m.group(2),
+                challenger=(int(m.group(3)), int(m.group(4))),
+                replaced=m.group(5),
+                control=(int(m.group(6)), int(m.group(7))),
+                outcome=m.group(8),
+            )
+        )
+    if match := _TOTAL.search(text):
+        run.total_s = float(match.group(1))
+    return run
+
+
+def _demo(share: float, mode: str, args: argparse.Namespace, log: Path) -> tuple[int, float, str]:
+    """One demo run with its output in ``log``: (exit status, wall time in s, 1/5-min load average at its end)."""
+    cmd = [sys.executable, "-m", "pipeline.demo", "--config", str(args.config)]
+    cmd += ["--rounds", str(args.rounds), "--traffic", str(args.traffic), "--between", str(args.between)]
+    cmd += ["--seed", str(args.seed), "--hostile-share", str(share), "--hostile-keys", mode]
+    print(f"$ {' '.join(cmd[1:])}  > {log}", flush=True)
+    started = time.monotonic()
+    with log.open("w") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=writer.REPO, check=False).returncode
+    one, five, _ = os.getloadavg()
+    return rc, time.monotonic() - started, f"{one:.1f} / {five:.1f}"
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: list[tuple[float, str, int, Run, float, str]]) -> tuple[list[str], list[list[object]], str]:
+    """The columns, rows and result line of ``results`` (share, mode, exit status, run, wall s, load)."""
+    clean = next((r.final for share, _, rc, r, _, _ in results if share == 0.0 and rc == 0), None)
+    columns = [
+        "hostile share",
+        "keys",
+        "final greedy accuracy",
+        "ratio to clean",
+        "accuracy by round",
+        "AUC by round (hostile votes included)",
+        "promotions",
+        "worse promotions",
+        "wall",
+        "load 1/5 min",
+    ]
+    rows: list[list[object]] = []
+    verdicts: list[bool] = []
+    for share, mode, rc, run, wall_s, load in results:
+        ratio = run.final / clean if run.final is not None and clean else None
+        worse = sum(c.worse for c in run.canaries)
+        promoted = sum(c.outcome == "PROMOTED" for c in run.canaries)
+        rows.append(
+            [
+                f"{share:.0%}",
+                "-" if share == 0.0 else mode,
+                _fmt(run.final) if rc == 0 else f"failed (exit {rc})",
+                _fmt(ratio, ".2f"),
+                ", ".join(_fmt(a) for a in run.accuracy) or "-",
+                ", ".join(_fmt(a) for a in run.aucs) or "-",
+                promoted,
+                worse,
+                f"{wall_s / 60:.1f} min",
+                load,
+            ]
+        )
+        verdicts.append(rc == 0 and worse == 0)
+        if share == TARGET_SHARE:
+            verdicts.append(ratio is not None and ratio >= TARGET_RATIO)
+    ok = bool(verdicts) and all(verdicts)
+    at_target = [
+        f"{mode} {_fmt(r.final / clean if r.final is not None and clean else None, '.2f')}"
+        for share, mode, _, r, _, _ in results
+        if share == TARGET_SHARE
+    ]
+    worse_total = sum(sum(c.worse for c in run.canaries) for _, _, _, run, _, _ in results)
+    result = (
+        f"at {TARGET_SHARE:.0%} hostile users final accuracy / clean: {', '.join(at_target) or '-'} "
+        f"(target >= {TARGET_RATIO:g}); worse promotions in all runs: {worse_total} (target 0): "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
+    return columns, rows, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=Path("deploy/demo.toml"))
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--traffic", type=int, default=192)
+    parser.add_argument("--between", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="hostile shares, 0 included")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "hourglass-poisoning")
+    writer.add_arguments(parser)
+    args = parser.parse_args()
+    recorder = writer.Recorder("poisoning", args)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    results: list[tuple[float, str, int, Run, float, str]] = []
+    for share in args.shares:
+        for mode in MODES if share > 0 else MODES[:1]:  # the clean run once
+            log = args.logs / f"demo-{share:g}-{mode}.txt"
+            rc, wall_s, load = _demo(share, mode, args, log)
+            results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
+            columns, rows, result = table(results)
+            print(writer.markdown_table(columns, rows[-1:]), flush=True)
+    columns, rows, result = table(results)
+    print(writer.markdown_table(columns, rows))
+    recorder.write(
+        f"r{args.rounds}-t{args.traffic}-b{args.between}-s{args.seed}",
+        title=f"{args.rounds} rounds, {args.traffic} + {args.between} requests per phase, seed {args.seed}",
+        columns=columns,
+        rows=rows,
+        result=result,
+        notes=[
+            "accuracy: greedy, 48 fresh prompts, the users' own check, of the model served after each round",
+            "worse promotion: a promoted challenger with a lower honest thumbs-up rate than the side it replaced",
+        ],
+    )
+    recorder.close()
+    print(result)
+
+
+if __name__ == "__main__":
+    main()

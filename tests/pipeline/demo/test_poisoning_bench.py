@@ -1,0 +1,62 @@
+"""bench/poisoning.py's reading of the demo's output: on a captured run (``demo_hostile_output.txt``: the demo with
+``--rounds 1 --traffic 96 --between 32 --hostile-share 0.1 --hostile-keys one``) and on made-up lines, and its
+table's worse-promotion count and target line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.poisoning import Canary, Run, parse, table
+
+CAPTURED = Path(__file__).with_name("demo_hostile_output.txt")
+
+
+def test_parses_a_captured_demo_run() -> None:
+    """The 2026-12-03 smoke run (its 'traces sent 80' counted honest traces only, fixed since: the parser
+    does not read that line)."""
+    run = parse(CAPTURED.read_text())
+    assert run.accuracy == [0.479] and run.final == 0.479
+    assert run.aucs == [0.63] and run.total_s == 788
+    assert run.canaries == [Canary(1, "1", (9, 16), "base", (10, 40), "PROMOTED")]
+    assert not run.canaries[0].worse  # the honest users rate v1 56 % vs the base's 25 %
+
+
+SYNTHETIC = """\
+greedy accuracy after round 1 (hourglass-v1): 0.250
+canary of round 1, honest users only: challenger v1 3/12 (25%), replaced side base 6/12 (50%); PROMOTED
+canary of round 2, honest users only: challenger v2 9/12 (75%), replaced side v1 3/12 (25%); PROMOTED
+canary of round 3, honest users only: challenger v3 0/0 (-), replaced side v2 4/8 (50%); undecided
+canary of round 4, honest users only: challenger v4 1/10 (10%), replaced side v2 4/8 (50%); ABORTED
+greedy accuracy of the served model by round (48 fresh prompts): 0.250, 0.500, 0.500, 0.521
+reward model held-out AUC by round: 0.612, -, 0.700, 0.655 (over all held-out votes, hostile ones included)
+total time 1530 s on 2 CPUs; load average (1, 5, 15 min) 3.0, 2.9, 2.5
+"""
+
+
+def test_parses_every_line_and_counts_only_promoted_worse_challengers() -> None:
+    run = parse(SYNTHETIC)
+    assert run.accuracy == [0.25, 0.5, 0.5, 0.521] and run.final == 0.521
+    assert run.aucs == [0.612, None, 0.7, 0.655] and run.total_s == 1530
+    assert [c.worse for c in run.canaries] == [True, False, False, False]
+    assert run.canaries[1] == Canary(2, "2", (9, 12), "v1", (3, 12), "PROMOTED")
+
+
+def test_a_run_that_ended_early_keeps_its_per_round_accuracy_and_empty_is_empty() -> None:
+    assert parse("greedy accuracy after round 1 (base): 0.083\ngreedy accuracy after round 2 (v1): 0.2\n").accuracy == [
+        0.083,
+        0.2,
+    ]
+    assert parse("") == Run()
+
+
+def test_table_ratio_to_clean_and_target() -> None:
+    clean, good = Run(accuracy=[0.5]), Run(accuracy=[0.46])
+    bad = parse(SYNTHETIC)
+    columns, rows, result = table([(0.0, "one", 0, clean, 60.0, "1.0 / 1.0"), (0.05, "one", 0, good, 60.0, "1 / 1")])
+    assert rows[1][columns.index("ratio to clean")] == "0.92" and result.endswith("PASS")
+    _, rows, result = table(
+        [(0.0, "one", 0, clean, 60.0, "-"), (0.05, "one", 0, good, 60.0, "-"), (0.1, "many", 0, bad, 60.0, "-")]
+    )
+    assert rows[2][columns.index("worse promotions")] == 1 and result.endswith("FAIL")
+    _, rows, result = table([(0.0, "one", 0, clean, 60.0, "-"), (0.05, "many", 1, Run(), 5.0, "-")])
+    assert rows[1][2] == "failed (exit 1)" and result.endswith("FAIL")
