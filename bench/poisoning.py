@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--between", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="hostile shares, 0 included")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="hostile key modes to run")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "hourglass-poisoning")
     writer.add_arguments(parser)
     args = parser.parse_args()
@@ -199,7 +200,7 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     results: list[tuple[float, str, int, Run, float, str]] = []
     for share in args.shares:
-        for mode in MODES if share > 0 else MODES[:1]:  # the clean run once
+        for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
             log = args.logs / f"demo-{share:g}-{mode}.txt"
             rc, wall_s, load = _demo(share, mode, args, log)
             results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
