@@ -129,3 +129,20 @@ def test_capped_side_cuts_the_flood_to_its_share_and_never_a_single_unit() -> No
     assert sum(1 for r in kept if r.user == "mallory") == 3 and len(kept) == 18  # 3 <= 0.2 * 18
     alone = [LiveReward(f"a{i}", 1.0, "thumbs") for i in range(50)]  # no user or key hashes: one unit, not cut
     assert capped_side(alone, max_user_share=0.2, max_key_share=0.2) == alone
+
+
+def test_a_key_alone_on_the_challenger_s_side_is_capped_when_the_canary_has_many_keys(canary: Stack) -> None:
+    """Eight honest API keys; the challenger's slice sees users of four of them (the others' few users all route
+    to the champion). One key sends 60 down-votes to the challenger under made-up users. The canary has nine
+    keys, more than 1 / max_key_share (5), so the key cap applies to each side as it does to a round's snapshot:
+    counted per side, the challenger's five keys were 'few', the flood kept all its weight and aborted a
+    challenger users rate like the champion."""
+    chall = honest("both", 16, 4, 8, keys=4)  # keys 0-3, half the users vote up
+    champ = chall + [(f"key-{4 + u % 4}", f"champ-{u}", u % 2 == 0) for u in range(16) for _ in range(4)]
+    feedback(canary, "2", chall + flood("key", up=False))
+    feedback(canary, "1", champ)
+
+    view = canary.monitor.check_canary(MODEL)
+
+    assert view["decision"] != "abort", view
+    assert view["challenger"]["n"] <= 64 + 16, "the flood weighs at most one key's share (0.2) of the side"
