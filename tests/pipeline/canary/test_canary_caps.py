@@ -146,3 +146,22 @@ def test_a_key_alone_on_the_challenger_s_side_is_capped_when_the_canary_has_many
 
     assert view["decision"] != "abort", view
     assert view["challenger"]["n"] <= 64 + 16, "the flood weighs at most one key's share (0.2) of the side"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: with 1/max_user_share users or fewer the cap is the smallest user's count "
+    "(trainer.data.user_cap's even-split floor), so one user with one trace cuts every other user to one",
+)
+def test_one_trace_of_a_new_user_does_not_cut_a_side_of_few_users_to_one_trace_each(canary: Stack) -> None:
+    """Four apps that send no ``user`` (one user per key), 40 votes each on both sides. One trace of a fifth user
+    on the challenger's side cut that side from 160 events to 5: the canary waits for min_feedback until
+    max_duration_s aborts it, and the monitors have too few answers to judge; the round's split cuts the same
+    way."""
+    apps = [(f"key-{u}", f"app-{u}", i % 2 == 0) for u in range(4) for i in range(40)]
+    feedback(canary, "2", [*apps, ("key-0", "mallory", False)])
+    feedback(canary, "1", apps)
+
+    view = canary.monitor.check_canary(MODEL)
+
+    assert view["challenger"]["n"] >= 160, view
