@@ -158,9 +158,11 @@ def answer_text(content: str, tool_calls: Sequence[Mapping[str, Any]] | None) ->
 
 
 def offered_tools(metadata: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``metadata["tools"]`` (OpenAI tool definitions) by function name."""
+    """``metadata["tools"]`` (OpenAI tool definitions) by function name; none when it is not a list (metadata
+    is free-form on traces a producer writes straight to Kafka)."""
+    tools = metadata.get("tools")
     out = {}
-    for tool in metadata.get("tools") or ():
+    for tool in tools if isinstance(tools, list) else ():
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             out[function["name"]] = function

@@ -223,3 +223,14 @@ def test_gate_refuses_a_candidate_a_monitor_flags_and_names_the_monitor() -> Non
     assert clean.winner == "hacker", clean.reason
     off = rl.model_copy(update={"monitors": rl.monitors.model_copy(update={"enabled": False})})
     assert gate(_evaluation(["I'm sorry, I can't."] * 8, ["5"] * 8, off), off).winner == "hacker"
+
+
+@pytest.mark.parametrize("tools", [True, 5, 1.5, "add", {"add": {}}])
+def test_a_row_whose_metadata_tools_is_not_a_list_is_read_not_raised(tools: object) -> None:
+    """``metadata.tools`` is free-form on traces a native Kafka or OTel producer writes (the ``tools`` column
+    wins only when set). ``true`` beside an answer holding a tool call raised TypeError in every canary look
+    (the canary stalled until max_duration_s aborted it) and in the round's evaluation; such a row offers no
+    tool, so its call names none and is invalid."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    side = read_side([Answer(Q, call, {"tools": tools}), *_side("5")], CFG)
+    assert side.tool_rows == 1 and side.total.invalid_tool_calls == 1

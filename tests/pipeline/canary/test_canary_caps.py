@@ -129,3 +129,45 @@ def test_capped_side_cuts_the_flood_to_its_share_and_never_a_single_unit() -> No
     assert sum(1 for r in kept if r.user == "mallory") == 3 and len(kept) == 18  # 3 <= 0.2 * 18
     alone = [LiveReward(f"a{i}", 1.0, "thumbs") for i in range(50)]  # no user or key hashes: one unit, not cut
     assert capped_side(alone, max_user_share=0.2, max_key_share=0.2) == alone
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: each side decides the key cap by its own keys; deciding it by both sides' keys caps the flood "
+    "but then a side of few keys is cut to its smallest key's count (trainer.data.user_cap's even-split floor): "
+    "three busy keys and one key with one vote on the challenger's side fall from 121 events to 4",
+)
+def test_a_key_alone_on_the_challenger_s_side_is_capped_when_the_canary_has_many_keys(canary: Stack) -> None:
+    """Eight honest API keys; the challenger's slice sees users of four of them (the others' few users all route
+    to the champion). One key sends 60 down-votes to the challenger under made-up users. The canary has nine
+    keys, more than 1 / max_key_share (5), so the key cap applies to each side as it does to a round's snapshot:
+    counted per side, the challenger's five keys were 'few', the flood kept all its weight and aborted a
+    challenger users rate like the champion."""
+    chall = honest("both", 16, 4, 8, keys=4)  # keys 0-3, half the users vote up
+    champ = chall + [(f"key-{4 + u % 4}", f"champ-{u}", u % 2 == 0) for u in range(16) for _ in range(4)]
+    feedback(canary, "2", chall + flood("key", up=False))
+    feedback(canary, "1", champ)
+
+    view = canary.monitor.check_canary(MODEL)
+
+    assert view["decision"] != "abort", view
+    assert view["challenger"]["n"] <= 64 + 16, "the flood weighs at most one key's share (0.2) of the side"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: with 1/max_user_share users or fewer the cap is the smallest user's count "
+    "(trainer.data.user_cap's even-split floor), so one user with one trace cuts every other user to one",
+)
+def test_one_trace_of_a_new_user_does_not_cut_a_side_of_few_users_to_one_trace_each(canary: Stack) -> None:
+    """Four apps that send no ``user`` (one user per key), 40 votes each on both sides. One trace of a fifth user
+    on the challenger's side cut that side from 160 events to 5: the canary waits for min_feedback until
+    max_duration_s aborts it, and the monitors have too few answers to judge; the round's split cuts the same
+    way."""
+    apps = [(f"key-{u}", f"app-{u}", i % 2 == 0) for u in range(4) for i in range(40)]
+    feedback(canary, "2", [*apps, ("key-0", "mallory", False)])
+    feedback(canary, "1", apps)
+
+    view = canary.monitor.check_canary(MODEL)
+
+    assert view["challenger"]["n"] >= 160, view
