@@ -415,6 +415,12 @@ class HourglassConfig(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"candidate names must be unique; repeated: {duplicates}")
+        taken = sorted(set(names) & set(self.rl.reward_model.adapter_names))
+        if taken:
+            raise ValueError(
+                f"candidate names {taken} are taken by the reward model's adapters (rl.reward_model.name "
+                f"{self.rl.reward_model.name!r}); rename the candidate or the reward model"
+            )
         served = {c.served_model for c in self.candidates}
         for suite in self.rl.regression:
             unknown = sorted(set(suite.served_models) - served)

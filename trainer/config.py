@@ -283,6 +283,12 @@ class RewardModelConfig(Section):
             start="fresh",
         )
 
+    @property
+    def adapter_names(self) -> tuple[str, str]:
+        """The adapter names a round gives the reward model in the store and under ``last/``: its own and its
+        champion's (the probe that scores the champion's reward model); no candidate may take either."""
+        return self.name, f"{self.name}-champion"
+
     def wanted(self, candidates: list[CandidateConfig], gate_metric: GateMetric | None = None) -> bool:
         """Whether a round with these candidates trains a reward model."""
         if self.enabled is not None:

@@ -42,7 +42,8 @@ class RoundSpec:
     rl: RLConfig
 
     def __post_init__(self) -> None:
-        """Raises TrainerConfigError listing every problem: no candidates, duplicate names."""
+        """Raises TrainerConfigError listing every problem: no candidates, duplicate names, a name the reward
+        model's adapters take."""
         problems = []
         if not self.candidates:
             problems.append("no candidates given")
@@ -50,6 +51,9 @@ class RoundSpec:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             problems.append(f"duplicate candidate names {dupes}")
+        taken = sorted(set(names) & set(self.rl.reward_model.adapter_names))
+        if taken:
+            problems.append(f"candidate names {taken} are the reward model's adapters (rl.reward_model.name)")
         if problems:
             raise TrainerConfigError("; ".join(problems))
 

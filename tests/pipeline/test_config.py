@@ -95,6 +95,19 @@ def test_cross_section_rules(tmp_path: Path) -> None:
     assert "unique" in text and "'a'" in text
 
 
+@pytest.mark.parametrize("name", ["reward-model", "reward-model-champion", "judge", "judge-champion"])
+def test_a_candidate_cannot_take_the_reward_model_s_adapter_names(tmp_path: Path, name: str) -> None:
+    # the round would fail late ("already exists in the store") and both would share last/<name>
+    conf = tmp_path / "c.toml"
+    rm = '[rl.reward_model]\nname = "judge"\n' if name.startswith("judge") else ""
+    conf.write_text(f'[[candidates]]\nname = "{name}"\n[[candidates]]\nname = "ok"\n{rm}')
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    assert f"candidate names ['{name}'] are taken by the reward model's adapters" in " ".join(caught.value.problems)
+    conf.write_text(f'[[candidates]]\nname = "{name}x"\n{rm}')
+    assert load_config(conf).candidates[0].name == f"{name}x"
+
+
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

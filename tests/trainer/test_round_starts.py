@@ -75,6 +75,9 @@ def test_duplicate_names_are_refused_before_any_work(tiny_model: Path, tmp_path:
         run_round(
             RoundSpec(ModelConfig(name=str(tiny_model)), tuple(twice), RL), round_inputs(train, heldout), tmp_path
         )
+    taken = [CandidateConfig(name="reward-model-champion", reward=MIX)]
+    with pytest.raises(TrainerConfigError, match=r"candidate names \['reward-model-champion'\] are the reward model"):
+        RoundSpec(ModelConfig(name=str(tiny_model)), tuple(taken), RL)
     with pytest.raises(TrainerConfigError, match="rl.rollout.url"):
         run_round(
             RoundSpec(

@@ -155,7 +155,7 @@ def train_phase(
     report = evaluate_reward_model(model, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
     champion_report = None
     if champion is not None:
-        probe = create_reward_model(base, store, cfg, champion, rl.seed, name=f"{cfg.name}-champion")
+        probe = create_reward_model(base, store, cfg, champion, rl.seed, name=cfg.adapter_names[1])
         try:
             champion_report = evaluate_reward_model(probe, held, rl.gate.confidence, rl.gate.bootstrap_samples, rl.seed)
         finally:
