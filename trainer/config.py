@@ -393,7 +393,8 @@ class SplitConfig(Section):
         description="Most rows one user (metadata.user_hash) may hold in a round's train set and in its held-out set, "
         "in the reward model's labels and in each side of a canary's or guard's evidence (a weight cap: a user over "
         "it keeps the traces whose hashed trace id sorts first); with fewer than 1/max_user_share users the bound is "
-        "an even split (1/users). 1 = no cap.",
+        "an even split (1/users), and no user is cut below the typical (lower median) user's rows: busy users are "
+        "not cut to a new user's one trace. The same rule caps keys (max_key_share). 1 = no cap.",
     )
     max_key_share: float = Field(
         default=0.2,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
@@ -208,15 +209,19 @@ def _stable_rank(trace_id: str) -> str:
 
 def user_cap(counts: Sequence[int], max_share: float) -> int:
     """The most rows any one user (or key) may keep: the largest ``c`` with ``c <= s * sum(min(n, c))`` where
-    ``s = max(max_share, 1 / users)`` (so a cap always exists, and an even split is never cut).
+    ``s = max(max_share, 1 / users)`` (so a cap always exists, and an even split is never cut), and never below
+    the (lower) median user's count: a user outweighs its share when it holds more than the typical user, not
+    when most users are busy and a few sent one trace.
 
-    Example: counts ``[100, 3, 3, 3, 3]``, share 0.2 -> 3 (the flood keeps 3 of 15 rows = 20 %).
-    A single unit is never cut (``s = 1``): a deployment with one API key is not capped per key.
+    Examples, share 0.2: counts ``[100, 3, 3, 3, 3]`` -> 3 (the flood keeps 3 of 15 rows = 20 %); ``[40, 40, 40,
+    40, 1]`` -> 40 (four busy apps and one new user: nobody is cut; the share bound alone would cut every app to
+    1 row, since four equal users cannot each hold 20 %). A single unit is never cut (``s = 1``): a deployment
+    with one API key is not capped per key.
     """
     if not counts:
         return 0
     share = max(max_share, 1.0 / len(counts))
-    lo, hi = 1, max(counts)  # c = 1 always holds: 1 <= share * users
+    lo, hi = max(1, int(statistics.median_low(counts))), max(counts)  # c = the floor always holds: see above
     while lo < hi:  # f(c) = share * T(c) - c is >= 0 on [0, c*]: binary search c*
         mid = (lo + hi + 1) // 2
         if mid <= share * sum(min(n, mid) for n in counts) + 1e-9:

@@ -55,8 +55,8 @@ def served_answers(
 ) -> dict[str | None, list[Answer]]:
     """``{adapter_version: [Answer, ...]}`` of the public ``model``'s traces in ``table`` with a completion
     (text and tool calls, :func:`trainer.tool_calls.answer_text`), each side capped per API key and per user
-    as the feedback evidence is (:func:`pipeline.canary.monitor.capped_side`): one user asking for many
-    refusals cannot abort a canary alone."""
+    as the feedback evidence is (:func:`pipeline.canary.monitor.capped_side`; whether keys are capped is decided
+    by the keys of every side): one user asking for many refusals cannot abort a canary alone."""
     if table.num_rows == 0 or "model" not in table.column_names:
         return {}
     table = table.filter(pc.equal(table["model"], model))
@@ -65,9 +65,10 @@ def served_answers(
         if p.logged_completion is not None or p.logged_tool_calls:
             sides.setdefault(p.logged_adapter_version, []).append(p)
     out: dict[str | None, list[Answer]] = {}
+    share = key_share([metadata_key(p.metadata) for rows in sides.values() for p in rows], max_key_share)
     for version, rows in sides.items():
         keys = [metadata_key(p.metadata) for p in rows]
-        caps = [(keys, key_share(keys, max_key_share)), ([metadata_user(p.metadata) for p in rows], max_user_share)]
+        caps = [(keys, share), ([metadata_user(p.metadata) for p in rows], max_user_share)]
         out[version] = [
             Answer(
                 rows[i].messages,

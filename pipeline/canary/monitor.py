@@ -41,7 +41,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
@@ -116,12 +116,16 @@ def live_rewards(
     return out
 
 
-def capped_side(side: list[LiveReward], *, max_user_share: float, max_key_share: float) -> list[LiveReward]:
+def capped_side(
+    side: list[LiveReward], *, max_user_share: float, max_key_share: float, known_keys: Collection[str] = ()
+) -> list[LiveReward]:
     """One side's evidence with each API key's and each user's weight capped (:func:`trainer.data.capped_rows`,
     the rule a round's split uses): no key holds more than ``max_key_share`` of the side's observations and no
     user more than ``max_user_share`` (or an even split when there are fewer users than ``1/share``; with
-    ``1/max_key_share`` keys or fewer there is no key cap, :func:`trainer.data.key_share`; a single key or user,
-    e.g. traces without user hashes, is never cut). A unit over the cap
+    ``1/max_key_share`` keys or fewer there is no key cap, :func:`trainer.data.key_share`, counted over this side's
+    keys and ``known_keys``, the other side's: as a round counts its whole snapshot's, so a key whose made-up users
+    all route to one side is capped there too; a single key or user, e.g. traces without user hashes, is never
+    cut). A unit over the cap
     keeps the traces whose SHA-256 of trace id sorts first, not ones it chose.
 
     Why a weight cap and not one observation per user (the mean of that user's feedback): rows without a
@@ -132,7 +136,7 @@ def capped_side(side: list[LiveReward], *, max_user_share: float, max_key_share:
     questions counts as at most its share."""
     trace_ids = [r.trace_id for r in side]
     keys = [r.key for r in side]
-    caps = [(keys, key_share(keys, max_key_share)), ([r.user for r in side], max_user_share)]
+    caps = [(keys, key_share([*keys, *known_keys], max_key_share)), ([r.user for r in side], max_user_share)]
     return [side[i] for i in capped_rows(trace_ids, caps)]
 
 
@@ -142,10 +146,13 @@ def arm_stats(
     max_user_share: float = 1.0,
     max_key_share: float = 1.0,
 ) -> tuple[list[ArmStats], bool]:
-    """Stats of each version's rows, each side capped per key and per user (:func:`capped_side`); binary
-    (success rate) when every row's feedback is thumbs only."""
+    """Stats of each version's rows, each side capped per key and per user (:func:`capped_side`; whether keys
+    are capped is decided by the keys of every side); binary (success rate) when every row's feedback is thumbs
+    only."""
+    keys = {r.key for v in versions for r in rows.get(v, [])}
     picked = [
-        capped_side(rows.get(v, []), max_user_share=max_user_share, max_key_share=max_key_share) for v in versions
+        capped_side(rows.get(v, []), max_user_share=max_user_share, max_key_share=max_key_share, known_keys=keys)
+        for v in versions
     ]
     binary = all(r.source in _THUMBS for side in picked for r in side)
     return [ArmStats.of_rewards([r.reward for r in side], binary=binary) for side in picked], binary

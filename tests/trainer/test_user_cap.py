@@ -97,6 +97,15 @@ def test_user_cap_is_the_largest_feasible_bound() -> None:
         split_snapshot(table([("a", 1), ("b", 2)]), 0.5, max_user_share=0.0)
 
 
+def test_busy_users_are_not_cut_to_a_new_user_s_one_trace() -> None:
+    # four equal users cannot each hold 20 %: the share bound alone gave 1 (every app cut to one row, a side of
+    # 161 rows to 5); the floor is the typical (lower median) user's count
+    assert user_cap([40, 40, 40, 40, 1], 0.2) == 40
+    assert user_cap([40, 40, 40, 1, 1], 0.2) == 40
+    assert user_cap([40, 40, 1, 1], 0.2) == 1  # half busy, half new: the median is a new user's, the bound holds
+    assert user_cap([100, 40, 40, 40, 40, 1], 0.2) == 40  # a flood above the typical user is still cut to it
+
+
 def test_the_round_splits_with_the_configured_cap_and_logs_user_metrics(tmp_path) -> None:
     """pipeline.rounds.steps.LiveSteps.train_and_evaluate: what reaches the trainer (its data, capped per user,
     and the per-user metrics the round's MLflow run logs), with a fake trainer and no champions."""

@@ -131,12 +131,6 @@ def test_capped_side_cuts_the_flood_to_its_share_and_never_a_single_unit() -> No
     assert capped_side(alone, max_user_share=0.2, max_key_share=0.2) == alone
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: each side decides the key cap by its own keys; deciding it by both sides' keys caps the flood "
-    "but then a side of few keys is cut to its smallest key's count (trainer.data.user_cap's even-split floor): "
-    "three busy keys and one key with one vote on the challenger's side fall from 121 events to 4",
-)
 def test_a_key_alone_on_the_challenger_s_side_is_capped_when_the_canary_has_many_keys(canary: Stack) -> None:
     """Eight honest API keys; the challenger's slice sees users of four of them (the others' few users all route
     to the champion). One key sends 60 down-votes to the challenger under made-up users. The canary has nine
@@ -154,11 +148,6 @@ def test_a_key_alone_on_the_challenger_s_side_is_capped_when_the_canary_has_many
     assert view["challenger"]["n"] <= 64 + 16, "the flood weighs at most one key's share (0.2) of the side"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: with 1/max_user_share users or fewer the cap is the smallest user's count "
-    "(trainer.data.user_cap's even-split floor), so one user with one trace cuts every other user to one",
-)
 def test_one_trace_of_a_new_user_does_not_cut_a_side_of_few_users_to_one_trace_each(canary: Stack) -> None:
     """Four apps that send no ``user`` (one user per key), 40 votes each on both sides. One trace of a fifth user
     on the challenger's side cut that side from 160 events to 5: the canary waits for min_feedback until
