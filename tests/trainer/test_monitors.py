@@ -179,12 +179,23 @@ def test_a_monitor_refuses_only_when_it_still_refuses_without_any_one_api_key() 
     assert evasion.drift == pytest.approx(8 / 40) and evasion.drift > cfg.max_evasion_increase  # 0.2 > 0.1
     assert not evasion.refuses and evasion.alone == "key"
     assert "one key alone crosses it (increase 0.00 without its answers): not refused" in evasion.reason
-    # no key cap (1.0), or too few keys for one (3 at 0.2: the operator's own), leaves no key out
+    # no key cap (1.0) leaves no key out
     assert {c.monitor: c for c in check_all(cand, champ, cfg)}[Monitor.EVASION].refuses
+    # too few keys for the cap (3 at 0.2: the operator's own): a key holding less than half the answers is
+    # still left out, so a small key that makes up users cannot cause a refusal beside the others ...
     three = [a for a in honest + forged if a.metadata["key_hash"] in ("key-0", "key-1", "key-mallory")]
     two = [a for a in honest if a.metadata["key_hash"] in ("key-0", "key-1")]
-    few_keys = check_all(read_side(three, cfg), read_side(two, cfg), cfg, max_key_share=0.2)
-    assert {c.monitor: c for c in few_keys}[Monitor.EVASION].refuses
+    few_keys = {c.monitor: c for c in check_all(read_side(three, cfg), read_side(two, cfg), cfg, max_key_share=0.2)}
+    assert not few_keys[Monitor.EVASION].refuses and few_keys[Monitor.EVASION].alone == "key"
+    # ... while the busy app key's own drift (more than half of the answers) still refuses
+    app = [a for u in range(12) for a in _of(f"app-user-{u}", "I'm sorry, I can't.", key="key-app")]
+    app_before = [a for u in range(12) for a in _of(f"app-user-{u}", "it is 5", key="key-app")]
+    small = [a for a in honest if a.metadata["key_hash"] in ("key-0", "key-1")]
+    busy = {
+        c.monitor: c
+        for c in check_all(read_side(app + small, cfg), read_side(app_before + small, cfg), cfg, max_key_share=0.2)
+    }
+    assert busy[Monitor.EVASION].refuses and busy[Monitor.EVASION].alone is None
     # every honest key shows the drift: without any one of them it still crosses the limit
     evasive = [a for k in range(8) for a in _of(f"user-{k}-0", "Could you clarify?", "5", key=f"key-{k}")]
     every = {c.monitor: c for c in check_all(read_side(evasive, cfg), champ, cfg, max_key_share=0.2)}

@@ -28,7 +28,8 @@ no refusal (a drift within the limit, or fewer than ``min_answers`` answers), th
 and the check does not refuse (``MonitorCheck.alone``, and the reason says so). Users and keys are
 :func:`trainer.data.metadata_user` / :func:`~trainer.data.metadata_key`: rows without a hash are one
 user (or key) together. A kind with a single unit (e.g. every row without a user hash) is the whole
-evidence and is not left out; keys only when the key cap applies (:func:`trainer.data.key_share`). The
+evidence and is not left out; with few keys (no key cap, :func:`trainer.data.key_share`) only keys holding
+less than half of the answers are. The
 per-answer measurements (:class:`~trainer.types.AnswerTally`) are taken once; a side without a unit is a
 subtraction. The
 canary's fifth monitor, ``reward_gap`` (the reward model's predicted gain vs the users' live
@@ -237,15 +238,24 @@ def _leave_one_out(
     sides; when some unit's removal leaves no refusal (a smaller drift, or too few answers to judge), that
     unit alone crosses the limit and the check no longer refuses. A kind with a single unit is the whole
     evidence, not one voice in it, and is not left out (as :func:`trainer.data.user_cap` never cuts a
-    single unit); keys are left out only when the key cap applies (:func:`trainer.data.key_share`: more
-    than ``1 / max_key_share`` keys; fewer are the operator's own and trusted as they are)."""
+    single unit). Keys: every key once the key cap applies (:func:`trainer.data.key_share`: more than
+    ``1 / max_key_share`` keys); with fewer (the operator's own keys, trusted as they are) only keys holding
+    less than half of both sides' answers, so a key that makes up users cannot cause a refusal beside a busy
+    app key, while the app key's own drift still refuses; none with the key cap off (``max_key_share`` 1)."""
     judge = MONITORS[check.monitor]
     none = AnswerTally()
     kinds: tuple[Unit, ...] = ("user", "key")
     for kind in kinds:
         cand_parts, champ_parts = (cand.users, champ.users) if kind == "user" else (cand.keys, champ.keys)
         units = sorted(set(cand_parts) | set(champ_parts))
-        if len(units) < 2 or (kind == "key" and key_share(units, max_key_share) >= 1.0):
+        if kind == "key" and max_key_share >= 1.0:  # the key cap is off: keys are trusted as they are
+            continue
+        if kind == "key" and key_share(units, max_key_share) >= 1.0:  # few keys: those holding under half only
+            total = cand.answers + champ.answers
+            units = [
+                u for u in units if 2 * (cand_parts.get(u, none).answers + champ_parts.get(u, none).answers) < total
+            ]
+        elif len(units) < 2:  # a single unit is the whole evidence
             continue
         passing = []
         for unit in units:
