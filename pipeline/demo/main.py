@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -492,6 +493,41 @@ class HostileKeys(str, Enum):
     many = "many"
 
 
+DEMO_MARKER = "hourglass-demo-state"  # written into a state folder the demo made, so only such a folder is wiped
+
+
+def _fresh_state(cfg: HourglassConfig) -> None:
+    """Start from nothing: a previous demo's state folder (its registry, champion, routes, buffer, MLflow) is
+    removed after stopping whatever of its stack still runs, so "before round 1" is served by the base and
+    every figure is this run's. Only a folder the demo made (it holds :data:`DEMO_MARKER`) is removed.
+
+    Raises:
+        typer.BadParameter: the state folder holds files the demo did not make (a service's state:
+            ``--config`` names another deployment's), or a previous ``--keep-up`` demo still serves the ops
+            API or the gateway.
+    """
+    state = cfg.resolve(cfg.state_dir)
+    if state.exists() and any(state.iterdir()):
+        if not (state / DEMO_MARKER).exists():
+            raise typer.BadParameter(
+                f"state_dir {state} holds files the demo did not make; the demo starts from an empty state folder "
+                "and removes only its own: remove it (`make clean` for .hourglass) or point state_dir at a new folder",
+                param_hint="--config",
+            )
+        for port in (cfg.api.port, cfg.api.gateway_port):
+            if not stack.port_is_free("127.0.0.1", port):
+                raise typer.BadParameter(
+                    f"port {port} is in use (a demo left running with --keep-up?): stop its service and gateway first",
+                    param_hint="--config",
+                )
+        for service in reversed(stack.stack_services(cfg, Path("-"))):
+            service.stop()
+        shutil.rmtree(state)
+        console.print(f"removed the previous demo's state ({state}): this run starts from the base")
+    state.mkdir(parents=True, exist_ok=True)
+    (state / DEMO_MARKER).write_text("made by python -m pipeline.demo; removed by its next run\n")
+
+
 def _served(cfg: HourglassConfig, served_model: str) -> str | None:
     """The vLLM model name that serves ``served_model`` now (its route in ``routes.json``), None while no
     version does (the base serves it, or nothing does)."""
@@ -559,6 +595,7 @@ def main(
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console.rule("1. local stack")
+    _fresh_state(cfg)
     services = stack.stack_services(cfg, base_model_dir(cfg))
     for service in services:
         for attempt in range(3):  # a busy host may lack the memory for vLLM's KV cache for a while
