@@ -167,8 +167,10 @@ def table(results: list[tuple[float, str, int, Run, float, str]]) -> tuple[list[
             ]
         )
         verdicts.append(rc == 0 and worse == 0)
-        if share == TARGET_SHARE:
+        if share == TARGET_SHARE and clean is not None:
             verdicts.append(ratio is not None and ratio >= TARGET_RATIO)
+    # The accuracy target needs a clean run and a run at the target share: without them no PASS.
+    judged = clean is not None and any(share == TARGET_SHARE for share, *_ in results)
     ok = bool(verdicts) and all(verdicts)
     at_target = [
         f"{mode} {_fmt(r.final / clean if r.final is not None and clean else None, '.2f')}"
@@ -179,7 +181,7 @@ def table(results: list[tuple[float, str, int, Run, float, str]]) -> tuple[list[
     result = (
         f"at {TARGET_SHARE:.0%} hostile users final accuracy / clean: {', '.join(at_target) or '-'} "
         f"(target >= {TARGET_RATIO:g}); worse promotions in all runs: {worse_total} (target 0): "
-        f"{'PASS' if ok else 'FAIL'}"
+        f"{'FAIL' if not ok else 'PASS' if judged else f'NOT JUDGED (needs a clean run and a {TARGET_SHARE:.0%} run)'}"
     )
     return columns, rows, result
 

@@ -60,3 +60,7 @@ def test_table_ratio_to_clean_and_target() -> None:
     assert rows[2][columns.index("worse promotions")] == 1 and result.endswith("FAIL")
     _, rows, result = table([(0.0, "one", 0, clean, 60.0, "-"), (0.05, "many", 1, Run(), 5.0, "-")])
     assert rows[1][2] == "failed (exit 1)" and result.endswith("FAIL")
+    _, _, result = table([(0.1, "one", 0, good, 60.0, "-")])  # no clean run and no 5 % run: nothing to judge
+    assert "NOT JUDGED" in result and "PASS" not in result
+    _, _, result = table([(0.05, "one", 0, good, 60.0, "-")])  # a 5 % run without its clean reference
+    assert "NOT JUDGED" in result
