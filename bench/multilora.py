@@ -176,11 +176,15 @@ def run_round_with_vllm(
     update_mode: UpdateMode,
     out: Path,
     extra=None,
+    steady: bool = False,
 ) -> dict:
     """Start a vLLM server, run one round, optionally measure rollout throughput, stop the server.
 
+    With ``steady`` it then runs the same round again on the same server with the base kept from the first
+    (``rl.keep_base``, :class:`trainer.model.base.KeptBase`): what every round after the first costs in the
+    always-on service, whose serving vLLM is already up (``steady_s``, ``steady_phases``).
     With ``args.share_prompts`` False the round's base runs every row whole (no prompt sharing)."""
-    from trainer.model.base import load_base
+    from trainer.model.base import KeptBase, load_base
     from trainer.data import round_inputs
     from trainer.round import RoundParts, run_round
     from trainer.types import RoundSpec
@@ -197,12 +201,9 @@ def run_round_with_vllm(
         if not getattr(args, "share_prompts", True):
             base = load_base(ModelConfig(name=str(model)))
             base.share_prompts = False
-        result = run_round(
-            RoundSpec(ModelConfig(name=str(model)), tuple(cands), rl),
-            round_inputs(train, heldout),
-            out / "round",
-            parts=RoundParts(base=base, engine=engine),
-        )
+        spec = RoundSpec(ModelConfig(name=str(model)), tuple(cands), rl)
+        parts = RoundParts(base=base, engine=engine, kept_base=KeptBase())
+        result = run_round(spec, round_inputs(train, heldout), out / "round", parts=parts)
         metrics = [m for c in result.candidates for m in c.step_metrics]
         tenant = cands[0].served_model
         report = {
@@ -224,6 +225,12 @@ def run_round_with_vllm(
             extra_started = time.perf_counter()
             report |= extra(engine, result)
             report["extra_s"] = time.perf_counter() - extra_started
+        if steady:
+            steady_started = time.perf_counter()
+            again = run_round(spec, round_inputs(train, heldout), out / "round-steady", parts=parts)
+            report["steady_s"] = time.perf_counter() - steady_started
+            report["steady_phases"] = {k: again.metrics.get(k, 0.0) for k in PHASES}
+            report["steady_base_reused"] = again.metrics.get("round/base_reused", 0.0)
         return report
     finally:
         service.stop()
@@ -341,7 +348,8 @@ def run_traditional(args: argparse.Namespace, out: Path) -> dict:
 
 def run_hourglass(args: argparse.Namespace, out: Path) -> dict:
     """(b): one process, one resident base with K adapters, one shared vLLM engine (then the rollout probe,
-    which is not part of (b)'s work and not in its wall time)."""
+    which is not part of (b)'s work and not in its wall time, and with ``args.steady`` the steady-state round,
+    timed apart)."""
     started = time.perf_counter()
     with PeakRSS(os.getpid()) as mem:
         report = run_round_with_vllm(
@@ -351,9 +359,10 @@ def run_hourglass(args: argparse.Namespace, out: Path) -> dict:
             args.update_mode,
             out / "b",
             extra=(lambda e, r: rollout_throughput(e, r, args)) if args.rollout_probe else None,
+            steady=args.steady,
         )
     return {
-        "wall_s": time.perf_counter() - started - report.get("extra_s", 0.0),
+        "wall_s": time.perf_counter() - started - report.get("extra_s", 0.0) - report.get("steady_s", 0.0),
         "peak_rss": mem.peak,
         "report": report,
     }
@@ -439,6 +448,13 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
             f"{sides['b']['peak_rss'] / 2**30:.2f} GiB, vLLM startup {report_b['vllm_startup_s']:.1f} s; "
             f"phases: {phases([report_b['phases']])}"
         )
+        if "steady_s" in report_b:
+            print(
+                f"(b) steady state, the same round again with the base kept and vLLM up (base reused: "
+                f"{bool(report_b['steady_base_reused'])}): wall {report_b['steady_s']:.1f} s; "
+                f"phases: {phases([report_b['steady_phases']])}",
+                flush=True,
+            )
         notes.append(
             f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
             f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}"
@@ -465,6 +481,8 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         for key, label in (("trl", "TRL/(b)"), ("a", "(a)/(b)")):
             if key in sides:
                 ratios[label] = sides[key]["wall_s"] / wall_b
+        if "trl" in sides and "steady_s" in sides["b"]["report"]:
+            ratios["TRL/(b) steady"] = sides["trl"]["wall_s"] / sides["b"]["report"]["steady_s"]
     for label, ratio in ratios.items():
         print(f"speedup {label} [{name}]: {ratio:.2f}x", flush=True)
     write_section(name, args, sides, ratios, notes)
@@ -497,7 +515,8 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
         return [f"{values['a'] / b:.2f}x" if label == "(a)/(b)" and b > 0 else "" for label in ratio_labels]
 
     walls = {k: sides[k]["wall_s"] for k in keys}
-    rows = [["wall time", *[f"{walls[k]:.1f} s" for k in keys], *[f"**{r:.2f}x**" for r in ratios.values()]]]
+    cold = [f"**{r:.2f}x**" if label != "TRL/(b) steady" else "" for label, r in ratios.items()]
+    rows = [["wall time", *[f"{walls[k]:.1f} s" for k in keys], *cold]]
     rows.append(
         ["peak RSS (process tree)", *[f"{sides[k]['peak_rss'] / 2**30:.2f} GiB" for k in keys], *[""] * len(ratios)]
     )
@@ -507,6 +526,10 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
     if "b" in sides:
         startup["b"] = f"{sides['b']['report']['vllm_startup_s']:.1f} s"
     rows.append(["vLLM start-ups", *[startup[k] for k in keys], *[""] * len(ratios)])
+    if "b" in sides and "steady_s" in sides["b"]["report"]:
+        steady = {"b": f"{sides['b']['report']['steady_s']:.1f} s"}
+        cells = [f"**{r:.2f}x**" if label == "TRL/(b) steady" else "" for label, r in ratios.items()]
+        rows.append(["steady-state round (base kept, vLLM up)", *[steady.get(k, "") for k in keys], *cells])
     if "trl" in sides:
         for phase in peer_trl.TRL_PHASES:
             cells = {"trl": f"{sum(r['phases'][phase] for r in sides['trl']['reports']):.1f} s"}
@@ -594,6 +617,12 @@ def main() -> None:
         help="cores vLLM's CPU worker binds (pipeline.config ServingConfig.cpu_threads: all, auto or e.g. 0); "
         "a learning check on a loaded host runs faster on one (with OMP_NUM_THREADS=1 for the trainers)",
     )
+    parser.add_argument(
+        "--steady",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after (b)'s round, run it again with the base kept and vLLM up: the steady-state round (TRL/(b) steady)",
+    )
     parser.add_argument("--ratio-repeats", type=int, default=3, help="timed update steps per mode")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key or folder")
     parser.add_argument("--out", default=None, help="work folder (default: a temp dir)")
@@ -623,7 +652,7 @@ def main() -> None:
         run_args = argparse.Namespace(**(vars(args) | WORKLOADS[name] | explicit))
         run_args.out = str(out / name)
         ratios[name] = run_workload(name, run_args, out / name)
-    for label in ("TRL/(b)", "(a)/(b)"):  # the last lines: the headline TRL/(b), then (a)/(b)
+    for label in ("TRL/(b) steady", "TRL/(b)", "(a)/(b)"):  # the last lines: TRL/(b), steady and cold, then (a)/(b)
         measured = [f"speedup {label} at workload {n}: {r[label]:.2f}x" for n, r in ratios.items() if label in r]
         if measured:
             print("; ".join(measured))

@@ -643,6 +643,12 @@ class RLConfig(Section):
         "Ray cluster, one resident base each, candidates balanced by estimated cost; evaluation and the gate stay here; "
         "settings in [rl.ray]).",
     )
+    keep_base: bool = Field(
+        default=True,
+        description="Keep the resident base model loaded between rounds in this process (the always-on service): every "
+        "round after the first skips loading it. It stays in memory between rounds (about 2 bytes a parameter in bf16); "
+        "false frees it after each round. A round that failed drops it and the next one loads it again.",
+    )
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig, description="How rollouts are sampled, and by which engine."
     )

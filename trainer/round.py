@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # the components' types; a reader meets each where the round 
     from trainer.config import CandidateConfig
     from trainer.evaluation.evaluate import Evaluation
     from trainer.executors.executor import Executor
-    from trainer.model.base import ResidentBase
+    from trainer.model.base import KeptBase, ResidentBase
     from trainer.plan import RoundPlan
     from trainer.reward_model.model import RewardModel
     from trainer.rollout.engine import RolloutEngine
@@ -75,11 +75,14 @@ __all__ = ["RoundParts", "RoundRecipe", "run_round"]
 class RoundParts:
     """Components a caller already has, each optional: a resident base to reuse (its adapters are
     removed again at the end), a rollout engine, an executor. Tests and benchmarks pass them; a
-    round builds whatever is missing from its spec."""
+    round builds whatever is missing from its spec. ``kept_base``: where the always-on service keeps
+    its base between rounds (``rl.keep_base``; :class:`~trainer.model.base.KeptBase`), used when
+    ``base`` is None."""
 
     base: ResidentBase | None = None
     engine: RolloutEngine | None = None
     executor: Executor | None = None
+    kept_base: KeptBase | None = None
 
 
 def run_round(
@@ -145,6 +148,7 @@ class RoundRecipe:
         self.store: AdapterStore | None = None
         self.engine: RolloutEngine | None = None
         self.reward_model: RewardModel | None = None
+        self.base_reused = False  # the base was already resident (parts.base, or kept from the last round)
         # what the phases produce
         self.reward = reward_phase.RewardPhase()
         self.trained: TrainOutcome | None = None
@@ -157,15 +161,27 @@ class RoundRecipe:
         """setup → train → evaluate → save; :meth:`close` whatever happened. Returns the round's result."""
         started = time.perf_counter()
         collection = timers.start()  # time/<phase>_s round metrics
+        ok = closed = False
         try:
             self.setup()
             self.train()
             self.evaluate()
             candidates = self.save()
+            ok = True
         finally:
             timers.stop(collection)
-            self.close()
-        return self._result(candidates, {**collection.totals, "round/wall_s": time.perf_counter() - started})
+            try:
+                self.close()
+                closed = True
+            finally:  # a kept base stays for the next round only when this one succeeded and left it clean
+                if self.parts.kept_base is not None:
+                    self.parts.kept_base.release(ok and closed)
+        times = {
+            **collection.totals,
+            "round/wall_s": time.perf_counter() - started,
+            "round/base_reused": float(self.base_reused),
+        }
+        return self._result(candidates, times)
 
     def setup(self) -> None:
         """Build the round's components in dependency order, one ``_setup_*`` each."""
@@ -288,7 +304,14 @@ class RoundRecipe:
         return executor
 
     def _setup_base(self) -> ResidentBase:
-        base = self.parts.base or load_base(self.spec.model)
+        kept = self.parts.kept_base
+        self.base_reused = self.parts.base is not None or (kept is not None and kept.holds(self.spec.model))
+        if self.parts.base is not None:
+            base = self.parts.base
+        elif kept is not None:
+            base = kept.get(self.spec.model)  # the last round's, when it is still right; else loaded now
+        else:
+            base = load_base(self.spec.model)
         # every candidate's (and the reward model's) LoRA targets exist in this base's architecture, all at once
         targets = {c.name: c.target_modules for c in self.spec.candidates}
         if self.feedback is not None:

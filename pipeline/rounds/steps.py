@@ -27,6 +27,9 @@ from trainer.types import PhaseHook, RoundResult
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
+    from trainer.model.base import KeptBase
+    from trainer.round import RoundParts
+
 log = logging.getLogger(__name__)
 
 
@@ -100,6 +103,7 @@ class LiveSteps:
         self.cfg = cfg
         self.base_fingerprint = base_fingerprint
         self.trainer = trainer
+        self.kept_base: KeptBase | None = None  # the resident base between rounds (rl.keep_base), made by the first
 
     def buffer_rows(self) -> int:
         from connectors.buffer import RewardBuffer
@@ -140,7 +144,19 @@ class LiveSteps:
         spec = RoundSpec(cfg.model, candidates, cfg.rl)  # rl.rollout.url defaults to the serving vLLM
         run = self.trainer or _run_round()
         out_dir = cfg.resolve(cfg.state_dir) / "rounds" / record.round_id
-        return run(spec, inputs, out_dir, round_id=record.round_id, on_phase=on_phase)
+        return run(spec, inputs, out_dir, round_id=record.round_id, on_phase=on_phase, parts=self._parts())
+
+    def _parts(self) -> RoundParts:
+        """What the round reuses from this process: the kept base (``rl.keep_base``), else nothing."""
+        from trainer.model.base import KeptBase
+        from trainer.round import RoundParts
+
+        if not self.cfg.rl.keep_base:
+            self.kept_base = None
+            return RoundParts()
+        if self.kept_base is None:
+            self.kept_base = KeptBase()
+        return RoundParts(kept_base=self.kept_base)
 
     def champions(self, candidates: Sequence[CandidateConfig]) -> tuple[dict[str, Path | None], Path | None]:
         """What the round competes against, staged and verified: per served model its ``@champion``'s folder

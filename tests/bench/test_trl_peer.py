@@ -101,3 +101,40 @@ def test_a_smaller_check_or_another_seed_never_replaces_the_headline_section() -
     assert variant_name("round", argparse.Namespace(k=8, seed=0)) == "round"
     assert variant_name("round", argparse.Namespace(k=2, seed=0)) == "round-k2"
     assert variant_name("learn", argparse.Namespace(k=8, seed=1)) == "learn-seed1"
+
+
+def test_the_section_shows_the_steady_state_round_beside_the_cold_one() -> None:
+    import argparse
+
+    from bench.multilora import write_section
+
+    written: dict = {}
+
+    class Recorder:
+        def write(self, name, **section):
+            written.update(section, name=name)
+
+    phases = {"time/rollout_s": 10.0}
+    trl = {
+        "wall_s": 400.0,
+        "peak_rss": 2**30,
+        "reports": [{"phases": {p: 1.0 for p in ("imports", "load", "train", "evaluate")}}],
+    }
+    b = {"wall_s": 200.0, "peak_rss": 2**30, "report": {"vllm_startup_s": 50.0, "phases": phases, "steady_s": 80.0}}
+    args = argparse.Namespace(
+        recorder=Recorder(),
+        k=8,
+        seed=0,
+        steps=6,
+        prompts=4,
+        group=6,
+        max_new_tokens=12,
+        eval_prompts=96,
+        update_mode="one_pass",
+    )
+    write_section("learn", args, {"trl": trl, "b": b}, {"TRL/(b)": 2.0, "TRL/(b) steady": 5.0}, [])
+    rows = {row[0]: row[1:] for row in written["rows"]}
+    assert written["columns"][-2:] == ["TRL/(b)", "TRL/(b) steady"]
+    assert rows["wall time"] == ["400.0 s", "200.0 s", "**2.00x**", ""]  # the cold ratio only
+    assert rows["steady-state round (base kept, vLLM up)"] == ["", "80.0 s", "", "**5.00x**"]
+    assert "TRL/(b) steady at workload `learn`: **5.00x**" in written["result"]

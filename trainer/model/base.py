@@ -295,6 +295,43 @@ def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -
     return wrap_base(model, tokenizer, path, model_store.fingerprint_of(path), cfg.max_seq_len, boot_candidate)
 
 
+class KeptBase:
+    """A resident base kept between rounds (``rl.keep_base``): the always-on service's rounds after the first
+    skip loading the model. The first round that asks loads it; a later round with the same model config gets
+    the same one back, in eval mode (as loaded) and with only the boot adapter on it (every round's store
+    removes its adapters when it closes). A round that failed, or left an adapter behind, drops it: the next
+    round loads a fresh one. Rounds run one at a time (the service's round lock), so this is not thread-safe."""
+
+    def __init__(self) -> None:
+        self._cfg: ModelConfig | None = None
+        self._base: ResidentBase | None = None
+
+    def holds(self, cfg: ModelConfig) -> bool:
+        """Whether a base for ``cfg`` is kept now (the next :meth:`get` of ``cfg`` reuses it)."""
+        return self._base is not None and self._cfg == cfg
+
+    def get(self, cfg: ModelConfig) -> ResidentBase:
+        """The kept base for ``cfg``, loaded now (:func:`load_base`) when none is kept or its config differs."""
+        if not self.holds(cfg):
+            self.drop()
+            self._base = load_base(cfg)
+            self._cfg = cfg.model_copy()
+        self._base.model.eval()
+        return self._base
+
+    def release(self, ok: bool) -> None:
+        """After a round: keep the base when the round succeeded and left it clean, else drop it."""
+        if self._base is None:
+            return
+        adapters = set(self._base.model.peft_config)
+        if not ok or adapters != {BOOT_ADAPTER}:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget the kept base (its memory goes back when nothing else holds it)."""
+        self._cfg, self._base = None, None
+
+
 def wrap_base(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
