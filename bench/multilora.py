@@ -528,8 +528,8 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
     rows.append(["vLLM start-ups", *[startup[k] for k in keys], *[""] * len(ratios)])
     if "b" in sides and "steady_s" in sides["b"]["report"]:
         steady = {"b": f"{sides['b']['report']['steady_s']:.1f} s"}
-        cells = [f"**{r:.2f}x**" if label == "TRL/(b) steady" else "" for label, r in ratios.items()]
-        rows.append(["steady-state round (base kept, vLLM up)", *[steady.get(k, "") for k in keys], *cells])
+        steady_ratio = [f"**{r:.2f}x**" if label == "TRL/(b) steady" else "" for label, r in ratios.items()]
+        rows.append(["steady-state round (base kept, vLLM up)", *[steady.get(k, "") for k in keys], *steady_ratio])
     if "trl" in sides:
         for phase in peer_trl.TRL_PHASES:
             cells = {"trl": f"{sum(r['phases'][phase] for r in sides['trl']['reports']):.1f} s"}

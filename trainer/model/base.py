@@ -312,12 +312,13 @@ class KeptBase:
 
     def get(self, cfg: ModelConfig) -> ResidentBase:
         """The kept base for ``cfg``, loaded now (:func:`load_base`) when none is kept or its config differs."""
-        if not self.holds(cfg):
+        base = self._base
+        if base is None or not self.holds(cfg):
             self.drop()
-            self._base = load_base(cfg)
-            self._cfg = cfg.model_copy()
-        self._base.model.eval()
-        return self._base
+            base = load_base(cfg)
+            self._base, self._cfg = base, cfg.model_copy()
+        base.model.eval()
+        return base
 
     def release(self, ok: bool) -> None:
         """After a round: keep the base when the round succeeded and left it clean, else drop it."""
