@@ -2,10 +2,13 @@
 
 Two limits bound what a round can do:
 
-- **decode** is memory-bound: every decode step of a batch reads every weight once (plus each
-  active LoRA adapter), so ``tokens/s <= sequences in flight x bandwidth / weight bytes per step``
-  (:func:`decode_bound_tok_s`); KV-cache reads and the sampler are left out (small for short
-  completions), so the bound is optimistic.
+- **decode** reads every weight once per step (plus each active LoRA adapter), so
+  ``tokens/s <= sequences in flight x bandwidth / weight bytes per step`` (:func:`decode_bound_tok_s`),
+  and it computes ``2 x weights`` FLOPs per token, as prefill does per prompt token; the engine phase
+  takes at least the larger of the two times (:func:`engine_bound`). On this 2-core host with 64 or
+  more sequences in flight the compute time is the larger by ~10x, so the bandwidth bound alone
+  overstates what decode can reach. KV-cache reads, attention and the sampler are left out (small
+  for short completions), so the bound is optimistic.
 - **training** is compute-bound: a forward pass costs ``2 x (linear weights) x (tokens)`` FLOPs plus
   ``2 x hidden x vocab`` per position whose logits are kept (:func:`forward_flops`; attention
   scores are left out: the sequences here are ~50 tokens); a backward pass with the base frozen
@@ -91,6 +94,43 @@ class ModelShape:
 def decode_bound_tok_s(weight_bytes_per_step: float, bandwidth_B_s: float, in_flight: int) -> float:
     """Highest decode rate: ``in_flight`` sequences gain a token per step, a step reads ``weight_bytes_per_step``."""
     return in_flight * bandwidth_B_s / weight_bytes_per_step
+
+
+@dataclass(frozen=True)
+class EngineBound:
+    """The least time an inference engine needs for a phase, by each limit: ``compute_s`` (every prompt token
+    prefilled once and every generated token decoded, :func:`forward_flops`, at the matmul rate) and
+    ``reads_s`` (every decode step reads the weights once, at the memory bandwidth). The two overlap at best,
+    so the phase takes at least the larger; ``binding`` names it."""
+
+    compute_s: float
+    reads_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.reads_s)
+
+    @property
+    def binding(self) -> str:
+        return "compute" if self.compute_s >= self.reads_s else "memory bandwidth"
+
+
+def engine_bound(
+    shape: ModelShape,
+    *,
+    prefill_tokens: float,
+    decode_tokens: float,
+    in_flight: int,
+    weight_bytes_per_step: float,
+    bandwidth_B_s: float,
+    flop_s: float,
+) -> EngineBound:
+    """:class:`EngineBound` of generating ``decode_tokens`` tokens after prefilling ``prefill_tokens``, with
+    ``in_flight`` sequences decoding together. On a few CPU cores a batch of dozens of sequences is
+    compute-bound: 64 sequences of a 135M model cost ~14 GFLOP a step, against ~0.5 GB of weight reads."""
+    flops = forward_flops(shape, prefill_tokens + decode_tokens, decode_tokens)
+    steps = decode_tokens / max(1, in_flight)
+    return EngineBound(compute_s=flops / flop_s, reads_s=steps * weight_bytes_per_step / bandwidth_B_s)
 
 
 def forward_flops(shape: ModelShape, tokens: float, logit_positions: float) -> float:

@@ -9,11 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.limits import Limits, ModelShape, decode_bound_tok_s, forward_flops, rate_line, train_flops
+from bench.limits import Limits, ModelShape, engine_bound, forward_flops, rate_line, train_flops
+from pipeline.config import VLLM_MAX_NUM_SEQS_DEFAULT
 
-VLLM_MAX_NUM_SEQS = (
-    64  # pipeline/stack.py starts vLLM with --max-num-seqs 64: at most this many sequences decode at once
-)
+VLLM_MAX_NUM_SEQS = VLLM_MAX_NUM_SEQS_DEFAULT  # the benchmark's vLLM decodes at most this many sequences at once
 VLLM_WEIGHT_BYTES = 4  # vLLM runs float32 on CPU (pipeline.stack.vllm_dtype)
 
 
@@ -129,39 +128,77 @@ class RoundWork:
         return self.rollout_tokens + self.rows
 
 
+def _engine_line(
+    label: str,
+    limits: Limits,
+    shape: ModelShape,
+    weight_bytes: float,
+    seconds: float,
+    *,
+    sequences: float,
+    prefill_tokens: float,
+    decode_tokens: float,
+    note: str,
+) -> str:
+    """One engine phase's decode rate against :func:`bench.limits.engine_bound` (vLLM's float32 matmul rate and
+    the weight reads per step), with the bandwidth bound alone named beside it."""
+    in_flight = int(min(sequences, VLLM_MAX_NUM_SEQS))
+    bound = engine_bound(
+        shape,
+        prefill_tokens=prefill_tokens,
+        decode_tokens=decode_tokens,
+        in_flight=in_flight,
+        weight_bytes_per_step=weight_bytes,
+        bandwidth_B_s=limits.bandwidth_B_s,
+        flop_s=limits.matmul_flop_s.get("float32", float("nan")),
+    )
+    reads_only = decode_tokens / bound.reads_s if bound.reads_s > 0 else float("nan")
+    return rate_line(
+        label,
+        decode_tokens / seconds,
+        decode_tokens / bound.seconds,
+        "tok/s",
+        f"{decode_tokens:.0f} tokens after {prefill_tokens:.0f} prompt tokens in {seconds:.1f} s{note}; bound: "
+        f"{bound.binding}, {bound.compute_s:.1f} s of float32 matmul vs {bound.reads_s:.1f} s reading "
+        f"{weight_bytes / 1e9:.2f} GB a step with {in_flight} sequences in flight; the bandwidth alone would allow "
+        f"{reads_only:,.0f} tok/s",
+    )
+
+
 def limit_lines(limits: Limits, shape: ModelShape, work: RoundWork, phase_s: Mapping[str, float]) -> list[str]:
-    """(b)'s decode phases against the bandwidth bound and its training phases against the matmul rates."""
-    weights = shape.params * VLLM_WEIGHT_BYTES
-    lora = shape.lora_params(work.lora_rank, work.lora_targets) * VLLM_WEIGHT_BYTES
+    """(b)'s engine phases against :func:`bench.limits.engine_bound` and its training phases against the
+    matmul rates."""
+    weights = (shape.params + work.k * shape.lora_params(work.lora_rank, work.lora_targets)) * VLLM_WEIGHT_BYTES
     lines = [limits.line()]
     rollout_s = phase_s.get("time/rollout_s", 0.0)
     if rollout_s > 0:
-        in_flight = min(work.k * work.prompts * work.group, VLLM_MAX_NUM_SEQS)
-        bound = decode_bound_tok_s(weights + work.k * lora, limits.bandwidth_B_s, in_flight)
         lines.append(
-            rate_line(
+            _engine_line(
                 "rollout decode",
-                work.rollout_tokens / rollout_s,
-                bound,
-                "tok/s",
-                f"{work.rollout_tokens:.0f} tokens in {rollout_s:.1f} s; bound: {in_flight} sequences in flight x "
-                f"{limits.bandwidth_B_s / 1e9:.1f} GB/s / {(weights + work.k * lora) / 1e9:.2f} GB of float32 "
-                f"weights + {work.k} adapters per step",
+                limits,
+                shape,
+                weights,
+                rollout_s,
+                sequences=work.k * work.prompts * work.group,
+                prefill_tokens=work.k * work.steps * work.prompts * work.prompt_tokens_mean,  # n samples share one
+                decode_tokens=work.rollout_tokens,
+                note="",
             )
         )
     eval_s = phase_s.get("time/evaluate_s", 0.0)
     if eval_s > 0 and math.isfinite(work.eval_length_mean):
-        versions = work.k + 1  # the candidates and the base (champion)
-        tokens = versions * work.eval_prompts * work.eval_length_mean
-        in_flight = min(versions * work.eval_prompts, VLLM_MAX_NUM_SEQS)
-        bound = decode_bound_tok_s(weights + work.k * lora, limits.bandwidth_B_s, in_flight)
+        answers = (work.k + 1) * work.eval_prompts  # the candidates and the base (champion), greedy
         lines.append(
-            rate_line(
+            _engine_line(
                 "evaluate decode",
-                tokens / eval_s,
-                bound,
-                "tok/s",
-                f"~{tokens:.0f} greedy tokens of {versions} versions in {eval_s:.1f} s, the KL pass included",
+                limits,
+                shape,
+                weights,
+                eval_s,
+                sequences=answers,
+                prefill_tokens=answers * work.prompt_tokens_mean,  # every version prefills every prompt
+                decode_tokens=answers * work.eval_length_mean,
+                note=f" ({work.k + 1} versions; the KL pass included)",
             )
         )
     matmul = limits.matmul_flop_s

@@ -28,6 +28,7 @@ import httpx
 
 from typing import TYPE_CHECKING
 
+from pipeline.config import VLLM_MAX_NUM_SEQS_DEFAULT
 from pipeline.errors import PortInUseError, StackError
 from trainer.templates import template_path
 
@@ -285,6 +286,7 @@ def vllm_service(
     max_lora_rank: int = 16,
     max_loras: int = 4,
     max_model_len: int = 1024,
+    max_num_seqs: int = VLLM_MAX_NUM_SEQS_DEFAULT,
     kv_cache_gib: int = 1,
     block_size: int = 32,
     cpu_threads: str = "all",
@@ -297,7 +299,7 @@ def vllm_service(
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
     console script of the CPU wheel looks for a distribution named ``vllm``).
-    ``block_size`` and ``cpu_threads`` are described in
+    ``max_num_seqs``, ``block_size`` and ``cpu_threads`` are described in
     :class:`pipeline.config.ServingConfig`; the grouped CPU LoRA kernels come in
     through the plugin in :mod:`pipeline.serving.vllm_cpu_lora`. ``dtype``: vLLM's
     ``--dtype``, ``auto`` resolved by :func:`vllm_dtype`. ``chat_template``: a Jinja
@@ -327,7 +329,7 @@ def vllm_service(
         "--max-model-len",
         str(max_model_len),
         "--max-num-seqs",
-        "64",
+        str(max_num_seqs),
         "--dtype",
         vllm_dtype(dtype),
         "--block-size",
@@ -448,6 +450,7 @@ def stack_services(cfg: "HourglassConfig", model_dir: Path | None) -> list[Servi
                 max_lora_rank=cfg.serving.max_lora_rank,
                 max_loras=cfg.serving.max_loras,
                 max_model_len=cfg.serving.max_model_len,
+                max_num_seqs=cfg.serving.max_num_seqs,
                 kv_cache_gib=cfg.serving.kv_cache_gib,
                 block_size=cfg.serving.block_size,
                 cpu_threads=cfg.serving.cpu_threads,

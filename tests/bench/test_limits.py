@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.limits import Limits, ModelShape, decode_bound_tok_s, forward_flops, rate_line, train_flops
+from bench.limits import (
+    Limits,
+    ModelShape,
+    decode_bound_tok_s,
+    engine_bound,
+    forward_flops,
+    rate_line,
+    train_flops,
+)
 from bench.multilora_report import RoundWork, limit_lines
 
 # SmolLM2-135M-Instruct's config.json (the fields ModelShape reads)
@@ -46,6 +54,35 @@ def test_decode_bound_is_sequences_times_steps_per_second() -> None:
     # 0.5 GB of weights per step at 20 GB/s: 40 steps/s; 64 sequences in flight gain a token each step
     assert decode_bound_tok_s(0.5e9, 20e9, 64) == pytest.approx(2560.0)
     assert decode_bound_tok_s(0.5e9, 20e9, 1) == pytest.approx(40.0)
+
+
+def test_engine_bound_is_the_larger_of_compute_and_weight_reads() -> None:
+    shape = ModelShape.from_config(SMOLLM2)
+    weights = shape.params * 4
+    # 64 sequences in flight on a 50 GFLOP/s, 20 GB/s host: ~0.27 GFLOP per token, so compute binds
+    batch = engine_bound(
+        shape,
+        prefill_tokens=1000,
+        decode_tokens=640,
+        in_flight=64,
+        weight_bytes_per_step=weights,
+        bandwidth_B_s=20e9,
+        flop_s=50e9,
+    )
+    assert batch.compute_s == pytest.approx(forward_flops(shape, 1640, 640) / 50e9)
+    assert batch.reads_s == pytest.approx(10 * weights / 20e9)  # 640 tokens / 64 in flight = 10 steps
+    assert batch.binding == "compute" and batch.seconds == batch.compute_s
+    # one sequence, no prompt: every token is a step that reads all weights, so the bandwidth binds
+    alone = engine_bound(
+        shape,
+        prefill_tokens=0,
+        decode_tokens=640,
+        in_flight=1,
+        weight_bytes_per_step=weights,
+        bandwidth_B_s=20e9,
+        flop_s=50e9,
+    )
+    assert alone.binding == "memory bandwidth" and alone.seconds == pytest.approx(640 * weights / 20e9)
 
 
 def test_flops_count_layers_per_token_and_the_lm_head_per_kept_position() -> None:
@@ -93,9 +130,32 @@ def test_limit_lines_put_each_phase_against_its_bound() -> None:
     lines = limit_lines(limits, shape, _work(), phases)
     assert lines[0].startswith("measured limits (2 threads): memory bandwidth 20.0 GB/s")
     weights = shape.params * 4 + 8 * shape.lora_params(8, ("q_proj", "k_proj", "v_proj", "o_proj")) * 4
-    rollout_bound = 64 * 20e9 / weights  # 192 sequences, 64 in flight at most (vLLM's --max-num-seqs)
-    assert lines[1].startswith(f"rollout decode: 100.0 tok/s = {100.0 / rollout_bound:.1%} of the bound")
-    assert lines[2].startswith("evaluate decode: 86.4 tok/s")  # 9 versions x 32 prompts x 3 tokens / 10 s
+    # rollouts: 8 x 3 x 4 prompts of 40 tokens prefilled once (n samples share them), 2000 tokens decoded, all
+    # 192 sequences in flight (vLLM's --max-num-seqs is 256); float32 matmul at 50 GFLOP/s
+    rollout = engine_bound(
+        shape,
+        prefill_tokens=8 * 3 * 4 * 40,
+        decode_tokens=2000,
+        in_flight=192,
+        weight_bytes_per_step=weights,
+        bandwidth_B_s=20e9,
+        flop_s=50e9,
+    )
+    assert rollout.binding == "compute"
+    assert lines[1].startswith(f"rollout decode: 100.0 tok/s = {100.0 / (2000 / rollout.seconds):.1%} of the bound")
+    assert "bound: compute" in lines[1] and "192 sequences in flight" in lines[1]
+    # evaluation: 9 versions x 32 prompts, each prefilled by every version, 3 tokens each, in 10 s
+    answers = 9 * 32
+    evaluate = engine_bound(
+        shape,
+        prefill_tokens=answers * 40,
+        decode_tokens=answers * 3,
+        in_flight=256,
+        weight_bytes_per_step=weights,
+        bandwidth_B_s=20e9,
+        flop_s=50e9,
+    )
+    assert lines[2].startswith(f"evaluate decode: 86.4 tok/s = {86.4 / (answers * 3 / evaluate.seconds):.1%} of")
     fwd = forward_flops(shape, _work().trainer_tokens(), _work().logit_positions())
     assert lines[3].startswith(f"reference forward: {fwd / 1e9:,.1f} GFLOP/s = {fwd / 100e9:.1%} of the bound 100")
     assert lines[4].startswith(f"forward/backward: {2 * fwd / 4 / 1e9:,.1f} GFLOP/s")
