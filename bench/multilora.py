@@ -39,8 +39,8 @@ runs sample alike and one run's learning figures are noise-dominated: compare se
 Per workload it prints wall clock and peak memory (RSS of the process tree) of every side, TRL's
 phases (imports, load, train, evaluate: summed over its processes) and ours (``time/*_s`` round
 metrics, trainer/timers.py; (a) summed over its processes), (b)'s phases against this machine's
-limits measured in the run (bench/limits.py: decode tokens/s against the memory-bandwidth bound,
-training FLOP/s against the bf16 and float32 matmul rates), the swap time as a fraction of update
+limits measured in the run (bench/limits.py: rollout and evaluation tokens/s against the larger of
+their compute and weight-read times, training FLOP/s against the bf16 and float32 matmul rates), the swap time as a fraction of update
 time, rollout tokens/s with K adapters in one engine call vs one at a time, what every side learned
 (base -> after, per candidate, and each side minus (b) per candidate, mean +- SE), the speedups
 TRL/(b) and (a)/(b), and the K candidates' update time sequential vs one-pass (bench/one_pass.py).
@@ -74,7 +74,7 @@ from bench import limits, peer_trl, writer
 from bench.limits import ModelShape
 from bench.multilora_report import Learned, RoundWork, learning_lines, limit_lines
 from bench.peak_rss import PeakRSS
-from pipeline.stack import free_port, vllm_service
+from pipeline.stack import free_port, vllm_dtype, vllm_service
 from trainer.model import store as model_store
 from trainer.config import (
     AdapterStoreKind,
@@ -152,7 +152,7 @@ def tables(args: argparse.Namespace):
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
-def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all"):
+def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all", dtype: str = "auto"):
     service = vllm_service(
         model,
         "127.0.0.1",
@@ -163,6 +163,7 @@ def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all"
         max_lora_rank=16,
         max_loras=max_loras,
         cpu_threads=cpu_threads,
+        dtype=dtype,
         startup_timeout_s=900,  # generous: a loaded 2-core host can take minutes to import vLLM
     )
     service.start()
@@ -192,7 +193,9 @@ def run_round_with_vllm(
 
     train, heldout = tables(args)
     started = time.perf_counter()
-    service = start_vllm(model, out / "logs", max_loras=max(2, len(cands)), cpu_threads=args.vllm_cpu_threads)
+    service = start_vllm(
+        model, out / "logs", max_loras=max(2, len(cands)), cpu_threads=args.vllm_cpu_threads, dtype=args.vllm_dtype
+    )
     startup_s = time.perf_counter() - started
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
@@ -334,7 +337,7 @@ def run_traditional(args: argparse.Namespace, out: Path) -> dict:
         report_path = out / f"a-{i}.json"
         argv = [sys.executable, __file__, "--worker", str(i), "--report", str(report_path)]
         argv += ["--model-dir", args.model_dir, "--out", str(out), "--seed", str(args.seed)]
-        argv += ["--vllm-cpu-threads", args.vllm_cpu_threads]
+        argv += ["--vllm-cpu-threads", args.vllm_cpu_threads, "--vllm-dtype", args.vllm_dtype]
         for flag in ("k", "steps", "prompts", "group", "max_new_tokens", "eval_prompts"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
@@ -436,7 +439,7 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         )
     notes: list[str] = [
         f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (torch's default: one per core), "
-        f"vLLM bound to cores `{args.vllm_cpu_threads}`"
+        f"vLLM bound to cores `{args.vllm_cpu_threads}`, vLLM --dtype {vllm_dtype(args.vllm_dtype)}"
     ]
     if "b" in args.sides:
         sides["b"] = run_hourglass(args, out)
@@ -471,7 +474,9 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
             )
         if args.limits:
             shape = ModelShape.from_config(json.loads((Path(args.model_dir) / "config.json").read_text()))
-            notes += limit_lines(limits.measure(), shape, round_work(args, report_b), report_b["phases"])
+            notes += limit_lines(
+                limits.measure(), shape, round_work(args, report_b), report_b["phases"], engine_dtype(args.vllm_dtype)
+            )
     notes += learning_lines(learned, args.eval_prompts)
     print("\n".join(notes))
 
@@ -491,10 +496,22 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
     return ratios
 
 
+def engine_dtype(choice: str) -> str:
+    """The dtype vLLM computes in for ``--vllm-dtype choice``: its own ``auto`` on a GPU is the checkpoint's, bf16."""
+    served = vllm_dtype(choice)
+    return "bfloat16" if served == "auto" else served
+
+
 def variant_name(name: str, args: argparse.Namespace) -> str:
-    """The page section of a run: the workload, with ``-k<K>`` unless K = 8 (the targets' K) and ``-seed<S>``
-    unless seed 0, so a smaller check or another seed never replaces the headline section."""
-    return name + (f"-k{args.k}" if args.k != 8 else "") + (f"-seed{args.seed}" if args.seed != 0 else "")
+    """The page section of a run: the workload, with ``-k<K>`` unless K = 8 (the targets' K), ``-seed<S>``
+    unless seed 0 and ``-vllm-<dtype>`` unless vLLM runs the service's own dtype, so a smaller check, another
+    seed or another engine precision never replaces the headline section."""
+    return (
+        name
+        + (f"-k{args.k}" if args.k != 8 else "")
+        + (f"-seed{args.seed}" if args.seed != 0 else "")
+        + (f"-vllm-{args.vllm_dtype}" if getattr(args, "vllm_dtype", "auto") != "auto" else "")
+    )
 
 
 SIDE_COLUMNS = {
@@ -548,7 +565,8 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
         variant_name(name, args),
         title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
         f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts, seed {args.seed}; "
-        f"(b) in `{args.update_mode}` mode",
+        f"(b) in `{args.update_mode}` mode"
+        + (f", vLLM --dtype {args.vllm_dtype}" if getattr(args, "vllm_dtype", "auto") != "auto" else ""),
         columns=["", *[SIDE_COLUMNS[k] for k in keys], *ratio_labels],
         rows=rows,
         result=result or "no ratio: (b) did not run",
@@ -616,6 +634,12 @@ def main() -> None:
         default="all",
         help="cores vLLM's CPU worker binds (pipeline.config ServingConfig.cpu_threads: all, auto or e.g. 0); "
         "a learning check on a loaded host runs faster on one (with OMP_NUM_THREADS=1 for the trainers)",
+    )
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="vLLM's --dtype for (a) and (b): auto = what the service runs (float32 on CPU, pipeline.stack.vllm_dtype)",
     )
     parser.add_argument(
         "--steady",

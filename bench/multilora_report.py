@@ -9,11 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.limits import Limits, ModelShape, engine_bound, forward_flops, rate_line, train_flops
+from bench.limits import DTYPE_BYTES, Limits, ModelShape, engine_bound, forward_flops, rate_line, train_flops
 from pipeline.config import VLLM_MAX_NUM_SEQS_DEFAULT
 
 VLLM_MAX_NUM_SEQS = VLLM_MAX_NUM_SEQS_DEFAULT  # the benchmark's vLLM decodes at most this many sequences at once
-VLLM_WEIGHT_BYTES = 4  # vLLM runs float32 on CPU (pipeline.stack.vllm_dtype)
 
 
 @dataclass(frozen=True)
@@ -139,9 +138,10 @@ def _engine_line(
     prefill_tokens: float,
     decode_tokens: float,
     note: str,
+    dtype: str,
 ) -> str:
-    """One engine phase's decode rate against :func:`bench.limits.engine_bound` (vLLM's float32 matmul rate and
-    the weight reads per step), with the bandwidth bound alone named beside it."""
+    """One engine phase's decode rate against :func:`bench.limits.engine_bound` (the matmul rate of vLLM's
+    ``dtype`` and the weight reads per step), with the bandwidth bound alone named beside it."""
     in_flight = int(min(sequences, VLLM_MAX_NUM_SEQS))
     bound = engine_bound(
         shape,
@@ -150,7 +150,7 @@ def _engine_line(
         in_flight=in_flight,
         weight_bytes_per_step=weight_bytes,
         bandwidth_B_s=limits.bandwidth_B_s,
-        flop_s=limits.matmul_flop_s.get("float32", float("nan")),
+        flop_s=limits.matmul_flop_s.get(dtype, float("nan")),
     )
     reads_only = decode_tokens / bound.reads_s if bound.reads_s > 0 else float("nan")
     return rate_line(
@@ -159,16 +159,22 @@ def _engine_line(
         decode_tokens / bound.seconds,
         "tok/s",
         f"{decode_tokens:.0f} tokens after {prefill_tokens:.0f} prompt tokens in {seconds:.1f} s{note}; bound: "
-        f"{bound.binding}, {bound.compute_s:.1f} s of float32 matmul vs {bound.reads_s:.1f} s reading "
+        f"{bound.binding}, {bound.compute_s:.1f} s of {dtype} matmul vs {bound.reads_s:.1f} s reading "
         f"{weight_bytes / 1e9:.2f} GB a step with {in_flight} sequences in flight; the bandwidth alone would allow "
         f"{reads_only:,.0f} tok/s",
     )
 
 
-def limit_lines(limits: Limits, shape: ModelShape, work: RoundWork, phase_s: Mapping[str, float]) -> list[str]:
-    """(b)'s engine phases against :func:`bench.limits.engine_bound` and its training phases against the
-    matmul rates."""
-    weights = (shape.params + work.k * shape.lora_params(work.lora_rank, work.lora_targets)) * VLLM_WEIGHT_BYTES
+def limit_lines(
+    limits: Limits,
+    shape: ModelShape,
+    work: RoundWork,
+    phase_s: Mapping[str, float],
+    vllm_dtype: str = "float32",
+) -> list[str]:
+    """(b)'s engine phases against :func:`bench.limits.engine_bound` (vLLM computing in ``vllm_dtype``: float32
+    on CPU unless asked, pipeline.stack.vllm_dtype) and its training phases against the matmul rates."""
+    weights = (shape.params + work.k * shape.lora_params(work.lora_rank, work.lora_targets)) * DTYPE_BYTES[vllm_dtype]
     lines = [limits.line()]
     rollout_s = phase_s.get("time/rollout_s", 0.0)
     if rollout_s > 0:
@@ -183,6 +189,7 @@ def limit_lines(limits: Limits, shape: ModelShape, work: RoundWork, phase_s: Map
                 prefill_tokens=work.k * work.steps * work.prompts * work.prompt_tokens_mean,  # n samples share one
                 decode_tokens=work.rollout_tokens,
                 note="",
+                dtype=vllm_dtype,
             )
         )
     eval_s = phase_s.get("time/evaluate_s", 0.0)
@@ -199,6 +206,7 @@ def limit_lines(limits: Limits, shape: ModelShape, work: RoundWork, phase_s: Map
                 prefill_tokens=answers * work.prompt_tokens_mean,  # every version prefills every prompt
                 decode_tokens=answers * work.eval_length_mean,
                 note=f" ({work.k + 1} versions; the KL pass included)",
+                dtype=vllm_dtype,
             )
         )
     matmul = limits.matmul_flop_s

@@ -19,6 +19,10 @@ tokens is printed (scored by the bf16 server as a prompt, ``prompt_logprobs``).
     python bench/vllm_lora.py                      # SmolLM2, 2 adapters
     python bench/vllm_lora.py --model tiny --adapters 4
     python bench/vllm_lora.py --compare dtype --adapters 8 --prompts 2 --group 4 --max-new-tokens 16
+    python bench/vllm_lora.py --compare max-num-seqs --adapters 8 --eval-prompts 96   # a learn round's engine work
+
+With ``--compare max-num-seqs`` the servers differ in ``--max-num-seqs`` (64, the setting before
+``serving.max_num_seqs`` existed, vs 256, its default) and answer the same workloads as ``dtype``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import writer  # noqa: E402
+from pipeline.config import VLLM_MAX_NUM_SEQS_DEFAULT  # noqa: E402
 from pipeline.stack import free_port, vllm_service  # noqa: E402
 from trainer.model import store as model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
@@ -45,7 +50,11 @@ from trainer.types import RolloutRequest  # noqa: E402
 from trainer.rollout.vllm import VLLMEngine  # noqa: E402
 from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
 
-DTYPES = ("float32", "bfloat16")
+# --compare SETTING: the two servers' settings (the first is the baseline), all else equal, grouped kernels
+SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
+    "dtype": {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}},
+    "max-num-seqs": {"64": {"max_num_seqs": 64}, "256": {"max_num_seqs": 256}},
+}
 
 
 def make_adapters(model_dir: Path, out: Path, k: int, rank: int) -> list[Path]:
@@ -118,7 +127,14 @@ def greedy(engine: VLLMEngine, versions: list[str], ids: list[tuple[int, ...]], 
 
 
 def measure(
-    grouped: bool, model_dir: Path, adapters: list[Path], ids, args, logs: Path, dtype: str = "auto"
+    grouped: bool,
+    model_dir: Path,
+    adapters: list[Path],
+    ids,
+    args,
+    logs: Path,
+    dtype: str = "auto",
+    max_num_seqs: int = VLLM_MAX_NUM_SEQS_DEFAULT,
 ) -> dict[str, Any]:
     service = vllm_service(
         model_dir,
@@ -129,6 +145,7 @@ def measure(
         max_lora_rank=16,
         max_loras=max(2, len(adapters)),
         dtype=dtype,
+        max_num_seqs=max_num_seqs,
     )
     service.env[ENV_SWITCH] = "1" if grouped else "0"
     service.start()
@@ -143,7 +160,7 @@ def measure(
         base_s = min(workload(engine, ["base"] * len(versions), ids, args)[0] for _ in range(args.repeats))
         lora_s = min(workload(engine, versions, ids, args)[0] for _ in range(args.repeats))
         out: dict[str, Any] = {"base_s": base_s, "lora_s": lora_s}
-        if args.compare == "dtype":
+        if args.compare in SETTINGS:
             eval_ids = prompts(model_dir, args.eval_prompts)
             runs = [greedy(engine, ["base", *versions], eval_ids, args.max_new_tokens) for _ in range(args.repeats)]
             out["greedy_s"] = min(r[0] for r in runs)
@@ -165,6 +182,53 @@ def logprob_gap(samples_a: list, samples_b: list) -> tuple[float, float]:
     return (sum(diffs) / len(diffs) if diffs else float("nan")), same / max(1, len(samples_a))
 
 
+def compare_settings(
+    args: argparse.Namespace, model_dir: Path, adapters: list[Path], ids, work: Path, recorder: writer.Recorder
+) -> None:
+    """Two servers that differ in one setting (``SETTINGS[args.compare]``), each timed on the sampled rollouts
+    (bare base, through the adapters) and the greedy evaluation; prints and records base-setting / new-setting."""
+    flag = f"--{args.compare}"
+    (old, old_kw), (new, new_kw) = SETTINGS[args.compare].items()
+    sides = {
+        label: measure(True, model_dir, adapters, ids, args, work / f"logs-{args.compare}-{label}", **kw)
+        for label, kw in ((old, old_kw), (new, new_kw))
+    }
+    for label, r in sides.items():
+        print(
+            f"{flag} {label:>9}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, "
+            f"greedy evaluation ({args.adapters + 1} versions x {args.eval_prompts} prompts) {r['greedy_s']:.2f} s"
+        )
+    gap, same = logprob_gap(sides[old]["greedy_samples"], sides[new]["greedy_samples"])
+    a, b = sides[old], sides[new]
+    print(f"greedy answers equal on both servers: {same:.1%}; mean |log-prob difference| on equal prefixes {gap:.4f}")
+    last = (
+        f"vLLM {flag} {new} vs {old}: LoRA rollouts {a['lora_s'] / b['lora_s']:.2f}x, "
+        f"greedy evaluation {a['greedy_s'] / b['greedy_s']:.2f}x (> 1: {new} faster)"
+    )
+    recorder.write(
+        f"{args.compare}-{model_dir.name}",
+        title=f"vLLM {flag} {old} vs {new}, {model_dir.name}, {args.adapters} rank-{args.rank} adapters, "
+        f"grouped kernels; sampled: {args.prompts} prompts x G = {args.group} x {args.max_new_tokens} tokens per "
+        f"adapter; greedy: {args.adapters + 1} versions x {args.eval_prompts} prompts",
+        columns=["workload", old, new, f"{old} / {new}"],
+        rows=[
+            [label, f"{a[key]:.2f} s", f"{b[key]:.2f} s", f"{a[key] / b[key]:.2f}x"]
+            for label, key in (
+                ("bare base, sampled", "base_s"),
+                (f"through the {args.adapters} adapters, sampled", "lora_s"),
+                ("greedy evaluation", "greedy_s"),
+            )
+        ],
+        result=last,
+        notes=[
+            f"greedy answers equal on both servers: {same:.1%}; mean |log-prob difference| on equal prefixes "
+            f"{gap:.4f} nats",
+            f"two servers one after the other, best of {args.repeats} per side",
+        ],
+    )
+    print(last)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="packaged model key, 'tiny', or a folder")
@@ -175,9 +239,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per side; the best is kept")
     parser.add_argument(
-        "--compare", choices=["kernels", "dtype"], default="kernels", help="what differs between the two servers"
+        "--compare",
+        choices=["kernels", *SETTINGS],
+        default="kernels",
+        help="what differs between the two servers: the LoRA kernels, vLLM's --dtype or its --max-num-seqs",
     )
-    parser.add_argument("--eval-prompts", type=int, default=32, help="--compare dtype: greedy evaluation prompts")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=32, help="--compare dtype / max-num-seqs: greedy evaluation prompts"
+    )
     writer.add_arguments(parser)
     args = parser.parse_args()
     recorder = writer.Recorder("vllm-lora", args)
@@ -197,46 +266,8 @@ def main() -> None:
     print(
         f"model={model_dir.name} K={args.adapters} rank={args.rank} P={args.prompts} G={args.group} max_new_tokens={args.max_new_tokens} cores={len(os.sched_getaffinity(0))}"
     )
-    if args.compare == "dtype":
-        sides = {
-            dtype: measure(True, model_dir, adapters, ids, args, work / f"logs-{dtype}", dtype) for dtype in DTYPES
-        }
-        for dtype, r in sides.items():
-            print(
-                f"{dtype:>9}: base {r['base_s']:.2f} s, through {args.adapters} adapters {r['lora_s']:.2f} s, "
-                f"greedy evaluation ({args.adapters + 1} versions x {args.eval_prompts} prompts) {r['greedy_s']:.2f} s"
-            )
-        gap, same = logprob_gap(sides["float32"]["greedy_samples"], sides["bfloat16"]["greedy_samples"])
-        f32, b16 = sides["float32"], sides["bfloat16"]
-        print(
-            f"greedy answers equal in both dtypes: {same:.1%}; mean |log-prob difference| on equal prefixes {gap:.4f}"
-        )
-        last = (
-            f"bfloat16 vs float32 vLLM: LoRA rollouts {f32['lora_s'] / b16['lora_s']:.2f}x, "
-            f"greedy evaluation {f32['greedy_s'] / b16['greedy_s']:.2f}x (> 1: bf16 faster)"
-        )
-        recorder.write(
-            f"dtype-{model_dir.name}",
-            title=f"vLLM --dtype float32 vs bfloat16, {model_dir.name}, {args.adapters} rank-{args.rank} adapters, "
-            f"grouped kernels; sampled: {args.prompts} prompts x G = {args.group} x {args.max_new_tokens} tokens per "
-            f"adapter; greedy: {args.adapters + 1} versions x {args.eval_prompts} prompts",
-            columns=["workload", "float32", "bfloat16", "float32 / bfloat16"],
-            rows=[
-                [label, f"{f32[key]:.2f} s", f"{b16[key]:.2f} s", f"{f32[key] / b16[key]:.2f}x"]
-                for label, key in (
-                    ("bare base, sampled", "base_s"),
-                    (f"through the {args.adapters} adapters, sampled", "lora_s"),
-                    ("greedy evaluation", "greedy_s"),
-                )
-            ],
-            result=last,
-            notes=[
-                f"greedy answers equal in both dtypes: {same:.1%}; mean |log-prob difference| on equal prefixes "
-                f"{gap:.4f} nats",
-                f"two servers one after the other, best of {args.repeats} per side",
-            ],
-        )
-        print(last)
+    if args.compare in SETTINGS:
+        compare_settings(args, model_dir, adapters, ids, work, recorder)
         return
     results = {}
     for grouped in (False, True):

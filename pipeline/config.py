@@ -159,7 +159,7 @@ class GuardConfig(Section):
     alpha: float = Field(default=0.05, gt=0, lt=0.5, description="Error rate of the guard's sequential test.")
 
 
-VLLM_MAX_NUM_SEQS_DEFAULT = 256  # vLLM --max-num-seqs: measured against 64 in docs/benchmarks/multilora.md
+VLLM_MAX_NUM_SEQS_DEFAULT = 256  # vLLM --max-num-seqs: measured against 64 in docs/benchmarks/vllm-lora.md
 
 
 class ServingConfig(Section):
@@ -188,9 +188,9 @@ class ServingConfig(Section):
         default=VLLM_MAX_NUM_SEQS_DEFAULT,
         ge=1,
         le=4096,
-        description="vLLM --max-num-seqs: sequences decoded together in one engine step. A round sends every "
-        "candidate's rollouts and every version's evaluation answers at once; 256 against 64 measured 1.11x on "
-        "rollouts and 1.27x on the evaluation's greedy answers (docs/benchmarks/multilora.md). Memory stays bounded "
+        description="The embedded vLLM's --max-num-seqs: sequences decoded together in one engine step. A round sends every "
+        "candidate's rollouts and every version's evaluation answers at once; 256 against 64 measured 1.13x on "
+        "both, the answers identical (docs/benchmarks/vllm-lora.md). Memory stays bounded "
         "by kv_cache_gib: vLLM schedules only what its KV cache holds.",
     )
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")

@@ -1,5 +1,6 @@
-"""One chat template for the trainer and the served vLLM (``model.chat_template``), and the tool parser the
-embedded vLLM starts with (``serving.tool_call_parser``)."""
+"""One chat template for the trainer and the served vLLM (``model.chat_template``), the tool parser the
+embedded vLLM starts with (``serving.tool_call_parser``) and how many sequences it decodes together
+(``serving.max_num_seqs``)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def test_the_trainer_renders_with_the_configured_template(tiny_model: Path, tmp_
     base = load_base(ModelConfig(name=str(tiny_model), chat_template=str(own)))
     ids = base.prompt_ids([{"role": "user", "content": "hi"}], None, None)
     assert base.tokenizer.decode(ids).startswith("<<user:hi>>")
+
+
+def test_the_embedded_vllm_decodes_as_many_sequences_as_configured(tmp_path: Path) -> None:
+    argv = _argv(HourglassConfig(), tmp_path)
+    assert argv[argv.index("--max-num-seqs") + 1] == "256"  # a round's rollouts and evaluation answers at once
+    argv = _argv(HourglassConfig.model_validate({"serving": {"max_num_seqs": 32}}), tmp_path)
+    assert argv[argv.index("--max-num-seqs") + 1] == "32"
+    for bad in (0, -1, 10**6, "many"):
+        with pytest.raises(ValidationError, match="max_num_seqs"):
+            HourglassConfig.model_validate({"serving": {"max_num_seqs": bad}})
