@@ -129,8 +129,8 @@ def engine_bound(
     ``in_flight`` sequences decoding together. On a few CPU cores a batch of dozens of sequences is
     compute-bound: 64 sequences of a 135M model cost ~14 GFLOP a step, against ~0.5 GB of weight reads."""
     flops = forward_flops(shape, prefill_tokens + decode_tokens, decode_tokens)
-    steps = decode_tokens / max(1, in_flight)
-    return EngineBound(compute_s=flops / flop_s, reads_s=steps * weight_bytes_per_step / bandwidth_B_s)
+    reads_tok_s = decode_bound_tok_s(weight_bytes_per_step, bandwidth_B_s, max(1, in_flight))
+    return EngineBound(compute_s=flops / flop_s, reads_s=decode_tokens / reads_tok_s)
 
 
 def forward_flops(shape: ModelShape, tokens: float, logit_positions: float) -> float:

@@ -12,8 +12,6 @@ from typing import Any
 from bench.limits import DTYPE_BYTES, Limits, ModelShape, engine_bound, forward_flops, rate_line, train_flops
 from pipeline.config import VLLM_MAX_NUM_SEQS_DEFAULT
 
-VLLM_MAX_NUM_SEQS = VLLM_MAX_NUM_SEQS_DEFAULT  # the benchmark's vLLM decodes at most this many sequences at once
-
 
 @dataclass(frozen=True)
 class Learned:
@@ -142,7 +140,7 @@ def _engine_line(
 ) -> str:
     """One engine phase's decode rate against :func:`bench.limits.engine_bound` (the matmul rate of vLLM's
     ``dtype`` and the weight reads per step), with the bandwidth bound alone named beside it."""
-    in_flight = int(min(sequences, VLLM_MAX_NUM_SEQS))
+    in_flight = int(min(sequences, VLLM_MAX_NUM_SEQS_DEFAULT))  # the benchmark's vLLM runs the service default
     bound = engine_bound(
         shape,
         prefill_tokens=prefill_tokens,

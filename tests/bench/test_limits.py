@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.limits import (
+    EngineBound,
     Limits,
     ModelShape,
     decode_bound_tok_s,
@@ -56,32 +57,29 @@ def test_decode_bound_is_sequences_times_steps_per_second() -> None:
     assert decode_bound_tok_s(0.5e9, 20e9, 1) == pytest.approx(40.0)
 
 
+def _host_bound(shape: ModelShape, weights: float, *, prefill: float, decode: float, in_flight: int) -> EngineBound:
+    """:func:`engine_bound` on a 20 GB/s, 50 GFLOP/s host."""
+    return engine_bound(
+        shape,
+        prefill_tokens=prefill,
+        decode_tokens=decode,
+        in_flight=in_flight,
+        weight_bytes_per_step=weights,
+        bandwidth_B_s=20e9,
+        flop_s=50e9,
+    )
+
+
 def test_engine_bound_is_the_larger_of_compute_and_weight_reads() -> None:
     shape = ModelShape.from_config(SMOLLM2)
     weights = shape.params * 4
     # 64 sequences in flight on a 50 GFLOP/s, 20 GB/s host: ~0.27 GFLOP per token, so compute binds
-    batch = engine_bound(
-        shape,
-        prefill_tokens=1000,
-        decode_tokens=640,
-        in_flight=64,
-        weight_bytes_per_step=weights,
-        bandwidth_B_s=20e9,
-        flop_s=50e9,
-    )
+    batch = _host_bound(shape, weights, prefill=1000, decode=640, in_flight=64)
     assert batch.compute_s == pytest.approx(forward_flops(shape, 1640, 640) / 50e9)
     assert batch.reads_s == pytest.approx(10 * weights / 20e9)  # 640 tokens / 64 in flight = 10 steps
     assert batch.binding == "compute" and batch.seconds == batch.compute_s
     # one sequence, no prompt: every token is a step that reads all weights, so the bandwidth binds
-    alone = engine_bound(
-        shape,
-        prefill_tokens=0,
-        decode_tokens=640,
-        in_flight=1,
-        weight_bytes_per_step=weights,
-        bandwidth_B_s=20e9,
-        flop_s=50e9,
-    )
+    alone = _host_bound(shape, weights, prefill=0, decode=640, in_flight=1)
     assert alone.binding == "memory bandwidth" and alone.seconds == pytest.approx(640 * weights / 20e9)
 
 
@@ -132,29 +130,13 @@ def test_limit_lines_put_each_phase_against_its_bound() -> None:
     weights = shape.params * 4 + 8 * shape.lora_params(8, ("q_proj", "k_proj", "v_proj", "o_proj")) * 4
     # rollouts: 8 x 3 x 4 prompts of 40 tokens prefilled once (n samples share them), 2000 tokens decoded, all
     # 192 sequences in flight (vLLM's --max-num-seqs is 256); float32 matmul at 50 GFLOP/s
-    rollout = engine_bound(
-        shape,
-        prefill_tokens=8 * 3 * 4 * 40,
-        decode_tokens=2000,
-        in_flight=192,
-        weight_bytes_per_step=weights,
-        bandwidth_B_s=20e9,
-        flop_s=50e9,
-    )
+    rollout = _host_bound(shape, weights, prefill=8 * 3 * 4 * 40, decode=2000, in_flight=192)
     assert rollout.binding == "compute"
     assert lines[1].startswith(f"rollout decode: 100.0 tok/s = {100.0 / (2000 / rollout.seconds):.1%} of the bound")
     assert "bound: compute" in lines[1] and "192 sequences in flight" in lines[1]
     # evaluation: 9 versions x 32 prompts, each prefilled by every version, 3 tokens each, in 10 s
     answers = 9 * 32
-    evaluate = engine_bound(
-        shape,
-        prefill_tokens=answers * 40,
-        decode_tokens=answers * 3,
-        in_flight=256,
-        weight_bytes_per_step=weights,
-        bandwidth_B_s=20e9,
-        flop_s=50e9,
-    )
+    evaluate = _host_bound(shape, weights, prefill=answers * 40, decode=answers * 3, in_flight=256)
     assert lines[2].startswith(f"evaluate decode: 86.4 tok/s = {86.4 / (answers * 3 / evaluate.seconds):.1%} of")
     fwd = forward_flops(shape, _work().trainer_tokens(), _work().logit_positions())
     assert lines[3].startswith(f"reference forward: {fwd / 1e9:,.1f} GFLOP/s = {fwd / 100e9:.1%} of the bound 100")
