@@ -582,8 +582,10 @@ def load_config(path: str | Path | None) -> HourglassConfig:
             raise ConfigError(f"config file {str(file)!r} does not exist or is not a file")
         try:
             data = tomllib.loads(file.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError) as err:  # TOMLDecodeError, or an integer over Python's 4,300 digits
             raise ConfigError(f"{file}: not valid TOML: {err}") from err
+        except RecursionError as err:
+            raise ConfigError(f"{file}: not valid TOML: arrays or tables nested too deeply") from err
     try:
         return HourglassConfig(**data)
     except ValidationError as err:
@@ -594,3 +596,5 @@ def load_config(path: str | Path | None) -> HourglassConfig:
         raise ConfigError(
             f"environment: {err} (list and table fields take JSON, e.g. HOURGLASS_KAFKA__BOOTSTRAP_SERVERS='[\"host:9092\"]')"
         ) from err
+    except RecursionError as err:  # JSON in an HOURGLASS_* variable nested thousands deep
+        raise ConfigError("environment: an HOURGLASS_* variable's JSON is nested too deeply") from err

@@ -115,6 +115,19 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     broken.write_text("[kafka\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(broken)
+    # an integer past Python's 4,300-digit conversion limit, and arrays nested past the parser's recursion
+    broken.write_text(f"[serving]\nmax_num_seqs = {'9' * 5000}\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+    broken.write_text(f"[serving]\nmax_num_seqs = {'[' * 5000}{']' * 5000}\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(broken)
+
+
+def test_an_environment_variable_nested_too_deeply_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOURGLASS_SERVING", '{"max_num_seqs": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(None)
 
 
 def test_candidates_compete_for_the_public_model_name_by_default(tmp_path: Path) -> None:
