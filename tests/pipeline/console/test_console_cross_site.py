@@ -223,9 +223,13 @@ def test_the_consoles_own_buttons_still_work(setup, browser) -> None:
         field.clear()  # the page offers the token typed last
         field.send_keys(token)
         browser.find_element(By.ID, "token-ok").click()
-        return WebDriverWait(browser, 120).until(
-            lambda d: text if (text := d.find_element(By.ID, "action-result").text) and "sending" not in text else None
-        )
+        # The line still shows the previous action's answer until this click's request starts:
+        # wait for this action's own answer, not for any line without "sending".
+        def answered(d) -> str | None:
+            text = d.find_element(By.ID, "action-result").text
+            return text if text.startswith(f"{action} ") and "sending" not in text else None
+
+        return WebDriverWait(browser, 120).until(answered)
 
     aborted = act("canary-abort")
     assert aborted.startswith("canary-abort accepted (200)"), aborted
