@@ -550,6 +550,17 @@ def _moved(loc: tuple[str, ...]) -> str | None:
     return None
 
 
+def _env_source(loc: tuple[str, ...]) -> str | None:
+    """The ``HOURGLASS_*`` variable that set the value at ``loc`` (the field's own, or a section's JSON that
+    holds it), so a problem names where to look; None when the value came from the file or a default."""
+    names = {name.upper() for name in os.environ}
+    for depth in range(len(loc), 0, -1):
+        name = ENV_PREFIX.upper() + "__".join(part.upper() for part in loc[:depth])
+        if name in names:
+            return name
+    return None
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     message = error["msg"].removeprefix("Value error, ")
@@ -562,7 +573,8 @@ def _describe(error: Mapping[str, Any]) -> str:
         shown = "<secret>"  # never echo a token or key
     if len(shown) > 120:
         shown = shown[:117] + "..."
-    return f"{loc}: {message} (got {shown})"
+    source = _env_source(tuple(str(part) for part in error["loc"]))
+    return f"{loc}: {message} (got {shown}{f' from {source}' if source else ''})"
 
 
 def load_config(path: str | Path | None) -> HourglassConfig:

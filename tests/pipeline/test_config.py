@@ -75,7 +75,18 @@ def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("HOURGLASS_API__PORT", "99999")
     with pytest.raises(ConfigError) as caught:
         load_config(None)
-    assert any(p.startswith("api.port:") for p in caught.value.problems)
+    # the problem names the variable, not the file, as where the value came from
+    assert any(
+        p.startswith("api.port:") and p.endswith("(got '99999' from HOURGLASS_API__PORT)")
+        for p in caught.value.problems
+    )
+    monkeypatch.setenv("HOURGLASS_SERVING", '{"max_num_seqs": 0}')  # inside a section's JSON
+    with pytest.raises(ConfigError) as caught:
+        load_config(REPO / "deploy" / "hourglass.toml")
+    assert any(
+        p.startswith("serving.max_num_seqs:") and p.endswith("(got 0 from HOURGLASS_SERVING)")
+        for p in caught.value.problems
+    )
 
 
 def test_environment_value_that_is_not_json_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,6 +133,21 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     broken.write_text(f"[serving]\nmax_num_seqs = {'[' * 5000}{']' * 5000}\n")
     with pytest.raises(ConfigError, match="nested too deeply"):
         load_config(broken)
+
+
+def test_true_or_false_in_a_number_field_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pydantic's lax mode reads a TOML `true` in an int field as 1 and in a float field as 1.0
+    conf = tmp_path / "c.toml"
+    conf.write_text("[serving]\nmax_num_seqs = true\n[rl.gate]\nmargin = false\n[rl.split]\nheldout_fraction = true\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    problems = " ".join(caught.value.problems)
+    for field in ("serving.max_num_seqs", "rl.gate.margin", "rl.split.heldout_fraction"):
+        assert f"{field}: " in problems and "expected a number" in problems, (field, problems)
+    conf.write_text("[serving]\nmax_num_seqs = 8\nembedded = false\n")  # booleans stay booleans
+    monkeypatch.setenv("HOURGLASS_RL__GATE__EVAL_PROMPTS", "12")  # an environment string still reads as a number
+    cfg = load_config(conf)
+    assert (cfg.serving.max_num_seqs, cfg.rl.gate.eval_prompts) == (8, 12)
 
 
 def test_an_environment_variable_nested_too_deeply_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

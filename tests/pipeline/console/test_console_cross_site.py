@@ -223,6 +223,7 @@ def test_the_consoles_own_buttons_still_work(setup, browser) -> None:
         field.clear()  # the page offers the token typed last
         field.send_keys(token)
         browser.find_element(By.ID, "token-ok").click()
+
         # The line still shows the previous action's answer until this click's request starts:
         # wait for this action's own answer, not for any line without "sending".
         def answered(d) -> str | None:
