@@ -40,8 +40,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.api_errors import registry_call as _registry_call
 from pipeline.api_guard import OpsGuard, host_allowed  # noqa: F401  (host_allowed: re-exported)
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from pipeline.ops_service import OpsService
 
 CACHE_S = 2.0
+MAX_DETAIL_CHARS = 500  # an error message quotes what the client sent: at most this much of it
 
 
 class TtlCache:
@@ -204,6 +209,21 @@ def create_api(service: OpsService) -> FastAPI:
     from pipeline.canary.ops import add_canary_routes
 
     add_canary_routes(app, service)  # GET /canary, POST /canary/{model}/promote|abort (the middleware checks the token)
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(_: Request, err: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes each error's input: NaN or Infinity there made it a 500 (not JSON), and a
+        # 60 KB field came back whole. The field's path, type and message are what a client needs.
+        detail = [
+            {"loc": list(e["loc"]), "type": e["type"], "msg": e["msg"][:MAX_DETAIL_CHARS]} for e in err.errors()[:20]
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+        if isinstance(err.detail, str) and len(err.detail) > MAX_DETAIL_CHARS:  # e.g. a 5,000-character round id
+            err = StarletteHTTPException(err.status_code, err.detail[:MAX_DETAIL_CHARS] + "...", err.headers)
+        return await http_exception_handler(request, err)
 
     @app.exception_handler(RoundInProgressError)
     def _in_progress(_: Request, err: RoundInProgressError) -> Response:

@@ -283,7 +283,8 @@ def create_gateway_app(
             await app.state.client.aclose()
             await asyncio.to_thread(app.state.publisher.close)
 
-    app = FastAPI(title="Hourglass gateway", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json on the client-facing port: the API is OpenAI's, documented in docs/
+    app = FastAPI(title="Hourglass gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(SingleHostHeader)
 
     @app.exception_handler(RequestValidationError)
@@ -574,7 +575,8 @@ def create_gateway_app(
         except LookupError:
             raise RequestRefused(
                 404,
-                f"The model `{public}` does not exist; ask GET /v1/models for the served names",
+                f"The model `{public[:80]}{'...' if len(public) > 80 else ''}` does not exist; ask GET /v1/models "
+                "for the served names",
                 param="model",
                 code="model_not_found",
             ) from None

@@ -273,6 +273,40 @@ def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> Non
         )
 
 
+# Sampling numbers: (integers only, lowest, highest, lowest excluded), vLLM 0.32's own ranges
+# (SamplingParams._verify_args), checked here so a refusal names its field (vLLM's 400 has no param) and so a
+# JSON true, which vLLM's lax parsing reads as 1, is refused rather than sampled with.
+_NUMBERS: dict[str, tuple[bool, float, float, bool]] = {
+    "temperature": (False, 0.0, 2.0, False),
+    "top_p": (False, 0.0, 1.0, True),
+    "presence_penalty": (False, -2.0, 2.0, False),
+    "frequency_penalty": (False, -2.0, 2.0, False),
+    "repetition_penalty": (False, 0.0, math.inf, True),
+    "min_p": (False, 0.0, 1.0, False),
+    "top_k": (True, -1, _INT64, False),
+    "seed": (True, -_INT64, _INT64, False),
+    "top_logprobs": (True, 0, 20, False),
+}
+
+
+def _check_numbers(body: dict[str, Any]) -> None:
+    for name, (integer, low, high, open_low) in _NUMBERS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise RequestRefused(400, f"field {name!r} must be {kind}, got {str(value)[:50]!r}", param=name)
+        if value < low or (open_low and value == low) or value > high:
+            bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+            raise RequestRefused(400, f"field {name!r} is {value!r}, outside {bounds}", param=name)
+    low_tokens, high_tokens = body.get("min_tokens"), body.get("max_tokens") or body.get("max_completion_tokens")
+    if isinstance(low_tokens, int) and isinstance(high_tokens, int) and low_tokens > high_tokens:
+        raise RequestRefused(
+            400, f"field 'min_tokens' is {low_tokens}, above max_tokens={high_tokens}", param="min_tokens"
+        )
+
+
 def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) -> None:
     """Allowed fields and caps of one chat / completions request (types of the rest are vLLM's to check).
 
@@ -298,6 +332,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens")
+    _check_numbers(body)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise RequestRefused(400, f"field 'user' must be a string of at most {MAX_USER_CHARS} characters", param="user")

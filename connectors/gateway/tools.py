@@ -27,6 +27,7 @@ from connectors.errors import ConnectorError
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_ID_CHARS = 256  # tool call ids: OpenAI's are ~30 characters, vLLM's ~46
+MAX_ARGUMENT_DEPTH = 64  # nesting of a tool call's arguments: real ones nest a few levels
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
@@ -112,11 +113,16 @@ def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
 def _check_schema(schema: Any, where: str) -> None:
     if not isinstance(schema, dict):
         raise ToolRefused(f"{where} must be a JSON Schema object", where)
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        raise ToolRefused(f"{where}.$schema must be a string (a JSON Schema dialect URI)", f"{where}.$schema")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as err:
         at = "/".join(str(p) for p in err.absolute_path)
         raise ToolRefused(f"{where} is not a valid JSON Schema{f' at {at}' if at else ''}: {err.message[:200]}", where)
+    except (ValueError, TypeError, LookupError, RecursionError) as err:  # e.g. a $schema URL the parser refuses
+        raise ToolRefused(f"{where} is not a valid JSON Schema: {type(err).__name__}: {str(err)[:160]}", where)
     cycle = ref_cycle(schema)
     if cycle is not None:
         raise ToolRefused(
@@ -244,7 +250,37 @@ def _check_call(call: Any, where: str, history: ToolHistory, cfg: GatewayConfig)
             f"{cfg.max_tool_arguments_bytes}",
             f"{where}.function.arguments",
         )
+    depth = json_depth(arguments)
+    if depth > MAX_ARGUMENT_DEPTH:
+        raise ToolRefused(
+            f"{where}.function.arguments nests {depth} arrays or objects deep, above {MAX_ARGUMENT_DEPTH}",
+            f"{where}.function.arguments",
+        )
     return len(name) + len(arguments)
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not count), read
+    without recursion: vLLM parses a tool call's arguments to render the chat template, and JSON thousands
+    deep ends there in a RecursionError (a 500) however few bytes it takes."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def forwarded_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -80,7 +80,10 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 
 @config_app.command("check")
 def config_check(
-    file: Annotated[Path, typer.Argument(help="The TOML file to validate.")],
+    file: Annotated[Path | None, typer.Argument(help="The TOML file to validate.")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="The same file, given as every other command takes it.")
+    ] = None,
     role: Annotated[
         str, typer.Option(help="Whose secrets to check: service (needs the signing key) or gateway.")
     ] = "service",
@@ -92,6 +95,10 @@ def config_check(
     (from the file or the HOURGLASS_* environment) are problems too; for the service, so is a
     regression suite (``[[rl.regression]]``) whose file cannot be read from the working directory.
     """
+    if (file is None) == (config is None):
+        console.print("[bold red]give the file once: hourglass config check FILE (or --config FILE)[/]")
+        raise typer.Exit(2)
+    file = file or config
     try:
         if role not in ("service", "gateway"):
             raise ConfigError(f"--role {role!r}: use service or gateway")

@@ -242,3 +242,36 @@ def test_bodies_are_read_one_way_only(
     response = client.post("/rounds", content=content, headers=headers)
     assert response.status_code == status and complaint in response.json()["detail"], response.text
     assert service.store.list() == []
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "field"),
+    [
+        ("/rounds", b'{"window": NaN}', "window"),  # FastAPI's answer echoed NaN: not JSON, a 500
+        ("/promote", b'{"version": "1", "model": Infinity}', "model"),
+        ("/rollback", b'{"model": -Infinity}', "model"),
+        ("/rounds", b'{"candidates": ["x"], "surprise": NaN}', "surprise"),
+    ],
+)
+def test_nan_or_infinity_in_a_body_is_a_422_naming_the_field(
+    client: TestClient, service: HourglassService, path: str, content: bytes, field: str
+) -> None:
+    headers = {"Authorization": f"Bearer {service.api_token}", "Content-Type": "application/json"}
+    response = client.post(path, content=content, headers=headers)
+    assert response.status_code == 422, response.text
+    assert field in {str(e["loc"][-1]) for e in response.json()["detail"]}
+    assert service.store.list() == []
+
+
+def test_what_a_client_sent_is_quoted_back_bounded(client: TestClient, service: HourglassService) -> None:
+    from pipeline.api import MAX_DETAIL_CHARS
+
+    auth = {"Authorization": f"Bearer {service.api_token}"}
+    long_id = "r" * 5000
+    for response in (
+        client.get(f"/rounds/{long_id}"),
+        client.post(f"/rounds/{long_id}/cancel", headers=auth),
+        client.post("/rounds", json={"candidates": ["c" * 60_000]}, headers=auth),
+    ):
+        assert response.status_code in (404, 409, 422), response.text
+        assert len(response.text) < 2 * MAX_DETAIL_CHARS, (response.status_code, len(response.text))

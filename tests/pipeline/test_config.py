@@ -303,3 +303,13 @@ def test_otel_section_is_off_by_default_and_on_from_the_file_or_the_environment(
     with pytest.raises(ConfigError) as err:
         load_config(conf)
     assert any("otel.topic" in problem for problem in err.value.problems), err.value.problems
+
+
+def test_config_check_takes_the_file_as_an_argument_or_as_config(tmp_path: Path) -> None:
+    conf = REPO / "deploy" / "hourglass.toml"
+    for args in ([str(conf)], ["--config", str(conf)]):
+        result = CliRunner().invoke(app, ["config", "check", *args, "--json"])
+        assert result.exit_code == 0 and '"ok": true' in result.stdout, (args, result.output)
+    for args in ([], [str(conf), "--config", str(conf)]):  # none, or two: say how to give it
+        result = CliRunner().invoke(app, ["config", "check", *args])
+        assert result.exit_code == 2 and "give the file once" in result.output, (args, result.output)

@@ -279,3 +279,42 @@ def test_a_reward_model_that_scores_nan_has_no_auc() -> None:
     assert math.isnan(roc_auc(scores, labels))
     assert math.isnan(auc_lower_bound(scores, labels, 0.95, 50))
     assert auc_by_signal(scores, labels, ["thumbs"] * 6) == {}
+
+
+def test_a_step_of_long_rows_trains_in_chunks_with_the_same_update(tiny_model: Path) -> None:
+    """Rows near max_seq_len made one step's forward/backward hold every row's activations (24 rows of ~1,000
+    tokens took 19.7 GB and the kernel killed the service): above ``chunk_tokens`` a step scores its rows in
+    chunks, and the update is the unchunked one."""
+    rows = _planted(24)
+    data = tokenise_feedback(load_base(ModelConfig(name=str(tiny_model))), feedback_data(rows))
+    trained = {}
+    for budget in (1_000_000, 40):  # one pass; chunks of a few rows
+        base = load_base(ModelConfig(name=str(tiny_model)))
+        base.model.float()
+        store = make_store("offload", base)
+        cfg = RewardModelConfig(steps=3, batch_size=6, learning_rate=5e-3, chunk_tokens=budget)
+        model = create_reward_model(base, store, cfg, None)
+        sizes: list[int] = []
+        forward = model.forward
+
+        def recorded(p, c, forward=forward, sizes=sizes):  # noqa: ANN001
+            sizes.append(len(p) * max(len(a) + len(model._strip(b)) for a, b in zip(p, c)))
+            return forward(p, c)
+
+        ids = [e[0] for e in data.examples], [e[1] for e in data.examples]
+        initial = model.score(*ids)
+        model.forward = recorded  # type: ignore[method-assign]
+        history = train_reward_model(model, data, cfg)
+        model.forward = forward  # type: ignore[method-assign]
+        trained[budget] = (history, initial, model.score(*ids), sizes)
+        store.close()
+    (whole, initial, whole_scores, whole_sizes), (chunked, _, chunked_scores, chunked_sizes) = (
+        trained[1_000_000],
+        trained[40],
+    )
+    longest = max(len(e[0]) + len(e[1]) for e in data.examples)
+    assert len(whole_sizes) == 3 and max(whole_sizes) > 40  # one forward a step, above the small budget
+    assert len(chunked_sizes) > 2 * 3 * 2 and max(chunked_sizes) <= max(40, longest)  # no-grad + grad per chunk
+    assert [h["reward_model/loss"] for h in chunked] == pytest.approx([h["reward_model/loss"] for h in whole], abs=1e-5)
+    assert whole_scores != pytest.approx(initial, abs=1e-3)  # the steps moved the scores
+    assert chunked_scores == pytest.approx(whole_scores, abs=1e-4)  # ... and the chunked steps moved them the same

@@ -177,6 +177,22 @@ class RewardModel:
         hidden_BH = out.last_hidden_state[:, -1].float()
         return self.head(hidden_BH).squeeze(-1)
 
+    def chunks(
+        self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]], max_tokens: int
+    ) -> list[tuple[int, int]]:
+        """Consecutive row ranges ``(start, end)`` whose padded size (rows x the longest row, as :meth:`forward`
+        pads them) stays within ``max_tokens``; a row longer than that is a chunk alone."""
+        out: list[tuple[int, int]] = []
+        start, longest = 0, 0
+        for b, (p, c) in enumerate(zip(prompt_ids_B, completion_ids_B)):
+            length = max(1, min(len(p) + len(self._strip(c)), self.base.max_seq_len))
+            if b > start and (b - start + 1) * max(longest, length) > max_tokens:
+                out.append((start, b))
+                start, longest = b, 0
+            longest = max(longest, length)
+        out.append((start, len(prompt_ids_B)))
+        return out
+
     @torch.no_grad()
     def score(self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]]) -> list[float]:
         """Scalar reward (a logit of P(thumbs up)) per (prompt, completion); batched, no grad.
@@ -270,7 +286,8 @@ def train_reward_model(
 
     Each step draws ``cfg.batch_size`` labelled rows and, when there are pairs,
     ``cfg.batch_size`` pairs (without replacement within an epoch, seeded), and
-    scores them all in one forward pass. ``on_phase`` is called with
+    scores them all in one forward pass, or, above ``cfg.chunk_tokens`` padded tokens, in chunks with the
+    same gradient (:meth:`RewardModel.chunks`). ``on_phase`` is called with
     ``PhaseBoundary(RoundPhase.REWARD_MODEL, step=k)`` before every step (it may raise to stop the round).
 
     Returns one metrics dict per step: ``reward_model/loss``, ``/bce``, ``/bt``,
@@ -298,7 +315,15 @@ def train_reward_model(
         pr = [data.pairs[i] for i in draw("pairs", len(data.pairs), cfg.batch_size)]
         prompts = [e[0] for e in ex] + [p[0] for p in pr] * 2
         completions = [e[1] for e in ex] + [p[1] for p in pr] + [p[2] for p in pr]
-        scores = model.forward(prompts, completions)
+        chunks = model.chunks(prompts, completions, cfg.chunk_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        model.head_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        if len(chunks) == 1:  # one forward/backward (every step of short rows)
+            scores = model.forward(prompts, completions)
+        else:  # scores without grad, chunk by chunk; the loss's gradient of each score is pushed back per chunk
+            with torch.no_grad():
+                scores = torch.cat([model.forward(prompts[s:e], completions[s:e]) for s, e in chunks])
+            scores.requires_grad_(True)
         scores_B, chosen_P, rejected_P = (
             scores[: len(ex)],
             scores[len(ex) : len(ex) + len(pr)],
@@ -306,9 +331,11 @@ def train_reward_model(
         )
         labels_B = torch.tensor([float(e[2]) for e in ex], device=scores.device)
         loss, metrics = reward_loss(scores_B, labels_B, chosen_P, rejected_P, cfg.center_rewards_coefficient)
-        optimizer.zero_grad(set_to_none=True)
-        model.head_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         loss.backward()
+        if len(chunks) > 1:
+            assert scores.grad is not None
+            for s, e in chunks:
+                model.forward(prompts[s:e], completions[s:e]).backward(scores.grad[s:e])
         params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         if np.isfinite(grad_norm):

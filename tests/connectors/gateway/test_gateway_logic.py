@@ -526,6 +526,8 @@ def test_an_unknown_model_is_404_model_not_found(gw: Gateway) -> None:
     assert (
         answer.status_code == 404 and error(answer)["code"] == "model_not_found" and error(answer)["param"] == "model"
     )
+    long = gw.chat(model=":" * 500_000)  # the name is quoted back, not all of it
+    assert long.status_code == 404 and len(error(long)["message"]) < 200, len(long.text)
 
 
 # --- upstream failures ---------------------------------------------------------------------------------
@@ -777,3 +779,42 @@ def test_a_stream_chunk_of_odd_json_types_does_not_cut_the_stream(gw: Gateway) -
 
     assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
     assert gw.trace(response).completion == "four"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "says"),
+    [
+        ({"temperature": True}, "temperature", "must be a number"),  # vLLM read it as 1.0
+        ({"temperature": "hot"}, "temperature", "must be a number"),
+        ({"temperature": 2.5}, "temperature", "outside [0, 2]"),
+        ({"top_p": 0}, "top_p", "outside (0, 1]"),
+        ({"presence_penalty": 100}, "presence_penalty", "outside [-2, 2]"),
+        ({"frequency_penalty": -100}, "frequency_penalty", "outside [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "outside (0, inf]"),
+        ({"min_p": 2}, "min_p", "outside [0, 1]"),
+        ({"top_k": -5}, "top_k", "outside [-1,"),
+        ({"top_k": 2.5}, "top_k", "must be an integer"),
+        ({"seed": False}, "seed", "must be an integer"),
+        ({"top_logprobs": "x"}, "top_logprobs", "must be an integer"),
+        ({"top_logprobs": 1_000_000}, "top_logprobs", "outside [0, 20]"),
+        ({"min_tokens": 40, "max_tokens": 4}, "min_tokens", "above max_tokens=4"),
+    ],
+)
+def test_sampling_numbers_are_checked_here_with_the_field_named(
+    gw: Gateway, change: dict[str, Any], param: str, says: str
+) -> None:
+    answer = gw.chat(**change)  # vLLM's own 400 for these had param null (and took a true for 1)
+    assert answer.status_code == 400, answer.text
+    assert error(answer)["param"] == param and says in error(answer)["message"], error(answer)
+    assert gw.upstream.requests == []
+
+
+def test_sampling_numbers_within_vllms_ranges_pass() -> None:
+    from connectors.gateway.request import _check_numbers
+
+    _check_numbers({"temperature": 0, "top_p": 1, "presence_penalty": -2.0, "top_k": -1, "seed": 7, "min_p": 0.0})
+
+
+def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):  # FastAPI's defaults listed every route to any client
+        assert gw.http.get(path).status_code == 404, path

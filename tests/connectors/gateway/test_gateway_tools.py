@@ -191,6 +191,16 @@ BIG = {"type": "function", "function": {"name": "big", "description": "x" * 20_0
             "tools.0.function.parameters",
         ),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools.0.function.parameters"),
+        # a $schema that is not a string, or a URL jsonschema's parser refuses: was a 500 from jsonschema
+        *(
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": bad}}}]}, param)
+            for bad, param in [
+                (True, "tools.0.function.parameters.$schema"),
+                ([], "tools.0.function.parameters.$schema"),
+                ({}, "tools.0.function.parameters.$schema"),
+                ("http://[::1", "tools.0.function.parameters"),
+            ]
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools.0.function.strict"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
@@ -224,6 +234,16 @@ RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "5"}
         ),
         (
             [*TURN_1, {**ANSWERED, "tool_calls": [{**CALL, "function": {"name": "add", "arguments": {"a": 1}}}]}],
+            "messages.2.tool_calls.0.function.arguments",
+        ),
+        (  # 10 KB of brackets, within the byte cap: vLLM's parser recursed into a 500 on it
+            [
+                *TURN_1,
+                {
+                    **ANSWERED,
+                    "tool_calls": [{**CALL, "function": {"name": "add", "arguments": "[" * 5000 + "]" * 5000}}],
+                },
+            ],
             "messages.2.tool_calls.0.function.arguments",
         ),
         ([*TURN_1, {**ANSWERED, "tool_calls": [{**CALL, "id": "c" * 257}]}], "messages.2.tool_calls.0.id"),
@@ -368,3 +388,14 @@ def test_a_named_tool_choice_whose_name_is_not_a_string_is_a_400(name: object) -
     with pytest.raises(ToolRefused) as refused:
         check_tool_choice({"type": "function", "function": {"name": name}}, frozenset({"add"}))
     assert refused.value.param == "tool_choice"
+
+
+def test_argument_depth_counts_brackets_outside_strings_only() -> None:
+    from connectors.gateway.tools import MAX_ARGUMENT_DEPTH, json_depth
+
+    assert (
+        json_depth('{"a": [1, {"b": "[[[[\\"]]"}]}') == 3
+    )  # the brackets in the string (and its escaped quote) are text
+    assert json_depth('"x"') == 0 and json_depth("{}") == 1
+    deep = "[" * MAX_ARGUMENT_DEPTH + "]" * MAX_ARGUMENT_DEPTH
+    assert json_depth(deep) == MAX_ARGUMENT_DEPTH and json_depth(f"[{deep}]") == MAX_ARGUMENT_DEPTH + 1
