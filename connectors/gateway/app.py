@@ -427,7 +427,15 @@ def create_gateway_app(
                 f"field 'metadata' is {meta_size} bytes, above gateway.max_metadata_bytes={cfg.max_metadata_bytes}",
                 param="metadata",
             )
-        token = body.feedback_token or request.headers.get(FEEDBACK_HEADER)
+        header_token = request.headers.get(FEEDBACK_HEADER)
+        if body.feedback_token is not None and header_token is not None and body.feedback_token != header_token:
+            raise RequestRefused(  # read one way only: two tokens that differ are two requests in one
+                400,
+                f"the feedback token is given twice and differently: in '{FEEDBACK_HEADER}' and as 'feedback_token'; "
+                "send one",
+                param="feedback_token",
+            )
+        token = body.feedback_token or header_token
         if not token:
             raise RequestRefused(
                 400,

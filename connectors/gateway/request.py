@@ -34,6 +34,7 @@ from connectors.gateway.tools import (
     ToolHistory,
     ToolRefused,
     check_message_tools,
+    check_schema,
     check_tool_choice,
     check_tools,
     forwarded_message,
@@ -82,6 +83,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}) | NULL_ONLY_KEYS
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
+# the keys each response_format type takes (OpenAI's, as vLLM 0.32 reads them); anything else is a 400
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 # Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
 # JSON booleans only, so the gateway and vLLM (which reads "false" or "no" as false) agree on them.
 _FLAGS: dict[str, tuple[str, ...]] = {
@@ -333,6 +338,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens")
     _check_numbers(body)
+    check_stream_options(body)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise RequestRefused(400, f"field 'user' must be a string of at most {MAX_USER_CHARS} characters", param="user")
@@ -497,7 +503,16 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
             f"field 'response_format' is {size} bytes, above gateway.max_schema_bytes={cfg.max_schema_bytes}",
             param="response_format",
         )
+    extra = sorted(set(fmt) - _FORMAT_KEYS[fmt["type"]])
+    if extra:
+        raise RequestRefused(
+            400,
+            f"response_format of type {fmt['type']!r} takes no {extra[0][:40]!r}",
+            param=f"response_format.{extra[0][:40]}",
+        )
     spec = fmt.get("json_schema")
+    if fmt["type"] == "json_schema":
+        _check_json_schema_format(spec)
     schema = spec.get("schema") if isinstance(spec, dict) else None
     cycle = ref_cycle(schema) if isinstance(schema, dict) else None
     if cycle is not None:
@@ -507,6 +522,47 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
             "no output can match it",
             param="response_format",
         )
+
+
+def _check_json_schema_format(spec: Any) -> None:
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise RequestRefused(400, f"{where} must be an object with a name and a schema", param=where)
+    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if extra:
+        raise RequestRefused(400, f"{where} takes no {extra[0][:40]!r}", param=f"{where}.{extra[0][:40]}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise RequestRefused(400, f"{where}.name must be a string of 1-64 characters", param=f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise RequestRefused(400, f"{where}.{key} must be a {kind.__name__}", param=f"{where}.{key}")
+    if spec.get("schema") is not None:
+        try:
+            check_schema(spec["schema"], f"{where}.schema")
+        except ToolRefused as err:
+            raise RequestRefused(400, err.message, param=err.param) from None
+
+
+def check_stream_options(body: dict[str, Any]) -> None:
+    """``stream_options``: an object of known boolean options, only with ``stream: true`` (vLLM's refusal
+    named no field, and it took unknown keys and a string ``include_usage`` silently)."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise RequestRefused(400, "field 'stream_options' must be an object", param="stream_options")
+    if body.get("stream") is not True:
+        raise RequestRefused(400, "field 'stream_options' needs 'stream': true", param="stream_options")
+    for key, value in options.items():
+        if key not in _STREAM_OPTIONS:
+            raise RequestRefused(
+                400,
+                f"stream_options takes {sorted(_STREAM_OPTIONS)}, not {str(key)[:40]!r}",
+                param=f"stream_options.{str(key)[:40]}",
+            )
+        if value is not None and not isinstance(value, bool):
+            raise RequestRefused(400, f"stream_options.{key} must be true or false", param=f"stream_options.{key}")
 
 
 def client_metadata(meta: dict[str, Any] | None, *, trusted: bool, trusted_keys: list[str]) -> dict[str, Any]:

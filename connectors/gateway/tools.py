@@ -105,12 +105,13 @@ def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
             )
         parameters = function.get("parameters")
         if parameters is not None:
-            _check_schema(parameters, f"{where}.function.parameters")
+            check_schema(parameters, f"{where}.function.parameters")
         chars += size
     return frozenset(names), chars
 
 
-def _check_schema(schema: Any, where: str) -> None:
+def check_schema(schema: Any, where: str) -> None:
+    """A JSON Schema object valid against its meta-schema and not a bare self-reference; ToolRefused at ``where``."""
     if not isinstance(schema, dict):
         raise ToolRefused(f"{where} must be a JSON Schema object", where)
     dialect = schema.get("$schema")

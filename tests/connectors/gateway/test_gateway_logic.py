@@ -818,3 +818,47 @@ def test_sampling_numbers_within_vllms_ranges_pass() -> None:
 def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):  # FastAPI's defaults listed every route to any client
         assert gw.http.get(path).status_code == 404, path
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [  # each was a 200 (the key ignored or read loosely) or vLLM's 400 with param null
+        ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
+        ({"stream_options": {"foo": 1}, "stream": True}, "stream_options.foo"),
+        ({"stream_options": [True], "stream": True}, "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        ({"response_format": {"type": "text", "extra": 1}}, "response_format.extra"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+            "response_format.json_schema.strict",
+        ),
+    ],
+)
+def test_stream_options_and_response_format_take_only_their_own_keys(
+    gw: Gateway, change: dict[str, Any], param: str
+) -> None:
+    answer = gw.chat(**change)
+    assert answer.status_code == 400 and error(answer)["param"] == param, answer.text
+    assert gw.upstream.requests == []
+
+
+def test_a_feedback_token_given_twice_differently_is_refused(gw: Gateway) -> None:
+    first, second = gw.chat(), gw.chat()
+    gw.trace(first)
+    token, other = first.headers[FEEDBACK_HEADER], second.headers[FEEDBACK_HEADER]
+    vote = {"trace_id": first.headers[TRACE_HEADER], "thumbs": "up"}
+    twice = gw.post("/v1/feedback", {**vote, "feedback_token": token}, gw.keys.client, **{FEEDBACK_HEADER: other})
+    assert twice.status_code == 400 and error(twice)["param"] == "feedback_token", twice.text  # was 200: body won
+    assert gw.sink.feedback == []
+    same = gw.post("/v1/feedback", {**vote, "feedback_token": token}, gw.keys.client, **{FEEDBACK_HEADER: token})
+    assert same.status_code == 200, same.text  # the same token in both places is one way of saying it
