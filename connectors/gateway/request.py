@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -82,9 +82,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "completions": _COMMON | {"prompt", "echo"},
 }
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}) | NULL_ONLY_KEYS
-_RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
 # the keys each response_format type takes (OpenAI's, as vLLM 0.32 reads them); anything else is a 400
 _FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_RESPONSE_FORMATS = frozenset(_FORMAT_KEYS)
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 _STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 # Flags the gateway reads itself (stream: SSE relay and trace; logprobs / return_token_ids: what to strip):
@@ -278,19 +278,26 @@ def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> Non
         )
 
 
-# Sampling numbers: (integers only, lowest, highest, lowest excluded), vLLM 0.32's own ranges
-# (SamplingParams._verify_args), checked here so a refusal names its field (vLLM's 400 has no param) and so a
-# JSON true, which vLLM's lax parsing reads as 1, is refused rather than sampled with.
-_NUMBERS: dict[str, tuple[bool, float, float, bool]] = {
-    "temperature": (False, 0.0, 2.0, False),
-    "top_p": (False, 0.0, 1.0, True),
-    "presence_penalty": (False, -2.0, 2.0, False),
-    "frequency_penalty": (False, -2.0, 2.0, False),
-    "repetition_penalty": (False, 0.0, math.inf, True),
-    "min_p": (False, 0.0, 1.0, False),
-    "top_k": (True, -1, _INT64, False),
-    "seed": (True, -_INT64, _INT64, False),
-    "top_logprobs": (True, 0, 20, False),
+class _Range(NamedTuple):
+    integer: bool  # integers only (else any finite number)
+    low: float
+    high: float
+    open_low: bool = False  # ``low`` itself is out of range
+
+
+# Sampling numbers, vLLM 0.32's own ranges (SamplingParams._verify_args), checked here so a refusal names its
+# field (vLLM's 400 has no param) and so a JSON true, which vLLM's lax parsing reads as 1, is refused rather
+# than sampled with.
+_NUMBERS: dict[str, _Range] = {
+    "temperature": _Range(False, 0.0, 2.0),
+    "top_p": _Range(False, 0.0, 1.0, open_low=True),
+    "presence_penalty": _Range(False, -2.0, 2.0),
+    "frequency_penalty": _Range(False, -2.0, 2.0),
+    "repetition_penalty": _Range(False, 0.0, math.inf, open_low=True),
+    "min_p": _Range(False, 0.0, 1.0),
+    "top_k": _Range(True, -1, _INT64),
+    "seed": _Range(True, -_INT64, _INT64),
+    "top_logprobs": _Range(True, 0, 20),
 }
 
 
