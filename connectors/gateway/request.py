@@ -301,8 +301,12 @@ _NUMBERS: dict[str, _Range] = {
 }
 
 
-def _check_numbers(body: dict[str, Any]) -> None:
-    for name, (integer, low, high, open_low) in _NUMBERS.items():
+_COMPLETION_LOGPROBS = _Range(True, 0, 20)  # on completions, logprobs is a count (on chat, a flag)
+
+
+def _check_numbers(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    ranges = _NUMBERS | ({"logprobs": _COMPLETION_LOGPROBS} if endpoint == "completions" else {})
+    for name, (integer, low, high, open_low) in ranges.items():
         value = body.get(name)
         if value is None:
             continue
@@ -312,7 +316,8 @@ def _check_numbers(body: dict[str, Any]) -> None:
         if value < low or (open_low and value == low) or value > high:
             bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
             raise RequestRefused(400, f"field {name!r} is {value!r}, outside {bounds}", param=name)
-    low_tokens, high_tokens = body.get("min_tokens"), body.get("max_tokens") or body.get("max_completion_tokens")
+    # vLLM reads max_completion_tokens first when both are given
+    low_tokens, high_tokens = body.get("min_tokens"), body.get("max_completion_tokens") or body.get("max_tokens")
     if isinstance(low_tokens, int) and isinstance(high_tokens, int) and low_tokens > high_tokens:
         raise RequestRefused(
             400, f"field 'min_tokens' is {low_tokens}, above max_tokens={high_tokens}", param="min_tokens"
@@ -344,7 +349,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens")
-    _check_numbers(body)
+    _check_numbers(endpoint, body)
     check_stream_options(body)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):

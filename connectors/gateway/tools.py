@@ -122,7 +122,8 @@ def check_schema(schema: Any, where: str) -> None:
     except jsonschema.SchemaError as err:
         at = "/".join(str(p) for p in err.absolute_path)
         raise ToolRefused(f"{where} is not a valid JSON Schema{f' at {at}' if at else ''}: {err.message[:200]}", where)
-    except (ValueError, TypeError, LookupError, RecursionError) as err:  # e.g. a $schema URL the parser refuses
+    except (ValueError, TypeError, LookupError, ArithmeticError, RecursionError) as err:
+        # e.g. a $schema URL the parser refuses, a pattern "a{99999999999}" that overflows re
         raise ToolRefused(f"{where} is not a valid JSON Schema: {type(err).__name__}: {str(err)[:160]}", where)
     cycle = ref_cycle(schema)
     if cycle is not None:

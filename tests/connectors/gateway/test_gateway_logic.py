@@ -798,6 +798,8 @@ def test_a_stream_chunk_of_odd_json_types_does_not_cut_the_stream(gw: Gateway) -
         ({"top_logprobs": "x"}, "top_logprobs", "must be an integer"),
         ({"top_logprobs": 1_000_000}, "top_logprobs", "outside [0, 20]"),
         ({"min_tokens": 40, "max_tokens": 4}, "min_tokens", "above max_tokens=4"),
+        # vLLM reads max_completion_tokens first: 50 against 5, not against 100
+        ({"min_tokens": 50, "max_tokens": 100, "max_completion_tokens": 5}, "min_tokens", "above max_tokens=5"),
     ],
 )
 def test_sampling_numbers_are_checked_here_with_the_field_named(
@@ -812,7 +814,10 @@ def test_sampling_numbers_are_checked_here_with_the_field_named(
 def test_sampling_numbers_within_vllms_ranges_pass() -> None:
     from connectors.gateway.request import _check_numbers
 
-    _check_numbers({"temperature": 0, "top_p": 1, "presence_penalty": -2.0, "top_k": -1, "seed": 7, "min_p": 0.0})
+    _check_numbers(
+        "chat", {"temperature": 0, "top_p": 1, "presence_penalty": -2.0, "top_k": -1, "seed": 7, "min_p": 0.0}
+    )
+    _check_numbers("completions", {"logprobs": 5})
 
 
 def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
@@ -862,3 +867,11 @@ def test_a_feedback_token_given_twice_differently_is_refused(gw: Gateway) -> Non
     assert gw.sink.feedback == []
     same = gw.post("/v1/feedback", {**vote, "feedback_token": token}, gw.keys.client, **{FEEDBACK_HEADER: token})
     assert same.status_code == 200, same.text  # the same token in both places is one way of saying it
+
+
+@pytest.mark.parametrize("logprobs", [True, "1", [], 21, -1, 0.5])
+def test_completions_logprobs_is_a_count_checked_here(gw: Gateway, logprobs: Any) -> None:
+    body = {"model": "plain", "prompt": "a", "max_tokens": 1, "logprobs": logprobs}  # was passed on as is
+    answer = gw.post("/v1/completions", body, gw.keys.client)
+    assert answer.status_code == 400 and error(answer)["param"] == "logprobs", answer.text
+    assert gw.upstream.requests == []

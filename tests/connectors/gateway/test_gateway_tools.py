@@ -201,6 +201,10 @@ BIG = {"type": "function", "function": {"name": "big", "description": "x" * 20_0
                 ("http://[::1", "tools.0.function.parameters"),
             ]
         ),
+        (  # a pattern whose repeat count overflows Python's re: was an OverflowError, a 500
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"pattern": "a{99999999999}"}}}]},
+            "tools.0.function.parameters",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools.0.function.strict"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
