@@ -49,6 +49,7 @@ _CANARY = re.compile(
     re.M,
 )
 _TOTAL = re.compile(r"^total time (\d+) s", re.M)
+_LIVE = re.compile(r"^last phase / first phase .*rate: ([0-9.]+)x$", re.M)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Run:
     aucs: list[float | None] = field(default_factory=list)
     canaries: list[Canary] = field(default_factory=list)
     total_s: float | None = None
+    live_ratio: float | None = None  # the users' live rate, last phase / first phase
 
     @property
     def final(self) -> float | None:
@@ -111,14 +113,17 @@ def parse(text: str) -> Run:
         )
     if match := _TOTAL.search(text):
         run.total_s = float(match.group(1))
+    if match := _LIVE.search(text):
+        run.live_ratio = float(match.group(1))
     return run
 
 
-def _demo(share: float, mode: str, args: argparse.Namespace, log: Path) -> tuple[int, float, str]:
-    """One demo run with its output in ``log``: (exit status, wall time in s, 1/5-min load average at its end)."""
+def run_demo(args: argparse.Namespace, log: Path, *extra: str, seed: int | None = None) -> tuple[int, float, str]:
+    """One demo run (``args``' config, rounds, traffic, between and seed, then ``extra`` flags) with its output in
+    ``log``: (exit status, wall time in s, 1/5-min load average at its end). ``bench/learning.py`` uses it too."""
     cmd = [sys.executable, "-m", "pipeline.demo", "--config", str(args.config)]
     cmd += ["--rounds", str(args.rounds), "--traffic", str(args.traffic), "--between", str(args.between)]
-    cmd += ["--seed", str(args.seed), "--hostile-share", str(share), "--hostile-keys", mode]
+    cmd += ["--seed", str(args.seed if seed is None else seed), *extra]
     print(f"$ {' '.join(cmd[1:])}  > {log}", flush=True)
     started = time.monotonic()
     with log.open("w") as out:
@@ -127,7 +132,7 @@ def _demo(share: float, mode: str, args: argparse.Namespace, log: Path) -> tuple
     return rc, time.monotonic() - started, f"{one:.1f} / {five:.1f}"
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
+def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -156,10 +161,10 @@ def table(results: list[tuple[float, str, int, Run, float, str]]) -> tuple[list[
             [
                 f"{share:.0%}",
                 "-" if share == 0.0 else mode,
-                _fmt(run.final) if rc == 0 else f"failed (exit {rc})",
-                _fmt(ratio, ".2f"),
-                ", ".join(_fmt(a) for a in run.accuracy) or "-",
-                ", ".join(_fmt(a) for a in run.aucs) or "-",
+                fmt(run.final) if rc == 0 else f"failed (exit {rc})",
+                fmt(ratio, ".2f"),
+                ", ".join(fmt(a) for a in run.accuracy) or "-",
+                ", ".join(fmt(a) for a in run.aucs) or "-",
                 promoted,
                 worse,
                 f"{wall_s / 60:.1f} min",
@@ -173,7 +178,7 @@ def table(results: list[tuple[float, str, int, Run, float, str]]) -> tuple[list[
     judged = clean is not None and any(share == TARGET_SHARE for share, *_ in results)
     ok = bool(verdicts) and all(verdicts)
     at_target = [
-        f"{mode} {_fmt(r.final / clean if r.final is not None and clean else None, '.2f')}"
+        f"{mode} {fmt(r.final / clean if r.final is not None and clean else None, '.2f')}"
         for share, mode, _, r, _, _ in results
         if share == TARGET_SHARE
     ]
@@ -204,7 +209,7 @@ def main() -> None:
     for share in args.shares:
         for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
             log = args.logs / f"demo-{share:g}-{mode}.txt"
-            rc, wall_s, load = _demo(share, mode, args, log)
+            rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
             results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
             columns, rows, result = table(results)
             print(writer.markdown_table(columns, rows[-1:]), flush=True)
