@@ -377,11 +377,13 @@ class UpdateConfig(Section):
     chunk_tokens: int = Field(
         default=2048,
         ge=1,
-        description="`one_pass` mode: at most this many padded tokens (rows x the step's longest prompt + completion) "
-        "per forward/backward; the step's rows of all candidates are split into chunks of this size (each mixing the "
-        "candidates), gradients accumulate over the chunks and each candidate's loss stays a token mean over all its "
-        "rows, so this bounds the step's activation memory (SmolLM2-135M in bf16 on CPU: about 0.7 MB per token) "
-        "without changing the update.",
+        description="At most this many padded tokens (rows x the step's longest prompt + completion) per "
+        "forward/backward, in both modes. `one_pass`: the step's rows of all candidates are split into chunks of this "
+        "size (each mixing the candidates), gradients accumulate over the chunks and each candidate's loss stays a "
+        "token mean over all its rows. `sequential` (and KTO in either mode): a larger step takes its rows' log-probs "
+        "without grad, the loss on all of them, then each chunk's forward/backward with the loss's gradient (one extra "
+        "forward). Either way this bounds the step's activation memory (SmolLM2-135M in bf16 on CPU: about 0.7 MB per "
+        "token) without changing the update.",
     )
 
 

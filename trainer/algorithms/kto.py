@@ -14,6 +14,7 @@ from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
+from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
 from trainer.rewards import RewardMix
 from trainer.types import Prompt
 
@@ -81,13 +82,14 @@ def kto_batch(
 
 
 def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-    """KTO on the batch; the KL reference point uses the batch's completions shifted by one (as TRL)."""
+    """KTO on the batch; the KL reference point uses the batch's completions shifted by one (as TRL), their
+    log-probs taken without grad in chunks of ``rl.update.chunk_tokens`` padded tokens."""
     batch = x.batch
     shifted = [batch.completion_ids[-1], *batch.completion_ids[:-1]]
-    with torch.no_grad():
-        kl_BT, kl_mask_BT = x.base.completion_logprobs(batch.prompt_ids, shifted)
-        with x.base.reference():
-            ref_kl_BT, _ = x.base.completion_logprobs(batch.prompt_ids, shifted)
+    chunks = row_chunks(batch.prompt_ids, shifted, x.rl.update.chunk_tokens, x.base.share_prompts)
+    kl_BT, kl_mask_BT = chunked_logprobs(x.base, batch.prompt_ids, shifted, chunks)  # no grad
+    with x.base.reference():
+        ref_kl_BT, _ = chunked_logprobs(x.base, batch.prompt_ids, shifted, chunks)
     desirable_B = torch.tensor(batch.desirable or [], dtype=torch.bool, device=x.base.device)
     policy_B = sequence_logprobs(x.logprobs_BT, x.mask_BT)
     reference_B = sequence_logprobs(x.ref_BT, x.mask_BT)

@@ -1,7 +1,13 @@
 """One optimizer step of one candidate on the live adapter (``rl.update.mode = "sequential"``): the shared
 loss (:func:`trainer.algorithms.core.candidate_loss`: its algorithm's policy loss plus ``kl_coef`` * k3 KL
 to the reference, the base with adapters disabled), backward, then the shared clip and AdamW step
-(:func:`trainer.algorithms.core.clip_and_step`)."""
+(:func:`trainer.algorithms.core.clip_and_step`).
+
+A step whose rows pad to more than ``rl.update.chunk_tokens`` tokens runs in chunks of rows
+(:func:`trainer.multi_lora.chunks.row_chunks`) with the same update: the log-probs of all rows first without grad, the loss and its
+gradient with respect to each log-prob on the whole batch (so a loss over the batch, as KTO's reference
+point or a sequence mean, stays exact), then per chunk one forward with grad and its backward with that
+gradient. That costs one extra forward and bounds the step's activation memory by the chunk's."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from trainer.algorithms.batch import Batch, LossInputs
 from trainer.algorithms.core import candidate_loss, clip_and_step
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
+from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
 from trainer.timers import phase
 
 
@@ -26,21 +33,41 @@ def update_step(
     ``optimizer`` its optimizer. Returns ``train/loss``, ``train/pg_loss``,
     ``train/kl``, ``train/grad_norm``, ``train/tokens_per_s`` (completion
     tokens through forward+backward per second of update time),
-    ``train/update_s``, ``train/skipped_nonfinite`` and the policy loss's own
+    ``train/update_s``, ``train/skipped_nonfinite``, ``train/chunks`` (forward/backward chunks: above
+    ``rl.update.chunk_tokens`` padded tokens the step runs in chunks, see the module docstring) and the policy loss's own
     metrics (``train/clip_frac`` for PPO-clip and offline IS, ``train/kto_z0``
     ... for KTO).
     """
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     base.model.train()
-    with phase("time/reference_s"), torch.no_grad(), base.reference():
-        ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-    with phase("time/forward_backward_s"):
-        logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
-        loss, pg_loss, kl, loss_metrics = candidate_loss(
-            LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
-        )
-        loss.backward()
+    chunks = row_chunks(batch.prompt_ids, batch.completion_ids, rl.update.chunk_tokens, base.share_prompts)
+    if len(chunks) <= 1:  # one forward/backward (every step of short rows)
+        with phase("time/reference_s"), torch.no_grad(), base.reference():
+            ref_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        with phase("time/forward_backward_s"):
+            logprobs_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+            loss, pg_loss, kl, loss_metrics = candidate_loss(
+                LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
+            )
+            loss.backward()
+    else:  # the loss on all rows' log-probs (no grad), its gradient pushed back through each chunk's forward
+        with phase("time/reference_s"), base.reference():
+            ref_BT, _ = chunked_logprobs(base, batch.prompt_ids, batch.completion_ids, chunks)
+        with phase("time/forward_backward_s"):
+            logprobs_BT, mask_BT = chunked_logprobs(base, batch.prompt_ids, batch.completion_ids, chunks)
+            logprobs_BT.requires_grad_(True)
+            loss, pg_loss, kl, loss_metrics = candidate_loss(
+                LossInputs(base, candidate, rl, batch, logprobs_BT, ref_BT, mask_BT)
+            )
+            loss.backward()
+            grad_BT = logprobs_BT.grad
+            assert grad_BT is not None
+            for rows in chunks:
+                lp, _ = base.completion_logprobs(
+                    [batch.prompt_ids[r] for r in rows], [batch.completion_ids[r] for r in rows]
+                )
+                lp.backward(grad_BT[torch.tensor(rows, device=base.device), : lp.shape[1]].to(lp.dtype))
     with phase("time/optimizer_s"):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = clip_and_step(params, optimizer, rl.update.max_grad_norm)
@@ -55,4 +82,5 @@ def update_step(
         "train/tokens_per_s": tokens / max(elapsed, 1e-9),
         "train/update_s": elapsed,
         "train/skipped_nonfinite": float(not math.isfinite(grad_norm)),
+        "train/chunks": float(len(chunks)),
     }

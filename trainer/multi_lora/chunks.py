@@ -1,12 +1,20 @@
-"""How a one-pass step's rows are cut into forward/backward chunks of at most ``rl.update.chunk_tokens``
-padded tokens (:func:`plan_chunks`), each mixing the candidates, and the sub-batch of one chunk's rows."""
+"""How a step's rows are cut into forward/backward chunks of at most ``rl.update.chunk_tokens`` padded tokens:
+a one-pass step's (:func:`plan_chunks`, each chunk mixing the candidates, and :func:`sub_batch`, one chunk's
+rows) and one candidate's (:func:`row_chunks`, :func:`chunked_logprobs`: the sequential update and KTO's
+reference point)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
 
 from trainer.errors import TrainerConfigError
 from trainer.algorithms.batch import Batch
+
+if TYPE_CHECKING:
+    from trainer.model.base import ResidentBase
 
 
 Chunk = list[tuple[int, list[int]]]
@@ -89,3 +97,29 @@ def sub_batch(batch: Batch, rows: Sequence[int]) -> Batch:
         versions=[batch.versions[r] for r in rows],
         desirable=None if batch.desirable is None else [batch.desirable[r] for r in rows],
     )
+
+
+def row_chunks(
+    prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], max_tokens: int, share_prompts: bool
+) -> list[list[int]]:
+    """The rows cut into chunks of at most ``max_tokens`` padded tokens (as :func:`plan_chunks` counts them;
+    a row over the budget is a chunk alone), every row in exactly one chunk."""
+    rows = Batch(list(prompt_ids), list(completion_ids), behaviour_logprobs=[], advantages=[], rewards=[], versions=[])
+    return [r for chunk in plan_chunks([rows], max_tokens, share_prompts) for _, r in chunk]
+
+
+def chunked_logprobs(
+    base: ResidentBase, prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], chunks: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``base.completion_logprobs`` of all rows, run chunk by chunk under the active adapter, without grad:
+    ``(logprobs_BT, mask_BT)`` as one call over all rows would return them."""
+    B, T = len(prompt_ids), max(1, max((len(c) for c in completion_ids), default=1))
+    logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=base.device)
+    mask_BT = torch.zeros((B, T), dtype=torch.float32, device=base.device)
+    with torch.no_grad():
+        for rows in chunks:
+            lp, mask = base.completion_logprobs([prompt_ids[r] for r in rows], [completion_ids[r] for r in rows])
+            index = torch.tensor(rows, device=base.device)
+            logprobs_BT[index, : lp.shape[1]] = lp.to(logprobs_BT.dtype)
+            mask_BT[index, : mask.shape[1]] = mask.to(mask_BT.dtype)
+    return logprobs_BT, mask_BT

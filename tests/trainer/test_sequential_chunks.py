@@ -1,0 +1,109 @@
+"""A sequential update step above ``rl.update.chunk_tokens`` runs in chunks of rows with the same gradient
+(trainer.algorithms.update, trainer.multi_lora.chunks), for GRPO, PPO-clip and KTO (whose reference point is a
+batch-level term, so a per-chunk loss would differ), in float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.adapters.store import make_store
+from trainer.algorithms.batch import Batch
+from trainer.algorithms.update import update_step
+from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
+from trainer.model.base import ResidentBase, load_base
+from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
+from trainer.multi_lora.one_pass import live_params
+
+from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
+
+ROWS = 9
+
+
+@pytest.fixture(scope="module")
+def base(peaked_model: Path) -> ResidentBase:
+    return load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
+
+
+class _Recorder(torch.optim.SGD):
+    """Records the gradients it is asked to step with and steps nothing."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, lr=0.0)
+        self.grads: list[torch.Tensor] = []
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+
+def _batch(base: ResidentBase, kto: bool) -> Batch:
+    """Rows of uneven lengths; every third prompt repeats (rows sharing a prompt, as G samples do)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (ROWS,), generator=g)
+    ]
+    for r in range(2, ROWS, 3):
+        prompts[r] = prompts[r - 1]
+    completions = [
+        torch.randint(10, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (ROWS,), generator=g)
+    ]
+    adv = torch.randn(ROWS, generator=g).tolist()
+    if kto:
+        return Batch(prompts, completions, [[] for _ in prompts], adv, adv, ["v"] * ROWS, [a > 0 for a in adv])
+    with torch.no_grad(), base.reference():
+        old_BT, _ = base.completion_logprobs(prompts, completions)
+    old = [(old_BT[b, : len(c)] + 0.05 * torch.randn(len(c), generator=g)).tolist() for b, c in enumerate(completions)]
+    return Batch(prompts, completions, old, adv, adv, ["v"] * ROWS)
+
+
+def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_tokens: int):
+    """One update step on a fresh adapter (non-zero B, so every LoRA weight gets a gradient): its metrics and
+    gradients, recorded before any optimizer step."""
+    store = make_store("resident", base, seed=0)
+    try:
+        store.create(candidate.name, candidate)
+        store.activate(candidate.name)
+        params = live_params(store, candidate.name)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for k, p in sorted(params.items()):
+                if ".lora_B." in k:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        names = sorted(params)
+        recorder = _Recorder([params[k] for k in names])
+        rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})  # no clipping: raw gradients
+        metrics = update_step(base, recorder, candidate, rl, batch)
+        return metrics, dict(zip(names, recorder.grads))
+    finally:
+        for name in list(store.names()):
+            store.delete(name)
+        store.close()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo_clip", "kto"])
+def test_a_chunked_sequential_step_has_the_gradient_of_the_whole_step(base: ResidentBase, algorithm: str) -> None:
+    reward = [RewardTerm(fn="logged" if algorithm == "kto" else "exact_answer")]
+    candidate = CandidateConfig(name="c", lora_rank=4, lora_alpha=8, kl_coef=0.1, algorithm=algorithm, reward=reward)
+    batch = _batch(base, kto=algorithm == "kto")
+    whole, want = _step(base, candidate, batch, chunk_tokens=100_000)
+    chunked, got = _step(base, candidate, batch, chunk_tokens=30)
+    assert whole["train/chunks"] == 1.0
+    assert chunked["train/chunks"] >= 4  # the rows really lie in several chunks
+    for key in ("train/loss", "train/pg_loss", "train/kl"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    assert set(got) == set(want) and len(got) > 0
+    assert_gradients_close(got, want, GRAD_TOL, algorithm)
+
+
+def test_chunked_logprobs_equal_one_call_and_cover_every_row_once(base: ResidentBase) -> None:
+    batch = _batch(base, kto=True)
+    chunks = row_chunks(batch.prompt_ids, batch.completion_ids, 30, base.share_prompts)
+    assert sorted(r for rows in chunks for r in rows) == list(range(ROWS))
+    assert len(chunks) > 1
+    with torch.no_grad():
+        want_BT, want_mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+    got_BT, got_mask_BT = chunked_logprobs(base, batch.prompt_ids, batch.completion_ids, chunks)
+    assert torch.equal(got_mask_BT, want_mask_BT.float())
+    assert max_relative_error(got_BT * got_mask_BT, want_BT.float() * want_mask_BT) < LOGPROB_TOL
