@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from connectors.schema import content_text
-from trainer.errors import DataError
+from trainer.errors import DataError, NotEnoughDataError
 from trainer.types import FeedbackData, LabelledExample, PreferencePair, Prompt, RoundData, RoundInputs
 
 SNAPSHOT_SCHEMA = pa.schema(
@@ -332,7 +332,8 @@ def split_snapshot(
     key is one.
 
     Raises:
-        DataError: fraction outside (0, 1), a share outside (0, 1], no ``ts`` column, or fewer than 2 rows.
+        DataError: fraction outside (0, 1), a share outside (0, 1] or no ``ts`` column.
+        NotEnoughDataError: fewer than 2 rows.
     """
     if not 0.0 < heldout_fraction < 1.0:
         raise DataError(f"heldout_fraction {heldout_fraction} must lie in (0, 1)")
@@ -342,7 +343,7 @@ def split_snapshot(
     if "ts" not in table.column_names:
         raise DataError(f"snapshot table has no 'ts' column to split by time; columns: {table.column_names}")
     if table.num_rows < 2:
-        raise DataError(f"snapshot has {table.num_rows} rows; a train/held-out split needs at least 2")
+        raise NotEnoughDataError(f"snapshot has {table.num_rows} rows; a train/held-out split needs at least 2")
     ordered = table.sort_by([("ts", "ascending"), ("trace_id", "ascending")])
     n_heldout = min(max(1, round(table.num_rows * heldout_fraction)), table.num_rows - 1)
     by_user: dict[str, list[int]] = {}
@@ -505,12 +506,12 @@ def prepare_round_data(
     user, :func:`feedback_data`), window, per-user and per-key metrics.
 
     Raises:
-        DataError: a required column is missing, a row's prompt/metadata is unreadable, or the
-            held-out table is empty.
+        DataError: a required column is missing, or a row's prompt/metadata is unreadable.
+        NotEnoughDataError: the held-out table is empty.
     """
     train_rows, heldout_rows = prompts_from_table(train), prompts_from_table(heldout)
     if not heldout_rows:
-        raise DataError("the held-out table is empty; widen the window or lower [rl.split] heldout_fraction")
+        raise NotEnoughDataError("the held-out table is empty; widen the window or lower [rl.split] heldout_fraction")
     window_start, window_end = _window(train, heldout)
     return RoundData(
         train=tuple(train_rows),

@@ -44,6 +44,11 @@ class DataError(TrainerError, ValueError):
     """A snapshot table lacks a column, or a row holds unreadable JSON."""
 
 
+class NotEnoughDataError(DataError):
+    """The round's window holds too little of what it needs (held-out rows, training prompts a candidate can use,
+    labelled feedback for the reward model): the round ends ``no_winner`` with this reason, not ``failed``."""
+
+
 class ExecutorError(TrainerError, RuntimeError):
     """A trainer worker of a distributed round failed (e.g. a Ray actor died mid-round)."""
 

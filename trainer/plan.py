@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.model.base import ResidentBase
 from trainer.config import CandidateConfig, RLConfig, UpdateMode
-from trainer.errors import DataError
+from trainer.errors import NotEnoughDataError
 from trainer.multi_lora.one_pass import one_pass_ok
 from trainer.rewards import RewardMix, build_reward
 from trainer.types import Prompt
@@ -96,7 +96,7 @@ def plan_round(
     ``metadata["reference_answer"]``); an offline algorithm's pool keeps the rows it can use.
 
     Raises:
-        DataError: a candidate has no training prompts, or an offline one no usable logged rows.
+        NotEnoughDataError: a candidate has no training prompts, or an offline one no usable logged rows.
     """
     plans = []
     for c in candidates:
@@ -107,14 +107,14 @@ def plan_round(
         plans.append(CandidatePlan(c, ALGORITHMS[c.algorithm], reward, tuple(pool), start_dir(c, champions, out_dir)))
     empty = [c.name for c in plans if not c.pool]
     if empty:
-        raise DataError(
+        raise NotEnoughDataError(
             f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
             "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
         )
     plans = [c if c.algorithm.online else _offline_rows(c) for c in plans]
     starved = [c.name for c in plans if not c.pool]
     if starved:
-        raise DataError(
+        raise NotEnoughDataError(
             f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window"
         )
     return RoundPlan(tuple(plans), PromptTokens(base, rl))

@@ -42,6 +42,7 @@ from pipeline.errors import PipelineError
 from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
 
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
+from trainer.errors import NotEnoughDataError
 from trainer.evaluation.gate import gate_round
 from trainer.executors.executor import Executor
 from trainer.executors.executor import make_executor
@@ -307,6 +308,10 @@ class RoundRunner:
         except RoundCancelled as err:
             if self._abandoned is None and not record.terminal:  # an abandoned round was settled by settle_abandoned()
                 self.store.advance(record, RoundState.CANCELLED, str(err))
+        except NotEnoughDataError as err:  # the window's data, not the service: no traceback, the champion serves on
+            log.warning("round %s: no winner, not enough data: %s", record.round_id, err)
+            if self._abandoned is None and not record.terminal:
+                self.store.advance(record, RoundState.NO_WINNER, f"not enough data: {err}")
         except Exception as err:  # a failed round leaves the champion serving
             log.exception("round %s failed", record.round_id)
             if self._abandoned is None and not record.terminal:

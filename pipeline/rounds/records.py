@@ -5,6 +5,8 @@ States (:class:`RoundState`; the allowed moves are :data:`TRANSITIONS`, nowhere 
 
     pending → snapshot → train → evaluate → gate → register → promote → done
                   ↘ no_winner (too few rows)                        ↘ no_winner
+                             train ↘ no_winner (not enough data: no held-out rows, no usable
+                                                training prompts, too little feedback for the reward model)
     any non-terminal state → failed | cancelled
 
 - ``snapshot``: the buffer's rows of the window are read;
@@ -93,7 +95,7 @@ _STOP = frozenset({RoundState.FAILED, RoundState.CANCELLED})
 TRANSITIONS: dict[RoundState, frozenset[RoundState]] = {
     RoundState.PENDING: frozenset({RoundState.SNAPSHOT}) | _STOP,
     RoundState.SNAPSHOT: frozenset({RoundState.TRAIN, RoundState.NO_WINNER}) | _STOP,  # no_winner: too few rows
-    RoundState.TRAIN: frozenset({RoundState.EVALUATE}) | _STOP,
+    RoundState.TRAIN: frozenset({RoundState.EVALUATE, RoundState.NO_WINNER}) | _STOP,  # no_winner: not enough data
     RoundState.EVALUATE: frozenset({RoundState.GATE}) | _STOP,
     RoundState.GATE: frozenset({RoundState.REGISTER}) | _STOP,  # the round is logged in MLflow even without a winner
     RoundState.REGISTER: frozenset({RoundState.PROMOTE}) | _STOP,

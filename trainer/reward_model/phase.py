@@ -30,7 +30,7 @@ from pathlib import Path
 from trainer.adapters.store import AdapterStore, keep_as_last
 from trainer.model.base import ResidentBase
 from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
-from trainer.errors import DataError, TrainerConfigError
+from trainer.errors import NotEnoughDataError, TrainerConfigError
 from trainer.reward_model.model import (
     RewardModel,
     create_reward_model,
@@ -91,7 +91,7 @@ def reward_data(
 
     Raises:
         TrainerConfigError: see :func:`check_config`.
-        DataError: a candidate needs the reward model and there is too little labelled feedback.
+        NotEnoughDataError: a candidate needs the reward model and there is too little labelled feedback.
     """
     if not check_config(candidates, cfg, rl):
         return None
@@ -104,7 +104,7 @@ def reward_data(
     )
     users = [c.name for c in candidates if uses_reward_model(c)]
     if users:
-        raise DataError(
+        raise NotEnoughDataError(
             f"candidates {users} learn from reward 'reward_model', but no reward model could be trained: {why}; "
             "widen the window, collect more feedback, or lower min_examples"
         )

@@ -24,6 +24,7 @@ from pipeline.rounds.records import (
     check_transition,
 )
 from tests.pipeline.round_fakes import evaluated_round
+from trainer.errors import DataError, NotEnoughDataError
 from trainer.types import PhaseBoundary, PhaseHook, RoundPhase
 
 MODEL = "hourglass"
@@ -211,6 +212,33 @@ def test_too_few_rows_end_at_snapshot_as_no_winner(cfg, tmp_path) -> None:
     steps = FakeSteps(FakeRegistry(), store, rows=1)
     final = _run(cfg, steps, store)
     assert final.state is RoundState.NO_WINNER and "only 1 row(s)" in final.reason and steps.seen == []
+
+
+@pytest.mark.parametrize(
+    ("error", "state"),
+    [
+        (NotEnoughDataError("the held-out table is empty; widen the window"), RoundState.NO_WINNER),
+        (DataError("row 't1': prompt is not JSON"), RoundState.FAILED),  # unreadable data is a failure
+    ],
+)
+def test_not_enough_data_in_training_ends_as_no_winner_not_failed(cfg, tmp_path, caplog, error, state) -> None:
+    """The default hourly round on a fresh stack (too little feedback for its reward model) used to fail with a
+    traceback in the log; it now ends no_winner, its reason saying what is missing, and logs no traceback."""
+    store, registry = RoundStore(tmp_path), FakeRegistry()
+    steps = FakeSteps(registry, store)
+
+    def train_and_evaluate(record, table, on_phase):
+        raise error
+
+    steps.train_and_evaluate = train_and_evaluate  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="pipeline.rounds.job"):
+        final = _run(cfg, steps, store)
+    assert final.state is state and str(error) in final.reason and registry.alias_moves == []
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    if state is RoundState.NO_WINNER:
+        assert final.reason == f"not enough data: {error}" and tracebacks == []
+    else:
+        assert final.reason.startswith("train: DataError") and tracebacks
 
 
 @pytest.mark.parametrize(
