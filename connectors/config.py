@@ -318,6 +318,15 @@ class GatewayConfig(Section):
     concurrency: int = Field(
         default=16, ge=1, description="Requests in flight per API key unless the key sets its own."
     )
+    tokens_per_min: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Generation tokens per minute per API key unless the key sets its own (token bucket, bursts up to "
+        "this many): a request costs what it may generate, `n` x `max_tokens` (x the prompts of a completions batch; "
+        "`max_tokens` as the gateway bounds it), taken when it is admitted. Bounds one key's share of the engine by "
+        "the work it asks for, not the number of its requests; 429 with Retry-After when spent, 400 for a request "
+        "that alone costs more.",
+    )
     feedback_signing_key: SecretStr | None = Field(
         default=None,
         description="HMAC-SHA256 key of feedback tokens (set HOURGLASS_GATEWAY__FEEDBACK_SIGNING_KEY; share it between "

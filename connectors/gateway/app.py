@@ -187,6 +187,7 @@ class Caller:
     trusted_grader: bool
     rate_per_min: int
     concurrency: int
+    tokens_per_min: int
 
 
 def create_gateway_app(
@@ -258,7 +259,7 @@ def create_gateway_app(
     correction_cap = BufferConfig().max_correction_chars if max_correction_chars is None else max_correction_chars
     base = upstream_url.rstrip("/")
     default_max_tokens = cfg.max_tokens if max_model_len is None else min(cfg.max_tokens, max_model_len)
-    rates, in_flight = RateLimiter(), ConcurrencyLimiter()
+    rates, generation, in_flight = RateLimiter(), RateLimiter(), ConcurrencyLimiter()
     linker = ConversationLinker(
         hasher.derive("conversation"), entries=cfg.conversation_cache_entries, ttl_s=cfg.conversation_ttl_s
     )
@@ -309,7 +310,7 @@ def create_gateway_app(
         header = request.headers.get("authorization")
         if header is None or not header.lower().startswith("bearer ") or not header[7:].strip():
             if not cfg.require_api_key:
-                return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
+                return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency, cfg.tokens_per_min)
             raise RequestRefused(
                 401,
                 "an API key is required: send 'Authorization: Bearer <key>' (see `hourglass keys create`)",
@@ -318,7 +319,7 @@ def create_gateway_app(
                 headers={"www-authenticate": "Bearer"},
             )
         if not cfg.require_api_key and keys is None:
-            return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency)
+            return Caller(ANONYMOUS, False, cfg.rate_per_min, cfg.concurrency, cfg.tokens_per_min)
         try:
             record = keys.authenticate(header[7:].strip())  # type: ignore[union-attr]
         except AuthError as err:
@@ -333,6 +334,7 @@ def create_gateway_app(
             record.trusted_grader,
             record.rate_per_min or cfg.rate_per_min,
             record.concurrency or cfg.concurrency,
+            record.tokens_per_min or cfg.tokens_per_min,
         )
 
     async def admit(request: Request) -> tuple[Caller, Any]:
@@ -366,6 +368,35 @@ def create_gateway_app(
             in_flight.leave(caller.key_id)
             raise
         return caller, body
+
+    def charge_generation(caller: Caller, body: dict[str, Any], endpoint: Endpoint, max_tokens: int) -> None:
+        """Take the tokens this request may generate (``n`` x ``max_tokens`` x its prompts) from the key's
+        ``tokens_per_min`` bucket, or refuse it: 400 when it alone costs more than the bucket holds, else 429."""
+        n = body.get("n") or 1
+        prompt = body.get("prompt") if endpoint == "completions" else None
+        # a completions batch is a list of prompts; one prompt may be a list of token ids
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        cost = int(n) * max_tokens * max(1, prompts)
+        limit = caller.tokens_per_min
+        if cost > limit:
+            raise RequestRefused(
+                400,
+                f"this request may generate {cost} tokens (n={n} x max_tokens={max_tokens}"
+                f"{f' x {prompts} prompts' if prompts > 1 else ''}), above this API key's {limit} tokens per minute; "
+                "lower max_tokens or n",
+                param="max_tokens",
+                code="request_exceeds_token_rate",
+            )
+        wait_s = generation.acquire(caller.key_id, limit, cost=cost)
+        if wait_s > 0:
+            raise RequestRefused(
+                429,
+                f"token rate limit of {limit} generation tokens per minute for this API key reached (this request may "
+                f"generate {cost}); retry in {math.ceil(wait_s)} s",
+                type_="rate_limit_error",
+                code="tokens_rate_limited",
+                headers={"retry-after": str(math.ceil(wait_s))},
+            )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -564,6 +595,7 @@ def create_gateway_app(
         if endpoint == "chat":
             body = forwarded_messages(body)  # the null keys an SDK echoes back dropped, upstream and in the trace
         body, max_tokens = bound_generation(body, default_max_tokens)
+        charge_generation(caller, body, endpoint, max_tokens)
         trace_id = uuid.uuid4().hex
         user = body.get("user")
         user_hash = identity(caller.key_id, user)

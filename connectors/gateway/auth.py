@@ -73,6 +73,9 @@ class ApiKey(BaseModel):
         default=None, ge=1, description="Requests per minute; None = gateway.rate_per_min."
     )
     concurrency: int | None = Field(default=None, ge=1, description="Requests in flight; None = gateway.concurrency.")
+    tokens_per_min: int | None = Field(
+        default=None, ge=1, description="Generation tokens asked per minute; None = gateway.tokens_per_min."
+    )
 
     def public(self) -> dict[str, object]:
         """The record without its hash (what `keys list` prints)."""
@@ -164,6 +167,7 @@ class KeyStore:
         trusted_grader: bool = False,
         rate_per_min: int | None = None,
         concurrency: int | None = None,
+        tokens_per_min: int | None = None,
     ) -> tuple[ApiKey, str]:
         """A new key: ``(record, key string)``. The key string is returned once and never stored.
 
@@ -181,6 +185,7 @@ class KeyStore:
                 trusted_grader=trusted_grader,
                 rate_per_min=rate_per_min,
                 concurrency=concurrency,
+                tokens_per_min=tokens_per_min,
             )
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
@@ -283,24 +288,26 @@ class FeedbackSigner:
 
 
 class RateLimiter:
-    """Token buckets per key: ``rate_per_min`` requests per minute, bursts up to ``rate_per_min``."""
+    """Token buckets per key: ``rate_per_min`` units per minute, bursts up to ``rate_per_min``. The gateway keeps
+    two: requests (each costs 1) and generation tokens (a request costs the tokens it may generate)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}  # key id -> (tokens, last refill, monotonic s)
 
-    def acquire(self, key_id: str, rate_per_min: int, *, now: float | None = None) -> float:
-        """Take one token; returns 0.0 when allowed, else the seconds until one is available (not taken)."""
+    def acquire(self, key_id: str, rate_per_min: int, *, cost: float = 1.0, now: float | None = None) -> float:
+        """Take ``cost`` units; returns 0.0 when allowed, else the seconds until they are available (nothing
+        taken). A cost above ``rate_per_min`` never fits: the caller refuses it before asking."""
         now = time.monotonic() if now is None else now
         per_s = rate_per_min / 60.0
         with self._lock:
             tokens, last = self._buckets.get(key_id, (float(rate_per_min), now))
             tokens = min(float(rate_per_min), tokens + (now - last) * per_s)
-            if tokens >= 1.0:
-                self._buckets[key_id] = (tokens - 1.0, now)
+            if tokens >= cost:
+                self._buckets[key_id] = (tokens - cost, now)
                 return 0.0
             self._buckets[key_id] = (tokens, now)
-            return (1.0 - tokens) / per_s
+            return (cost - tokens) / per_s
 
 
 class ConcurrencyLimiter:

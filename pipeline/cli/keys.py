@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from pipeline.cli.common import ConfigOpt, JsonOpt, emit, fail, load
 
@@ -39,6 +39,14 @@ def keys_create(
     concurrency: Annotated[
         int | None, typer.Option("--concurrency", min=1, help="Requests in flight (default gateway.concurrency).")
     ] = None,
+    tokens_per_min: Annotated[
+        int | None,
+        typer.Option(
+            "--tokens-per-min",
+            min=1,
+            help="Generation tokens asked per minute, n x max_tokens per request (default gateway.tokens_per_min).",
+        ),
+    ] = None,
     config: ConfigOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -49,7 +57,11 @@ def keys_create(
     cfg = load(config)
     try:
         record, key = key_store(cfg).create(
-            name, trusted_grader=trusted_grader, rate_per_min=rate_per_min, concurrency=concurrency
+            name,
+            trusted_grader=trusted_grader,
+            rate_per_min=rate_per_min,
+            concurrency=concurrency,
+            tokens_per_min=tokens_per_min,
         )
     except (KeyStoreError, OSError) as err:
         fail(str(err))
@@ -93,7 +105,16 @@ def keys_list(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     except KeyStoreError as err:
         fail(str(err))
         return
-    table = Table("key id", "name", "created", "trusted grader", "rate/min", "concurrency", "revoked")
+    table = Table(
+        Column("key id", no_wrap=True, min_width=12),  # never cut: it is what `keys revoke` takes
+        "name",
+        "created",
+        "trusted grader",
+        "rate/min",
+        "concurrency",
+        "tokens/min",
+        "revoked",
+    )
     for k in records:
         table.add_row(
             k.key_id,
@@ -102,6 +123,7 @@ def keys_list(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
             "yes" if k.trusted_grader else "",
             str(k.rate_per_min or "default"),
             str(k.concurrency or "default"),
+            str(k.tokens_per_min or "default"),
             "[red]revoked[/]" if k.revoked else "",
         )
     emit([k.public() for k in records], as_json, table)

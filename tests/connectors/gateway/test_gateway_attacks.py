@@ -270,6 +270,35 @@ def test_rate_and_concurrency_limits_give_429_with_retry_after(gateway: str, key
     assert error(busy)["code"] == "too_many_concurrent_requests"
 
 
+def test_generation_tokens_per_minute_bound_a_key_by_the_work_it_asks_for(
+    gateway: str, keys: Keys, upstream: FakeUpstream
+) -> None:
+    """Request limits alone let one key ask for n x max_tokens of work per request (20 concurrent n=8,
+    max_tokens=200 requests slowed another key's 8-token answer from 0.67 s to 14.6 s, within its limits): a
+    key's generation tokens per minute bound it; the cost is n x max_tokens (x a completions batch's prompts)."""
+    key = keys.store.create("greedy", tokens_per_min=1000)[1]
+    other = keys.store.create("bystander", tokens_per_min=1000)[1]
+    seen = len(upstream.requests)
+    big = chat(gateway, key, n=2, max_tokens=300)  # 600 of the key's 1000
+    assert big.status_code == 200, big.text
+    spent = chat(gateway, key, n=2, max_tokens=300)  # 600 more: 400 left (plus the refill of a second or so)
+    assert spent.status_code == 429 and error(spent)["code"] == "tokens_rate_limited"
+    assert int(spent.headers["retry-after"]) >= 10  # ~200 missing tokens at 1000/min
+    assert (
+        "1000 generation tokens per minute" in error(spent)["message"] and "may generate 600" in error(spent)["message"]
+    )
+    assert chat(gateway, key, max_tokens=300).status_code == 200  # what is left still serves smaller requests
+    assert chat(gateway, other, n=2, max_tokens=300).status_code == 200  # another key's bucket is its own
+    too_big = chat(gateway, other, n=4, max_tokens=300)  # 1200 alone: can never fit, so not "retry later"
+    assert too_big.status_code == 400 and error(too_big)["param"] == "max_tokens"
+    assert "may generate 1200 tokens (n=4 x max_tokens=300)" in error(too_big)["message"]
+    batch = post(
+        gateway, "/v1/completions", other, {"model": "hourglass", "prompt": ["a", "b", "c"], "max_tokens": 200, "n": 2}
+    )
+    assert batch.status_code == 400 and "x 3 prompts" in error(batch)["message"]  # 2 x 200 x 3 = 1200
+    assert len(upstream.requests) == seen + 3  # the refused ones never reached upstream
+
+
 # --- client hang-ups -------------------------------------------------------------------------------
 
 
@@ -446,7 +475,9 @@ def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp
     conf = tmp_path / "h.toml"
     conf.write_text(f'state_dir = "{tmp_path / "state"}"\n')
     runner = CliRunner()
-    created = runner.invoke(app, ["keys", "create", "acme", "--rate-per-min", "30", "--json", "-c", str(conf)])
+    created = runner.invoke(
+        app, ["keys", "create", "acme", "--rate-per-min", "30", "--tokens-per-min", "5000", "--json", "-c", str(conf)]
+    )
     assert created.exit_code == 0, created.output
     record = json.loads(created.stdout)
     key, key_id = record["key"], record["key_id"]
@@ -454,6 +485,9 @@ def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp
     assert stat.S_IMODE(os.stat(file).st_mode) == 0o600
     assert key not in file.read_text() and key_id in file.read_text()
     assert KeyStore(file).authenticate(key).rate_per_min == 30
+    assert KeyStore(file).authenticate(key).tokens_per_min == 5000
+    table = runner.invoke(app, ["keys", "list", "-c", str(conf)], env={"COLUMNS": "80"})
+    assert key_id in table.stdout  # the id `keys revoke` takes is never cut, even on a narrow terminal
     listed = runner.invoke(app, ["keys", "list", "--json", "-c", str(conf)])
     assert key not in listed.stdout and "sha256" not in listed.stdout and json.loads(listed.stdout)[0]["name"] == "acme"
     assert runner.invoke(app, ["keys", "revoke", key_id, "-c", str(conf)]).exit_code == 0
