@@ -266,12 +266,13 @@ def check_finite(value: Any, where: str) -> None:
             check_finite(v, f"{where}.{i}")
 
 
-def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str) -> None:
+def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str, low: int = 1) -> None:
     value = body.get(name)
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestRefused(400, f"field {name!r} must be a positive integer, got {value!r}", param=name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise RequestRefused(400, f"field {name!r} must be {what}, got {value!r}", param=name)
     if value > cap:
         raise RequestRefused(
             400, f"field {name!r} is {value}, above this gateway's limit {config_name}={cap}", param=name
@@ -348,7 +349,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     _int_cap(body, "n", cfg.max_n, "gateway.max_n")
     _int_cap(body, "max_tokens", cfg.max_tokens, "gateway.max_tokens")
     _int_cap(body, "max_completion_tokens", cfg.max_tokens, "gateway.max_tokens")
-    _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens")
+    _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens", low=0)  # 0: vLLM's default, no minimum
     _check_numbers(endpoint, body)
     check_stream_options(body)
     user = body.get("user")

@@ -798,6 +798,7 @@ def test_a_stream_chunk_of_odd_json_types_does_not_cut_the_stream(gw: Gateway) -
         ({"top_logprobs": "x"}, "top_logprobs", "must be an integer"),
         ({"top_logprobs": 1_000_000}, "top_logprobs", "outside [0, 20]"),
         ({"min_tokens": 40, "max_tokens": 4}, "min_tokens", "above max_tokens=4"),
+        ({"min_tokens": -1}, "min_tokens", "must be an integer >= 0"),
         # vLLM reads max_completion_tokens first: 50 against 5, not against 100
         ({"min_tokens": 50, "max_tokens": 100, "max_completion_tokens": 5}, "min_tokens", "above max_tokens=5"),
     ],
@@ -818,6 +819,13 @@ def test_sampling_numbers_within_vllms_ranges_pass() -> None:
         "chat", {"temperature": 0, "top_p": 1, "presence_penalty": -2.0, "top_k": -1, "seed": 7, "min_p": 0.0}
     )
     _check_numbers("completions", {"logprobs": 5})
+
+
+def test_min_tokens_zero_is_vllms_default_and_passes(gw: Gateway) -> None:
+    """A second hostile pass found min_tokens 0, which vLLM accepts (its default), refused as not positive."""
+    answer = gw.chat(min_tokens=0, max_tokens=4)
+    assert answer.status_code == 200, answer.text
+    assert gw.upstream.requests[-1]["body"]["min_tokens"] == 0
 
 
 def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
