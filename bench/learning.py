@@ -50,6 +50,7 @@ def table(results: list[tuple[int, int, Run, float, str]]) -> tuple[list[str], l
         "final greedy accuracy",
         "accuracy by round",
         "live rate last / first",
+        "forgetting (shipped suite, base - champion)",
         "canaries (users' thumbs-up, challenger vs replaced side)",
         "worse promotions",
         "wall",
@@ -70,6 +71,7 @@ def table(results: list[tuple[int, int, Run, float, str]]) -> tuple[list[str], l
                 fmt(run.final) if ok else f"failed (exit {rc})",
                 ", ".join(fmt(a) for a in run.accuracy) or "-",
                 fmt(run.live_ratio, ".1f") + "x" if run.live_ratio is not None else "-",
+                fmt(run.forgetting, "+.3f"),
                 "; ".join(canary_cell(c) for c in run.canaries) or "-",
                 sum(c.worse for c in run.canaries),
                 f"{wall_s / 60:.1f} min",
@@ -99,6 +101,12 @@ def main() -> None:
     parser.add_argument("--between", type=int, default=96)
     parser.add_argument("--variant", default="", help="report section name (default: from the settings)")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "hourglass-learning")
+    parser.add_argument(
+        "--from-logs",
+        action="store_true",
+        help="run nothing: rebuild the table from the seeds' kept logs under --logs (wall time and load as each demo "
+        "printed them)",
+    )
     writer.add_arguments(parser)
     args = parser.parse_args(argv)
     args.seed = args.seeds[0]
@@ -107,11 +115,20 @@ def main() -> None:
     results: list[tuple[int, int, Run, float, str]] = []
     for seed in args.seeds:
         log = args.logs / f"demo-seed{seed}.txt"
-        rc, wall_s, load = run_demo(args, log, *demo_flags, seed=seed)
-        results.append((seed, rc, parse(log.read_text()), wall_s, load))
+        if args.from_logs:
+            if not log.exists():
+                continue
+            run = parse(log.read_text())
+            rc, wall_s, load = (0 if run.total_s is not None else 1), run.total_s or 0.0, run.load or "-"
+        else:
+            rc, wall_s, load = run_demo(args, log, *demo_flags, seed=seed)
+            run = parse(log.read_text())
+        results.append((seed, rc, run, wall_s, load))
         columns, rows, result = table(results)
         print(writer.markdown_table(columns, rows[-1:]), flush=True)
         _report(recorder, args, demo_flags, columns, rows, result)  # after every seed: a stopped run keeps its rows
+    if not results:
+        sys.exit(f"no demo logs for seeds {args.seeds} under {args.logs}")
     print(writer.markdown_table(columns, rows))
     recorder.close()
     print(result)
@@ -134,7 +151,7 @@ def _report(
     recorder.write(
         variant,
         title=f"{args.rounds} rounds, {args.traffic} + {args.between} requests per phase, seeds "
-        f"{' '.join(map(str, args.seeds[: len(rows)]))}" + (f", demo flags `{flags}`" if flags else ""),
+        f"{' '.join(str(row[0]) for row in rows)}" + (f", demo flags `{flags}`" if flags else ""),
         columns=columns,
         rows=rows,
         result=result,

@@ -50,6 +50,8 @@ _CANARY = re.compile(
 )
 _TOTAL = re.compile(r"^total time (\d+) s", re.M)
 _LIVE = re.compile(r"^last phase / first phase .*rate: ([0-9.]+)x$", re.M)
+_FORGETTING = re.compile(r"^regression suite .*; forgetting \(base - champion\) ([-+0-9.]+),", re.M)
+_LOAD = re.compile(r"^total time \d+ s on \d+ CPUs; load average \(1, 5, 15 min\) ([0-9.]+), ([0-9.]+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class Run:
     canaries: list[Canary] = field(default_factory=list)
     total_s: float | None = None
     live_ratio: float | None = None  # the users' live rate, last phase / first phase
+    forgetting: float | None = None  # the shipped regression suite: base - final champion
+    load: str | None = None  # the 1/5-min load average the demo printed at its end
 
     @property
     def final(self) -> float | None:
@@ -115,6 +119,10 @@ def parse(text: str) -> Run:
         run.total_s = float(match.group(1))
     if match := _LIVE.search(text):
         run.live_ratio = float(match.group(1))
+    if match := _FORGETTING.search(text):
+        run.forgetting = float(match.group(1))
+    if match := _LOAD.search(text):
+        run.load = f"{match.group(1)} / {match.group(2)}"
     return run
 
 

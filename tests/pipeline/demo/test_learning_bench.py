@@ -7,10 +7,16 @@ from bench.learning import canary_cell, table
 from bench.poisoning import Canary, Run, parse
 
 
-def test_reads_the_live_rate_ratio_line() -> None:
+def test_reads_the_live_rate_ratio_forgetting_and_load_lines() -> None:
     assert parse("last phase / first phase thumbs-up rate: 5.7x\n").live_ratio == 5.7
     assert parse("last phase / first phase success rate: 2.3x\n").live_ratio == 2.3
     assert parse("").live_ratio is None
+    run = parse(
+        "regression suite reasoning: base 0.094, final champion (hourglass-v4) 0.078 on 64 prompts; forgetting "
+        "(base - champion) +0.016, within the target <= 0.05\n"
+        "total time 1530 s on 2 CPUs; load average (1, 5, 15 min) 3.0, 2.9, 2.5\n"
+    )
+    assert run.forgetting == 0.016 and run.load == "3.0 / 2.9" and run.total_s == 1530
 
 
 def test_median_spread_and_target() -> None:
@@ -28,8 +34,11 @@ def test_median_spread_and_target() -> None:
 def test_a_worse_promotion_a_low_median_or_a_failed_run_fails() -> None:
     worse = Canary(2, "2", (3, 12), "v1", (6, 12), "PROMOTED")
     assert canary_cell(worse).endswith("PROMOTED WORSE")
-    _, rows, result = table([(0, 0, Run(accuracy=[0.8], canaries=[worse]), 1.0, "-")])
-    assert rows[0][5] == 1 and "worse promotions 1" in result and result.endswith("FAIL")
+    columns, rows, result = table([(0, 0, Run(accuracy=[0.8], canaries=[worse], forgetting=0.02), 1.0, "-")])
+    assert rows[0][columns.index("forgetting (shipped suite, base - champion)")] == "+0.020"
+    assert (
+        rows[0][columns.index("worse promotions")] == 1 and "worse promotions 1" in result and result.endswith("FAIL")
+    )
     _, _, result = table([(0, 0, Run(accuracy=[0.59]), 1.0, "-")])
     assert result.endswith("FAIL")
     _, rows, result = table([(0, 0, Run(accuracy=[0.9]), 1.0, "-"), (1, 1, Run(), 1.0, "-")])
