@@ -273,6 +273,10 @@ class GatewayConfig(Section):
         "sends when a request has neither (or null), at most `serving.max_model_len`: every generation is bounded.",
     )
     max_messages: int = Field(default=256, ge=1, description="Most chat messages in one request.")
+    max_stop: int = Field(
+        default=16, ge=1, description="Most `stop` strings in one request (vLLM searches each at every token)."
+    )
+    max_stop_chars: int = Field(default=256, ge=1, description="Longest `stop` string, characters.")
     max_prompt_chars: int = Field(
         default=200_000, ge=1, description="Most characters of prompt text (all messages together)."
     )

@@ -279,6 +279,31 @@ def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str, low: i
         )
 
 
+def _check_stop(stop: Any, cfg: GatewayConfig) -> None:
+    """``stop``: a string or a list of at most ``gateway.max_stop`` strings, each 1 to ``gateway.max_stop_chars``
+    characters. vLLM searches every stop string at every generated token, so their number and size are work
+    the client would set without bound; vLLM's own 400 for an empty one names no field."""
+    if stop is None:
+        return
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list):
+        raise RequestRefused(400, "field 'stop' must be a string or a list of strings", param="stop")
+    if len(items) > cfg.max_stop:
+        raise RequestRefused(
+            400, f"field 'stop' has {len(items)} strings, above gateway.max_stop={cfg.max_stop}", param="stop"
+        )
+    for i, item in enumerate(items):
+        where = "stop" if isinstance(stop, str) else f"stop.{i}"
+        if not isinstance(item, str) or not item:
+            raise RequestRefused(400, f"{where} must be a non-empty string", param=where)
+        if len(item) > cfg.max_stop_chars:
+            raise RequestRefused(
+                400,
+                f"{where} has {len(item)} characters, above gateway.max_stop_chars={cfg.max_stop_chars}",
+                param=where,
+            )
+
+
 class _Range(NamedTuple):
     integer: bool  # integers only (else any finite number)
     low: float
@@ -352,6 +377,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     _int_cap(body, "min_tokens", cfg.max_tokens, "gateway.max_tokens", low=0)  # 0: vLLM's default, no minimum
     _check_numbers(endpoint, body)
     check_stream_options(body)
+    _check_stop(body.get("stop"), cfg)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise RequestRefused(400, f"field 'user' must be a string of at most {MAX_USER_CHARS} characters", param="user")

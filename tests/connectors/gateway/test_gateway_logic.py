@@ -821,6 +821,30 @@ def test_sampling_numbers_within_vllms_ranges_pass() -> None:
     _check_numbers("completions", {"logprobs": 5})
 
 
+@pytest.mark.parametrize(
+    ("stop", "param", "says"),
+    [
+        (["x"] * 17, "stop", "17 strings, above gateway.max_stop=16"),  # vLLM searches each at every token
+        ("", "stop", "non-empty string"),  # vLLM's own 400 named no field
+        (["ok", ""], "stop.1", "non-empty string"),
+        (["ok", 5], "stop.1", "non-empty string"),
+        ("y" * 257, "stop", "257 characters, above gateway.max_stop_chars=256"),
+        ({"a": 1}, "stop", "a string or a list of strings"),
+    ],
+)
+def test_stop_strings_are_bounded_in_number_and_size(gw: Gateway, stop: Any, param: str, says: str) -> None:
+    answer = gw.chat(stop=stop)
+    assert answer.status_code == 400, answer.text
+    assert error(answer)["param"] == param and says in error(answer)["message"], error(answer)
+    assert gw.upstream.requests == []
+
+
+def test_stop_strings_within_the_bounds_pass(gw: Gateway) -> None:
+    assert gw.chat(stop="\n").status_code == 200
+    assert gw.chat(stop=["\n"] * 16).status_code == 200
+    assert gw.upstream.requests[-1]["body"]["stop"] == ["\n"] * 16
+
+
 def test_min_tokens_zero_is_vllms_default_and_passes(gw: Gateway) -> None:
     """A second hostile pass found min_tokens 0, which vLLM accepts (its default), refused as not positive."""
     answer = gw.chat(min_tokens=0, max_tokens=4)
