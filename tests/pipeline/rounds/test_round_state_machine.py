@@ -241,6 +241,20 @@ def test_not_enough_data_in_training_ends_as_no_winner_not_failed(cfg, tmp_path,
         assert final.reason.startswith("train: DataError") and tracebacks
 
 
+def test_not_enough_data_after_evaluate_began_fails_the_round_consistently(cfg, tmp_path) -> None:
+    """evaluate cannot move to no_winner: the round ends failed (a terminal state), never stuck in evaluate."""
+    store, registry = RoundStore(tmp_path), FakeRegistry()
+    steps = FakeSteps(registry, store)
+
+    def train_and_evaluate(record, table, on_phase):
+        on_phase(PhaseBoundary(RoundPhase.EVALUATE))  # evaluation starts: the record moves to evaluate
+        raise NotEnoughDataError("all held-out rows with feedback are up-votes")
+
+    steps.train_and_evaluate = train_and_evaluate  # type: ignore[method-assign]
+    final = _run(cfg, steps, store)
+    assert final.state is RoundState.FAILED and final.reason.startswith("not enough data: all held-out rows")
+
+
 @pytest.mark.parametrize(
     ("at", "reason"),
     [
