@@ -337,6 +337,17 @@ def create_gateway_app(
             record.tokens_per_min or cfg.tokens_per_min,
         )
 
+    def rate_limited(message: str, code: str, wait_s: float) -> RequestRefused:
+        """A 429 whose message and ``Retry-After`` say when the key's bucket holds enough again."""
+        retry = math.ceil(wait_s)
+        return RequestRefused(
+            429,
+            f"{message}; retry in {retry} s",
+            type_="rate_limit_error",
+            code=code,
+            headers={"retry-after": str(retry)},
+        )
+
     async def admit(request: Request) -> tuple[Caller, Any]:
         """Authenticate, rate-limit, read and parse the body; the caller holds one concurrency slot after this."""
         caller = authenticate(request)
@@ -354,13 +365,10 @@ def create_gateway_app(
         wait_s = rates.acquire(caller.key_id, caller.rate_per_min)
         if wait_s > 0:
             in_flight.leave(caller.key_id)
-            raise RequestRefused(
-                429,
-                f"rate limit of {caller.rate_per_min} requests per minute for this API key reached; "
-                f"retry in {math.ceil(wait_s)} s",
-                type_="rate_limit_error",
-                code="rate_limited",
-                headers={"retry-after": str(math.ceil(wait_s))},
+            raise rate_limited(
+                f"rate limit of {caller.rate_per_min} requests per minute for this API key reached",
+                "rate_limited",
+                wait_s,
             )
         try:
             body = parse_json(await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s), cfg.max_json_depth)
@@ -389,13 +397,11 @@ def create_gateway_app(
             )
         wait_s = generation.acquire(caller.key_id, limit, cost=cost)
         if wait_s > 0:
-            raise RequestRefused(
-                429,
+            raise rate_limited(
                 f"token rate limit of {limit} generation tokens per minute for this API key reached (this request may "
-                f"generate {cost}); retry in {math.ceil(wait_s)} s",
-                type_="rate_limit_error",
-                code="tokens_rate_limited",
-                headers={"retry-after": str(math.ceil(wait_s))},
+                f"generate {cost})",
+                "tokens_rate_limited",
+                wait_s,
             )
 
     @app.get("/healthz")

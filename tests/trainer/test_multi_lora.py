@@ -30,6 +30,7 @@ from trainer.algorithms.update import update_step
 from .adamw_tolerance import assert_adamw_weights_close
 from trainer.types import RoundSpec
 from trainer.data import round_inputs
+from .grad_recorder import GradRecorder
 from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
 
 CANDIDATES = [
@@ -289,17 +290,6 @@ def test_nan_loss_of_one_candidate_leaves_the_others_alone(base: ResidentBase, r
     print(f"NaN isolation ({rl.update.chunk_tokens} tokens a chunk): largest diff / bound {_worst(margins)}")
 
 
-class _Recorder(torch.optim.SGD):
-    """An optimizer that only records the gradients it is asked to step with."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params, lr=0.0)
-        self.grads: list[torch.Tensor] = []
-
-    def step(self, closure=None):  # type: ignore[override]
-        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
-
-
 @pytest.mark.parametrize("chunk_tokens", [100_000, 40, 1])
 def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, chunk_tokens: int) -> None:
     """Rows of every candidate spread over several chunks (uneven row counts: 7, 2 and 4): each candidate's
@@ -312,7 +302,7 @@ def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, c
     alone = _gradients_alone(base, store, batches)
     members = [_pull(store, c) for c in CANDIDATES]
     for m in members:
-        m.optimizer = _Recorder(list(m.params.values()))
+        m.optimizer = GradRecorder(list(m.params.values()))
     multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
     try:
         started = time.perf_counter()
@@ -329,7 +319,7 @@ def test_chunked_step_gradients_equal_each_candidate_alone(base: ResidentBase, c
         assert len(chunks) > 1 and max(sum(k == 0 for k, _ in ch) for ch in chunks) == 1
     worst = (0.0, "")
     for c, m in zip(CANDIDATES, members):
-        assert isinstance(m.optimizer, _Recorder) and m.optimizer.grads, c.name
+        assert isinstance(m.optimizer, GradRecorder) and m.optimizer.grads, c.name
         got = dict(zip(m.params, m.optimizer.grads))
         worst = max(worst, assert_gradients_close(got, alone[c.name], GRAD_TOL, (c.name, chunk_tokens)))
     print(
@@ -535,7 +525,7 @@ def test_one_pass_sharing_prompts_gives_each_candidate_its_gradient_alone(
         base.share_prompts = True
     members = [_pull(store, c) for c in CANDIDATES]
     for m in members:
-        m.optimizer = _Recorder(list(m.params.values()))
+        m.optimizer = GradRecorder(list(m.params.values()))
     multi = MultiLoRA(base.model, [(c.lora_alpha / c.lora_rank, m.params) for c, m in zip(CANDIDATES, members)])
     rows_in: list[int] = []
     handle = base.model.get_input_embeddings().register_forward_pre_hook(

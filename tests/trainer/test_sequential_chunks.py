@@ -17,6 +17,7 @@ from trainer.model.base import ResidentBase, load_base
 from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
 from trainer.multi_lora.one_pass import live_params
 
+from .grad_recorder import GradRecorder
 from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
 
 ROWS = 9
@@ -25,17 +26,6 @@ ROWS = 9
 @pytest.fixture(scope="module")
 def base(peaked_model: Path) -> ResidentBase:
     return load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
-
-
-class _Recorder(torch.optim.SGD):
-    """Records the gradients it is asked to step with and steps nothing."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params, lr=0.0)
-        self.grads: list[torch.Tensor] = []
-
-    def step(self, closure=None):  # type: ignore[override]
-        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
 
 
 def _batch(base: ResidentBase, kto: bool) -> Batch:
@@ -72,7 +62,7 @@ def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_to
                 if ".lora_B." in k:
                     p.copy_(0.1 * torch.randn(p.shape, generator=g))
         names = sorted(params)
-        recorder = _Recorder([params[k] for k in names])
+        recorder = GradRecorder([params[k] for k in names])
         rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})  # no clipping: raw gradients
         metrics = update_step(base, recorder, candidate, rl, batch)
         return metrics, dict(zip(names, recorder.grads))
