@@ -377,9 +377,14 @@ def create_gateway_app(
             raise
         return caller, body
 
-    def charge_generation(caller: Caller, body: dict[str, Any], endpoint: Endpoint, max_tokens: int) -> None:
+    def charge_generation(
+        caller: Caller, body: dict[str, Any], endpoint: Endpoint, max_tokens: int, *, defaulted: bool
+    ) -> int:
         """Take the tokens this request may generate (``n`` x ``max_tokens`` x its prompts) from the key's
-        ``tokens_per_min`` bucket, or refuse it: 400 when it alone costs more than the bucket holds, else 429."""
+        ``tokens_per_min`` bucket and return them, or refuse it: 400 when it alone costs more than the bucket
+        holds, else 429. ``defaulted``: ``max_tokens`` is the gateway's default (the request set none).
+        Charged once the request is valid and its model known; a request that then fails (an upstream error, the
+        upstream unreachable) gets them back in :func:`_proxy`, one whose client hung up does not."""
         n = body.get("n") or 1
         prompt = body.get("prompt") if endpoint == "completions" else None
         # a completions batch is a list of prompts; one prompt may be a list of token ids
@@ -387,11 +392,12 @@ def create_gateway_app(
         cost = int(n) * max_tokens * max(1, prompts)
         limit = caller.tokens_per_min
         if cost > limit:
+            default = " (the gateway's default: the request sets none)" if defaulted else ""
             raise RequestRefused(
                 400,
-                f"this request may generate {cost} tokens (n={n} x max_tokens={max_tokens}"
+                f"this request may generate {cost} tokens (n={n} x max_tokens={max_tokens}{default}"
                 f"{f' x {prompts} prompts' if prompts > 1 else ''}), above this API key's {limit} tokens per minute; "
-                "lower max_tokens or n",
+                "set a lower max_tokens or n",
                 param="max_tokens",
                 code="request_exceeds_token_rate",
             )
@@ -403,6 +409,7 @@ def create_gateway_app(
                 "tokens_rate_limited",
                 wait_s,
             )
+        return cost
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -563,6 +570,7 @@ def create_gateway_app(
             REQUESTS.labels(path, str(err.status)).inc()
             return refused(err)
         released = False
+        charged: list[int] = []  # the generation tokens taken from the key's bucket (charge_generation)
 
         async def release() -> None:
             nonlocal released
@@ -572,12 +580,14 @@ def create_gateway_app(
 
         response: Response | None = None
         try:
-            response = await _proxy_inner(request, caller, body, endpoint, path, started, release)
+            response = await _proxy_inner(request, caller, body, endpoint, path, started, release, charged)
         except RequestRefused as err:
             response = refused(err)
         finally:
             if not isinstance(response, ClosingStream):
                 await release()  # a stream releases when it ends
+            if charged and (response is None or (response.status_code >= 400 and response.status_code != CLIENT_GONE)):
+                generation.refund(caller.key_id, caller.tokens_per_min, charged[0])  # nothing was generated
         REQUESTS.labels(path, str(response.status_code)).inc()
         return response
 
@@ -589,6 +599,7 @@ def create_gateway_app(
         path: str,
         started: float,
         release: Callable[[], Any],
+        charged: list[int],
     ) -> Response:
         if not isinstance(body, dict):
             raise RequestRefused(400, f"request body must be a JSON object, got {type(body).__name__}")
@@ -600,8 +611,8 @@ def create_gateway_app(
         check_request(endpoint, body, cfg)
         if endpoint == "chat":
             body = forwarded_messages(body)  # the null keys an SDK echoes back dropped, upstream and in the trace
+        client_bound = body.get("max_completion_tokens") or body.get("max_tokens")
         body, max_tokens = bound_generation(body, default_max_tokens)
-        charge_generation(caller, body, endpoint, max_tokens)
         trace_id = uuid.uuid4().hex
         user = body.get("user")
         user_hash = identity(caller.key_id, user)
@@ -626,6 +637,7 @@ def create_gateway_app(
                 param="model",
                 code="model_not_found",
             ) from None
+        charged.append(charge_generation(caller, body, endpoint, max_tokens, defaulted=client_bound is None))
         traced = {
             **body,
             "metadata": hasher(

@@ -309,6 +309,13 @@ class RateLimiter:
             self._buckets[key_id] = (tokens, now)
             return (cost - tokens) / per_s
 
+    def refund(self, key_id: str, rate_per_min: int, cost: float) -> None:
+        """Give back ``cost`` units taken for work that did not happen (the bucket never holds more than full)."""
+        with self._lock:
+            if key_id in self._buckets:
+                tokens, last = self._buckets[key_id]
+                self._buckets[key_id] = (min(float(rate_per_min), tokens + cost), last)
+
 
 class ConcurrencyLimiter:
     """Requests in flight per key."""

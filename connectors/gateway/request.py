@@ -420,13 +420,26 @@ def bound_generation(body: dict[str, Any], default_max_tokens: int) -> tuple[dic
     """Every generation bounded: ``(body to forward, max_tokens bound vLLM applies)``. A body with no
     ``max_tokens`` / ``max_completion_tokens`` (absent or null) gets ``max_tokens = default_max_tokens``
     (``gateway.max_tokens``); without it vLLM generates to the end of the context (``ignore_eos`` too).
-    Explicit nulls are dropped. Call after :func:`check_request` (the values are checked positive ints)."""
+    Explicit nulls are dropped. Call after :func:`check_request` (the values are checked positive ints).
+
+    Raises:
+        RequestRefused: ``min_tokens`` above the default bound of a body that sets none (400 naming it; a bound
+            the client set was checked against by :func:`check_request`).
+    """
     out = {k: v for k, v in body.items() if not (k in ("max_tokens", "max_completion_tokens") and v is None)}
     given = out.get("max_completion_tokens") or out.get("max_tokens")  # vLLM's order for chat
-    if given is None:
-        out["max_tokens"] = default_max_tokens
-        return out, default_max_tokens
-    return out, int(given)
+    if given is not None:
+        return out, int(given)
+    low = out.get("min_tokens")
+    if isinstance(low, int) and low > default_max_tokens:
+        raise RequestRefused(
+            400,
+            f"field 'min_tokens' is {low}, above max_tokens={default_max_tokens} (the gateway's default bound: the "
+            "request sets no max_tokens)",
+            param="min_tokens",
+        )
+    out["max_tokens"] = default_max_tokens
+    return out, default_max_tokens
 
 
 def forwarded_messages(body: dict[str, Any]) -> dict[str, Any]:

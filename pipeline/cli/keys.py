@@ -66,11 +66,18 @@ def keys_create(
     except (KeyStoreError, OSError) as err:
         fail(str(err))
         return
+    note, default = "", min(cfg.gateway.max_tokens, cfg.serving.max_model_len)  # what the gateway bounds to
+    if tokens_per_min is not None and tokens_per_min < default:
+        note = (
+            f"\n[yellow]a request without max_tokens is charged the gateway's default bound ({default} tokens), "
+            f"above this key's {tokens_per_min} tokens per minute: its clients must send max_tokens <= "
+            f"{tokens_per_min}[/]"
+        )
     emit(
         {**record.public(), "key": key},
         as_json,
         f"key {record.key_id} for {escape(name)}{' (trusted grader)' if trusted_grader else ''}:\n{key}\n"
-        "[yellow]shown once; send it as 'Authorization: Bearer <key>'[/]",
+        "[yellow]shown once; send it as 'Authorization: Bearer <key>'[/]" + note,
     )
 
 

@@ -39,7 +39,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.rounds.records import TRANSITIONS, RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
+from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
 
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
 from trainer.errors import NotEnoughDataError
@@ -309,11 +309,13 @@ class RoundRunner:
             if self._abandoned is None and not record.terminal:  # an abandoned round was settled by settle_abandoned()
                 self.store.advance(record, RoundState.CANCELLED, str(err))
         except NotEnoughDataError as err:  # the window's data, not the service: no traceback, the champion serves on
-            log.warning("round %s: no winner, not enough data: %s", record.round_id, err)
             if self._abandoned is None and not record.terminal:
-                # snapshot and train may end no_winner; later states cannot (their data was checked by then)
-                ends = RoundState.NO_WINNER if RoundState.NO_WINNER in TRANSITIONS[record.state] else RoundState.FAILED
-                self.store.advance(record, ends, f"not enough data: {err}")
+                if record.state in (RoundState.SNAPSHOT, RoundState.TRAIN):  # before any evaluation: nothing to judge
+                    log.warning("round %s: no winner, not enough data: %s", record.round_id, err)
+                    self.store.advance(record, RoundState.NO_WINNER, f"not enough data: {err}")
+                else:  # the data was checked by then: an error, as any other in a later state
+                    log.error("round %s failed in %s: not enough data: %s", record.round_id, record.state, err)
+                    self.store.advance(record, RoundState.FAILED, f"{record.state}: not enough data: {err}")
         except Exception as err:  # a failed round leaves the champion serving
             log.exception("round %s failed", record.round_id)
             if self._abandoned is None and not record.terminal:

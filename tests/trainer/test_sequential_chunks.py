@@ -97,3 +97,24 @@ def test_chunked_logprobs_equal_one_call_and_cover_every_row_once(base: Resident
     got_BT, got_mask_BT = chunked_logprobs(base, batch.prompt_ids, batch.completion_ids, chunks)
     assert torch.equal(got_mask_BT, want_mask_BT.float())
     assert max_relative_error(got_BT * got_mask_BT, want_BT.float() * want_mask_BT) < LOGPROB_TOL
+
+
+def test_a_base_with_dropout_in_its_config_updates_deterministically(peaked_model: Path) -> None:
+    """A hostile-input pass gave the tiny Llama attention_dropout 0.3: the update ran the base in train mode, so
+    every pass drew other dropout masks (chunked vs whole: loss 1.5 % apart, grad norm 1.35 vs 1.12; two whole
+    steps apart too). The behaviour policy (vLLM) has no dropout; neither do the updates now."""
+    base = load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
+    layers = [m for m in base.model.modules() if hasattr(m, "attention_dropout")]
+    assert layers
+    for m in layers:
+        m.attention_dropout = 0.3
+    candidate = CandidateConfig(
+        name="c", lora_rank=4, lora_alpha=8, kl_coef=0.1, reward=[RewardTerm(fn="exact_answer")]
+    )
+    batch = _batch(base, kto=False)
+    first, want = _step(base, candidate, batch, chunk_tokens=100_000)
+    again, same = _step(base, candidate, batch, chunk_tokens=100_000)
+    chunked, got = _step(base, candidate, batch, chunk_tokens=30)
+    assert again["train/loss"] == first["train/loss"] and all(torch.equal(same[k], want[k]) for k in want)
+    assert chunked["train/loss"] == pytest.approx(first["train/loss"], rel=1e-5, abs=1e-6)
+    assert_gradients_close(got, want, GRAD_TOL, "dropout")

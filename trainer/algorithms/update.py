@@ -40,7 +40,7 @@ def update_step(
     """
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    base.model.train()
+    base.model.eval()  # no dropout: the behaviour policy (vLLM) has none, and chunked steps need deterministic passes
     chunks = row_chunks(batch.prompt_ids, batch.completion_ids, rl.update.chunk_tokens, base.share_prompts)
     if len(chunks) <= 1:  # one forward/backward (every step of short rows)
         with phase("time/reference_s"), torch.no_grad(), base.reference():

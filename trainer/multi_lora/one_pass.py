@@ -108,7 +108,7 @@ def update_step_one_pass(
     started = time.perf_counter()
     for m in members:
         m.optimizer.zero_grad(set_to_none=True)
-    base.model.train()
+    base.model.eval()  # no dropout: the behaviour policy (vLLM) has none, and chunked steps need deterministic passes
     tokens_K = [max(1, sum(len(c) for c in b.completion_ids)) for b in batches]  # each member's token-mean denominator
     sums: list[dict[str, float]] = [{"train/loss": 0.0, "train/pg_loss": 0.0, "train/kl": 0.0} for _ in members]
     finite = [True] * len(members)

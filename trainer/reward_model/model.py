@@ -310,7 +310,7 @@ def train_reward_model(
             on_phase(PhaseBoundary(RoundPhase.REWARD_MODEL, step=step))
         started = time.perf_counter()
         optimizer = model.store.activate(model.name)
-        model.base.model.train()
+        model.base.model.eval()  # no dropout: chunked steps score and backpropagate the same deterministic passes
         ex = [data.examples[i] for i in draw("examples", len(data.examples), cfg.batch_size)]
         pr = [data.pairs[i] for i in draw("pairs", len(data.pairs), cfg.batch_size)]
         prompts = [e[0] for e in ex] + [p[0] for p in pr] * 2

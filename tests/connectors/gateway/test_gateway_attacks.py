@@ -299,6 +299,32 @@ def test_generation_tokens_per_minute_bound_a_key_by_the_work_it_asks_for(
     assert len(upstream.requests) == seen + 3  # the refused ones never reached upstream
 
 
+def test_a_request_that_fails_gets_its_generation_tokens_back(gateway: str, keys: Keys) -> None:
+    """A hostile-input pass: a 404 for a mistyped model kept the request's charge, so the corrected request got
+    a 429 for a minute although nothing was generated. The charge comes after the model is known, and a request
+    that fails upstream gets it back."""
+    key = keys.store.create("typo", tokens_per_min=1000)[1]
+    typo = chat(gateway, key, model="hourglas", max_tokens=900)
+    assert typo.status_code == 404 and error(typo)["code"] == "model_not_found"
+    assert chat(gateway, key, max_tokens=900).status_code == 200  # the typo cost nothing
+    key = keys.store.create("defaulted", tokens_per_min=1000)[1]
+    answer = post(gateway, "/v1/chat/completions", key, {"model": "hourglass", "messages": MESSAGES})
+    assert answer.status_code == 400 and error(answer)["param"] == "max_tokens"
+    assert "the gateway's default: the request sets none" in error(answer)["message"]  # not a field it sent
+    key = keys.store.create("unreachable", tokens_per_min=1000)[1]
+    app = create_gateway_app(
+        KafkaConfig(bootstrap_servers=["127.0.0.1:9"]),
+        f"http://127.0.0.1:{free_port()}",  # nothing listens: every request is a 502
+        lambda n: ("base", None),
+        sink=FakeSink(),
+        keys=keys.store,
+        timeout_s=2,
+    )
+    with serve(app) as url:
+        codes = [chat(url, key, max_tokens=900).status_code for _ in range(3)]
+    assert codes == [502, 502, 502]  # not 429: nothing was generated, so nothing stays charged
+
+
 # --- client hang-ups -------------------------------------------------------------------------------
 
 
@@ -493,6 +519,8 @@ def test_keys_are_stored_hashed_in_a_private_file_and_listed_without_secrets(tmp
     assert runner.invoke(app, ["keys", "revoke", key_id, "-c", str(conf)]).exit_code == 0
     assert json.loads(runner.invoke(app, ["keys", "list", "--json", "-c", str(conf)]).stdout)[0]["revoked"] is True
     assert runner.invoke(app, ["keys", "revoke", "000000000000", "-c", str(conf)]).exit_code == 1
+    small = runner.invoke(app, ["keys", "create", "tiny", "--tokens-per-min", "500", "-c", str(conf)])
+    assert small.exit_code == 0 and "must send max_tokens <= 500" in " ".join(small.stdout.split())
 
 
 # --- the configured gateway (hourglass gateway) --------------------------------------------------------

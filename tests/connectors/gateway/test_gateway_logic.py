@@ -845,6 +845,19 @@ def test_stop_strings_within_the_bounds_pass(gw: Gateway) -> None:
     assert gw.upstream.requests[-1]["body"]["stop"] == ["\n"] * 16
 
 
+def test_min_tokens_above_the_default_bound_is_a_400_naming_it(keys: Keys) -> None:
+    """A hostile-input pass: without max_tokens, min_tokens was compared with nothing and went upstream above
+    the default bound the gateway adds (here serving.max_model_len 64), for vLLM's 400 without a field name."""
+    http, upstream = make_gateway(keys, FakeSink(), max_model_len=64)
+    with http:
+        gw = Gateway(http, upstream, FakeSink(), keys)
+        answer = gw.chat(max_tokens=None, min_tokens=100)
+        assert answer.status_code == 400 and error(answer)["param"] == "min_tokens", answer.text
+        assert "above max_tokens=64 (the gateway's default bound" in error(answer)["message"]
+        assert gw.chat(max_tokens=None, min_tokens=64).status_code == 200
+    assert upstream.requests[-1]["body"]["max_tokens"] == 64 and len(upstream.requests) == 1
+
+
 def test_min_tokens_zero_is_vllms_default_and_passes(gw: Gateway) -> None:
     """A second hostile pass found min_tokens 0, which vLLM accepts (its default), refused as not positive."""
     answer = gw.chat(min_tokens=0, max_tokens=4)

@@ -252,7 +252,23 @@ def test_not_enough_data_after_evaluate_began_fails_the_round_consistently(cfg, 
 
     steps.train_and_evaluate = train_and_evaluate  # type: ignore[method-assign]
     final = _run(cfg, steps, store)
-    assert final.state is RoundState.FAILED and final.reason.startswith("not enough data: all held-out rows")
+    assert final.state is RoundState.FAILED and final.reason.startswith("evaluate: not enough data: all held-out rows")
+
+
+def test_not_enough_data_in_promote_fails_the_round_and_never_reads_no_winner(cfg, tmp_path) -> None:
+    """A hostile-input pass: promote may move to no_winner (no decision had a winner), so a not-enough-data error
+    there read as no_winner although the alias had moved. Only snapshot and train end no_winner for it."""
+    store, registry = RoundStore(tmp_path), FakeRegistry()
+    steps = FakeSteps(registry, store)
+    real = steps.promote
+
+    def promote(record):
+        real(record)
+        raise NotEnoughDataError("x")
+
+    steps.promote = promote  # type: ignore[method-assign]
+    final = _run(cfg, steps, store)
+    assert final.state is RoundState.FAILED and final.reason == "promote: not enough data: x"
 
 
 @pytest.mark.parametrize(
