@@ -131,6 +131,13 @@ def check_schema(schema: Any, where: str) -> None:
             f"{where} refers to itself through $ref {cycle[:100]!r} with nothing in between: no arguments can match it",
             where,
         )
+    remote = outside_ref(schema)
+    if remote is not None:
+        raise ToolRefused(
+            f"{where} refers outside itself ($ref {remote[:100]!r}): only local references ('#', '#/$defs/...') "
+            "are taken, no schema is fetched",
+            where,
+        )
 
 
 def check_tool_choice(choice: Any, names: frozenset[str] | None) -> None:
@@ -294,6 +301,23 @@ def forwarded_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 _REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
+
+
+def outside_ref(schema: dict[str, Any]) -> str | None:
+    """The first ``$ref`` / ``$dynamicRef`` of ``schema`` that is not a local one (``#...``): a URL, a file or a
+    relative name, which a grammar backend would have to fetch or could not resolve. None when every one is local."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key in ("$ref", "$dynamicRef"):
+                ref = node.get(key)
+                if isinstance(ref, str) and not ref.startswith("#"):
+                    return ref
+            stack.extend(node.values())
+    return None
 
 
 def ref_cycle(schema: dict[str, Any]) -> str | None:

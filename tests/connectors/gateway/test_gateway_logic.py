@@ -892,6 +892,10 @@ def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
             "response_format.json_schema.strict",
         ),
+        (  # a reference outside the schema: was accepted (a grammar backend might fetch it)
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "file:///x"}}}},
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_stream_options_and_response_format_take_only_their_own_keys(

@@ -201,6 +201,17 @@ BIG = {"type": "function", "function": {"name": "big", "description": "x" * 20_0
                 ("http://[::1", "tools.0.function.parameters"),
             ]
         ),
+        *(  # a reference outside the schema: no schema is fetched (was accepted; a backend might resolve it)
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}]},
+                "tools.0.function.parameters",
+            )
+            for bad in [
+                {"$ref": "http://169.254.169.254/latest/meta-data"},
+                {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}},
+                {"$defs": {"a": {"$dynamicRef": "other.json#x"}}},
+            ]
+        ),
         (  # a pattern whose repeat count overflows Python's re: was an OverflowError, a 500
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"pattern": "a{99999999999}"}}}]},
             "tools.0.function.parameters",
