@@ -322,6 +322,13 @@ class GatewayConfig(Section):
     concurrency: int = Field(
         default=16, ge=1, description="Requests in flight per API key unless the key sets its own."
     )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token `GET /metrics` needs on the client-facing port (set "
+        "HOURGLASS_GATEWAY__METRICS_TOKEN; Prometheus: `authorization: {credentials: ...}`), at least 16 characters: "
+        "the metrics name every key's public id and its feedback volume. Unset: /metrics is open, as Prometheus "
+        "scrapes expect.",
+    )
     tokens_per_min: int = Field(
         default=1_000_000,
         ge=1,
@@ -388,3 +395,12 @@ class GatewayConfig(Section):
         if isinstance(key, str) and len(key) < 32:
             raise ValueError("feedback_signing_key must be at least 32 characters (e.g. `openssl rand -hex 32`)")
         return key
+
+    @field_validator("metrics_token", mode="before")
+    @classmethod
+    def _metrics_token(cls, token: object) -> object:
+        if isinstance(token, str) and not token.strip():
+            return None  # an empty variable means "not set": /metrics stays open
+        if isinstance(token, str) and len(token) < 16:
+            raise ValueError("metrics_token must be at least 16 characters (e.g. `openssl rand -hex 16`)")
+        return token

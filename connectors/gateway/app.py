@@ -416,7 +416,17 @@ def create_gateway_app(
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if cfg.metrics_token is not None:
+            header = request.headers.get("authorization") or ""
+            given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(given.encode(), cfg.metrics_token.get_secret_value().encode()):
+                return openai_error(
+                    401,
+                    "GET /metrics needs the metrics token: send 'Authorization: Bearer <gateway.metrics_token>'",
+                    type_="authentication_error",
+                    code="missing_metrics_token",
+                )
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -865,6 +865,26 @@ def test_min_tokens_zero_is_vllms_default_and_passes(gw: Gateway) -> None:
     assert gw.upstream.requests[-1]["body"]["min_tokens"] == 0
 
 
+def test_metrics_need_the_metrics_token_when_one_is_set(keys: Keys) -> None:
+    """/metrics names every key's public id and its feedback volume; with gateway.metrics_token set, only a
+    scraper holding it reads them. A client's API key is not the token."""
+    token = "m" * 24
+    http, _ = make_gateway(keys, FakeSink(), gateway=GatewayConfig(metrics_token=token))
+    with http:
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"authorization": f"Bearer {keys.client}"}).status_code == 401
+        assert http.get("/metrics", headers={"authorization": f"Bearer {token}x"}).status_code == 401
+        answer = http.get("/metrics", headers={"authorization": f"Bearer {token}"})
+        assert answer.status_code == 200 and "hourglass_gateway_requests_total" in answer.text
+        assert token not in http.get("/metrics").text
+    http, _ = make_gateway(keys, FakeSink())
+    with http:
+        assert http.get("/metrics").status_code == 200  # unset: open, as Prometheus scrapes expect
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        GatewayConfig(metrics_token="short")
+    assert GatewayConfig(metrics_token="").metrics_token is None
+
+
 def test_the_client_facing_port_serves_no_api_explorer(gw: Gateway) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):  # FastAPI's defaults listed every route to any client
         assert gw.http.get(path).status_code == 404, path
