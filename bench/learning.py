@@ -119,7 +119,10 @@ def main() -> None:
             if not log.exists():
                 continue
             run = parse(log.read_text())
-            rc, wall_s, load = (0 if run.total_s is not None else 1), run.total_s or 0.0, run.load or "-"
+            if run.total_s is None:
+                print(f"seed {seed}: {log} has no result line (still running, or stopped): left out", file=sys.stderr)
+                continue
+            rc, wall_s, load = 0, run.total_s, run.load or "-"
         else:
             rc, wall_s, load = run_demo(args, log, *demo_flags, seed=seed)
             run = parse(log.read_text())
