@@ -586,7 +586,7 @@ class RayConfig(Section):
         description="Keep the trainer actors (placement group and resident bases) of a round that succeeded "
         "or failed before training for the next round with the same model and sizing, which then skips actor start-up; a "
         "round whose training failed always frees them. None (default): true in `hourglass service` (which also starts them "
-        "at its start and after a failed round), false for a one-off round (`hourglass round`, `run_round`).",
+        "at its start and after a failed round), false for a one-off `trainer.round.run_round` in Python.",
     )
     storage_uri: str | None = Field(
         default=None,
