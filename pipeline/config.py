@@ -140,6 +140,14 @@ class CanaryConfig(Section):
     alpha: float = Field(
         default=0.05, gt=0, lt=0.5, description="Error rate of the sequential test (valid at every look)."
     )
+    min_observed_lift: float | None = Field(
+        default=0.0,
+        ge=-1,
+        le=1,
+        description="A promotion also needs the challenger's observed rate minus the champion's to be at least this "
+        "(reward units). 0: never promote a challenger the users rated lower, point estimate, even within the "
+        "margin (the canary goes on; one still behind at max_duration_s is aborted). None: the margin alone decides.",
+    )
     mixture_sd: float = Field(
         default=0.1, gt=0, description="Standard deviation of the mSPRT normal mixture (effect size it is tuned for)."
     )

@@ -281,6 +281,7 @@ class CanaryMonitor:
             elapsed_s=elapsed,
             max_duration_s=canary.max_duration_s,
             control="champion" if champion is not None else "base",
+            min_observed_lift=canary.min_observed_lift,
         )
         checks = hack_monitors.canary_checks(
             hack_monitors.served_answers(table, model, **self._shares()),

@@ -22,12 +22,20 @@ Decision, in this order:
 2. ``continue`` until both sides have at least ``min_events`` events (a floor
    for the variance estimate);
 3. ``abort`` when the upper bound is below 0 (the challenger is worse);
-4. ``promote`` when both sides have ``min_feedback`` events and the lower bound
-   is above ``-margin`` (the challenger is not worse by more than the margin);
+4. ``promote`` when both sides have ``min_feedback`` events, the lower bound
+   is above ``-margin`` (the challenger is not worse by more than the margin)
+   and, with ``min_observed_lift`` set, the observed difference is at least that
+   (default 0: the users' observed rate of the challenger is not below the
+   champion's);
 5. ``continue`` otherwise.
 
 Abort is checked before promote: a challenger known to be worse is never
-promoted, even when it is worse by less than the margin.
+promoted, even when it is worse by less than the margin. The margin alone
+promotes a challenger whose observed rate is below the champion's, as long as
+the interval allows a loss of less than the margin; the observed-lift floor
+refuses that at the look, and the canary goes on (a challenger truly worse by
+less than the margin then runs until ``max_duration_s`` aborts it, unless
+its observed rate catches up).
 """
 
 from __future__ import annotations
@@ -107,6 +115,7 @@ def decide(
     max_duration_s: float | None = None,
     min_events: int = MIN_EVENTS,
     control: str = "champion",
+    min_observed_lift: float | None = None,
 ) -> Verdict:
     """One look at the evidence; see the module doc for the rule and its source.
 
@@ -119,6 +128,8 @@ def decide(
         elapsed_s, max_duration_s: time since the canary started and its limit (None: no limit).
         control: what the ``champion`` side is called in the reasons (``"base"`` when the model has no
             champion yet and the base model serves that side).
+        min_observed_lift: the smallest observed difference (challenger minus champion) a promotion needs
+            besides the bound; None: the bound alone.
     """
     if max_duration_s is not None and elapsed_s >= max_duration_s:
         return Verdict(
@@ -151,6 +162,14 @@ def decide(
             f"{diff:+.3f}, {1 - alpha:.0%} always-valid interval [{lower:+.3f}, {upper:+.3f}] is below 0"
         )
         return Verdict("abort", reason, diff, lower, upper, challenger, champion)
+    lifted = min_observed_lift is None or diff >= min_observed_lift
+    if challenger.n >= min_feedback and champion.n >= min_feedback and lower > -margin and not lifted:
+        reason = (
+            f"undecided: not worse by more than {margin:g} (interval [{lower:+.3f}, {upper:+.3f}]), but the "
+            f"observed rate {challenger.mean:.3f} is below {control} {champion.mean:.3f} by more than the "
+            f"min_observed_lift {min_observed_lift:g} allows (difference {diff:+.3f})"
+        )
+        return Verdict("continue", reason, diff, lower, upper, challenger, champion)
     if challenger.n >= min_feedback and champion.n >= min_feedback and lower > -margin:
         reason = (
             f"challenger not worse by more than {margin:g}: rate {challenger.mean:.3f} vs {control} "

@@ -19,6 +19,11 @@ there. A challenger at least as good as the champion is promoted and one worse b
 is aborted; one worse by less than the margin may go either way (both are within the test's promise):
 promoted while the interval still reaches 0, aborted once more evidence shrinks ``hw`` below ``-d``.
 
+The tables leave out ``min_observed_lift`` (the simulation too): it never changes an abort, and a
+challenger that meets the bound and is at least as good as the champion has an observed difference of at
+least 0 at one look in two or more, so it is promoted within a few looks of these counts; for one worse
+by less than the margin it is what keeps it out until the interval aborts it (or ``max_duration_s`` does).
+
 The canary looks at every check, not once, and stops at its first decision: by the returned count it
 has decided with probability at least about ``power`` (one look there decides with ``power``; earlier
 looks only add). ``tests/pipeline/canary/test_canary_sizing.py`` checks both against a seeded

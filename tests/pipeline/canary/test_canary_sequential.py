@@ -20,9 +20,19 @@ SLACK = 3 * math.sqrt(ALPHA * (1 - ALPHA) / RUNS)  # Monte Carlo error of the es
 
 
 def _simulate(
-    p_challenger: float, p_champion: float, *, seed: int, runs: int = RUNS, min_feedback: int = 50
+    p_challenger: float,
+    p_champion: float,
+    *,
+    seed: int,
+    runs: int = RUNS,
+    min_feedback: int = 50,
+    lift: float | None = None,
+    promoted_diffs: list[float] | None = None,
+    margin: float = MARGIN,
+    alpha: float = ALPHA,
 ) -> dict[str, int]:
-    """Outcome counts of ``runs`` canaries, each looked at every LOOK_EVERY events until a decision."""
+    """Outcome counts of ``runs`` canaries, each looked at every LOOK_EVERY events until a decision
+    (``lift``: ``min_observed_lift``; ``promoted_diffs`` collects the observed difference of each promotion)."""
     rng = np.random.default_rng(seed)
     outcomes = {"promote": 0, "abort": 0, "continue": 0}
     for _ in range(runs):
@@ -36,8 +46,11 @@ def _simulate(
         for i in range(LOOK_EVERY - 1, EVENTS, LOOK_EVERY):
             c = _arm(int(n_c[i]), int(k_c[i]))
             h = _arm(int(n_h[i]), int(k_h[i]))
-            decision = decide(c, h, alpha=ALPHA, margin=MARGIN, min_feedback=min_feedback).decision
+            verdict = decide(c, h, alpha=alpha, margin=margin, min_feedback=min_feedback, min_observed_lift=lift)
+            decision = verdict.decision
             if decision != "continue":
+                if decision == "promote" and promoted_diffs is not None:
+                    promoted_diffs.append(verdict.difference)  # type: ignore[arg-type]
                 break
         outcomes[decision] += 1
     return outcomes
@@ -81,6 +94,31 @@ def test_rules_min_feedback_floor_and_max_duration() -> None:
     assert verdict.decision == "abort" and "max_duration_s=60" in verdict.reason
     bad = decide(_arm(60, 10), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)
     assert bad.decision == "abort" and bad.upper < 0 and "worse" in bad.reason
+
+
+def test_the_observed_lift_floor_keeps_a_challenger_its_users_rated_lower_out() -> None:
+    """Seed 1 of bench/learning.py: the demo's canary (margin 0.25, alpha 0.2) promoted a challenger at 7.9 %
+    thumbs-up against the champion's 10.0 %, within the margin. With min_observed_lift 0 that look goes on."""
+    demo = {"alpha": 0.2, "margin": 0.25, "min_feedback": 16, "tau": 0.2}
+    challenger, champion = _arm(38, 3), _arm(40, 4)
+    assert decide(challenger, champion, **demo).decision == "promote"  # the margin alone
+    held = decide(challenger, champion, **demo, min_observed_lift=0.0)
+    assert held.decision == "continue" and "below champion" in held.reason and "min_observed_lift 0" in held.reason
+    assert decide(_arm(38, 4), champion, **demo, min_observed_lift=0.0).decision == "promote"  # 10.5 % >= 10 %
+    assert decide(_arm(38, 0), _arm(40, 30), **demo, min_observed_lift=0.0).decision == "abort"  # abort unchanged
+
+
+def test_with_the_floor_no_promotion_is_of_a_lower_observed_rate_and_equal_ones_still_pass() -> None:
+    floor: list[float] = []
+    margin_alone: list[float] = []
+    loose = {"margin": 0.25, "alpha": 0.2, "min_feedback": 16}  # the demo's canary: a loose margin
+    _simulate(0.10, 0.15, seed=5, runs=300, lift=0.0, promoted_diffs=floor, **loose)
+    _simulate(0.10, 0.15, seed=5, runs=300, promoted_diffs=margin_alone, **loose)
+    assert floor and all(d >= 0 for d in floor), floor
+    assert sum(d < 0 for d in margin_alone) > 0.5 * len(margin_alone)  # the margin alone: most at a lower rate
+    equal = _simulate(0.6, 0.6, seed=1, lift=0.0)
+    assert equal["promote"] > 5 * equal["abort"], equal  # an equal challenger is still promoted far more often
+    assert equal["abort"] / RUNS <= ALPHA + SLACK, equal
 
 
 def test_half_width_shrinks_with_evidence_and_refuses_bad_input() -> None:
