@@ -21,7 +21,7 @@ from trainer.algorithms.losses import kl_k3, masked_mean
 from trainer.errors import TrainerConfigError
 from trainer.multi_lora.layer import MultiLoRA
 from trainer.multi_lora.one_pass import _pull, live_params, one_pass_ok, train_one_pass
-from trainer.multi_lora.chunks import plan_chunks
+from trainer.algorithms.chunks import plan_chunks
 from trainer.multi_lora.one_pass import update_step_one_pass
 from trainer.algorithms.registry import ALGORITHMS
 from trainer.algorithms.batch import Batch, LossInputs

@@ -1,5 +1,5 @@
 """A sequential update step above ``rl.update.chunk_tokens`` runs in chunks of rows with the same gradient
-(trainer.algorithms.update, trainer.multi_lora.chunks), for GRPO, PPO-clip and KTO (whose reference point is a
+(trainer.algorithms.update, trainer.algorithms.chunks), for GRPO, PPO-clip and KTO (whose reference point is a
 batch-level term, so a per-chunk loss would differ), in float32."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trainer.algorithms.batch import Batch
 from trainer.algorithms.update import update_step
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.model.base import ResidentBase, load_base
-from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
+from trainer.algorithms.chunks import chunked_logprobs, row_chunks
 from trainer.multi_lora.one_pass import live_params
 
 from .grad_recorder import GradRecorder

@@ -14,7 +14,7 @@ from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
-from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
+from trainer.algorithms.chunks import chunked_logprobs, row_chunks
 from trainer.rewards import RewardMix
 from trainer.types import Prompt
 

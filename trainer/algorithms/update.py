@@ -4,7 +4,7 @@ to the reference, the base with adapters disabled), backward, then the shared cl
 (:func:`trainer.algorithms.core.clip_and_step`).
 
 A step whose rows pad to more than ``rl.update.chunk_tokens`` tokens runs in chunks of rows
-(:func:`trainer.multi_lora.chunks.row_chunks`) with the same update: the log-probs of all rows first without grad, the loss and its
+(:func:`trainer.algorithms.chunks.row_chunks`) with the same update: the log-probs of all rows first without grad, the loss and its
 gradient with respect to each log-prob on the whole batch (so a loss over the batch, as KTO's reference
 point or a sequence mean, stays exact), then per chunk one forward with grad and its backward with that
 gradient. That costs one extra forward and bounds the step's activation memory by the chunk's."""
@@ -20,7 +20,7 @@ from trainer.algorithms.batch import Batch, LossInputs
 from trainer.algorithms.core import candidate_loss, clip_and_step
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
-from trainer.multi_lora.chunks import chunked_logprobs, row_chunks
+from trainer.algorithms.chunks import chunked_logprobs, row_chunks
 from trainer.timers import phase
 
 

@@ -9,7 +9,7 @@ layer, run with PEFT's adapters disabled) and adds, for a batch whose rows
     y_b = W x_b + scale[idx_b] * B[idx_b] (A[idx_b] x_b)      (Hu et al. 2021, arXiv:2106.09685)
 
 with ``A_k [r_k, in]``, ``B_k [out, r_k]``, ``scale_k = alpha_k / r_k`` (PEFT's
-scaling, no rsLoRA). Rows are grouped by adapter (:func:`trainer.multi_lora.chunks.plan_chunks`
+scaling, no rsLoRA). Rows are grouped by adapter (:func:`trainer.algorithms.chunks.plan_chunks`
 hands them over grouped; other callers' rows are sorted once per batch) and
 each group is one pair of matmuls:
 

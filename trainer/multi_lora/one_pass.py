@@ -3,7 +3,7 @@
 :func:`update_step_one_pass` is the step behind ``rl.update.mode = "one_pass"``
 (:func:`train_one_pass` pulls the candidates out of the adapter store and calls it). The step's rows of every candidate are cut into
 chunks of at most ``rl.update.chunk_tokens`` padded tokens
-(:func:`trainer.multi_lora.chunks.plan_chunks`); each chunk mixes the candidates in proportion to their
+(:func:`trainer.algorithms.chunks.plan_chunks`); each chunk mixes the candidates in proportion to their
 row counts, its rows grouped by candidate (so the multi-adapter layer never
 sorts), and goes through one adapters-off reference forward (no grad) and one
 forward/backward in which each row goes through its own candidate's LoRA
@@ -53,7 +53,7 @@ from trainer.errors import TrainerConfigError
 from trainer.algorithms.core import candidate_loss, clip_and_step
 from trainer.adapters.lora_tensors import adapter_params, make_adamw, peft_name
 from trainer.multi_lora.layer import MultiLoRA
-from trainer.multi_lora.chunks import plan_chunks, sub_batch
+from trainer.algorithms.chunks import plan_chunks, sub_batch
 from trainer.timers import phase
 from trainer.algorithms.registry import ALGORITHMS, ONE_PASS_ALGORITHMS
 from trainer.algorithms.batch import Batch, LossInputs

@@ -157,11 +157,20 @@ def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack,
     Each side's answers are capped per user as its feedback is (rl.split.max_user_share), so the flood
     weighs one user's share and the canary promotes; uncapped, the flood crosses the evasion limit, but only
     with that user's answers: the monitor names it and does not refuse."""
+    cfg = canary.cfg
+    # the decision on the bound alone: the flood's down-votes also put the challenger's observed rate a little
+    # below the champion's (0.48 vs 0.50 capped), which min_observed_lift would hold; what is under test here is
+    # that the evasion monitor does not abort
+    serving = cfg.serving.model_copy(
+        update={"canary": cfg.serving.canary.model_copy(update={"min_observed_lift": None})}
+    )
+    cfg = cfg.model_copy(update={"serving": serving})
     if caps == "off":
-        split = canary.cfg.rl.split
-        canary.monitor.cfg = canary.cfg.model_copy(
-            update={"rl": canary.cfg.rl.model_copy(update={"split": split.model_copy(update={"max_user_share": 1.0})})}
+        split = cfg.rl.split
+        cfg = cfg.model_copy(
+            update={"rl": cfg.rl.model_copy(update={"split": split.model_copy(update={"max_user_share": 1.0})})}
         )
+    canary.monitor.cfg = cfg
     honest = [f"user-{u}" for u in range(20) for _ in range(5)]
     _votes(canary, "2", "Two plus three makes five, friend.", honest)
     _votes(canary, "1", "Two plus three makes five, friend.", honest)
