@@ -49,11 +49,21 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (racy by nature; fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port the OS says is free now and that this process was not given before (racy by nature; fine for
+    tests). Two calls in a row may otherwise get the same ephemeral port once the first socket has closed: a
+    CI run got api.port = api.gateway_port that way."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+    raise OSError(f"no free port on {host} that this process was not given before")
 
 
 def tail(path: Path, lines: int = 60) -> str:
