@@ -17,6 +17,7 @@ from connectors.schema import TraceEvent
 from connectors.segments import Coordinates
 from pipeline.canary import state
 from pipeline.canary.hack_monitors import GAIN_METRIC
+from pipeline.config import HourglassConfig
 from pipeline.registry import aliases
 from tests.pipeline.canary.test_canary_base_logic import MODEL, Stack
 
@@ -151,20 +152,23 @@ def _votes(
     RewardBuffer(stack.cfg.buffer).append(events, [])
 
 
+def _on_the_bound_alone(cfg: HourglassConfig) -> HourglassConfig:
+    """``cfg`` with the canary deciding on its bound alone (``min_observed_lift`` None). The cap keeps a flood's
+    share of answers, but which of them depends on the random trace ids, so a flood's votes move the capped
+    observed rate around the champion's; the monitor tests assert the monitor's decision, not the floor's."""
+    canary = cfg.serving.canary.model_copy(update={"min_observed_lift": None})
+    return cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"canary": canary})})
+
+
 @pytest.mark.parametrize("caps", ["on", "off"])
 def test_one_user_asking_for_refusals_cannot_abort_a_canary_alone(canary: Stack, caps: str) -> None:
     """Twenty honest users get plain answers on both sides; one user makes the challenger refuse 60 times.
     Each side's answers are capped per user as its feedback is (rl.split.max_user_share), so the flood
     weighs one user's share and the canary promotes; uncapped, the flood crosses the evasion limit, but only
     with that user's answers: the monitor names it and does not refuse."""
-    cfg = canary.cfg
-    # the decision on the bound alone: the flood's down-votes also put the challenger's observed rate a little
-    # below the champion's (0.48 vs 0.50 capped), which min_observed_lift would hold; what is under test here is
-    # that the evasion monitor does not abort
-    serving = cfg.serving.model_copy(
-        update={"canary": cfg.serving.canary.model_copy(update={"min_observed_lift": None})}
-    )
-    cfg = cfg.model_copy(update={"serving": serving})
+    # the flood's down-votes also put the challenger's observed rate a little below the champion's (0.48 vs
+    # 0.50 capped); what is under test here is that the evasion monitor does not abort
+    cfg = _on_the_bound_alone(canary.cfg)
     if caps == "off":
         split = cfg.rl.split
         cfg = cfg.model_copy(
@@ -233,9 +237,13 @@ def test_one_api_key_posing_as_many_users_cannot_abort_a_canary_alone(canary: St
     (rl.split.max_key_share 0.2, nine keys) keeps 24 of 120 answers, and with max_evasion_increase 0.1 that
     crossed the limit alone. Now the evasion monitor refuses only when it still does without any one key's
     answers; honest keys that all see refusals from the challenger still abort it."""
-    rl = canary.cfg.rl
-    canary.monitor.cfg = canary.cfg.model_copy(
-        update={"rl": rl.model_copy(update={"monitors": rl.monitors.model_copy(update={"max_evasion_increase": 0.1})})}
+    cfg = _on_the_bound_alone(canary.cfg)  # 24 of mallory's 40 alternating votes are kept, at random
+    canary.monitor.cfg = cfg.model_copy(
+        update={
+            "rl": cfg.rl.model_copy(
+                update={"monitors": cfg.rl.monitors.model_copy(update={"max_evasion_increase": 0.1})}
+            )
+        }
     )
     users = [f"user-{k}-{u}" for k in range(8) for u in range(3) for _ in range(4)]
     key_of = {u: f"key-{u.split('-')[1]}" for u in users}
