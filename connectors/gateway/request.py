@@ -133,12 +133,17 @@ def refused(err: RequestRefused) -> JSONResponse:
 
 
 def _dotted(loc: Sequence[Any]) -> str:
-    return ".".join(str(part) for part in loc)
+    return ".".join(map(json_body.short, loc))  # a field name the client made up may be 1 MiB long
+
+
+_MAX_ERRORS = 5
 
 
 def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
-    """``field.path: message; ...`` of pydantic validation errors (``loc`` relative to the body)."""
-    return "; ".join(f"{_dotted(e['loc']) or 'body'}: {e['msg']}" for e in errors)
+    """``field.path: message; ...`` of pydantic validation errors (``loc`` relative to the body): the first
+    five, long field names cut (a body of 50 000 unknown keys is not a 2 MB error)."""
+    shown = "; ".join(f"{_dotted(e['loc']) or 'body'}: {e['msg']}" for e in errors[:_MAX_ERRORS])
+    return shown + (f" (+{len(errors) - _MAX_ERRORS} more)" if len(errors) > _MAX_ERRORS else "")
 
 
 def error_param(errors: Sequence[Mapping[str, Any]]) -> str | None:
@@ -251,19 +256,23 @@ _INT64 = 1 << 63
 
 def check_finite(value: Any, where: str) -> None:
     """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)
-    and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RequestRefused(400, f"{where} is {value!r}: numbers must be finite", param=where.removeprefix("body."))
-    if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
-        raise RequestRefused(
-            400, f"{where} is {str(value)[:40]}...: integers must fit in 64 bits", param=where.removeprefix("body.")
-        )
-    if isinstance(value, dict):
-        for k, v in value.items():
-            check_finite(v, f"{where}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_finite(v, f"{where}.{i}")
+    and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500).
+    The path of a value is spelled out only for its error (:func:`connectors.json_body.dotted`: long keys cut)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            at = json_body.dotted(path, where)
+            raise RequestRefused(400, f"{at} is {item!r}: numbers must be finite", param=at.removeprefix("body."))
+        if isinstance(item, int) and not isinstance(item, bool) and not -_INT64 <= item < _INT64:
+            at = json_body.dotted(path, where)
+            raise RequestRefused(
+                400, f"{at} is {str(item)[:40]}...: integers must fit in 64 bits", param=at.removeprefix("body.")
+            )
+        if isinstance(item, dict):
+            stack.extend((v, (*path, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(item))
 
 
 def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str, low: int = 1) -> None:
@@ -360,9 +369,9 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], cfg: GatewayConfig) 
     if extra:
         raise RequestRefused(
             400,
-            f"field {extra[0]!r} is not accepted by this gateway; allowed fields: "
+            f"field {json_body.short(extra[0])!r} is not accepted by this gateway; allowed fields: "
             f"{', '.join(sorted(ALLOWED[endpoint]))}",
-            param=extra[0],
+            param=json_body.short(extra[0]),
         )
     check_finite(body, "body")
     for name in _FLAGS[endpoint]:
@@ -476,7 +485,9 @@ def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> N
         extra = sorted(set(message) - _MESSAGE_KEYS)
         if extra:
             raise RequestRefused(
-                400, f"{where}.{extra[0]} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}", param="messages"
+                400,
+                f"{where}.{json_body.short(extra[0])} is not accepted; a message has only {sorted(_MESSAGE_KEYS)}",
+                param="messages",
             )
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or object role is unhashable
@@ -589,11 +600,12 @@ def _check_json_schema_format(spec: Any) -> None:
     for key, kind in (("description", str), ("strict", bool)):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
             raise RequestRefused(400, f"{where}.{key} must be a {kind.__name__}", param=f"{where}.{key}")
-    if spec.get("schema") is not None:
-        try:
-            check_schema(spec["schema"], f"{where}.schema")
-        except ToolRefused as err:
-            raise RequestRefused(400, err.message, param=err.param) from None
+    # required: vLLM 0.32 reads a json_schema format without one as no constraint at all and refuses it with a 400
+    # that names its internals ("You must use one kind of structured outputs constraint but none are specified")
+    try:
+        check_schema(spec.get("schema"), f"{where}.schema")
+    except ToolRefused as err:
+        raise RequestRefused(400, err.message, param=err.param) from None
 
 
 def check_stream_options(body: dict[str, Any]) -> None:

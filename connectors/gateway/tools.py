@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 
 from connectors.config import GatewayConfig
+from connectors.json_body import short
 from connectors.errors import ConnectorError
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -62,7 +63,8 @@ def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
     Raises:
         ToolRefused: param ``tools`` (not a non-empty list, more than ``gateway.max_tools``, a definition that
             is not a function tool, a name off the pattern or repeated, a definition above
-            ``gateway.max_tool_schema_bytes``, ``parameters`` that is not a JSON Schema object).
+            ``gateway.max_tool_schema_bytes``, all of them above ``gateway.max_prompt_chars``, ``parameters`` that
+            is not a JSON Schema object).
     """
     if not isinstance(tools, list) or not tools:
         raise ToolRefused("field 'tools' must be a non-empty list of function tool definitions", "tools")
@@ -76,12 +78,13 @@ def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
             raise ToolRefused(f"{where} must be {{type: 'function', function: {{name, ...}}}}", where)
         extra = sorted(set(tool) - _TOOL_KEYS)
         if extra:
-            raise ToolRefused(f"{where}.{extra[0]} is not accepted; a tool has only type and function", where)
+            raise ToolRefused(f"{where}.{short(extra[0])} is not accepted; a tool has only type and function", where)
         function = tool["function"]
         extra = sorted(set(function) - _FUNCTION_KEYS)
         if extra:
             raise ToolRefused(
-                f"{where}.function.{extra[0]} is not accepted; a function has only {sorted(_FUNCTION_KEYS)}", where
+                f"{where}.function.{short(extra[0])} is not accepted; a function has only {sorted(_FUNCTION_KEYS)}",
+                where,
             )
         name = function.get("name")
         if not isinstance(name, str) or TOOL_NAME.fullmatch(name) is None:
@@ -103,10 +106,17 @@ def check_tools(tools: Any, cfg: GatewayConfig) -> tuple[frozenset[str], int]:
                 f"{where}.function is {size} bytes, above gateway.max_tool_schema_bytes={cfg.max_tool_schema_bytes}",
                 where,
             )
-        parameters = function.get("parameters")
-        if parameters is not None:
-            check_schema(parameters, f"{where}.function.parameters")
         chars += size
+    # The cheap bound before the costly one: validating schemas takes ~3 s of CPU per MiB, so definitions that
+    # cannot fit in the prompt are refused before any is validated.
+    if chars > cfg.max_prompt_chars:
+        raise ToolRefused(
+            f"tool definitions hold {chars} characters, above gateway.max_prompt_chars={cfg.max_prompt_chars}", "tools"
+        )
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        if parameters is not None:
+            check_schema(parameters, f"tools.{i}.function.parameters")
     return frozenset(names), chars
 
 
@@ -237,7 +247,7 @@ def _check_call(call: Any, where: str, history: ToolHistory, cfg: GatewayConfig)
         raise ToolRefused(f"{where} must be {{id, type: 'function', function: {{name, arguments}}}}", where)
     extra = sorted(set(call) - _CALL_KEYS) or sorted(set(call["function"]) - _CALL_FUNCTION_KEYS)
     if extra:
-        raise ToolRefused(f"{where}: {extra[0]!r} is not accepted in a tool call", where)
+        raise ToolRefused(f"{where}: {short(extra[0])!r} is not accepted in a tool call", where)
     if call.get("type", "function") != "function":
         raise ToolRefused(f"{where}.type must be 'function'", f"{where}.type")
     call_id = call.get("id")

@@ -1,0 +1,131 @@
+"""Hostile inputs from a review of the gateway: each test is one request that used to crash, stall or slip
+past a check, and asserts what a client must see instead (status and the field named in the error).
+
+In process: the real app, an in-memory model server, a recording sink (``test_gateway_logic``'s helpers).
+"""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from connectors.config import GatewayConfig
+from connectors.gateway import tools
+from tests.connectors.gateway.gateway_fakes import FakeSink
+from tests.connectors.gateway.test_gateway_logic import MESSAGES, Gateway, Keys, error, keys, make_gateway  # noqa: F401
+
+
+@pytest.fixture
+def gw(keys: Keys) -> Iterator[Gateway]:  # noqa: F811
+    sink = FakeSink()
+    http, upstream = make_gateway(keys, sink)
+    with http:
+        yield Gateway(http, upstream, sink, keys)
+
+
+def _raw(gw: Gateway, body: bytes, path: str = "/v1/chat/completions") -> Any:
+    headers = {"authorization": f"Bearer {gw.keys.client}", "content-type": "application/json"}
+    return gw.http.post(path, content=body, headers=headers)
+
+
+def test_a_long_key_over_a_long_list_costs_no_more_memory_than_its_body(gw: Gateway) -> None:
+    """Every value's dotted path was built (and, in the parser, kept on a stack) as a string: a 20 kB key over
+    a list of 40 000 zeros (a 100 kB body) took 800 MiB and seconds; a 1 MiB body took over 100 GB (the
+    gateway killed for memory). The path is only spelled out for an error."""
+    key = "k" * 20_000
+    body = json.dumps(
+        {"model": "hourglass", "messages": MESSAGES, "metadata": {key: [0] * 40_000}}, separators=(",", ":")
+    ).encode()
+    tracemalloc.start()
+    try:
+        response = _raw(gw, body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert response.status_code == 400, response.text
+    assert error(response)["param"] == "metadata"  # over gateway.max_metadata_bytes
+    assert peak < 64 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"
+    assert gw.upstream.requests == []
+
+
+def test_a_bad_value_under_a_long_key_names_the_field_without_echoing_the_key(gw: Gateway) -> None:
+    key = "k" * 100_000
+    nan = b'{"model":"hourglass","messages":[{"role":"user","content":"x"}],"metadata":{"' + key.encode() + b'":NaN}}'
+    surrogate = b'{"model":"hourglass","messages":[],"' + key.encode() + b'":"\\ud800"}'
+    for body in (nan, surrogate):
+        response = _raw(gw, body)
+        assert response.status_code == 400, response.text
+        err = error(response)
+        assert err["param"].startswith("metadata.kkkk" if body is nan else "kkkk")
+        assert len(response.content) < 2000, f"{len(response.content)} bytes of error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "hourglass", "messages": MESSAGES, "x" * 300_000: 1}, "xxxx"),
+        ({"model": "hourglass", "messages": [{"role": "user", "content": "hi", "x" * 300_000: 1}]}, "messages"),
+        (
+            {
+                "model": "hourglass",
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f", "x" * 300_000: 1}}],
+            },
+            "tools.0",
+        ),
+    ],
+)
+def test_an_unknown_field_with_a_huge_name_is_named_not_echoed_whole(
+    gw: Gateway, body: dict[str, Any], param: str
+) -> None:
+    response = gw.post("/v1/chat/completions", body, gw.keys.client)
+    assert response.status_code == 400, response.text
+    assert error(response)["param"].startswith(param)
+    assert len(response.content) < 2000, f"{len(response.content)} bytes of error"
+
+
+def test_feedback_with_an_unknown_field_of_a_huge_name_is_a_short_422(gw: Gateway) -> None:
+    response = gw.post("/v1/feedback", {"trace_id": "t", "thumbs": "up", "y" * 300_000: 1}, gw.keys.client)
+    assert response.status_code == 422, response.text
+    assert error(response)["param"].startswith("yyyy")
+    assert len(response.content) < 2000, f"{len(response.content)} bytes of error"
+
+
+def test_a_json_schema_format_without_a_schema_is_a_400_naming_it(gw: Gateway) -> None:
+    """vLLM 0.32 turns ``json_schema`` without ``schema`` into StructuredOutputsParams(json=None) and refuses
+    it with "You must use one kind of structured outputs constraint but none are specified: {...}" (its
+    internals, no field)."""
+    for spec in ({"name": "answer"}, {"name": "answer", "schema": None}):
+        response = gw.chat(response_format={"type": "json_schema", "json_schema": spec})
+        assert response.status_code == 400, response.text
+        assert error(response)["param"] == "response_format.json_schema.schema"
+    assert gw.upstream.requests == []
+
+
+def test_tool_definitions_over_the_prompt_size_are_refused_before_their_schemas_are_compiled(
+    keys: Keys,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Schema validation costs ~3 s of CPU per MiB of tool definitions (on the event loop); definitions that
+    cannot fit in gateway.max_prompt_chars were all validated before that size was checked."""
+    checked: list[str] = []
+    real = tools.check_schema
+    monkeypatch.setattr(tools, "check_schema", lambda schema, where: (checked.append(where), real(schema, where)))
+    http, upstream = make_gateway(keys, FakeSink(), gateway=GatewayConfig(max_prompt_chars=1000))
+    params = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20)}}  # ~500 bytes
+    offered = [{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(10)]
+    with http:
+        response = http.post(
+            "/v1/chat/completions",
+            json={"model": "hourglass", "messages": MESSAGES, "tools": offered},
+            headers={"authorization": f"Bearer {keys.client}"},
+        )
+    assert response.status_code == 400, response.text
+    assert error(response)["param"] == "tools"
+    assert "gateway.max_prompt_chars" in error(response)["message"]
+    assert len(checked) <= 2, f"{len(checked)} schemas validated for a request refused for its size"
+    assert upstream.requests == []
