@@ -29,8 +29,9 @@ The trace event is published after the response body is produced, through
 :class:`~connectors.gateway.events.EventPublisher`, so Kafka never slows or
 fails the client. A stream that does not complete is not traced, and feedback with
 its token is a 409 (:class:`~connectors.gateway.streams.StreamLedger`). More than
-one ``Host`` header is a 400. Errors use the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}`` and never name internal addresses.
+one ``Host`` or ``Authorization`` header is a 400. Errors (an unknown path's 404 and a wrong method's 405
+too) use the OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` and never name internal
+addresses.
 
 Upstream API: OpenAI Chat Completions / Completions (as served by vLLM 0.32).
 """
@@ -58,6 +59,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from connectors.gateway.auth import (
     ANONYMOUS,
@@ -77,7 +79,7 @@ from connectors.gateway.streams import INCOMPLETE_FINISH, StreamLedger
 from connectors.gateway.request import (
     ClosingStream,
     RequestRefused,
-    SingleHostHeader,
+    SingleHeaders,
     bound_generation,
     check_content_type,
     check_finite,
@@ -286,7 +288,7 @@ def create_gateway_app(
 
     # no /docs, /redoc or /openapi.json on the client-facing port: the API is OpenAI's, documented in docs/
     app = FastAPI(title="Hourglass gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(SingleHostHeader)
+    app.add_middleware(SingleHeaders)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -295,6 +297,24 @@ def create_gateway_app(
         return openai_error(
             422, f"invalid request: {describe_errors(errors)}", type_="invalid_request_error", param=error_param(errors)
         )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such path: 404, a method the path does not take: 405 with its
+        ``Allow``) in the OpenAI error body rather than FastAPI's ``{"detail": ...}``. The client's path and
+        method are cut (they may be long); no metric is labelled with them (made-up paths are unbounded)."""
+        path = request.url.path if len(request.url.path) <= 80 else f"{request.url.path[:80]}..."
+        method = request.method[:20]
+        if err.status_code == 404:
+            message, code = f"Invalid URL ({method} {path})", "unknown_url"
+        elif err.status_code == 405:
+            allow = (err.headers or {}).get("Allow")
+            message = f"method {method} is not allowed on {path}" + (f"; allowed: {allow}" if allow else "")
+            code = "method_not_allowed"
+        else:
+            message, code = str(err.detail)[:200], None
+        type_ = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return openai_error(err.status_code, message, type_=type_, code=code, headers=dict(err.headers or {}))
 
     def identity(key_id: str, user: str | None) -> str:
         """The end user's hash: the key id, plus the request's ``user`` scoped to that key."""

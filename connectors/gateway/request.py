@@ -152,25 +152,29 @@ def error_param(errors: Sequence[Mapping[str, Any]]) -> str | None:
     return next((_dotted(e["loc"]) for e in errors if e["loc"]), None)
 
 
-class SingleHostHeader:
-    """ASGI middleware: a request with more than one ``Host`` header is a 400 (RFC 9112 section 3.2), before
-    any route runs. Starlette reads the first, a proxy or cache in front may read the last: never guess."""
+class SingleHeaders:
+    """ASGI middleware: a request with more than one ``Host`` header (RFC 9112 section 3.2) or more than one
+    ``Authorization`` header is a 400, before any route runs. Starlette reads the first, a proxy or cache in
+    front may read the last: never guess. The error names how many, never their values (a key)."""
+
+    _SINGLE = (
+        (b"host", "Host", "duplicate_host_header"),
+        (b"authorization", "Authorization", "duplicate_authorization_header"),
+    )
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            hosts = sum(1 for key, _ in scope["headers"] if key == b"host")  # ASGI header names are lowercase
-            if hosts > 1:
-                response = openai_error(
-                    400,
-                    f"{hosts} Host headers: send exactly one",
-                    type_="invalid_request_error",
-                    code="duplicate_host_header",
-                )
-                await response(scope, receive, send)
-                return
+            for name, shown, code in self._SINGLE:
+                seen = sum(1 for key, _ in scope["headers"] if key == name)  # ASGI header names are lowercase
+                if seen > 1:
+                    response = openai_error(
+                        400, f"{seen} {shown} headers: send exactly one", type_="invalid_request_error", code=code
+                    )
+                    await response(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 
@@ -530,15 +534,23 @@ def _check_messages(messages: Any, cfg: GatewayConfig, tool_chars: int = 0) -> N
 
 
 def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
+    # vLLM refuses an empty prompt with a 400 naming no field ("The decoder prompt cannot be empty"): name it here
     if isinstance(prompt, str):
+        if not prompt:
+            raise RequestRefused(400, "field 'prompt' must not be empty", param="prompt")
         size = len(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif isinstance(prompt, list) and not prompt:
+        raise RequestRefused(400, "field 'prompt' must not be an empty list", param="prompt")
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         if len(prompt) > cfg.max_n:
             raise RequestRefused(
                 400, f"a batch of {len(prompt)} prompts, above gateway.max_n={cfg.max_n}", param="prompt"
             )
+        empty = next((i for i, p in enumerate(prompt) if not p), None)
+        if empty is not None:
+            raise RequestRefused(400, f"prompt.{empty} must not be empty", param=f"prompt.{empty}")
         size = sum(len(p) for p in prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    elif isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         size = len(prompt)  # one prompt as token ids
     else:
         raise RequestRefused(

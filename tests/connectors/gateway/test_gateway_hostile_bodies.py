@@ -129,3 +129,57 @@ def test_tool_definitions_over_the_prompt_size_are_refused_before_their_schemas_
     assert "gateway.max_prompt_chars" in error(response)["message"]
     assert len(checked) <= 2, f"{len(checked)} schemas validated for a request refused for its size"
     assert upstream.requests == []
+
+
+def test_two_authorization_headers_are_a_400_naming_neither_key(gw: Gateway) -> None:
+    """The first ``Authorization`` header silently won; a proxy in front may read the last. Refused before
+    anything runs, like two ``Host`` headers, and the error echoes neither value (one may be a valid key)."""
+    body = {"model": "hourglass", "messages": MESSAGES}
+    for second in (f"Bearer {gw.keys.client}", "Bearer other-secret-value"):
+        headers = [("authorization", f"Bearer {gw.keys.client}"), ("authorization", second)]
+        response = gw.http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 400, response.text
+        err = error(response)
+        assert err["code"] == "duplicate_authorization_header" and err["param"] is None
+        assert "2 Authorization headers" in err["message"]
+        assert gw.keys.client not in response.text and "other-secret-value" not in response.text
+    assert gw.upstream.requests == []
+    assert gw.chat().status_code == 200  # one Authorization header: served
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"), [("", "prompt"), (["fine", ""], "prompt.1"), ([""], "prompt.0"), ([], "prompt")]
+)
+def test_an_empty_completions_prompt_is_a_400_naming_it(gw: Gateway, prompt: Any, param: str) -> None:
+    """vLLM answers an empty prompt with a 400 naming no field ("The decoder prompt cannot be empty")."""
+    response = gw.post("/v1/completions", {"model": "hourglass", "prompt": prompt, "max_tokens": 4}, gw.keys.client)
+    assert response.status_code == 400, response.text
+    assert error(response)["param"] == param
+    assert gw.upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/v1/nope", 404, None),
+        ("POST", "/v1/nope", 404, None),
+        ("GET", "/" + "x" * 5000, 404, None),
+        ("DELETE", "/v1/chat/completions", 405, "POST"),
+        ("GET", "/v1/completions", 405, "POST"),
+        ("POST", "/v1/models", 405, "GET"),
+    ],
+)
+def test_unknown_paths_and_wrong_methods_answer_the_openai_error_body(
+    gw: Gateway, method: str, path: str, status: int, allow: str | None
+) -> None:
+    """They answered FastAPI's ``{"detail": ...}``: an OpenAI client expects ``{"error": {...}}``."""
+    headers = {"authorization": f"Bearer {gw.keys.client}", "content-type": "application/json"}
+    response = gw.http.request(method, path, headers=headers, content=b"{}")
+    assert response.status_code == status, response.text
+    err = error(response)
+    assert err["type"] == "invalid_request_error" and err["param"] is None
+    assert err["code"] == ("unknown_url" if status == 404 else "method_not_allowed")
+    assert len(response.content) < 500, f"{len(response.content)} bytes of error"
+    if allow is not None:
+        assert allow in response.headers["allow"]
+    assert gw.upstream.requests == []
