@@ -3,9 +3,10 @@
 One run is an anecdote. This runs ``python -m pipeline.demo --seed S`` for each seed (a subprocess each, one after
 the other: they share the stack's ports and state) and prints, per seed, the final greedy accuracy on the demo's
 fresh prompts (the users' own check), the accuracy by round, the users' live rate last phase / first phase, and
-every canary with both sides' live thumbs-up (the challenger and the side it would replace) and its outcome.
-A *worse promotion* is a promoted challenger whose users' thumbs-up rate (point estimate) is below the replaced
-side's. The result line gives the median final accuracy, its spread (min-max) and the worse promotions.
+every canary with both sides' live verdict (the challenger and the side it would replace) and its outcome: the
+users' thumbs-up where every answer is rated, their own check of the served answers where few are
+(``-- --rating-rate 0.05``). A *worse promotion* is a promoted challenger whose users' live rate (point estimate) is
+below the replaced side's. The result line gives the median final accuracy, its spread (min-max) and the worse promotions.
 
 Targets: no worse promotion in any seed; median final accuracy >= 0.6.
 
@@ -51,7 +52,7 @@ def table(results: list[tuple[int, int, Run, float, str]]) -> tuple[list[str], l
         "accuracy by round",
         "live rate last / first",
         "forgetting (shipped suite, base - champion)",
-        "canaries (users' thumbs-up, challenger vs replaced side)",
+        "canaries (users' live verdict, challenger vs replaced side)",
         "worse promotions",
         "wall",
         "load 1/5 min",
@@ -160,7 +161,9 @@ def _report(
         result=result,
         notes=[
             "accuracy: greedy, 48 fresh prompts, the users' own check, of the model served after each round",
-            "worse promotion: a promoted challenger with a lower users' thumbs-up rate than the side it replaced",
+            "worse promotion: a promoted challenger with a lower users' live rate than the side it replaced",
+            "users' live verdict: thumbs-up where every answer is rated; right by the users' own check where few are "
+            "(--rating-rate below 1)",
         ],
     )
 
