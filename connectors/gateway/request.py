@@ -551,6 +551,9 @@ def _check_prompt(prompt: Any, cfg: GatewayConfig) -> None:
             raise RequestRefused(400, f"prompt.{empty} must not be empty", param=f"prompt.{empty}")
         size = sum(len(p) for p in prompt)
     elif isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        negative = next((i for i, p in enumerate(prompt) if p < 0), None)  # a token id indexes the vocabulary
+        if negative is not None:
+            raise RequestRefused(400, f"prompt.{negative} is a negative token id", param=f"prompt.{negative}")
         size = len(prompt)  # one prompt as token ids
     else:
         raise RequestRefused(

@@ -148,10 +148,12 @@ def test_two_authorization_headers_are_a_400_naming_neither_key(gw: Gateway) -> 
 
 
 @pytest.mark.parametrize(
-    ("prompt", "param"), [("", "prompt"), (["fine", ""], "prompt.1"), ([""], "prompt.0"), ([], "prompt")]
+    ("prompt", "param"),
+    [("", "prompt"), (["fine", ""], "prompt.1"), ([""], "prompt.0"), ([], "prompt"), ([5, -1], "prompt.1")],
 )
 def test_an_empty_completions_prompt_is_a_400_naming_it(gw: Gateway, prompt: Any, param: str) -> None:
-    """vLLM answers an empty prompt with a 400 naming no field ("The decoder prompt cannot be empty")."""
+    """vLLM answers an empty prompt with a 400 naming no field ("The decoder prompt cannot be empty"); a negative
+    token id (an index into the vocabulary) is refused here too."""
     response = gw.post("/v1/completions", {"model": "hourglass", "prompt": prompt, "max_tokens": 4}, gw.keys.client)
     assert response.status_code == 400, response.text
     assert error(response)["param"] == param
