@@ -52,7 +52,7 @@ def table(results: list[tuple[int, int, Run, float, str]]) -> tuple[list[str], l
         "accuracy by round",
         "live rate last / first",
         "forgetting (shipped suite, base - champion)",
-        "canaries (users' live verdict, challenger vs replaced side)",
+        "canaries (users' thumbs-up, challenger vs replaced side)",
         "worse promotions",
         "wall",
         "load 1/5 min",
@@ -162,8 +162,8 @@ def _report(
         notes=[
             "accuracy: greedy, 48 fresh prompts, the users' own check, of the model served after each round",
             "worse promotion: a promoted challenger with a lower users' live rate than the side it replaced",
-            "users' live verdict: thumbs-up where every answer is rated; right by the users' own check where few are "
-            "(--rating-rate below 1)",
+            "the canary column's rates: thumbs-up where every answer is rated; right by the users' own check where few "
+            "are (--rating-rate below 1)",
         ],
     )
 
