@@ -96,3 +96,31 @@ def test_kl_leaves_out_empty_answers_and_is_nan_without_tokens_or_with_a_nan() -
         kl_to_base([_sample((1, 2), ())], [ref])
     with pytest.raises(ValueError, match=r"expected \(2,\)"):
         kl_to_base([_sample((1, 2), (-1.0, -1.0))], [torch.tensor([-1.0])])
+
+
+def test_answers_several_versions_gave_alike_are_scored_once(tiny_model: Path) -> None:
+    """Identical answers to one prompt share one row of the reference pass; every version still gets the
+    log-probs of its own answer, equal to scoring that answer alone."""
+    base = load_base(ModelConfig(name=str(tiny_model), dtype="float32"))
+    ids = [[11, 12, 13], [21, 22]]
+    same, other = (5, 6, 7), (8, 9)
+
+    def answers_of(*tokens: tuple[int, ...]) -> list[Sample]:
+        return [Sample(f"p{i}", "", t, (), "v") for i, t in enumerate(tokens)]
+
+    answers = {"a": answers_of(same, other), "b": answers_of(same, same[:2]), "c": answers_of(same, ())}
+    rows: list[int] = []
+    handle = base.model.get_input_embeddings().register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    try:
+        got = reference_logprobs(base, ids, answers)
+    finally:
+        handle.remove()
+    assert rows == [2, 3]  # 2 distinct prompts once, then 3 distinct answers: (5, 6, 7) once for a, b and c
+    assert got["c"][1] is None  # no tokens, no log-probs
+    for version, samples in answers.items():
+        for i, sample in enumerate(samples):
+            if sample.token_ids:
+                alone = reference_logprobs(base, [ids[i]], {version: [sample]})[version][0]
+                assert got[version][i] is not None and alone is not None
+                torch.testing.assert_close(got[version][i], alone, rtol=1e-5, atol=1e-6)
+    assert got["a"][0] is got["b"][0] is got["c"][0]

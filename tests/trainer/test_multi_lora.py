@@ -549,3 +549,38 @@ def test_one_pass_sharing_prompts_gives_each_candidate_its_gradient_alone(
         # float32 rounding: the chunks and the prompt / completion passes add up in another order
         worst = max(worst, assert_gradients_close(got, alone[c.name], GRAD_TOL, (c.name, chunk_tokens)))
     print(f"shared prompts, {chunk_tokens}-token chunks: largest gradient error / GRAD_TOL {worst[0]:.3g} ({worst[1]})")
+
+
+def test_fresh_candidates_skip_the_reference_pass_with_the_same_update(base: ResidentBase) -> None:
+    """At a fresh start (every LoRA B zero, as PEFT initialises) the policy is the reference model: the one-pass
+    step runs no reference forward, and its update equals the step that ran one."""
+    import trainer.multi_lora.one_pass as one_pass
+
+    batches = [_batch(base, seed=k, rows=3 + k) for k in range(3)]
+    weights = {}
+    for skip in (True, False):
+        store = make_store("offload", base, seed=0)
+        for c in CANDIDATES:
+            store.create(c.name, c)
+        forwards: list[int] = []
+        handle = base.model.get_input_embeddings().register_forward_pre_hook(lambda m, a: forwards.append(1))
+        real = one_pass.at_the_base
+        one_pass.at_the_base = real if skip else (lambda member: False)  # type: ignore[assignment]
+        try:
+            metrics = train_one_pass(base, store, list(zip(CANDIDATES, batches)), RL)
+        finally:
+            one_pass.at_the_base = real  # type: ignore[assignment]
+            handle.remove()
+        assert all(math.isfinite(m["train/loss"]) for m in metrics.values())
+        # 2 groups of adapters_per_pass = 2 candidates, 1 chunk each, rows whole (no prompt repeats): one policy
+        # forward per group, and one reference forward each where it is not skipped
+        assert len(forwards) == (2 if skip else 4), forwards
+        weights[skip] = {c.name: store.snapshot(c.name) for c in CANDIDATES}
+        if skip:
+            assert all(m["train/kl"] == 0.0 for m in metrics.values())
+        _close(store)
+    for c in CANDIDATES:
+        moved = [k for k, v in weights[True][c.name].items() if ".lora_A." in k and v.abs().sum() > 0]
+        assert moved  # B moved by the step; A has no gradient at B = 0 but keeps its random start
+        for k, v in weights[True][c.name].items():
+            torch.testing.assert_close(v, weights[False][c.name][k], rtol=1e-5, atol=1e-7)

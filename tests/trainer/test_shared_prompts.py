@@ -95,3 +95,32 @@ def test_distinct_prompts_share_only_within_a_key() -> None:
     assert distinct_prompts(prompts) == ([0, 0, 1, 0, 1], [0, 2])
     assert distinct_prompts(prompts, keys_B=[0, 0, 0, 1, 1]) == ([0, 0, 1, 2, 3], [0, 2, 3, 4])
     assert distinct_prompts([]) == ([], [])
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "whole-rows"])
+def test_short_cpu_passes_run_eager_attention_with_sdpas_results(
+    base: ResidentBase, share: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short pass on CPU runs eager attention (its backward is faster there, trainer.model.base) and gives
+    SDPA's log-probs and gradients; a pass longer than the bound runs SDPA; the model is left as loaded."""
+    import trainer.model.base as base_module
+
+    seen: list[str] = []
+    attention = base.model.get_base_model().model.layers[0].self_attn
+    handle = attention.register_forward_pre_hook(lambda m, args: seen.append(m.config._attn_implementation))
+    try:
+        assert base.model.config._attn_implementation == "sdpa"
+        eager_lp, _, eager_grads, _ = _pass(base, share)
+        assert seen and set(seen) == {"eager"}
+        monkeypatch.setattr(base_module, "EAGER_ATTENTION_MAX_TOKENS", 14)  # the longest row has 9 + 5 tokens
+        assert _pass(base, share)[0].equal(eager_lp)
+        monkeypatch.setattr(base_module, "EAGER_ATTENTION_MAX_TOKENS", 13)
+        seen.clear()
+        sdpa_lp, _, sdpa_grads, _ = _pass(base, share)
+        assert seen and set(seen) == {"sdpa"}
+    finally:
+        handle.remove()
+    assert base.model.config._attn_implementation == "sdpa"
+    lp_err = max_relative_error(eager_lp, sdpa_lp)
+    assert lp_err < LOGPROB_TOL, lp_err
+    assert_gradients_close(eager_grads, sdpa_grads, GRAD_TOL)

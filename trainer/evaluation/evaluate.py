@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,9 @@ def evaluate(
             for s in rl.regression
             if s.name in on_suite
         ]
+        started = time.perf_counter()
         answered = greedy_sets(engine, sets, rl.seed)
+        greedy_s = time.perf_counter() - started
         answers, suite_answers = answered[0], dict(zip(on_suite, answered[1:]))
         held = HeldOut(base, rows, ids, answers, rl, reward.model)
         values = spec.values(held) if rows else (lambda _version: ())
@@ -195,7 +198,9 @@ def evaluate(
         kl_versions = list(
             dict.fromkeys(versions[c.name] for c in contestants.candidates if versions[c.name] in answers)
         )
+        started = time.perf_counter()
         base_logprobs = reference_logprobs(base, ids, {v: answers[v] for v in kl_versions})
+        kl_pass_s = time.perf_counter() - started
         # 5. each candidate (its adapter live: the feedback metric scores through it)
         results: dict[str, EvalResult] = {}
         for c in contestants.candidates:
@@ -214,7 +219,8 @@ def evaluate(
         # 6. each served model's champion, the regression suites' scores, the monitors' readings, and what the
         #    gate reads
         evaluations: dict[str, TenantEvaluation] = {}
-        metrics = {"eval/prompts": float(len(rows))}
+        # where the phase's time goes: the engine's greedy answers, the trainer's adapters-off pass for the KL
+        metrics = {"eval/prompts": float(len(rows)), "eval/greedy_s": greedy_s, "eval/kl_pass_s": kl_pass_s}
         suite_scores = _score_suites(rl, suite_prompts, suite_answers)
         readings = {v: read_side(_answers(rows, answers[v]), rl.monitors) for v in answers}
         for tenant in tenants:

@@ -87,7 +87,9 @@ def reference_logprobs(
     ...) and a forward pass holds whole prompts' answers, up to
     ``REFERENCE_CHUNK_ROWS`` rows (more only when one prompt has more answers),
     so each prompt runs once for all versions (:mod:`trainer.model.logprobs`);
-    answers without tokens are skipped.
+    answers without tokens are skipped, and an answer several versions gave
+    alike to the same prompt (greedy answers often agree) is scored once, its
+    log-probs shared by those versions.
 
     Returns:
         ``{version: [logprobs_T or None]}`` aligned with ``answers[version]``:
@@ -102,8 +104,14 @@ def reference_logprobs(
             raise ValueError(f"version {version!r} has {len(samples)} answers for {len(prompt_ids)} prompts")
     out: dict[str, list[torch.Tensor | None]] = {v: [None] * len(prompt_ids) for v in answers}
     chunks: list[list[tuple[str, int]]] = [[]]
+    scored_as: list[dict[str, str]] = []  # per prompt: version -> the version whose identical answer is scored
     for i in range(len(prompt_ids)):
-        rows = [(v, i) for v in answers if answers[v][i].token_ids]
+        first: dict[tuple[int, ...], str] = {}
+        for v in answers:
+            if answers[v][i].token_ids:
+                first.setdefault(tuple(answers[v][i].token_ids), v)
+        scored_as.append({v: first[tuple(answers[v][i].token_ids)] for v in answers if answers[v][i].token_ids})
+        rows = [(v, i) for v in first.values()]
         if chunks[-1] and len(chunks[-1]) + len(rows) > REFERENCE_CHUNK_ROWS:
             chunks.append([])
         chunks[-1].extend(rows)
@@ -117,6 +125,9 @@ def reference_logprobs(
         logprobs_BT = logprobs_BT.float().cpu()
         for b, (v, i) in enumerate(chunk):
             out[v][i] = logprobs_BT[b, : len(answers[v][i].token_ids)]
+    for i, same in enumerate(scored_as):
+        for v, scored in same.items():
+            out[v][i] = out[scored][i]
     return out
 
 

@@ -29,6 +29,13 @@ from trainer.model.logprobs import RowsContext, distinct_prompts, no_rows_contex
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BOOT_ADAPTER = "hourglass-boot"  # PEFT needs one adapter to build the wrapper; never trained
+EAGER_ATTENTION_MAX_TOKENS = 256
+"""On CPU, passes whose longest row (prompt + completion) has at most this many tokens run transformers' eager
+attention instead of SDPA. Measured on the 2-core dev host (SmolLM2-135M, bf16, one-pass steps of K = 4 to 8
+candidates): torch's CPU flash-attention backward made a step of 43 + 12 token rows 15-20 % slower than eager
+attention, and eager was still ahead at 400 + 64 tokens. Eager keeps each layer's ``[rows, heads, T, T]``
+attention weights for backward, which grows with ``T`` at a fixed ``rl.update.chunk_tokens``; at this bound it
+stays below the chunk's other activations. On CUDA, SDPA's fused kernels stay."""
 
 
 def lora_config(candidate: CandidateConfig) -> LoraConfig:
@@ -217,6 +224,34 @@ class ResidentBase:
             ``(logprobs_BT, mask_BT)`` with ``T`` = longest completion; column
             ``t`` is completion token ``t``; mask is 1.0 on real completion tokens.
         """
+        longest = max((len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)), default=0)
+        with self._attention_for(longest):
+            return self._completion_logprobs(prompt_ids, completion_ids, keys_B, rows)
+
+    @contextlib.contextmanager
+    def _attention_for(self, longest: int) -> Iterator[None]:
+        """Eager attention for a short CPU pass of an SDPA model (:data:`EAGER_ATTENTION_MAX_TOKENS`), else as loaded."""
+        if (
+            self.device.type != "cpu"
+            or longest > EAGER_ATTENTION_MAX_TOKENS
+            or getattr(self.model.config, "_attn_implementation", None) != "sdpa"
+            or not _can_switch_attention(self.model.get_base_model())
+        ):
+            yield
+            return
+        self.model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation("sdpa")
+
+    def _completion_logprobs(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        keys_B: Sequence[Hashable] | None,
+        rows: RowsContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.share_prompts and all(prompt_ids):
             owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
@@ -263,6 +298,12 @@ class ResidentBase:
         index_BT = (T - lens_B1 + cols_BT).clamp(max=T - 1)
         logprobs_BT = right_BT.gather(1, index_BT.to(self.device)) * mask_BT.to(self.device)
         return logprobs_BT, mask_BT.to(self.device)
+
+
+def _can_switch_attention(model: object) -> bool:
+    """Whether transformers can switch this model's attention implementation between passes (cached per class)."""
+    can = getattr(model, "_can_set_attn_implementation", None)
+    return bool(callable(can) and can())
 
 
 def load_base(cfg: ModelConfig, boot_candidate: CandidateConfig | None = None) -> ResidentBase:

@@ -9,7 +9,11 @@ sorts), and goes through one adapters-off reference forward (no grad) and one
 forward/backward in which each row goes through its own candidate's LoRA
 weights. Gradients accumulate over the chunks, and only one chunk's
 activations are alive at a time, so the step's peak memory is bounded by the
-budget, not by K x rows.
+budget, not by K x rows. When every candidate of the step is still at the base
+(all its LoRA B matrices zero, as PEFT initialises a fresh adapter: the first
+step of a ``start = "fresh"`` candidate), its LoRA terms are exactly zero, the
+policy forward computes the reference's log-probs, and the reference pass is
+skipped (:func:`at_the_base`).
 
 Each candidate keeps its own loss normalisation over *all* its rows of the
 step: a chunk's piece of candidate ``k`` contributes its token-mean loss times
@@ -113,12 +117,14 @@ def update_step_one_pass(
     sums: list[dict[str, float]] = [{"train/loss": 0.0, "train/pg_loss": 0.0, "train/kl": 0.0} for _ in members]
     finite = [True] * len(members)
     chunks = plan_chunks(batches, rl.update.chunk_tokens, base.share_prompts)
+    at_reference = all(at_the_base(m) for m in members)  # a fresh candidate's first step: no reference pass needed
     for chunk in chunks:
         prompts = [batches[k].prompt_ids[r] for k, rows in chunk for r in rows]
         completions = [batches[k].completion_ids[r] for k, rows in chunk for r in rows]
         adapter_B = [k for k, rows in chunk for _ in rows]
-        with phase("time/reference_s"), torch.no_grad(), base.reference():  # rows of all members share each prompt
-            ref_BT, _ = base.completion_logprobs(prompts, completions)
+        if not at_reference:
+            with phase("time/reference_s"), torch.no_grad(), base.reference():  # rows of all members share prompts
+                ref_BT, _ = base.completion_logprobs(prompts, completions)
         with phase("time/forward_backward_s"):
             with base.reference():  # PEFT's adapters off: only the multi-adapter hooks apply, per row
                 logprobs_all_BT, mask_all_BT = base.completion_logprobs(
@@ -127,6 +133,8 @@ def update_step_one_pass(
                     keys_B=adapter_B,  # a member's rows share its prompts' forward, never another member's
                     rows=lambda batch_rows: multi.active([adapter_B[b] for b in batch_rows]),  # type: ignore[attr-defined]
                 )
+            if at_reference:  # every LoRA delta is exactly zero: the policy's log-probs are the reference's
+                ref_BT = logprobs_all_BT.detach()
             losses = []
             start = 0
             for k, rows in chunk:
@@ -167,6 +175,12 @@ def update_step_one_pass(
         r["train/update_s"] = elapsed / len(members)
         r["train/chunks"] = float(len(chunks))
     return sums
+
+
+def at_the_base(member: OnePassMember) -> bool:
+    """True when every LoRA B matrix of the member is zero (PEFT's initialisation of a fresh adapter): its
+    policy is then the reference model itself, and the step's reference pass would repeat the policy's forward."""
+    return all(not bool(p.any()) for k, p in member.params.items() if ".lora_B." in k)
 
 
 def live_params(store: AdapterStore, name: str) -> dict[str, torch.nn.Parameter]:
