@@ -204,10 +204,11 @@ class ServingConfig(Section):
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
     block_size: int = Field(
         default=32,
-        ge=16,
-        multiple_of=16,
+        ge=32,
+        multiple_of=32,
         description="vLLM --block-size (KV tokens per block). Prefix caching shares whole blocks only, so the n samples "
-        "of one prompt share its prefill only for prompts longer than one block; vLLM's CPU default of 128 shares none of ours.",
+        "of one prompt share its prefill only for prompts longer than one block; vLLM's CPU default of 128 shares none "
+        "of ours. vLLM's CPU attention takes multiples of 32 only (16 stops the server at start-up).",
     )
     cpu_threads: str = Field(
         default="all",

@@ -313,3 +313,15 @@ def test_config_check_takes_the_file_as_an_argument_or_as_config(tmp_path: Path)
     for args in ([], [str(conf), "--config", str(conf)]):  # none, or two: say how to give it
         result = CliRunner().invoke(app, ["config", "check", *args])
         assert result.exit_code == 2 and "give the file once" in result.output, (args, result.output)
+
+
+@pytest.mark.parametrize("size", [16, 48])
+def test_a_kv_block_size_vllms_cpu_attention_cannot_run_is_refused(tmp_path: Path, size: int) -> None:
+    """vLLM's CPU attention takes blocks of multiples of 32 (16 stops the server at start-up): refused in config."""
+    conf = tmp_path / "c.toml"
+    conf.write_text(f"[serving]\nblock_size = {size}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    assert any(p.startswith("serving.block_size:") for p in caught.value.problems), caught.value.problems
+    conf.write_text("[serving]\nblock_size = 64\n")
+    assert load_config(conf).serving.block_size == 64
