@@ -23,6 +23,11 @@ tokens is printed (scored by the bf16 server as a prompt, ``prompt_logprobs``).
 
 With ``--compare max-num-seqs`` the servers differ in ``--max-num-seqs`` (64, the setting before
 ``serving.max_num_seqs`` existed, vs 256, its default) and answer the same workloads as ``dtype``.
+With ``--compare lora-form`` both run the grouped kernels, the first with one matmul per slot always
+(``HOURGLASS_VLLM_LORA_STACKED_WORK=0``), the second with the stacked form for small batches (the default);
+``--dtype`` sets both servers' dtype:
+
+    python bench/vllm_lora.py --compare lora-form --adapters 8 --eval-prompts 96 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ from trainer.model import store as model_store  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 from trainer.types import RolloutRequest  # noqa: E402
 from trainer.rollout.vllm import VLLMEngine  # noqa: E402
-from pipeline.serving.vllm_cpu_lora import ENV_SWITCH  # noqa: E402
+from pipeline.serving.vllm_cpu_lora import ENV_SWITCH, STACKED_ENV  # noqa: E402
 
 # --compare SETTING: the two servers' settings (the first is the baseline), all else equal, grouped kernels
 SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     "dtype": {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}},
     "max-num-seqs": {"64": {"max_num_seqs": 64}, "256": {"max_num_seqs": 256}},
+    # the grouped kernels alone (one matmul per slot) vs with the stacked form for small batches (the default)
+    "lora-form": {"grouped": {"env": {STACKED_ENV: "0"}}, "stacked": {"env": {}}},
 }
 
 
@@ -135,6 +142,7 @@ def measure(
     logs: Path,
     dtype: str = "auto",
     max_num_seqs: int = VLLM_MAX_NUM_SEQS_DEFAULT,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     service = vllm_service(
         model_dir,
@@ -148,6 +156,7 @@ def measure(
         max_num_seqs=max_num_seqs,
     )
     service.env[ENV_SWITCH] = "1" if grouped else "0"
+    service.env.update(env or {})
     service.start()
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{service.port}")
@@ -187,10 +196,12 @@ def compare_settings(
 ) -> None:
     """Two servers that differ in one setting (``SETTINGS[args.compare]``), each timed on the sampled rollouts
     (bare base, through the adapters) and the greedy evaluation; prints and records base-setting / new-setting."""
-    flag = f"--{args.compare}"
+    flag = "LoRA kernel form" if args.compare == "lora-form" else f"vLLM --{args.compare}"
     (old, old_kw), (new, new_kw) = SETTINGS[args.compare].items()
     sides = {
-        label: measure(True, model_dir, adapters, ids, args, work / f"logs-{args.compare}-{label}", **kw)
+        label: measure(
+            True, model_dir, adapters, ids, args, work / f"logs-{args.compare}-{label}", **{"dtype": args.dtype, **kw}
+        )
         for label, kw in ((old, old_kw), (new, new_kw))
     }
     for label, r in sides.items():
@@ -202,12 +213,14 @@ def compare_settings(
     a, b = sides[old], sides[new]
     print(f"greedy answers equal on both servers: {same:.1%}; mean |log-prob difference| on equal prefixes {gap:.4f}")
     last = (
-        f"vLLM {flag} {new} vs {old}: LoRA rollouts {a['lora_s'] / b['lora_s']:.2f}x, "
+        f"{flag} {new} vs {old}: LoRA rollouts {a['lora_s'] / b['lora_s']:.2f}x, "
         f"greedy evaluation {a['greedy_s'] / b['greedy_s']:.2f}x (> 1: {new} faster)"
     )
+    dtype = "" if args.compare == "dtype" or args.dtype == "auto" else f"-{args.dtype}"
     recorder.write(
-        f"{args.compare}-{model_dir.name}",
-        title=f"vLLM {flag} {old} vs {new}, {model_dir.name}, {args.adapters} rank-{args.rank} adapters, "
+        f"{args.compare}-{model_dir.name}{dtype}",
+        title=f"{flag} {old} vs {new}, {model_dir.name}{dtype.replace('-', ', vLLM --dtype ')}, "
+        f"{args.adapters} rank-{args.rank} adapters, "
         f"grouped kernels; sampled: {args.prompts} prompts x G = {args.group} x {args.max_new_tokens} tokens per "
         f"adapter; greedy: {args.adapters + 1} versions x {args.eval_prompts} prompts",
         columns=["workload", old, new, f"{old} / {new}"],
@@ -242,7 +255,13 @@ def main() -> None:
         "--compare",
         choices=["kernels", *SETTINGS],
         default="kernels",
-        help="what differs between the two servers: the LoRA kernels, vLLM's --dtype or its --max-num-seqs",
+        help="what differs between the two servers: the LoRA kernels, vLLM's --dtype, its --max-num-seqs, or the "
+        "grouped kernels' form for small batches (lora-form)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM --dtype of both servers where --compare does not set it (auto: float32 on CPU, as the service)",
     )
     parser.add_argument(
         "--eval-prompts", type=int, default=32, help="--compare dtype / max-num-seqs: greedy evaluation prompts"

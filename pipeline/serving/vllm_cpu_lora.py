@@ -8,13 +8,31 @@ per layer, per projection. Measured on SmolLM2-135M with 8 prompts x n=6 x 12
 new tokens, one rank-8 adapter, 2 cores: 52 s through the adapter against 11 s
 for the base (``python bench/vllm_lora.py``; see docs/benchmarks/vllm-lora.md).
 
-What: the same six functions computed per adapter instead of per token. The
-tokens of a batch are grouped by LoRA slot (a batch holds at most
-``--max-loras`` distinct slots) and each group is one dense matmul
-``x[rows] @ W[slot].T``. A slot index below zero means "no adapter" and
-contributes nothing, which is the contract of the Triton (GPU) kernels
-(``vllm/lora/ops/triton_ops``); the reference CPU kernels instead index the last
-slot with it.
+What: the same six functions computed per adapter instead of per token, two ways:
+
+- **grouped** (large batches, prefill): the tokens are grouped by LoRA slot (a
+  batch holds at most ``--max-loras`` distinct slots) and each group is one dense
+  matmul ``x[rows] @ W[slot].T``;
+- **stacked** (small batches of several slots, decode steps above all: up to :data:`STACKED_MAX_WORK`
+  tokens x slots, ``HOURGLASS_VLLM_LORA_STACKED_WORK``; 0 turns it off): one matmul
+  against every slot's matrix at once, the slot picked per token, with no loop,
+  no ``nonzero`` and no scatter per slot. It does slots x the FLOPs of the
+  grouped form, which is little next to the base's matmuls at rank <= 64 and
+  a few hundred tokens, while the grouped form's per-slot bookkeeping (a
+  ``nonzero``, a gather, a scatter per slot, per layer and projection) made
+  sampling 192 sequences through 8 adapters take about twice the bare base's
+  time (``bench/vllm_lora.py --compare lora-form``, docs/benchmarks/vllm-lora.md). For a shrink (``out`` <= ``in``: ``x @ A``)
+  every slot's output is computed and each token's is gathered
+  (``[T, slots * out]``); for an expand (``out`` > ``in``: ``h @ B``) each
+  token's input is placed in its slot's block of a ``[T, slots * in]`` zero
+  matrix, one matmul against the slots' matrices stacked along the
+  contraction (only the token's own block is non-zero, so the sum is its own
+  slot's product).
+
+A batch whose tokens all go through one slot (a prefill chunk of one adapter's prompts) is one matmul either
+way. A slot index below zero means "no adapter" and contributes nothing, which is
+the contract of the Triton (GPU) kernels (``vllm/lora/ops/triton_ops``); the
+reference CPU kernels instead index the last slot with it.
 
 How it is loaded: ``pyproject.toml`` declares :func:`register` under the
 ``vllm.general_plugins`` entry-point group, which vLLM calls in every process
@@ -39,12 +57,45 @@ import torch
 log = logging.getLogger("vllm.plugins.hourglass")
 
 ENV_SWITCH = "HOURGLASS_VLLM_GROUPED_LORA"
+STACKED_ENV = "HOURGLASS_VLLM_LORA_STACKED_WORK"
+STACKED_MAX_WORK = 4096
+"""Tokens x LoRA slots up to which a call takes the stacked form (8 slots: batches of up to 512 tokens).
+
+Measured on the 2-core dev host (SmolLM2-135M shapes, 8 slots, rank 16): the stacked form took a third to a half of
+the grouped one's time per call up to 512 tokens, about the same at 1,024, and up to 10x longer at 4,096 (its
+slots x FLOPs then count)."""
+
+
+def stacked_max_work() -> int:
+    """:data:`STACKED_MAX_WORK`, or ``HOURGLASS_VLLM_LORA_STACKED_WORK`` where it is set (0: grouped form always)."""
+    value = os.environ.get(STACKED_ENV, "").strip()
+    return int(value) if value.isdigit() else STACKED_MAX_WORK
+
+
+def stacked_lora_matmul(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``y[t] = W[indices[t]] @ x[t]`` with one matmul over every slot (the module docstring's stacked form).
+
+    Args:
+        x: ``[T, in]`` activations, already in the weights' dtype, ``T`` = the number of indices.
+        weights: ``[L, out, in]``.
+        indices: ``[T]`` slot per token; negative = no adapter (a zero row).
+    """
+    slots, d_out, d_in = weights.shape
+    n_tokens = indices.shape[0]
+    valid = (indices >= 0).unsqueeze(1).to(x.dtype)
+    slot = indices.clamp(min=0)
+    if d_out <= d_in:  # shrink: every slot's [T, out], then each token's own
+        every = (x @ weights.reshape(slots * d_out, d_in).T).view(n_tokens, slots, d_out)
+        return every.gather(1, slot.view(n_tokens, 1, 1).expand(n_tokens, 1, d_out)).squeeze(1) * valid
+    blocks = x.new_zeros((n_tokens, slots, d_in))  # expand: each token's input in its own slot's block
+    blocks[torch.arange(n_tokens), slot] = x * valid
+    return blocks.view(n_tokens, slots * d_in) @ weights.transpose(1, 2).reshape(slots * d_in, d_out)
 
 
 def grouped_lora_matmul(
     inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``y[t] = W[indices[t]] @ x[t]`` computed with one matmul per distinct slot.
+    """``y[t] = W[indices[t]] @ x[t]``: one matmul per distinct slot, or the stacked form for a small batch.
 
     Args:
         inputs: ``[T, in]`` activations.
@@ -59,11 +110,14 @@ def grouped_lora_matmul(
         weights = weights.squeeze(1)
     inputs = inputs.to(out_dtype)
     n_tokens = indices.shape[0]
-    slots = torch.unique(indices).tolist()
-    if len(slots) == 1 and slots[0] >= 0:
-        return inputs[:n_tokens] @ weights[slots[0]].to(out_dtype).T
+    if n_tokens and bool((indices == indices[0]).all()):  # one slot (a prefill chunk of one adapter's prompts)
+        if int(indices[0]) < 0:
+            return inputs.new_zeros((n_tokens, weights.shape[1]))
+        return inputs[:n_tokens] @ weights[int(indices[0])].to(out_dtype).T
+    if n_tokens * weights.shape[0] <= stacked_max_work():
+        return stacked_lora_matmul(inputs[:n_tokens], weights.to(out_dtype), indices)
     result = inputs.new_zeros((n_tokens, weights.shape[1]))
-    for slot in slots:
+    for slot in torch.unique(indices).tolist():
         if slot < 0:
             continue
         rows = (indices == slot).nonzero().squeeze(1)

@@ -23,6 +23,16 @@ def upstream():
     return module
 
 
+@pytest.fixture(params=["stacked", "grouped"])
+def form(request, monkeypatch):
+    """Both forms of the kernels: the stacked one (small batches, the default here) and the grouped one (forced)."""
+    if request.param == "grouped":
+        monkeypatch.setenv(grouped.STACKED_ENV, "0")
+    else:
+        monkeypatch.delenv(grouped.STACKED_ENV, raising=False)
+    return request.param
+
+
 def _case(tokens=37, d_in=24, d_out=40, rank=8, slots=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, d_in, generator=g)
@@ -33,7 +43,7 @@ def _case(tokens=37, d_in=24, d_out=40, rank=8, slots=3, seed=0):
 
 
 @pytest.mark.parametrize("one_slot", [False, True], ids=["mixed-slots", "single-slot"])
-def test_bgmv_ops_match_upstream(upstream, one_slot):
+def test_bgmv_ops_match_upstream(upstream, one_slot, form):
     x, a, b, idx = _case()
     if one_slot:
         idx = torch.full_like(idx, 2)
@@ -56,7 +66,7 @@ def test_bgmv_ops_match_upstream(upstream, one_slot):
     torch.testing.assert_close(wide_new, wide_ref)
 
 
-def test_sgmv_ops_match_upstream(upstream):
+def test_sgmv_ops_match_upstream(upstream, form):
     """Prefill form: one slot per sequence, expanded over its tokens."""
     x, a, b, _ = _case(tokens=12)
     seq_lens = torch.tensor([5, 4, 3])
@@ -78,7 +88,7 @@ def test_sgmv_ops_match_upstream(upstream):
     torch.testing.assert_close(z_new, z_ref)
 
 
-def test_negative_slot_means_no_adapter():
+def test_negative_slot_means_no_adapter(form):
     """Slot -1 (a base-model request in a mixed batch) gets exactly zero LoRA delta."""
     x, a, b, idx = _case(tokens=10)
     idx[::2] = -1
@@ -90,8 +100,31 @@ def test_negative_slot_means_no_adapter():
     torch.testing.assert_close(h[1::2], torch.diagonal(expected_rows, dim1=0, dim2=1).T)
 
     y = torch.ones(10, 40)
-    grouped.bgmv_expand(h, b, y, idx, add_inputs=True)
+    grouped.bgmv_expand(torch.randn(10, 8), b, y, idx, add_inputs=True)  # non-zero inputs on the no-adapter rows too
     assert torch.all(y[::2] == 1)
+    assert torch.all(y[1::2] != 1)
+
+    none = torch.full_like(idx, -1)  # a batch of base-model requests only
+    grouped.bgmv_shrink(x, a, h, none, 1.0)
+    assert torch.all(h == 0)
+
+
+def test_the_form_follows_the_batch_size(monkeypatch):
+    """Tokens x slots up to the limit take the stacked form, larger batches the grouped one; both agree."""
+    calls = []
+    real = grouped.stacked_lora_matmul
+    monkeypatch.setattr(grouped, "stacked_lora_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setenv(grouped.STACKED_ENV, "120")
+    small = _case(tokens=40, slots=3)  # 120 tokens x slots: stacked
+    large = _case(tokens=41, slots=3)  # 123: grouped
+    out_small = grouped.grouped_lora_matmul(small[0], small[1], small[3], torch.float32)
+    out_large = grouped.grouped_lora_matmul(large[0], large[1], large[3], torch.float32)
+    assert calls == [40]
+    monkeypatch.setenv(grouped.STACKED_ENV, "0")
+    torch.testing.assert_close(out_small, grouped.grouped_lora_matmul(small[0], small[1], small[3], torch.float32))
+    monkeypatch.setenv(grouped.STACKED_ENV, "1000")
+    torch.testing.assert_close(out_large, grouped.grouped_lora_matmul(large[0], large[1], large[3], torch.float32))
+    assert calls == [40, 41]
 
 
 def test_register_patches_the_cpu_wrapper(monkeypatch):
