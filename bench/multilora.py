@@ -152,6 +152,11 @@ def tables(args: argparse.Namespace):
     return split_snapshot(snapshot_table(prompts), 0.25)
 
 
+def eval_parts(metrics: dict[str, float]) -> dict[str, float]:
+    """Where a round's evaluate phase went: the engine's greedy answers and the trainer's KL pass (seconds)."""
+    return {part: metrics.get(f"eval/{part}_s", float("nan")) for part in ("greedy", "kl_pass")}
+
+
 def start_vllm(model: Path, logs: Path, max_loras: int, cpu_threads: str = "all", dtype: str = "auto"):
     service = vllm_service(
         model,
@@ -217,6 +222,7 @@ def run_round_with_vllm(
             "eval_reward": {c.name: c.eval_metrics.get("eval/reward_mean", float("nan")) for c in result.candidates},
             "train_reward": {c.name: [m["train/reward_mean"] for m in c.step_metrics] for c in result.candidates},
             "phases": {k: result.metrics.get(k, 0.0) for k in PHASES},
+            "eval_parts": eval_parts(result.metrics),
             "rollout_tokens": result.metrics.get("rollout/tokens", 0.0),
             "eval_length": {c.name: c.eval_metrics.get("eval/mean_length", float("nan")) for c in result.candidates},
             "clip_frac": {
@@ -233,6 +239,7 @@ def run_round_with_vllm(
             again = run_round(spec, round_inputs(train, heldout), out / "round-steady", parts=parts)
             report["steady_s"] = time.perf_counter() - steady_started
             report["steady_phases"] = {k: again.metrics.get(k, 0.0) for k in PHASES}
+            report["steady_eval_parts"] = eval_parts(again.metrics)
             report["steady_base_reused"] = again.metrics.get("round/base_reused", 0.0)
         return report
     finally:
@@ -451,13 +458,18 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
             f"{sides['b']['peak_rss'] / 2**30:.2f} GiB, vLLM startup {report_b['vllm_startup_s']:.1f} s; "
             f"phases: {phases([report_b['phases']])}"
         )
+        parts = report_b.get("eval_parts", {})
+        notes.append(
+            f"(b) evaluate phase: greedy answers {parts.get('greedy', float('nan')):.1f} s, the trainer's KL pass "
+            f"{parts.get('kl_pass', float('nan')):.1f} s"
+        )
         if "steady_s" in report_b:
-            print(
+            steady = (
                 f"(b) steady state, the same round again with the base kept and vLLM up (base reused: "
                 f"{bool(report_b['steady_base_reused'])}): wall {report_b['steady_s']:.1f} s; "
-                f"phases: {phases([report_b['steady_phases']])}",
-                flush=True,
+                f"phases: {phases([report_b['steady_phases']])}"
             )
+            notes.append(steady)  # printed with the other notes below
         notes.append(
             f"swap time / update time in (b): {report_b['swap_s']:.3f} s / {report_b['update_s']:.1f} s = "
             f"{report_b['swap_s'] / max(report_b['update_s'], 1e-9):.2%}"
