@@ -147,6 +147,22 @@ def test_two_authorization_headers_are_a_400_naming_neither_key(gw: Gateway) -> 
     assert gw.chat().status_code == 200  # one Authorization header: served
 
 
+def test_two_content_type_headers_are_a_400(gw: Gateway) -> None:
+    """Starlette reads the first ``Content-Type``, a proxy in front may judge the body by the last: refused."""
+    body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()
+    for second in ("application/json", "text/plain"):
+        headers = [
+            ("authorization", f"Bearer {gw.keys.client}"),
+            ("content-type", "application/json"),
+            ("content-type", second),
+        ]
+        response = gw.http.post("/v1/chat/completions", content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        err = error(response)
+        assert err["code"] == "duplicate_content_type_header" and "2 Content-Type headers" in err["message"]
+    assert gw.upstream.requests == []
+
+
 @pytest.mark.parametrize(
     ("prompt", "param"),
     [("", "prompt"), (["fine", ""], "prompt.1"), ([""], "prompt.0"), ([], "prompt"), ([5, -1], "prompt.1")],
