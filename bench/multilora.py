@@ -458,11 +458,12 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
             f"{sides['b']['peak_rss'] / 2**30:.2f} GiB, vLLM startup {report_b['vllm_startup_s']:.1f} s; "
             f"phases: {phases([report_b['phases']])}"
         )
-        parts = report_b.get("eval_parts", {})
-        notes.append(
-            f"(b) evaluate phase: greedy answers {parts.get('greedy', float('nan')):.1f} s, the trainer's KL pass "
-            f"{parts.get('kl_pass', float('nan')):.1f} s"
-        )
+        split = [
+            f"{label} greedy answers {parts['greedy']:.1f} s, the trainer's KL pass {parts['kl_pass']:.1f} s"
+            for label, parts in (("cold:", report_b["eval_parts"]), ("steady:", report_b.get("steady_eval_parts")))
+            if parts is not None
+        ]
+        notes.append(f"(b) evaluate phase, {'; '.join(split)}")
         if "steady_s" in report_b:
             steady = (
                 f"(b) steady state, the same round again with the base kept and vLLM up (base reused: "
