@@ -60,14 +60,14 @@ def check_media_type(content_type: str | None) -> None:
     media = media.strip().lower()
     if media != "application/json":
         raise JsonBodyError(
-            415, f"content type {media or '(none)'!r} is not accepted; send the body as application/json"
+            415, f"content type {short(media) or '(none)'!r} is not accepted; send the body as application/json"
         )
     for param in params:
         name, _, value = param.partition("=")
         if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
             raise JsonBodyError(
                 415,
-                f"charset {value.strip()[:40]!r} is not accepted; JSON bodies are UTF-8 (send charset=utf-8 or none)",
+                f"charset {short(value.strip())!r} is not accepted; JSON bodies are UTF-8 (send charset=utf-8 or none)",
             )
 
 

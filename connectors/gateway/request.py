@@ -153,8 +153,8 @@ def error_param(errors: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 class SingleHeaders:
-    """ASGI middleware: a request with more than one ``Host`` header (RFC 9112 section 3.2), ``Authorization``
-    header or ``Content-Type`` header is a 400, before any route runs. Starlette reads the first, a proxy or
+    """ASGI middleware: a request with more than one ``Host`` header (RFC 9112 section 3.2), ``Authorization``,
+    ``Content-Type`` or ``x-hourglass-feedback-token`` header is a 400, before any route runs. Starlette reads the first, a proxy or
     cache in front may read the last (and judge the body by another type): never guess. The error names how
     many, never their values (a key)."""
 
@@ -162,6 +162,7 @@ class SingleHeaders:
         (b"host", "Host", "duplicate_host_header"),
         (b"authorization", "Authorization", "duplicate_authorization_header"),
         (b"content-type", "Content-Type", "duplicate_content_type_header"),
+        (b"x-hourglass-feedback-token", "x-hourglass-feedback-token", "duplicate_feedback_token_header"),
     )
 
     def __init__(self, app: ASGIApp) -> None:

@@ -163,6 +163,24 @@ def test_two_content_type_headers_are_a_400(gw: Gateway) -> None:
     assert gw.upstream.requests == []
 
 
+def test_two_feedback_tokens_are_a_400_and_a_huge_content_type_is_not_echoed(gw: Gateway) -> None:
+    """Two feedback tokens: the gateway would judge the first, a proxy the last; refused. A 200 kB
+    Content-Type is refused with a 415 that names it cut short (helper-29's findings)."""
+    body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()
+    auth = ("authorization", f"Bearer {gw.keys.client}")
+    tokens = [("x-hourglass-feedback-token", "a.b"), ("x-hourglass-feedback-token", "c.d")]
+    response = gw.http.post(
+        "/v1/chat/completions", content=body, headers=[auth, ("content-type", "application/json"), *tokens]
+    )
+    assert response.status_code == 400 and error(response)["code"] == "duplicate_feedback_token_header"
+    huge = "a" * 200_000
+    for content_type in (huge, f"application/json; charset={huge}"):
+        response = gw.http.post("/v1/chat/completions", content=body, headers=[auth, ("content-type", content_type)])
+        assert response.status_code == 415, response.text
+        assert len(response.content) < 1_000 and "a" * 41 not in response.text
+    assert gw.upstream.requests == []
+
+
 @pytest.mark.parametrize(
     ("prompt", "param"),
     [("", "prompt"), (["fine", ""], "prompt.1"), ([""], "prompt.0"), ([], "prompt"), ([5, -1], "prompt.1")],
