@@ -63,7 +63,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,24 +92,26 @@ from trainer.config import (
 from trainer.timers import PHASES
 
 # Per-experiment budgets; "round" is deploy/demo.toml's [rl] (steps_per_round, prompts_per_step, group_size, max_new_tokens).
-WORKLOADS = {
+LEARNING_RATES = (2.5e-4, 5e-4, 1e-3, 2e-3)
+WORKLOADS: dict[str, dict[str, Any]] = {
     "default": {"steps": 2, "prompts": 2, "group": 4, "max_new_tokens": 16, "eval_prompts": 32},
     "round": {"steps": 3, "prompts": 4, "group": 6, "max_new_tokens": 12, "eval_prompts": 32},
     # twice the round's steps, three times its held-out prompts: for comparing what the sides learn (two seeds on a
     # quiet host: (b) +0.06, TRL +0.02, so not yet a workload where both learn; docs/benchmarks/multilora.md)
     "learn": {"steps": 6, "prompts": 4, "group": 6, "max_new_tokens": 12, "eval_prompts": 96},
 }
-LEARNING_RATES = (2.5e-4, 5e-4, 1e-3, 2e-3)
+for _preset in WORKLOADS.values():
+    _preset["learning_rates"] = LEARNING_RATES  # --learning-rates overrides
 EVAL_REWARD = [RewardTerm(fn="first_number_answer")]
 
 
-def candidates(k: int) -> list[CandidateConfig]:
-    """K GRPO candidates: the demo's reward plus brevity, rank 8, learning rates cycling over LEARNING_RATES."""
+def candidates(k: int, learning_rates: Sequence[float] = LEARNING_RATES) -> list[CandidateConfig]:
+    """K GRPO candidates: the demo's reward plus brevity, rank 8, learning rates cycling over ``learning_rates``."""
     mix = [RewardTerm(fn="first_number_answer", weight=1.0), RewardTerm(fn="format", weight=0.5)]
     return [
         CandidateConfig(
             name=f"c{i}",
-            learning_rate=LEARNING_RATES[i % len(LEARNING_RATES)],
+            learning_rate=learning_rates[i % len(learning_rates)],
             lora_rank=8,
             lora_alpha=16,
             kl_coef=0.01,
@@ -305,7 +309,7 @@ def update_ratio(args: argparse.Namespace, name: str) -> list[str]:
     batches = make_batches(base, prompts, args.k, args.group, args.max_new_tokens)
     rl = rl_config(args, UpdateMode.SEQUENTIAL)
     rl = rl.model_copy(update={"update": rl.update.model_copy(update={"adapters_per_pass": args.k})})
-    result = compare_modes(base, candidates(args.k), batches, rl, args.ratio_repeats)
+    result = compare_modes(base, candidates(args.k, args.learning_rates), batches, rl, args.ratio_repeats)
     dtype = next(base.model.parameters()).dtype
     lines = report(result, args.k)
     lines[0] = f"{lines[0]}; base {dtype}, {args.prompts * args.group} rows per candidate"
@@ -330,7 +334,7 @@ def phases(reports: list[dict[str, float]]) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     """(a) one experiment in its own process; writes a JSON report."""
-    cand = candidates(args.k)[args.worker]
+    cand = candidates(args.k, args.learning_rates)[args.worker]
     out = Path(args.out) / f"a-{cand.name}"
     report = run_round_with_vllm(Path(args.model_dir), [cand], args, UpdateMode.SEQUENTIAL, out)
     Path(args.report).write_text(json.dumps(report))
@@ -347,6 +351,7 @@ def run_traditional(args: argparse.Namespace, out: Path) -> dict:
         argv += ["--vllm-cpu-threads", args.vllm_cpu_threads, "--vllm-dtype", args.vllm_dtype]
         for flag in ("k", "steps", "prompts", "group", "max_new_tokens", "eval_prompts"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argv += ["--learning-rates", ",".join(map(str, args.learning_rates))]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(out / f"a-{i}.log").open("wb"))
         with PeakRSS(proc.pid) as mem:
             if proc.wait() != 0:
@@ -356,19 +361,33 @@ def run_traditional(args: argparse.Namespace, out: Path) -> dict:
     return {"wall_s": time.perf_counter() - started, "peak_rss": peak, "reports": reports}
 
 
-def run_hourglass(args: argparse.Namespace, out: Path) -> dict:
-    """(b): one process, one resident base with K adapters, one shared vLLM engine (then the rollout probe,
-    which is not part of (b)'s work and not in its wall time, and with ``args.steady`` the steady-state round,
-    timed apart)."""
+def run_hourglass(args: argparse.Namespace, out: Path, trl_reports: list[dict] | None = None) -> dict:
+    """(b): one process, one resident base with K adapters, one shared vLLM engine (then the rollout probe and,
+    given ``trl_reports``, the TRL adapters judged by the round's evaluator (``trl_judged``), neither part of
+    (b)'s work nor in its wall time; with ``args.steady`` the steady-state round, timed apart)."""
+
+    def extra(engine, result) -> dict:
+        report = rollout_throughput(engine, result, args) if args.rollout_probe else {}
+        if trl_reports:
+            from transformers import AutoTokenizer
+
+            rl = rl_config(args, args.update_mode)
+            cand = candidates(1, args.learning_rates)[0]
+            train, heldout = tables(args)
+            rows = peer_trl.experiment_spec(cand, rl, train, heldout, args.model_dir, EVAL_REWARD)["eval_rows"]
+            tok = AutoTokenizer.from_pretrained(args.model_dir)
+            report["trl_judged"] = peer_trl.judge(engine, trl_reports, rows, tok, rl, EVAL_REWARD)
+        return report
+
     started = time.perf_counter()
     with PeakRSS(os.getpid()) as mem:
         report = run_round_with_vllm(
             Path(args.model_dir),
-            candidates(args.k),
+            candidates(args.k, args.learning_rates),
             args,
             args.update_mode,
             out / "b",
-            extra=(lambda e, r: rollout_throughput(e, r, args)) if args.rollout_probe else None,
+            extra=extra if args.rollout_probe or trl_reports else None,
             steady=args.steady,
         )
     return {
@@ -387,9 +406,11 @@ def round_work(args: argparse.Namespace, report_b: dict) -> RoundWork:
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     rl = rl_config(args, args.update_mode)
     train, heldout = tables(args)
-    spec = peer_trl.experiment_spec(candidates(1)[0], rl, train, heldout, args.model_dir, EVAL_REWARD)
+    spec = peer_trl.experiment_spec(
+        candidates(1, args.learning_rates)[0], rl, train, heldout, args.model_dir, EVAL_REWARD
+    )
     lengths = [len(chat_token_ids(tok, r["messages"])) for r in spec["train_rows"]]
-    cand = candidates(1)[0]
+    cand = candidates(1, args.learning_rates)[0]
     return RoundWork(
         k=args.k,
         steps=args.steps,
@@ -411,7 +432,8 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"== workload {name}: K={args.k} steps={args.steps} P={args.prompts} G={args.group} "
-        f"max_new_tokens={args.max_new_tokens} eval_prompts={args.eval_prompts} seed={args.seed}; sides {args.sides}; "
+        f"max_new_tokens={args.max_new_tokens} eval_prompts={args.eval_prompts} seed={args.seed} "
+        f"learning_rates={','.join(map(str, args.learning_rates))}; sides {args.sides}; "
         f"(b) update_mode={args.update_mode} share_prompts={args.share_prompts}; model={args.model_dir}",
         flush=True,
     )
@@ -423,7 +445,9 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
 
     if "trl" in args.sides:
         rl = rl_config(args, UpdateMode.SEQUENTIAL)
-        sides["trl"] = peer_trl.run_side(args.model_dir, candidates(args.k), rl, tables(args), EVAL_REWARD, out / "trl")
+        sides["trl"] = peer_trl.run_side(
+            args.model_dir, candidates(args.k, args.learning_rates), rl, tables(args), EVAL_REWARD, out / "trl"
+        )
         reports = sides["trl"]["reports"]
         learned["TRL"] = Learned.from_reports(reports)
         keep()
@@ -449,9 +473,11 @@ def run_workload(name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         f"vLLM bound to cores `{args.vllm_cpu_threads}`, vLLM --dtype {vllm_dtype(args.vllm_dtype)}"
     ]
     if "b" in args.sides:
-        sides["b"] = run_hourglass(args, out)
+        sides["b"] = run_hourglass(args, out, sides["trl"]["reports"] if "trl" in sides else None)
         report_b = sides["b"]["report"]
         learned["(b)"] = Learned.from_reports([report_b])
+        if "trl_judged" in report_b:  # TRL's adapters answered by (b)'s evaluator: one judge for both sides
+            learned["TRL, (b)'s judge"] = Learned(report_b["eval_base"], report_b["trl_judged"], learned["TRL"].train)
         keep()
         print(
             f"(b) resident base + shared vLLM: 1 process, wall {sides['b']['wall_s']:.1f} s, peak RSS "
@@ -577,8 +603,8 @@ def write_section(name: str, args: argparse.Namespace, sides: dict, ratios: dict
     args.recorder.write(
         variant_name(name, args),
         title=f"workload `{name}`: K = {args.k} GRPO candidates, {args.steps} steps of {args.prompts} prompts x "
-        f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts, seed {args.seed}; "
-        f"(b) in `{args.update_mode}` mode"
+        f"G = {args.group}, {args.max_new_tokens} new tokens, {args.eval_prompts} held-out prompts, seed {args.seed}, "
+        f"learning rates {', '.join(f'{r:g}' for r in args.learning_rates)}; (b) in `{args.update_mode}` mode"
         + (f", vLLM --dtype {args.vllm_dtype}" if getattr(args, "vllm_dtype", "auto") != "auto" else ""),
         columns=["", *[SIDE_COLUMNS[k] for k in keys], *ratio_labels],
         rows=rows,
@@ -602,6 +628,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     parser.add_argument(
         "--eval-prompts", type=int, default=None, help="held-out prompts evaluated (default: the preset's)"
+    )
+    parser.add_argument(
+        "--learning-rates",
+        type=lambda s: tuple(float(x) for x in s.split(",") if x),
+        default=None,
+        help="comma-separated learning rates the K candidates cycle over (default: the preset's)",
     )
     parser.add_argument(
         "--seed",

@@ -96,6 +96,45 @@ def run_side(
     return {"wall_s": time.perf_counter() - started, "peak_rss": peak, "reports": reports}
 
 
+def judge(
+    engine: Any,
+    reports: list[dict[str, Any]],
+    eval_rows: list[dict[str, Any]],
+    tokenizer: Any,
+    rl: Any,
+    eval_reward: list[Any],
+) -> dict[str, float]:
+    """Each TRL experiment's saved adapter answered greedily on the held-out rows by the round's own evaluator
+    (``engine``: (b)'s vLLM; one engine call for all of them, :func:`trainer.evaluation.measure.greedy_sets`) and
+    scored by ``eval_reward``: ``{candidate: mean}``. The TRL processes judge themselves with ``generate`` in
+    bf16; this is the same judge as (b)'s, so the two sides' learning differs only by what they learned. The
+    adapters are unloaded again before it returns."""
+    from trainer.evaluation.measure import GreedySet, greedy_sets
+    from trainer.model.base import chat_token_ids
+    from trainer.rewards import build_reward
+    from trainer.types import Prompt
+
+    prompts = [Prompt(r["prompt_id"], list(r["messages"]), dict(r["metadata"])) for r in eval_rows]
+    ids = [chat_token_ids(tokenizer, r["messages"]) for r in eval_rows]
+    versions = {name: f"trl-{name}" for r in reports for name in r["eval_reward"]}
+    for r in reports:
+        for name in r["eval_reward"]:
+            engine.load(name, versions[name], Path(r["adapter_dir"]))
+    try:
+        answers = greedy_sets(
+            engine, [GreedySet(list(versions.values()), prompts, ids, rl.rollout.max_new_tokens)], rl.seed
+        )[0]
+    finally:
+        for version in versions.values():
+            engine.unload(version)
+    score = build_reward(eval_reward)
+    return {
+        name: sum(score(r["messages"], a.text, r["metadata"]) for r, a in zip(eval_rows, answers[v], strict=True))
+        / max(1, len(eval_rows))
+        for name, v in versions.items()
+    }
+
+
 def phases_line(reports: list[dict[str, Any]]) -> str:
     """``imports 66.6 s, load 10.5 s, train 86.1 s, evaluate 85.8 s``: summed over experiments."""
     return ", ".join(f"{k} {sum(r['phases'][k] for r in reports):.1f} s" for k in TRL_PHASES)

@@ -45,7 +45,9 @@ What cannot match (also in docs/benchmarks/multilora.md):
   policy), so numerical drift shows up as ratios != 1 and the clip can drop a token's gradient.
 - **Sampling**: TRL samples with ``generate`` on the bf16 model (float32 LoRA) and its own RNG
   (``seed``); ours with float32 vLLM and per-request seeds. Same distribution, different draws.
-- **Evaluation numerics**: greedy ``generate`` in bf16 here, float32 vLLM in the round.
+- **Evaluation numerics**: greedy ``generate`` in bf16 here, vLLM in the round; the parent also judges this
+  process's saved adapter with the round's own evaluator (vLLM greedy, ``bench/peer_trl.py`` ``judge``), so both
+  sides' learning is compared by one judge.
 - **Prompt sharing / one pass**: none in TRL (each row whole); ours runs a prompt once for its G rows.
 """
 
@@ -178,6 +180,10 @@ def main(spec_path: str, report_path: str, spawned_at: float) -> None:
         return sum(gate(r["messages"], t, r["metadata"]) for r, t in zip(eval_rows, texts)) / max(1, len(eval_rows))
 
     evaluated = time.time()
+    # the trained adapter (safetensors), for the parent to judge with the round's own evaluator beside (b)'s
+    # (bench/peer_trl.py judge); after the timed phases
+    adapter_dir = Path(report_path).parent / "adapter"
+    peft_model.save_pretrained(str(adapter_dir), safe_serialization=True)
     report = {
         "phases": {
             "imports": imported - spawned_at,
@@ -191,6 +197,7 @@ def main(spec_path: str, report_path: str, spawned_at: float) -> None:
         "completion_tokens": sum(h.get("completions/mean_length", 0.0) * len(v) for h, v in zip(logs, step_rewards)),
         "kl": [h.get("kl", float("nan")) for h in logs],
         "lora_dtype": lora_dtype,
+        "adapter_dir": str(adapter_dir),
         "trl_version": trl.__version__,
     }
     Path(report_path).write_text(json.dumps(report))

@@ -10,7 +10,9 @@ from bench.peer_trl import experiment_spec
 from bench.trl_grpo import grpo_settings
 from trainer.config import CandidateConfig, RewardTerm, RLConfig
 from trainer.plan import draw_prompts
-from trainer.types import Prompt
+from trainer.types import Prompt, Sample
+from trainer.config import ModelConfig
+from trainer.model import store as model_store
 from trainer.data import prompts_from_table, snapshot_table
 
 MIX = [RewardTerm(fn="first_number_answer"), RewardTerm(fn="format", weight=0.5)]
@@ -131,6 +133,7 @@ def test_the_section_shows_the_steady_state_round_beside_the_cold_one() -> None:
         max_new_tokens=12,
         eval_prompts=96,
         update_mode="one_pass",
+        learning_rates=(2.5e-4, 5e-4),
     )
     write_section("learn", args, {"trl": trl, "b": b}, {"TRL/(b)": 2.0, "TRL/(b) steady": 5.0}, [])
     rows = {row[0]: row[1:] for row in written["rows"]}
@@ -138,3 +141,75 @@ def test_the_section_shows_the_steady_state_round_beside_the_cold_one() -> None:
     assert rows["wall time"] == ["400.0 s", "200.0 s", "**2.00x**", ""]  # the cold ratio only
     assert rows["steady-state round (base kept, vLLM up)"] == ["", "80.0 s", "", "**5.00x**"]
     assert "TRL/(b) steady at workload `learn`: **5.00x**" in written["result"]
+    assert "learning rates 0.00025, 0.0005;" in written["title"]
+
+
+class _Engine:
+    """Answers each adapter version with a fixed text per prompt; records loads and unloads."""
+
+    def __init__(self, texts: dict[str, list[str]], fail: bool = False) -> None:
+        self.texts, self.fail, self.loaded, self.unloaded = texts, fail, {}, []
+
+    def load(self, candidate: str, version: str, adapter_dir) -> None:
+        self.loaded[version] = (candidate, str(adapter_dir))
+
+    def unload(self, version: str) -> None:
+        self.unloaded.append(version)
+
+    def generate(self, requests):
+        if self.fail:
+            raise RuntimeError("engine down")
+        seen: dict[str, int] = {}
+        out = []
+        for r in requests:
+            i = seen.get(r.version, 0)
+            seen[r.version] = i + 1
+            assert r.temperature == 0.0 and r.max_new_tokens == 12
+            out.append([Sample(r.prompt_id, self.texts[r.version][i], (1,), (0.0,), adapter_version=r.version)])
+        return out
+
+
+def _judged(engine: _Engine):
+    from transformers import AutoTokenizer
+
+    from bench.peer_trl import judge
+
+    rows = [
+        {
+            "prompt_id": f"p{i}",
+            "messages": [{"role": "user", "content": f"{i} + 1 ="}],
+            "metadata": {"reference_answer": str(i + 1)},
+        }
+        for i in range(4)
+    ]
+    reports = [
+        {"eval_reward": {"c0": 0.0}, "adapter_dir": "/x/c0"},
+        {"eval_reward": {"c1": 0.9}, "adapter_dir": "/x/c1"},
+    ]
+    tok = AutoTokenizer.from_pretrained(model_store.resolve("smollm2-135m-instruct", ModelConfig().cache_dir))
+    rl = RLConfig(rollout={"max_new_tokens": 12})
+    return judge(engine, reports, rows, tok, rl, [RewardTerm(fn="first_number_answer")])
+
+
+def test_trl_adapters_are_judged_by_the_rounds_evaluator_and_unloaded_after() -> None:
+    engine = _Engine({"trl-c0": ["1", "2", "3", "9"], "trl-c1": ["0", "0", "0", "4"]})
+    scores = _judged(engine)
+    # the round's scorer on the engine's greedy answers, not the TRL process's own figure (0.0 / 0.9)
+    assert scores == {"c0": pytest.approx(0.75), "c1": pytest.approx(0.25)}
+    assert engine.loaded == {"trl-c0": ("c0", "/x/c0"), "trl-c1": ("c1", "/x/c1")}
+    assert sorted(engine.unloaded) == ["trl-c0", "trl-c1"]
+
+
+def test_a_failed_judge_still_unloads_the_trl_adapters() -> None:
+    engine = _Engine({}, fail=True)
+    with pytest.raises(RuntimeError, match="engine down"):
+        _judged(engine)
+    assert sorted(engine.unloaded) == ["trl-c0", "trl-c1"]
+
+
+def test_the_candidates_cycle_over_the_learning_rates_they_are_given() -> None:
+    from bench.multilora import LEARNING_RATES, WORKLOADS, candidates
+
+    assert [c.learning_rate for c in candidates(3, (1e-3, 4e-3))] == [1e-3, 4e-3, 1e-3]
+    assert [c.learning_rate for c in candidates(5)] == [*LEARNING_RATES, LEARNING_RATES[0]]
+    assert all(w["learning_rates"] == LEARNING_RATES for w in WORKLOADS.values())  # --learning-rates overrides
