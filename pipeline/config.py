@@ -168,6 +168,7 @@ class GuardConfig(Section):
 
 
 VLLM_MAX_NUM_SEQS_DEFAULT = 256  # vLLM --max-num-seqs: measured against 64 in docs/benchmarks/vllm-lora.md
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM starts with
 
 
 class ServingConfig(Section):
@@ -188,10 +189,11 @@ class ServingConfig(Section):
     max_lora_rank: int = Field(
         default=16,
         ge=1,
-        description="vLLM --max-lora-rank: the largest LoRA rank served (every candidate's lora_rank must fit).",
+        description="vLLM --max-lora-rank: the largest LoRA rank served (every candidate's lora_rank must fit); one of "
+        f"vLLM's {', '.join(map(str, VLLM_MAX_LORA_RANKS))} (another stops the server at start-up).",
     )
-    max_loras: int = Field(default=4, ge=1, description="vLLM --max-loras (adapters in one batch).")
-    max_model_len: int = Field(default=1024, ge=64, description="vLLM --max-model-len.")
+    max_loras: int = Field(default=4, ge=1, le=256, description="vLLM --max-loras (adapters in one batch).")
+    max_model_len: int = Field(default=1024, ge=64, le=1 << 20, description="vLLM --max-model-len.")
     max_num_seqs: int = Field(
         default=VLLM_MAX_NUM_SEQS_DEFAULT,
         ge=1,
@@ -201,10 +203,11 @@ class ServingConfig(Section):
         "both, the answers identical (docs/benchmarks/vllm-lora.md). Memory stays bounded "
         "by kv_cache_gib: vLLM schedules only what its KV cache holds.",
     )
-    kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
+    kv_cache_gib: int = Field(default=1, ge=1, le=4096, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts, whole GiB.")
     block_size: int = Field(
         default=32,
         ge=32,
+        le=1024,
         multiple_of=32,
         description="vLLM --block-size (KV tokens per block). Prefix caching shares whole blocks only, so the n samples "
         "of one prompt share its prefill only for prompts longer than one block; vLLM's CPU default of 128 shares none "
@@ -271,6 +274,17 @@ class ServingConfig(Section):
     @classmethod
     def _api_key(cls, key: Any) -> Any:
         return None if isinstance(key, str) and not key.strip() else key
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, rank: int) -> int:
+        if rank not in VLLM_MAX_LORA_RANKS:
+            fits = min(r for r in VLLM_MAX_LORA_RANKS if r >= rank) if rank <= VLLM_MAX_LORA_RANKS[-1] else None
+            raise ValueError(
+                f"vLLM serves LoRA ranks up to one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}"
+                + (f"; {fits} fits rank {rank}" if fits is not None else "")
+            )
+        return rank
 
     @field_validator("replicas")
     @classmethod

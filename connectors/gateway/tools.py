@@ -148,6 +148,9 @@ def check_schema(schema: Any, where: str) -> None:
             "are taken, no schema is fetched",
             where,
         )
+    dangling = dangling_ref(schema)
+    if dangling is not None:
+        raise ToolRefused(f"{where} refers to nothing: $ref {dangling[:100]!r} is not in the schema", where)
 
 
 def check_tool_choice(choice: Any, names: frozenset[str] | None) -> None:
@@ -330,24 +333,52 @@ def outside_ref(schema: dict[str, Any]) -> str | None:
     return None
 
 
+def _resolve(schema: dict[str, Any], pointer: str) -> Any:
+    """What a local JSON-pointer reference (``#``, ``#/$defs/a``) of ``schema`` points at; None when nothing."""
+    if pointer != "#" and not pointer.startswith("#/"):
+        return None
+    node: Any = schema
+    for part in pointer[2:].split("/") if pointer != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def dangling_ref(schema: dict[str, Any]) -> str | None:
+    """The first local ``$ref`` of ``schema`` that points at nothing (``#/$defs/missing``, or ``#name`` with no
+    ``$anchor`` of that name): vLLM cannot compile such a schema into a grammar. None when every one resolves,
+    and when a nested ``$id`` changes the base a reference resolves against (not followed here)."""
+    refs: list[str] = []
+    anchors: set[str] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node is not schema and isinstance(node.get("$id"), str):
+                return None
+            refs += [ref for key in ("$ref", "$dynamicRef") if isinstance(ref := node.get(key), str)]
+            anchors |= {a for key in ("$anchor", "$dynamicAnchor") if isinstance(a := node.get(key), str)}
+            stack.extend(node.values())
+    for ref in refs:
+        if ref.startswith("#/") or ref == "#":
+            if _resolve(schema, ref) is None:
+                return ref
+        elif ref.startswith("#") and ref[1:] not in anchors:
+            return ref
+    return None
+
+
 def ref_cycle(schema: dict[str, Any]) -> str | None:
     """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
     (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
     ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
-
-    def resolve(pointer: str) -> Any:
-        if pointer != "#" and not pointer.startswith("#/"):
-            return None
-        node: Any = schema
-        for part in pointer[2:].split("/") if pointer != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
 
     stack: list[Any] = [schema]
     while stack:
@@ -363,7 +394,7 @@ def ref_cycle(schema: dict[str, Any]) -> str | None:
             if ref in seen:
                 return ref  # back where it started: a cycle of bare references
             seen.add(ref)
-            target = resolve(ref)
+            target = _resolve(schema, ref)
             if not (isinstance(target, dict) and set(target) <= _REF_ONLY_KEYS and "$ref" in target):
                 break  # the reference reaches a schema with content
             ref = target["$ref"]

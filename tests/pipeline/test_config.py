@@ -325,3 +325,36 @@ def test_a_kv_block_size_vllms_cpu_attention_cannot_run_is_refused(tmp_path: Pat
     assert any(p.startswith("serving.block_size:") for p in caught.value.problems), caught.value.problems
     conf.write_text("[serving]\nblock_size = 64\n")
     assert load_config(conf).serving.block_size == 64
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("max_lora_rank = 4", "serving.max_lora_rank"),  # vLLM takes 1, 8, 16, 32, ...: 4 stopped it at start-up
+        ("max_lora_rank = 1024", "serving.max_lora_rank"),
+        ("max_loras = 1000000", "serving.max_loras"),
+        ("max_model_len = 1e30", "serving.max_model_len"),
+        ("max_model_len = 10000000000", "serving.max_model_len"),
+        ("kv_cache_gib = 1000000000", "serving.kv_cache_gib"),
+        ("block_size = 1048576", "serving.block_size"),
+    ],
+)
+def test_serving_sizes_vllm_cannot_start_with_are_refused_naming_the_field(
+    tmp_path: Path, line: str, field: str
+) -> None:
+    """Each loaded and only failed when vLLM started (a hostile pass's finding)."""
+    conf = tmp_path / "c.toml"
+    conf.write_text(f"[serving]\n{line}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    assert any(p.startswith(f"{field}:") for p in caught.value.problems), caught.value.problems
+
+
+def test_the_max_lora_rank_refusal_names_the_rank_that_fits(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text("[serving]\nmax_lora_rank = 20\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf)
+    assert any("32 fits rank 20" in p for p in caught.value.problems), caught.value.problems
+    conf.write_text("[serving]\nmax_lora_rank = 32\n")
+    assert load_config(conf).serving.max_lora_rank == 32

@@ -52,6 +52,33 @@ def test_a_long_key_over_a_long_list_costs_no_more_memory_than_its_body(gw: Gate
     assert gw.upstream.requests == []
 
 
+def test_a_megabyte_of_zeros_nested_deep_costs_little_more_than_parsing_it() -> None:
+    """The parser's walk kept a path tuple per value on its stack: a list of 490 000 zeros nested 29 deep (a
+    1 MiB body) took 178 MB and 3 s beside the parsed body's own 5 MB. Only containers are walked now, each
+    with a link to its parent; the walk must stay small, and its errors still name the path."""
+    from connectors.json_body import JsonBodyError, parse
+
+    body = b'{"a":' + b"[" * 28 + b"[" + b",".join([b"0"] * 490_000) + b"]" + b"]" * 28 + b"}"
+    assert len(body) > 900_000
+    tracemalloc.start()
+    try:
+        value = parse(body, max_depth=64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"  # json.loads' own: 5 MB
+    leaf = value["a"]
+    for _ in range(28):
+        leaf = leaf[0]
+    assert len(leaf) == 490_000
+    with pytest.raises(JsonBodyError) as err:
+        parse(body, max_depth=20)
+    assert err.value.where == "body.a" + ".0" * 19  # the first list deeper than 20: body 1, a 2, a.0 3, ...
+    with pytest.raises(JsonBodyError) as err:
+        parse(b'{"a":[[{"b":["x","\\ud800"]}]]}', max_depth=64)
+    assert err.value.where == "body.a.0.0.b.1"
+
+
 def test_a_bad_value_under_a_long_key_names_the_field_without_echoing_the_key(gw: Gateway) -> None:
     key = "k" * 100_000
     nan = b'{"model":"hourglass","messages":[{"role":"user","content":"x"}],"metadata":{"' + key.encode() + b'":NaN}}'
@@ -218,4 +245,20 @@ def test_unknown_paths_and_wrong_methods_answer_the_openai_error_body(
     assert len(response.content) < 500, f"{len(response.content)} bytes of error"
     if allow is not None:
         assert allow in response.headers["allow"]
+    assert gw.upstream.requests == []
+
+
+def test_a_key_given_twice_is_a_400_naming_the_object_it_is_in(gw: Gateway) -> None:
+    """The parser's hook sees no path: a duplicate key was a 400 naming no field."""
+    body = b'{"model":"hourglass","messages":[{"role":"user","content":"a","content":"b"}]}'
+    response = _raw(gw, body)
+    assert response.status_code == 400, response.text
+    err = error(response)
+    assert err["param"] == "messages.0" and "'content' twice in one object (at body.messages.0)" in err["message"]
+    long_key = "k" * 100_000
+    body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()[:-1]
+    body += f',"metadata":{{"{long_key}":1,"{long_key}":2}}}}'.encode()
+    response = _raw(gw, body)
+    assert response.status_code == 400 and error(response)["param"] == "metadata"
+    assert len(response.content) < 2000  # the key is named cut, not echoed
     assert gw.upstream.requests == []

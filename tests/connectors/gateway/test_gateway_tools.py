@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from connectors.config import GatewayConfig
+from connectors.gateway import tools as gateway_tools
 from connectors.gateway.app import TRACE_HEADER
 from connectors.gateway.conversation import ConversationLinker
 from tests.connectors.gateway.gateway_fakes import FakeSink
@@ -210,6 +211,18 @@ BIG = {"type": "function", "function": {"name": "big", "description": "x" * 20_0
                 {"$ref": "http://169.254.169.254/latest/meta-data"},
                 {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}},
                 {"$defs": {"a": {"$dynamicRef": "other.json#x"}}},
+            ]
+        ),
+        *(  # a local reference to nothing: vLLM cannot compile it (was accepted)
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}]},
+                "tools.0.function.parameters",
+            )
+            for bad in [
+                {"$ref": "#/$defs/missing"},
+                {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}}},
+                {"type": "object", "properties": {"a": {"$ref": "#no-such-anchor"}}},
+                {"$defs": {"a": {"prefixItems": [{"$ref": "#/$defs/a/prefixItems/1"}]}}, "$ref": "#/$defs/a"},
             ]
         ),
         (  # a pattern whose repeat count overflows Python's re: was an OverflowError, a 500
@@ -414,3 +427,24 @@ def test_argument_depth_counts_brackets_outside_strings_only() -> None:
     assert json_depth('"x"') == 0 and json_depth("{}") == 1
     deep = "[" * MAX_ARGUMENT_DEPTH + "]" * MAX_ARGUMENT_DEPTH
     assert json_depth(deep) == MAX_ARGUMENT_DEPTH and json_depth(f"[{deep}]") == MAX_ARGUMENT_DEPTH + 1
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"n": {"type": "number"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+        {"definitions": {"n~/m": {"type": "number"}}, "properties": {"a": {"$ref": "#/definitions/n~0~1m"}}},
+        {"$defs": {"n": {"$anchor": "num", "type": "number"}}, "properties": {"a": {"$ref": "#num"}}},
+        {"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}}}},  # recursion with content
+        {"prefixItems": [{"type": "string"}, {"$ref": "#/prefixItems/0"}]},
+    ],
+)
+def test_schemas_whose_references_resolve_are_taken(schema: dict[str, Any]) -> None:
+    gateway_tools.check_schema(schema, "tools.0.function.parameters")  # no ToolRefused
+
+
+def test_a_reference_to_nothing_is_named_in_the_refusal() -> None:
+    with pytest.raises(gateway_tools.ToolRefused) as err:
+        gateway_tools.check_schema({"properties": {"a": {"$ref": "#/$defs/gone"}}}, "tools.0.function.parameters")
+    assert "'#/$defs/gone' is not in the schema" in str(err.value)
+    assert err.value.param == "tools.0.function.parameters"

@@ -63,6 +63,13 @@ def setup(vllm_tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "tool_choice": "required",
         },
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}, "strict": True}}]},
+        # a reference to nothing in a strict schema (was forwarded)
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/x"}, "strict": True}}
+            ],
+            "tool_choice": "required",
+        },
         {"tool_choice": "required"},
     ],
 )
