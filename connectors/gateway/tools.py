@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -316,20 +317,27 @@ def forwarded_message(message: dict[str, Any]) -> dict[str, Any]:
 _REF_ONLY_KEYS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"})
 
 
-def outside_ref(schema: dict[str, Any]) -> str | None:
-    """The first ``$ref`` / ``$dynamicRef`` of ``schema`` that is not a local one (``#...``): a URL, a file or a
-    relative name, which a grammar backend would have to fetch or could not resolve. None when every one is local."""
+def _objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every object in ``schema``, the schema itself first (a loop, not recursion: the schema is size-capped
+    before, its depth is not)."""
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            for key in ("$ref", "$dynamicRef"):
-                ref = node.get(key)
-                if isinstance(ref, str) and not ref.startswith("#"):
-                    return ref
+            yield node
             stack.extend(node.values())
+
+
+def outside_ref(schema: dict[str, Any]) -> str | None:
+    """The first ``$ref`` / ``$dynamicRef`` of ``schema`` that is not a local one (``#...``): a URL, a file or a
+    relative name, which a grammar backend would have to fetch or could not resolve. None when every one is local."""
+    for node in _objects(schema):
+        for key in ("$ref", "$dynamicRef"):
+            ref = node.get(key)
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
     return None
 
 
@@ -355,17 +363,11 @@ def dangling_ref(schema: dict[str, Any]) -> str | None:
     and when a nested ``$id`` changes the base a reference resolves against (not followed here)."""
     refs: list[str] = []
     anchors: set[str] = set()
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if node is not schema and isinstance(node.get("$id"), str):
-                return None
-            refs += [ref for key in ("$ref", "$dynamicRef") if isinstance(ref := node.get(key), str)]
-            anchors |= {a for key in ("$anchor", "$dynamicAnchor") if isinstance(a := node.get(key), str)}
-            stack.extend(node.values())
+    for node in _objects(schema):
+        if node is not schema and isinstance(node.get("$id"), str):
+            return None
+        refs += [ref for key in ("$ref", "$dynamicRef") if isinstance(ref := node.get(key), str)]
+        anchors |= {a for key in ("$anchor", "$dynamicAnchor") if isinstance(a := node.get(key), str)}
     for ref in refs:
         if ref.startswith("#/") or ref == "#":
             if _resolve(schema, ref) is None:
@@ -379,16 +381,7 @@ def ref_cycle(schema: dict[str, Any]) -> str | None:
     """A ``$ref`` of ``schema`` that leads, through schemas that are nothing but a ``$ref``, back to itself
     (``{"$ref": "#"}``): vLLM's grammar then accepts no token and the request fails with a 500. Returns the
     ``$ref`` or None. Local references (``#``, ``#/$defs/a``) only; the schema is size-capped before."""
-
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack.extend(node.values())
+    for node in _objects(schema):
         ref, seen = node.get("$ref"), set()
         while isinstance(ref, str):
             if ref in seen:
