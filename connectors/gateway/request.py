@@ -264,22 +264,22 @@ _INT64 = 1 << 63
 def check_finite(value: Any, where: str) -> None:
     """Refuse NaN / Infinity (``json.loads`` accepts those literals; they are not JSON and cannot be forwarded)
     and integers beyond 64 bits (no field needs one; vLLM answered ``top_k: 1e30`` written as an integer with a 500).
-    The path of a value is spelled out only for its error (:func:`connectors.json_body.dotted`: long keys cut)."""
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            at = json_body.dotted(path, where)
-            raise RequestRefused(400, f"{at} is {item!r}: numbers must be finite", param=at.removeprefix("body."))
-        if isinstance(item, int) and not isinstance(item, bool) and not -_INT64 <= item < _INT64:
-            at = json_body.dotted(path, where)
-            raise RequestRefused(
-                400, f"{at} is {str(item)[:40]}...: integers must fit in 64 bits", param=at.removeprefix("body.")
-            )
-        if isinstance(item, dict):
-            stack.extend((v, (*path, k)) for k, v in item.items())
-        elif isinstance(item, list):
-            stack.extend((v, (*path, i)) for i, v in enumerate(item))
+    The path of a value is spelled out only for its error (:func:`connectors.json_body.entries`: memory by depth,
+    not size; :func:`connectors.json_body.dotted`: long keys cut)."""
+    _check_number(value, None, where)
+    for link, key, child, _ in json_body.entries(value):
+        _check_number(child, (link, key), where)
+
+
+def _check_number(item: Any, link: json_body.Link, where: str) -> None:
+    if isinstance(item, float) and not math.isfinite(item):
+        at = json_body.dotted(json_body.path_of(link), where)
+        raise RequestRefused(400, f"{at} is {item!r}: numbers must be finite", param=at.removeprefix("body."))
+    if isinstance(item, int) and not isinstance(item, bool) and not -_INT64 <= item < _INT64:
+        at = json_body.dotted(json_body.path_of(link), where)
+        raise RequestRefused(
+            400, f"{at} is {str(item)[:40]}...: integers must fit in 64 bits", param=at.removeprefix("body.")
+        )
 
 
 def _int_cap(body: dict[str, Any], name: str, cap: int, config_name: str, low: int = 1) -> None:

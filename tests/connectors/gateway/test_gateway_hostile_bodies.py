@@ -262,3 +262,36 @@ def test_a_key_given_twice_is_a_400_naming_the_object_it_is_in(gw: Gateway) -> N
     assert response.status_code == 400 and error(response)["param"] == "metadata"
     assert len(response.content) < 2000  # the key is named cut, not echoed
     assert gw.upstream.requests == []
+
+
+def test_the_finite_number_check_costs_memory_by_depth_not_size(gw: Gateway) -> None:
+    """``check_finite`` kept a path tuple per value (as the parser's walk did): 480,000 zeros 29 deep in
+    ``metadata`` (a 960 kB body, refused for its size after) took 178 MiB in the request's check (helper-30)."""
+    body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()[:-1]
+    body += b',"metadata":{"a":' + b"[" * 28 + b",".join([b"0"] * 480_000) + b"]" * 28 + b"}}"
+    tracemalloc.start()
+    try:
+        response = _raw(gw, body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert response.status_code == 400 and error(response)["param"] == "metadata", response.text
+    assert peak < 48 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"  # parsing itself: ~5 MB
+    deep_nan = b'{"model":"hourglass","messages":[{"role":"user","content":"x"}],"temperature":' + b"[" * 5
+    response = _raw(gw, deep_nan + b"1,[NaN]" + b"]" * 5 + b"}")
+    assert response.status_code == 400 and error(response)["param"] == "temperature.0.0.0.0.1.0"
+
+
+def test_a_megabyte_of_empty_objects_costs_memory_by_depth_not_count() -> None:
+    """One stack entry per container: 350,000 ``{}`` (a 1 MiB body) took 77 MiB beside json.loads' 25."""
+    from connectors.json_body import parse
+
+    body = b"[" + b",".join([b"{}"] * 350_000) + b"]"
+    tracemalloc.start()
+    try:
+        value = parse(body, max_depth=4)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(value) == 350_000
+    assert peak < 40 * 2**20, f"peak {peak / 2**20:.0f} MiB"
