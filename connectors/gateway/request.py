@@ -599,7 +599,7 @@ def _check_response_format(fmt: Any, cfg: GatewayConfig) -> None:
     if cycle is not None:
         raise RequestRefused(
             400,
-            f"response_format's schema refers to itself through $ref {cycle[:100]!r} with nothing in between: "
+            f"response_format's schema refers to itself through {cycle[:100]!r} with nothing in between: "
             "no output can match it",
             param="response_format",
         )
