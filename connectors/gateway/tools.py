@@ -393,14 +393,14 @@ def outside_ref(schema: dict[str, Any]) -> str | None:
 
 def dangling_ref(schema: dict[str, Any]) -> str | None:
     """The first local reference of ``schema`` that points at nothing (``#/$defs/missing``, or ``#name`` with no
-    ``$anchor`` of that name): vLLM cannot compile such a schema into a grammar. None when every one resolves,
+    ``$anchor`` of that name) or at a value that is no schema (``#/minimum``): vLLM cannot compile such a schema into a grammar. None when every one resolves,
     and when a nested ``$id`` changes the base a reference resolves against (not followed here)."""
     found = _References.of(schema)
     if found.nested_id:
         return None
     for _, ref in found.refs:
-        if _is_local(ref) and _resolve(schema, ref, found.anchors) is None:
-            return ref
+        if _is_local(ref) and not isinstance(_resolve(schema, ref, found.anchors), (dict, bool)):
+            return ref  # nothing there, or a value that is no schema (#/minimum, #/required/0)
     return None
 
 

@@ -223,6 +223,8 @@ BIG = {"type": "function", "function": {"name": "big", "description": "x" * 20_0
                 {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}}},
                 {"type": "object", "properties": {"a": {"$ref": "#no-such-anchor"}}},
                 {"$defs": {"a": {"prefixItems": [{"$ref": "#/$defs/a/prefixItems/1"}]}}, "$ref": "#/$defs/a"},
+                {"minimum": 1, "properties": {"a": {"$ref": "#/minimum"}}},  # a value, no schema
+                {"required": ["a"], "properties": {"a": {"$ref": "#/required/0"}}},
             ]
         ),
         (  # a pattern whose repeat count overflows Python's re: was an OverflowError, a 500
