@@ -27,6 +27,16 @@ def gw(keys: Keys) -> Iterator[Gateway]:  # noqa: F811
         yield Gateway(http, upstream, sink, keys)
 
 
+def _peak(work: Any) -> tuple[Any, int]:
+    """What ``work()`` returns and the most memory it held at once (tracemalloc, bytes)."""
+    tracemalloc.start()
+    try:
+        result = work()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def _raw(gw: Gateway, body: bytes, path: str = "/v1/chat/completions") -> Any:
     headers = {"authorization": f"Bearer {gw.keys.client}", "content-type": "application/json"}
     return gw.http.post(path, content=body, headers=headers)
@@ -40,12 +50,7 @@ def test_a_long_key_over_a_long_list_costs_no_more_memory_than_its_body(gw: Gate
     body = json.dumps(
         {"model": "hourglass", "messages": MESSAGES, "metadata": {key: [0] * 40_000}}, separators=(",", ":")
     ).encode()
-    tracemalloc.start()
-    try:
-        response = _raw(gw, body)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    response, peak = _peak(lambda: _raw(gw, body))
     assert response.status_code == 400, response.text
     assert error(response)["param"] == "metadata"  # over gateway.max_metadata_bytes
     assert peak < 64 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"
@@ -60,12 +65,7 @@ def test_a_megabyte_of_zeros_nested_deep_costs_little_more_than_parsing_it() -> 
 
     body = b'{"a":' + b"[" * 28 + b"[" + b",".join([b"0"] * 490_000) + b"]" + b"]" * 28 + b"}"
     assert len(body) > 900_000
-    tracemalloc.start()
-    try:
-        value = parse(body, max_depth=64)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    value, peak = _peak(lambda: parse(body, max_depth=64))
     assert peak < 16 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"  # json.loads' own: 5 MB
     leaf = value["a"]
     for _ in range(28):
@@ -269,12 +269,7 @@ def test_the_finite_number_check_costs_memory_by_depth_not_size(gw: Gateway) -> 
     ``metadata`` (a 960 kB body, refused for its size after) took 178 MiB in the request's check (helper-30)."""
     body = json.dumps({"model": "hourglass", "messages": MESSAGES}).encode()[:-1]
     body += b',"metadata":{"a":' + b"[" * 28 + b",".join([b"0"] * 480_000) + b"]" * 28 + b"}}"
-    tracemalloc.start()
-    try:
-        response = _raw(gw, body)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    response, peak = _peak(lambda: _raw(gw, body))
     assert response.status_code == 400 and error(response)["param"] == "metadata", response.text
     assert peak < 48 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(body)} byte body"  # parsing itself: ~5 MB
     deep_nan = b'{"model":"hourglass","messages":[{"role":"user","content":"x"}],"temperature":' + b"[" * 5
@@ -287,11 +282,6 @@ def test_a_megabyte_of_empty_objects_costs_memory_by_depth_not_count() -> None:
     from connectors.json_body import parse
 
     body = b"[" + b",".join([b"{}"] * 350_000) + b"]"
-    tracemalloc.start()
-    try:
-        value = parse(body, max_depth=4)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    value, peak = _peak(lambda: parse(body, max_depth=4))
     assert len(value) == 350_000
     assert peak < 40 * 2**20, f"peak {peak / 2**20:.0f} MiB"
