@@ -20,6 +20,14 @@ abandoned      nothing followed T (no continuation, no regeneration) and the win
                A satisfied last turn looks the same: the weight defaults to 0 (recorded, not used)
 =============  =====================================================================================
 
+A turn whose answer called tools is not judged by the user directly: the app runs the calls and sends
+the results back as the next turn C, and the user reacts to the answer that came after them. So such a
+turn takes the user's verdict on C's answer: C's ``continued``, ``rephrased`` and ``abandoned`` (``via`` in
+the provenance names the turn whose answer the user judged, ``after_s`` counts from T), through any chain
+of tool turns (C's answer may call tools again), as an outcome reward credits every step of an episode.
+``regenerated`` is not passed back (the user asked for another answer to the same tool results, which
+says nothing about the calls), nor ``tool_error`` (an error of C's own calls).
+
 A signal that cannot be decided yet (the window is still open at ``now``) is absent, never negative:
 a trace younger than the window gets ``continued`` / ``rephrased`` / ``regenerated`` / ``tool_error``
 as soon as the evidence is there, and ``abandoned`` only once the window has closed. Each derived signal
@@ -59,6 +67,7 @@ CONTINUED, REPHRASED, REGENERATED, TOOL_ERROR, ABANDONED = (
     "abandoned",
 )
 IMPLICIT_SIGNALS = (TOOL_ERROR, REPHRASED, REGENERATED, CONTINUED, ABANDONED)
+PASSED_BACK = (REPHRASED, CONTINUED, ABANDONED)  # the user's verdict a tool-calling turn takes from its answer
 
 _WORD = re.compile(r"[^\W_]+")
 _ERROR_START = re.compile(r"^\s*(error|exception|traceback|failed|failure)\b", re.IGNORECASE)
@@ -139,11 +148,9 @@ def _call_ids(tool_calls: str | None) -> set[str]:
     )
 
 
-def _tool_errors(child_messages: Sequence[dict[str, Any]], call_ids: set[str]) -> bool:
-    return any(
-        m.get("role") == "tool" and m.get("tool_call_id") in call_ids and reports_error(m.get("content"))
-        for m in child_messages
-    )
+def _results(child_messages: Sequence[dict[str, Any]], call_ids: set[str]) -> list[Any]:
+    """The contents of the tool messages of a follower that answer the calls ``call_ids``."""
+    return [m.get("content") for m in child_messages if m.get("role") == "tool" and m.get("tool_call_id") in call_ids]
 
 
 def _prompt_key(t: Turn) -> tuple[Any, ...]:
@@ -177,6 +184,7 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
     for group in same_prompt.values():
         group.sort(key=lambda r: r.ts)
     out: list[dict[str, dict[str, Any]]] = []
+    answered_by: dict[int, Turn] = {}  # index of a tool-calling turn -> the earliest turn sending its results
     for t in turns:
         found: dict[str, dict[str, Any]] = {}
 
@@ -192,10 +200,13 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
         asked = _last_user_text(_messages(t.prompt)) if followers else None
         for c in followers:
             messages = _messages(c.prompt)
-            if call_ids and _tool_errors(messages, call_ids):
-                seen(TOOL_ERROR, c)
-            if call_ids:
-                continue  # the app answered the model's tool calls: not a user's move
+            if call_ids:  # the app answering the model's tool calls is not a user's move
+                results = _results(messages, call_ids)
+                if any(reports_error(r) for r in results):
+                    seen(TOOL_ERROR, c)
+                if results and (len(out) not in answered_by or c.ts < answered_by[len(out)].ts):
+                    answered_by[len(out)] = c
+                continue
             again = _last_user_text(messages)
             if asked is not None and again is not None and similarity(asked, again) >= cfg.rephrase_similarity:
                 seen(REPHRASED, c)
@@ -207,5 +218,20 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
                 seen(REGENERATED, resend)
         if not followers and REGENERATED not in found and (now - t.ts).total_seconds() >= window:
             found[ABANDONED] = {"by": None, "after_s": None, "window_s": window}
-        out.append({k: found[k] for k in IMPLICIT_SIGNALS if k in found})
-    return out
+        out.append(found)
+    _pass_back(turns, out, answered_by)
+    return [{k: found[k] for k in IMPLICIT_SIGNALS if k in found} for found in out]
+
+
+def _pass_back(turns: Sequence[Turn], out: list[dict[str, dict[str, Any]]], answered_by: dict[int, Turn]) -> None:
+    """A tool-calling turn takes the user's verdict on the answer its tool results led to (module doc): the
+    latest turns first, so a chain of tool turns passes it back step by step (a follower is never earlier than
+    its parent; in-place, linear)."""
+    index = {t.trace_id: i for i, t in enumerate(turns)}
+    for i in sorted(answered_by, key=lambda i: (turns[i].ts, turns[i].trace_id), reverse=True):
+        c = answered_by[i]
+        shift = (c.ts - turns[i].ts).total_seconds()
+        for signal, seen in out[index[c.trace_id]].items() if c.trace_id in index else ():
+            if signal in PASSED_BACK and signal not in out[i]:
+                after = None if seen["after_s"] is None else round(seen["after_s"] + shift, 3)
+                out[i][signal] = {**seen, "after_s": after, "via": seen.get("via", c.trace_id)}

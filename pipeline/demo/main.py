@@ -26,6 +26,10 @@ model learns from what its users say, and nothing else.
    promotion), feedback-only gain / oracle gain; the shipped regression suite's greedy score for the base
    and the final champion (forgetting = base - champion; target <= 0.05); a plot of the live rate.
 
+With ``--scenario calculator`` the users ask two-digit products through an app with a ``calculate`` tool
+(:data:`pipeline.demo.traffic.CALCULATOR`): the same recipe, stack and scoreboard, with vLLM serving the ChatML
+template with Hermes-style tools (:data:`TOOL_SERVING`); the greedy accuracy runs the same tool loop.
+
 With ``--hostile-share F`` a share F of the requests comes from coordinated hostile
 users (:class:`pipeline.demo.traffic.Hostile`: every answer rated with the inverted
 verdict, no corrections) through plain API keys, one key posing as many users
@@ -61,6 +65,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from openai import OpenAI
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -80,10 +85,12 @@ from pipeline.demo.board import (
     suite_score,
 )
 from pipeline.demo.traffic import (
+    ARITHMETIC,
+    SCENARIOS,
     Behaviour,
     Exchange,
     Hostile,
-    arithmetic_questions,
+    Scenario,
     create_demo_key,
     create_hostile,
     drive,
@@ -154,25 +161,19 @@ def _wait_round(api: str, round_id: str, timeout_s: float) -> dict[str, Any]:
     raise SystemExit(f"round {round_id} did not end within {timeout_s:.0f}s")
 
 
-def _greedy_accuracy(vllm_url: str, model: str, questions: list[tuple[str, str]]) -> float:
-    """Share of greedy answers from ``model`` on ``questions`` that the users' check accepts.
+def _greedy_accuracy(
+    vllm_url: str, model: str, questions: list[tuple[str, str]], scenario: Scenario = ARITHMETIC
+) -> float:
+    """Share of greedy answers from ``model`` on ``questions`` that the users' check accepts, each a user turn of
+    ``scenario`` sent to vLLM directly (with a tool: the forced call, the app's result, the answer).
 
     The requests go out 8 at a time so vLLM batches them."""
+    client = OpenAI(base_url=f"{vllm_url}/v1", api_key="none", max_retries=2, timeout=300)
 
     def right(item: tuple[str, str]) -> bool:
         question, reference = item
-        response = httpx.post(
-            f"{vllm_url}/v1/chat/completions",
-            json={
-                "model": model,
-                "messages": [{"role": "user", "content": question}],
-                "max_tokens": 16,
-                "temperature": 0.0,
-            },
-            timeout=300,
-        )
-        response.raise_for_status()
-        return is_correct(response.json()["choices"][0]["message"]["content"] or "", reference)
+        _, answer, _ = scenario.answer(client, model, [{"role": "user", "content": question}], temperature=0.0)
+        return is_correct(answer, reference)
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         return sum(pool.map(right, questions)) / len(questions)
@@ -265,6 +266,7 @@ def _run_canary(
     timeout_s: float,
     behaviour: Behaviour = Behaviour(),
     hostile: Hostile | None = None,
+    scenario: Scenario = ARITHMETIC,
 ) -> tuple[list[Exchange], dict | None]:
     """Keep the users' traffic flowing while ``version`` is on canary, printing the live evidence after each
     batch, until the service's canary monitor decided (promote or abort) or ``timeout_s`` passed.
@@ -311,6 +313,7 @@ def _run_canary(
             api_key=key,
             behaviour=behaviour,
             hostile=hostile,
+            scenario=scenario,
         )
         batch += 1
     return sent, None
@@ -485,6 +488,20 @@ def _print_scoreboard(
     )
 
 
+class ScenarioName(str, Enum):
+    """What the simulated users ask: one-digit additions (``arithmetic``), or two-digit products through an app
+    that makes the model call its ``calculate`` tool first (``calculator``)."""
+
+    arithmetic = "arithmetic"
+    calculator = "calculator"
+
+
+# The calculator scenario's serving settings, set in the environment (a value already there wins) before the
+# config is read, so the stack and the service's processes get them: the ChatML template with Hermes-style tools
+# (it renders tool-free chats exactly as SmolLM2's own) and vLLM's parser for its calls. The recipe is the same.
+TOOL_SERVING = {"HOURGLASS_MODEL__CHAT_TEMPLATE": "chatml-tools", "HOURGLASS_SERVING__TOOL_CALL_PARSER": "hermes"}
+
+
 class HostileKeys(str, Enum):
     """How the hostile users reach the gateway: ``one`` API key posing as a fresh user per request, or ``many``
     keys, one per hostile user."""
@@ -576,6 +593,10 @@ def main(
             "one user per hostile user (share x 16 of them, at least 1)."
         ),
     ] = HostileKeys.one,
+    scenario: Annotated[
+        ScenarioName,
+        typer.Option(help="arithmetic: one-digit additions; calculator: two-digit products through a calculator tool."),
+    ] = ScenarioName.arithmetic,
     seed: Annotated[
         int,
         typer.Option(
@@ -592,6 +613,10 @@ def main(
     behaviour = Behaviour(rating_rate=rating_rate, contradiction=contradiction)
     verdicts: dict[str, bool] = {}  # trace id -> right by the users' own check
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below on SIGTERM too
+    task = SCENARIOS[scenario.value]
+    if task.tool is not None:
+        for name, value in TOOL_SERVING.items():
+            os.environ.setdefault(name, value)
     cfg = load(config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console.rule("1. local stack")
@@ -643,6 +668,11 @@ def main(
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
         console.rule("2. traffic through the gateway")
+        if task.tool is not None:
+            console.print(
+                f"scenario {task.name}: two-digit products; each user turn is a forced `calculate` call, the app "
+                "running it, and the answer the user sees (counts below are user turns)"
+            )
         exchanges = drive(
             gateway,
             model,
@@ -652,6 +682,7 @@ def main(
             api_key=key,
             behaviour=behaviour,
             hostile=hostile,
+            scenario=task,
         )
         verdicts |= {e.trace_id: e.correct for e in exchanges}
         _say_sent(exchanges, "requests (served by the base)")
@@ -660,7 +691,7 @@ def main(
         canary_lines: dict[int, str] = {}
         canary_of: dict[int, tuple[str, str | None]] = {}  # round -> (version, decision)
         aucs: list[float | None] = []
-        questions = arithmetic_questions(FRESH_PROMPTS, seed=999)  # fresh prompts, never seen in training
+        questions = task.questions(FRESH_PROMPTS, 999)  # fresh prompts, never seen in training
         by_round: list[float] = []
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
@@ -683,6 +714,7 @@ def main(
                     timeout_s=canary_wait,
                     behaviour=behaviour,
                     hostile=hostile,
+                    scenario=task,
                 )
                 verdicts |= {e.trace_id: e.correct for e in more}
                 canaries[i] = [e.trace_id for e in more if not e.hostile]
@@ -697,7 +729,7 @@ def main(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
             served_now = _served(cfg, model) or cfg.serving.base_served_name
-            by_round.append(_greedy_accuracy(vllm_url, served_now, questions))
+            by_round.append(_greedy_accuracy(vllm_url, served_now, questions, task))
             console.print(f"greedy accuracy after round {i} ({served_now}): {by_round[-1]:.3f}")
             more = drive(  # the phase after round i, served by its champion
                 gateway,
@@ -708,6 +740,7 @@ def main(
                 api_key=key,
                 behaviour=behaviour,
                 hostile=hostile,
+                scenario=task,
             )
             verdicts |= {e.trace_id: e.correct for e in more}
             phases.append([e.trace_id for e in more if not e.hostile])
@@ -719,7 +752,7 @@ def main(
         routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
         accuracy = {
             f"base ({cfg.serving.base_served_name})": _greedy_accuracy(
-                vllm_url, cfg.serving.base_served_name, questions
+                vllm_url, cfg.serving.base_served_name, questions, task
             )
         }
         on_suite = {"base": cfg.serving.base_served_name}
@@ -727,7 +760,7 @@ def main(
             route = routes.get(served_model, {})
             served = route.get("served_name")
             if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
-                accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions)
+                accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions, task)
                 if label == "champion":
                     on_suite["champion"] = served
         suite = _suite_of(cfg)
@@ -759,7 +792,7 @@ def main(
                 f"feedback-only / oracle = {verdict}"
             )
         console.print(forgetting_line(suite.name, suite_scores["base"], suite_scores.get("champion")))
-        for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key):
+        for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key, scenario=task):
             console.print(
                 f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})"
             )

@@ -22,6 +22,13 @@ it as a label only from a trusted-grader key (:func:`create_demo_key` makes
 one). Each simulated user sends its own ``user`` id, so per-user caps see
 several users.
 
+The :data:`CALCULATOR` scenario (the demo's ``--scenario calculator``) asks two-digit products through an app
+with a ``calculate`` tool instead: each user turn is two requests, the first forcing the tool call (``tool_choice``
+naming the function: SmolLM2-135M never calls a tool on its own, ``bench/tool_calling.py``), the app running the
+call on the model's expression (:func:`calculate`) and sending the result back, the second the answer the user sees
+and judges. What the model must learn is the expression; the implicit signals reach the tool-call turn through the
+answer its result led to (:mod:`connectors.implicit`).
+
 With :class:`Hostile` users (the demo's ``--hostile-share``), a share of the
 requests comes from coordinated hostile users instead: they rate every answer
 with the inverted verdict (thumbs up when wrong by the users' check, down when
@@ -34,9 +41,12 @@ demo's scoreboard counts honest users only.
 
 from __future__ import annotations
 
+import ast
+import json
+import operator
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,6 +71,112 @@ EDITING_USERS = frozenset(f"sim-user-{i}" for i in range(0, SIMULATED_USERS, 2))
 # every next question look like a restatement (a known failure mode of that measure: docs/data-contracts.md).
 FOLLOW_UP = "{q}?"
 RETRY = "Wrong. "  # an unsatisfied user restates their last message with this in front
+Message = dict[str, Any]
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+MAX_EXPRESSION_CHARS = 64
+
+
+def calculate(expression: Any) -> str:
+    """The calculator app's tool: the value of a short arithmetic expression (numbers, ``+ - * /``, parentheses,
+    unary minus) as text, or ``{"error": ...}`` JSON for anything else (the ``tool_error`` signal reads it)."""
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:40]}")
+
+    if not isinstance(expression, str) or not 0 < len(expression) <= MAX_EXPRESSION_CHARS:
+        return json.dumps({"error": f"expression must be text of 1 to {MAX_EXPRESSION_CHARS} characters"})
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, MemoryError) as err:
+        return json.dumps({"error": f"cannot evaluate {expression!r}: {type(err).__name__}"})
+    if isinstance(result, int):
+        return str(result)
+    return str(int(result)) if result.is_integer() else f"{result:.6g}"
+
+
+CALCULATE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression, e.g. 12 * 34.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+        "strict": True,  # vLLM holds the arguments to the schema: the model chooses only the expression
+    },
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the simulated users ask, how a next question in the same chat reads, and the tool (if any) the app
+    offers and forces on each user turn."""
+
+    name: str
+    task: str  # the traces' metadata.task
+    questions: Callable[[int, int], list[tuple[str, str]]]  # (n, seed) -> (question, reference answer)
+    follow_up: Callable[[str], str]  # a next question in the same chat, from the question as first asked
+    tool: dict[str, Any] | None = None
+
+    def answer(
+        self,
+        client: OpenAI,
+        model: str,
+        messages: Sequence[Message],
+        *,
+        temperature: float,
+        max_tokens: int = 16,
+        **extra: Any,
+    ) -> tuple[Any, str, list[Message]]:
+        """One user turn: (the raw response of the answer the user sees, its text, the messages it answered).
+        With a tool: the call is forced, the app runs it and sends the result back, then the answer comes."""
+        if self.tool is None:
+            raw = _create(client, model, list(messages), max_tokens, temperature, **extra)
+            return raw, raw.parse().choices[0].message.content or "", list(messages)
+        tools = {"tools": [self.tool], **extra}
+        forced = {"type": "function", "function": {"name": self.tool["function"]["name"]}}
+        raw = _create(client, model, list(messages), 48, temperature, tool_choice=forced, **tools)
+        message = raw.parse().choices[0].message
+        if not message.tool_calls:  # cut short before the call closed (max_tokens): the text is the answer
+            return raw, message.content or "", list(messages)
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+        shown = [*messages, {"role": "assistant", "content": message.content, "tool_calls": calls}]
+        shown += [{"role": "tool", "tool_call_id": c["id"], "content": _run_call(c)} for c in calls]
+        raw = _create(client, model, shown, max_tokens, temperature, tool_choice="none", **tools)
+        return raw, raw.parse().choices[0].message.content or "", shown
+
+
+def _create(
+    client: OpenAI, model: str, messages: list[Message], max_tokens: int, temperature: float, **extra: Any
+) -> Any:
+    return client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=temperature,
+        **extra,
+    )
+
+
+def _run_call(call: Message) -> str:
+    """The app runs one ``calculate`` call on the model's arguments."""
+    try:
+        arguments = json.loads(call["function"]["arguments"] or "{}")
+    except (ValueError, RecursionError):
+        return json.dumps({"error": "arguments are not JSON"})
+    return calculate(arguments.get("expression") if isinstance(arguments, dict) else None)
 
 
 @dataclass(frozen=True)
@@ -163,6 +279,29 @@ def arithmetic_questions(n: int, seed: int) -> list[tuple[str, str]]:
     return [(p.messages[0]["content"], p.metadata["reference_answer"]) for p in prompts]
 
 
+def product_questions(n: int, seed: int) -> list[tuple[str, str]]:
+    """``n`` (question, reference answer) pairs of two-digit products (the calculator scenario's questions)."""
+    rng = random.Random(f"products-{seed}")
+    pairs = [(rng.randint(11, 99), rng.randint(11, 99)) for _ in range(n)]
+    return [(f"What is {a} * {b}?", str(a * b)) for a, b in pairs]
+
+
+ARITHMETIC = Scenario(
+    "arithmetic",
+    "basic_arithmetic",
+    arithmetic_questions,
+    lambda q: FOLLOW_UP.format(q=q.split(".")[0].removeprefix("Calculate ")),
+)
+CALCULATOR = Scenario(
+    "calculator",
+    "calculator_products",
+    product_questions,
+    lambda q: "And " + q.removeprefix("What is "),  # "And 47 * 38?": no word shared with "What is 12 * 55?"
+    tool=CALCULATE_TOOL,
+)
+SCENARIOS = {s.name: s for s in (ARITHMETIC, CALCULATOR)}
+
+
 def create_demo_key(state_dir: str | Path, name: str = "demo") -> str:
     """A new trusted-grader API key in the gateway's key store under ``state_dir`` (the demo's simulated
     users send reference answers, which only a trusted grader may set); returns the key string."""
@@ -171,21 +310,28 @@ def create_demo_key(state_dir: str | Path, name: str = "demo") -> str:
 
 
 def _chat(
-    client: OpenAI, model: str, messages: list[dict[str, str]], reference: str, max_tokens: int, user: str | None
-) -> tuple[str, str, str]:
-    """One chat completion through the gateway: (trace id, answer, feedback token)."""
-    raw = client.chat.completions.with_raw_response.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
+    client: OpenAI,
+    model: str,
+    messages: list[Message],
+    reference: str,
+    max_tokens: int,
+    user: str | None,
+    scenario: Scenario = ARITHMETIC,
+) -> tuple[str, str, str, list[Message]]:
+    """One user turn through the gateway: (trace id, answer, feedback token, the messages the answer answered:
+    with a tool, the user's messages plus the call and its result)."""
+    raw, answer, shown = scenario.answer(
+        client,
+        model,
+        messages,
         temperature=0.7,
+        max_tokens=max_tokens,
         extra_body={
-            "metadata": {"reference_answer": reference, "task": "basic_arithmetic"},
+            "metadata": {"reference_answer": reference, "task": scenario.task},
             **({"user": user} if user else {}),
         },
     )
-    answer = raw.parse().choices[0].message.content or ""
-    return raw.headers.get("x-hourglass-trace-id", ""), answer, raw.headers.get(FEEDBACK_HEADER, "")
+    return raw.headers.get("x-hourglass-trace-id", ""), answer, raw.headers.get(FEEDBACK_HEADER, ""), shown
 
 
 def _vote(
@@ -217,12 +363,13 @@ def ask(
     *,
     user: str | None = None,
     hostile: bool = False,
+    scenario: Scenario = ARITHMETIC,
 ) -> Exchange:
-    """One chat completion through the gateway, then the user's feedback (same API key, the response's token):
-    thumbs by the users' check, and from one of :data:`EDITING_USERS` a wrong answer's correction; a
-    ``hostile`` user's thumbs inverted, never a correction."""
-    messages = [{"role": "user", "content": question}]
-    trace_id, answer, token = _chat(client, model, messages, reference, max_tokens, user)
+    """One user turn through the gateway (:meth:`Scenario.answer`), then the user's feedback on the answer they
+    saw (same API key, the response's token): thumbs by the users' check, and from one of :data:`EDITING_USERS` a
+    wrong answer's correction; a ``hostile`` user's thumbs inverted, never a correction."""
+    messages: list[Message] = [{"role": "user", "content": question}]
+    trace_id, answer, token, _ = _chat(client, model, messages, reference, max_tokens, user, scenario)
     correct = is_correct(answer, reference)
     _vote(client, gateway_url, trace_id, token, correct, reference, user, hostile)
     return Exchange(trace_id, question, answer, reference, correct, hostile=hostile)
@@ -248,25 +395,27 @@ class _Budget:
 
 
 def converse(
-    chat: Callable[..., tuple[str, str, str]],
+    chat: Callable[..., tuple[str, str, str, list[Message]]],
     vote: Callable[..., None],
     budget: _Budget,
     user: str,
     rng: random.Random,
     behaviour: Behaviour,
+    scenario: Scenario = ARITHMETIC,
 ) -> list[Exchange]:
     """One user's chat: ask, judge, maybe rate, act (go on, restate, regenerate, leave), until they leave, the
-    chat has ``behaviour.max_turns`` requests or the budget is spent. ``chat(messages, reference)`` and
-    ``vote(trace_id, token, correct, reference)`` talk to the gateway."""
+    chat has ``behaviour.max_turns`` user turns or the budget is spent. ``chat(messages, reference)`` (one user
+    turn: trace id, answer, feedback token, the messages the answer answered) and ``vote(trace_id, token,
+    correct, reference)`` talk to the gateway."""
     out: list[Exchange] = []
     first = budget.question()
     if first is None:
         return out
-    (question, reference), history = first, list[dict[str, str]]()
+    (question, reference), history = first, list[Message]()
     message = question
     while budget.take():
         messages = [*history, {"role": "user", "content": message}]
-        trace_id, answer, token = chat(messages, reference)
+        trace_id, answer, token, shown = chat(messages, reference)
         correct = is_correct(answer, reference)
         rated = rng.random() < behaviour.rating_rate
         if rated:
@@ -277,11 +426,11 @@ def converse(
         asked, expected = messages[-1]["content"], reference
         if satisfied and not last and pick < behaviour.go_on and (following := budget.question()) is not None:
             action, (question, reference) = "continued", following
-            history = [*messages, {"role": "assistant", "content": answer}]
-            message = FOLLOW_UP.format(q=question.split(".")[0].removeprefix("Calculate "))
+            history = [*shown, {"role": "assistant", "content": answer}]
+            message = scenario.follow_up(question)
         elif not satisfied and not last and pick < behaviour.rephrase:
             action = "rephrased"
-            history = [*messages, {"role": "assistant", "content": answer}]
+            history = [*shown, {"role": "assistant", "content": answer}]
             message = RETRY + message.removeprefix(RETRY)
         elif not satisfied and not last and pick < behaviour.rephrase + behaviour.regenerate:
             action = "regenerated"  # the same messages again: another answer to the same turn
@@ -302,10 +451,12 @@ def drive(
     patience_s: float = 600.0,
     behaviour: Behaviour = Behaviour(),
     hostile: Hostile | None = None,
+    scenario: Scenario = ARITHMETIC,
 ) -> list[Exchange]:
-    """Send ``n`` requests through the gateway, ``concurrency`` at a time, as ``SIMULATED_USERS`` users of
-    ``api_key`` (a trusted-grader key, see :func:`create_demo_key`): one rated question each, or, with a
-    conversational ``behaviour``, users' chats (:func:`converse`) until ``n`` requests were sent. With
+    """Send ``n`` user turns of ``scenario`` through the gateway (one request each; with a tool, two: the call
+    and the answer), ``concurrency`` at a time, as ``SIMULATED_USERS`` users of ``api_key`` (a trusted-grader
+    key, see :func:`create_demo_key`): one rated question each, or, with a conversational ``behaviour``, users'
+    chats (:func:`converse`) until ``n`` turns were sent. With
     ``hostile``, each request (each chat) is a hostile user's with probability ``hostile.share``
     (:meth:`Hostile.sender`): sent with its key and ``user``, every answer rated, inverted.
 
@@ -318,7 +469,7 @@ def drive(
         key: OpenAI(base_url=f"{gateway_url}/v1", api_key=key, max_retries=2, timeout=120)
         for key in (api_key, *(hostile.keys if hostile else ()))
     }
-    questions = arithmetic_questions(n, seed)
+    questions = scenario.questions(n, seed)
     senders = [(hostile.sender(seed, i) if hostile else None) for i in range(n)]
     # per request (per chat): (API key, user, hostile)
     users = [
@@ -341,7 +492,13 @@ def drive(
             return list(
                 pool.map(
                     lambda args: patient_ask(
-                        clients[args[1][0]], gateway_url, model, *args[0], user=args[1][1], hostile=args[1][2]
+                        clients[args[1][0]],
+                        gateway_url,
+                        model,
+                        *args[0],
+                        user=args[1][1],
+                        hostile=args[1][2],
+                        scenario=scenario,
                     ),
                     zip(questions, users),
                 )
@@ -357,7 +514,7 @@ def drive(
             client = clients[key]
             said = converse(
                 lambda messages, reference, user=user, client=client: chat(
-                    client, model, messages, reference, 16, user
+                    client, model, messages, reference, 16, user, scenario
                 ),
                 lambda trace_id, token, correct, reference, user=user, client=client, bad=bad: vote(
                     client, gateway_url, trace_id, token, correct, reference, user, bad
@@ -366,6 +523,7 @@ def drive(
                 user,
                 rng,
                 inverted if bad else behaviour,
+                scenario,
             )
             if not said:
                 break

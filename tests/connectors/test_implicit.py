@@ -86,12 +86,70 @@ def test_a_tool_result_reporting_an_error_is_tool_error_and_the_apps_tool_turn_i
     failed = {"role": "tool", "tool_call_id": "call-1", "content": '{"error": "division by zero"}'}
     fine = {"role": "tool", "tool_call_id": "call-1", "content": '{"result": 4}'}
     bad = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), failed], parent="t1")]
-    assert list(signals(bad)["t1"]) == ["tool_error"]
+    assert list(signals(bad, now=T0 + timedelta(minutes=5))["t1"]) == ["tool_error"]
+    assert list(signals(bad)["t1"]) == ["tool_error", "abandoned"]  # and the user left after t2's answer
     good = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), fine], parent="t1")]
-    assert signals(good)["t1"] == {}  # the app answered the call: neither continued nor abandoned
+    # the app answered the call: neither continued nor abandoned by itself (and t2's window is still open)
+    assert signals(good, now=T0 + timedelta(minutes=5))["t1"] == {}
     other = {"role": "tool", "tool_call_id": "call-9", "content": "Error: no such call"}
     unrelated = calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), other], parent="t1")]
     assert signals(unrelated)["t1"] == {}  # an error for a call this answer did not make
+
+
+CALL_2 = [{"id": "call-2", "type": "function", "function": {"name": "calc", "arguments": '{"x": "4*3"}'}}]
+
+
+def tool_chain(then: list[Turn]) -> list[Turn]:
+    """t1 calls a tool, t2 (its result) calls another, t3 (that result) answers the user; ``then`` follows t3."""
+    r1 = {"role": "tool", "tool_call_id": "call-1", "content": "4"}
+    r2 = {"role": "tool", "tool_call_id": "call-2", "content": "12"}
+    return [
+        turn("t1", 0, Q1, calls=CALL),
+        turn("t2", 0.1, [*Q1, assistant(calls=CALL), r1], parent="t1", calls=CALL_2),
+        turn("t3", 0.2, [*Q1, assistant(calls=CALL), r1, assistant(calls=CALL_2), r2], parent="t2"),
+        *then,
+    ]
+
+
+T3_PROMPT = [*Q1, assistant(calls=CALL), {"role": "tool", "tool_call_id": "call-1", "content": "4"}]
+T3_PROMPT += [assistant(calls=CALL_2), {"role": "tool", "tool_call_id": "call-2", "content": "12"}]
+
+
+def test_tool_calling_turns_take_the_users_verdict_on_the_answer_their_results_led_to() -> None:
+    went_on = tool_chain([turn("t4", 2.2, [*T3_PROMPT, assistant("12."), user("And of Italy?")], parent="t3")])
+    got = signals(went_on)
+    assert got["t3"] == {"continued": {"by": "t4", "after_s": 120.0, "window_s": 600}}
+    assert got["t2"] == {"continued": {"by": "t4", "after_s": 126.0, "window_s": 600, "via": "t3"}}
+    assert got["t1"] == {"continued": {"by": "t4", "after_s": 132.0, "window_s": 600, "via": "t3"}}
+    restated = tool_chain(
+        [turn("t4", 1, [*T3_PROMPT, assistant("7."), user("what is the capital of France")], parent="t3")]
+    )
+    assert [list(signals(restated)[t]) for t in ("t1", "t2", "t3")] == [["rephrased"]] * 3
+    left = signals(tool_chain([]))
+    assert [list(left[t]) for t in ("t1", "t2", "t3")] == [["abandoned"]] * 3
+    # another answer asked for after the tool results says nothing about the calls: not passed back
+    regenerated = signals(tool_chain([turn("t3b", 0.5, T3_PROMPT, parent="t2")]), now=T0 + timedelta(minutes=5))
+    assert list(regenerated["t3"]) == ["regenerated"] and regenerated["t2"] == regenerated["t1"] == {}
+    # undecided at the end of the chain: undecided all the way back
+    assert signals(tool_chain([]), now=T0 + timedelta(minutes=5)) == {"t1": {}, "t2": {}, "t3": {}}
+
+
+def test_only_a_turn_sending_back_this_answers_tool_results_passes_a_verdict_back() -> None:
+    other = {"role": "tool", "tool_call_id": "call-9", "content": "4"}
+    unrelated = [
+        turn("t1", 0, Q1, calls=CALL),
+        turn("t2", 0.1, [*Q1, assistant(calls=CALL), other], parent="t1"),
+        turn("t3", 1, [*Q1, assistant(calls=CALL), other, assistant("4."), user("Next: 5*5?")], parent="t2"),
+    ]
+    got = signals(unrelated)
+    assert list(got["t2"]) == ["continued"] and got["t1"] == {}  # t2 answered no call of t1's
+    failed = {"role": "tool", "tool_call_id": "call-1", "content": "Error: no calculator"}
+    errored = [
+        turn("t1", 0, Q1, calls=CALL),
+        turn("t2", 0.1, [*Q1, assistant(calls=CALL), failed], parent="t1"),
+        turn("t3", 1, [*Q1, assistant(calls=CALL), failed, assistant("4."), user("Next: 5*5?")], parent="t2"),
+    ]
+    assert list(signals(errored)["t1"]) == ["tool_error", "continued"]  # its own error stays; the verdict joins it
 
 
 @pytest.mark.parametrize(
@@ -198,7 +256,13 @@ def test_hostile_turns_cannot_break_or_stall_the_derivation() -> None:
     assert reports_error("Error: " + "x" * 200_000) is True
     calls = [turn("t1", 0, Q1, calls=CALL)]
     nested = {"role": "tool", "tool_call_id": "call-1", "content": deep}
-    assert signals(calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), nested], parent="t1")])["t1"] == {}
+    assert (
+        "tool_error" not in signals(calls + [turn("t2", 0.1, [*Q1, assistant(calls=CALL), nested], parent="t1")])["t1"]
+    )
+    # tool turns linked in a loop (forged parents, one timestamp) pass nothing round and round
+    result = {"role": "tool", "tool_call_id": "call-1", "content": "4"}
+    loop = [turn(t, 0, [*Q1, assistant(calls=CALL), result], parent=p, calls=CALL) for t, p in (("a", "b"), ("b", "a"))]
+    assert signals(loop) == {"a": {}, "b": {}}
     own = Turn(**{**turn("t1", 0, Q1).__dict__, "parent_trace_id": "t1"})
     assert list(signals([own])["t1"]) == ["abandoned"]
     alice = Turn(**{**turn("t1", 0, Q1).__dict__, "user": "alice"})
@@ -215,6 +279,14 @@ def test_hostile_turns_cannot_break_or_stall_the_derivation() -> None:
     got = derive(flood, LATER, CFG)
     assert time.perf_counter() - started < 20  # O(n log n): seconds, not the hour a quadratic scan takes
     assert got[0] == {"regenerated": {"by": "r1", "after_s": 0.1, "window_s": 600}}
+    chain = [turn("c0", 0, Q1, calls=CALL)]  # 20,000 tool turns in one chain: the verdict travels back linearly
+    for i in range(1, 20_000):
+        chain.append(turn(f"c{i}", i / 2000, [*Q1, assistant(calls=CALL), result], parent=f"c{i - 1}", calls=CALL))
+    chain[-1] = Turn(**{**chain[-1].__dict__, "completion_tool_calls": None})
+    started = time.perf_counter()
+    got = derive(chain, LATER, CFG)
+    assert time.perf_counter() - started < 20
+    assert got[0] == {"abandoned": {"by": None, "after_s": None, "window_s": 600, "via": "c19999"}}
 
 
 def test_linking_a_flood_of_unlinked_turns_is_not_quadratic(tmp_path: Path) -> None:

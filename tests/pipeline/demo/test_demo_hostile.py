@@ -88,10 +88,10 @@ def test_drive_sends_hostile_requests_with_their_keys_users_and_inverted_votes(
     one is rated, inverted; honest ones use the demo key and ``sim-user-*`` as without hostile users."""
     chats: dict[str, tuple[str, str | None]] = {}
 
-    def chat(client: Any, model: str, messages: Any, reference: str, max_tokens: int, user: str | None) -> Any:
+    def chat(client: Any, model: str, messages: Any, reference: str, max_tokens: int, user: str | None, *_: Any) -> Any:
         trace = f"t{len(chats)}"
         chats[trace] = (client.api_key, user)
-        return trace, reference if len(chats) % 2 else "99", "tok"  # every other answer wrong
+        return trace, reference if len(chats) % 2 else "99", "tok", messages  # every other answer wrong
 
     monkeypatch.setattr(traffic, "_chat", chat)
     keys = ("hg-one",) if mode == "one" else ("hg-a", "hg-b")
@@ -116,9 +116,9 @@ def test_drive_sends_hostile_requests_with_their_keys_users_and_inverted_votes(
 def test_without_hostile_users_drive_is_unchanged(monkeypatch: pytest.MonkeyPatch, posted: Posted) -> None:
     sent: list[tuple[str, str | None]] = []
 
-    def chat(client: Any, model: str, messages: Any, reference: str, max_tokens: int, user: str | None) -> Any:
+    def chat(client: Any, model: str, messages: Any, reference: str, max_tokens: int, user: str | None, *_: Any) -> Any:
         sent.append((client.api_key, user))
-        return f"t{len(sent)}", reference, "tok"
+        return f"t{len(sent)}", reference, "tok", messages
 
     monkeypatch.setattr(traffic, "_chat", chat)
     out = drive("http://gw", "m", 20, seed=1, concurrency=1, api_key="hg-demo")

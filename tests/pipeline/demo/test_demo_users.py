@@ -17,7 +17,9 @@ import pytest
 from connectors.buffer import RewardBuffer
 from connectors.config import BufferConfig, ImplicitConfig
 from connectors.segments import Coordinates
-from pipeline.demo.traffic import RETRY, Behaviour, _Budget, converse
+from openai import OpenAI
+
+from pipeline.demo.traffic import CALCULATOR, RETRY, Behaviour, _Budget, _chat, calculate, converse
 from tests.connectors.gateway.gateway_fakes import FakeSink
 from tests.connectors.gateway.test_gateway_logic import Keys, keys, make_gateway  # noqa: F401
 
@@ -31,10 +33,10 @@ class FakeChat:
     def __init__(self, right: Any) -> None:
         self.right, self.sent, self.votes = right, [], []
 
-    def chat(self, messages: list[dict[str, str]], reference: str) -> tuple[str, str, str]:
+    def chat(self, messages: list[dict[str, str]], reference: str) -> tuple[str, str, str, list]:
         self.sent.append(messages)
         answer = reference if self.right(messages) else "99"
-        return f"t{len(self.sent)}", answer, "token"
+        return f"t{len(self.sent)}", answer, "token", messages
 
     def vote(self, trace_id: str, token: str, correct: bool, reference: str) -> None:
         self.votes.append((trace_id, correct))
@@ -120,11 +122,12 @@ def test_the_gateway_links_and_the_snapshot_reads_back_what_the_users_did(
     upstream.reply = reply
     with http:
 
-        def chat(messages: list[dict[str, str]], reference: str) -> tuple[str, str, str]:
+        def chat(messages: list[dict[str, str]], reference: str) -> tuple[str, str, str, list]:
             body = {"model": "hourglass", "messages": messages, "max_tokens": 8, "user": "alice"}
             response = http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {keys.client}"})
             assert response.status_code == 200, response.text
-            return response.headers["x-hourglass-trace-id"], response.json()["choices"][0]["message"]["content"], ""
+            content = response.json()["choices"][0]["message"]["content"]
+            return response.headers["x-hourglass-trace-id"], content, "", messages
 
         # no number twice in one question: "10 + 10?" after "10 + 3?" would be a rephrase by word-set similarity
         distinct = [
@@ -145,6 +148,80 @@ def test_the_gateway_links_and_the_snapshot_reads_back_what_the_users_did(
     for e in out:
         expected = {"abandoned"} if e.action == "left" else {e.action}
         assert set(derived[e.trace_id]) == expected, (e, derived[e.trace_id])
+
+
+def test_calculator_users_reach_the_tool_call_turn_with_their_verdict(
+    keys: Keys,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The calculator scenario through the real gateway app (a fake model server behind it that calls the tool
+    with the right expression two times in three and then answers with the tool's result): the openai client's
+    tool loop links each user turn's two traces, and in a snapshot the tool-call trace takes the users' verdict
+    on the answer they saw (continued, rephrased, abandoned), a regeneration lands on the call itself."""
+    sink = FakeSink()
+    http, upstream = make_gateway(keys, sink)
+    turns = iter(range(10**6))
+
+    def reply(body: dict[str, Any]) -> httpx.Response:
+        n = next(turns)
+        if isinstance(body.get("tool_choice"), dict):  # the forced call: the expression right 2 times in 3
+            a, b = re.findall(r"\d+", body["messages"][-1]["content"])[:2]
+            expression = f"{a} * {b}" if n % 3 else a
+            call = {"id": f"call-{n}", "type": "function"}
+            call["function"] = {"name": "calculate", "arguments": json.dumps({"expression": expression})}
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        else:
+            assert body["tool_choice"] == "none" and body["messages"][-1]["role"] == "tool"
+            message = {"role": "assistant", "content": f"It is {body['messages'][-1]['content']}."}
+        choice = {"index": 0, "finish_reason": "stop", "message": message}
+        return httpx.Response(
+            200, json={"id": f"c{n}", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+        )
+
+    upstream.reply = reply
+    with http:
+        client = OpenAI(base_url="http://testserver/v1", api_key=keys.client, http_client=http)
+
+        def chat(messages: list[dict[str, str]], reference: str) -> tuple[str, str, str, list]:
+            return _chat(client, "hourglass", messages, reference, 16, "alice", CALCULATOR)
+
+        # distinct operands: "And 12 * 13?" after "What is 12 * 11?" would read as a rephrase (word-set similarity)
+        questions = [(f"What is {a} * {b}?", str(a * b)) for a, b in zip(range(10, 70), range(70, 130))]
+        budget, out = _Budget(questions, 50), []
+        for session in range(50):
+            said = converse(chat, lambda *a: None, budget, "alice", random.Random(session), QUIET, CALCULATOR)
+            if not said:
+                break
+            out += said
+    assert {"continued", "rephrased", "regenerated", "left"} == {e.action for e in out}
+    assert {e.correct for e in out} == {True, False}  # a wrong expression gives the user a wrong answer
+    buffer = RewardBuffer(BufferConfig(root=str(tmp_path / "b"), dead_letter_root=str(tmp_path / "d")))
+    buffer.append([(t, Coordinates("traces", 0, i)) for i, t in enumerate(sink.traces)], [])
+    later = datetime.now(timezone.utc) + timedelta(seconds=ImplicitConfig().window_s + 60)  # every window closed
+    rows = {r["trace_id"]: r for r in buffer.snapshot(now=later).to_pylist()}
+    derived = {t: set(json.loads(r["implicit"] or "{}")) for t, r in rows.items()}
+    for e in out[:-1]:  # the last user's next turn never went out: the budget ended
+        answer = rows[e.trace_id]
+        call = rows[answer["parent_trace_id"]]  # the tool-call turn this answer's tool result came from
+        assert json.loads(call["completion_tool_calls"])[0]["function"]["name"] == "calculate"
+        if e.action == "regenerated":  # the user turn sent again: its first request, the call, is the resend
+            assert derived[call["trace_id"]] == {"regenerated", "abandoned"} and derived[e.trace_id] == {"abandoned"}
+        else:
+            expected = {"abandoned"} if e.action == "left" else {e.action}
+            assert derived[e.trace_id] == expected and derived[call["trace_id"]] == expected, e
+            provenance = json.loads(call["implicit"])[next(iter(expected))]
+            assert provenance["via"] == e.trace_id
+
+
+def test_the_calculator_runs_arithmetic_and_reports_anything_else_as_an_error() -> None:
+    assert [calculate(x) for x in ("47 * 38", "(1 + 2) * -3", "7 / 2", "10/5")] == ["1786", "-9", "3.5", "2"]
+    for bad in ("47", "x * 2", "__import__('os')", "2 ** 99", "1 / 0", "(" * 40 + ")" * 40, "9" * 65, "", 42, None):
+        result = calculate(bad)
+        if bad == "47":
+            assert result == "47"  # a number is an expression: the model asked for 47, it gets 47
+            continue
+        assert "error" in json.loads(result), (bad, result)
+    assert calculate("9" * 32 + "*" + "9" * 31) == str(int("9" * 32) * int("9" * 31))  # big ints, bounded text
 
 
 def test_no_requests_drive_no_users_instead_of_dividing_by_zero() -> None:
