@@ -234,7 +234,8 @@ def test_no_requests_drive_no_users_instead_of_dividing_by_zero() -> None:
 
 
 @pytest.mark.parametrize(
-    "option", [["--traffic", "0"], ["--between", "-5"], ["--rounds", "0"], ["--canary-wait", "-1"]]
+    "option",
+    [["--traffic", "0"], ["--between", "-5"], ["--rounds", "0"], ["--canary-wait", "-1"], ["--scenario", "chess"]],
 )
 def test_demo_counts_below_their_floor_are_refused_before_anything_starts(option: list[str]) -> None:
     import typer
