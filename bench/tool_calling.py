@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,17 @@ from bench import writer  # noqa: E402
 from pipeline.demo.traffic import CALCULATE_TOOL, calculate, is_correct  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. For any arithmetic, call the calculate tool instead of computing yourself."
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 def calls_calculator(text: str) -> bool:
-    """Whether an answer holds a ``<tool_call>`` block whose JSON names ``calculate``."""
-    for block in _CALL.findall(text):
+    """Whether an answer holds a ``<tool_call>`` block whose JSON names ``calculate`` (one pass over the text:
+    no regular expression to backtrack on an unclosed block)."""
+    for piece in text.split("<tool_call>")[1:]:
+        end = piece.find("</tool_call>")
+        if end < 0:
+            continue
         try:
-            call = json.loads(block)
+            call = json.loads(piece[:end])
         except ValueError:
             continue
         if isinstance(call, dict) and call.get("name") == "calculate":

@@ -149,8 +149,15 @@ def _call_ids(tool_calls: str | None) -> set[str]:
 
 
 def _results(child_messages: Sequence[dict[str, Any]], call_ids: set[str]) -> list[Any]:
-    """The contents of the tool messages of a follower that answer the calls ``call_ids``."""
-    return [m.get("content") for m in child_messages if m.get("role") == "tool" and m.get("tool_call_id") in call_ids]
+    """The contents of the tool messages a follower sends after the last assistant message (T's answer) that
+    answer the calls ``call_ids``: a result earlier in the history belongs to an earlier turn, even when a
+    server reuses call ids."""
+    last = max((i for i, m in enumerate(child_messages) if m.get("role") == "assistant"), default=-1)
+    return [
+        m.get("content")
+        for m in child_messages[last + 1 :]
+        if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str) and m["tool_call_id"] in call_ids
+    ]
 
 
 def _prompt_key(t: Turn) -> tuple[Any, ...]:
@@ -224,14 +231,26 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
 
 
 def _pass_back(turns: Sequence[Turn], out: list[dict[str, dict[str, Any]]], answered_by: dict[int, Turn]) -> None:
-    """A tool-calling turn takes the user's verdict on the answer its tool results led to (module doc): the
-    latest turns first, so a chain of tool turns passes it back step by step (a follower is never earlier than
-    its parent; in-place, linear)."""
+    """A tool-calling turn takes the user's verdict on the answer its tool results led to (module doc), in place.
+
+    Each chain of tool turns is followed to its end first, then the verdict travels back along it, so the order
+    of timestamps (equal ones included) does not matter; a forged loop of links stops where it closes, and a turn
+    never takes a verdict whose evidence is itself. Every turn is visited once: linear."""
     index = {t.trace_id: i for i, t in enumerate(turns)}
-    for i in sorted(answered_by, key=lambda i: (turns[i].ts, turns[i].trace_id), reverse=True):
-        c = answered_by[i]
-        shift = (c.ts - turns[i].ts).total_seconds()
-        for signal, seen in out[index[c.trace_id]].items() if c.trace_id in index else ():
-            if signal in PASSED_BACK and signal not in out[i]:
-                after = None if seen["after_s"] is None else round(seen["after_s"] + shift, 3)
-                out[i][signal] = {**seen, "after_s": after, "via": seen.get("via", c.trace_id)}
+    done: set[int] = set()
+    for start in answered_by:
+        path: list[int] = []
+        on_path: set[int] = set()
+        i: int | None = start
+        while i is not None and i in answered_by and i not in done and i not in on_path:
+            path.append(i)
+            on_path.add(i)
+            i = index.get(answered_by[i].trace_id)
+        for i in reversed(path):
+            c, me = answered_by[i], turns[i].trace_id
+            shift = (c.ts - turns[i].ts).total_seconds()
+            for signal, seen in out[index[c.trace_id]].items() if c.trace_id in index else ():
+                if signal in PASSED_BACK and signal not in out[i] and seen["by"] != me:
+                    after = None if seen["after_s"] is None else round(seen["after_s"] + shift, 3)
+                    out[i][signal] = {**seen, "after_s": after, "via": seen.get("via", c.trace_id)}
+            done.add(i)

@@ -49,6 +49,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -78,11 +79,13 @@ MAX_EXPRESSION_CHARS = 64
 
 def calculate(expression: Any) -> str:
     """The calculator app's tool: the value of a short arithmetic expression (numbers, ``+ - * /``, parentheses,
-    unary minus) as text, or ``{"error": ...}`` JSON for anything else (the ``tool_error`` signal reads it)."""
+    unary minus) as text, or ``{"error": ...}`` JSON for anything else (the ``tool_error`` signal reads it).
+    Exact (fractions, never a float's rounding: ``99999999999999999999/3`` is ``33333333333333333333``); an
+    infinite or NaN literal (``1e309``) is an error."""
 
-    def value(node: ast.AST) -> float:
+    def value(node: ast.AST) -> Fraction:
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-            return node.value
+            return Fraction(node.value)  # OverflowError / ValueError for inf and nan
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
@@ -95,9 +98,7 @@ def calculate(expression: Any) -> str:
         result = value(ast.parse(expression.strip(), mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, MemoryError) as err:
         return json.dumps({"error": f"cannot evaluate {expression!r}: {type(err).__name__}"})
-    if isinstance(result, int):
-        return str(result)
-    return str(int(result)) if result.is_integer() else f"{result:.6g}"
+    return str(result.numerator) if result.denominator == 1 else f"{float(result):.6g}"
 
 
 CALCULATE_TOOL: dict[str, Any] = {
@@ -170,13 +171,15 @@ def _create(
     )
 
 
-def _run_call(call: Message) -> str:
-    """The app runs one ``calculate`` call on the model's arguments."""
+def _run_call(call: Any) -> str:
+    """The app runs one ``calculate`` call on the model's arguments (JSON text, as the API sends them)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
     try:
-        arguments = json.loads(call["function"]["arguments"] or "{}")
+        parsed = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
     except (ValueError, RecursionError):
         return json.dumps({"error": "arguments are not JSON"})
-    return calculate(arguments.get("expression") if isinstance(arguments, dict) else None)
+    return calculate(parsed.get("expression") if isinstance(parsed, dict) else None)
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,49 @@ def test_only_a_turn_sending_back_this_answers_tool_results_passes_a_verdict_bac
     assert list(signals(errored)["t1"]) == ["tool_error", "continued"]  # its own error stays; the verdict joins it
 
 
+def test_passing_a_verdict_back_holds_for_equal_timestamps_reused_call_ids_and_forged_loops() -> None:
+    """Found by a hostile pass: a chain whose turns share one timestamp lost the verdict when the parent's id
+    sorted first; an error in an earlier turn's result was blamed on a later call with a reused id; a forged loop
+    of a tool turn and an answer handed the tool turn a verdict whose evidence was itself; a non-string
+    ``tool_call_id`` raised TypeError."""
+    r1 = {"role": "tool", "tool_call_id": "c1", "content": "4"}
+    r2 = {"role": "tool", "tool_call_id": "call-2", "content": "5"}
+    for first, second in (("a", "b"), ("b", "a")):
+        chain = [
+            turn(first, 0, Q1, calls=[{**CALL[0], "id": "c1"}]),
+            turn(second, 0, [*Q1, assistant(calls=[{**CALL[0], "id": "c1"}]), r1], parent=first, calls=CALL_2),
+            turn(
+                "d",
+                0,
+                [*Q1, assistant(calls=[{**CALL[0], "id": "c1"}]), r1, assistant(calls=CALL_2), r2],
+                parent=second,
+            ),
+            turn("e", 1, [user("next question about cats")], parent="d"),
+        ]
+        assert [list(signals(chain)[t]) for t in (first, second)] == [["continued"], ["continued"]], (first, second)
+    old_error = {"role": "tool", "tool_call_id": "call-1", "content": "Error: boom"}
+    reused = [
+        turn("t0", 0, Q1, calls=CALL),
+        turn("t1", 0.1, [*Q1, assistant(calls=CALL), old_error], parent="t0", calls=CALL),
+        turn(
+            "t2",
+            0.2,
+            [*Q1, assistant(calls=CALL), old_error, assistant(calls=CALL), user("forget it: dogs?")],
+            parent="t1",
+        ),
+    ]
+    got = signals(reused)
+    assert list(got["t0"]) == ["tool_error"] and got["t1"] == {}  # the error was t0's call's, not t1's
+    loop = [
+        turn("t", 0, [*Q1, user("again")], calls=[{**CALL[0], "id": "c1"}], parent="c"),
+        turn("c", 0, [*Q1, assistant(calls=[{**CALL[0], "id": "c1"}]), r1, user("ok thanks")], parent="t"),
+    ]
+    assert all(p["by"] != "t" for p in signals(loop)["t"].values())
+    unhashable = {"role": "tool", "tool_call_id": ["call-1"], "content": "4"}
+    odd = [turn("t1", 0, Q1, calls=CALL), turn("t2", 0.1, [*Q1, assistant(calls=CALL), unhashable], parent="t1")]
+    assert signals(odd)["t1"] == {}
+
+
 @pytest.mark.parametrize(
     ("content", "error"),
     [

@@ -19,7 +19,7 @@ from connectors.config import BufferConfig, ImplicitConfig
 from connectors.segments import Coordinates
 from openai import OpenAI
 
-from pipeline.demo.traffic import CALCULATOR, RETRY, Behaviour, _Budget, _chat, calculate, converse
+from pipeline.demo.traffic import CALCULATOR, RETRY, Behaviour, _Budget, _chat, _run_call, calculate, converse
 from tests.connectors.gateway.gateway_fakes import FakeSink
 from tests.connectors.gateway.test_gateway_logic import Keys, keys, make_gateway  # noqa: F401
 
@@ -222,6 +222,18 @@ def test_the_calculator_runs_arithmetic_and_reports_anything_else_as_an_error() 
             continue
         assert "error" in json.loads(result), (bad, result)
     assert calculate("9" * 32 + "*" + "9" * 31) == str(int("9" * 32) * int("9" * 31))  # big ints, bounded text
+    # found by a hostile pass: a float's rounding and infinities came back as answers
+    assert calculate("99999999999999999999/3") == "33333333333333333333"
+    for infinite in ("1e309", "-1e309", "1e309-1e309"):
+        assert "error" in json.loads(calculate(infinite)), infinite
+    for call in (
+        {},
+        {"function": {}},
+        {"function": {"arguments": 5}},
+        {"function": {"arguments": {"expression": "1"}}},
+    ):
+        assert "error" in json.loads(_run_call(call)), call  # never a TypeError / KeyError
+    assert _run_call({"function": {"arguments": '{"expression": "6 * 7"}'}}) == "42"
 
 
 def test_no_requests_drive_no_users_instead_of_dividing_by_zero() -> None:
