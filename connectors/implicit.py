@@ -192,7 +192,7 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
         group.sort(key=lambda r: r.ts)
     out: list[dict[str, dict[str, Any]]] = []
     answered_by: dict[int, Turn] = {}  # index of a tool-calling turn -> the earliest turn sending its results
-    for t in turns:
+    for i, t in enumerate(turns):
         found: dict[str, dict[str, Any]] = {}
 
         def seen(signal: str, by: Turn) -> None:
@@ -211,8 +211,8 @@ def derive(turns: Sequence[Turn], now: datetime, cfg: ImplicitConfig) -> list[di
                 results = _results(messages, call_ids)
                 if any(reports_error(r) for r in results):
                     seen(TOOL_ERROR, c)
-                if results and (len(out) not in answered_by or c.ts < answered_by[len(out)].ts):
-                    answered_by[len(out)] = c
+                if results and (i not in answered_by or c.ts < answered_by[i].ts):
+                    answered_by[i] = c
                 continue
             again = _last_user_text(messages)
             if asked is not None and again is not None and similarity(asked, again) >= cfg.rephrase_similarity:
