@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,8 +107,9 @@ def run_round(
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit, LoRA
             target_modules the base's architecture lacks (or its tied LM head).
-        DataError: unreadable tables, no prompts for a candidate, or a candidate on ``reward_model`` and
-            too little labelled feedback to train one.
+        DataError: unreadable tables, no prompts for a candidate, or too little labelled feedback to train
+            a reward model when every candidate learns from one (with some that do not, those that do are
+            skipped: ``RoundResult.skipped``).
         SuiteError: a regression suite (``[[rl.regression]]``) cannot be read, or its check fails on an answer.
         ExecutorError, ExecutorUnavailableError, PlacementTimeoutError: the ``ray`` executor's
             (:mod:`trainer.executors.ray_executor`).
@@ -137,8 +138,13 @@ class RoundRecipe:
         self.spec, self.inputs, self.out_dir, self.parts = spec, inputs, Path(out_dir), parts
         self.round_id = round_id or datetime.now(timezone.utc).strftime("r%Y%m%dT%H%M%S")
         self.on_phase, self.progress = on_phase, progress
-        # the reward model's feedback (None: this round trains none); refused here when it cannot train one
-        self.feedback = reward_phase.reward_data(inputs.data, spec.candidates, spec.rl.reward_model, spec.rl)
+        # the reward model's feedback (None: this round trains none); without enough of it the candidates that
+        # learn from the reward model sit the round out (``skipped``), and the round is refused when none is left
+        self.feedback, self.skipped = reward_phase.reward_data(
+            inputs.data, spec.candidates, spec.rl.reward_model, spec.rl
+        )
+        if self.skipped:
+            self.spec = replace(spec, candidates=tuple(c for c in spec.candidates if c.name not in self.skipped))
         # the regression suites' prompts ([[rl.regression]]), read now: a missing or broken file fails the round here
         self.suites = load_suites(spec.rl)
         # the components, built by setup(); None until then (and after a setup that failed part-way)
@@ -163,10 +169,11 @@ class RoundRecipe:
         collection = timers.start()  # time/<phase>_s round metrics
         ok = closed = False
         try:
-            self.setup()
-            self.train()
-            self.evaluate()
-            candidates = self.save()
+            with reward_phase.naming_skipped(self.skipped):  # a later data refusal names those that sat out too
+                self.setup()
+                self.train()
+                self.evaluate()
+                candidates = self.save()
             ok = True
         finally:
             timers.stop(collection)
@@ -374,4 +381,5 @@ class RoundRecipe:
             },
             reward_model=self.reward_result,
             evaluations=evaluation.tenants,
+            skipped=dict(self.skipped),
         )

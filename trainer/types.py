@@ -585,6 +585,7 @@ class RoundResult:
     metrics: dict[str, float] = field(default_factory=dict)
     reward_model: RewardModelResult | None = None  # the round's reward model, when it trained one
     evaluations: dict[str, TenantEvaluation] = field(default_factory=dict)  # per served model: what the gate reads
+    skipped: dict[str, str] = field(default_factory=dict)  # candidates that sat the round out -> why
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,14 @@ def _safe(what: str, call: Callable[[], Any], default: Any) -> tuple[Any, str | 
         return default, redact(f"{what}: {type(err).__name__}: {err}")[:500]
 
 
+def _skipped(value: Any) -> dict[str, str]:
+    """A record's ``skipped`` (candidate -> why) as the page shows it: anything but a mapping (a record edited
+    by hand) shows nothing rather than failing the page."""
+    return (
+        {str(k): str(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))} if isinstance(value, dict) else {}
+    )
+
+
 def _parse_ts(text: str | None) -> datetime | None:
     if not text:
         return None
@@ -345,6 +353,7 @@ class ConsoleData:
             "reason": record.get("reason", ""),
             "versions": record.get("versions") or {},
             "decisions": decisions,
+            "skipped": _skipped(record.get("skipped")),
             "reward_model_auc": metrics.get("reward_model/auc"),
             "rows": metrics.get("data/rows"),
             "link": links.get("round"),

@@ -23,7 +23,7 @@ model learns from what its users say, and nothing else.
    (from the reward buffer), greedy accuracy by the users' own check on fresh
    prompts for the base, the final champion and the oracle (a recipe trained on
    that very check, served as its own model so it never competes for
-   promotion), feedback-only gain / oracle gain; the shipped regression suite's greedy score for the base
+   promotion), and both gains over the base (no ratio: the oracle is a reference, not an upper bound); the shipped regression suite's greedy score for the base
    and the final champion (forgetting = base - champion; target <= 0.05); a plot of the live rate.
 
 With ``--scenario calculator`` the users ask two-digit products through an app with a ``calculate`` tool
@@ -79,7 +79,7 @@ from pipeline.demo.board import (
     LiveRate,
     SuiteScore,
     forgetting_line,
-    gain_ratio,
+    gains_line,
     live_rates,
     plot_live_rates,
     suite_score,
@@ -413,6 +413,8 @@ def _print_round(record: dict[str, Any], sent: int, buffer: dict[str, Any], host
         console.print(
             f"{model}: winner {decision.get('winner') or 'none'}; gate: {escape(decision.get('reason', '-'))}"
         )
+    for name, why in (record.get("skipped") or {}).items():
+        console.print(f"candidate {name} sat this round out: {escape(why)}")
 
 
 def honest_canary_line(i: int, rate: LiveRate, version: str, decision: str | None) -> str:
@@ -784,13 +786,7 @@ def main(
         )
         values = list(accuracy.values())
         if len(values) == 3:
-            base_acc, champion_acc, oracle_acc = values
-            ratio = gain_ratio(base_acc, champion_acc, oracle_acc)
-            verdict = f"{ratio:.2f}" if ratio == ratio else "undefined (the oracle gained nothing over the base)"
-            console.print(
-                f"feedback-only gain {champion_acc - base_acc:+.3f}, oracle gain {oracle_acc - base_acc:+.3f}: "
-                f"feedback-only / oracle = {verdict}"
-            )
+            console.print(gains_line(*values))
         console.print(forgetting_line(suite.name, suite_scores["base"], suite_scores.get("champion")))
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key, scenario=task):
             console.print(

@@ -124,6 +124,9 @@ def _result_from_json(data: dict) -> tuple[RoundResult, bool]:
         candidates=candidates,
         decisions={k: _decision_from_json(v) for k, v in data["decisions"].items()},
         metrics=data.get("metrics", {}),
+        skipped={str(k): str(v) for k, v in skipped.items()}
+        if isinstance(skipped := data.get("skipped"), dict)
+        else {},
     )
     return result, bool(data.get("_promote", False))
 
@@ -197,6 +200,7 @@ def log_round(client: MlflowClient, experiment: str, result: RoundResult) -> dic
     parent_id = parent.info.run_id
     round_metrics = [Metric(k, float(v), 0, 0) for k, v in result.metrics.items()]
     decisions = [Param(f"gate/{m}/winner", redact(str(d.winner))) for m, d in sorted(result.decisions.items())]
+    decisions += [Param(f"skipped/{name}", redact(why)[:6000]) for name, why in sorted(result.skipped.items())]
     client.log_batch(parent_id, metrics=round_metrics, params=decisions)
     runs = {}
     for cand in result.candidates:

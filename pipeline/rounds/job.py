@@ -147,11 +147,13 @@ class RoundRunner:
             PROMOTIONS.labels(model).inc()
             for callback in self.on_promoted:
                 callback(model, version)
+        # a served model whose every candidate sat the round out has no decision: the skipped ones are named here
+        sat_out = "".join(f"; {name} sat this round out: {why}" for name, why in record.skipped.items())
         if any(d["winner"] for d in record.decisions.values()):
-            self.store.advance(record, RoundState.DONE, done)
+            self.store.advance(record, RoundState.DONE, done + sat_out)
         else:
             reasons = "; ".join(f"{m}: {d['reason']}" for m, d in record.decisions.items())
-            self.store.advance(record, RoundState.NO_WINNER, reasons)
+            self.store.advance(record, RoundState.NO_WINNER, (reasons + sat_out).removeprefix("; "))
 
     def _start_trainers(self, record: RoundRecord) -> None:
         """The executor's workers (Ray: trainer actors) start now, unless kept ones fit, so their start-up overlaps
@@ -281,6 +283,12 @@ class RoundRunner:
         """``gate``: the decisions per served model (in the gate metric's unit, with each candidate's regression
         suite verdicts) go into the record and the gauges."""
         record.metrics.update(result.metrics)
+        record.skipped = dict(result.skipped)
+        for name in record.skipped:  # no value this round: not last round's
+            try:
+                CANDIDATE_REWARD.remove(name)
+            except KeyError:
+                pass
         record.decisions = {
             m: {
                 "winner": d.winner,

@@ -6,7 +6,8 @@ States (:class:`RoundState`; the allowed moves are :data:`TRANSITIONS`, nowhere 
     pending → snapshot → train → evaluate → gate → register → promote → done
                   ↘ no_winner (too few rows)                        ↘ no_winner
                              train ↘ no_winner (not enough data: no held-out rows, no usable
-                                                training prompts, too little feedback for the reward model)
+                                                training prompts, too little feedback for the reward model
+                                                every candidate needs; some need it: they are ``skipped``)
     any non-terminal state → failed | cancelled
 
 - ``snapshot``: the buffer's rows of the window are read;
@@ -151,6 +152,7 @@ class RoundRecord:
     versions: dict[str, str] = field(default_factory=dict)  # served model -> registered version
     decisions: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # candidates that sat the round out -> why
 
     def __post_init__(self) -> None:
         self.state = RoundState.parse(self.state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -200,7 +201,9 @@ def test_reward_adapter_learns_a_planted_preference(tiny_model: Path, tmp_path: 
     store.close()
 
 
-def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_model: Path, tmp_path: Path) -> None:
+def test_round_on_reward_model_without_enough_feedback_fails_or_skips_with_a_reason(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     rows = _planted(8)
     rows = [
         Prompt(
@@ -220,6 +223,36 @@ def test_round_on_reward_model_without_enough_feedback_fails_with_a_reason(tiny_
     # format is verifiable on every row, so evaluation has prompts; the reward model has 3 labelled rows
     with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
         run_round(RoundSpec(ModelConfig(name=str(tiny_model)), (cand,), rl), round_inputs(train, heldout), tmp_path)
+    # beside a candidate that needs no reward model, the one that does sits the round out, with the reason
+    fmt = CandidateConfig(name="fmt", reward=[RewardTerm(fn="format")], start="fresh")
+    mixed = run_round(
+        RoundSpec(ModelConfig(name=str(tiny_model)), (cand, fmt), rl.model_copy(update={"steps_per_round": 1})),
+        round_inputs(train, heldout),
+        tmp_path / "mixed",
+    )
+    assert [c.name for c in mixed.candidates] == ["fmt"] and mixed.reward_model is None
+    assert list(mixed.skipped) == ["rm-user"]
+    assert "3 rows with feedback" in mixed.skipped["rm-user"] and "min_examples = 8" in mixed.skipped["rm-user"]
+    assert not (tmp_path / "mixed" / "rm-user").exists()
+    # a gate that ranks by the reward model could promote nothing: refused before any model work, as before
+    on_rm = rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "reward_model"})})
+    with pytest.raises(DataError, match=r"the gate ranks candidates by the reward model.*3 rows with feedback"):
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (cand, fmt), on_rm),
+            round_inputs(train, heldout),
+            tmp_path / "g",
+        )
+    assert not (tmp_path / "g" / "fmt").exists()
+    # the candidate left starves too (KTO with no rated row): the refusal names the one that sat out
+    unrated = [replace(r, logged_reward=None) for r in rows]
+    train_u, heldout_u = split_snapshot(snapshot_table(unrated), 0.25)
+    kto = CandidateConfig(name="kto", algorithm="kto", reward=[RewardTerm(fn="logged")], start="fresh")
+    with pytest.raises(DataError, match=r"offline candidates \['kto'\].*sat this round out: rm-user: no reward model"):
+        run_round(
+            RoundSpec(ModelConfig(name=str(tiny_model)), (cand, kto), rl),
+            round_inputs(train_u, heldout_u),
+            tmp_path / "k",
+        )
     with pytest.raises(TrainerConfigError, match="enabled = false"):
         run_round(
             RoundSpec(

@@ -23,13 +23,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.adapters.store import AdapterStore, keep_as_last
 from trainer.model.base import ResidentBase
-from trainer.config import ALGORITHM_TRAITS, CandidateConfig, RewardModelConfig, RLConfig, uses_reward_model
+from trainer.config import (
+    ALGORITHM_TRAITS,
+    CandidateConfig,
+    GateMetric,
+    RewardModelConfig,
+    RLConfig,
+    uses_reward_model,
+)
 from trainer.errors import NotEnoughDataError, TrainerConfigError
 from trainer.reward_model.model import (
     RewardModel,
@@ -83,33 +91,57 @@ def check_config(candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, 
 
 def reward_data(
     data: RoundData, candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig
-) -> tuple[FeedbackData, FeedbackData] | None:
-    """The train / held-out feedback when this round trains a reward model, else None.
+) -> tuple[tuple[FeedbackData, FeedbackData] | None, dict[str, str]]:
+    """The train / held-out feedback when this round trains a reward model (else None), and the candidates
+    this round skips for want of one (name -> reason).
 
-    A round that wants a reward model but whose train split has fewer than
-    ``min_examples`` labelled rows, or rows of one label only, trains none (logged).
+    A round that wants a reward model but whose train split has fewer than ``min_examples`` labelled rows,
+    or rows of one label only, trains none: the candidates that learn from ``reward_model`` sit this round
+    out (logged, with the reason), and the others train as usual; a window with too few ratings for the
+    reward model may still hold what KTO or a verifiable reward learns from.
 
     Raises:
         TrainerConfigError: see :func:`check_config`.
-        NotEnoughDataError: a candidate needs the reward model and there is too little labelled feedback.
+        NotEnoughDataError: too little labelled feedback for the reward model, and every candidate needs it,
+            or the gate does (``[rl.gate] metric = "reward_model"``).
     """
     if not check_config(candidates, cfg, rl):
-        return None
+        return None, {}
     train_fb = data.train_feedback
     if len(train_fb.examples) >= cfg.min_examples and train_fb.positives and train_fb.negatives:
-        return train_fb, data.heldout_feedback
+        return (train_fb, data.heldout_feedback), {}
     why = (
         f"the training split has {len(train_fb.examples)} rows with feedback ({train_fb.positives} up, {train_fb.negatives} down); "
         f"the reward model needs at least [reward_model] min_examples = {cfg.min_examples} with both labels"
     )
+    if rl.gate.metric == GateMetric.REWARD_MODEL:  # the gate could promote nothing: refuse before any model work
+        raise NotEnoughDataError(
+            f"the gate ranks candidates by the reward model ([rl.gate] metric = 'reward_model'), but none could be "
+            f"trained: {why}; widen the window, collect more feedback, or lower min_examples"
+        )
     users = [c.name for c in candidates if uses_reward_model(c)]
-    if users:
+    if users and len(users) == len(candidates):
         raise NotEnoughDataError(
             f"candidates {users} learn from reward 'reward_model', but no reward model could be trained: {why}; "
             "widen the window, collect more feedback, or lower min_examples"
         )
-    log.warning("no reward model this round: %s", why)
-    return None
+    skipped = {name: f"no reward model this round ({why})" for name in users}
+    log.warning("no reward model this round: %s%s", why, f"; skipping candidates {users}" if users else "")
+    return None, skipped
+
+
+@contextmanager
+def naming_skipped(skipped: Mapping[str, str]) -> Iterator[None]:
+    """Inside, a :class:`NotEnoughDataError` (e.g. the candidates left have no training rows) is raised again
+    naming the candidates that sat the round out for want of a reward model (``skipped``, from
+    :func:`reward_data`), so the round's refusal says why none of them trained either."""
+    try:
+        yield
+    except NotEnoughDataError as err:
+        if not skipped:
+            raise
+        sat_out = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+        raise NotEnoughDataError(f"{err}; sat this round out: {sat_out}") from err
 
 
 def start_dir(cfg: RewardModelConfig, out_dir: Path, champion: Path | None) -> Path | None:

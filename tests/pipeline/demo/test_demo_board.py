@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pipeline.demo.board import gain_ratio, live_rates, plot_live_rates
+from pipeline.demo.board import gains_line, live_rates, plot_live_rates
 from pipeline.demo.traffic import is_correct
 from trainer.rewards import first_number_answer
 from tests import REPO
@@ -32,9 +32,10 @@ def test_live_rates_group_rated_rows_by_phase_and_serving_version() -> None:
     assert rates[1].served_by == {"3": (2, 3), "base": (0, 1)}  # a phase may straddle a hot-load
 
 
-def test_gain_ratio() -> None:
-    assert gain_ratio(0.1, 0.4, 0.7) == pytest.approx(0.5)
-    assert math.isnan(gain_ratio(0.5, 0.6, 0.5))
+def test_the_gains_line_gives_both_gains_and_no_ratio() -> None:
+    line = gains_line(0.083, 0.708, 0.333)
+    assert "feedback-only champion +0.625" in line and "oracle reference +0.250" in line
+    assert "not an upper bound" in line and "/" not in line.split("(")[0]
 
 
 def test_oracle_reward_is_the_users_check() -> None:

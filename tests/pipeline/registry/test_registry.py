@@ -5,6 +5,7 @@ down, and alias moves (promote, rollback, history)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def test_round_is_logged_and_winner_registered_once(tmp_path, mlflow_uri, tiny_m
     cfg = make_config(tmp_path, mlflow_uri, ["http://127.0.0.1:1"], experiment="reg-log")
     fp = fingerprint_of(tiny_model)
     result = make_round(adapter, fp, round_id="round-log-1", model="reg-log")
+    result = replace(result, skipped={"cand-rm": "no reward model this round (3 rows with feedback)"})
     [version] = register_round(cfg, result)
     client = MlflowClient(mlflow_uri)
 
@@ -53,6 +55,7 @@ def test_round_is_logged_and_winner_registered_once(tmp_path, mlflow_uri, tiny_m
     assert run.data.tags[TAG_ROUND] == "round-log-1" and run.data.tags[TAG_TRACES] == "50"
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
     assert parent.data.tags[TAG_FINGERPRINT] == fp and parent.data.params["gate/reg-log/winner"] == "cand-a"
+    assert parent.data.params["skipped/cand-rm"] == "no reward model this round (3 rows with feedback)"
 
     # the model version carries the lineage and the adapter checksums
     mv = client.get_model_version("reg-log", version.version)
