@@ -2,14 +2,16 @@
 algorithm (:data:`trainer.algorithms.registry.ALGORITHMS`), its training reward mix, its prompt pool and
 its start point, and one cache of the prompts' token ids for the whole round.
 
-:func:`plan_round` refuses a round that cannot train (an empty pool) before any work is done.
+:func:`plan_round` sets aside a candidate with nothing to learn from this window (an empty pool: it sits the
+round out, named with the reason in ``RoundPlan.skipped``) and refuses a round where no candidate is left,
+before any training.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.model.base import ResidentBase
@@ -65,10 +67,11 @@ class CandidatePlan:
 @dataclass(frozen=True)
 class RoundPlan:
     """Every candidate's plan, in config order, and the round's prompt-token cache (also used by the
-    round's evaluation)."""
+    round's evaluation); ``skipped``: the candidates with nothing to learn from this window -> why."""
 
     candidates: tuple[CandidatePlan, ...]
     tokens: PromptTokens
+    skipped: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def online(self) -> list[CandidatePlan]:
@@ -93,10 +96,11 @@ def plan_round(
 ) -> RoundPlan:
     """Each candidate's plan (see :class:`CandidatePlan`). A pool keeps the prompts that pass the
     candidate's ``data_filter`` and that its reward mix can score (e.g. ``exact_answer`` needs
-    ``metadata["reference_answer"]``); an offline algorithm's pool keeps the rows it can use.
+    ``metadata["reference_answer"]``); an offline algorithm's pool keeps the rows it can use. A candidate
+    whose pool is empty sits the round out (``RoundPlan.skipped``, with why); the others train.
 
     Raises:
-        NotEnoughDataError: a candidate has no training prompts, or an offline one no usable logged rows.
+        NotEnoughDataError: no candidate has a training prompt (or, offline, a usable logged row).
     """
     plans = []
     for c in candidates:
@@ -104,20 +108,26 @@ def plan_round(
         pool = [p for p in train_prompts if reward.accepts(p.metadata)]
         if c.data_filter is not None:
             pool = [p for p in pool if any(c.data_filter in m["content"] for m in p.messages)]
-        plans.append(CandidatePlan(c, ALGORITHMS[c.algorithm], reward, tuple(pool), start_dir(c, champions, out_dir)))
-    empty = [c.name for c in plans if not c.pool]
-    if empty:
+        plan = CandidatePlan(c, ALGORITHMS[c.algorithm], reward, tuple(pool), start_dir(c, champions, out_dir))
+        plans.append(plan if plan.algorithm.online or not plan.pool else _offline_rows(plan))
+    skipped = {c.name: _NO_PROMPTS if c.algorithm.online else _NO_ROWS for c in plans if not c.pool}
+    if plans and len(skipped) == len(plans):
+        online = [c.name for c in plans if c.algorithm.online]
+        offline = [c.name for c in plans if not c.algorithm.online]
         raise NotEnoughDataError(
-            f"candidates {empty} have no training prompts after their data_filter and their rewards' metadata needs "
-            "(exact_answer needs metadata.reference_answer); loosen the filter, widen the window, or change the reward"
+            "; ".join(
+                [f"candidates {online} have {_NO_PROMPTS}"] * bool(online)
+                + [f"offline candidates {offline} have {_NO_ROWS}"] * bool(offline)
+            )
         )
-    plans = [c if c.algorithm.online else _offline_rows(c) for c in plans]
-    starved = [c.name for c in plans if not c.pool]
-    if starved:
-        raise NotEnoughDataError(
-            f"offline candidates {starved} have no logged rows with completion and reward (or correction) in the training window"
-        )
-    return RoundPlan(tuple(plans), PromptTokens(base, rl))
+    return RoundPlan(tuple(c for c in plans if c.pool), PromptTokens(base, rl), skipped)
+
+
+_NO_PROMPTS = (
+    "no training prompts after the data_filter and the reward mix's metadata needs (exact_answer needs "
+    "metadata.reference_answer); loosen the filter, widen the window, or change the reward"
+)
+_NO_ROWS = "no logged rows with completion and reward (or correction) in the training window"
 
 
 def _offline_rows(plan: CandidatePlan) -> CandidatePlan:

@@ -107,9 +107,9 @@ def run_round(
     Raises:
         TrainerConfigError: duplicate candidates, vLLM without a URL, an adapter that does not fit, LoRA
             target_modules the base's architecture lacks (or its tied LM head).
-        DataError: unreadable tables, no prompts for a candidate, or too little labelled feedback to train
-            a reward model when every candidate learns from one (with some that do not, those that do are
-            skipped: ``RoundResult.skipped``).
+        DataError: unreadable tables, no candidate with training prompts, or too little labelled feedback to
+            train a reward model when every candidate learns from one. A candidate with nothing to learn from
+            (no prompts, or no reward model) while others have sits the round out: ``RoundResult.skipped``.
         SuiteError: a regression suite (``[[rl.regression]]``) cannot be read, or its check fails on an answer.
         ExecutorError, ExecutorUnavailableError, PlacementTimeoutError: the ``ray`` executor's
             (:mod:`trainer.executors.ray_executor`).
@@ -327,9 +327,15 @@ class RoundRecipe:
         return base
 
     def _setup_plan(self, base: ResidentBase) -> RoundPlan:
-        return plan_round(
+        plan = plan_round(
             base, self.spec.candidates, self.spec.rl, self.inputs.data.train, self.inputs.champions, self.out_dir
         )
+        if plan.skipped:  # nothing to learn from this window: they sit the round out, like those without a reward model
+            self.skipped.update(plan.skipped)
+            self.spec = replace(
+                self.spec, candidates=tuple(c for c in self.spec.candidates if c.name not in plan.skipped)
+            )
+        return plan
 
     def _setup_adapter_store(self, base: ResidentBase) -> AdapterStore:
         return make_store(self.spec.rl.adapter_store, base, self.spec.rl.seed)

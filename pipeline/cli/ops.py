@@ -85,13 +85,17 @@ def _out(data: Any, as_json: bool) -> bool:
 
 
 def _round_table(records: list[dict[str, Any]]) -> Table:
+    """One row per round; a candidate that sat the round out (``skipped``) is marked, its reason is in
+    ``hourglass rounds show``."""
     table = Table("round", "state", "trigger", "candidates", "window", "created", "reason")
     for r in records:
+        skipped = r.get("skipped")
+        skipped = skipped if isinstance(skipped, dict) else {}
         table.add_row(
             r["round_id"],
             r["state"],
             r["trigger"],
-            ",".join(r["candidates"]),
+            escape(",".join(f"{c} (sat out)" if c in skipped else c for c in r["candidates"])),
             r["window"],
             r["created_at"],
             escape(r["reason"][:80]),

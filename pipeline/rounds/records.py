@@ -5,9 +5,10 @@ States (:class:`RoundState`; the allowed moves are :data:`TRANSITIONS`, nowhere 
 
     pending → snapshot → train → evaluate → gate → register → promote → done
                   ↘ no_winner (too few rows)                        ↘ no_winner
-                             train ↘ no_winner (not enough data: no held-out rows, no usable
+                             train ↘ no_winner (not enough data: no held-out rows, no candidate with
                                                 training prompts, too little feedback for the reward model
-                                                every candidate needs; some need it: they are ``skipped``)
+                                                every candidate needs; a candidate with no prompts or no
+                                                reward model beside others that can train is ``skipped``)
     any non-terminal state → failed | cancelled
 
 - ``snapshot``: the buffer's rows of the window are read;

@@ -86,16 +86,27 @@ def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest
     assert plan.one_pass(RL) == set()
 
 
-def test_plan_refuses_a_round_a_candidate_cannot_train() -> None:
-    with pytest.raises(DataError, match=r"candidates \['picky'\] have no training prompts"):
-        plan_round(
-            FakeBase(), [CandidateConfig(name="picky", data_filter="nowhere")], RL, GRADED, {}, Path("/tmp/unused")
-        )  # type: ignore[arg-type]
+def test_a_candidate_with_nothing_to_learn_sits_out_and_a_round_with_none_left_is_refused() -> None:
+    picky = CandidateConfig(name="picky", data_filter="nowhere")
     kto = CandidateConfig(
         name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], kto_use_corrections=False
     )
+    graded = CandidateConfig(name="graded")
+    plan = plan_round(FakeBase(), [picky, graded, kto], RL, GRADED + [LOGGED[1]], {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    assert [c.name for c in plan.candidates] == ["graded"] and [p.prompt_id for p in plan.candidates[0].pool] == [
+        "p0",
+        "p1",
+    ]
+    assert list(plan.skipped) == ["picky", "kto"]
+    assert plan.skipped["picky"].startswith("no training prompts after the data_filter")
+    assert plan.skipped["kto"].startswith("no logged rows with completion and reward")
+    with pytest.raises(DataError, match=r"candidates \['picky'\] have no training prompts"):
+        plan_round(FakeBase(), [picky], RL, GRADED, {}, Path("/tmp/unused"))  # type: ignore[arg-type]
     with pytest.raises(DataError, match=r"offline candidates \['kto'\] have no logged rows"):
         plan_round(FakeBase(), [kto], RL, [LOGGED[1]], {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    both = r"candidates \['picky'\] have no training prompts.*; offline candidates \['kto'\] have no logged rows"
+    with pytest.raises(DataError, match=both):
+        plan_round(FakeBase(), [picky, kto], RL, GRADED + [LOGGED[1]], {}, Path("/tmp/unused"))  # type: ignore[arg-type]
 
 
 def test_every_algorithm_has_one_registry_entry_that_agrees_with_the_config() -> None:

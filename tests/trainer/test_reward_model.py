@@ -224,16 +224,19 @@ def test_round_on_reward_model_without_enough_feedback_fails_or_skips_with_a_rea
     with pytest.raises(DataError, match=r"no reward model could be trained.*3 rows with feedback.*min_examples = 8"):
         run_round(RoundSpec(ModelConfig(name=str(tiny_model)), (cand,), rl), round_inputs(train, heldout), tmp_path)
     # beside a candidate that needs no reward model, the one that does sits the round out, with the reason
+    # and so does one whose data_filter matches no row of the window
     fmt = CandidateConfig(name="fmt", reward=[RewardTerm(fn="format")], start="fresh")
+    picky = CandidateConfig(name="picky", reward=[RewardTerm(fn="format")], data_filter="nowhere", start="fresh")
     mixed = run_round(
-        RoundSpec(ModelConfig(name=str(tiny_model)), (cand, fmt), rl.model_copy(update={"steps_per_round": 1})),
+        RoundSpec(ModelConfig(name=str(tiny_model)), (cand, picky, fmt), rl.model_copy(update={"steps_per_round": 1})),
         round_inputs(train, heldout),
         tmp_path / "mixed",
     )
     assert [c.name for c in mixed.candidates] == ["fmt"] and mixed.reward_model is None
-    assert list(mixed.skipped) == ["rm-user"]
+    assert list(mixed.skipped) == ["rm-user", "picky"]
     assert "3 rows with feedback" in mixed.skipped["rm-user"] and "min_examples = 8" in mixed.skipped["rm-user"]
-    assert not (tmp_path / "mixed" / "rm-user").exists()
+    assert mixed.skipped["picky"].startswith("no training prompts after the data_filter")
+    assert not (tmp_path / "mixed" / "rm-user").exists() and not (tmp_path / "mixed" / "picky").exists()
     # a gate that ranks by the reward model could promote nothing: refused before any model work, as before
     on_rm = rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "reward_model"})})
     with pytest.raises(DataError, match=r"the gate ranks candidates by the reward model.*3 rows with feedback"):

@@ -75,6 +75,8 @@ class LocalExecutor:
         """
         if plan is None:  # a trainer actor: plan its share on its own base, starting where the job says
             plan = plan_round(base, job.candidates, job.rl, job.train_prompts, {}, job.out_dir)
+            if plan.skipped:  # the driver's plan left these out already: the same rows cannot starve them here
+                raise DataError(f"candidates with nothing to train on reached a trainer: {dict(plan.skipped)}")
             plan = replace(plan, candidates=tuple(replace(c, start=job.starts.get(c.name)) for c in plan.candidates))
         for c in plan.candidates:
             store.create(c.name, c.config, c.start)

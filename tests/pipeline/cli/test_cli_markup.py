@@ -12,6 +12,7 @@ import io
 from rich.console import Console
 
 from pipeline.cli.canary import status_table
+from pipeline.cli.ops import _round_table
 from pipeline.cli.registry import _table as models_table
 
 HOSTILE = "[/x] [bold]b[/bold] [link=http://evil]"
@@ -58,3 +59,23 @@ def test_models_list_prints_markup_tags_as_text() -> None:
     }
     text = _render(models_table(data))
     assert "[/r]" in text and HOSTILE in text and "[/served]" in text
+
+
+def test_rounds_list_marks_a_candidate_that_sat_the_round_out() -> None:
+    """``hourglass rounds list``: the requested candidates, the ones that sat the round out marked (the
+    reason is ``rounds show``'s); a hand-edited ``skipped`` that is not a mapping marks nothing."""
+    record = {
+        "round_id": "r1",
+        "state": "done",
+        "trigger": "api",
+        "candidates": ["default", "grpo-rm"],
+        "window": "1h",
+        "created_at": "2026-12-05T21:00:00",
+        "reason": HOSTILE,
+    }
+    text = _render(
+        _round_table([record | {"skipped": {"grpo-rm": "no reward model this round"}}, record | {"skipped": ["x"]}])
+    )
+    lines = [line for line in text.splitlines() if "r1" in line]
+    assert "default,grpo-rm (sat out)" in lines[0] and HOSTILE[:40] in lines[0]
+    assert "default,grpo-rm " in lines[1] and "(sat out)" not in lines[1]
