@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -140,11 +141,9 @@ class RoundRecipe:
         self.on_phase, self.progress = on_phase, progress
         # the reward model's feedback (None: this round trains none); without enough of it the candidates that
         # learn from the reward model sit the round out (``skipped``), and the round is refused when none is left
-        self.feedback, self.skipped = reward_phase.reward_data(
-            inputs.data, spec.candidates, spec.rl.reward_model, spec.rl
-        )
-        if self.skipped:
-            self.spec = replace(spec, candidates=tuple(c for c in spec.candidates if c.name not in self.skipped))
+        self.skipped: dict[str, str] = {}
+        self.feedback, skipped = reward_phase.reward_data(inputs.data, spec.candidates, spec.rl.reward_model, spec.rl)
+        self._sit_out(skipped)
         # the regression suites' prompts ([[rl.regression]]), read now: a missing or broken file fails the round here
         self.suites = load_suites(spec.rl)
         # the components, built by setup(); None until then (and after a setup that failed part-way)
@@ -330,12 +329,15 @@ class RoundRecipe:
         plan = plan_round(
             base, self.spec.candidates, self.spec.rl, self.inputs.data.train, self.inputs.champions, self.out_dir
         )
-        if plan.skipped:  # nothing to learn from this window: they sit the round out, like those without a reward model
-            self.skipped.update(plan.skipped)
-            self.spec = replace(
-                self.spec, candidates=tuple(c for c in self.spec.candidates if c.name not in plan.skipped)
-            )
+        self._sit_out(plan.skipped)  # nothing to learn from this window, like those without a reward model
         return plan
+
+    def _sit_out(self, skipped: Mapping[str, str]) -> None:
+        """These candidates (name -> why) sit the round out: named in ``RoundResult.skipped``, left out of
+        everything after."""
+        if skipped:
+            self.skipped.update(skipped)
+            self.spec = replace(self.spec, candidates=tuple(c for c in self.spec.candidates if c.name not in skipped))
 
     def _setup_adapter_store(self, base: ResidentBase) -> AdapterStore:
         return make_store(self.spec.rl.adapter_store, base, self.spec.rl.seed)
