@@ -91,14 +91,12 @@ def _round_table(records: list[dict[str, Any]]) -> Table:
     for r in records:
         skipped = r.get("skipped")
         skipped = skipped if isinstance(skipped, dict) else {}
-        table.add_row(
-            r["round_id"],
-            r["state"],
-            r["trigger"],
-            escape(",".join(f"{c} (sat out)" if c in skipped else c for c in r["candidates"])),
-            r["window"],
-            r["created_at"],
-            escape(r["reason"][:80]),
+        names = [str(c) for c in r.get("candidates") or []]
+        table.add_row(  # every cell as text: a record edited by hand may hold markup or other types
+            *(escape(str(r.get(key, ""))) for key in ("round_id", "state", "trigger")),
+            escape(",".join(f"{c} (sat out)" if c in skipped else c for c in names)),
+            *(escape(str(r.get(key, ""))) for key in ("window", "created_at")),
+            escape(str(r.get("reason", ""))[:80]),
         )
     return table
 

@@ -157,6 +157,9 @@ class RoundRecord:
 
     def __post_init__(self) -> None:
         self.state = RoundState.parse(self.state)
+        # a record edited by hand: anything but a mapping names no candidate (the API, the CLI and the demo read it)
+        skipped: Any = self.skipped
+        self.skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}
 
     @property
     def terminal(self) -> bool:

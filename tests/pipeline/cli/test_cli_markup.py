@@ -79,3 +79,5 @@ def test_rounds_list_marks_a_candidate_that_sat_the_round_out() -> None:
     lines = [line for line in text.splitlines() if "r1" in line]
     assert "default,grpo-rm (sat out)" in lines[0] and HOSTILE[:40] in lines[0]
     assert "default,grpo-rm " in lines[1] and "(sat out)" not in lines[1]
+    edited = {"round_id": "[/x]", "state": "[/]", "trigger": None, "candidates": [1, None], "reason": 5}
+    assert "[/x]" in _render(_round_table([edited]))  # a record edited by hand: text, not a MarkupError

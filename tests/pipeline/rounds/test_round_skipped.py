@@ -78,3 +78,13 @@ def test_a_malformed_skipped_value_shows_nothing_rather_than_failing_the_page(tm
     assert [r["skipped"] for r in data["rounds"]] == [{}, {}, {}]
     entry = _result_to_json(evaluated_round("r1"), tmp_path, False) | {"skipped": ["grpo-rm"]}
     assert _result_from_json(entry)[0].skipped == {}
+
+
+def test_a_record_edited_by_hand_reads_back_with_a_mapping_of_text(tmp_path: Path) -> None:
+    """``/rounds``, ``hourglass rounds list`` and the demo's round lines read ``skipped`` as name -> why."""
+    record = RoundStore(tmp_path).create("api", ["default"], "1h")
+    for bad in (["grpo-rm"], "grpo-rm", 7, None, True):
+        body = record.as_dict() | {"skipped": bad}
+        assert RoundRecord.from_json(json.dumps(body)).skipped == {}
+    body = record.as_dict() | {"skipped": {"grpo-rm": None, "kto": ["x"]}}
+    assert RoundRecord.from_json(json.dumps(body)).skipped == {"grpo-rm": "None", "kto": "['x']"}
