@@ -317,6 +317,37 @@ def test_a_reward_model_that_scores_nan_has_no_auc() -> None:
     assert auc_by_signal(scores, labels, ["thumbs"] * 6) == {}
 
 
+def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(tiny_model: Path) -> None:
+    """Held-out feedback repeats sequences (a pair's answers are rows of their own; users get the same answer):
+    each distinct (prompt, answer) is scored once, in batches of similar length, and every row gets the score it
+    gets alone. A logged answer ending in EOS is the same sequence as its text."""
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    base.model.float()
+    store = make_store("offload", base)
+    model = create_reward_model(base, store, RewardModelConfig(), None)
+    data = tokenise_feedback(base, feedback_data(_planted(12)))
+    prompts, answers = [e[0] for e in data.examples], [e[1] for e in data.examples]
+    eos = base.tokenizer.eos_token_id
+    rows_p = prompts + prompts[:5] + prompts[3:4]  # 18 rows, 12 distinct
+    rows_c = answers + answers[:5] + [list(answers[3]) + [eos]]
+    alone = [model.forward([p], [c]).item() for p, c in zip(rows_p, rows_c)]
+    seen: list[int] = []
+    forward = model.forward
+
+    def counted(p, c):  # noqa: ANN001
+        seen.extend(len(a) + len(b) for a, b in zip(p, c))
+        return forward(p, c)
+
+    model.forward = counted  # type: ignore[method-assign]
+    model.batch_size = 4
+    scores = model.score(rows_p, rows_c)
+    model.forward = forward  # type: ignore[method-assign]
+    assert scores == pytest.approx(alone, abs=1e-4) and len(scores) == 18
+    assert len(seen) == 12 and seen == sorted(seen)  # once each, shortest first
+    assert scores[12:17] == scores[:5] and scores[17] == scores[3]
+    store.close()
+
+
 def test_a_step_of_long_rows_trains_in_chunks_with_the_same_update(tiny_model: Path) -> None:
     """Rows near max_seq_len made one step's forward/backward hold every row's activations (24 rows of ~1,000
     tokens took 19.7 GB and the kernel killed the service): above ``chunk_tokens`` a step scores its rows in
