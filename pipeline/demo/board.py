@@ -72,14 +72,18 @@ def live_rates(
     ]
 
 
-def gains_line(base: float, champion: float, oracle: float) -> str:
-    """The scoreboard's gains over the base. No ratio of the two: the oracle is gated on the same held-out
-    feedback as the champion, so it is promoted only where that feedback agrees, and it has ended both above
-    and far below the champion (0.333 against 0.708): a reference, not an upper bound of what feedback loses."""
-    return (
-        f"gain over the base: feedback-only champion {champion - base:+.3f}; oracle reference {oracle - base:+.3f} "
-        "(GRPO on the users' own check, gated on the same held-out feedback: a reference, not an upper bound)"
-    )
+def gains_line(base: float, champion: float | None, oracle: float | None = None) -> str:
+    """The scoreboard's gains over the base (a champion that never replaced the base gained nothing). With the
+    opt-in oracle (deploy/demo.toml), its gain beside it and no ratio of the two: the oracle is gated on the
+    same held-out feedback as the champion, so it is promoted only where that feedback agrees, and it has ended
+    both above and far below the champion (0.333 against 0.708): a reference, not an upper bound."""
+    line = f"gain over the base: feedback-only champion {(champion if champion is not None else base) - base:+.3f}"
+    if oracle is not None:
+        line += (
+            f"; oracle reference {oracle - base:+.3f} "
+            "(GRPO on the users' own check, gated on the same held-out feedback: a reference, not an upper bound)"
+        )
+    return line
 
 
 def plot_live_rates(rates: Sequence[LiveRate], out: Path) -> None:

@@ -15,16 +15,18 @@ model learns from what its users say, and nothing else.
    flowing; the demo prints the live evidence as it grows (feedback events and
    thumbs-up rate of each side, the always-valid interval) and the monitor's
    decision (promote or abort) with how long it took; then more traffic,
-   served by the champion (the base while none was promoted). The oracle's
-   served model gets no users, so its canary could never decide: after each
-   round the demo promotes the oracle's challenger by hand through the ops API,
-   with that reason recorded on the version;
+   served by the champion (the base while none was promoted). With the
+   opt-in oracle (a commented block in ``deploy/demo.toml``), whose served
+   model gets no users so its canary could never decide, the demo promotes
+   the oracle's challenger by hand through the ops API after each round, with
+   that reason recorded on the version;
 6. the scoreboard: the users' live thumbs-up rate of each phase's traffic
    (from the reward buffer), greedy accuracy by the users' own check on fresh
-   prompts for the base, the final champion and the oracle (a recipe trained on
-   that very check, served as its own model so it never competes for
-   promotion), and both gains over the base (no ratio: the oracle is a reference, not an upper bound); the shipped regression suite's greedy score for the base
-   and the final champion (forgetting = base - champion; target <= 0.05); a plot of the live rate.
+   prompts for the base and the final champion, and the champion's gain over
+   the base (with the oracle: its accuracy and gain too, no ratio: it is a
+   reference, not an upper bound); the shipped regression suite's greedy score
+   for the base and the final champion (forgetting = base - champion; target
+   <= 0.05); a plot of the live rate.
 
 With ``--scenario calculator`` the users ask two-digit products through an app with a ``calculate`` tool
 (:data:`pipeline.demo.traffic.CALCULATOR`): the same recipe, stack and scoreboard, with vLLM serving the ChatML
@@ -41,7 +43,7 @@ hostile ones included (the demo cannot see the reward model's per-row scores).
 
 The candidates of ``hourglass`` see only the users' feedback (reward model,
 KTO) and the gate uses no reference answer; the reference answers the traffic
-carries feed only this scoreboard and the oracle recipe.
+carries feed only this scoreboard (and the oracle recipe, where it is on).
 
 Run it with ``make demo`` (or ``python -m pipeline.demo --config deploy/demo.toml``).
 """
@@ -758,11 +760,12 @@ def main(
             )
         }
         on_suite = {"base": cfg.serving.base_served_name}
+        gains: dict[str, float | None] = {"champion": None, "oracle": None}
         for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
             route = routes.get(served_model, {})
             served = route.get("served_name")
             if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
-                accuracy[f"{label} ({served})"] = _greedy_accuracy(vllm_url, served, questions, task)
+                accuracy[f"{label} ({served})"] = gains[label] = _greedy_accuracy(vllm_url, served, questions, task)
                 if label == "champion":
                     on_suite["champion"] = served
         suite = _suite_of(cfg)
@@ -784,9 +787,7 @@ def main(
             by_round=by_round,
             hostile=hostile is not None,
         )
-        values = list(accuracy.values())
-        if len(values) == 3:
-            console.print(gains_line(*values))
+        console.print(gains_line(next(iter(accuracy.values())), gains["champion"], gains["oracle"]))
         console.print(forgetting_line(suite.name, suite_scores["base"], suite_scores.get("champion")))
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key, scenario=task):
             console.print(

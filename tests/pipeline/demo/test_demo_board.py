@@ -36,6 +36,8 @@ def test_the_gains_line_gives_both_gains_and_no_ratio() -> None:
     line = gains_line(0.083, 0.708, 0.333)
     assert "feedback-only champion +0.625" in line and "oracle reference +0.250" in line
     assert "not an upper bound" in line and "/" not in line.split("(")[0]
+    assert gains_line(0.083, 0.708) == "gain over the base: feedback-only champion +0.625"  # the oracle is off
+    assert gains_line(0.083, None) == "gain over the base: feedback-only champion +0.000"  # the base still serves
 
 
 def test_oracle_reward_is_the_users_check() -> None:
@@ -62,10 +64,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["demo.toml", "hourglass.toml", "production.toml"])
 def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str) -> None:
-    """The served model's candidates and gate use no reference answer; only the demo's oracle does,
-    and it is its own served model (it never competes for `hourglass`)."""
+    """The served model's candidates and gate use no reference answer, and no shipped config trains another
+    served model (the demo's oracle is opt-in: below)."""
     from pipeline.config import load_config
-    from pipeline.demo.main import ORACLE_MODEL
 
     cfg = load_config(REPO / "deploy" / name)
     assert cfg.rl.gate.metric in ("feedback", "reward_model")
@@ -73,11 +74,25 @@ def test_shipped_configs_learn_from_feedback_without_reference_answers(name: str
     assert {c.algorithm for c in served} >= {"grpo", "kto"}
     assert all(t.fn not in ("exact_answer", "first_number_answer") for c in served for t in c.reward)
     assert any(t.fn == "reward_model" for c in served for t in c.reward)
-    others = [c for c in cfg.candidates if c.served_model != cfg.serving.model_name]
-    if name == "demo.toml":
-        assert [(c.served_model, [t.fn for t in c.reward]) for c in others] == [(ORACLE_MODEL, ["first_number_answer"])]
-    else:
-        assert others == []
+    assert [c for c in cfg.candidates if c.served_model != cfg.serving.model_name] == []
+
+
+def test_the_demos_opt_in_oracle_block_loads_as_its_own_served_model(tmp_path: Path) -> None:
+    """deploy/demo.toml carries the oracle commented out; uncommented, it is one more candidate on the users'
+    own check, served as ORACLE_MODEL (never competing for `hourglass`), and the config still loads."""
+    from pipeline.config import load_config
+    from pipeline.demo.main import ORACLE_MODEL
+
+    text = (REPO / "deploy" / "demo.toml").read_text()
+    start = text.index('# [[candidates]]\n# name = "oracle"')
+    block = text[start : text.index("\n\n", start)]
+    on = text.replace(block, "\n".join(line.removeprefix("# ") for line in block.splitlines()))
+    (tmp_path / "demo.toml").write_text(on)
+    cfg = load_config(tmp_path / "demo.toml")
+    off = load_config(REPO / "deploy" / "demo.toml")
+    assert [c.name for c in cfg.candidates] == [c.name for c in off.candidates] + ["oracle"]
+    oracle = cfg.candidates[-1]
+    assert oracle.served_model == ORACLE_MODEL and [t.fn for t in oracle.reward] == ["first_number_answer"]
 
 
 def test_round_printout_survives_nulls_from_the_api() -> None:
