@@ -597,7 +597,7 @@ class RewardModelReport:
     bound at ``rl.gate.confidence``; ``accuracy``: share of rows where
     ``score > 0`` agrees with the label; ``ece``: expected calibration error of
     ``sigmoid(score)`` over 10 equal-width bins (Guo et al. 2017); ``pair_accuracy``:
-    share of held-out preference pairs ranked right (None without pairs); ``auc_by_signal``: the AUC on
+    share of held-out preference pairs ranked right, a tie counting half (None without pairs); ``auc_by_signal``: the AUC on
     each feedback signal's rows (:func:`trainer.reward_model.model.auc_by_signal`; signals where it is
     undefined are absent).
     """

@@ -77,7 +77,11 @@ def gains_line(base: float, champion: float | None, oracle: float | None = None)
     opt-in oracle (deploy/demo.toml), its gain beside it and no ratio of the two: the oracle is gated on the
     same held-out feedback as the champion, so it is promoted only where that feedback agrees, and it has ended
     both above and far below the champion (0.333 against 0.708): a reference, not an upper bound."""
-    line = f"gain over the base: feedback-only champion {(champion if champion is not None else base) - base:+.3f}"
+    line = (
+        f"gain over the base: feedback-only champion {champion - base:+.3f}"
+        if champion is not None
+        else "gain over the base: feedback-only champion +0.000 (none promoted: the base still serves)"
+    )
     if oracle is not None:
         line += (
             f"; oracle reference {oracle - base:+.3f} "

@@ -20,6 +20,7 @@ from trainer.errors import DataError, RewardError, TrainerConfigError
 from trainer.data import feedback_data, prompts_from_table
 from trainer.reward_model.model import (
     HEAD_FILE,
+    TokenisedFeedback,
     auc_by_signal,
     create_reward_model,
     evaluate_reward_model,
@@ -345,6 +346,10 @@ def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(t
     assert scores == pytest.approx(alone, abs=1e-4) and len(scores) == 18
     assert len(seen) == 12 and seen == sorted(seen)  # once each, shortest first
     assert scores[12:17] == scores[:5] and scores[17] == scores[3]
+    # a preference pair whose answers are one sequence (but for a trailing EOS) is a tie: half right
+    tie = (prompts[3], answers[3], list(answers[3]) + [eos])
+    report = evaluate_reward_model(model, TokenisedFeedback(data.examples, (tie,)), 0.9, 20)
+    assert report.pair_accuracy == 0.5 and report.heldout_pairs == 1
     store.close()
 
 

@@ -463,7 +463,10 @@ def evaluate_reward_model(
     )
     scores, chosen, rejected = every[:n], every[n : n + k], every[n + k :]
     labels = [e[2] for e in data.examples]
-    pair_accuracy = float(np.mean([c > r for c, r in zip(chosen, rejected)])) if k else None
+    # a pair whose two answers are one sequence scores a tie: half right, as the AUC counts ties
+    pair_accuracy = (
+        float(np.mean([1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected)])) if k else None
+    )
     accuracy = float(np.mean([(s > 0) == y for s, y in zip(scores, labels)])) if scores else float("nan")
     return RewardModelReport(
         auc=roc_auc(scores, labels),
