@@ -22,6 +22,7 @@ from trainer.reward_model.model import (
     HEAD_FILE,
     TokenisedFeedback,
     auc_by_signal,
+    common_prefix_length,
     create_reward_model,
     evaluate_reward_model,
     expected_calibration_error,
@@ -390,3 +391,53 @@ def test_a_step_of_long_rows_trains_in_chunks_with_the_same_update(tiny_model: P
     assert [h["reward_model/loss"] for h in chunked] == pytest.approx([h["reward_model/loss"] for h in whole], abs=1e-5)
     assert whole_scores != pytest.approx(initial, abs=1e-3)  # the steps moved the scores
     assert chunked_scores == pytest.approx(whole_scores, abs=1e-4)  # ... and the chunked steps moved them the same
+
+
+def test_common_prefix_length_leaves_every_row_a_token_of_its_own() -> None:
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7]]) == 2
+    assert common_prefix_length([[5, 6, 7], [5, 6, 7]]) == 2  # identical rows: the last token stays each row's
+    assert common_prefix_length([[5], [5, 6]]) == 0  # a one-token row has nothing to share
+    assert common_prefix_length([[1, 2], [3, 2]]) == 0
+    assert common_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share with
+
+
+def test_rows_sharing_a_prefix_run_it_once_with_the_plain_passs_scores_and_gradients(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row of a step opens with the chat template's system turn: it runs once as one row, the rest of every
+    row after it, and the scores and the adapter's and head's gradients are the plain pass's (float32)."""
+    base = load_base(ModelConfig(name=str(tiny_model)))
+    base.model.float()
+    store = make_store("offload", base)
+    model = create_reward_model(base, store, RewardModelConfig(), None)
+    data = tokenise_feedback(base, feedback_data(_planted(10)))
+    prompts, answers = [e[0] for e in data.examples], [e[1] for e in data.examples]
+    shared = common_prefix_length([list(p) + list(c) for p, c in zip(prompts, answers)])
+    assert shared >= 10  # the template's system turn and the user turn's opening
+    optimizer = store.activate(model.name)
+    params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
+    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
+    seen: list[tuple[int, int]] = []
+    hook = backbone.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+
+    def scores_and_grads() -> tuple[list[float], list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        scores = model.forward(prompts, answers)
+        (scores * torch.linspace(-1.0, 1.0, len(prompts))).sum().backward()
+        return scores.tolist(), [p.grad.clone() for p in params]
+
+    shared_scores, shared_grads = scores_and_grads()
+    longest = max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers))
+    assert seen == [(1, shared), (10, longest - shared)]  # the prefix once, then every row's rest
+    monkeypatch.setattr("trainer.reward_model.model.common_prefix_length", lambda seqs: 0)
+    plain_scores, plain_grads = scores_and_grads()
+    hook.remove()
+    assert seen[2:] == [(10, longest)]
+    assert shared_scores == pytest.approx(plain_scores, abs=1e-5)
+    assert any(g.abs().max() > 1e-6 for g in plain_grads)
+    for got, want in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    store.close()

@@ -225,11 +225,11 @@ class ResidentBase:
             ``t`` is completion token ``t``; mask is 1.0 on real completion tokens.
         """
         longest = max((len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)), default=0)
-        with self._attention_for(longest):
+        with self.attention_for(longest):
             return self._completion_logprobs(prompt_ids, completion_ids, keys_B, rows)
 
     @contextlib.contextmanager
-    def _attention_for(self, longest: int) -> Iterator[None]:
+    def attention_for(self, longest: int) -> Iterator[None]:
         """Eager attention for a short CPU pass of an SDPA model (:data:`EAGER_ATTENTION_MAX_TOKENS`), else as loaded."""
         if (
             self.device.type != "cpu"

@@ -33,6 +33,7 @@ import numpy.typing as npt
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from trainer.model.base import ResidentBase
 from trainer.config import RewardModelConfig
@@ -149,9 +150,10 @@ class RewardModel:
     def forward(self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]]) -> torch.Tensor:
         """Scores ``[B]`` (fp32, with grad): the head on the final-norm hidden state of each sequence's last token.
 
-        Sequences are left-padded into ``[B, L]`` as in :meth:`ResidentBase.completion_logprobs`,
-        so column ``L-1`` is every row's last real token; prompts are cut from the left to
-        fit ``max_seq_len``. The adapter must be live.
+        Prompts are cut from the left to fit ``max_seq_len``. The tokens every row starts with (the chat
+        template's system turn, an app's system prompt: :func:`common_prefix_length`) run once, as one row
+        whose keys and values every row then attends to (:func:`last_hidden_states`); gradients flow as in
+        one plain forward. The adapter must be live.
         """
         base = self.base
         pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
@@ -159,23 +161,11 @@ class RewardModel:
         for p, c in zip(prompt_ids_B, completion_ids_B):
             seq = list(p) + self._strip(c)
             seqs.append(seq[-base.max_seq_len :] or [pad])
-        B, L = len(seqs), max(len(s) for s in seqs)
-        input_BL = torch.full((B, L), pad, dtype=torch.long)
-        attn_BL = torch.zeros((B, L), dtype=torch.long)
-        for b, seq in enumerate(seqs):
-            input_BL[b, L - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            attn_BL[b, L - len(seq) :] = 1
-        position_BL = (attn_BL.cumsum(1) - 1).clamp(min=0)
         lm = _causal_lm(base)  # LoRA layers are injected in place: the backbone runs the live adapter
         backbone = getattr(lm, lm.base_model_prefix)
-        out = backbone(
-            input_ids=input_BL.to(base.device),
-            attention_mask=attn_BL.to(base.device),
-            position_ids=position_BL.to(base.device),
-            use_cache=False,
-        )
-        hidden_BH = out.last_hidden_state[:, -1].float()
-        return self.head(hidden_BH).squeeze(-1)
+        with base.attention_for(max(len(s) for s in seqs)):
+            hidden_BH = last_hidden_states(backbone, seqs, pad, base.device)
+        return self.head(hidden_BH.float()).squeeze(-1)
 
     def chunks(
         self, prompt_ids_B: Sequence[Sequence[int]], completion_ids_B: Sequence[Sequence[int]], max_tokens: int
@@ -242,6 +232,72 @@ def _causal_lm(base: ResidentBase) -> Any:
 def _hidden_size(base: ResidentBase) -> int:
     """The width of the backbone's hidden state: the text model's (a multimodal config nests it in text_config)."""
     return int(_causal_lm(base).config.get_text_config().hidden_size)
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every sequence shares, at most the shortest's length - 1 (each keeps a token of its
+    own, whose hidden state is its score's input); 0 for fewer than two sequences."""
+    if len(seqs) < 2:
+        return 0
+    shared = 0
+    for column in zip(*seqs):
+        if any(token != column[0] for token in column):
+            break
+        shared += 1
+    return min(shared, min(len(s) for s in seqs) - 1)
+
+
+def last_hidden_states(backbone: Any, seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """The backbone's final-norm hidden state at each sequence's last token, ``[B, H]``.
+
+    With no common prefix, one pass over the rows left-padded to ``[B, L]`` (column ``L-1`` is every row's last
+    token). With one of ``S`` tokens, two passes: the prefix as one row ``[1, S]`` with its keys and values
+    cached, the cache rows gathered to ``[B, ...]`` (:meth:`transformers.DynamicCache.batch_select_indices`, which
+    autograd follows, so the prefix's gradient is the sum of its rows'), then every row's rest right-padded
+    ``[B, R]``, attending to the cached prefix, positions continuing after it. The same causal attention over the
+    same tokens at the same positions as the plain pass (equal up to float rounding; tested on scores and
+    gradients); a reward-model step of the demo's rows, whose 43-token prompts open with the template's 28-token
+    system turn and whose answers are a few tokens, runs about half the tokens.
+    """
+    B, shared = len(seqs), common_prefix_length(seqs)
+    if shared == 0:
+        L = max(len(s) for s in seqs)
+        input_BL = torch.full((B, L), pad, dtype=torch.long)
+        attn_BL = torch.zeros((B, L), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            input_BL[b, L - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
+            attn_BL[b, L - len(seq) :] = 1
+        out = backbone(
+            input_ids=input_BL.to(device),
+            attention_mask=attn_BL.to(device),
+            position_ids=(attn_BL.cumsum(1) - 1).clamp(min=0).to(device),
+            use_cache=False,
+        )
+        return out.last_hidden_state[:, -1]
+    cache = DynamicCache()
+    backbone(
+        input_ids=torch.tensor([list(seqs[0][:shared])], dtype=torch.long, device=device),
+        position_ids=torch.arange(shared, device=device).unsqueeze(0),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))
+    lens = [len(s) - shared for s in seqs]
+    R = max(lens)
+    input_BR = torch.full((B, R), pad, dtype=torch.long)
+    attn_BR = torch.zeros((B, R), dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        input_BR[b, : lens[b]] = torch.tensor(list(seq[shared:]), dtype=torch.long)
+        attn_BR[b, : lens[b]] = 1
+    out = backbone(
+        input_ids=input_BR.to(device),
+        attention_mask=torch.cat([torch.ones((B, shared), dtype=torch.long), attn_BR], dim=1).to(device),
+        position_ids=(shared + torch.arange(R)).unsqueeze(0).expand(B, R).to(device),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    last_B = torch.tensor(lens, dtype=torch.long, device=device) - 1
+    return out.last_hidden_state[torch.arange(B, device=device), last_B]
 
 
 def create_reward_model(
