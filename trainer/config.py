@@ -539,7 +539,8 @@ class MonitorConfig(Section):
         description="Canary only: abort when the reward model's predicted gain in thumbs-up rate over the champion "
         "(its held-out scores of both sides' greedy answers, logged by the round as monitor/reward_model_gain) "
         "exceeds the users' live difference by more than this (the upper end of the canary's always-valid interval): "
-        "a candidate the reward model loves and users do not.",
+        "a candidate the reward model loves and users do not. Only a candidate trained on the reward model's scores "
+        '(or chosen by them: `rl.gate.metric = "reward_model"`) is judged.',
     )
 
 

@@ -10,7 +10,9 @@ evasion, tool calls: the rule a round's gate applies to greedy held-out answers)
   the round: :func:`trainer.evaluation.monitors.predicted_rate` of both sides' greedy held-out answers);
   when that exceeds the upper end of the canary's always-valid interval of the users' live difference by
   more than ``rl.monitors.max_reward_gap``, the reward model loves what users do not (thumbs feedback
-  only: the gain is a rate).
+  only: the gain is a rate). The round logs a prediction only for a candidate that could have gamed the
+  reward model (:func:`trainer.evaluation.evaluate.could_hack_reward_model`); for the others this monitor
+  never judges.
 
 A monitor that refuses aborts the canary (:mod:`pipeline.canary.monitor`) with the monitor named.
 """

@@ -91,8 +91,10 @@ class _LengthRewardModel:
 
 def test_evaluation_records_readings_and_the_reward_models_predicted_gain(tiny_model: Path, tmp_path: Path) -> None:
     """Whatever the gate metric, a round with a reward model scores every side's greedy answers with it (one
-    batched call) and records the candidate's predicted thumbs-up gain over the champion, which the canary's
-    reward_gap monitor reads from the candidate's run; the monitors' readings of both sides are recorded too."""
+    batched call) and records the predicted thumbs-up gain over the champion of each candidate that trained on
+    the reward model, which the canary's reward_gap monitor reads from the candidate's run; a candidate that
+    learned from the thumbs alone gets none (it cannot have gamed the reward model), unless the gate ranks by
+    the reward model. The monitors' readings of both sides are recorded too."""
     from trainer.adapters.store import make_store
     from trainer.evaluation.evaluate import Contestants, evaluate
     from trainer.executors.local import publish
@@ -111,25 +113,35 @@ def test_evaluation_records_readings_and_the_reward_models_predicted_gain(tiny_m
     base = load_base(ModelConfig(name=str(tiny_model)))
     store = make_store("offload", base)
     engine = HFEngine(base, store)
-    cand = CandidateConfig(name="a", start="fresh")
-    store.create("a", cand)
-    versions = {"a": publish(engine, store, "a", 0, tmp_path, None)[0]}
+    cand = CandidateConfig(name="a", start="fresh", reward=[{"fn": "reward_model"}])
+    thumbs = CandidateConfig(name="b", algorithm="kto", start="fresh", kl_coef=0.0, reward=[{"fn": "logged"}])
+    versions = {}
+    for c in (cand, thumbs):
+        store.create(c.name, c)
+        versions[c.name] = publish(engine, store, c.name, 0, tmp_path / c.name, None)[0]
     model = _LengthRewardModel()
-    evaluation = evaluate(
-        base,
-        store,
-        engine,
-        Contestants([cand], versions, {}),
-        heldout,
-        rl,
-        round_id="r1",
-        reward=RewardPhase(model=model),
-    )
+
+    def run(rl: RLConfig):  # noqa: ANN202
+        return evaluate(
+            base,
+            store,
+            engine,
+            Contestants([cand, thumbs], versions, {}),
+            heldout,
+            rl,
+            round_id="r1",
+            reward=RewardPhase(model=model),
+        )
+
+    evaluation = run(rl)
+    assert model.calls == [3 * 4], "one batched call: both candidates' and the base's answers"
+    assert evaluation.tenants["hourglass"].reward_model_gains == {"a": 0.0}  # b learned from the thumbs alone
+    assert "monitor/reward_model_gain" not in evaluation.monitor_metrics["b"]
+    ranked = run(rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "reward_model"})}))
+    assert ranked.tenants["hourglass"].reward_model_gains == {"a": 0.0, "b": 0.0}  # the gate chose by it
     store.close()
 
-    assert model.calls == [2 * 4], "one batched call: the candidate's and the base's answers"
     tenant = evaluation.tenants["hourglass"]
-    assert tenant.reward_model_gains == {"a": 0.0}  # a fresh adapter answers as the base does
     assert tenant.champion_reading is not None and tenant.readings["a"].answers == 4
     assert tenant.readings["a"].mean_words == tenant.champion_reading.mean_words
     assert evaluation.monitor_metrics["a"]["monitor/reward_model_gain"] == 0.0

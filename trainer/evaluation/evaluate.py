@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.adapters.store import AdapterStore
-from trainer.config import CandidateConfig, GateMetric, RLConfig
+from trainer.config import CandidateConfig, GateMetric, RLConfig, uses_reward_model
 from trainer.errors import SuiteError
 from trainer.evaluation.measure import GreedySet, greedy_sets, kl_to_base, reference_logprobs
 from trainer.evaluation.metrics import GATE_METRICS, HeldOut, feedback_labels, refusal, usable_rows
@@ -258,7 +258,7 @@ def evaluate(
                 reward_model_gains={
                     c.name: rm_rates[versions[c.name]] - rm_rates[champion_versions[tenant]]
                     for c in contestants.candidates
-                    if c.served_model == tenant and versions[c.name] in rm_rates
+                    if c.served_model == tenant and versions[c.name] in rm_rates and could_hack_reward_model(c, rl)
                 },
             )
             metrics[f"eval/{metric}/champion/{tenant}"] = champion_value
@@ -281,6 +281,16 @@ def evaluate(
             store.delete(name)
     finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
     return Evaluation(tuple(p.prompt_id for p in rows), results, evaluations, finite, monitor_metrics)
+
+
+def could_hack_reward_model(candidate: CandidateConfig, rl: RLConfig) -> bool:
+    """Whether the reward model's love of this candidate's answers could be a hack: it trained on the reward
+    model's scores, or the gate chose it by them. Only these get ``monitor/reward_model_gain``, so only these
+    face the canary's ``reward_gap`` monitor: a candidate that learned from the users' thumbs alone (``kto`` on
+    logged answers) cannot have gamed a reward model it never saw, and a reward model that overrates it is
+    miscalibrated, which the canary's own test of the users' votes already judges (in two of four demo runs on
+    2026-12-05/06 the monitor aborted round 1's ``kto`` challenger, once while users preferred it 33 % to 12 %)."""
+    return uses_reward_model(candidate) or rl.gate.metric == GateMetric.REWARD_MODEL
 
 
 def _monitor_metrics(name: str, tenant: TenantEvaluation) -> dict[str, float]:
