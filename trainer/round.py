@@ -330,6 +330,11 @@ class RoundRecipe:
             base, self.spec.candidates, self.spec.rl, self.inputs.data.train, self.inputs.champions, self.out_dir
         )
         self._sit_out(plan.skipped)  # nothing to learn from this window, like those without a reward model
+        rm = self.spec.rl.reward_model
+        if self.feedback is not None and not reward_phase.check_config(self.spec.candidates, rm, self.spec.rl):
+            # the candidates that learn from the reward model sat out, and nothing else reads it: none is trained
+            log.info("no reward model this round: no candidate left learns from it (%s)", ", ".join(plan.skipped))
+            self.feedback = None
         return plan
 
     def _sit_out(self, skipped: Mapping[str, str]) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from trainer.adapters.store import make_store
 from trainer.model.base import load_base
+from trainer.model.logprobs import common_prefix_length
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RewardTerm, RLConfig
 from trainer.errors import DataError, RewardError, TrainerConfigError
 from trainer.data import feedback_data, prompts_from_table
@@ -22,7 +23,6 @@ from trainer.reward_model.model import (
     HEAD_FILE,
     TokenisedFeedback,
     auc_by_signal,
-    common_prefix_length,
     create_reward_model,
     evaluate_reward_model,
     expected_calibration_error,
@@ -239,6 +239,19 @@ def test_round_on_reward_model_without_enough_feedback_fails_or_skips_with_a_rea
     assert "3 rows with feedback" in mixed.skipped["rm-user"] and "min_examples = 8" in mixed.skipped["rm-user"]
     assert mixed.skipped["picky"].startswith("no training prompts after the data_filter")
     assert not (tmp_path / "mixed" / "rm-user").exists() and not (tmp_path / "mixed" / "picky").exists()
+    # with enough feedback, but the one candidate that learns from the reward model has no prompts: none is trained
+    rated = [replace(r, logged_reward=1.0 if i % 2 else -1.0) for i, r in enumerate(_planted(24))]
+    train_r, heldout_r = split_snapshot(snapshot_table(rated), 0.25)
+    picky_rm = cand.model_copy(update={"data_filter": "nowhere"})
+    alone = run_round(
+        RoundSpec(ModelConfig(name=str(tiny_model)), (picky_rm, fmt), rl.model_copy(update={"steps_per_round": 1})),
+        round_inputs(train_r, heldout_r),
+        tmp_path / "alone",
+    )
+    assert list(alone.skipped) == ["rm-user"] and alone.skipped["rm-user"].startswith("no training prompts")
+    assert alone.reward_model is None and alone.metrics.get("time/reward_model_s", 0.0) == 0.0
+    assert not [k for k in alone.metrics if k.startswith("reward_model/")]
+    assert not (tmp_path / "alone" / "reward-model").exists()
     # a gate that ranks by the reward model could promote nothing: refused before any model work, as before
     on_rm = rl.model_copy(update={"gate": rl.gate.model_copy(update={"metric": "reward_model"})})
     with pytest.raises(DataError, match=r"the gate ranks candidates by the reward model.*3 rows with feedback"):
@@ -393,14 +406,6 @@ def test_a_step_of_long_rows_trains_in_chunks_with_the_same_update(tiny_model: P
     assert chunked_scores == pytest.approx(whole_scores, abs=1e-4)  # ... and the chunked steps moved them the same
 
 
-def test_common_prefix_length_leaves_every_row_a_token_of_its_own() -> None:
-    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7]]) == 2
-    assert common_prefix_length([[5, 6, 7], [5, 6, 7]]) == 2  # identical rows: the last token stays each row's
-    assert common_prefix_length([[5], [5, 6]]) == 0  # a one-token row has nothing to share
-    assert common_prefix_length([[1, 2], [3, 2]]) == 0
-    assert common_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share with
-
-
 def test_rows_sharing_a_prefix_run_it_once_with_the_plain_passs_scores_and_gradients(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -432,7 +437,7 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_plain_passs_scores_and_gradi
     shared_scores, shared_grads = scores_and_grads()
     longest = max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers))
     assert seen == [(1, shared), (10, longest - shared)]  # the prefix once, then every row's rest
-    monkeypatch.setattr("trainer.reward_model.model.common_prefix_length", lambda seqs: 0)
+    monkeypatch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
     plain_scores, plain_grads = scores_and_grads()
     hook.remove()
     assert seen[2:] == [(10, longest)]

@@ -9,7 +9,7 @@ import torch
 
 from trainer.model.base import ResidentBase, load_base, lora_config
 from trainer.config import CandidateConfig, ModelConfig
-from trainer.model.logprobs import distinct_prompts
+from trainer.model.logprobs import MIN_PREFIX_TOKENS_SAVED, common_prefix_length, distinct_prompts, worth_sharing
 
 from .float32_tolerance import GRAD_TOL, LOGPROB_TOL, assert_gradients_close, max_relative_error
 
@@ -124,3 +124,54 @@ def test_short_cpu_passes_run_eager_attention_with_sdpas_results(
     lp_err = max_relative_error(eager_lp, sdpa_lp)
     assert lp_err < LOGPROB_TOL, lp_err
     assert_gradients_close(eager_grads, sdpa_grads, GRAD_TOL)
+
+
+def test_common_prefix_length_leaves_every_row_a_token_of_its_own() -> None:
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7]]) == 2
+    assert common_prefix_length([[5, 6, 7], [5, 6, 7]]) == 2  # identical rows: the last token stays each row's
+    assert common_prefix_length([[5], [5, 6]]) == 0  # a one-token row has nothing to share
+    assert common_prefix_length([[1, 2], [3, 2]]) == 0
+    assert common_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share with
+    # run once per group instead of once per row only when that saves enough tokens to pay for a forward
+    opening = [7] * 40
+    assert MIN_PREFIX_TOKENS_SAVED == 64
+    assert worth_sharing([opening + [1], opening + [2], opening + [3]]) == 40  # 2 x 40 tokens saved
+    assert worth_sharing([opening + [1], opening + [2], opening + [3]], groups=2) == 0  # 40 saved
+    assert worth_sharing([opening + [1], opening + [2]]) == 0
+
+
+def test_a_prefix_every_prompt_opens_with_runs_once_per_key(base: ResidentBase) -> None:
+    """Distinct prompts that open alike (a system prompt) run the shared tokens once per key, then each prompt's
+    rest, then the completions: the whole rows' log-probs and gradients (float32)."""
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(10, 400, (20,), generator=g).tolist()  # (6 prompts - 2 keys) x 20 tokens saved
+    tails = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (1, 4, 3)]
+    prompts = [system + tails[i % 3] for i in range(7)]
+    completions = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (2, 0, 5, 1, 3, 4, 2)]
+    keys = [0, 0, 0, 1, 1, 1, 1]  # two groups (two adapters in a one-pass step): the prefix runs once for each
+    params = {n: p for n, p in base.model.named_parameters() if p.requires_grad}
+    results = {}
+    for share in (True, False):
+        for p in params.values():
+            p.grad = None
+        shapes: list[tuple[int, ...]] = []
+        handle = base.model.get_input_embeddings().register_forward_pre_hook(
+            lambda m, args, shapes=shapes: shapes.append(tuple(args[0].shape))
+        )
+        base.share_prompts = share
+        try:
+            lp_BT, mask_BT = base.completion_logprobs(prompts, completions, keys_B=keys)
+        finally:
+            base.share_prompts = True
+            handle.remove()
+        (lp_BT * torch.linspace(0.5, 1.5, lp_BT.shape[1])).sum().backward()
+        results[share] = (lp_BT.detach(), mask_BT, {n: p.grad.clone() for n, p in params.items()}, shapes)
+    (lp, mask, grads, shapes), (whole_lp, whole_mask, whole_grads, whole_shapes) = results[True], results[False]
+    assert whole_shapes == [(7, 20 + 3 + 5)]  # the longest row: tail 3, completion 5
+    # the prefix for each key, 6 distinct (key, prompt)s' rest (the longest 4 tokens), every completion but its last
+    assert shapes == [(2, 20), (6, 4), (7, 4)]
+    assert torch.equal(mask, whole_mask)
+    lp_err = max_relative_error(lp, whole_lp)
+    assert lp_err < LOGPROB_TOL, lp_err
+    assert float(whole_lp.abs().max()) > 1.0
+    assert_gradients_close(grads, whole_grads, GRAD_TOL)

@@ -25,7 +25,13 @@ from trainer.model import store as model_store
 from trainer.config import CandidateConfig, ModelConfig
 from trainer.model.logprobs import token_logprobs
 from trainer.templates import template_path
-from trainer.model.logprobs import RowsContext, distinct_prompts, no_rows_context, shared_prompt_logprobs
+from trainer.model.logprobs import (
+    RowsContext,
+    distinct_prompts,
+    no_rows_context,
+    shared_prompt_logprobs,
+    worth_sharing,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BOOT_ADAPTER = "hourglass-boot"  # PEFT needs one adapter to build the wrapper; never trained
@@ -255,9 +261,11 @@ class ResidentBase:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.share_prompts and all(prompt_ids):
             owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
-            if len(first_U) < len(prompt_ids):
+            groups = len({None if keys_B is None else keys_B[b] for b in first_U})
+            prefix = worth_sharing([prompt_ids[b] for b in first_U], groups)
+            if len(first_U) < len(prompt_ids) or prefix:
                 return shared_prompt_logprobs(
-                    self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows
+                    self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows, keys_B, prefix
                 )
         B = len(prompt_ids)
         lens_c = [len(c) for c in completion_ids]

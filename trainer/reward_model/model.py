@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from trainer.model.base import ResidentBase
+from trainer.model.logprobs import worth_sharing
 from trainer.config import RewardModelConfig
 from trainer.errors import TrainerConfigError
 from trainer.data import FeedbackData
@@ -151,7 +152,8 @@ class RewardModel:
         """Scores ``[B]`` (fp32, with grad): the head on the final-norm hidden state of each sequence's last token.
 
         Prompts are cut from the left to fit ``max_seq_len``. The tokens every row starts with (the chat
-        template's system turn, an app's system prompt: :func:`common_prefix_length`) run once, as one row
+        template's system turn, an app's system prompt), when that saves enough tokens
+        (:func:`trainer.model.logprobs.worth_sharing`), run once, as one row
         whose keys and values every row then attends to (:func:`last_hidden_states`); gradients flow as in
         one plain forward. The adapter must be live.
         """
@@ -234,19 +236,6 @@ def _hidden_size(base: ResidentBase) -> int:
     return int(_causal_lm(base).config.get_text_config().hidden_size)
 
 
-def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
-    """How many leading tokens every sequence shares, at most the shortest's length - 1 (each keeps a token of its
-    own, whose hidden state is its score's input); 0 for fewer than two sequences."""
-    if len(seqs) < 2:
-        return 0
-    shared = 0
-    for column in zip(*seqs):
-        if any(token != column[0] for token in column):
-            break
-        shared += 1
-    return min(shared, min(len(s) for s in seqs) - 1)
-
-
 def last_hidden_states(backbone: Any, seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """The backbone's final-norm hidden state at each sequence's last token, ``[B, H]``.
 
@@ -259,7 +248,7 @@ def last_hidden_states(backbone: Any, seqs: Sequence[Sequence[int]], pad: int, d
     gradients); a reward-model step of the demo's rows, whose 43-token prompts open with the template's 28-token
     system turn and whose answers are a few tokens, runs about half the tokens.
     """
-    B, shared = len(seqs), common_prefix_length(seqs)
+    B, shared = len(seqs), worth_sharing(seqs)
     if shared == 0:
         L = max(len(s) for s in seqs)
         input_BL = torch.full((B, L), pad, dtype=torch.long)
