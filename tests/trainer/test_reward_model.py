@@ -332,15 +332,20 @@ def test_a_reward_model_that_scores_nan_has_no_auc() -> None:
     assert auc_by_signal(scores, labels, ["thumbs"] * 6) == {}
 
 
-def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(tiny_model: Path) -> None:
-    """Held-out feedback repeats sequences (a pair's answers are rows of their own; users get the same answer):
-    each distinct (prompt, answer) is scored once, in batches of similar length, and every row gets the score it
-    gets alone. A logged answer ending in EOS is the same sequence as its text."""
+def _float32_reward_model(tiny_model: Path, rows: int) -> tuple:
+    """A fresh reward model on the tiny base in float32, and ``rows`` planted feedback rows as token ids."""
     base = load_base(ModelConfig(name=str(tiny_model)))
     base.model.float()
     store = make_store("offload", base)
     model = create_reward_model(base, store, RewardModelConfig(), None)
-    data = tokenise_feedback(base, feedback_data(_planted(12)))
+    return base, store, model, tokenise_feedback(base, feedback_data(_planted(rows)))
+
+
+def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(tiny_model: Path) -> None:
+    """Held-out feedback repeats sequences (a pair's answers are rows of their own; users get the same answer):
+    each distinct (prompt, answer) is scored once, in batches of similar length, and every row gets the score it
+    gets alone. A logged answer ending in EOS is the same sequence as its text."""
+    base, store, model, data = _float32_reward_model(tiny_model, 12)
     prompts, answers = [e[0] for e in data.examples], [e[1] for e in data.examples]
     eos = base.tokenizer.eos_token_id
     rows_p = prompts + prompts[:5] + prompts[3:4]  # 18 rows, 12 distinct
@@ -411,11 +416,7 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_plain_passs_scores_and_gradi
 ) -> None:
     """Every row of a step opens with the chat template's system turn: it runs once as one row, the rest of every
     row after it, and the scores and the adapter's and head's gradients are the plain pass's (float32)."""
-    base = load_base(ModelConfig(name=str(tiny_model)))
-    base.model.float()
-    store = make_store("offload", base)
-    model = create_reward_model(base, store, RewardModelConfig(), None)
-    data = tokenise_feedback(base, feedback_data(_planted(10)))
+    base, store, model, data = _float32_reward_model(tiny_model, 10)
     prompts, answers = [e[0] for e in data.examples], [e[1] for e in data.examples]
     shared = common_prefix_length([list(p) + list(c) for p, c in zip(prompts, answers)])
     assert shared >= 10  # the template's system turn and the user turn's opening
