@@ -175,3 +175,60 @@ def test_a_prefix_every_prompt_opens_with_runs_once_per_key(base: ResidentBase) 
     assert lp_err < LOGPROB_TOL, lp_err
     assert float(whole_lp.abs().max()) > 1.0
     assert_gradients_close(grads, whole_grads, GRAD_TOL)
+
+
+@pytest.mark.parametrize("window", [8, 1024])
+def test_a_sliding_window_model_shares_a_prefix_only_when_every_row_fits_its_window(
+    smollm2_model: Path, tmp_path: Path, window: int
+) -> None:
+    """Gemma 3's local layers mask by distance between cache slots, not by position: the left pads between a short
+    prompt's shared prefix and its rest would push prefix tokens out of a window they are inside of (a hostile
+    pass measured log-probs off by 0.29 nats at window 8). A pass whose rows could reach the window runs no
+    prefix stage; one that cannot does. Both give the whole rows' log-probs and gradients."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.model import store as model_store
+    from trainer.model.base import attention_window
+
+    tiny = model_store.build_tiny(model_store.TinyArchitecture.GEMMA3, tmp_path / "tiny", tokenizer_from=smollm2_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
+    model.config.sliding_window = window
+    with torch.no_grad():
+        model.model.norm.weight.fill_(9.0)  # peaked, as `peaked_model` (Gemma's norm scales by 1 + w)
+    model.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(tiny.path).save_pretrained(tmp_path / "model")
+    gemma = load_base(ModelConfig(name=str(tmp_path / "model"), dtype="float32", device="cpu"))
+    assert attention_window(gemma.model.get_base_model()) == window
+    gemma.model.add_adapter(ADAPTER, lora_config(CandidateConfig(name="a", lora_rank=4, lora_alpha=8)))
+    gemma.model.set_adapter(ADAPTER)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in gemma.model.named_parameters():
+            if f".{ADAPTER}." in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+                p.requires_grad_(True)
+    system = torch.randint(10, 400, (40,), generator=g).tolist()
+    prompts = [system + torch.randint(10, 400, (n,), generator=g).tolist() for n in (1, 12, 2)]
+    completions = [torch.randint(10, 400, (4,), generator=g).tolist() for _ in prompts]
+    params = {n: p for n, p in gemma.model.named_parameters() if p.requires_grad}
+    results = {}
+    for share in (True, False):
+        for p in params.values():
+            p.grad = None
+        shapes: list[tuple[int, ...]] = []
+        handle = gemma.model.get_input_embeddings().register_forward_pre_hook(
+            lambda m, args, shapes=shapes: shapes.append(tuple(args[0].shape))
+        )
+        gemma.share_prompts = share
+        try:
+            lp_BT, _ = gemma.completion_logprobs(prompts, completions)
+        finally:
+            handle.remove()
+        (lp_BT * torch.linspace(0.5, 1.5, lp_BT.shape[1])).sum().backward()
+        results[share] = (lp_BT.detach(), {n: p.grad.clone() for n, p in params.items()}, shapes)
+    (lp, grads, shapes), (whole_lp, whole_grads, _) = results[True], results[False]
+    lp_err = max_relative_error(lp, whole_lp)
+    assert lp_err < LOGPROB_TOL, lp_err
+    assert_gradients_close(grads, whole_grads, GRAD_TOL)
+    # rows of up to 52 + 4 tokens: inside a window of 1024, the 40-token prefix runs once; at 8 it does not
+    assert shapes == ([(1, 40), (3, 12), (3, 3)] if window == 1024 else [(3, 56)])  # else rows whole

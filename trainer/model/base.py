@@ -263,6 +263,11 @@ class ResidentBase:
             owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
             groups = len({None if keys_B is None else keys_B[b] for b in first_U})
             prefix = worth_sharing([prompt_ids[b] for b in first_U], groups)
+            window = attention_window(self.model.get_base_model())
+            if window is not None and max(map(len, prompt_ids)) + max(map(len, completion_ids)) >= window:
+                # a sliding window bounds distances between cache slots, not positions: the left pads between
+                # a short prompt's prefix and its rest would push prefix tokens out of the window
+                prefix = 0
             if len(first_U) < len(prompt_ids) or prefix:
                 return shared_prompt_logprobs(
                     self.model, pad, self.device, prompt_ids, completion_ids, owner_B, first_U, rows, keys_B, prefix
@@ -306,6 +311,19 @@ class ResidentBase:
         index_BT = (T - lens_B1 + cols_BT).clamp(max=T - 1)
         logprobs_BT = right_BT.gather(1, index_BT.to(self.device)) * mask_BT.to(self.device)
         return logprobs_BT, mask_BT.to(self.device)
+
+
+def attention_window(model: Any) -> int | None:
+    """The sliding window of the model's sliding-attention layers (Gemma 3's local layers, Mistral's, Qwen2's with
+    ``use_sliding_window``), None when every layer attends to the whole sequence."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return int(window) if any(t == "sliding_attention" for t in types) else None
+    return int(window) if getattr(text, "use_sliding_window", True) else None
 
 
 def _can_switch_attention(model: object) -> bool:
