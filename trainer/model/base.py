@@ -263,7 +263,7 @@ class ResidentBase:
             owner_B, first_U = distinct_prompts(prompt_ids, keys_B)
             groups = len({None if keys_B is None else keys_B[b] for b in first_U})
             prefix = worth_sharing([prompt_ids[b] for b in first_U], groups)
-            window = attention_window(self.model.get_base_model())
+            window = attention_window(self.model.get_base_model()) if prefix else None
             if window is not None and max(map(len, prompt_ids)) + max(map(len, completion_ids)) >= window:
                 # a sliding window bounds distances between cache slots, not positions: the left pads between
                 # a short prompt's prefix and its rest would push prefix tokens out of the window
