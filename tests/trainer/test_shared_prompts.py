@@ -18,14 +18,18 @@ ADAPTER = "shared-prompts-test"
 
 @pytest.fixture(scope="module")
 def base(peaked_model: Path) -> ResidentBase:
-    base = load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu"))
+    return _with_random_adapter(load_base(ModelConfig(name=str(peaked_model), dtype="float32", device="cpu")), 0)
+
+
+def _with_random_adapter(base: ResidentBase, seed: int) -> ResidentBase:
+    """``base`` with a live rank-4 adapter of seeded random weights (non-zero B: it changes the logits)."""
     base.model.add_adapter(ADAPTER, lora_config(CandidateConfig(name="a", lora_rank=4, lora_alpha=8)))
     base.model.set_adapter(ADAPTER)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in base.model.named_parameters():
             if f".{ADAPTER}." in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))  # non-zero B: the adapter changes the logits
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
                 p.requires_grad_(True)
     return base
 
@@ -40,8 +44,10 @@ def _rows() -> tuple[list[list[int]], list[list[int]]]:
     return rows, completions
 
 
-def _pass(base: ResidentBase, share: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list]:
-    prompts, completions = _rows()
+def _pass(
+    base: ResidentBase, share: bool, rows: tuple[list, list] | None = None, keys: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list]:
+    prompts, completions = rows or _rows()
     params = {n: p for n, p in base.model.named_parameters() if p.requires_grad}
     for p in params.values():
         p.grad = None
@@ -50,7 +56,7 @@ def _pass(base: ResidentBase, share: bool) -> tuple[torch.Tensor, torch.Tensor, 
     handle = embed.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
     base.share_prompts = share
     try:
-        lp_BT, mask_BT = base.completion_logprobs(prompts, completions)
+        lp_BT, mask_BT = base.completion_logprobs(prompts, completions, keys_B=keys)
     finally:
         base.share_prompts = True
         handle.remove()
@@ -149,23 +155,7 @@ def test_a_prefix_every_prompt_opens_with_runs_once_per_key(base: ResidentBase) 
     prompts = [system + tails[i % 3] for i in range(7)]
     completions = [torch.randint(10, 400, (n,), generator=g).tolist() for n in (2, 0, 5, 1, 3, 4, 2)]
     keys = [0, 0, 0, 1, 1, 1, 1]  # two groups (two adapters in a one-pass step): the prefix runs once for each
-    params = {n: p for n, p in base.model.named_parameters() if p.requires_grad}
-    results = {}
-    for share in (True, False):
-        for p in params.values():
-            p.grad = None
-        shapes: list[tuple[int, ...]] = []
-        handle = base.model.get_input_embeddings().register_forward_pre_hook(
-            lambda m, args, shapes=shapes: shapes.append(tuple(args[0].shape))
-        )
-        base.share_prompts = share
-        try:
-            lp_BT, mask_BT = base.completion_logprobs(prompts, completions, keys_B=keys)
-        finally:
-            base.share_prompts = True
-            handle.remove()
-        (lp_BT * torch.linspace(0.5, 1.5, lp_BT.shape[1])).sum().backward()
-        results[share] = (lp_BT.detach(), mask_BT, {n: p.grad.clone() for n, p in params.items()}, shapes)
+    results = {share: _pass(base, share, (prompts, completions), keys) for share in (True, False)}
     (lp, mask, grads, shapes), (whole_lp, whole_mask, whole_grads, whole_shapes) = results[True], results[False]
     assert whole_shapes == [(7, 20 + 3 + 5)]  # the longest row: tail 3, completion 5
     # the prefix for each key, 6 distinct (key, prompt)s' rest (the longest 4 tokens), every completion but its last
@@ -197,36 +187,14 @@ def test_a_sliding_window_model_shares_a_prefix_only_when_every_row_fits_its_win
         model.model.norm.weight.fill_(9.0)  # peaked, as `peaked_model` (Gemma's norm scales by 1 + w)
     model.save_pretrained(tmp_path / "model")
     AutoTokenizer.from_pretrained(tiny.path).save_pretrained(tmp_path / "model")
-    gemma = load_base(ModelConfig(name=str(tmp_path / "model"), dtype="float32", device="cpu"))
+    gemma = _with_random_adapter(load_base(ModelConfig(name=str(tmp_path / "model"), dtype="float32", device="cpu")), 5)
     assert attention_window(gemma.model.get_base_model()) == window
-    gemma.model.add_adapter(ADAPTER, lora_config(CandidateConfig(name="a", lora_rank=4, lora_alpha=8)))
-    gemma.model.set_adapter(ADAPTER)
     g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in gemma.model.named_parameters():
-            if f".{ADAPTER}." in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-                p.requires_grad_(True)
     system = torch.randint(10, 400, (40,), generator=g).tolist()
     prompts = [system + torch.randint(10, 400, (n,), generator=g).tolist() for n in (1, 12, 2)]
     completions = [torch.randint(10, 400, (4,), generator=g).tolist() for _ in prompts]
-    params = {n: p for n, p in gemma.model.named_parameters() if p.requires_grad}
-    results = {}
-    for share in (True, False):
-        for p in params.values():
-            p.grad = None
-        shapes: list[tuple[int, ...]] = []
-        handle = gemma.model.get_input_embeddings().register_forward_pre_hook(
-            lambda m, args, shapes=shapes: shapes.append(tuple(args[0].shape))
-        )
-        gemma.share_prompts = share
-        try:
-            lp_BT, _ = gemma.completion_logprobs(prompts, completions)
-        finally:
-            handle.remove()
-        (lp_BT * torch.linspace(0.5, 1.5, lp_BT.shape[1])).sum().backward()
-        results[share] = (lp_BT.detach(), {n: p.grad.clone() for n, p in params.items()}, shapes)
-    (lp, grads, shapes), (whole_lp, whole_grads, _) = results[True], results[False]
+    results = {share: _pass(gemma, share, (prompts, completions)) for share in (True, False)}
+    (lp, _, grads, shapes), (whole_lp, _, whole_grads, _) = results[True], results[False]
     lp_err = max_relative_error(lp, whole_lp)
     assert lp_err < LOGPROB_TOL, lp_err
     assert_gradients_close(grads, whole_grads, GRAD_TOL)
