@@ -697,6 +697,15 @@ def main(
         aucs: list[float | None] = []
         questions = task.questions(FRESH_PROMPTS, 999)  # fresh prompts, never seen in training
         by_round: list[float] = []
+        measured: dict[str, float] = {}  # served name (one version's weights) -> its greedy accuracy
+
+        def greedy(served: str) -> float:
+            """``served``'s greedy accuracy on ``questions``, measured once: the scoreboard's champion and base
+            are usually a round's served model already."""
+            if served not in measured:
+                measured[served] = _greedy_accuracy(vllm_url, served, questions, task)
+            return measured[served]
+
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, _start_round(api, token), timeout_s=1800)
@@ -733,7 +742,7 @@ def main(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
             served_now = _served(cfg, model) or cfg.serving.base_served_name
-            by_round.append(_greedy_accuracy(vllm_url, served_now, questions, task))
+            by_round.append(greedy(served_now))
             console.print(f"greedy accuracy after round {i} ({served_now}): {by_round[-1]:.3f}")
             more = drive(  # the phase after round i, served by its champion
                 gateway,
@@ -754,18 +763,14 @@ def main(
         time.sleep(cfg.serving.reconcile_interval_s)  # let the reconcile loop settle the last promotion
         routes_file = cfg.resolve(cfg.state_dir) / "routes.json"
         routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
-        accuracy = {
-            f"base ({cfg.serving.base_served_name})": _greedy_accuracy(
-                vllm_url, cfg.serving.base_served_name, questions, task
-            )
-        }
+        accuracy = {f"base ({cfg.serving.base_served_name})": greedy(cfg.serving.base_served_name)}
         on_suite = {"base": cfg.serving.base_served_name}
         gains: dict[str, float | None] = {"champion": None, "oracle": None}
         for label, served_model in [("champion", model), ("oracle", ORACLE_MODEL)]:
             route = routes.get(served_model, {})
             served = route.get("served_name")
             if served and route.get("version"):  # a route without a version is the base (a canary with no champion)
-                accuracy[f"{label} ({served})"] = gains[label] = _greedy_accuracy(vllm_url, served, questions, task)
+                accuracy[f"{label} ({served})"] = gains[label] = greedy(served)
                 if label == "champion":
                     on_suite["champion"] = served
         suite = _suite_of(cfg)

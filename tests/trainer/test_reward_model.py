@@ -372,6 +372,94 @@ def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(t
     store.close()
 
 
+def test_rows_sharing_prompts_run_each_prompt_once_with_the_plain_passs_scores_and_gradients(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four answers to each of eight prompts of different lengths (a pair's two answers share their prompt; users
+    ask the same question): the shared opening runs once, each prompt's rest once, then every row's answer, and
+    the scores and the adapter's and head's gradients are the plain pass's (float32)."""
+    base, store, model, data = _float32_reward_model(tiny_model, 32)
+    answers = [e[1] for e in data.examples]
+    asked = [base.prompt_ids([{"role": "user", "content": f"Tell me about item {7**i}."}]) for i in range(8)]
+    prompts = [asked[b % 8] for b in range(32)]
+    assert len({len(p) for p in asked}) > 2  # left pads between the opening and a short prompt's rest
+    opening = common_prefix_length(asked)
+    optimizer = store.activate(model.name)
+    params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
+    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
+    seen: list[tuple[int, int]] = []
+    hook = backbone.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+
+    def scores_and_grads() -> tuple[list[float], list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        scores = model.forward(prompts, answers)
+        (scores * torch.linspace(-1.0, 1.0, len(prompts))).sum().backward()
+        return scores.tolist(), [p.grad.clone() for p in params]
+
+    shared_scores, shared_grads = scores_and_grads()
+    longest_answer = max(len(model._strip(c)) for c in answers)
+    assert seen == [(1, opening), (8, max(map(len, asked)) - opening), (32, longest_answer)]
+    monkeypatch.setattr("trainer.reward_model.model.MIN_PREFIX_TOKENS_SAVED", 10**9)
+    monkeypatch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
+    plain_scores, plain_grads = scores_and_grads()
+    hook.remove()
+    assert seen[3:] == [(32, max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers)))]
+    assert shared_scores == pytest.approx(plain_scores, abs=1e-5)
+    assert any(g.abs().max() > 1e-6 for g in plain_grads)
+    for got, want in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    store.close()
+
+
+@pytest.mark.parametrize("window", [8, 1024])
+def test_a_sliding_window_reward_model_shares_an_opening_only_when_every_row_fits_its_window(
+    smollm2_model: Path, tmp_path: Path, window: int
+) -> None:
+    """Gemma 3's local layers mask by distance between cache slots: the left pads between the shared opening and a
+    short prompt's rest would push opening tokens out of a window they are inside of. Rows that could reach the
+    window run each prompt once without the opening stage; rows that cannot run it. Both give the plain pass's
+    scores."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.model import store as model_store
+
+    tiny = model_store.build_tiny(model_store.TinyArchitecture.GEMMA3, tmp_path / "tiny", tokenizer_from=smollm2_model)
+    lm = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
+    lm.config.sliding_window = window
+    lm.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(tiny.path).save_pretrained(tmp_path / "model")
+    base = load_base(ModelConfig(name=str(tmp_path / "model"), dtype="float32", device="cpu"))
+    store = make_store("offload", base)
+    model = create_reward_model(base, store, RewardModelConfig(), None)
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(10, 400, (40,), generator=g).tolist()
+    asked = [system + torch.randint(10, 400, (n,), generator=g).tolist() for n in (1, 12, 2)]
+    prompts = [asked[b % 3] for b in range(24)]
+    answers = [torch.randint(10, 400, (4,), generator=g).tolist() for _ in prompts]
+    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
+    seen: list[tuple[int, int]] = []
+    hook = backbone.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    store.activate(model.name)
+    with torch.no_grad():
+        shared = model.forward(prompts, answers).tolist()
+        shapes = list(seen)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("trainer.reward_model.model.MIN_PREFIX_TOKENS_SAVED", 10**9)
+            patch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
+            plain = model.forward(prompts, answers).tolist()
+    hook.remove()
+    assert seen[len(shapes) :] == [(24, 56)]  # rows of up to 52 + 4 tokens, whole
+    assert shared == pytest.approx(plain, abs=1e-5)
+    # each prompt once: inside a window of 1024 after the 40-token opening; at 8 whole, left-padded
+    assert shapes == ([(1, 40), (3, 12), (24, 4)] if window == 1024 else [(3, 52), (24, 4)])
+    store.close()
+
+
 def test_a_step_of_long_rows_trains_in_chunks_with_the_same_update(tiny_model: Path) -> None:
     """Rows near max_seq_len made one step's forward/backward hold every row's activations (24 rows of ~1,000
     tokens took 19.7 GB and the kernel killed the service): above ``chunk_tokens`` a step scores its rows in
