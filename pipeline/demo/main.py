@@ -62,6 +62,7 @@ from collections import Counter
 from collections.abc import Sequence
 from enum import Enum
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -191,31 +192,27 @@ def _suite_of(cfg: HourglassConfig) -> RegressionSuiteConfig:
 
 
 def _suite_scores(vllm_url: str, models: dict[str, str], suite: RegressionSuiteConfig) -> dict[str, SuiteScore]:
-    """Each model's greedy score on ``suite`` (label -> served name), answers from vLLM 8 at a time."""
+    """Each model's greedy score on ``suite`` (label -> served name), answers from vLLM 8 at a time per model."""
     from trainer.evaluation.regression import load_suite, suite_check
 
     prompts, check = load_suite(suite), suite_check(suite)
 
-    def scores(served: str) -> SuiteScore:
-        def answer(prompt: Prompt) -> str:
-            response = httpx.post(
-                f"{vllm_url}/v1/chat/completions",
-                json={
-                    "model": served,
-                    "messages": prompt.messages,
-                    "max_tokens": suite.max_new_tokens,
-                    "temperature": 0.0,
-                },
-                timeout=300,
-            )
-            response.raise_for_status()
-            return response.json()["choices"][0]["message"]["content"] or ""
+    def answer(served: str, prompt: Prompt) -> str:
+        response = httpx.post(
+            f"{vllm_url}/v1/chat/completions",
+            json={"model": served, "messages": prompt.messages, "max_tokens": suite.max_new_tokens, "temperature": 0.0},
+            timeout=300,
+        )
+        response.raise_for_status()
+        return response.json()["choices"][0]["message"]["content"] or ""
 
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            answers = dict(zip((p.prompt_id for p in prompts), pool.map(answer, prompts)))
-        return suite_score(served, prompts, lambda p: answers[p.prompt_id], check)
-
-    return {label: scores(served) for label, served in models.items()}
+    with ThreadPoolExecutor(max_workers=8 * len(models)) as pool:  # every model's prompts in flight together
+        asked = {served: pool.map(partial(answer, served), prompts) for served in set(models.values())}
+        answers = {served: dict(zip((p.prompt_id for p in prompts), got)) for served, got in asked.items()}
+    return {
+        label: suite_score(served, prompts, lambda p: answers[served][p.prompt_id], check)  # noqa: B023 (used now)
+        for label, served in models.items()
+    }
 
 
 def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -677,17 +674,30 @@ def main(
                 f"scenario {task.name}: two-digit products; each user turn is a forced `calculate` call, the app "
                 "running it, and the answer the user sees (counts below are user turns)"
             )
-        exchanges = drive(
-            gateway,
-            model,
-            traffic,
-            seed=1 + 10_000 * seed,
-            concurrency=CONCURRENCY,
-            api_key=key,
-            behaviour=behaviour,
-            hostile=hostile,
-            scenario=task,
-        )
+        questions = task.questions(FRESH_PROMPTS, 999)  # fresh prompts, never seen in training
+        by_round: list[float] = []
+        measured: dict[str, float] = {}  # served name (one version's weights) -> its greedy accuracy
+
+        def greedy(served: str) -> float:
+            """``served``'s greedy accuracy on ``questions``, measured once: the scoreboard's champion and base
+            are usually a round's served model already; its prompts share vLLM's batches with a phase's traffic."""
+            if served not in measured:
+                measured[served] = _greedy_accuracy(vllm_url, served, questions, task)
+            return measured[served]
+
+        with ThreadPoolExecutor(max_workers=1) as check:
+            check.submit(greedy, cfg.serving.base_served_name)  # the base's, for the scoreboard
+            exchanges = drive(
+                gateway,
+                model,
+                traffic,
+                seed=1 + 10_000 * seed,
+                concurrency=CONCURRENCY,
+                api_key=key,
+                behaviour=behaviour,
+                hostile=hostile,
+                scenario=task,
+            )
         verdicts |= {e.trace_id: e.correct for e in exchanges}
         _say_sent(exchanges, "requests (served by the base)")
         phases: list[list[str]] = [[e.trace_id for e in exchanges if not e.hostile]]  # honest users' traces only
@@ -695,17 +705,6 @@ def main(
         canary_lines: dict[int, str] = {}
         canary_of: dict[int, tuple[str, str | None]] = {}  # round -> (version, decision)
         aucs: list[float | None] = []
-        questions = task.questions(FRESH_PROMPTS, 999)  # fresh prompts, never seen in training
-        by_round: list[float] = []
-        measured: dict[str, float] = {}  # served name (one version's weights) -> its greedy accuracy
-
-        def greedy(served: str) -> float:
-            """``served``'s greedy accuracy on ``questions``, measured once: the scoreboard's champion and base
-            are usually a round's served model already."""
-            if served not in measured:
-                measured[served] = _greedy_accuracy(vllm_url, served, questions, task)
-            return measured[served]
-
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
             record = _wait_round(api, _start_round(api, token), timeout_s=1800)
@@ -742,19 +741,21 @@ def main(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
             served_now = _served(cfg, model) or cfg.serving.base_served_name
-            by_round.append(greedy(served_now))
+            with ThreadPoolExecutor(max_workers=1) as check:
+                accuracy_now = check.submit(greedy, served_now)
+                more = drive(  # the phase after round i, served by its champion
+                    gateway,
+                    model,
+                    between,
+                    seed=200 + i + 10_000 * seed,
+                    concurrency=CONCURRENCY,
+                    api_key=key,
+                    behaviour=behaviour,
+                    hostile=hostile,
+                    scenario=task,
+                )
+                by_round.append(accuracy_now.result())
             console.print(f"greedy accuracy after round {i} ({served_now}): {by_round[-1]:.3f}")
-            more = drive(  # the phase after round i, served by its champion
-                gateway,
-                model,
-                between,
-                seed=200 + i + 10_000 * seed,
-                concurrency=CONCURRENCY,
-                api_key=key,
-                behaviour=behaviour,
-                hostile=hostile,
-                scenario=task,
-            )
             verdicts |= {e.trace_id: e.correct for e in more}
             phases.append([e.trace_id for e in more if not e.hostile])
             _say_sent(more, "more requests")
