@@ -372,6 +372,38 @@ def test_scoring_runs_each_distinct_sequence_once_and_returns_every_rows_score(t
     store.close()
 
 
+def _forward_backward(base, store, model, prompts, answers):  # noqa: ANN001, ANN202
+    """A function that runs the reward model's forward and a backward of a fixed weighting of its scores on the
+    rows, and returns the scores, the adapter's and head's gradients and the backbone forwards' input shapes."""
+    optimizer = store.activate(model.name)
+    params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
+    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
+
+    def run() -> tuple[list[float], list[torch.Tensor], list[tuple[int, int]]]:
+        seen: list[tuple[int, int]] = []
+        hook = backbone.register_forward_pre_hook(
+            lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+        )
+        try:
+            for p in params:
+                p.grad = None
+            scores = model.forward(prompts, answers)
+            (scores * torch.linspace(-1.0, 1.0, len(prompts))).sum().backward()
+        finally:
+            hook.remove()
+        return scores.tolist(), [p.grad.clone() for p in params], seen
+
+    return run
+
+
+def _assert_same_pass(shared: tuple, plain: tuple) -> None:
+    """Scores within 1e-5 and gradients within float32 rounding of the plain pass's, which moved something."""
+    assert shared[0] == pytest.approx(plain[0], abs=1e-5)
+    assert any(g.abs().max() > 1e-6 for g in plain[1])
+    for got, want in zip(shared[1], plain[1]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_rows_sharing_prompts_run_each_prompt_once_with_the_plain_passs_scores_and_gradients(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -384,33 +416,15 @@ def test_rows_sharing_prompts_run_each_prompt_once_with_the_plain_passs_scores_a
     prompts = [asked[b % 8] for b in range(32)]
     assert len({len(p) for p in asked}) > 2  # left pads between the opening and a short prompt's rest
     opening = common_prefix_length(asked)
-    optimizer = store.activate(model.name)
-    params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
-    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
-    seen: list[tuple[int, int]] = []
-    hook = backbone.register_forward_pre_hook(
-        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
-
-    def scores_and_grads() -> tuple[list[float], list[torch.Tensor]]:
-        for p in params:
-            p.grad = None
-        scores = model.forward(prompts, answers)
-        (scores * torch.linspace(-1.0, 1.0, len(prompts))).sum().backward()
-        return scores.tolist(), [p.grad.clone() for p in params]
-
-    shared_scores, shared_grads = scores_and_grads()
+    run = _forward_backward(base, store, model, prompts, answers)
+    shared = run()
     longest_answer = max(len(model._strip(c)) for c in answers)
-    assert seen == [(1, opening), (8, max(map(len, asked)) - opening), (32, longest_answer)]
+    assert shared[2] == [(1, opening), (8, max(map(len, asked)) - opening), (32, longest_answer)]
     monkeypatch.setattr("trainer.reward_model.model.MIN_PREFIX_TOKENS_SAVED", 10**9)
     monkeypatch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
-    plain_scores, plain_grads = scores_and_grads()
-    hook.remove()
-    assert seen[3:] == [(32, max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers)))]
-    assert shared_scores == pytest.approx(plain_scores, abs=1e-5)
-    assert any(g.abs().max() > 1e-6 for g in plain_grads)
-    for got, want in zip(shared_grads, plain_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    plain = run()
+    assert plain[2] == [(32, max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers)))]
+    _assert_same_pass(shared, plain)
     store.close()
 
 
@@ -506,32 +520,14 @@ def test_rows_sharing_a_prefix_run_it_once_with_the_plain_passs_scores_and_gradi
     row after it, and the scores and the adapter's and head's gradients are the plain pass's (float32)."""
     base, store, model, data = _float32_reward_model(tiny_model, 10)
     prompts, answers = [e[0] for e in data.examples], [e[1] for e in data.examples]
-    shared = common_prefix_length([list(p) + list(c) for p, c in zip(prompts, answers)])
-    assert shared >= 10  # the template's system turn and the user turn's opening
-    optimizer = store.activate(model.name)
-    params = [p for group in optimizer.param_groups for p in group["params"]] + list(model.head.parameters())
-    backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
-    seen: list[tuple[int, int]] = []
-    hook = backbone.register_forward_pre_hook(
-        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
-
-    def scores_and_grads() -> tuple[list[float], list[torch.Tensor]]:
-        for p in params:
-            p.grad = None
-        scores = model.forward(prompts, answers)
-        (scores * torch.linspace(-1.0, 1.0, len(prompts))).sum().backward()
-        return scores.tolist(), [p.grad.clone() for p in params]
-
-    shared_scores, shared_grads = scores_and_grads()
+    shared_tokens = common_prefix_length([list(p) + list(c) for p, c in zip(prompts, answers)])
+    assert shared_tokens >= 10  # the template's system turn and the user turn's opening
+    run = _forward_backward(base, store, model, prompts, answers)
+    shared = run()
     longest = max(len(p) + len(model._strip(c)) for p, c in zip(prompts, answers))
-    assert seen == [(1, shared), (10, longest - shared)]  # the prefix once, then every row's rest
+    assert shared[2] == [(1, shared_tokens), (10, longest - shared_tokens)]  # the prefix once, then every row's rest
     monkeypatch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
-    plain_scores, plain_grads = scores_and_grads()
-    hook.remove()
-    assert seen[2:] == [(10, longest)]
-    assert shared_scores == pytest.approx(plain_scores, abs=1e-5)
-    assert any(g.abs().max() > 1e-6 for g in plain_grads)
-    for got, want in zip(shared_grads, plain_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    plain = run()
+    assert plain[2] == [(10, longest)]
+    _assert_same_pass(shared, plain)
     store.close()
