@@ -686,7 +686,7 @@ def main(
             return measured[served]
 
         with ThreadPoolExecutor(max_workers=1) as check:
-            check.submit(greedy, cfg.serving.base_served_name)  # the base's, for the scoreboard
+            base_checked = check.submit(greedy, cfg.serving.base_served_name)  # the base's, for the scoreboard
             exchanges = drive(
                 gateway,
                 model,
@@ -698,6 +698,7 @@ def main(
                 hostile=hostile,
                 scenario=task,
             )
+            base_checked.result()  # its error, if any, now
         verdicts |= {e.trace_id: e.correct for e in exchanges}
         _say_sent(exchanges, "requests (served by the base)")
         phases: list[list[str]] = [[e.trace_id for e in exchanges if not e.hostile]]  # honest users' traces only
@@ -714,6 +715,7 @@ def main(
             console.print(f"round: {escape(record['reason'])}")
             _promote_oracle(api, token)
             version = str((record.get("versions") or {}).get(model) or "")
+            undecided = False  # a canary still running may retire the served model during the next phase
             if version and f"{model} v{version} on canary" in (record.get("reason") or ""):
                 ended = time.monotonic()
                 more, decided = _run_canary(
@@ -731,6 +733,7 @@ def main(
                 verdicts |= {e.trace_id: e.correct for e in more}
                 canaries[i] = [e.trace_id for e in more if not e.hostile]
                 canary_of[i] = (version, decided["decision"] if decided else None)
+                undecided = decided is None
                 canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
                 time.sleep(
                     2 * cfg.serving.reconcile_interval_s
@@ -743,6 +746,8 @@ def main(
             served_now = _served(cfg, model) or cfg.serving.base_served_name
             with ThreadPoolExecutor(max_workers=1) as check:
                 accuracy_now = check.submit(greedy, served_now)
+                if undecided:  # measured before the phase, while served_now still serves
+                    accuracy_now.result()
                 more = drive(  # the phase after round i, served by its champion
                     gateway,
                     model,

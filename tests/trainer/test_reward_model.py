@@ -428,14 +428,16 @@ def test_rows_sharing_prompts_run_each_prompt_once_with_the_plain_passs_scores_a
     store.close()
 
 
-@pytest.mark.parametrize("window", [8, 1024])
+@pytest.mark.parametrize("window", [8, 110, 1024])
 def test_a_sliding_window_reward_model_shares_an_opening_only_when_every_row_fits_its_window(
     smollm2_model: Path, tmp_path: Path, window: int
 ) -> None:
     """Gemma 3's local layers mask by distance between cache slots: the left pads between the shared opening and a
-    short prompt's rest would push opening tokens out of a window they are inside of. Rows that could reach the
-    window run each prompt once without the opening stage; rows that cannot run it. Both give the plain pass's
-    scores."""
+    short prompt's rest, and the pads after a short answer, would push opening tokens out of a window they are
+    inside of. At 110 every row fits (the longest has 101 tokens) but the longest prompt (100) and the longest
+    answer (20) do not together: each prompt runs once without the opening stage, as at 8 (a hostile pass
+    measured a score off by 0.21 when the rule read the longest row). At 1024 the opening runs once. All give the
+    plain pass's scores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.model import store as model_store
@@ -450,9 +452,9 @@ def test_a_sliding_window_reward_model_shares_an_opening_only_when_every_row_fit
     model = create_reward_model(base, store, RewardModelConfig(), None)
     g = torch.Generator().manual_seed(5)
     system = torch.randint(10, 400, (40,), generator=g).tolist()
-    asked = [system + torch.randint(10, 400, (n,), generator=g).tolist() for n in (1, 12, 2)]
+    asked = [system + torch.randint(10, 400, (n,), generator=g).tolist() for n in (60, 1, 2)]
     prompts = [asked[b % 3] for b in range(24)]
-    answers = [torch.randint(10, 400, (4,), generator=g).tolist() for _ in prompts]
+    answers = [torch.randint(10, 400, (20 if b == 1 else 1,), generator=g).tolist() for b in range(24)]
     backbone = getattr(base.model.get_base_model(), base.model.get_base_model().base_model_prefix)
     seen: list[tuple[int, int]] = []
     hook = backbone.register_forward_pre_hook(
@@ -467,10 +469,10 @@ def test_a_sliding_window_reward_model_shares_an_opening_only_when_every_row_fit
             patch.setattr("trainer.reward_model.model.worth_sharing", lambda seqs: 0)
             plain = model.forward(prompts, answers).tolist()
     hook.remove()
-    assert seen[len(shapes) :] == [(24, 56)]  # rows of up to 52 + 4 tokens, whole
+    assert seen[len(shapes) :] == [(24, 101)]  # rows of up to 100 + 1 tokens, whole
     assert shared == pytest.approx(plain, abs=1e-5)
-    # each prompt once: inside a window of 1024 after the 40-token opening; at 8 whole, left-padded
-    assert shapes == ([(1, 40), (3, 12), (24, 4)] if window == 1024 else [(3, 52), (24, 4)])
+    # each prompt once: inside a window of 1024 after the 40-token opening; else whole, left-padded
+    assert shapes == ([(1, 40), (3, 60), (24, 20)] if window == 1024 else [(3, 100), (24, 20)])
     store.close()
 
 

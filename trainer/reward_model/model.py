@@ -262,8 +262,9 @@ def last_hidden_states(
     - **prompts**: that prefix once, then each distinct prompt's rest once, left-padded ``[U, P]`` (a
       preference pair's two answers share their prompt; users ask the same question), the cache gathered to
       the rows, then every row's completion right-padded ``[B, T]``. Every row needs a prompt token and a
-      completion token. A model with sliding-window layers skips the prefix when the longest row reaches its
-      ``window``: the left pads between a short prompt's prefix and its rest would widen cache distances.
+      completion token. A model with sliding-window layers skips the prefix when the longest prompt plus the
+      longest completion reaches its ``window``: the left pads between a short prompt's prefix and its rest, and
+      the pads after a short completion, widen cache distances beyond the row's own.
 
     Each is the same causal attention over the same tokens at the same positions (equal up to float rounding;
     tested on scores and gradients). The demo's rows are 43-token prompts that open with the template's 26-token
@@ -279,7 +280,10 @@ def last_hidden_states(
     if all(prompts) and all(completions):
         owner_B, first_U = distinct_prompts(prompts)
         distinct = [prompts[b] for b in first_U]
-        prefix = worth_sharing(distinct) if window is None or longest < window else 0
+        # the opening, a short prompt's left pads and a short answer's right pads sit between a row's tokens: the
+        # farthest cache distance is the longest prompt plus the longest completion, which a sliding window bounds
+        reach = max(map(len, prompts)) + max(map(len, completions))
+        prefix = worth_sharing(distinct) if window is None or reach < window else 0
         by_prompt = prefix + len(distinct) * (max(map(len, distinct)) - prefix) + B * max(map(len, completions))
         if by_prefix - by_prompt >= MIN_PREFIX_TOKENS_SAVED:
             return _by_prompt(backbone, distinct, completions, owner_B, prefix, pad, device)
