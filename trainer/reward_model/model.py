@@ -263,8 +263,8 @@ def last_hidden_states(
       preference pair's two answers share their prompt; users ask the same question), the cache gathered to
       the rows, then every row's completion right-padded ``[B, T]``. Every row needs a prompt token and a
       completion token. A model with sliding-window layers skips the prefix when the longest prompt plus the
-      longest completion reaches its ``window``: the left pads between a short prompt's prefix and its rest, and
-      the pads after a short completion, widen cache distances beyond the row's own.
+      longest completion reaches its ``window``: the left pads between a short prompt's prefix and its rest put
+      its answer as far from the prefix, in cache slots, as if its prompt were the longest.
 
     Each is the same causal attention over the same tokens at the same positions (equal up to float rounding;
     tested on scores and gradients). The demo's rows are 43-token prompts that open with the template's 26-token
@@ -280,8 +280,8 @@ def last_hidden_states(
     if all(prompts) and all(completions):
         owner_B, first_U = distinct_prompts(prompts)
         distinct = [prompts[b] for b in first_U]
-        # the opening, a short prompt's left pads and a short answer's right pads sit between a row's tokens: the
-        # farthest cache distance is the longest prompt plus the longest completion, which a sliding window bounds
+        # a short prompt's left pads sit between the opening and its rest: its answer is as far from the opening as
+        # if its prompt were the longest, so the farthest cache distance is the longest prompt plus the longest answer
         reach = max(map(len, prompts)) + max(map(len, completions))
         prefix = worth_sharing(distinct) if window is None or reach < window else 0
         by_prompt = prefix + len(distinct) * (max(map(len, distinct)) - prefix) + B * max(map(len, completions))
