@@ -433,8 +433,7 @@ def test_a_sliding_window_reward_model_shares_an_opening_only_when_every_row_fit
     smollm2_model: Path, tmp_path: Path, window: int
 ) -> None:
     """Gemma 3's local layers mask by distance between cache slots: the left pads between the shared opening and a
-    short prompt's rest, and the pads after a short answer, would push opening tokens out of a window they are
-    inside of. At 110 every row fits (the longest has 101 tokens) but the longest prompt (100) and the longest
+    short prompt's rest would push opening tokens out of a window they are inside of. At 110 every row fits (the longest has 101 tokens) but the longest prompt (100) and the longest
     answer (20) do not together: each prompt runs once without the opening stage, as at 8 (a hostile pass
     measured a score off by 0.21 when the rule read the longest row). At 1024 the opening runs once. All give the
     plain pass's scores."""
