@@ -170,10 +170,22 @@ class CandidateConfig(Section):
         default=0.1, gt=0, description="kto: beta, the scale of the implicit reward log pi/pi_ref (TRL KTOConfig.beta)."
     )
     kto_desirable_weight: float = Field(
-        default=1.0, gt=0, description="kto: weight of the desirable (thumbs-up) examples' loss."
+        default=1.0,
+        gt=0,
+        description="kto: weight of the desirable (thumbs-up) examples' loss (with kto_balance: the desirable side "
+        "of the classes' weight x count ratio).",
     )
     kto_undesirable_weight: float = Field(
-        default=1.0, gt=0, description="kto: weight of the undesirable (thumbs-down) examples' loss."
+        default=1.0,
+        gt=0,
+        description="kto: weight of the undesirable (thumbs-down) examples' loss (with kto_balance: the undesirable "
+        "side of that ratio).",
+    )
+    kto_balance: bool = Field(
+        default=False,
+        description="kto: set the two classes' weights each round from its rows, so that weight x count of the "
+        "desirable to the undesirable examples is kto_desirable_weight : kto_undesirable_weight (the KTO paper keeps "
+        "it between 1 and 4/3); off: the weights as set, whatever the share of desirable rows.",
     )
     kto_use_corrections: bool = Field(
         default=True,

@@ -131,8 +131,10 @@ _NO_ROWS = "no logged rows with completion and reward (or correction) in the tra
 
 
 def _offline_rows(plan: CandidatePlan) -> CandidatePlan:
+    """The plan with the logged rows its algorithm can use, and its config for those rows (KTO's class weights)."""
     rows = tuple(p for p in plan.pool if plan.algorithm.usable_row(p, plan.config))
-    return CandidatePlan(plan.config, plan.algorithm, plan.reward, rows, plan.start)
+    config = plan.algorithm.for_rows(plan.config, rows, plan.reward) if rows else plan.config
+    return CandidatePlan(config, plan.algorithm, plan.reward, rows, plan.start)
 
 
 def start_dir(candidate: CandidateConfig, champions: Mapping[str, Path | None], out_dir: Path) -> Path | None:

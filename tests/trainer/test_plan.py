@@ -116,3 +116,58 @@ def test_every_algorithm_has_one_registry_entry_that_agrees_with_the_config() ->
     )
     assert {a for a, spec in ALGORITHMS.items() if not spec.online} == {Algorithm.OFFLINE_IS, Algorithm.KTO}
     assert ONE_PASS_ALGORITHMS == {Algorithm.GRPO, Algorithm.PPO_CLIP}
+
+
+def _kto(**kw) -> CandidateConfig:
+    return CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], **kw)
+
+
+def _rows(up: int, down: int, corrected: int = 0) -> list[Prompt]:
+    """``up`` rows with a positive logged reward, ``down`` with a negative one, and ``corrected`` down-voted rows
+    that also carry the user's correction (two examples each: the answer, undesirable; the correction, desirable)."""
+    rows = [_prompt(i, f"q{i}", logged_completion="a", logged_reward=0.5) for i in range(up)]
+    rows += [_prompt(100 + i, f"r{i}", logged_completion="b", logged_reward=-0.5) for i in range(down)]
+    rows += [
+        _prompt(200 + i, f"c{i}", logged_completion="c", logged_reward=-1.0, logged_correction="7")
+        for i in range(corrected)
+    ]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("up", "down", "corrected", "ratio"),
+    [(25, 75, 0, 1.0), (25, 75, 0, 4 / 3), (10, 50, 40, 1.0), (3, 97, 0, 1.0)],
+)
+def test_balanced_kto_weights_give_the_classes_the_configured_ratio_of_weight_times_count(
+    up: int, down: int, corrected: int, ratio: float
+) -> None:
+    """kto_balance: the round's usable rows set the weights, corrections counted as desirable examples; the
+    weights average 1 over the examples, and weight x count of desirable : undesirable is the configured ratio."""
+    candidate = _kto(kto_balance=True, kto_desirable_weight=ratio, kto_undesirable_weight=1.0)
+    plan = plan_round(FakeBase(), [candidate], RL, _rows(up, down, corrected), {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    weights = plan.candidates[0].config
+    n_desirable, n_undesirable = up + corrected, down + corrected
+    assert weights.kto_desirable_weight * n_desirable == pytest.approx(
+        ratio * weights.kto_undesirable_weight * n_undesirable
+    )
+    total = weights.kto_desirable_weight * n_desirable + weights.kto_undesirable_weight * n_undesirable
+    assert total == pytest.approx(n_desirable + n_undesirable)
+    assert candidate.kto_desirable_weight == ratio, "the configured candidate is not changed"
+
+
+def test_fixed_kto_weights_stay_as_set_and_a_missing_class_leaves_balanced_weights_at_one() -> None:
+    fixed = plan_round(FakeBase(), [_kto(kto_desirable_weight=8.0)], RL, _rows(25, 75), {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    assert (fixed.candidates[0].config.kto_desirable_weight, fixed.candidates[0].config.kto_undesirable_weight) == (
+        8.0,
+        1.0,
+    )
+    only_down = plan_round(
+        FakeBase(),
+        [_kto(kto_balance=True, kto_desirable_weight=8.0)],
+        RL,
+        _rows(0, 10),
+        {},
+        Path("/tmp/unused"),  # type: ignore[arg-type]
+    )
+    config = only_down.candidates[0].config
+    assert (config.kto_desirable_weight, config.kto_undesirable_weight) == (1.0, 1.0)

@@ -1,10 +1,20 @@
 """KTO on logged rows (Ethayarajh et al. 2024): the logged completion is desirable when its reward mix is > 0
 (a user correction is one more desirable example), and the loss is taken against the base with adapters
-disabled, its reference point from the batch's completions shifted by one (as TRL)."""
+disabled, its reference point from the batch's completions shifted by one (as TRL).
+
+The two classes' loss weights are the candidate's ``kto_desirable_weight`` / ``kto_undesirable_weight``, or,
+with ``kto_balance``, set once per round from its rows (:func:`balanced`): the KTO paper keeps
+``weight x count`` of desirable to undesirable examples between 1 and 4/3, and fixed weights drift from any
+ratio as the share of desirable rows moves (a better champion, corrections, sparse ratings). With noisy
+labels the ratio also decides a direction: a wrong answer like those users went on from anyway is pushed up
+as a desirable example and down as an undesirable one, and it goes down on balance only while the ratio is
+below (share of wrong answers among the undesirable examples) / (share among the desirable ones), about 1.3
+in the demo's traffic at a 5 % rating rate (98 % / 74 %), where fixed weights of 8 : 1 gave 2.7."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +27,55 @@ from trainer.model.base import ResidentBase
 from trainer.algorithms.chunks import chunked_logprobs, row_chunks
 from trainer.rewards import RewardMix
 from trainer.types import Prompt
+
+
+@dataclass(frozen=True)
+class _Example:
+    """One KTO example of a logged row: its label, and the reward mix's value (None: the user's correction)."""
+
+    desirable: bool
+    value: float | None
+
+
+def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Iterator[_Example]:
+    """The row's KTO examples: the logged completion (desirable when the reward mix is > 0) and, with
+    ``candidate.kto_use_corrections``, the user's correction (desirable).
+
+    Raises:
+        DataError: the row has neither a logged completion with a reward nor a usable correction.
+    """
+    used = False
+    if p.logged_completion is not None and p.logged_reward is not None:
+        value = reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward})
+        used = True
+        yield _Example(value > 0, value)
+    if candidate.kto_use_corrections and p.logged_correction:
+        used = True
+        yield _Example(True, None)
+    if not used:
+        raise DataError(
+            f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first"
+        )
+
+
+def balanced(candidate: CandidateConfig, rows: Sequence[Prompt], reward: RewardMix) -> CandidateConfig:
+    """``candidate`` with, under ``kto_balance``, the class weights for this round's ``rows``: ``weight x count``
+    of desirable to undesirable examples is ``kto_desirable_weight : kto_undesirable_weight``, and the weights
+    average 1 over the examples (the loss's scale is the fixed weights'). A class with no example keeps weight 1.
+    Without ``kto_balance``, ``candidate`` as it is."""
+    if not candidate.kto_balance:
+        return candidate
+    labels = [e.desirable for p in rows for e in _examples(candidate, p, reward)]
+    n_desirable, n_undesirable = sum(labels), len(labels) - sum(labels)
+    if not n_desirable or not n_undesirable:
+        return candidate.model_copy(update={"kto_desirable_weight": 1.0, "kto_undesirable_weight": 1.0})
+    share = candidate.kto_desirable_weight / (candidate.kto_desirable_weight + candidate.kto_undesirable_weight)
+    return candidate.model_copy(
+        update={
+            "kto_desirable_weight": len(labels) * share / n_desirable,
+            "kto_undesirable_weight": len(labels) * (1.0 - share) / n_undesirable,
+        }
+    )
 
 
 def kto_batch(
@@ -40,29 +99,20 @@ def kto_batch(
     versions: list[str] = []
     corrections = 0
     for p, pids in zip(prompts, prompt_ids):
-        used = False
-        if p.logged_completion is not None and p.logged_reward is not None:
-            value = reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward})
+        for example in _examples(candidate, p, reward):
             ids.append(list(pids))
-            completions.append(fit_after(base, pids, logged_ids(base, p)))
-            desirable.append(value > 0)
-            rewards.append(value)
-            versions.append(p.logged_adapter_version or "base")
-            used = True
-        if candidate.kto_use_corrections and p.logged_correction:
-            ids.append(list(pids))
-            correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [
-                base.tokenizer.eos_token_id
-            ]
-            completions.append(fit_after(base, pids, correction))
-            desirable.append(True)
-            versions.append("correction")
-            corrections += 1
-            used = True
-        if not used:
-            raise DataError(
-                f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first"
-            )
+            desirable.append(example.desirable)
+            if example.value is None:  # the user's correction
+                correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [
+                    base.tokenizer.eos_token_id
+                ]
+                completions.append(fit_after(base, pids, correction))
+                versions.append("correction")
+                corrections += 1
+            else:
+                completions.append(fit_after(base, pids, logged_ids(base, p)))
+                rewards.append(example.value)
+                versions.append(p.logged_adapter_version or "base")
     rewards_t = torch.tensor(rewards or [float("nan")], dtype=torch.float64)
     batch = Batch(
         prompt_ids=ids,
@@ -104,7 +154,11 @@ def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         undesirable_weight=x.candidate.kto_undesirable_weight,
     )
     margin_B = (policy_B - reference_B).detach()
-    metrics = {"train/kto_z0": z0.item()}
+    metrics = {
+        "train/kto_z0": z0.item(),
+        "train/kto_desirable_weight": x.candidate.kto_desirable_weight,
+        "train/kto_undesirable_weight": x.candidate.kto_undesirable_weight,
+    }
     if desirable_B.any():
         metrics["train/kto_logratio_desirable"] = margin_B[desirable_B].mean().item()
     if (~desirable_B).any():

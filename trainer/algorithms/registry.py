@@ -9,15 +9,16 @@ use. Nothing else compares algorithm names, so a new algorithm is one module and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainer.algorithms.batch import Batch, PolicyLoss, StepData
-from trainer.algorithms.kto import kto_batch, kto_policy_loss, kto_row
+from trainer.algorithms.kto import balanced, kto_batch, kto_policy_loss, kto_row
 from trainer.algorithms.losses import group_advantages
 from trainer.algorithms.offline_is import logged_with_reward, offline_batch, offline_is_loss
 from trainer.algorithms.ppo import mean_baseline, ppo_loss, rollout_builder
 from trainer.config import ALGORITHM_TRAITS, Algorithm, AlgorithmTraits, CandidateConfig
+from trainer.rewards import RewardMix
 from trainer.types import Prompt
 
 
@@ -31,6 +32,8 @@ class AlgorithmSpec:
     build_batch: Callable[[StepData], tuple[Batch, dict[str, float]]]
     policy_loss: PolicyLoss
     usable_row: Callable[[Prompt, CandidateConfig], bool]
+    for_rows: Callable[[CandidateConfig, Sequence[Prompt], RewardMix], CandidateConfig] = lambda c, rows, reward: c
+    """The candidate's config for this round's usable rows (offline algorithms; KTO: :func:`~trainer.algorithms.kto.balanced`)."""
 
     @property
     def online(self) -> bool:
@@ -63,6 +66,7 @@ ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
         lambda d: kto_batch(d.candidate, d.prompts, d.prompt_ids, d.base, d.reward),
         kto_policy_loss,
         kto_row,
+        balanced,
     ),
 }
 
