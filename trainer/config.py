@@ -205,6 +205,8 @@ class CandidateConfig(Section):
             raise ValueError(
                 f"algorithm {self.algorithm.value!r} learns from logged rewards: add a reward term with fn = 'logged'"
             )
+        if self.kto_balance and self.algorithm != Algorithm.KTO:
+            raise ValueError(f"kto_balance weighs KTO's classes; candidate {self.name!r} uses {self.algorithm.value!r}")
         return self
 
 

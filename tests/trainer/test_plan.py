@@ -171,3 +171,28 @@ def test_fixed_kto_weights_stay_as_set_and_a_missing_class_leaves_balanced_weigh
     )
     config = only_down.candidates[0].config
     assert (config.kto_desirable_weight, config.kto_undesirable_weight) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(("desirable", "undesirable"), [(1e9, 1e-9), (1e-9, 1e9), (1e17, 1.0), (1e308, 1e308)])
+def test_balanced_kto_weights_stay_positive_and_in_ratio_for_extreme_configured_weights(
+    desirable: float, undesirable: float
+) -> None:
+    candidate = _kto(kto_balance=True, kto_desirable_weight=desirable, kto_undesirable_weight=undesirable)
+    weights = plan_round(FakeBase(), [candidate], RL, _rows(25, 75), {}, Path("/tmp/unused")).candidates[0].config  # type: ignore[arg-type]
+    assert 0 < weights.kto_desirable_weight < float("inf") and 0 < weights.kto_undesirable_weight < float("inf")
+    assert weights.kto_desirable_weight * 25 / (weights.kto_undesirable_weight * 75) == pytest.approx(
+        desirable / undesirable, rel=1e-12
+    )
+
+
+def test_a_row_whose_logged_reward_is_not_finite_is_no_kto_example_and_kto_balance_needs_kto() -> None:
+    """The snapshot's reward column is a nullable float: a NaN there labels nothing (dropped from the pool, as the
+    reward model drops it), so balancing the classes does not fail the round on it."""
+    rows = _rows(2, 2) + [
+        _prompt(300 + i, f"n{i}", logged_completion="x", logged_reward=v)
+        for i, v in enumerate([float("nan"), float("inf")])
+    ]
+    plan = plan_round(FakeBase(), [_kto(kto_balance=True)], RL, rows, {}, Path("/tmp/unused"))  # type: ignore[arg-type]
+    assert sorted(p.prompt_id for p in plan.candidates[0].pool) == ["p0", "p1", "p100", "p101"]
+    with pytest.raises(ValueError, match="kto_balance weighs KTO's classes; candidate 'g' uses 'grpo'"):
+        CandidateConfig(name="g", kto_balance=True)

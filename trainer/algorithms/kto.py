@@ -69,11 +69,14 @@ def balanced(candidate: CandidateConfig, rows: Sequence[Prompt], reward: RewardM
     n_desirable, n_undesirable = sum(labels), len(labels) - sum(labels)
     if not n_desirable or not n_undesirable:
         return candidate.model_copy(update={"kto_desirable_weight": 1.0, "kto_undesirable_weight": 1.0})
-    share = candidate.kto_desirable_weight / (candidate.kto_desirable_weight + candidate.kto_undesirable_weight)
+    # each class's share of the total weight, from the configured weights scaled to at most 1 first (no overflow
+    # of their sum, and the smaller share computed directly, not as 1 minus the larger)
+    scale = max(candidate.kto_desirable_weight, candidate.kto_undesirable_weight)
+    desirable, undesirable = candidate.kto_desirable_weight / scale, candidate.kto_undesirable_weight / scale
     return candidate.model_copy(
         update={
-            "kto_desirable_weight": len(labels) * share / n_desirable,
-            "kto_undesirable_weight": len(labels) * (1.0 - share) / n_undesirable,
+            "kto_desirable_weight": len(labels) * desirable / (desirable + undesirable) / n_desirable,
+            "kto_undesirable_weight": len(labels) * undesirable / (desirable + undesirable) / n_undesirable,
         }
     )
 

@@ -4,6 +4,7 @@ truncated importance-weighted PG (Ionides 2008; V-trace's rho-bar, Espeholt et a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -84,5 +85,6 @@ def offline_is_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def logged_with_reward(p: Prompt, candidate: object) -> bool:
-    """A row offline learning can use: a logged completion and its reward."""
-    return p.logged_completion is not None and p.logged_reward is not None
+    """A row offline learning can use: a logged completion and its finite reward (a NaN in the snapshot's nullable
+    reward column is no label, as for the reward model)."""
+    return p.logged_completion is not None and p.logged_reward is not None and math.isfinite(p.logged_reward)
