@@ -33,7 +33,8 @@ class AlgorithmSpec:
     policy_loss: PolicyLoss
     usable_row: Callable[[Prompt, CandidateConfig], bool]
     for_rows: Callable[[CandidateConfig, Sequence[Prompt], RewardMix], CandidateConfig] = lambda c, rows, reward: c
-    """The candidate's config for this round's usable rows (offline algorithms; KTO: :func:`~trainer.algorithms.kto.balanced`)."""
+    """The candidate's config for this round's usable rows (offline algorithms; as configured, but KTO's
+    :func:`~trainer.algorithms.kto.balanced` class weights)."""
 
     @property
     def online(self) -> bool:
