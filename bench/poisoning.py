@@ -50,6 +50,7 @@ _CANARY = re.compile(
 )
 _TOTAL = re.compile(r"^total time (\d+) s", re.M)
 _LIVE = re.compile(r"^last phase / first phase .*rate: ([0-9.]+)x$", re.M)
+_EXPLICIT_ONLY = re.compile(r"explicit-only line \(.*?\): greedy accuracy ([0-9.]+)")
 _FORGETTING = re.compile(r"^regression suite .*; forgetting \(base - champion\) ([-+0-9.]+),", re.M)
 _LOAD = re.compile(r"^total time \d+ s on \d+ CPUs; load average \(1, 5, 15 min\) ([0-9.]+), ([0-9.]+)", re.M)
 
@@ -84,6 +85,7 @@ class Run:
     live_ratio: float | None = None  # the users' live rate, last phase / first phase
     forgetting: float | None = None  # the shipped regression suite: base - final champion
     load: str | None = None  # the 1/5-min load average the demo printed at its end
+    explicit_only: float | None = None  # greedy accuracy of the explicit-only line (same traffic; rating rate < 1)
 
     @property
     def final(self) -> float | None:
@@ -121,6 +123,8 @@ def parse(text: str) -> Run:
         run.live_ratio = float(match.group(1))
     if match := _FORGETTING.search(text):
         run.forgetting = float(match.group(1))
+    if match := _EXPLICIT_ONLY.search(text):
+        run.explicit_only = float(match.group(1))
     if match := _LOAD.search(text):
         run.load = f"{match.group(1)} / {match.group(2)}"
     return run

@@ -169,7 +169,12 @@ class RewardBuffer:
     # --- read path ----------------------------------------------------------------
 
     def snapshot(
-        self, start: datetime | None = None, end: datetime | None = None, *, now: datetime | None = None
+        self,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        *,
+        now: datetime | None = None,
+        as_of: datetime | None = None,
     ) -> pa.Table:
         """Traces with ``start <= ts < end`` from sealed segments, de-duplicated, feedback joined.
 
@@ -190,13 +195,19 @@ class RewardBuffer:
             up to one window after ``end`` and judged at ``now`` (default: the wall clock); they add to the
             reward of a trace without explicit feedback, and the ``implicit`` column holds each derived
             signal with its provenance (JSON, null when none).
+            as_of: the snapshot a round at that time could have taken (a replay of a past window): traces
+                and feedback dated after it are left out, and implicit signals are judged then (``now``).
         """
         start, end = start or _EPOCH, end or _FAR
+        if as_of is not None:
+            now, end = as_of, min(end, as_of)
         window = timedelta(seconds=self.cfg.feedback_join_window_s)
         listing = self.segments()  # the fixed list this snapshot reads
         implicit = self.cfg.implicit
         # the evidence of implicit signals: traces up to one window after the snapshot's end
         reach = shift(end, implicit.window_s) if implicit.enabled else end
+        if as_of is not None:  # no evidence from after it
+            reach = min(reach, as_of)
         traces = self._read(
             [s for s in listing if s.kind == TRACES and overlaps(s, start, reach)], TRACE_SEGMENT_SCHEMA
         )
@@ -213,6 +224,10 @@ class RewardBuffer:
         ]
         feedback = self._read(fb_segs, FEEDBACK_SEGMENT_SCHEMA)
         feedback = feedback.filter(pc.is_in(feedback["trace_id"], value_set=traces["trace_id"]))
+        if as_of is not None:
+            feedback = feedback.filter(
+                pc.less_equal(pc.cast(feedback["ts"], pa.int64()), int(as_of.timestamp() * 1000))
+            )
         by_trace: dict[str, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
         for row in feedback.select(["trace_id", "ts", "signals", "metadata"]).to_pylist():
             by_trace[row["trace_id"]].append((row["ts"], _voter(row["metadata"]), json.loads(row["signals"])))

@@ -22,7 +22,7 @@ are cached for ``CACHE_S`` seconds.
 | GET | /metrics | Prometheus exposition |
 | GET | /status | rounds, champions, ingest, buffer, next scheduled round, workers (state, restarts, last error) |
 | GET | /rounds, /rounds/{id} | round records |
-| POST | /rounds | trigger a retrain: ``{"candidates": [...], "window": "6h"}`` → 202; 409 while one runs |
+| POST | /rounds | trigger a retrain: ``{"candidates": [...], "window": "6h", "until": "<ISO time>"}`` → 202; 409 while one runs |
 | POST | /rounds/{id}/cancel | stop the running round at its next boundary (training steps, evaluation batches, phases); 409 once it registers |
 | POST | /promote | ``{"model": ..., "version": "3"}`` move ``@champion`` |
 | POST | /rollback | ``{"model": ..., "to": null}`` back to the previous champion |
@@ -44,7 +44,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.api_errors import registry_call as _registry_call
@@ -81,6 +81,13 @@ class TtlCache:
             return value
 
 
+def _iso_text(value: object) -> object:
+    """A time as ISO 8601 text only: pydantic reads a bare number as seconds since 1970."""
+    if not isinstance(value, str):
+        raise ValueError("a time is ISO 8601 text with a time zone, e.g. 2026-12-06T14:00:00Z")
+    return value
+
+
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     candidates: list[str] | None = Field(
@@ -92,6 +99,11 @@ class RetrainRequest(BaseModel):
         default=None,
         pattern=r"^[0-9]{1,6}[smhd]$",  # ASCII digits only: the regex engine's \d also matches "٣"
         description="Data window, e.g. 6h; rl.window when omitted.",
+    )
+    until: Annotated[AwareDatetime, BeforeValidator(_iso_text)] | None = Field(
+        default=None,
+        description="Replay: train on the window that ended at this past time (ISO 8601 with a time zone, e.g. "
+        "2026-12-06T14:00:00Z) instead of the one ending now: nothing dated after it, implicit signals judged then.",
     )
 
 
@@ -178,7 +190,7 @@ def create_api(service: OpsService) -> FastAPI:
     @app.post("/rounds", status_code=202)
     def retrain(body: RetrainRequest) -> dict[str, Any]:
         try:
-            return service.runner.start("api", body.candidates, body.window).as_dict()
+            return service.runner.start("api", body.candidates, body.window, body.until).as_dict()
         except RoundInProgressError as err:
             raise HTTPException(409, str(err)) from err
         except ValueError as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import datetime
 from typing import Annotated, Any
 
 import httpx
@@ -95,7 +96,8 @@ def _round_table(records: list[dict[str, Any]]) -> Table:
         table.add_row(  # every cell as text: a record edited by hand may hold markup or other types
             *(escape(str(r.get(key, ""))) for key in ("round_id", "state", "trigger")),
             escape(",".join(f"{c} (sat out)" if c in skipped else c for c in names)),
-            *(escape(str(r.get(key, ""))) for key in ("window", "created_at")),
+            escape(str(r.get("window", "")) + (f" until {r['until']}" if r.get("until") else "")),
+            escape(str(r.get("created_at", ""))),
             escape(str(r.get("reason", ""))[:80]),
         )
     return table
@@ -116,6 +118,13 @@ def register(app: typer.Typer, load) -> None:
         config: ConfigOpt = None,
         candidates: Annotated[str | None, typer.Option(help="Comma-separated subset of candidates.")] = None,
         window: Annotated[str | None, typer.Option(help="Data window, e.g. 6h (default: rl.window).")] = None,
+        until: Annotated[
+            str | None,
+            typer.Option(
+                help="Replay the window that ended at this past time (ISO 8601 with a time zone, e.g. "
+                "2026-12-06T14:00:00Z) instead of the one ending now."
+            ),
+        ] = None,
         wait: Annotated[bool, typer.Option("--wait", help="Follow the round until it ends.")] = False,
         as_json: JsonOpt = False,
     ) -> None:
@@ -125,8 +134,14 @@ def register(app: typer.Typer, load) -> None:
             names = [name.strip() for name in candidates.split(",") if name.strip()]
             if not names:
                 _fail(f"--candidates {candidates!r} names no candidate; leave the option out to train every candidate")
+        if until is not None:  # refused here, before any call: the API would refuse it too (422)
+            try:
+                if datetime.fromisoformat(until.replace("Z", "+00:00")).tzinfo is None:
+                    _fail(f"--until {until!r} has no time zone; give one, e.g. 2026-12-06T14:00:00Z")
+            except ValueError:
+                _fail(f"--until {until[:60]!r} is not an ISO 8601 time, e.g. 2026-12-06T14:00:00Z")
         client = ApiClient(load(config))
-        body = {"candidates": names, "window": window}
+        body = {"candidates": names, "window": window, "until": until}
         record = client.call("POST", "/rounds", mutate=True, json=body)
         if not wait:
             if not _out(record, as_json):

@@ -90,6 +90,22 @@ def gains_line(base: float, champion: float | None, oracle: float | None = None)
     return line
 
 
+def explicit_only_line(
+    base: float, champion: float | None, explicit: float, served: str | None, rating_rate: float, rounds: int
+) -> str:
+    """The explicit-only line beside the champion (:mod:`pipeline.demo.replay`): its greedy accuracy, gain over the
+    base, and what the implicit signals added (the champion's gain minus its; the base's accuracy for a champion
+    that never replaced the base)."""
+    who = f"its champion {served}" if served else "no version promoted: the base"
+    with_implicit = champion if champion is not None else base
+    return (
+        f"explicit-only line (the same traffic, its {rating_rate:.0%} explicit ratings alone, {rounds} round(s) "
+        f"replayed): greedy accuracy {explicit:.3f} ({who}), gain over the base {explicit - base:+.3f}; with the "
+        f"implicit signals {with_implicit:.3f}, gain {with_implicit - base:+.3f}: the implicit signals add "
+        f"{with_implicit - explicit:+.3f}"
+    )
+
+
 def plot_live_rates(rates: Sequence[LiveRate], out: Path) -> None:
     """Live thumbs-up rate by phase (phase i = traffic after round i) as a PNG."""
     import matplotlib

@@ -26,7 +26,10 @@ model learns from what its users say, and nothing else.
    the base (with the oracle: its accuracy and gain too, no ratio: it is a
    reference, not an upper bound); the shipped regression suite's greedy score
    for the base and the final champion (forgetting = base - champion; target
-   <= 0.05); a plot of the live rate.
+   <= 0.05); a plot of the live rate;
+7. below a rating rate of 1, the explicit-only line (:mod:`pipeline.demo.replay`): the run's rounds replayed
+   on the same traffic with the implicit signals off, by a second service process with its own served model,
+   and its final greedy accuracy printed beside the champion's, so what the implicit signals add is measured.
 
 With ``--scenario calculator`` the users ask two-digit products through an app with a ``calculate`` tool
 (:data:`pipeline.demo.traffic.CALCULATOR`): the same recipe, stack and scoreboard, with vLLM serving the ChatML
@@ -54,7 +57,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -62,6 +64,7 @@ from collections import Counter
 from collections.abc import Sequence
 from enum import Enum
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,7 +75,6 @@ from openai import OpenAI
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from pipeline import stack
 from pipeline.cli.main import base_model_dir
@@ -81,12 +83,15 @@ from pipeline.config import HourglassConfig
 from pipeline.demo.board import (
     LiveRate,
     SuiteScore,
+    explicit_only_line,
     forgetting_line,
     gains_line,
     live_rates,
     plot_live_rates,
     suite_score,
 )
+from pipeline.demo.replay import LiveRound, replay_explicit_only
+from pipeline.demo.ops import get, promote_by_hand, served_name, spawn, start_round, wait_http, wait_round
 from pipeline.demo.traffic import (
     ARITHMETIC,
     SCENARIOS,
@@ -107,61 +112,6 @@ console = Console(soft_wrap=True)
 FRESH_PROMPTS = 48  # greedy accuracy is measured on this many fresh prompts (seed 999, never trained on)
 ORACLE_MODEL = "hourglass-oracle"  # the oracle recipe's own served model (deploy/demo.toml)
 CONCURRENCY = 8  # requests in flight at once, so vLLM batches them
-
-
-@retry(retry=retry_if_exception_type(httpx.HTTPError), wait=wait_fixed(5), stop=stop_after_delay(300), reraise=True)
-def _get(url: str, **params: Any) -> Any:
-    """GET a JSON view of the ops API; retried for up to 5 min (tenacity): under load, a round's
-    training can keep the service from answering within the timeout."""
-    response = httpx.get(url, params=params or None, timeout=30)
-    response.raise_for_status()
-    return response.json()
-
-
-def _spawn(name: str, args: list[str], cfg: HourglassConfig, config: Path) -> subprocess.Popen[bytes]:
-    log = (stack.run_dir(cfg.state_dir) / f"{name}.log").open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", *args, "--config", str(config)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _wait_http(url: str, what: str, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with code {proc.returncode}; see its log under .hourglass/run/")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{what} did not answer {url} within {timeout_s:.0f}s")
-
-
-def _start_round(api: str, token: str) -> str:
-    """Start a round through the ops API (``POST /rounds``); returns its id."""
-    response = httpx.post(f"{api}/rounds", json={}, headers={"authorization": f"Bearer {token}"}, timeout=120)
-    response.raise_for_status()
-    return response.json()["round_id"]
-
-
-def _wait_round(api: str, round_id: str, timeout_s: float) -> dict[str, Any]:
-    """The round ``round_id`` once it has ended, its state changes printed as they come."""
-    deadline = time.monotonic() + timeout_s
-    shown = None
-    while time.monotonic() < deadline:
-        record = _get(f"{api}/rounds/{round_id}")
-        if record["state"] != shown:
-            console.print(f"  [dim]{time.strftime('%H:%M:%S')} round {round_id}: {record['state']}[/]")
-            shown = record["state"]
-        if record["state"] in ("done", "no_winner", "failed", "cancelled"):
-            return record
-        time.sleep(3)
-    raise SystemExit(f"round {round_id} did not end within {timeout_s:.0f}s")
 
 
 def _greedy_accuracy(
@@ -219,7 +169,7 @@ def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 
     """The service's serving status for ``model`` once it serves ``version`` (hot-loads run after the round ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        serving = _get(f"{api}/status").get("serving", {}).get(model, {})
+        serving = get(f"{api}/status").get("serving", {}).get(model, {})
         if version is None or str(serving.get("serving")) == version or time.monotonic() > deadline:
             return serving
         time.sleep(0.5)
@@ -227,7 +177,7 @@ def _wait_serving(api: str, model: str, version: str | None, timeout_s: float = 
 
 def _canary_look(api: str, model: str) -> dict[str, Any]:
     """The service's last canary look at ``model`` (``/status``: ``canary`` = running, ``last_canary`` = last decided)."""
-    return _get(f"{api}/status").get("canary", {}).get(model) or {}
+    return get(f"{api}/status").get("canary", {}).get(model) or {}
 
 
 def _sides(view: dict[str, Any]) -> str:
@@ -337,19 +287,11 @@ ORACLE_REASON = "the oracle serves no users, so no live evidence can decide its 
 
 
 def _promote_oracle(api: str, token: str) -> None:
-    """The oracle serves no users, so its canary would never decide: promote its challenger by hand (ops API),
-    its first winner too (no champion: its canary would compare it with the base, on no traffic either), with
-    :data:`ORACLE_REASON` recorded on the version (``hourglass.canary_result``)."""
-    look = _get(f"{api}/canary").get(ORACLE_MODEL) or {}
-    if look.get("canary"):
-        httpx.post(
-            f"{api}/canary/{ORACLE_MODEL}/promote",
-            params={"reason": ORACLE_REASON},
-            headers={"authorization": f"Bearer {token}"},
-            timeout=120,
-        ).raise_for_status()
+    """The oracle serves no users: its challenger is promoted by hand (:func:`pipeline.demo.ops.promote_by_hand`)."""
+    version = promote_by_hand(api, token, ORACLE_MODEL, ORACLE_REASON)
+    if version is not None:
         console.print(
-            f"{ORACLE_MODEL} v{look['canary']['version']} promoted by hand (a reference for the scoreboard, it serves no users)"
+            f"{ORACLE_MODEL} v{version} promoted by hand (a reference for the scoreboard, it serves no users)"
         )
 
 
@@ -546,14 +488,6 @@ def _fresh_state(cfg: HourglassConfig) -> None:
     (state / DEMO_MARKER).write_text("made by python -m pipeline.demo; removed by its next run\n")
 
 
-def _served(cfg: HourglassConfig, served_model: str) -> str | None:
-    """The vLLM model name that serves ``served_model`` now (its route in ``routes.json``), None while no
-    version does (the base serves it, or nothing does)."""
-    routes_file = cfg.resolve(cfg.state_dir) / "routes.json"
-    route = (json.loads(routes_file.read_text()) if routes_file.exists() else {}).get(served_model, {})
-    return route.get("served_name") if route.get("served_name") and route.get("version") else None
-
-
 def main(
     config: Annotated[Path, typer.Option("--config", "-c")] = Path("deploy/demo.toml"),
     rounds: Annotated[int, typer.Option(min=1, help="Rounds to run.")] = 4,
@@ -598,6 +532,13 @@ def main(
         ScenarioName,
         typer.Option(help="arithmetic: one-digit additions; calculator: two-digit products through a calculator tool."),
     ] = ScenarioName.arithmetic,
+    explicit_line: Annotated[
+        bool,
+        typer.Option(
+            help="Below a rating rate of 1: after the scoreboard, replay the run's rounds on the same traffic with "
+            "the implicit signals off, and print that explicit-only line's greedy accuracy beside the champion's.",
+        ),
+    ] = True,
     seed: Annotated[
         int,
         typer.Option(
@@ -659,12 +600,12 @@ def main(
             "the greedy accuracy count honest users only; the reward model's AUC includes the hostile votes."
         )
     procs = {
-        "service": _spawn("service", ["service"], cfg, config),
-        "gateway": _spawn("gateway", ["gateway"], cfg, config),
+        "service": spawn("service", ["service"], cfg, config),
+        "gateway": spawn("gateway", ["gateway"], cfg, config),
     }
     try:
-        _wait_http(f"{api}/healthz", "the service", procs["service"])
-        _wait_http(f"{gateway}/healthz", "the gateway", procs["gateway"])
+        wait_http(f"{api}/healthz", "the service", procs["service"])
+        wait_http(f"{gateway}/healthz", "the gateway", procs["gateway"])
         token = api_token(cfg)  # the ops API's token (written by the service at start)
         console.print(f"service (ops API) on {api}, gateway on {gateway}; status page: {api}/")
 
@@ -676,6 +617,7 @@ def main(
             )
         questions = task.questions(FRESH_PROMPTS, 999)  # fresh prompts, never seen in training
         by_round: list[float] = []
+        live_rounds: list[LiveRound] = []  # for the explicit-only line's replay
         measured: dict[str, float] = {}  # served name (one version's weights) -> its greedy accuracy
 
         def greedy(served: str) -> float:
@@ -708,9 +650,12 @@ def main(
         aucs: list[float | None] = []
         for i in range(1, rounds + 1):
             console.rule(f"3.{i} round {i}")
-            record = _wait_round(api, _start_round(api, token), timeout_s=1800)
+            started_at = datetime.now(timezone.utc)  # the phase's traffic is in: the window a replay reads ends here
+            record = wait_round(api, start_round(api, token), timeout_s=1800)
+            rows = (record.get("metrics") or {}).get("data/rows")
+            live_rounds.append(LiveRound(started_at, int(rows) if rows is not None else None))
             sent = len(verdicts)  # every trace sent so far, hostile ones included
-            _print_round(record, sent, _get(f"{api}/buffer/stats"), hostile=hostile is not None)
+            _print_round(record, sent, get(f"{api}/buffer/stats"), hostile=hostile is not None)
             aucs.append((record.get("metrics") or {}).get("reward_model/auc"))
             console.print(f"round: {escape(record['reason'])}")
             _promote_oracle(api, token)
@@ -743,7 +688,7 @@ def main(
             console.print(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"
             )
-            served_now = _served(cfg, model) or cfg.serving.base_served_name
+            served_now = served_name(cfg, model) or cfg.serving.base_served_name
             with ThreadPoolExecutor(max_workers=1) as check:
                 accuracy_now = check.submit(greedy, served_now)
                 if undecided:  # measured before the phase, while served_now still serves
@@ -803,6 +748,17 @@ def main(
         for exchange in drive(gateway, model, 3, seed=2024, concurrency=1, api_key=key, scenario=task):
             console.print(
                 f"Q: {exchange.question}\nA: {exchange.answer!r}  ({'right' if exchange.correct else 'wrong'}, trace {exchange.trace_id})"
+            )
+        if behaviour.conversational and explicit_line:
+            console.rule("5. the explicit-only line: the same traffic, its explicit ratings alone")
+            stack.stop_group(procs.pop("service").pid)  # the replay's service takes the ops API's port
+            names = [c.name for c in cfg.candidates if c.served_model == model]
+            replayed, final = replay_explicit_only(cfg, config, live_rounds, names, procs)
+            explicit = greedy(final or cfg.serving.base_served_name)
+            console.print(
+                explicit_only_line(
+                    next(iter(accuracy.values())), gains["champion"], explicit, final, rating_rate, len(replayed)
+                )
             )
         plot = cfg.resolve(cfg.state_dir) / "demo-live-thumbs-up.png"
         plot_live_rates(rates, plot)

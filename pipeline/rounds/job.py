@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -70,6 +71,26 @@ REWARD_MODEL_AUC = Gauge(
     "hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined)."
 )
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
+
+
+def check_until(until: datetime, span: timedelta) -> None:
+    """Refuse an ``until`` a round cannot replay: without a time zone, in the future, or so early that its
+    window (``span`` long) would start before year 1.
+
+    Raises:
+        ValueError: naming ``until`` and what is wrong with it.
+    """
+    if until.tzinfo is None or until.utcoffset() is None:
+        raise ValueError(f"until {until.isoformat()!r} has no time zone; give one, e.g. 2026-12-06T14:00:00Z")
+    try:
+        utc = until.astimezone(timezone.utc)
+        utc - span
+    except OverflowError:
+        raise ValueError(
+            f"until {until.isoformat()!r}: it or its window's start lies outside years 1 to 9999"
+        ) from None
+    if utc > datetime.now(timezone.utc):
+        raise ValueError(f"until {until.isoformat()!r} is in the future; a round replays a window that has ended")
 
 
 class RoundCancelled(Exception):
@@ -115,13 +136,13 @@ class RoundRunner:
         self._step(record, RoundState.SNAPSHOT)
         self._start_trainers(record)
         record.metrics["data/buffer_trace_rows"] = self.steps.buffer_rows()  # for schedule.min_new_traces
-        table, data_metrics = self.steps.snapshot(record.window)
+        until = datetime.fromisoformat(record.until) if record.until else None
+        table, data_metrics = self.steps.snapshot(record.window, until=until)
         record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})
         if table.num_rows < 2:
+            where = f"the {record.window} until {record.until}" if record.until else f"the last {record.window}"
             self.store.advance(
-                record,
-                RoundState.NO_WINNER,
-                f"only {table.num_rows} row(s) in the last {record.window}; nothing to learn from",
+                record, RoundState.NO_WINNER, f"only {table.num_rows} row(s) in {where}; nothing to learn from"
             )
             return
 
@@ -163,20 +184,34 @@ class RoundRunner:
 
     # public API -----------------------------------------------------------------
 
-    def start(self, trigger: str, candidates: list[str] | None = None, window: str | None = None) -> RoundRecord:
+    def start(
+        self,
+        trigger: str,
+        candidates: list[str] | None = None,
+        window: str | None = None,
+        until: datetime | None = None,
+    ) -> RoundRecord:
         """Start a round in a background thread and return its record.
+
+        ``until``: train on the ``window`` that ended then (a replay of a past window, e.g. to learn what
+        another recipe would have made of the same traffic) instead of the one ending now. The snapshot leaves
+        out every trace and feedback event dated after ``until`` and judges implicit signals then; what was
+        dated before it but ingested later is in it (a live round then had not seen it yet).
 
         Raises:
             RoundInProgressError: a round is running (here or in another process).
-            ValueError: an unknown candidate name or a malformed window.
+            ValueError: an unknown candidate name, a malformed window, or ``until`` without a time zone, in
+                the future or so early that the window would start before year 1.
         """
         names = self._select(candidates)
         window = window or self.cfg.rl.window
-        parse_window(window)
+        span = parse_window(window)
+        if until is not None:
+            check_until(until, span)
         round_id = self.store.new_round_id()
         self.lock.acquire(round_id)  # refused (RoundInProgressError) before any record is written
         try:
-            record = self.store.create(trigger, names, window, round_id=round_id)
+            record = self.store.create(trigger, names, window, round_id=round_id, until=until)
         except BaseException:
             self.lock.release()
             raise
@@ -189,9 +224,15 @@ class RoundRunner:
         self._thread.start()
         return record
 
-    def run(self, trigger: str, candidates: list[str] | None = None, window: str | None = None) -> RoundRecord:
+    def run(
+        self,
+        trigger: str,
+        candidates: list[str] | None = None,
+        window: str | None = None,
+        until: datetime | None = None,
+    ) -> RoundRecord:
         """Run a round in the calling thread; returns the final record."""
-        record = self.start(trigger, candidates, window)
+        record = self.start(trigger, candidates, window, until)
         self.wait()
         return self.store.get(record.round_id)
 

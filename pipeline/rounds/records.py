@@ -154,6 +154,7 @@ class RoundRecord:
     decisions: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # candidates that sat the round out -> why
+    until: str | None = None  # the window's end (ISO 8601, UTC) for a replay of a past window; None: the round's start
 
     def __post_init__(self) -> None:
         self.state = RoundState.parse(self.state)
@@ -203,10 +204,27 @@ class RoundStore:
         """``r<UTC time>-<6 hex>``: sorts by start time, unique across processes."""
         return f"r{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
-    def create(self, trigger: str, candidates: list[str], window: str, round_id: str | None = None) -> RoundRecord:
-        """Persist a new ``pending`` round (``round_id`` defaults to :meth:`new_round_id`)."""
+    def create(
+        self,
+        trigger: str,
+        candidates: list[str],
+        window: str,
+        round_id: str | None = None,
+        until: datetime | None = None,
+    ) -> RoundRecord:
+        """Persist a new ``pending`` round (``round_id`` defaults to :meth:`new_round_id`; ``until``: the end of a
+        past window to replay, see :meth:`RoundRecord.until`)."""
         now = _now()
-        record = RoundRecord(round_id or self.new_round_id(), RoundState.PENDING, trigger, candidates, window, now, now)
+        record = RoundRecord(
+            round_id or self.new_round_id(),
+            RoundState.PENDING,
+            trigger,
+            candidates,
+            window,
+            now,
+            now,
+            until=until.astimezone(timezone.utc).isoformat() if until is not None else None,
+        )
         with self.engine.begin() as conn:
             conn.execute(
                 _rounds.insert().values(

@@ -49,8 +49,9 @@ class RoundSteps(Protocol):
         """Trace rows in the whole buffer now (recorded for ``schedule.min_new_traces``)."""
         ...
 
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
-        """``snapshot``: the buffer's sealed rows of the last ``window`` and ``data/...`` metrics."""
+    def snapshot(self, window: str, until: datetime | None = None) -> tuple[pa.Table, dict[str, Any]]:
+        """``snapshot``: the buffer's sealed rows of the last ``window`` (ending ``until``, else now) and
+        ``data/...`` metrics."""
         ...
 
     def train_and_evaluate(self, record: RoundRecord, table: pa.Table, on_phase: PhaseHook) -> RoundResult:
@@ -110,13 +111,15 @@ class LiveSteps:
 
         return RewardBuffer(self.cfg.buffer).stats().trace_rows
 
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
-        """Sealed buffer rows of the last ``window`` (a consistent snapshot)."""
+    def snapshot(self, window: str, until: datetime | None = None) -> tuple[pa.Table, dict[str, Any]]:
+        """Sealed buffer rows of the last ``window`` (a consistent snapshot); with ``until``, of the window that
+        ended then, as a round at that time could have taken it: no trace, feedback or implicit evidence dated
+        after ``until``, and the signals judged then."""
         from connectors.buffer import RewardBuffer
 
-        end = datetime.now(timezone.utc)
+        end = until or datetime.now(timezone.utc)
         start = end - parse_window(window)
-        table = RewardBuffer(self.cfg.buffer).snapshot(start, end)
+        table = RewardBuffer(self.cfg.buffer).snapshot(start, end, as_of=until)
         return table, {
             "data/rows": table.num_rows,
             "data/window_start": start.isoformat(),

@@ -64,5 +64,5 @@ class FixedSnapshot(LiveSteps):
     def buffer_rows(self) -> int:
         return self.table.num_rows
 
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
+    def snapshot(self, window: str, until: Any = None) -> tuple[pa.Table, dict[str, Any]]:
         return self.table, {"data/rows": self.table.num_rows}

@@ -103,6 +103,37 @@ def test_bad_retrain_requests_are_refused_with_reasons(client: TestClient, servi
 
 
 @pytest.mark.parametrize(
+    ("until", "complaint"),
+    [
+        ("9999-12-31T23:59:59+14:00", "in the future"),
+        ("2999-01-01T00:00:00Z", "in the future"),
+        ("0001-01-01T10:00:00+14:00", "outside years 1 to 9999"),  # 0000-12-31 in UTC: was an OverflowError
+        ("0001-01-01T00:00:00Z", "outside years 1 to 9999"),  # the window (6h) would start before year 1
+    ],
+)
+def test_a_replay_of_a_window_that_has_not_ended_or_cannot_exist_is_refused(
+    client: TestClient, service: HourglassService, until: str, complaint: str
+) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}"}
+    response = client.post("/rounds", json={"window": "6h", "until": until}, headers=auth)
+    assert response.status_code == 422, response.text
+    assert "until" in response.json()["detail"] and complaint in response.json()["detail"]
+    assert service.runner.current is None and service.store.list() == []
+
+
+def test_a_replay_round_reads_the_window_that_ended_then(client: TestClient, service: HourglassService) -> None:
+    auth = {"Authorization": f"Bearer {service.api_token}"}
+    response = client.post("/rounds", json={"window": "2h", "until": "2026-01-05T08:30:00+01:00"}, headers=auth)
+    assert response.status_code == 202, response.text
+    assert response.json()["until"] == "2026-01-05T07:30:00+00:00"  # kept in UTC
+    assert service.runner.wait(60)
+    record = client.get(f"/rounds/{response.json()['round_id']}").json()
+    assert record["state"] == "no_winner"
+    assert "in the 2h until 2026-01-05T07:30:00+00:00" in record["reason"]  # the empty buffer of that window
+    assert record["metrics"]["data/rows"] == 0
+
+
+@pytest.mark.parametrize(
     ("path", "body"),
     [("/promote", {"version": "99999999999999999999"}), ("/promote", {"version": "1"}), ("/rollback", {})],
 )
@@ -209,6 +240,10 @@ def test_basic_credentials_read_the_page_but_never_change_state(tmp_path: Path) 
         ("/rollback", {"model": ""}, "model"),  # acted on the default model
         ("/rollback", {"to": "²"}, "to"),
         ("/rollback", {"model": "x" * 300}, "model"),
+        ("/rounds", {"until": "2026-12-06T14:00:00"}, "until"),  # no time zone: whose 14:00?
+        ("/rounds", {"until": 0}, "until"),  # a bare number was seconds since 1970
+        ("/rounds", {"until": "yesterday"}, "until"),
+        ("/rounds", {"until": "2026-12-06"}, "until"),
     ],
 )
 def test_numbers_are_ascii_digits_and_names_are_not_empty(

@@ -24,7 +24,7 @@ class _BufferDown:
     def buffer_rows(self) -> int:
         return 0
 
-    def snapshot(self, window: str):
+    def snapshot(self, window: str, until=None):
         raise OSError("buffer unreachable")
 
     def unload(self, round_id: str, candidates: list[str]) -> dict:

@@ -54,7 +54,7 @@ class HeldSteps:
     def buffer_rows(self) -> int:
         return 0
 
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
+    def snapshot(self, window: str, until: Any = None) -> tuple[pa.Table, dict[str, Any]]:
         self.release.wait(600)
         return pa.table({"trace_id": ["a", "b"]}), {}
 

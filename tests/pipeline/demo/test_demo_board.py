@@ -40,6 +40,44 @@ def test_the_gains_line_gives_both_gains_and_no_ratio() -> None:
     assert gains_line(0.083, None).endswith("champion +0.000 (none promoted: the base still serves)")
 
 
+def test_the_explicit_only_line_says_what_the_implicit_signals_added() -> None:
+    from pipeline.demo.board import explicit_only_line
+
+    line = explicit_only_line(0.083, 0.396, 0.125, "hourglass-explicit-v2", 0.05, 3)
+    assert "its 5% explicit ratings alone, 3 round(s) replayed" in line
+    assert "greedy accuracy 0.125 (its champion hourglass-explicit-v2), gain over the base +0.042" in line
+    assert "with the implicit signals 0.396, gain +0.313: the implicit signals add +0.271" in line
+    # neither line promoted anything: both are the base, and nothing was added
+    none = explicit_only_line(0.083, None, 0.083, None, 0.05, 3)
+    assert "(no version promoted: the base)" in none and none.endswith("the implicit signals add +0.000")
+
+
+def test_the_replay_service_has_its_own_state_model_and_experiment_and_no_implicit_signals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explicit-only line must not share the live line's champion, reward model or registry entries (it would
+    start from what the implicit signals taught), and its snapshots must carry no implicit label; the rest of the
+    recipe is the demo's."""
+    from pipeline.config import load_config
+    from pipeline.demo.replay import EXPLICIT_MODEL, replay_settings
+
+    demo = REPO / "deploy" / "demo.toml"
+    cfg = load_config(demo).model_copy(update={"state_dir": str(tmp_path / "demo")})
+    for name, value in replay_settings(cfg).items():  # what the replay's service process reads
+        monkeypatch.setenv(name, value)
+    replay = load_config(demo)
+    assert replay.resolve(replay.state_dir) == tmp_path / "demo" / "explicit-only"
+    assert replay.serving.model_name == EXPLICIT_MODEL != cfg.serving.model_name
+    assert {c.served_model for c in replay.candidates} == {EXPLICIT_MODEL}  # the oracle block is commented out
+    assert replay.registry.experiment == "hourglass-demo-explicit-only" != cfg.registry.experiment
+    assert replay.buffer.implicit.enabled is False and cfg.buffer.implicit.enabled is True
+    assert replay.buffer.root == cfg.buffer.root  # the same traffic
+    assert [c.model_dump() | {"served_model": ""} for c in replay.candidates] == [
+        c.model_dump() | {"served_model": ""} for c in cfg.candidates
+    ]
+    assert replay.rl == cfg.rl
+
+
 def test_oracle_reward_is_the_users_check() -> None:
     cases = [
         ("13", "13"),
@@ -196,15 +234,17 @@ def test_a_first_canary_is_shown_against_the_base_and_the_oracle_is_promoted_by_
         def raise_for_status(self) -> None:
             pass
 
+    from pipeline.demo import ops
+
     monkeypatch.setattr(
-        demo, "_get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": {"version": "1", "control": "base"}}}
+        ops, "get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": {"version": "1", "control": "base"}}}
     )
     monkeypatch.setattr(httpx, "post", lambda url, **kw: posted.append((url, kw)) or Answer())
     demo._promote_oracle("http://api", "tok")
     [(url, kw)] = posted
     assert url == f"http://api/canary/{demo.ORACLE_MODEL}/promote" and kw["params"] == {"reason": demo.ORACLE_REASON}
     assert kw["headers"] == {"authorization": "Bearer tok"}
-    monkeypatch.setattr(demo, "_get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": None}})
+    monkeypatch.setattr(ops, "get", lambda url, **_: {demo.ORACLE_MODEL: {"canary": None}})
     demo._promote_oracle("http://api", "tok")
     assert len(posted) == 1  # nothing on canary: nothing to promote
 

@@ -19,6 +19,16 @@ def test_reads_the_live_rate_ratio_forgetting_and_load_lines() -> None:
     assert run.forgetting == 0.016 and run.load == "3.0 / 2.9" and run.total_s == 1530
 
 
+def test_reads_the_explicit_only_line_the_scoreboard_printed() -> None:
+    from pipeline.demo.board import explicit_only_line
+
+    run = parse(explicit_only_line(0.083, 0.396, 0.125, "hourglass-explicit-v2", 0.05, 3) + "\n")
+    assert run.explicit_only == 0.125
+    columns, rows, _ = table([(1, 0, run, 60.0, "-")])
+    assert rows[0][columns.index("explicit-only line (same traffic)")] == "0.125"
+    assert parse("").explicit_only is None
+
+
 def test_median_spread_and_target() -> None:
     promoted = Canary(1, "1", (20, 40), "base", (10, 40), "PROMOTED")
     runs = [Run(accuracy=[0.3, a], canaries=[promoted]) for a in (0.5, 0.7, 0.65)]

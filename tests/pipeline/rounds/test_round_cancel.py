@@ -63,7 +63,7 @@ class FakeRound(LiveSteps):
     def buffer_rows(self) -> int:
         return 10
 
-    def snapshot(self, window):
+    def snapshot(self, window, until=None):
         return pa.table({"x": list(range(10))}), {"data/rows": 10}
 
     def unload(self, round_id, candidates):

@@ -77,7 +77,7 @@ class FakeSteps:
     def buffer_rows(self) -> int:
         return self.rows
 
-    def snapshot(self, window: str) -> tuple[pa.Table, dict[str, Any]]:
+    def snapshot(self, window: str, until: Any = None) -> tuple[pa.Table, dict[str, Any]]:
         self._at("snapshot")
         return pa.table({"x": list(range(self.rows))}), {"data/rows": self.rows}
 
