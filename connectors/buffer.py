@@ -200,6 +200,8 @@ class RewardBuffer:
         """
         start, end = start or _EPOCH, end or _FAR
         if as_of is not None:
+            if as_of.tzinfo is None:
+                raise ValueError(f"as_of {as_of.isoformat()} has no time zone")
             now, end = as_of, min(end, as_of)
         window = timedelta(seconds=self.cfg.feedback_join_window_s)
         listing = self.segments()  # the fixed list this snapshot reads
@@ -225,9 +227,7 @@ class RewardBuffer:
         feedback = self._read(fb_segs, FEEDBACK_SEGMENT_SCHEMA)
         feedback = feedback.filter(pc.is_in(feedback["trace_id"], value_set=traces["trace_id"]))
         if as_of is not None:
-            feedback = feedback.filter(
-                pc.less_equal(pc.cast(feedback["ts"], pa.int64()), int(as_of.timestamp() * 1000))
-            )
+            feedback = feedback.filter(pc.less_equal(pc.cast(feedback["ts"], pa.int64()), _ms(as_of)))
         by_trace: dict[str, list[tuple[datetime, str, dict[str, Any]]]] = defaultdict(list)
         for row in feedback.select(["trace_id", "ts", "signals", "metadata"]).to_pylist():
             by_trace[row["trace_id"]].append((row["ts"], _voter(row["metadata"]), json.loads(row["signals"])))
@@ -532,10 +532,17 @@ def _link_turns(traces: pa.Table) -> pa.Table:
     return traces.set_column(index, traces.schema.field(index), pa.array(parents, pa.string()))
 
 
+def _ms(when: datetime, up: bool = False) -> int:
+    """``when`` in whole milliseconds since 1970 (the buffer's ``ts``), rounded down (``up``: up), exactly: a
+    float's ``timestamp() * 1000`` can land 1 ms low."""
+    whole, rest = divmod(when - _EPOCH, timedelta(milliseconds=1))
+    return int(whole) + (1 if up and rest else 0)
+
+
 def _in_range(traces: pa.Table, start: datetime, end: datetime) -> pa.ChunkedArray:
-    """The mask of rows with ``start <= ts < end``."""
+    """The mask of rows with ``start <= ts < end`` (``ts`` in whole ms: the bounds rounded up)."""
     ts_ms = pc.cast(traces["ts"], pa.int64())
-    return pc.and_(pc.greater_equal(ts_ms, int(start.timestamp() * 1000)), pc.less(ts_ms, int(end.timestamp() * 1000)))
+    return pc.and_(pc.greater_equal(ts_ms, _ms(start, up=True)), pc.less(ts_ms, _ms(end, up=True)))
 
 
 def _turns(traces: pa.Table) -> list[Turn]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -44,7 +45,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.api_errors import registry_call as _registry_call
@@ -52,6 +53,7 @@ from pipeline.api_guard import OpsGuard, host_allowed  # noqa: F401  (host_allow
 from pipeline.console import mount_console
 from pipeline.redact import redact_data
 from pipeline.rounds.job import RoundNotCancellableError
+from pipeline.rounds.records import parse_until
 from pipeline.rounds.records import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:
@@ -81,11 +83,12 @@ class TtlCache:
             return value
 
 
-def _iso_text(value: object) -> object:
-    """A time as ISO 8601 text only: pydantic reads a bare number as seconds since 1970."""
+def _until(value: object) -> datetime:
+    """``until`` as ISO 8601 text only (:func:`~pipeline.rounds.job.parse_until`): pydantic's own datetime parsing
+    reads a number, or text of digits like "2026", as seconds since 1970."""
     if not isinstance(value, str):
-        raise ValueError("a time is ISO 8601 text with a time zone, e.g. 2026-12-06T14:00:00Z")
-    return value
+        raise ValueError("until is ISO 8601 text with a time zone, e.g. 2026-12-06T14:00:00Z")
+    return parse_until(value)
 
 
 class RetrainRequest(BaseModel):
@@ -100,7 +103,7 @@ class RetrainRequest(BaseModel):
         pattern=r"^[0-9]{1,6}[smhd]$",  # ASCII digits only: the regex engine's \d also matches "٣"
         description="Data window, e.g. 6h; rl.window when omitted.",
     )
-    until: Annotated[AwareDatetime, BeforeValidator(_iso_text)] | None = Field(
+    until: Annotated[datetime, BeforeValidator(_until)] | None = Field(
         default=None,
         description="Replay: train on the window that ended at this past time (ISO 8601 with a time zone, e.g. "
         "2026-12-06T14:00:00Z) instead of the one ending now: nothing dated after it, implicit signals judged then.",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
 import httpx
@@ -21,6 +20,7 @@ from rich.table import Table
 
 from pipeline.cli.common import ConfigOpt, JsonOpt, console, fail
 from pipeline.config import HourglassConfig
+from pipeline.rounds.records import parse_until
 
 rounds_app = typer.Typer(help="Round records.", no_args_is_help=True)
 
@@ -96,7 +96,7 @@ def _round_table(records: list[dict[str, Any]]) -> Table:
         table.add_row(  # every cell as text: a record edited by hand may hold markup or other types
             *(escape(str(r.get(key, ""))) for key in ("round_id", "state", "trigger")),
             escape(",".join(f"{c} (sat out)" if c in skipped else c for c in names)),
-            escape(str(r.get("window", "")) + (f" until {r['until']}" if r.get("until") else "")),
+            escape(str(r.get("window", "")) + (f" until {str(r['until'])[:64]}" if r.get("until") else "")),
             escape(str(r.get("created_at", ""))),
             escape(str(r.get("reason", ""))[:80]),
         )
@@ -134,12 +134,11 @@ def register(app: typer.Typer, load) -> None:
             names = [name.strip() for name in candidates.split(",") if name.strip()]
             if not names:
                 _fail(f"--candidates {candidates!r} names no candidate; leave the option out to train every candidate")
-        if until is not None:  # refused here, before any call: the API would refuse it too (422)
+        if until is not None:  # refused here, before any call, as the API would (the same parser)
             try:
-                if datetime.fromisoformat(until.replace("Z", "+00:00")).tzinfo is None:
-                    _fail(f"--until {until!r} has no time zone; give one, e.g. 2026-12-06T14:00:00Z")
-            except ValueError:
-                _fail(f"--until {until[:60]!r} is not an ISO 8601 time, e.g. 2026-12-06T14:00:00Z")
+                parse_until(until)
+            except ValueError as err:
+                _fail(f"--{err}")
         client = ApiClient(load(config))
         body = {"candidates": names, "window": window, "until": until}
         record = client.call("POST", "/rounds", mutate=True, json=body)

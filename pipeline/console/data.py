@@ -346,7 +346,9 @@ class ConsoleData:
             "round_id": record["round_id"],
             "state": record["state"],
             "trigger": record["trigger"],
-            "window": record.get("window"),
+            "window": f"{record.get('window')} until {str(record['until'])[:64]}"
+            if record.get("until")
+            else record.get("window"),
             "created_at": record.get("created_at"),
             "duration_s": (end - created).total_seconds() if created else None,
             "finished": finished is not None,

@@ -34,13 +34,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.config import HourglassConfig
 from pipeline.errors import PipelineError
-from pipeline.rounds.records import RoundInProgressError, RoundLock, RoundRecord, RoundState, RoundStore
+from pipeline.rounds.records import (
+    RoundInProgressError,
+    RoundLock,
+    RoundRecord,
+    RoundState,
+    RoundStore,
+    check_until,
+)
 
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
 from trainer.errors import NotEnoughDataError
@@ -71,26 +78,6 @@ REWARD_MODEL_AUC = Gauge(
     "hourglass_reward_model_auc", "Held-out AUC of the last round's reward model (NaN: undefined)."
 )
 PROMOTIONS = Counter("hourglass_promotions_total", "Versions promoted by rounds.", ["served_model"])
-
-
-def check_until(until: datetime, span: timedelta) -> None:
-    """Refuse an ``until`` a round cannot replay: without a time zone, in the future, or so early that its
-    window (``span`` long) would start before year 1.
-
-    Raises:
-        ValueError: naming ``until`` and what is wrong with it.
-    """
-    if until.tzinfo is None or until.utcoffset() is None:
-        raise ValueError(f"until {until.isoformat()!r} has no time zone; give one, e.g. 2026-12-06T14:00:00Z")
-    try:
-        utc = until.astimezone(timezone.utc)
-        utc - span
-    except OverflowError:
-        raise ValueError(
-            f"until {until.isoformat()!r}: it or its window's start lies outside years 1 to 9999"
-        ) from None
-    if utc > datetime.now(timezone.utc):
-        raise ValueError(f"until {until.isoformat()!r} is in the future; a round replays a window that has ended")
 
 
 class RoundCancelled(Exception):
@@ -135,7 +122,8 @@ class RoundRunner:
         """The round, state by state."""
         self._step(record, RoundState.SNAPSHOT)
         self._start_trainers(record)
-        record.metrics["data/buffer_trace_rows"] = self.steps.buffer_rows()  # for schedule.min_new_traces
+        if record.until is None:  # for schedule.min_new_traces; a replay trains on no new trace
+            record.metrics["data/buffer_trace_rows"] = self.steps.buffer_rows()
         until = datetime.fromisoformat(record.until) if record.until else None
         table, data_metrics = self.steps.snapshot(record.window, until=until)
         record.metrics.update({k: v for k, v in data_metrics.items() if isinstance(v, (int, float))})

@@ -33,9 +33,10 @@ import builtins
 import fcntl
 import json
 import os
+import re
 import uuid
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timedelta, timezone
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,47 @@ class RoundInProgressError(PipelineError, RuntimeError):
     """A round is already running (in this process or another one)."""
 
 
+_ISO_UNTIL = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(:\d{2}(\.\d{1,3})?)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def parse_until(text: str) -> datetime:
+    """A replay's ``until`` as written by a user (API or CLI): ISO 8601 ``YYYY-MM-DDTHH:MM[:SS[.mmm]]`` with a
+    time zone (``Z`` or ``+HH:MM``), to the millisecond like the buffer's timestamps.
+
+    Raises:
+        ValueError: anything else (a bare number of seconds, a date alone, no time zone), quoting it bounded.
+    """
+    if not _ISO_UNTIL.fullmatch(text):
+        raise ValueError(
+            f"until {text[:60]!r} is not an ISO 8601 time with a time zone, to the millisecond at most "
+            "(e.g. 2026-12-06T14:00:00Z or 2026-12-06T15:00:00.250+01:00)"
+        )
+    try:
+        return datetime.fromisoformat(text.upper().replace("Z", "+00:00"))
+    except ValueError as err:  # 2026-02-30, 25:00, an offset of +24:00
+        raise ValueError(f"until {text[:60]!r} is no valid time: {err}") from None
+
+
+def check_until(until: datetime, span: timedelta) -> None:
+    """Refuse an ``until`` a round cannot replay: without a time zone, in the future, or so early that its
+    window (``span`` long) would start before year 1.
+
+    Raises:
+        ValueError: naming ``until`` and what is wrong with it.
+    """
+    if until.tzinfo is None or until.utcoffset() is None:
+        raise ValueError(f"until {until.isoformat()!r} has no time zone; give one, e.g. 2026-12-06T14:00:00Z")
+    try:
+        utc = until.astimezone(timezone.utc)
+        utc - span
+    except OverflowError:
+        raise ValueError(
+            f"until {until.isoformat()!r}: it or its window's start lies outside years 1 to 9999"
+        ) from None
+    if utc > datetime.now(timezone.utc):
+        raise ValueError(f"until {until.isoformat()!r} is in the future; a round replays a window that has ended")
+
+
 class UnknownRoundError(PipelineError, KeyError):
     """No round with that id."""
 
@@ -169,10 +211,21 @@ class RoundRecord:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def stored(self) -> str:
+        """The record as stored: JSON, secrets redacted; ``until`` only on a replay, so a release from before
+        replays still reads every other record."""
+        data = redact_data(self.as_dict())
+        if data.get("until") is None:
+            data.pop("until", None)
+        return json.dumps(data, default=str)
+
     @classmethod
     def from_json(cls, body: str) -> RoundRecord:
-        """A record as stored (every record written so far loads: no state was renamed; ``gate`` is new)."""
-        return cls(**json.loads(body))
+        """A record as stored (every record written so far loads: no state was renamed; ``gate`` is new). Keys
+        this release does not know (written by a newer one) are left out, so a rollback still reads them."""
+        data = json.loads(body)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def _now() -> str:
@@ -231,7 +284,7 @@ class RoundStore:
                     round_id=record.round_id,
                     state=record.state.value,
                     created_at=now,
-                    body=json.dumps(redact_data(record.as_dict())),
+                    body=record.stored(),
                 )
             )
         return record
@@ -244,7 +297,7 @@ class RoundStore:
             conn.execute(
                 _rounds.update()
                 .where(_rounds.c.round_id == record.round_id)
-                .values(state=record.state.value, body=json.dumps(redact_data(record.as_dict()), default=str))
+                .values(state=record.state.value, body=record.stored())
             )
         return record
 

@@ -321,6 +321,23 @@ def test_a_snapshot_as_of_a_past_time_sees_only_what_was_dated_before_it(tmp_pat
     assert (now["t1"]["reward_source"], now["t3"]["reward_source"]) == ("thumbs", "regenerated")
 
 
+def test_the_cut_is_exact_to_the_millisecond(tmp_path: Path) -> None:
+    """``int(cut.timestamp() * 1000)`` lands 1 ms low for some times (this one): a trace 1 ms before the cut was
+    left out, and feedback dated at the cut too."""
+    cut = datetime(2004, 3, 15, 7, 55, 47, 472000, tzinfo=timezone.utc)
+    assert int(cut.timestamp() * 1000) != (cut - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(milliseconds=1)
+    buf = RewardBuffer(BufferConfig(root=str(tmp_path / "b"), dead_letter_root=str(tmp_path / "d")))
+    before = cut - timedelta(milliseconds=1)
+    trace = TraceEvent(trace_id="t1", ts=before, model="m", prompt=Q1, completion="", metadata={})
+    vote = FeedbackEvent(trace_id="t1", ts=cut, thumbs="up")
+    buf.append([(trace, Coordinates("traces", 0, 1))], [(vote, Coordinates("f", 0, 2))])
+    rows = buf.snapshot(cut - timedelta(hours=1), cut, as_of=cut).to_pylist()
+    assert [(r["trace_id"], r["reward_source"]) for r in rows] == [("t1", "thumbs")]
+    assert buf.snapshot(cut - timedelta(hours=1), before, as_of=cut).num_rows == 0  # the end is exclusive
+    with pytest.raises(ValueError, match="no time zone"):
+        buf.snapshot(as_of=cut.replace(tzinfo=None))
+
+
 def test_hostile_turns_cannot_break_or_stall_the_derivation() -> None:
     """A tool result nested past the JSON parser's limit reads as text; a self-linked trace is not its own
     evidence; another user's identical prompt is not a regeneration; a flood of resends stays fast."""

@@ -126,6 +126,7 @@ def test_a_replay_round_reads_the_window_that_ended_then(client: TestClient, ser
     response = client.post("/rounds", json={"window": "2h", "until": "2026-01-05T08:30:00+01:00"}, headers=auth)
     assert response.status_code == 202, response.text
     assert response.json()["until"] == "2026-01-05T07:30:00+00:00"  # kept in UTC
+    assert client.get("/").status_code == 200
     assert service.runner.wait(60)
     record = client.get(f"/rounds/{response.json()['round_id']}").json()
     assert record["state"] == "no_winner"
@@ -244,6 +245,11 @@ def test_basic_credentials_read_the_page_but_never_change_state(tmp_path: Path) 
         ("/rounds", {"until": 0}, "until"),  # a bare number was seconds since 1970
         ("/rounds", {"until": "yesterday"}, "until"),
         ("/rounds", {"until": "2026-12-06"}, "until"),
+        ("/rounds", {"until": "2026"}, "until"),  # pydantic's datetime read digits as seconds since 1970
+        ("/rounds", {"until": "1700000000"}, "until"),
+        ("/rounds", {"until": "20260105T083000Z"}, "until"),
+        ("/rounds", {"until": "2026-01-05T08:30:00.0005Z"}, "until"),  # finer than the buffer's milliseconds
+        ("/rounds", {"until": "2026-02-30T08:30:00Z"}, "until"),
     ],
 )
 def test_numbers_are_ascii_digits_and_names_are_not_empty(

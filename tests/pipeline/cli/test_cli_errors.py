@@ -40,8 +40,9 @@ def _run(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess
         (["retrain"], {"HOURGLASS_STATE_DIR": "not-a-dir.txt"}, "FileExistsError"),
         (["retrain", "--candidates", ""], {}, "names no candidate"),  # was a round of every candidate
         (["retrain", "--candidates", " , "], {}, "names no candidate"),
-        (["retrain", "--until", "2026-12-06T14:00:00"], {}, "has no time zone"),
+        (["retrain", "--until", "2026-12-06T14:00:00"], {}, "with a time zone"),
         (["retrain", "--until", "yesterday"], {}, "not an ISO 8601 time"),
+        (["retrain", "--until", "2026"], {}, "not an ISO 8601 time"),
     ],
     ids=[
         "produce-missing",
@@ -53,6 +54,7 @@ def _run(*args: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess
         "retrain-commas",
         "retrain-until-naive",
         "retrain-until-garbage",
+        "retrain-until-digits",
     ],
 )
 def test_bad_paths_and_values_get_one_clear_line(

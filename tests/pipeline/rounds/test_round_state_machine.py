@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+import sqlalchemy as sa
 
 from pipeline.config import HourglassConfig, load_config
 from pipeline.rounds.job import RoundRunner, recover
@@ -167,6 +168,40 @@ def test_a_round_passes_every_state_in_order_and_only_promote_moves_the_alias(cf
     assert alias_at_register == [{}]  # registering moved no alias
     assert registry.alias_moves == [(MODEL, "1")] and final.versions == {MODEL: "1"}
     assert final.decisions[MODEL]["winner"] == "default" and final.metrics["eval/prompts"] == 8.0  # recorded by gate
+
+
+def test_a_replay_round_snapshots_its_window_and_leaves_the_schedulers_count_alone(cfg, tmp_path) -> None:
+    """A replay (``until``) trains on no new trace: it must not become the last round ``schedule.min_new_traces``
+    counts from (the next scheduled round would be skipped); its window's end reaches the snapshot."""
+    from datetime import datetime, timezone
+
+    store, registry = RoundStore(tmp_path), FakeRegistry()
+    steps = FakeSteps(registry, store)
+    asked: list[Any] = []
+    real_snapshot = steps.snapshot
+    steps.snapshot = lambda window, until=None: asked.append((window, until)) or real_snapshot(window, until)  # type: ignore[method-assign]
+    runner = RoundRunner(cfg, "f" * 64, store=store, steps=steps)
+    until = datetime(2026, 1, 5, 7, 30, tzinfo=timezone.utc)
+    replay = runner.start("api", window="2h", until=until)
+    assert runner.wait(10)
+    live = runner.start("manual")
+    assert runner.wait(10)
+    assert asked == [("2h", until), (cfg.rl.window, None)]
+    assert store.get(replay.round_id).until == "2026-01-05T07:30:00+00:00"
+    assert "data/buffer_trace_rows" not in store.get(replay.round_id).metrics
+    assert store.get(live.round_id).metrics["data/buffer_trace_rows"] == 10
+
+
+def test_records_store_until_only_on_a_replay_and_read_keys_a_newer_release_wrote(tmp_path) -> None:
+    """A rollback to a release from before replays reads every record written without one (the key is left
+    out), and this release reads records a newer one wrote with keys it does not know."""
+    store = RoundStore(tmp_path)
+    plain = store.create("manual", ["default"], "6h")
+    body = store.engine.connect().execute(sa.text("select body from rounds")).scalar_one()
+    assert "until" not in json.loads(body)
+    newer = json.loads(body) | {"round_id": "r-newer", "some_future_field": {"x": 1}}
+    assert RoundRecord.from_json(json.dumps(newer)).round_id == "r-newer"
+    assert store.get(plain.round_id).until is None
 
 
 def test_gate_is_a_persisted_state_between_evaluate_and_register(cfg, tmp_path) -> None:
