@@ -63,7 +63,7 @@ def wait_http(url: str, what: str, proc: subprocess.Popen[bytes], timeout_s: flo
 def start_round(api: str, token: str, **body: Any) -> str:
     """Start a round through the ops API (``POST /rounds``, ``body``: e.g. ``candidates``, ``until``); returns
     its id."""
-    body = {k: v.isoformat() if isinstance(v, datetime) else v for k, v in body.items()}
+    body = {k: v.isoformat(timespec="milliseconds") if isinstance(v, datetime) else v for k, v in body.items()}
     response = httpx.post(f"{api}/rounds", json=body, headers={"authorization": f"Bearer {token}"}, timeout=120)
     response.raise_for_status()
     return response.json()["round_id"]

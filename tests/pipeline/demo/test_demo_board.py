@@ -78,6 +78,31 @@ def test_the_replay_service_has_its_own_state_model_and_experiment_and_no_implic
     assert replay.rl == cfg.rl
 
 
+def test_the_demo_asks_for_a_replay_in_a_form_the_api_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's window end goes out as ISO 8601 to the millisecond: the API refuses finer times."""
+    from datetime import datetime, timezone
+
+    import httpx
+
+    from pipeline.demo import ops
+    from pipeline.rounds.records import parse_until
+
+    sent: list[dict] = []
+
+    class Answer:
+        def raise_for_status(self) -> None:
+            pass
+
+        def json(self) -> dict:
+            return {"round_id": "r-1"}
+
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: sent.append(kw["json"]) or Answer())
+    started = datetime(2026, 12, 6, 13, 52, 50, 123456, tzinfo=timezone.utc)
+    assert ops.start_round("http://api", "tok", candidates=["kto"], until=started) == "r-1"
+    assert sent == [{"candidates": ["kto"], "until": "2026-12-06T13:52:50.123+00:00"}]
+    assert parse_until(sent[0]["until"]) == started.replace(microsecond=123000)
+
+
 def test_oracle_reward_is_the_users_check() -> None:
     cases = [
         ("13", "13"),
