@@ -53,7 +53,7 @@ from pipeline.api_guard import OpsGuard, host_allowed  # noqa: F401  (host_allow
 from pipeline.console import mount_console
 from pipeline.redact import redact_data
 from pipeline.rounds.job import RoundNotCancellableError
-from pipeline.rounds.records import parse_until
+from pipeline.rounds.until import parse_until
 from pipeline.rounds.records import RoundInProgressError, UnknownRoundError
 
 if TYPE_CHECKING:

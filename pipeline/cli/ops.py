@@ -20,7 +20,7 @@ from rich.table import Table
 
 from pipeline.cli.common import ConfigOpt, JsonOpt, console, fail
 from pipeline.config import HourglassConfig
-from pipeline.rounds.records import parse_until
+from pipeline.rounds.until import parse_until
 
 rounds_app = typer.Typer(help="Round records.", no_args_is_help=True)
 

@@ -46,8 +46,8 @@ from pipeline.rounds.records import (
     RoundRecord,
     RoundState,
     RoundStore,
-    check_until,
 )
+from pipeline.rounds.until import check_until
 
 from pipeline.rounds.steps import LiveSteps, RoundSteps, parse_window
 from trainer.errors import NotEnoughDataError

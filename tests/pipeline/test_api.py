@@ -250,6 +250,7 @@ def test_basic_credentials_read_the_page_but_never_change_state(tmp_path: Path) 
         ("/rounds", {"until": "20260105T083000Z"}, "until"),
         ("/rounds", {"until": "2026-01-05T08:30:00.0005Z"}, "until"),  # finer than the buffer's milliseconds
         ("/rounds", {"until": "2026-02-30T08:30:00Z"}, "until"),
+        ("/rounds", {"until": "٢٠٢٦-01-05T08:30:00Z"}, "until"),  # Arabic-Indic digits
     ],
 )
 def test_numbers_are_ascii_digits_and_names_are_not_empty(

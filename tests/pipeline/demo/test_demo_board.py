@@ -85,7 +85,7 @@ def test_the_demo_asks_for_a_replay_in_a_form_the_api_accepts(monkeypatch: pytes
     import httpx
 
     from pipeline.demo import ops
-    from pipeline.rounds.records import parse_until
+    from pipeline.rounds.until import parse_until
 
     sent: list[dict] = []
 
