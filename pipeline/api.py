@@ -84,7 +84,7 @@ class TtlCache:
 
 
 def _until(value: object) -> datetime:
-    """``until`` as ISO 8601 text only (:func:`~pipeline.rounds.job.parse_until`): pydantic's own datetime parsing
+    """``until`` as ISO 8601 text only (:func:`~pipeline.rounds.until.parse_until`): pydantic's own datetime parsing
     reads a number, or text of digits like "2026", as seconds since 1970."""
     if not isinstance(value, str):
         raise ValueError("until is ISO 8601 text with a time zone, e.g. 2026-12-06T14:00:00Z")
