@@ -13,6 +13,12 @@ _ADJUSTMENTS = ("edited", "regenerated")
 EXPLICIT = frozenset({"reward", "thumbs", "rating"})
 
 
+def explicit_source(source: str | None) -> bool:
+    """Whether a reward source (``"thumbs"``, ``"rating+edited"``, ``"continued"``...) is a reward the user gave:
+    its first part is an explicit signal (explicit feedback wins over implicit signals, so it leads)."""
+    return source is not None and source.split("+", 1)[0] in EXPLICIT
+
+
 def _value(name: str, signal: Any, spec: RewardSpec) -> float | None:
     """The reward one present signal stands for, or None when it says nothing (e.g. ``edited=False``)."""
     if name == "reward":
@@ -84,7 +90,7 @@ def with_implicit(
     ``rating`` set the reward (explicit feedback wins). A derived ``regenerated`` is not counted again when
     the client flagged it; signals of weight 0 add nothing and are not named. The sum is clipped to
     ``[-spec.clip, spec.clip]``; the source names every part (``"continued"``, ``"edited+rephrased"``)."""
-    if source is not None and source.split("+", 1)[0] in EXPLICIT:
+    if explicit_source(source):
         return reward, source
     parts = [
         name

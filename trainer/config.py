@@ -191,6 +191,14 @@ class CandidateConfig(Section):
         default=True,
         description="kto: a trace's user correction (when the snapshot has one) is an extra desirable example.",
     )
+    kto_desirable_from: Literal["any", "explicit"] = Field(
+        default="any",
+        description="kto: which positive labels make a logged answer a desirable example: `any` (its reward mix is "
+        "> 0, whatever the signal) or `explicit` (only a reward the user gave: thumbs, rating, reward; a logged "
+        "answer labelled positive by implicit signals alone, such as `continued`, is left out, while negative implicit "
+        "labels stay undesirable examples). A user who goes on after a wrong answer labels it `continued`, so that "
+        "label's precision falls with the policy's accuracy.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -207,6 +215,10 @@ class CandidateConfig(Section):
             )
         if self.kto_balance and self.algorithm != Algorithm.KTO:
             raise ValueError(f"kto_balance weighs KTO's classes; candidate {self.name!r} uses {self.algorithm.value!r}")
+        if self.kto_desirable_from != "any" and self.algorithm != Algorithm.KTO:
+            raise ValueError(
+                f"kto_desirable_from picks KTO's examples; candidate {self.name!r} uses {self.algorithm.value!r}"
+            )
         return self
 
 

@@ -120,6 +120,62 @@ def test_with_noisy_labels_only_balanced_kto_weights_push_the_wrong_answers_down
     assert (logratio["wrong"].grad < 0) == (wrong_goes == "up")
 
 
+@pytest.mark.parametrize(("desirable_from", "wrong_goes"), [("any", "up"), ("explicit", "down")])
+def test_with_positives_from_explicit_feedback_only_fixed_kto_weights_push_the_wrong_answers_down(
+    desirable_from: str, wrong_goes: str
+) -> None:
+    """The same traffic with 3 thumbs-up (right answers) beside it, at the demo's fixed 8 : 1 weights: taking
+    desirable examples from any positive label raises the wrong answers users went on from; with
+    ``kto_desirable_from = "explicit"`` those rows are no example (:func:`~trainer.algorithms.kto.kto_row`), and
+    the wrong answers only go down."""
+    from trainer.algorithms.kto import kto_row
+    from trainer.types import Prompt
+
+    kto = CandidateConfig(
+        name="kto", algorithm="kto", reward=[RewardTerm(fn="logged")], kto_desirable_from=desirable_from
+    )
+    traffic = (
+        [("right", 0.5, "continued")] * 8
+        + [("wrong", 0.5, "continued")] * 17
+        + [("right", -0.5, "rephrased")] * 1
+        + [("wrong", -0.5, "regenerated")] * 74
+        + [("right", 1.0, "thumbs")] * 3
+    )
+    rows = [
+        (
+            kind,
+            Prompt(
+                prompt_id=f"p{i}",
+                messages=[{"role": "user", "content": "q"}],
+                logged_completion="a",
+                logged_reward=reward,
+                logged_reward_source=source,
+            ),
+        )
+        for i, (kind, reward, source) in enumerate(traffic)
+    ]
+    used = [(kind, p) for kind, p in rows if kto_row(p, kto)]
+    assert len(used) == (103 if desirable_from == "any" else 78)
+    kinds = [kind for kind, _ in used]
+    desirable = [bool(p.logged_reward and p.logged_reward > 0) for _, p in used]
+    logratio = {"right": torch.zeros((), requires_grad=True), "wrong": torch.zeros((), requires_grad=True)}
+    n = len(used)
+    loss, _ = kto_loss(
+        torch.stack([logratio[k] for k in kinds]) - 5.0,
+        torch.full((n,), -5.0),
+        torch.tensor(desirable),
+        torch.full((n,), -6.0),
+        torch.full((n,), -6.0),
+        beta=0.1,
+        desirable_weight=8.0,
+        undesirable_weight=1.0,
+    )
+    loss.backward()
+    assert logratio["right"].grad is not None and logratio["wrong"].grad is not None
+    assert logratio["right"].grad < 0, "the right answers go up either way"
+    assert (logratio["wrong"].grad < 0) == (wrong_goes == "up")
+
+
 def test_kto_reference_point_carries_no_gradient() -> None:
     policy_kl_B = torch.tensor([-1.0, -2.0], requires_grad=True)
     loss, _ = kto_loss(

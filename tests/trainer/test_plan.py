@@ -196,3 +196,51 @@ def test_a_row_whose_logged_reward_is_not_finite_is_no_kto_example_and_kto_balan
     assert sorted(p.prompt_id for p in plan.candidates[0].pool) == ["p0", "p1", "p100", "p101"]
     with pytest.raises(ValueError, match="kto_balance weighs KTO's classes; candidate 'g' uses 'grpo'"):
         CandidateConfig(name="g", kto_balance=True)
+
+
+def test_kto_desirable_from_explicit_leaves_out_answers_that_only_implicit_signals_called_good() -> None:
+    """A positive reward from implicit signals alone (``continued``) is no KTO example under
+    ``kto_desirable_from = "explicit"``; thumbs (with an edit too), a negative implicit label, a row from before
+    implicit signals (no source) and a user's correction still are. Balancing counts what is left."""
+    logged = {"logged_completion": "x"}
+    rows = [
+        _prompt(0, "a", logged_reward=0.5, logged_reward_source="continued", **logged),
+        _prompt(1, "b", logged_reward=1.0, logged_reward_source="thumbs", **logged),
+        _prompt(2, "c", logged_reward=-0.5, logged_reward_source="rephrased", **logged),
+        _prompt(3, "d", logged_reward=0.5, logged_reward_source="thumbs+edited", **logged),
+        _prompt(4, "e", logged_reward=0.5, logged_reward_source=None, **logged),
+        _prompt(5, "f", logged_reward=0.5, logged_reward_source="continued", logged_correction="7", **logged),
+    ]
+    pools = {
+        desirable_from: sorted(
+            p.prompt_id
+            for p in plan_round(
+                FakeBase(),
+                [_kto(kto_desirable_from=desirable_from)],
+                RL,
+                rows,
+                {},
+                Path("/tmp/unused"),  # type: ignore[arg-type]
+            )
+            .candidates[0]
+            .pool
+        )
+        for desirable_from in ("any", "explicit")
+    }
+    assert pools == {"any": ["p0", "p1", "p2", "p3", "p4", "p5"], "explicit": ["p1", "p2", "p3", "p4", "p5"]}
+    config = (
+        plan_round(
+            FakeBase(),
+            [_kto(kto_desirable_from="explicit", kto_balance=True)],
+            RL,
+            rows,
+            {},
+            Path("/tmp/unused"),  # type: ignore[arg-type]
+        )
+        .candidates[0]
+        .config
+    )
+    # desirable: p1, p3, p4 and p5's correction (p5's answer is none); undesirable: p2
+    assert config.kto_desirable_weight * 4 == pytest.approx(config.kto_undesirable_weight * 1)
+    with pytest.raises(ValueError, match="kto_desirable_from picks KTO's examples; candidate 'g' uses 'grpo'"):
+        CandidateConfig(name="g", kto_desirable_from="explicit")

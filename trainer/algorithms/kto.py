@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connectors.reward import explicit_source
 from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids, logged_text
 from trainer.algorithms.losses import kto_loss, sequence_logprobs
 from trainer.algorithms.offline_is import logged_with_reward
@@ -37,15 +38,26 @@ class _Example:
     value: float | None
 
 
+def _logged_example(p: Prompt, candidate: CandidateConfig) -> bool:
+    """Whether the row's logged completion is a KTO example: it has a finite reward, and, with
+    ``kto_desirable_from = "explicit"``, that reward is not a positive one from implicit signals alone (a row
+    with no ``reward_source``, from before implicit signals, counts as explicit)."""
+    if not logged_with_reward(p, candidate):
+        return False
+    implicit_positive = bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
+    return not (candidate.kto_desirable_from == "explicit" and implicit_positive and (p.logged_reward or 0.0) > 0)
+
+
 def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Iterator[_Example]:
-    """The row's KTO examples: the logged completion (desirable when the reward mix is > 0) and, with
-    ``candidate.kto_use_corrections``, the user's correction (desirable).
+    """The row's KTO examples: the logged completion (desirable when the reward mix is > 0; see
+    :func:`_logged_example` for when it is none) and, with ``candidate.kto_use_corrections``, the user's
+    correction (desirable).
 
     Raises:
-        DataError: the row has neither a logged completion with a reward nor a usable correction.
+        DataError: the row has neither a logged completion that is an example nor a usable correction.
     """
     used = False
-    if p.logged_completion is not None and p.logged_reward is not None:
+    if _logged_example(p, candidate):
         value = reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward})
         used = True
         yield _Example(value > 0, value)
@@ -54,7 +66,7 @@ def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Itera
         yield _Example(True, None)
     if not used:
         raise DataError(
-            f"kto row {p.prompt_id!r} has no logged completion with a reward and no correction: filter it out first"
+            f"kto row {p.prompt_id!r} has no logged completion that is an example and no correction: filter it out first"
         )
 
 
@@ -170,5 +182,6 @@ def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
-    """A row KTO can use: a logged completion with its reward, or (with ``kto_use_corrections``) a correction."""
-    return logged_with_reward(p, candidate) or bool(candidate.kto_use_corrections and p.logged_correction)
+    """A row KTO can use: a logged completion that is an example (:func:`_logged_example`), or (with
+    ``kto_use_corrections``) a correction."""
+    return _logged_example(p, candidate) or bool(candidate.kto_use_corrections and p.logged_correction)
