@@ -9,7 +9,12 @@ ratio as the share of desirable rows moves (a better champion, corrections, spar
 labels the ratio also decides a direction: a wrong answer like those users went on from anyway is pushed up
 as a desirable example and down as an undesirable one, and it goes down on balance only while the ratio is
 below (share of wrong answers among the undesirable examples) / (share among the desirable ones), about 1.3
-in the demo's traffic at a 5 % rating rate (98 % / 74 %), where fixed weights of 8 : 1 gave 2.7."""
+in the demo's traffic at a 5 % rating rate (98 % / 74 %), where fixed weights of 8 : 1 gave 2.7.
+
+``kto_desirable_from = "explicit"`` removes that noise at its source: a logged answer that implicit signals alone
+labelled positive (``continued``) is no example, so the desirable class holds only what users rated up or wrote
+themselves (corrections); negative implicit labels (``rephrased``, ``regenerated``), which are clean, stay
+undesirable examples."""
 
 from __future__ import annotations
 
