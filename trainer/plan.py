@@ -127,7 +127,10 @@ _NO_PROMPTS = (
     "no training prompts after the data_filter and the reward mix's metadata needs (exact_answer needs "
     "metadata.reference_answer); loosen the filter, widen the window, or change the reward"
 )
-_NO_ROWS = "no logged rows with completion and reward (or correction) in the training window"
+_NO_ROWS = (
+    "no logged rows with completion and reward (or correction) in the training window (for kto_desirable_from = "
+    "'explicit': none but positive labels from implicit signals alone)"
+)
 
 
 def _offline_rows(plan: CandidatePlan) -> CandidatePlan:

@@ -11,7 +11,7 @@ import trainer.plan as plan_module
 from trainer.config import ALGORITHM_TRAITS, Algorithm, CandidateConfig, RewardTerm, RLConfig
 from trainer.errors import DataError
 from trainer.plan import PromptTokens, plan_round
-from trainer.rewards import RewardMix
+from trainer.rewards import RewardMix, build_reward
 from trainer.types import Prompt
 from trainer.algorithms.registry import ALGORITHMS, ONE_PASS_ALGORITHMS
 
@@ -119,7 +119,7 @@ def test_every_algorithm_has_one_registry_entry_that_agrees_with_the_config() ->
 
 
 def _kto(**kw) -> CandidateConfig:
-    return CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")], **kw)
+    return CandidateConfig(**{"name": "kto", "algorithm": Algorithm.KTO, "reward": [RewardTerm(fn="logged")], **kw})
 
 
 def _rows(up: int, down: int, corrected: int = 0) -> list[Prompt]:
@@ -244,3 +244,18 @@ def test_kto_desirable_from_explicit_leaves_out_answers_that_only_implicit_signa
     assert config.kto_desirable_weight * 4 == pytest.approx(config.kto_undesirable_weight * 1)
     with pytest.raises(ValueError, match="kto_desirable_from picks KTO's examples; candidate 'g' uses 'grpo'"):
         CandidateConfig(name="g", kto_desirable_from="explicit")
+
+
+def test_under_kto_desirable_from_explicit_a_reward_mix_never_makes_an_implicit_label_desirable() -> None:
+    """With more in the reward mix than the logged reward (here a `format` bonus), a `rephrased` answer's mix can be
+    > 0; under "explicit" it stays an undesirable example, while a thumbs-down answer's mix decides as before."""
+    from trainer.algorithms.kto import _examples
+
+    kto = _kto(kto_desirable_from="explicit", reward=[RewardTerm(fn="logged"), RewardTerm(fn="format", weight=0.5)])
+    rephrased = _prompt(0, "a", logged_completion="7", logged_reward=-0.2, logged_reward_source="rephrased")
+    thumbs = _prompt(1, "b", logged_completion="7", logged_reward=-0.2, logged_reward_source="thumbs")
+    mix = build_reward(kto.reward)
+    [implicit] = list(_examples(kto, rephrased, mix))
+    [explicit] = list(_examples(kto, thumbs, mix))
+    assert implicit.value == explicit.value and implicit.value is not None and implicit.value > 0
+    assert (implicit.desirable, explicit.desirable) == (False, True)

@@ -43,14 +43,22 @@ class _Example:
     value: float | None
 
 
+def _implicit_only(p: Prompt, candidate: CandidateConfig) -> bool:
+    """Whether ``kto_desirable_from = "explicit"`` holds the row's label as implicit: its ``reward_source`` names
+    no reward the user gave (a row with no source, from before implicit signals, counts as explicit)."""
+    return (
+        candidate.kto_desirable_from == "explicit"
+        and bool(p.logged_reward_source)
+        and not explicit_source(p.logged_reward_source)
+    )
+
+
 def _logged_example(p: Prompt, candidate: CandidateConfig) -> bool:
-    """Whether the row's logged completion is a KTO example: it has a finite reward, and, with
-    ``kto_desirable_from = "explicit"``, that reward is not a positive one from implicit signals alone (a row
-    with no ``reward_source``, from before implicit signals, counts as explicit)."""
+    """Whether the row's logged completion is a KTO example: it has a finite reward, and it is not a positive
+    label from implicit signals alone (:func:`_implicit_only`)."""
     if not logged_with_reward(p, candidate):
         return False
-    implicit_positive = bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
-    return not (candidate.kto_desirable_from == "explicit" and implicit_positive and (p.logged_reward or 0.0) > 0)
+    return not (_implicit_only(p, candidate) and (p.logged_reward or 0.0) > 0)
 
 
 def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Iterator[_Example]:
@@ -65,7 +73,8 @@ def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Itera
     if _logged_example(p, candidate):
         value = reward(p.messages, logged_text(p), {**p.metadata, "reward": p.logged_reward})
         used = True
-        yield _Example(value > 0, value)
+        # an implicit label is never desirable under "explicit", whatever else the reward mix adds
+        yield _Example(value > 0 and not _implicit_only(p, candidate), value)
     if candidate.kto_use_corrections and p.logged_correction:
         used = True
         yield _Example(True, None)
