@@ -481,6 +481,23 @@ class GateConfig(Section):
         ge=1,
         description="Guardrail: a candidate whose mean greedy answer is longer (tokens) fails the gate.",
     )
+    positives_from: Literal["any", "explicit"] = Field(
+        default="any",
+        description="feedback metric: which held-out answers are the positives the candidates must rank first: `any` "
+        "(the logged answer's reward > 0, whatever the signal) or `explicit` (only what the user said: a logged answer "
+        "rated up, and each user's correction, which becomes a held-out example of its own; a logged answer labelled "
+        "positive by implicit signals alone, such as `continued`, is left out, while negative implicit labels stay "
+        "negatives). A user who goes on after a wrong answer labels it `continued`, so at a low explicit rating rate "
+        "`any` ranks a candidate that learned the right answers below one that learned what users went on after.",
+    )
+
+    @model_validator(mode="after")
+    def _positives_from_reads_feedback(self) -> GateConfig:
+        if self.positives_from != "any" and self.metric != GateMetric.FEEDBACK:
+            raise ValueError(
+                f"positives_from picks the feedback gate's positives; the gate metric is {self.metric.value!r}"
+            )
+        return self
 
     @field_validator("reward")
     @classmethod

@@ -24,6 +24,7 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from connectors.reward import explicit_source
 from connectors.schema import content_text
 from trainer.errors import DataError, NotEnoughDataError
 from trainer.types import FeedbackData, LabelledExample, PreferencePair, Prompt, RoundData, RoundInputs
@@ -71,6 +73,9 @@ def snapshot_table(prompts: Sequence[Prompt], *, model: str = "hourglass", start
     if any(p.logged_correction is not None for p in prompts):
         rows["correction"] = [p.logged_correction for p in prompts]
         schema = schema.append(pa.field("correction", pa.string()))
+    if any(p.logged_reward_source is not None for p in prompts):
+        rows["reward_source"] = [p.logged_reward_source for p in prompts]
+        schema = schema.append(pa.field("reward_source", pa.string()))
     if any(p.tools or p.logged_prompt_token_ids or p.logged_tool_calls for p in prompts):  # v2 conversation columns
         rows["tools"] = [json.dumps(p.tools) if p.tools else None for p in prompts]
         rows["prompt_token_ids"] = [p.logged_prompt_token_ids for p in prompts]
@@ -469,6 +474,36 @@ def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
             )
         )
     return pairs
+
+
+def implicit_label(p: Prompt) -> bool:
+    """Whether the row's label comes from implicit signals alone (``continued``, ``rephrased``...): its
+    ``reward_source`` names no reward the user gave. A row with no source (written before implicit signals
+    existed) counts as explicit."""
+    return bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
+
+
+def correction_row(p: Prompt) -> Prompt | None:
+    """The user's correction of ``p``'s answer as a held-out row of its own (the same conversation, the
+    correction as its logged answer, reward +1 from source ``correction``), or None when there is none or it
+    repeats the logged answer."""
+    correction = p.logged_correction
+    if not isinstance(correction, str) or not correction.strip():
+        return None
+    if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
+        return None
+    return replace(
+        p,
+        prompt_id=f"{p.prompt_id}/correction",
+        logged_completion=correction,
+        logged_token_ids=None,
+        logged_logprobs=None,
+        logged_reward=1.0,
+        logged_adapter_version=None,
+        logged_correction=None,
+        logged_tool_calls=None,
+        logged_reward_source="correction",
+    )
 
 
 def _labelled(p: Prompt) -> bool:

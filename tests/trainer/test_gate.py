@@ -9,9 +9,9 @@ import pytest
 
 from trainer.config import CandidateConfig, RLConfig
 from trainer.evaluation.gate import gate
-from trainer.evaluation.metrics import GATE_METRICS
+from trainer.evaluation.metrics import GATE_METRICS, feedback_labels, refusal, usable_rows
 from trainer.evaluation.stats import auc, paired_auc_lower_bound, paired_bootstrap_lower_bound
-from trainer.types import EvalResult, TenantEvaluation
+from trainer.types import EvalResult, Prompt, TenantEvaluation
 
 RL = RLConfig(gate={"margin": 0.05, "confidence": 0.9, "bootstrap_samples": 500, "max_kl": 0.5, "max_mean_length": 20})
 CHAMP = tuple([0.0, 1.0] * 10)  # champion mean 0.5 on 20 prompts
@@ -145,3 +145,71 @@ def test_the_staged_champion_is_named_by_its_version_in_a_gate_reason() -> None:
 
     assert _champion_label("/srv/hourglass/state/staging/hourglass/v12") == "champion v12"
     assert _champion_label("/tmp/rounds/r1/kto") == "champion /tmp/rounds/r1/kto"  # any other folder: its path
+
+
+def _rated(i: int, answer: str, reward: float, source: str | None, correction: str | None = None) -> Prompt:
+    return Prompt(
+        prompt_id=f"t{i}",
+        messages=[{"role": "user", "content": f"q{i}"}],
+        logged_completion=answer,
+        logged_reward=reward,
+        logged_reward_source=source,
+        logged_correction=correction,
+    )
+
+
+HELDOUT = [
+    _rated(0, "right", 1.0, "thumbs"),
+    _rated(1, "wrong", 0.5, "continued"),  # the user went on after a wrong answer
+    _rated(2, "wrong", -0.5, "rephrased"),
+    _rated(3, "wrong", -1.0, "thumbs", correction="right"),
+    _rated(4, "right", 1.0, "thumbs+edited", correction=" right "),  # the correction repeats the answer
+    _rated(5, "old", 1.0, None),  # written before implicit signals: its label is the user's
+    Prompt(prompt_id="t6", messages=[{"role": "user", "content": "q6"}], logged_correction="right"),  # no reward
+    _rated(7, "wrong", 0.6, "continued+regenerated", correction="right"),
+]
+
+
+def test_feedback_gate_positives_from_explicit_are_up_votes_and_corrections_never_implicit_labels() -> None:
+    explicit = FEEDBACK.model_copy(update={"gate": FEEDBACK.gate.model_copy(update={"positives_from": "explicit"})})
+    rows = usable_rows(HELDOUT, explicit)
+    assert [(p.prompt_id, p.logged_completion, p.logged_reward_source) for p in rows] == [
+        ("t0", "right", "thumbs"),
+        ("t2", "wrong", "rephrased"),
+        ("t3", "wrong", "thumbs"),
+        ("t3/correction", "right", "correction"),
+        ("t4", "right", "thumbs+edited"),
+        ("t5", "old", None),
+        ("t6/correction", "right", "correction"),
+        ("t7/correction", "right", "correction"),
+    ]
+    assert feedback_labels(rows) == [True, False, False, True, True, True, True, True]
+    correction = rows[3]
+    assert correction.messages == HELDOUT[3].messages and correction.logged_token_ids is None
+    # "any" (the default) is as before: every rated row, labelled by its reward, no correction
+    assert [p.prompt_id for p in usable_rows(HELDOUT, FEEDBACK)] == ["t0", "t1", "t2", "t3", "t4", "t5", "t7"]
+    assert feedback_labels(usable_rows(HELDOUT, FEEDBACK)) == [True, True, False, False, True, True, True]
+
+
+def test_feedback_gate_positives_from_explicit_with_only_implicit_positives_says_what_it_needs() -> None:
+    explicit = FEEDBACK.model_copy(update={"gate": FEEDBACK.gate.model_copy(update={"positives_from": "explicit"})})
+    only_continued = [_rated(1, "wrong", 0.5, "continued"), _rated(8, "wrong", 0.5, "continued")]
+    assert usable_rows(only_continued, explicit) == []
+    assert refusal([], 2, explicit) == (
+        "none of the 2 held-out rows carries a correction, or a logged completion with a reward that implicit "
+        "signals alone did not call good, which gate metric 'feedback' needs"
+    )
+    negatives = [_rated(2, "wrong", -0.5, "rephrased"), _rated(1, "wrong", 0.5, "continued")]
+    rows = usable_rows(negatives, explicit)
+    assert refusal(rows, 2, explicit) == (
+        "all 1 held-out rows with feedback are down-voted; the feedback AUC needs both up- and down-votes"
+    )
+
+
+def test_positives_from_is_refused_on_a_gate_that_does_not_read_feedback() -> None:
+    with pytest.raises(
+        ValueError, match="positives_from picks the feedback gate's positives; the gate metric is 'verifiable'"
+    ):
+        RLConfig(gate={"positives_from": "explicit"})
+    with pytest.raises(ValueError, match="positives_from"):
+        RLConfig(gate={"metric": "feedback", "positives_from": "implicit"})

@@ -362,3 +362,72 @@ def test_evaluation_forward_passes_in_chunks_give_the_same_values(
     assert len(chunked[0]) == 5 and all(x < 0 for x in chunked[0])
     # the reference log-probs are the base's sequence log-probs of the same completions
     assert [float(chunked[2]["a"][i].sum()) for i in range(5)] == pytest.approx(whole[0], rel=0, abs=3 * token_tol)
+
+
+def test_the_feedback_gate_with_positives_from_explicit_is_not_fooled_by_users_who_went_on_after_wrong_answers(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """KTO learns 'yes' from thumbs and corrections. Held out: up-voted 'yes', and 'no' answers the users went
+    on after (``continued``, a positive implicit label), restated (``rephrased``) or down-voted with the correction
+    'yes'. Under ``positives_from = "any"`` the continued 'no' answers are positives, so the candidate that ranks
+    'yes' first scores below a perfect AUC; under ``"explicit"`` the positives are the up-votes and the
+    corrections, and it ranks every one first."""
+    heldout = []
+    for i, (answer, reward, source, correction) in enumerate(
+        [("yes", 1.0, "thumbs", None)] * 2
+        + [("no", 0.5, "continued", None)] * 3
+        + [("no", -0.5, "rephrased", None)] * 2
+        + [("no", -1.0, "thumbs", "yes")] * 2
+    ):
+        heldout.append(
+            Prompt(
+                prompt_id=f"held{i}",
+                messages=[{"role": "user", "content": f"Is {100 + i} fine?"}],
+                logged_completion=answer,
+                logged_reward=reward,
+                logged_adapter_version="base",
+                logged_correction=correction,
+                logged_reward_source=source,
+            )
+        )
+    kto = CandidateConfig(
+        name="kto",
+        algorithm="kto",
+        learning_rate=5e-3,
+        kl_coef=0.0,
+        kto_beta=1.0,
+        reward=[RewardTerm(fn="logged")],
+        start="fresh",
+    )
+    values = {}
+    for positives_from in ("any", "explicit"):
+        rl = RLConfig(
+            steps_per_round=6,
+            prompts_per_step=2,
+            rollout={"group_size": 4, "max_new_tokens": 4, "engine": "hf"},
+            gate={
+                "eval_prompts": 16,
+                "max_kl": 100.0,
+                "metric": "feedback",
+                "bootstrap_samples": 200,
+                "positives_from": positives_from,
+            },
+        )
+        result = gate_round(
+            run_round(
+                RoundSpec(ModelConfig(name=str(tiny_model)), (kto,), rl),
+                round_inputs(snapshot_table(_thumbs_rows(24, corrections=True)), snapshot_table(heldout)),
+                tmp_path / positives_from,
+            ),
+            rl,
+        )
+        values[positives_from] = result.candidates[0].eval_metrics["eval/feedback"]
+        if positives_from == "explicit":
+            assert result.eval_prompt_ids == (
+                "held0", "held1", "held5", "held6", "held7", "held7/correction", "held8", "held8/correction",
+            )  # fmt: skip
+            assert result.decisions["hourglass"].winner == "kto", result.decisions["hourglass"].reason
+        else:
+            assert len(result.eval_prompt_ids) == 9
+    assert values["explicit"] == 1.0
+    assert values["any"] < 0.9  # 3 of its 5 positives are the wrong answer

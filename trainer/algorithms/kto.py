@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.reward import explicit_source
 from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids, logged_text
 from trainer.algorithms.losses import kto_loss, sequence_logprobs
 from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
+from trainer.data import implicit_label
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
 from trainer.algorithms.chunks import chunked_logprobs, row_chunks
@@ -46,11 +46,7 @@ class _Example:
 def _implicit_only(p: Prompt, candidate: CandidateConfig) -> bool:
     """Whether ``kto_desirable_from = "explicit"`` holds the row's label as implicit: its ``reward_source`` names
     no reward the user gave (a row with no source, from before implicit signals, counts as explicit)."""
-    return (
-        candidate.kto_desirable_from == "explicit"
-        and bool(p.logged_reward_source)
-        and not explicit_source(p.logged_reward_source)
-    )
+    return candidate.kto_desirable_from == "explicit" and implicit_label(p)
 
 
 def _logged_example(p: Prompt, candidate: CandidateConfig) -> bool:

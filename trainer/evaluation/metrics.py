@@ -11,6 +11,8 @@ and how it turns a version's answers into per-row values. Nothing else compares 
   ``log pi(y|x) - log pi_ref(y|x)`` (sequence sums; pi_ref = the base with adapters disabled) of the
   logged completion ranks up-voted (reward > 0) above down-voted ones. Unit: feedback AUC (Mann-Whitney,
   ties count 1/2); the base as champion has implicit reward 0 and AUC 0.5; compared by the AUC.
+  With ``rl.gate.positives_from = "explicit"`` the positives are what users said (up-votes, and their
+  corrections as held-out rows of their own); implicit signals give negatives only.
 
 A new metric is one :class:`GateMetricSpec` in :data:`GATE_METRICS` (and its name in
 :class:`trainer.config.GateMetric`).
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from trainer.algorithms.batch import fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
+from trainer.data import correction_row, implicit_label
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
@@ -123,8 +126,24 @@ def _reward_model_values(held: HeldOut) -> Values:
 # --- feedback -------------------------------------------------------------------------------------
 
 
+def _rated(p: Prompt) -> bool:
+    return p.logged_completion is not None and p.logged_reward is not None
+
+
 def _feedback_rows(rows: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    return [p for p in rows if p.logged_completion is not None and p.logged_reward is not None]
+    """The rated rows; under ``rl.gate.positives_from = "explicit"`` without the logged answers that implicit
+    signals alone labelled positive, and with each user's correction as a row of its own after its row (its
+    greedy answers and monitors count that prompt twice)."""
+    if rl.gate.positives_from == "any":
+        return [p for p in rows if _rated(p)]
+    out: list[Prompt] = []
+    for p in rows:
+        if _rated(p) and not (implicit_label(p) and (p.logged_reward or 0.0) > 0):
+            out.append(p)
+        correction = correction_row(p)
+        if correction is not None:
+            out.append(correction)
+    return out
 
 
 def _feedback_refusal(
@@ -172,7 +191,11 @@ GATE_METRICS: dict[GateMetric, GateMetricSpec] = {
         unit="feedback AUC",
         comparison=Comparison.AUC,
         usable=_feedback_rows,
-        needs=lambda rl: "a logged completion with a reward (user feedback)",
+        needs=lambda rl: (
+            "a logged completion with a reward (user feedback)"
+            if rl.gate.positives_from == "any"
+            else "a correction, or a logged completion with a reward that implicit signals alone did not call good"
+        ),
         refusal=_feedback_refusal,
         values=_feedback_values,
     ),
