@@ -462,7 +462,12 @@ class GateConfig(Section):
         min_length=1,
         description="The `verifiable` gate's yardstick: one reward mix for every candidate and the champion, whatever they train on.",
     )
-    eval_prompts: int = Field(default=32, ge=1, description="Held-out prompts for evaluation.")
+    eval_prompts: int = Field(
+        default=32,
+        ge=1,
+        description="Held-out rows for evaluation, oldest first (under positives_from = 'explicit' a correction is a "
+        "row of its own).",
+    )
     margin: float = Field(
         default=0.0,
         ge=0,
@@ -485,10 +490,12 @@ class GateConfig(Section):
         default="any",
         description="feedback metric: which held-out answers are the positives the candidates must rank first: `any` "
         "(the logged answer's reward > 0, whatever the signal) or `explicit` (only what the user said: a logged answer "
-        "rated up, and each user's correction, which becomes a held-out example of its own; a logged answer labelled "
-        "positive by implicit signals alone, such as `continued`, is left out, while negative implicit labels stay "
-        "negatives). A user who goes on after a wrong answer labels it `continued`, so at a low explicit rating rate "
-        "`any` ranks a candidate that learned the right answers below one that learned what users went on after.",
+        "rated up, and each user's correction, which becomes a held-out row of its own, rendered as a complete answer; "
+        "a logged answer labelled positive by implicit signals alone, such as `continued`, is left out, or is a "
+        "negative when the user corrected it, while negative implicit labels stay negatives). A user who goes on after "
+        "a wrong answer labels it `continued`, so at a low explicit rating rate `any` ranks a candidate that learned "
+        "the right answers below one that learned what users went on after. Either way the gate's rows are capped "
+        "per user and per API key as rl.split caps the held-out set.",
     )
 
     @model_validator(mode="after")

@@ -452,10 +452,8 @@ def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
     """``correction ≻ completion`` for every row with a correction (none when the snapshot has no such column)."""
     pairs = []
     for p in rows:
-        correction = p.logged_correction
-        if not isinstance(correction, str) or not correction.strip() or p.logged_completion is None:
-            continue
-        if correction.strip() == p.logged_completion.strip():
+        correction = correction_text(p)
+        if correction is None or p.logged_completion is None:
             continue
         ids = tuple(p.logged_token_ids) if p.logged_token_ids else None
         prompt_ids = tuple(p.logged_prompt_token_ids) if p.logged_prompt_token_ids else None
@@ -483,14 +481,27 @@ def implicit_label(p: Prompt) -> bool:
     return bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
 
 
-def correction_row(p: Prompt) -> Prompt | None:
-    """The user's correction of ``p``'s answer as a held-out row of its own (the same conversation, the
-    correction as its logged answer, reward +1 from source ``correction``), or None when there is none or it
-    repeats the logged answer."""
+CORRECTION_SOURCE = "correction"
+"""The ``logged_reward_source`` of a row made from a user's correction (:func:`correction_row`)."""
+
+
+def correction_text(p: Prompt) -> str | None:
+    """The user's correction of ``p``'s answer when it says something: a string with a visible character that
+    differs from the logged answer (surrounding whitespace aside); None otherwise."""
     correction = p.logged_correction
-    if not isinstance(correction, str) or not correction.strip():
+    if not isinstance(correction, str) or not any(c.isprintable() and not c.isspace() for c in correction):
         return None
     if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
+        return None
+    return correction
+
+
+def correction_row(p: Prompt) -> Prompt | None:
+    """The user's correction of ``p``'s answer (:func:`correction_text`) as a held-out row of its own: the same
+    conversation, the correction as its logged answer (text only: no served ids), reward +1 from source
+    :data:`CORRECTION_SOURCE`; None when there is none."""
+    correction = correction_text(p)
+    if correction is None:
         return None
     return replace(
         p,
@@ -502,7 +513,7 @@ def correction_row(p: Prompt) -> Prompt | None:
         logged_adapter_version=None,
         logged_correction=None,
         logged_tool_calls=None,
-        logged_reward_source="correction",
+        logged_reward_source=CORRECTION_SOURCE,
     )
 
 
@@ -510,7 +521,7 @@ def _labelled(p: Prompt) -> bool:
     """A row that gives the reward model a label: a finite logged reward, or a correction."""
     reward = p.logged_reward
     rated = reward is not None and p.logged_completion is not None and math.isfinite(float(reward))
-    return rated or (isinstance(p.logged_correction, str) and bool(p.logged_correction.strip()))
+    return rated or correction_text(p) is not None
 
 
 def feedback_data(rows: Sequence[Prompt], *, max_user_share: float = 1.0, max_key_share: float = 1.0) -> FeedbackData:

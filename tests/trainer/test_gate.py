@@ -4,6 +4,7 @@ margin and guardrails, reasons in words."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -166,7 +167,8 @@ HELDOUT = [
     _rated(4, "right", 1.0, "thumbs+edited", correction=" right "),  # the correction repeats the answer
     _rated(5, "old", 1.0, None),  # written before implicit signals: its label is the user's
     Prompt(prompt_id="t6", messages=[{"role": "user", "content": "q6"}], logged_correction="right"),  # no reward
-    _rated(7, "wrong", 0.6, "continued+regenerated", correction="right"),
+    _rated(7, "wrong", 0.6, "continued+regenerated", correction="right"),  # went on, but corrected it
+    _rated(8, "wrong", -1.0, "thumbs", correction=" \u200b\n"),  # a correction with nothing visible in it
 ]
 
 
@@ -181,14 +183,39 @@ def test_feedback_gate_positives_from_explicit_are_up_votes_and_corrections_neve
         ("t4", "right", "thumbs+edited"),
         ("t5", "old", None),
         ("t6/correction", "right", "correction"),
+        ("t7", "wrong", "continued+regenerated"),
         ("t7/correction", "right", "correction"),
+        ("t8", "wrong", "thumbs"),
     ]
-    assert feedback_labels(rows) == [True, False, False, True, True, True, True, True]
+    assert feedback_labels(rows) == [True, False, False, True, True, True, True, False, True, False]
     correction = rows[3]
     assert correction.messages == HELDOUT[3].messages and correction.logged_token_ids is None
     # "any" (the default) is as before: every rated row, labelled by its reward, no correction
-    assert [p.prompt_id for p in usable_rows(HELDOUT, FEEDBACK)] == ["t0", "t1", "t2", "t3", "t4", "t5", "t7"]
-    assert feedback_labels(usable_rows(HELDOUT, FEEDBACK)) == [True, True, False, False, True, True, True]
+    assert [p.prompt_id for p in usable_rows(HELDOUT, FEEDBACK)] == ["t0", "t1", "t2", "t3", "t4", "t5", "t7", "t8"]
+    assert feedback_labels(usable_rows(HELDOUT, FEEDBACK)) == [True, True, False, False, True, True, True, False]
+
+
+def test_a_user_who_corrects_every_answer_holds_no_more_than_its_share_of_the_feedback_gates_rows() -> None:
+    """Five users, ten held-out traces each (20 % apiece, as the split capped them). One user down-votes and
+    corrects every answer; the four others' answers are labelled by behaviour. Under ``explicit`` the others'
+    ``continued`` rows drop out and each correction is a row: uncapped, the correcting user would hold 20 of
+    28 rows and every positive."""
+    rows = []
+    for u in "abcde":
+        for i in range(10):
+            if u == "a":
+                label = dict(logged_reward=-1.0, logged_reward_source="thumbs", logged_correction="right")
+            else:
+                source = "continued" if i < 8 else "rephrased"
+                label = dict(logged_reward=0.5 if i < 8 else -0.5, logged_reward_source=source)
+            rows.append(
+                Prompt(f"{u}{i}", [{"role": "user", "content": "q"}], {"user_hash": u}, "wrong", **label)  # type: ignore[arg-type]
+            )
+    rl = RLConfig(gate={"metric": "feedback", "positives_from": "explicit"}, split={"max_user_share": 0.2})
+    used = usable_rows(rows, rl)
+    by_user = Counter(p.metadata["user_hash"] for p in used)
+    assert by_user == {"a": 2, "b": 2, "c": 2, "d": 2, "e": 2}  # every user at the typical user's 2 rows
+    assert sum(feedback_labels(used)) == 1  # one of user a's two rows is a correction
 
 
 def test_feedback_gate_positives_from_explicit_with_only_implicit_positives_says_what_it_needs() -> None:

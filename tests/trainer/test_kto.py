@@ -216,10 +216,42 @@ def test_kto_batch_cuts_long_logged_completions_and_corrections_to_the_window(ti
         logged_completion=long_text,
         logged_reward=1.0,
         logged_token_ids=list(range(5, 2005)),
-        logged_correction=long_text,
+        logged_correction="other " * 3000,
     )
     prompt_ids = [base.chat_token_ids(row.messages)]
     batch, _ = kto_batch(candidate, [row], prompt_ids, base, build_reward(candidate.reward))
     assert len(batch.completion_ids) == 2  # the completion and the correction
     for completion in batch.completion_ids:
         assert 1 <= len(completion) <= 64 - len(prompt_ids[0])
+
+
+def test_a_correction_is_a_complete_answer_that_ends_as_served_answers_do(tiny_model: Path) -> None:
+    """Served answers end in the template's end-of-turn token (the model stopped there); a correction rendered
+    as bare text would differ from them by that token alone, and KTO would learn (and the feedback gate rank)
+    the missing token. A correction that repeats the answer, or shows nothing, is no example."""
+    from trainer.model.base import load_base
+    from trainer.rewards import build_reward
+    from trainer.types import Prompt
+    from trainer.algorithms.kto import kto_batch
+
+    base = load_base(ModelConfig(name=str(tiny_model), dtype="float32", device="cpu", max_seq_len=256))
+    eos = base.tokenizer.eos_token_id
+    candidate = CandidateConfig(name="kto", algorithm=Algorithm.KTO, reward=[RewardTerm(fn="logged")])
+    served = [*base.tokenizer("7", add_special_tokens=False)["input_ids"], eos]
+    row = Prompt(
+        prompt_id="p",
+        messages=[{"role": "user", "content": "Calculate 2 + 3."}],
+        logged_completion="7",
+        logged_token_ids=served,
+        logged_reward=-1.0,
+        logged_correction="5",
+    )
+    prompt_ids = [base.chat_token_ids(row.messages)]
+    batch, _ = kto_batch(candidate, [row], prompt_ids, base, build_reward(candidate.reward))
+    assert batch.completion_ids[0] == served
+    correction = batch.completion_ids[1]
+    assert correction[-1] == eos and base.tokenizer.decode(correction[:-1]).strip() == "5"
+    for nothing in ("7 ", " \u200b "):
+        same = Prompt(**{**row.__dict__, "logged_correction": nothing})
+        batch, _ = kto_batch(candidate, [same], prompt_ids, base, build_reward(candidate.reward))
+        assert batch.completion_ids == [served]

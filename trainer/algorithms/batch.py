@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import chat
 from trainer.config import CandidateConfig, RLConfig
 from trainer.model.base import ResidentBase
 from trainer.rewards import RewardMix
@@ -84,6 +85,17 @@ def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
         tools=p.tools,
     )
     return ids or [base.tokenizer.eos_token_id]
+
+
+def answer_ids(base: ResidentBase, p: Prompt, text: str) -> list[int]:
+    """``text`` as a complete assistant answer after ``p``'s conversation: rendered by the chat template through
+    its end-of-turn token (:func:`trainer.chat.answer_token_ids`), as a served answer ends; else the text
+    tokenised and EOS. For answers nobody served, such as a user's correction: compared with served answers, which
+    end in the end-of-turn token, a correction without it would differ by that token alone."""
+    rendered = chat.answer_token_ids(base.tokenizer, p.messages, {"role": "assistant", "content": text}, p.tools)
+    if rendered:
+        return rendered
+    return [*base.tokenizer(text, add_special_tokens=False)["input_ids"], base.tokenizer.eos_token_id]
 
 
 def logged_text(p: Prompt) -> str:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.batch import Batch, LossInputs, fit_after, logged_ids, logged_text
+from trainer.algorithms.batch import Batch, LossInputs, answer_ids, fit_after, logged_ids, logged_text
 from trainer.algorithms.losses import kto_loss, sequence_logprobs
 from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
-from trainer.data import implicit_label
+from trainer.data import correction_text, implicit_label
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
 from trainer.algorithms.chunks import chunked_logprobs, row_chunks
@@ -71,7 +71,7 @@ def _examples(candidate: CandidateConfig, p: Prompt, reward: RewardMix) -> Itera
         used = True
         # an implicit label is never desirable under "explicit", whatever else the reward mix adds
         yield _Example(value > 0 and not _implicit_only(p, candidate), value)
-    if candidate.kto_use_corrections and p.logged_correction:
+    if candidate.kto_use_corrections and correction_text(p) is not None:
         used = True
         yield _Example(True, None)
     if not used:
@@ -128,10 +128,7 @@ def kto_batch(
             ids.append(list(pids))
             desirable.append(example.desirable)
             if example.value is None:  # the user's correction
-                correction = base.tokenizer(p.logged_correction, add_special_tokens=False)["input_ids"] or [
-                    base.tokenizer.eos_token_id
-                ]
-                completions.append(fit_after(base, pids, correction))
+                completions.append(fit_after(base, pids, answer_ids(base, p, correction_text(p) or "")))
                 versions.append("correction")
                 corrections += 1
             else:
@@ -194,4 +191,4 @@ def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
 def kto_row(p: Prompt, candidate: CandidateConfig) -> bool:
     """A row KTO can use: a logged completion that is an example (:func:`_logged_example`), or (with
     ``kto_use_corrections``) a correction."""
-    return _logged_example(p, candidate) or bool(candidate.kto_use_corrections and p.logged_correction)
+    return _logged_example(p, candidate) or bool(candidate.kto_use_corrections and correction_text(p) is not None)

@@ -21,11 +21,19 @@ A new metric is one :class:`GateMetricSpec` in :data:`GATE_METRICS` (and its nam
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from trainer.algorithms.batch import fit_after, logged_ids
+from trainer.algorithms.batch import answer_ids, fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
-from trainer.data import correction_row, implicit_label
+from trainer.data import (
+    CORRECTION_SOURCE,
+    capped_rows,
+    correction_row,
+    implicit_label,
+    key_share,
+    metadata_key,
+    metadata_user,
+)
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
@@ -131,19 +139,33 @@ def _rated(p: Prompt) -> bool:
 
 
 def _feedback_rows(rows: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    """The rated rows; under ``rl.gate.positives_from = "explicit"`` without the logged answers that implicit
-    signals alone labelled positive, and with each user's correction as a row of its own after its row (its
-    greedy answers and monitors count that prompt twice)."""
+    """The rated rows (:func:`_capped`). Under ``rl.gate.positives_from = "explicit"``: a logged answer only
+    implicit signals called good is no row, unless the user corrected it (then it is a negative: the correction
+    says it was not the answer wanted), and each correction (:func:`~trainer.data.correction_row`) is a
+    positive row of its own after its row (its greedy answers and monitors count that prompt twice)."""
     if rl.gate.positives_from == "any":
-        return [p for p in rows if _rated(p)]
+        return _capped([p for p in rows if _rated(p)], rl)
     out: list[Prompt] = []
     for p in rows:
-        if _rated(p) and not (implicit_label(p) and (p.logged_reward or 0.0) > 0):
-            out.append(p)
         correction = correction_row(p)
+        if _rated(p):
+            if not (implicit_label(p) and (p.logged_reward or 0.0) > 0):
+                out.append(p)
+            elif correction is not None:
+                out.append(replace(p, logged_reward=-(p.logged_reward or 0.0)))
         if correction is not None:
             out.append(correction)
-    return out
+    return _capped(out, rl)
+
+
+def _capped(rows: list[Prompt], rl: RLConfig) -> list[Prompt]:
+    """``rows`` with each API key's and user's rows cut to their share (``rl.split``, as the held-out split
+    is: :func:`~trainer.data.capped_rows`): the split caps every held-out row, the gate reads only these, and
+    a user who rates (or corrects) more than the others would otherwise hold more of them. Order kept."""
+    keys = [metadata_key(p.metadata) for p in rows]
+    users = [metadata_user(p.metadata) for p in rows]
+    caps = [(keys, key_share(keys, rl.split.max_key_share)), (users, rl.split.max_user_share)]
+    return [rows[i] for i in capped_rows([p.prompt_id for p in rows], caps)]
 
 
 def _feedback_refusal(
@@ -159,7 +181,16 @@ def _feedback_refusal(
 def _feedback_values(held: HeldOut) -> Values:
     """The implicit reward of each row's logged completion under the live adapter (the base's is 0)."""
     base, ids = held.base, held.prompt_ids
-    logged = [fit_after(base, i, logged_ids(base, p)) for i, p in zip(ids, held.rows)]
+    logged = [
+        fit_after(
+            base,
+            i,
+            answer_ids(base, p, p.logged_completion or "")
+            if p.logged_reward_source == CORRECTION_SOURCE
+            else logged_ids(base, p),
+        )
+        for i, p in zip(ids, held.rows)
+    ]
     reference = sequence_logps(base, ids, logged, reference=True) if logged else []
 
     def values(version: str) -> tuple[float, ...]:
