@@ -98,17 +98,21 @@ def _thumbs_rows(n: int, *, corrections: bool = False) -> list[Prompt]:
     return rows
 
 
+THUMBS_KTO = CandidateConfig(
+    name="kto",
+    algorithm="kto",
+    learning_rate=5e-3,
+    kl_coef=0.0,
+    kto_beta=1.0,
+    reward=[RewardTerm(fn="logged")],
+    start="fresh",
+)
+"""A KTO candidate that learns the thumbs of :func:`_thumbs_rows` in a few steps."""
+
+
 def test_kto_learns_from_thumbs_and_the_feedback_gate_refuses_its_inverse(tiny_model: Path, tmp_path: Path) -> None:
     train, heldout = split_snapshot(snapshot_table(_thumbs_rows(24, corrections=True)), 0.25)
-    kto = CandidateConfig(
-        name="kto",
-        algorithm="kto",
-        learning_rate=5e-3,
-        kl_coef=0.0,
-        kto_beta=1.0,
-        reward=[RewardTerm(fn="logged")],
-        start="fresh",
-    )
+    kto = THUMBS_KTO
     inverse = kto.model_copy(
         update={"name": "kto-inverse", "reward": [RewardTerm(fn="logged", weight=-1.0)], "kto_use_corrections": False}
     )
@@ -390,15 +394,7 @@ def test_the_feedback_gate_with_positives_from_explicit_is_not_fooled_by_users_w
                 logged_reward_source=source,
             )
         )
-    kto = CandidateConfig(
-        name="kto",
-        algorithm="kto",
-        learning_rate=5e-3,
-        kl_coef=0.0,
-        kto_beta=1.0,
-        reward=[RewardTerm(fn="logged")],
-        start="fresh",
-    )
+    kto = THUMBS_KTO
     values = {}
     for positives_from in ("any", "explicit"):
         rl = RLConfig(
