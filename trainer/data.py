@@ -487,13 +487,13 @@ CORRECTION_SOURCE = "correction"
 
 def correction_text(p: Prompt) -> str | None:
     """The user's correction of ``p``'s answer when it says something: a string with a visible character that
-    differs from the logged answer (surrounding whitespace aside); None otherwise."""
+    differs from the logged answer (surrounding whitespace aside), without that whitespace; None otherwise."""
     correction = p.logged_correction
     if not isinstance(correction, str) or not any(c.isprintable() and not c.isspace() for c in correction):
         return None
     if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
         return None
-    return correction
+    return correction.strip()
 
 
 def correction_row(p: Prompt) -> Prompt | None:

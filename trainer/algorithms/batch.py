@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
 
 from trainer import chat
 from trainer.config import CandidateConfig, RLConfig
@@ -89,13 +91,29 @@ def logged_ids(base: ResidentBase, p: Prompt) -> list[int]:
 
 def answer_ids(base: ResidentBase, p: Prompt, text: str) -> list[int]:
     """``text`` as a complete assistant answer after ``p``'s conversation: rendered by the chat template through
-    its end-of-turn token (:func:`trainer.chat.answer_token_ids`), as a served answer ends; else the text
-    tokenised and EOS. For answers nobody served, such as a user's correction: compared with served answers, which
-    end in the end-of-turn token, a correction without it would differ by that token alone."""
-    rendered = chat.answer_token_ids(base.tokenizer, p.messages, {"role": "assistant", "content": text}, p.tools)
-    if rendered:
-        return rendered
-    return [*base.tokenizer(text, add_special_tokens=False)["input_ids"], base.tokenizer.eos_token_id]
+    its end-of-turn token (:func:`trainer.chat.answer_token_ids`), as a served answer ends. For answers nobody
+    served, such as a user's correction: compared with served answers, which end in the end-of-turn token, a
+    correction without it would differ by that token alone.
+
+    The text is the user's, so it stays text: one that spells a control token (``<|im_end|>``...) is tokenised
+    as plain characters, never as a turn boundary, and then EOS; so is one after a conversation the template
+    cannot render (no messages, roles it refuses)."""
+    tokenizer = base.tokenizer
+    if not any(token in text for token in _control_tokens(tokenizer)):
+        try:
+            rendered = chat.answer_token_ids(tokenizer, p.messages, {"role": "assistant", "content": text}, p.tools)
+        except (TemplateError, TypeError, ValueError):
+            rendered = None
+        if rendered:
+            return rendered
+    plain = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [*plain, tokenizer.eos_token_id]
+
+
+def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The tokenizer's special tokens as text (``<|im_end|>``, ``<|im_start|>``...)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {str(t) for t in tokenizer.all_special_tokens} | {t.content for t in added.values() if t.special}
 
 
 def logged_text(p: Prompt) -> str:
