@@ -32,10 +32,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.reward import explicit_source
 from connectors.schema import content_text
 from trainer.errors import DataError, NotEnoughDataError
-from trainer.types import FeedbackData, LabelledExample, PreferencePair, Prompt, RoundData, RoundInputs
+from trainer.types import (
+    CORRECTION_SOURCE,
+    FeedbackData,
+    LabelledExample,
+    PreferencePair,
+    Prompt,
+    RoundData,
+    RoundInputs,
+    correction_text,
+)
 
 SNAPSHOT_SCHEMA = pa.schema(
     [
@@ -472,28 +480,6 @@ def correction_pairs(rows: Sequence[Prompt]) -> list[PreferencePair]:
             )
         )
     return pairs
-
-
-def implicit_label(p: Prompt) -> bool:
-    """Whether the row's label comes from implicit signals alone (``continued``, ``rephrased``...): its
-    ``reward_source`` names no reward the user gave. A row with no source (written before implicit signals
-    existed) counts as explicit."""
-    return bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
-
-
-CORRECTION_SOURCE = "correction"
-"""The ``logged_reward_source`` of a row made from a user's correction (:func:`correction_row`)."""
-
-
-def correction_text(p: Prompt) -> str | None:
-    """The user's correction of ``p``'s answer when it says something: a string with a visible character that
-    differs from the logged answer (surrounding whitespace aside), without that whitespace; None otherwise."""
-    correction = p.logged_correction
-    if not isinstance(correction, str) or not any(c.isprintable() and not c.isspace() for c in correction):
-        return None
-    if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
-        return None
-    return correction.strip()
 
 
 def correction_row(p: Prompt) -> Prompt | None:

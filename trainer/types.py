@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from connectors.reward import explicit_source
 from trainer.config import CandidateConfig, ModelConfig, RewardModelConfig, RLConfig
 from trainer.errors import TrainerConfigError
 
@@ -124,6 +125,28 @@ class Prompt:
     logged_prompt_token_ids: list[int] | None = None
     logged_tool_calls: list[dict[str, Any]] | None = None
     logged_reward_source: str | None = None  # the snapshot's reward_source: "thumbs", "continued", "thumbs+edited"...
+
+
+def implicit_label(p: Prompt) -> bool:
+    """Whether the row's label comes from implicit signals alone (``continued``, ``rephrased``...): its
+    ``reward_source`` names no reward the user gave. A row with no source (written before implicit signals
+    existed) counts as explicit."""
+    return bool(p.logged_reward_source) and not explicit_source(p.logged_reward_source)
+
+
+CORRECTION_SOURCE = "correction"
+"""The ``logged_reward_source`` of a row made from a user's correction (:func:`trainer.data.correction_row`)."""
+
+
+def correction_text(p: Prompt) -> str | None:
+    """The user's correction of ``p``'s answer when it says something: a string with a visible character that
+    differs from the logged answer (surrounding whitespace aside), without that whitespace; None otherwise."""
+    correction = p.logged_correction
+    if not isinstance(correction, str) or not any(c.isprintable() and not c.isspace() for c in correction):
+        return None
+    if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
+        return None
+    return correction.strip()
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,11 @@ from trainer.algorithms.batch import Batch, LossInputs, answer_ids, fit_after, l
 from trainer.algorithms.losses import kto_loss, sequence_logprobs
 from trainer.algorithms.offline_is import logged_with_reward
 from trainer.config import CandidateConfig
-from trainer.data import correction_text, implicit_label
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
 from trainer.algorithms.chunks import chunked_logprobs, row_chunks
 from trainer.rewards import RewardMix
-from trainer.types import Prompt
+from trainer.types import Prompt, correction_text, implicit_label
 
 
 @dataclass(frozen=True)

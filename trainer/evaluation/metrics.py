@@ -25,20 +25,12 @@ from dataclasses import dataclass, replace
 
 from trainer.algorithms.batch import answer_ids, fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
-from trainer.data import (
-    CORRECTION_SOURCE,
-    capped_rows,
-    correction_row,
-    implicit_label,
-    key_share,
-    metadata_key,
-    metadata_user,
-)
+from trainer.data import capped_rows, correction_row, key_share, metadata_key, metadata_user
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
 from trainer.rewards import RewardMix, build_reward
-from trainer.types import BASE_VERSION
+from trainer.types import BASE_VERSION, CORRECTION_SOURCE, implicit_label
 from trainer.types import Comparison, Prompt, RewardModelReport, Sample
 
 Values = Callable[[str], tuple[float, ...]]
