@@ -284,6 +284,16 @@ def capped_rows(
             return kept
 
 
+def capped_prompts(
+    rows: Sequence[Prompt], max_user_share: float, max_key_share: float, keep: Sequence[int] | None = None
+) -> list[int]:
+    """The indices (ascending) of ``rows`` kept when each API key and user is cut to its share
+    (:func:`capped_rows`, the key cap by :func:`key_share` of these rows' keys); ``keep``: the rows to start from."""
+    keys = [_key(p.metadata) for p in rows]
+    caps = [(keys, key_share(keys, max_key_share)), ([_user(p.metadata) for p in rows], max_user_share)]
+    return capped_rows([p.prompt_id for p in rows], caps, keep)
+
+
 def cap_user_share(table: pa.Table, max_share: float) -> pa.Table:
     """``table`` with each user's rows cut to :func:`user_cap` (a user over the cap keeps the rows whose
     SHA-256 of trace id sorts first: spread over time, not chosen by the user). Row order is kept."""
@@ -519,10 +529,7 @@ def feedback_data(rows: Sequence[Prompt], *, max_user_share: float = 1.0, max_ke
     rows = list(rows)
     if max_user_share < 1.0 or max_key_share < 1.0:
         labelled = [i for i, p in enumerate(rows) if _labelled(p)]
-        ids = [p.prompt_id for p in rows]
-        keys = [_key(p.metadata) for p in rows]
-        caps = [(keys, key_share(keys, max_key_share)), ([_user(p.metadata) for p in rows], max_user_share)]
-        kept = set(capped_rows(ids, caps, keep=labelled))
+        kept = set(capped_prompts(rows, max_user_share, max_key_share, keep=labelled))
         rows = [p for i, p in enumerate(rows) if i in kept]
     examples = labelled_examples(rows)
     return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(rows)))

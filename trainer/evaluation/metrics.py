@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from trainer.algorithms.batch import answer_ids, fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
-from trainer.data import capped_rows, correction_row, key_share, metadata_key, metadata_user
+from trainer.data import capped_prompts, correction_row
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
@@ -154,10 +154,7 @@ def _capped(rows: list[Prompt], rl: RLConfig) -> list[Prompt]:
     """``rows`` with each API key's and user's rows cut to their share (``rl.split``, as the held-out split
     is: :func:`~trainer.data.capped_rows`): the split caps every held-out row, the gate reads only these, and
     a user who rates (or corrects) more than the others would otherwise hold more of them. Order kept."""
-    keys = [metadata_key(p.metadata) for p in rows]
-    users = [metadata_user(p.metadata) for p in rows]
-    caps = [(keys, key_share(keys, rl.split.max_key_share)), (users, rl.split.max_user_share)]
-    return [rows[i] for i in capped_rows([p.prompt_id for p in rows], caps)]
+    return [rows[i] for i in capped_prompts(rows, rl.split.max_user_share, rl.split.max_key_share)]
 
 
 def _feedback_refusal(
