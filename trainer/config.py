@@ -297,6 +297,15 @@ class RewardModelConfig(Section):
         le=1,
         description="Promotion: the new reward model's held-out AUC may be at most this far below the reward champion's.",
     )
+    positives_from: Literal["any", "explicit"] = Field(
+        default="any",
+        description="Which answers the reward model learns (and is scored) as good: `any` (the logged answer's reward "
+        "> 0, whatever the signal) or `explicit` (what users said: up-votes, and each user's correction as a "
+        "positive example of its own; an answer only implicit signals called good, such as `continued`, is no "
+        "example, or a negative when the user corrected it; negative implicit labels stay negatives), as "
+        "[rl.gate] positives_from picks the feedback gate's. Users go on after wrong answers too: at a base's low "
+        "accuracy most `continued` answers are wrong, and `any` teaches the reward model to score them up.",
+    )
 
     @field_validator("name")
     @classmethod

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,6 +43,7 @@ from trainer.types import (
     RoundData,
     RoundInputs,
     correction_text,
+    implicit_label,
 )
 
 SNAPSHOT_SCHEMA = pa.schema(
@@ -513,6 +514,24 @@ def correction_row(p: Prompt) -> Prompt | None:
     )
 
 
+def explicit_rows(rows: Sequence[Prompt]) -> list[Prompt]:
+    """``rows`` with their positives taken from what users said (``positives_from = "explicit"``): a logged
+    answer only implicit signals called good (``continued``: users also go on after wrong answers they did not
+    notice) loses its label, or becomes a negative when the user corrected it (the correction says it was not
+    the answer wanted); each correction (:func:`correction_row`) is a positive row of its own, right after its
+    row. Explicit labels and negative implicit ones are kept as they are; order is kept."""
+    out: list[Prompt] = []
+    for p in rows:
+        correction = correction_row(p)
+        reward = p.logged_reward
+        if reward is not None and implicit_label(p) and reward > 0:
+            p = replace(p, logged_reward=-reward if correction is not None else None)
+        out.append(p)
+        if correction is not None:
+            out.append(correction)
+    return out
+
+
 def _labelled(p: Prompt) -> bool:
     """A row that gives the reward model a label: a finite logged reward, or a correction."""
     reward = p.logged_reward
@@ -520,13 +539,21 @@ def _labelled(p: Prompt) -> bool:
     return rated or correction_text(p) is not None
 
 
-def feedback_data(rows: Sequence[Prompt], *, max_user_share: float = 1.0, max_key_share: float = 1.0) -> FeedbackData:
+def feedback_data(
+    rows: Sequence[Prompt],
+    *,
+    max_user_share: float = 1.0,
+    max_key_share: float = 1.0,
+    positives_from: Literal["any", "explicit"] = "any",
+) -> FeedbackData:
     """Labelled examples and preference pairs (feedback pairs, then correction pairs) of one split.
 
     The rows that carry a label (a reward or a correction) are capped per API key and per user as the
     split is (:func:`capped_rows`): a client whose rows are all rated, among clients who rarely rate,
-    holds at most its share of the reward model's labels, not only of the round's rows."""
-    rows = list(rows)
+    holds at most its share of the reward model's labels, not only of the round's rows. With
+    ``positives_from = "explicit"`` the labels are :func:`explicit_rows`' (each correction also a positive
+    example), before the cap."""
+    rows = explicit_rows(rows) if positives_from == "explicit" else list(rows)
     if max_user_share < 1.0 or max_key_share < 1.0:
         labelled = [i for i, p in enumerate(rows) if _labelled(p)]
         kept = set(capped_prompts(rows, max_user_share, max_key_share, keep=labelled))

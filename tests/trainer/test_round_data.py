@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainer.data import prepare_round_data, snapshot_table
+from trainer.data import feedback_data, prepare_round_data, snapshot_table
 from trainer.errors import DataError
 from trainer.types import Prompt
 
@@ -84,3 +84,91 @@ def test_the_round_counts_the_rows_each_signal_labelled() -> None:
         "data/labels/thumbs": 1.0,
     }
     assert label_metrics(pa.table({"x": [1]}), pa.table({"x": [2]})) == {}
+
+
+def _behaved(i: int, prompt: str, answer: str, reward: float, source: str, correction: str | None = None) -> Prompt:
+    return Prompt(
+        prompt_id=f"t{i:02d}",
+        messages=[{"role": "user", "content": prompt}],
+        metadata={"user_hash": f"u{i}"},
+        logged_completion=answer,
+        logged_reward=reward,
+        logged_reward_source=source,
+        logged_correction=correction,
+    )
+
+
+# users go on after wrong answers too: `continued` is the only positive here that nobody said
+BEHAVED = [
+    _behaved(0, "2+2?", "4", 1.0, "thumbs"),
+    _behaved(1, "2+2?", "5", 0.5, "continued"),  # went on after a wrong answer
+    _behaved(2, "2+2?", "6", -0.5, "rephrased"),
+    _behaved(3, "3+3?", "7", 0.5, "continued", correction="6"),  # went on, but corrected it
+    _behaved(4, "3+3?", "9", -1.0, "thumbs", correction="6"),
+]
+
+
+def test_the_reward_models_explicit_positives_are_up_votes_and_corrections_never_continued() -> None:
+    """``[rl.reward_model] positives_from = "explicit"``: the reward model learns (and is scored on) what users
+    said was good; ``any`` (the default) learns `continued` as good, as before."""
+    any_ = feedback_data(BEHAVED)
+    assert [(e.completion, e.label) for e in any_.examples] == [
+        ("4", True),
+        ("5", True),
+        ("6", False),
+        ("7", True),
+        ("9", False),
+    ]
+    explicit = feedback_data(BEHAVED, positives_from="explicit")
+    assert [(e.trace_id, e.completion, e.label, e.source) for e in explicit.examples] == [
+        ("t00", "4", True, "thumbs"),
+        ("t02", "6", False, "rephrased"),
+        ("t03", "7", False, "continued"),  # the correction says it was not the answer wanted
+        ("t03/correction", "6", True, "correction"),
+        ("t04", "9", False, "thumbs"),
+        ("t04/correction", "6", True, "correction"),
+    ]
+    assert explicit.examples[3].completion_token_ids is None  # the user's text, tokenised, not served ids
+    # same-prompt pairs from the explicit labels (a correction is an up-vote there too), then the correction pairs
+    assert [(p.chosen, p.rejected, p.source) for p in explicit.pairs] == [
+        ("4", "6", "feedback"),
+        ("6", "7", "feedback"),
+        ("6", "9", "feedback"),
+        ("6", "7", "correction"),
+        ("6", "9", "correction"),
+    ]
+    assert [(p.chosen, p.rejected, p.source) for p in any_.pairs] == [
+        ("4", "6", "feedback"),
+        ("5", "6", "feedback"),  # `any`: the wrong answer users went on after ranks above another
+        ("7", "9", "feedback"),
+        ("6", "7", "correction"),
+        ("6", "9", "correction"),
+    ]
+
+
+def test_a_round_under_explicit_reward_model_positives_trains_on_them() -> None:
+    """The round's reward model reads the explicit labels for both splits; with `continued` as its only
+    positives a round under ``explicit`` trains none and says why."""
+    from trainer.config import CandidateConfig, RewardModelConfig, RLConfig
+    from trainer.reward_model.phase import reward_data
+    from trainer.types import RoundData
+
+    grpo = CandidateConfig(name="grpo-rm", algorithm="grpo", reward=[{"fn": "reward_model", "weight": 1.0}])
+    kto = CandidateConfig(name="kto", algorithm="kto", reward=[{"fn": "logged", "weight": 1.0}])
+    cfg = RewardModelConfig(positives_from="explicit", min_examples=2)
+    rows = tuple(BEHAVED)
+    data = RoundData(rows, rows, feedback_data(rows), feedback_data(rows), START, START)
+    rl = RLConfig(split={"max_user_share": 1.0, "max_key_share": 1.0})
+    (train, heldout), skipped = reward_data(data, [grpo, kto], cfg, rl)
+    assert skipped == {} and train == heldout == feedback_data(rows, positives_from="explicit")
+    split = RLConfig().split  # capped per user as the split is: a corrected answer and its correction are one user's
+    capped = feedback_data(
+        rows, positives_from="explicit", max_user_share=split.max_user_share, max_key_share=split.max_key_share
+    )
+    assert reward_data(data, [grpo, kto], cfg, RLConfig())[0] == (capped, capped)
+    assert len(capped.examples) < len(train.examples)
+    continued = tuple(_behaved(i, "2+2?", "5", 0.5, "continued") for i in range(3)) + (BEHAVED[2],)
+    data = RoundData(continued, continued, feedback_data(continued), feedback_data(continued), START, START)
+    assert reward_data(data, [grpo, kto], RewardModelConfig(min_examples=2), RLConfig())[0] is not None  # `any`
+    none, skipped = reward_data(data, [grpo, kto], cfg, RLConfig())
+    assert none is None and "0 up" in skipped["grpo-rm"]

@@ -21,16 +21,16 @@ A new metric is one :class:`GateMetricSpec` in :data:`GATE_METRICS` (and its nam
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from trainer.algorithms.batch import answer_ids, fit_after, logged_ids
 from trainer.config import GateMetric, RLConfig
-from trainer.data import capped_prompts, correction_row
+from trainer.data import capped_prompts, explicit_rows
 from trainer.evaluation.measure import score, sequence_logps
 from trainer.model.base import ResidentBase
 from trainer.reward_model.model import RewardModel
 from trainer.rewards import RewardMix, build_reward
-from trainer.types import BASE_VERSION, CORRECTION_SOURCE, implicit_label
+from trainer.types import BASE_VERSION, CORRECTION_SOURCE
 from trainer.types import Comparison, Prompt, RewardModelReport, Sample
 
 Values = Callable[[str], tuple[float, ...]]
@@ -131,23 +131,12 @@ def _rated(p: Prompt) -> bool:
 
 
 def _feedback_rows(rows: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
-    """The rated rows (:func:`_capped`). Under ``rl.gate.positives_from = "explicit"``: a logged answer only
-    implicit signals called good is no row, unless the user corrected it (then it is a negative: the correction
-    says it was not the answer wanted), and each correction (:func:`~trainer.data.correction_row`) is a
-    positive row of its own after its row (its greedy answers and monitors count that prompt twice)."""
-    if rl.gate.positives_from == "any":
-        return _capped([p for p in rows if _rated(p)], rl)
-    out: list[Prompt] = []
-    for p in rows:
-        correction = correction_row(p)
-        if _rated(p):
-            if not (implicit_label(p) and (p.logged_reward or 0.0) > 0):
-                out.append(p)
-            elif correction is not None:
-                out.append(replace(p, logged_reward=-(p.logged_reward or 0.0)))
-        if correction is not None:
-            out.append(correction)
-    return _capped(out, rl)
+    """The rated rows (:func:`_capped`); under ``rl.gate.positives_from = "explicit"``, of
+    :func:`~trainer.data.explicit_rows` (each correction a positive row of its own after its row: its greedy
+    answers and monitors count that prompt twice)."""
+    return _capped(
+        [p for p in (explicit_rows(rows) if rl.gate.positives_from == "explicit" else rows) if _rated(p)], rl
+    )
 
 
 def _capped(rows: list[Prompt], rl: RLConfig) -> list[Prompt]:

@@ -38,6 +38,7 @@ from trainer.config import (
     RLConfig,
     uses_reward_model,
 )
+from trainer.data import feedback_data
 from trainer.errors import NotEnoughDataError, TrainerConfigError
 from trainer.reward_model.model import (
     RewardModel,
@@ -93,7 +94,8 @@ def reward_data(
     data: RoundData, candidates: Sequence[CandidateConfig], cfg: RewardModelConfig, rl: RLConfig
 ) -> tuple[tuple[FeedbackData, FeedbackData] | None, dict[str, str]]:
     """The train / held-out feedback when this round trains a reward model (else None), and the candidates
-    this round skips for want of one (name -> reason).
+    this round skips for want of one (name -> reason). Under ``positives_from = "explicit"`` its labels are
+    :func:`~trainer.data.explicit_rows`' (capped per user and key as the split is).
 
     A round that wants a reward model but whose train split has fewer than ``min_examples`` labelled rows,
     or rows of one label only, trains none: the candidates that learn from ``reward_model`` sit this round
@@ -107,9 +109,13 @@ def reward_data(
     """
     if not check_config(candidates, cfg, rl):
         return None, {}
-    train_fb = data.train_feedback
+    train_fb, heldout_fb = data.train_feedback, data.heldout_feedback
+    if cfg.positives_from != "any":
+        shares = {"max_user_share": rl.split.max_user_share, "max_key_share": rl.split.max_key_share}
+        train_fb = feedback_data(data.train, positives_from=cfg.positives_from, **shares)
+        heldout_fb = feedback_data(data.heldout, positives_from=cfg.positives_from, **shares)
     if len(train_fb.examples) >= cfg.min_examples and train_fb.positives and train_fb.negatives:
-        return (train_fb, data.heldout_feedback), {}
+        return (train_fb, heldout_fb), {}
     why = (
         f"the training split has {len(train_fb.examples)} rows with feedback ({train_fb.positives} up, {train_fb.negatives} down); "
         f"the reward model needs at least [reward_model] min_examples = {cfg.min_examples} with both labels"
