@@ -532,11 +532,15 @@ def explicit_rows(rows: Sequence[Prompt]) -> list[Prompt]:
     return out
 
 
+def _rated(p: Prompt) -> bool:
+    """A row that is a labelled example: a logged answer with a finite reward."""
+    reward = p.logged_reward
+    return reward is not None and p.logged_completion is not None and math.isfinite(float(reward))
+
+
 def _labelled(p: Prompt) -> bool:
     """A row that gives the reward model a label: a finite logged reward, or a correction."""
-    reward = p.logged_reward
-    rated = reward is not None and p.logged_completion is not None and math.isfinite(float(reward))
-    return rated or correction_text(p) is not None
+    return _rated(p) or correction_text(p) is not None
 
 
 def feedback_data(
@@ -551,15 +555,29 @@ def feedback_data(
     The rows that carry a label (a reward or a correction) are capped per API key and per user as the
     split is (:func:`capped_rows`): a client whose rows are all rated, among clients who rarely rate,
     holds at most its share of the reward model's labels, not only of the round's rows. With
-    ``positives_from = "explicit"`` the labels are :func:`explicit_rows`' (each correction also a positive
-    example), before the cap."""
-    rows = explicit_rows(rows) if positives_from == "explicit" else list(rows)
+    ``positives_from = "explicit"``, see :func:`_explicit_feedback`."""
+    if positives_from == "explicit":
+        return _explicit_feedback(rows, max_user_share, max_key_share)
+    rows = list(rows)
     if max_user_share < 1.0 or max_key_share < 1.0:
         labelled = [i for i, p in enumerate(rows) if _labelled(p)]
         kept = set(capped_prompts(rows, max_user_share, max_key_share, keep=labelled))
         rows = [p for i, p in enumerate(rows) if i in kept]
     examples = labelled_examples(rows)
     return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(rows)))
+
+
+def _explicit_feedback(rows: Sequence[Prompt], max_user_share: float, max_key_share: float) -> FeedbackData:
+    """The labels of :func:`explicit_rows`: every correction a positive example of its own, so it also pairs
+    with its prompt's negatives. The cap counts examples (a correction once, as its own row), and a
+    correction's pair (correction ≻ the answer it corrected) stays with its example."""
+    expanded = explicit_rows(rows)
+    rated = [i for i, p in enumerate(expanded) if _rated(p)]
+    kept = [expanded[i] for i in capped_prompts(expanded, max_user_share, max_key_share, keep=rated)]
+    corrections = {p.prompt_id for p in kept if p.logged_reward_source == CORRECTION_SOURCE}
+    corrected = [p for p in rows if (c := correction_row(p)) is not None and c.prompt_id in corrections]
+    examples = labelled_examples(kept)
+    return FeedbackData(tuple(examples), tuple(feedback_pairs(examples) + correction_pairs(corrected)))
 
 
 # --- the data preparation step ------------------------------------------------------------------

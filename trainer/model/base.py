@@ -144,7 +144,9 @@ class ResidentBase:
     ) -> list[int]:
         """Completion token ids: the logged ids when the base can embed every one (:meth:`embeddable`);
         else an answer with ``tool_calls`` rendered by the chat template after ``messages``
-        (:func:`trainer.chat.answer_token_ids`, through the end-of-turn token), else ``text`` tokenised."""
+        (:func:`trainer.chat.answer_token_ids`, through the end-of-turn token), else ``text`` tokenised as text:
+        one that spells a control token (``<|im_end|>``, e.g. in a user's correction) gets that token's characters,
+        never a turn boundary."""
         if logged_ids and self.embeddable(logged_ids):
             return list(logged_ids)
         if tool_calls:
@@ -152,7 +154,7 @@ class ResidentBase:
             rendered = chat.answer_token_ids(self.tokenizer, messages, answer, tools)
             if rendered:
                 return rendered
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def target_module_problems(self, owner: str, target_modules: Sequence[str]) -> list[str]:
         """Why ``target_modules`` of ``owner`` (a candidate or the reward model) cannot be trained and served on
