@@ -475,7 +475,8 @@ class GateConfig(Section):
         default=32,
         ge=1,
         description="Held-out rows for evaluation, oldest first (under positives_from = 'explicit' a correction is a "
-        "row of its own).",
+        "row of its own); for the feedback metric, up to half up-voted and half not, oldest first within each (the "
+        "AUC needs both; its value does not depend on their ratio).",
     )
     margin: float = Field(
         default=0.0,

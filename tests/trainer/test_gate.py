@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from trainer.config import CandidateConfig, RLConfig
+from trainer.evaluation.evaluate import eval_prompts
 from trainer.evaluation.gate import gate
 from trainer.evaluation.metrics import GATE_METRICS, feedback_labels, refusal, usable_rows
 from trainer.evaluation.stats import auc, paired_auc_lower_bound, paired_bootstrap_lower_bound
@@ -240,3 +242,21 @@ def test_positives_from_is_refused_on_a_gate_that_does_not_read_feedback() -> No
         RLConfig(gate={"positives_from": "explicit"})
     with pytest.raises(ValueError, match="positives_from"):
         RLConfig(gate={"metric": "feedback", "positives_from": "implicit"})
+
+
+def test_the_feedback_gates_rows_hold_both_labels_when_the_oldest_hold_one() -> None:
+    """At a low rating rate up-votes are rare: forty down-voted rows, then three up-votes, then more down-votes.
+    The first 32 rows would hold no up-vote and the round would promote nothing; the gate takes every up-vote
+    (fewer than half) and the oldest down-votes, in row order. A mean metric still takes the first rows."""
+    rows = [_rated(i, "a", -1.0 if not 40 <= i < 43 else 1.0, "thumbs") for i in range(60)]
+    rl = FEEDBACK.model_copy(update={"gate": FEEDBACK.gate.model_copy(update={"eval_prompts": 32})})
+    picked = eval_prompts(rows, rl)
+    assert [p.prompt_id for p in picked] == [f"t{i}" for i in range(29)] + ["t40", "t41", "t42"]
+    balanced = [_rated(i, "a", 1.0 if i % 3 else -1.0, "thumbs") for i in range(60)]  # 40 up, 20 down
+    labels = feedback_labels(eval_prompts(balanced, rl))
+    assert len(labels) == 32 and sum(labels) == 16
+    few = rl.model_copy(update={"gate": rl.gate.model_copy(update={"eval_prompts": 80})})
+    assert eval_prompts(rows, few) == rows  # all of them when they fit
+    verifiable = RLConfig(gate={"metric": "verifiable", "eval_prompts": 5})
+    answered = [replace(r, metadata={"reference_answer": "1"}) for r in rows]
+    assert [p.prompt_id for p in eval_prompts(answered, verifiable)] == ["t0", "t1", "t2", "t3", "t4"]

@@ -92,8 +92,23 @@ class Evaluation:
 
 def eval_prompts(heldout: Sequence[Prompt], rl: RLConfig) -> list[Prompt]:
     """The first ``rl.gate.eval_prompts`` held-out rows the gate metric can use; may be empty (the gate then
-    promotes nothing)."""
-    return usable_rows(heldout, rl)[: rl.gate.eval_prompts]
+    promotes nothing). For an AUC metric (``feedback``), the first of each label (:func:`both_labels`)."""
+    rows, n = usable_rows(heldout, rl), rl.gate.eval_prompts
+    if len(rows) > n and GATE_METRICS[rl.gate.metric].comparison == Comparison.AUC:
+        return both_labels(rows, n)
+    return rows[:n]
+
+
+def both_labels(rows: Sequence[Prompt], n: int) -> list[Prompt]:
+    """``n`` of ``rows``, oldest first within each label, up to half of them up-voted and half not (the rest
+    from the other label when one has fewer), in row order. An AUC ranks up-votes against down-votes, so its
+    value does not depend on their ratio, but it needs both: at a low rating rate up-votes are rare, and the
+    first ``n`` rows of a window can hold none while later ones do."""
+    labels = feedback_labels(rows)
+    ups = [i for i, up in enumerate(labels) if up]
+    downs = [i for i, up in enumerate(labels) if not up]
+    take_ups = min(len(ups), max(n // 2, n - len(downs)))
+    return [rows[i] for i in sorted(ups[:take_ups] + downs[: n - take_ups])]
 
 
 def load_suites(rl: RLConfig, root: Path | None = None) -> dict[str, tuple[Prompt, ...]]:
