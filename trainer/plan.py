@@ -78,11 +78,15 @@ class RoundPlan:
         return [c for c in self.candidates if c.algorithm.online]
 
     def one_pass(self, rl: RLConfig) -> set[str]:
-        """Candidates that update together (``rl.update.mode = "one_pass"``, linear LoRA targets only)."""
+        """Candidates that update together (``rl.update.mode = "one_pass"``, linear LoRA targets only, the base
+        as reference)."""
         return {
             c.name
             for c in self.candidates
-            if rl.update.mode == UpdateMode.ONE_PASS and c.algorithm.one_pass and one_pass_ok(c.config)
+            if rl.update.mode == UpdateMode.ONE_PASS
+            and c.algorithm.one_pass
+            and one_pass_ok(c.config)
+            and c.config.reference == "base"  # one forward's reference pass is the base's, shared by all members
         }
 
 

@@ -11,7 +11,7 @@ import torch
 
 from trainer.adapters.store import make_store
 from trainer.algorithms.batch import Batch
-from trainer.algorithms.update import update_step
+from trainer.algorithms.update import StartReference, update_step
 from trainer.config import CandidateConfig, ModelConfig, RewardTerm, RLConfig
 from trainer.model.base import ResidentBase, load_base
 from trainer.algorithms.chunks import chunked_logprobs, row_chunks
@@ -50,7 +50,8 @@ def _batch(base: ResidentBase, kto: bool) -> Batch:
 
 def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_tokens: int):
     """One update step on a fresh adapter (non-zero B, so every LoRA weight gets a gradient): its metrics and
-    gradients, recorded before any optimizer step."""
+    gradients, recorded before any optimizer step. With ``reference = "start"`` the reference is that adapter;
+    the live weights are checked to be the adapter's again after the step (the recorder steps nothing)."""
     store = make_store("resident", base, seed=0)
     try:
         store.create(candidate.name, candidate)
@@ -64,7 +65,10 @@ def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_to
         names = sorted(params)
         recorder = GradRecorder([params[k] for k in names])
         rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})  # no clipping: raw gradients
-        metrics = update_step(base, recorder, candidate, rl, batch)
+        start = StartReference(recorder) if candidate.reference == "start" else None
+        before = {k: p.detach().clone() for k, p in params.items()}
+        metrics = update_step(base, recorder, candidate, rl, batch, start)
+        assert all(torch.equal(params[k], before[k]) for k in names)
         return metrics, dict(zip(names, recorder.grads))
     finally:
         for name in list(store.names()):
@@ -118,3 +122,67 @@ def test_a_base_with_dropout_in_its_config_updates_deterministically(peaked_mode
     assert again["train/loss"] == first["train/loss"] and all(torch.equal(same[k], want[k]) for k in want)
     assert chunked["train/loss"] == pytest.approx(first["train/loss"], rel=1e-5, abs=1e-6)
     assert_gradients_close(got, want, GRAD_TOL, "dropout")
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "kto"])
+def test_a_start_reference_is_the_adapter_itself_and_a_chunked_step_has_the_whole_steps_gradient(
+    base: ResidentBase, algorithm: str
+) -> None:
+    """``reference = "start"`` on the adapter's first step: the policy is its own reference (KL 0, KTO's log-ratios
+    0), unlike the base's reference; the start weights swapped in for KTO's reference point after the policy's
+    forward with grad leave the backward exact (the chunked step takes every log-prob without grad first)."""
+    reward = [RewardTerm(fn="logged" if algorithm == "kto" else "exact_answer")]
+    fields = dict(name="c", lora_rank=4, lora_alpha=8, kl_coef=0.1, algorithm=algorithm, reward=reward)
+    batch = _batch(base, kto=algorithm == "kto")
+    on_base, base_grads = _step(base, CandidateConfig(**fields), batch, chunk_tokens=100_000)
+    start = CandidateConfig(**fields, reference="start")
+    whole, want = _step(base, start, batch, chunk_tokens=100_000)
+    chunked, got = _step(base, start, batch, chunk_tokens=30)
+    assert whole["train/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert on_base["train/kl"] > 1e-3  # the adapter is not the base
+    if algorithm == "kto":
+        for key in ("train/kto_logratio_desirable", "train/kto_logratio_undesirable"):
+            assert whole[key] == pytest.approx(0.0, abs=1e-5), key
+            assert abs(on_base[key]) > 1e-3, key
+        assert whole["train/kto_z0"] == pytest.approx(0.0, abs=1e-5)
+    for key in ("train/loss", "train/pg_loss", "train/kl"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    assert_gradients_close(got, want, GRAD_TOL, f"{algorithm} start reference")
+    assert any(not torch.allclose(want[k], base_grads[k]) for k in want)  # the reference changed the update
+
+
+def test_a_start_reference_stays_the_round_start_while_the_adapter_trains(base: ResidentBase) -> None:
+    """After AdamW steps the reference block runs the weights the adapter had when the reference was taken, and
+    the block ends with the trained weights live again."""
+    candidate = CandidateConfig(
+        name="c",
+        lora_rank=4,
+        lora_alpha=8,
+        algorithm="kto",
+        reward=[RewardTerm(fn="logged")],
+        reference="start",
+        learning_rate=1e-2,
+    )
+    batch = _batch(base, kto=True)
+    store = make_store("resident", base, seed=0)
+    try:
+        store.create(candidate.name, candidate)
+        optimizer = store.activate(candidate.name)
+        start = StartReference(optimizer)
+        with torch.no_grad():
+            at_start_BT, mask_BT = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        rl = RLConfig()
+        metrics = [update_step(base, optimizer, candidate, rl, batch, start) for _ in range(3)]
+        with torch.no_grad():
+            trained_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+            with start.policy(optimizer):
+                reference_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+            again_BT, _ = base.completion_logprobs(batch.prompt_ids, batch.completion_ids)
+        real = mask_BT.bool()
+        assert torch.equal(reference_BT[real], at_start_BT[real])
+        assert torch.equal(again_BT[real], trained_BT[real])
+        assert (trained_BT[real] - at_start_BT[real]).abs().max() > 1e-3  # it did train
+        assert metrics[0]["train/kl"] == pytest.approx(0.0, abs=1e-6) and metrics[-1]["train/kl"] > 1e-6
+    finally:
+        store.delete(candidate.name)
+        store.close()

@@ -4,6 +4,7 @@ built from, the :class:`LossInputs` its policy loss reads, and the base-window h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,9 @@ class StepData:
 @dataclass(frozen=True)
 class LossInputs:
     """The policy loss's inputs: log-probs of the batch's completion tokens under the live adapter
-    (``logprobs_BT``, with grad) and the reference (``ref_BT``), and the mask ``mask_BT``."""
+    (``logprobs_BT``, with grad) and the reference (``ref_BT``), and the mask ``mask_BT``. ``reference``
+    runs a block under the reference policy (a loss that needs more of its log-probs, as KTO's reference point):
+    the base with adapters off when None."""
 
     base: ResidentBase
     candidate: CandidateConfig
@@ -64,6 +67,11 @@ class LossInputs:
     logprobs_BT: torch.Tensor
     ref_BT: torch.Tensor
     mask_BT: torch.Tensor
+    reference: Callable[[], AbstractContextManager[None]] | None = None
+
+    def reference_policy(self) -> AbstractContextManager[None]:
+        """A block under the reference policy (:attr:`reference`, or the base with adapters off)."""
+        return self.reference() if self.reference is not None else self.base.reference()
 
 
 PolicyLoss = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]

@@ -4,7 +4,7 @@ at a time (:func:`trainer.algorithms.update.update_step`) or all together in one
 
 - :func:`candidate_loss`: the candidate's algorithm's policy loss
   (:data:`trainer.algorithms.registry.ALGORITHMS`) plus ``kl_coef`` times the token-mean k3 KL to
-  the reference (the base with adapters disabled; Schulman 2020);
+  the reference (the base with adapters disabled, or the adapter at the round's start; Schulman 2020);
 - :func:`clip_and_step`: clip the gradient norm to ``rl.update.max_grad_norm``, step AdamW only when
   the norm is finite, zero the gradients.
 """

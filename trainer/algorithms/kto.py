@@ -1,6 +1,7 @@
 """KTO on logged rows (Ethayarajh et al. 2024): the logged completion is desirable when its reward mix is > 0
-(a user correction is one more desirable example), and the loss is taken against the base with adapters
-disabled, its reference point from the batch's completions shifted by one (as TRL).
+(a user correction is one more desirable example), and the loss is taken against the candidate's reference
+policy (the base with adapters disabled, or with ``reference = "start"`` the adapter at the round's start), its
+reference point from the batch's completions shifted by one (as TRL).
 
 The two classes' loss weights are the candidate's ``kto_desirable_weight`` / ``kto_undesirable_weight``, or,
 with ``kto_balance``, set once per round from its rows (:func:`balanced`): the KTO paper keeps
@@ -159,7 +160,7 @@ def kto_policy_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
     shifted = [batch.completion_ids[-1], *batch.completion_ids[:-1]]
     chunks = row_chunks(batch.prompt_ids, shifted, x.rl.update.chunk_tokens, x.base.share_prompts)
     kl_BT, kl_mask_BT = chunked_logprobs(x.base, batch.prompt_ids, shifted, chunks)  # no grad
-    with x.base.reference():
+    with x.reference_policy():
         ref_kl_BT, _ = chunked_logprobs(x.base, batch.prompt_ids, shifted, chunks)
     desirable_B = torch.tensor(batch.desirable or [], dtype=torch.bool, device=x.base.device)
     policy_B = sequence_logprobs(x.logprobs_BT, x.mask_BT)

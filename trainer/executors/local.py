@@ -28,7 +28,7 @@ from rich.progress import Progress
 from trainer import timers
 from trainer.adapters.store import AdapterStore
 from trainer.algorithms.batch import Batch, StepData
-from trainer.algorithms.update import update_step
+from trainer.algorithms.update import StartReference, update_step
 from trainer.config import CandidateConfig, ModelConfig, RLConfig, uses_reward_model
 from trainer.errors import DataError
 from trainer.model.base import ResidentBase
@@ -114,6 +114,7 @@ def train_candidates(
     round-level rollout metrics (``rollout/s``, ``rollout/tokens``, ``rollout/tokens_per_s``).
     """
     trained = Trained(history={c.name: [] for c in plan.candidates})
+    starts: dict[str, StartReference] = {}  # reference = "start": each such adapter's weights before its first step
     for c in plan.candidates:
         trained.versions[c.name], _ = publish(engine, store, c.name, 0, out_dir, None)
     totals = {"rollout/s": 0.0, "rollout/tokens": 0.0}
@@ -180,7 +181,9 @@ def train_candidates(
                 metrics = {"train/swap_s": store.last_swap_s, "train/step": float(step)}
                 batch, m = build(c)
                 metrics |= m | rollout_metrics
-                metrics |= update_step(base, optimizer, c.config, rl, batch)
+                if c.config.reference == "start" and c.name not in starts:
+                    starts[c.name] = StartReference(optimizer)
+                metrics |= update_step(base, optimizer, c.config, rl, batch, starts.get(c.name))
                 finish(c, metrics)
             if pending:
                 joint_metrics = train_one_pass(base, store, [(c.config, b) for c, b, _ in pending], rl)
