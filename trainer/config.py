@@ -153,9 +153,10 @@ class CandidateConfig(Section):
     reference: Literal["base", "start"] = Field(
         default="base",
         description="The reference policy of the KL penalty and of KTO's log-ratios: `base` (the base with "
-        "adapters off) or `start` (the adapter's own weights at the round's start: the champion's with start = "
-        "champion, so a round's update is measured from the policy that serves, as iterative DPO and KTO do; "
-        "such a candidate updates on its own, outside `one_pass` groups). The gate's max_kl stays a KL to the base.",
+        "adapters off) or `start` (the adapter's own weights at the round's start: with start = champion the "
+        "champion's, exactly when lora_rank and target_modules cover the champion's, so a round's update is measured "
+        "from the policy that serves, as iterative DPO and KTO do; such a candidate updates on its own, outside "
+        "`one_pass` groups). The gate's max_kl stays a KL to the base.",
     )
     lora_rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r).")

@@ -79,11 +79,12 @@ def test_plan_builds_each_candidates_pool_mix_and_start_once(monkeypatch: pytest
         by_name["graded"].start == champion and by_name["filtered"].start is None and by_name["offline"].start is None
     )
     assert [c.name for c in plan.online] == ["graded", "filtered"]
-    assert plan.one_pass(RL.model_copy(update={"update": RL.update.model_copy(update={"mode": "one_pass"})})) == {
-        "graded",
-        "filtered",
-    }
+    one_pass = RL.model_copy(update={"update": RL.update.model_copy(update={"mode": "one_pass"})})
+    assert plan.one_pass(one_pass) == {"graded", "filtered"}
     assert plan.one_pass(RL) == set()
+    own = CandidateConfig(name="own", start="champion", reference="start")  # its reference pass is its own start
+    plan = plan_round(FakeBase(), [graded, own], RL, GRADED, {"hourglass": champion}, tmp_path / "r2")  # type: ignore[arg-type]
+    assert plan.one_pass(one_pass) == {"graded"}
 
 
 def test_a_candidate_with_nothing_to_learn_sits_out_and_a_round_with_none_left_is_refused() -> None:

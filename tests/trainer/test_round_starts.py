@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,16 +42,28 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
         tmp_path / "r1",
     )
     champion = first.candidates[0].adapter_dir
+    # t1's champion: those weights moved off the base (one step of the tiny model may leave lora_B at 0)
+    moved = tmp_path / "moved"
+    shutil.copytree(champion, moved)
+    g = torch.Generator().manual_seed(0)
+    safetensors.torch.save_file(
+        {
+            k: v + 0.05 * torch.randn(v.shape, generator=g) if "lora_B" in k else v
+            for k, v in _weights(champion).items()
+        },
+        str(moved / "adapter_model.safetensors"),
+    )
 
     candidates = [
         CandidateConfig(name="from-champ", reward=MIX, start="champion", served_model="t1"),
         CandidateConfig(name="x", reward=MIX, start="self", served_model="t2"),
         CandidateConfig(name="new", reward=MIX, start="fresh", served_model="t2", lora_rank=4),
+        CandidateConfig(name="own-ref", reward=MIX, start="champion", served_model="t1", reference="start"),
     ]
     second = gate_round(
         run_round(
             RoundSpec(model, tuple(candidates), RL),
-            round_inputs(train, heldout, {"t1": champion, "t2": None}),
+            round_inputs(train, heldout, {"t1": moved, "t2": None}),
             tmp_path / "r2",
         ),
         RL,
@@ -58,9 +71,15 @@ def test_champion_self_and_tenants_across_two_rounds(tiny_model: Path, tmp_path:
     start_champ = _weights(tmp_path / "r2" / "from-champ" / "versions" / "s0")
     start_self = _weights(tmp_path / "r2" / "x" / "versions" / "s0")
     for key, value in _weights(champion).items():
-        assert torch.equal(start_champ[key], value) and torch.equal(start_self[key], value)
+        assert torch.equal(start_self[key], value)
+    for key, value in _weights(moved).items():
+        assert torch.equal(start_champ[key], value)
     start_new = _weights(tmp_path / "r2" / "new" / "versions" / "s0")
     assert all(v.abs().sum() == 0 for k, v in start_new.items() if "lora_B" in k)  # fresh: B = 0
+    by_name = {c.name: c for c in second.candidates}
+    # the champion's weights are off the base: their first step's KL is 0 only to their own start
+    assert by_name["from-champ"].step_metrics[0]["train/kl"] > 1e-4
+    assert by_name["own-ref"].step_metrics[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)
     assert set(second.decisions) == {"t1", "t2"}
     assert "champion" in second.decisions["t1"].reason and "base" in second.decisions["t2"].reason
     assert set(second.decisions["t2"].candidate_reward_means) == {"x", "new"}

@@ -48,6 +48,17 @@ def _batch(base: ResidentBase, kto: bool) -> Batch:
     return Batch(prompts, completions, old, adv, adv, ["v"] * ROWS)
 
 
+def _off_the_base(store, name: str) -> dict[str, torch.nn.Parameter]:
+    """The live adapter ``name`` with a non-zero B (every LoRA weight gets a gradient; it is not the base)."""
+    params = live_params(store, name)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, p in sorted(params.items()):
+            if ".lora_B." in k:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return params
+
+
 def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_tokens: int):
     """One update step on a fresh adapter (non-zero B, so every LoRA weight gets a gradient): its metrics and
     gradients, recorded before any optimizer step. With ``reference = "start"`` the reference is that adapter;
@@ -56,12 +67,7 @@ def _step(base: ResidentBase, candidate: CandidateConfig, batch: Batch, chunk_to
     try:
         store.create(candidate.name, candidate)
         store.activate(candidate.name)
-        params = live_params(store, candidate.name)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for k, p in sorted(params.items()):
-                if ".lora_B." in k:
-                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        params = _off_the_base(store, candidate.name)
         names = sorted(params)
         recorder = GradRecorder([params[k] for k in names])
         rl = RLConfig(update={"chunk_tokens": chunk_tokens, "max_grad_norm": 1e9})  # no clipping: raw gradients
@@ -186,3 +192,37 @@ def test_a_start_reference_stays_the_round_start_while_the_adapter_trains(base: 
     finally:
         store.delete(candidate.name)
         store.close()
+
+
+def test_a_start_reference_trains_alike_in_the_offload_stores_shared_slot(base: ResidentBase) -> None:
+    """The offload store's one device slot serves every candidate: a start-reference candidate trained there
+    beside a base-reference one, their steps interleaved, ends where it ends alone on the resident store."""
+    fields = dict(lora_rank=4, lora_alpha=8, algorithm="kto", reward=[RewardTerm(fn="logged")], learning_rate=1e-2)
+    own, other = CandidateConfig(name="a", reference="start", **fields), CandidateConfig(name="b", **fields)
+    batch = _batch(base, kto=True)
+
+    def train(kind: str, candidates: list[CandidateConfig]) -> dict[str, torch.Tensor]:
+        store = make_store(kind, base, seed=0)
+        try:
+            starts: dict[str, StartReference] = {}
+            for c in candidates:
+                store.create(c.name, c)
+                store.activate(c.name)
+                _off_the_base(store, c.name)
+            for _ in range(3):
+                for c in candidates:
+                    optimizer = store.activate(c.name)
+                    if c.reference == "start":
+                        starts.setdefault(c.name, StartReference(optimizer))
+                    update_step(base, optimizer, c, RLConfig(), batch, starts.get(c.name))
+            return store.snapshot(own.name)
+        finally:
+            for name in list(store.names()):
+                store.delete(name)
+            store.close()
+
+    alone = train("resident", [own])
+    shared = train("offload", [own, other])
+    assert set(shared) == set(alone) and len(alone) > 0
+    for k in alone:
+        assert torch.allclose(shared[k], alone[k], rtol=1e-5, atol=1e-6), k

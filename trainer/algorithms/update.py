@@ -36,32 +36,34 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
 
 class StartReference:
     """The reference policy of a candidate with ``reference = "start"``: its live adapter's weights when this is
-    built (before its first step of the round: for ``start = "champion"`` the champion's), kept as a copy.
+    built (before its first step of the round: for ``start = "champion"`` the champion's), kept as a host copy
+    (a LoRA's worth of host memory per such candidate; the adapter store's device budget is unchanged).
 
-    :meth:`policy` runs a block with those weights in the live adapter and puts the trained ones back after: a
-    LoRA's worth of copies per reference pass, no second adapter on the base and no change to the adapter store.
-    The copies go through ``.data``, outside autograd's version counters: a loss may take reference log-probs
-    after the policy's forward with grad (KTO's reference point), and the backward that follows sees the
-    trained values again, bit for bit.
+    :meth:`policy` runs a block with those weights in the live adapter and puts the trained ones back after,
+    also when the block raises: two LoRA-sized copies per reference pass, no second adapter on the base and no
+    change to the adapter store. The copies go through ``.data``, outside autograd's version counters: a loss may
+    take reference log-probs after the policy's forward with grad (KTO's reference point), and the backward that
+    follows sees the trained values again, bit for bit.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.weights = [p.detach().clone() for p in _params(optimizer)]
+        self.weights = [p.detach().to("cpu", copy=True) for p in _params(optimizer)]
 
     @contextlib.contextmanager
     def policy(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """A block under the start weights; ``optimizer`` holds the live adapter's parameters (as built).
+        """A block under the start weights. ``optimizer`` must hold the parameters of the adapter this was built
+        from, live (the caller's duty: the offload store's one slot serves every candidate of its shape).
 
         Raises:
-            RuntimeError: ``optimizer``'s parameters are not the adapter this was built from (in number or shape).
+            RuntimeError: ``optimizer``'s parameters differ from the start weights in number or shape.
         """
         params = _params(optimizer)
         if [p.shape for p in params] != [w.shape for w in self.weights]:
             raise RuntimeError("the live adapter's parameters differ from those its start reference was taken from")
         trained = [p.data.clone() for p in params]
-        for p, w in zip(params, self.weights):
-            p.data.copy_(w)
         try:
+            for p, w in zip(params, self.weights):
+                p.data.copy_(w)
             yield
         finally:
             for p, t in zip(params, trained):

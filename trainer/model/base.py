@@ -3,7 +3,8 @@ adapters can be attached per candidate.
 
 The reference policy for the KL penalty is this same model with adapters
 disabled (``with base.reference():``), so no second copy of the weights
-exists. Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
+exists (or, for a candidate with ``reference = "start"``, its own adapter's
+start weights: :class:`trainer.algorithms.update.StartReference`). Source of the adapter API: PEFT ``PeftModel`` (``add_adapter``,
 ``set_adapter``, ``delete_adapter``, ``disable_adapter``).
 """
 
