@@ -661,6 +661,7 @@ def main(
             _promote_oracle(api, token)
             version = str((record.get("versions") or {}).get(model) or "")
             undecided = False  # a canary still running may retire the served model during the next phase
+            promoted = None  # the version a canary promoted: the next phase and its accuracy are that version's
             if version and f"{model} v{version} on canary" in (record.get("reason") or ""):
                 ended = time.monotonic()
                 more, decided = _run_canary(
@@ -678,12 +679,17 @@ def main(
                 verdicts |= {e.trace_id: e.correct for e in more}
                 canaries[i] = [e.trace_id for e in more if not e.hostile]
                 canary_of[i] = (version, decided["decision"] if decided else None)
+                promoted = version if decided and decided["decision"] == "promote" else None
                 undecided = decided is None
                 canary_lines[i] = _print_canary(version, decided, more, time.monotonic() - ended)
                 time.sleep(
                     2 * cfg.serving.reconcile_interval_s
                 )  # the route drops the challenger (promote: moves to it)
-            serving = _wait_serving(api, model, None)
+            serving = _wait_serving(api, model, promoted)  # the route moves on the service's next reconcile
+            if promoted and str(serving.get("serving")) != promoted:
+                console.print(
+                    f"[yellow]v{promoted} was promoted but does not serve yet: the next phase may not be its own[/]"
+                )
             hotload = serving.get("last_hotload_s")
             console.print(
                 f"serving now: {model} -> {serving.get('serving') or 'the base (no champion)'}   last hot-load: {f'{hotload:.2f}' if hotload is not None else '-'} s"

@@ -384,3 +384,23 @@ def test_the_scoreboard_reports_forgetting_on_the_shipped_suite() -> None:
     )
     assert "+0.000, within the target" in forgetting_line("reasoning", champion, champion)
     assert "no champion was promoted" in forgetting_line("reasoning", base, None)
+
+
+def test_after_a_promotion_the_demo_waits_for_the_promoted_version_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A canary promoted v3 while /status still said v2 (the route moves on the service's next reconcile): the
+    round's accuracy and next phase went to v2 (seed 1 at 5 %, 2026-12-07). The demo now asks this wait for v3."""
+    from pipeline.demo import main as demo_main
+
+    answers = iter(["2", "2", "3", "3"])
+    calls: list[str] = []
+
+    def status(url: str) -> dict:
+        calls.append(url)
+        return {"serving": {"hourglass": {"serving": next(answers)}}}
+
+    monkeypatch.setattr(demo_main, "get", status)
+    monkeypatch.setattr(demo_main.time, "sleep", lambda s: None)
+    assert demo_main._wait_serving("http://api", "hourglass", "3")["serving"] == "3"
+    assert len(calls) == 3
+    assert demo_main._wait_serving("http://api", "hourglass", None)["serving"] == "3"  # nothing to wait for
+    assert len(calls) == 4
