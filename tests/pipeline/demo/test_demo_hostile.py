@@ -91,13 +91,15 @@ def test_drive_sends_hostile_requests_with_their_keys_users_and_inverted_votes(
     def chat(client: Any, model: str, messages: Any, reference: str, max_tokens: int, user: str | None, *_: Any) -> Any:
         trace = f"t{len(chats)}"
         chats[trace] = (client.api_key, user)
-        return trace, reference if len(chats) % 2 else "99", "tok", messages  # every other answer wrong
+        return trace, reference if int(reference) % 2 else "99", "tok", messages  # wrong when the answer is even
 
     monkeypatch.setattr(traffic, "_chat", chat)
     keys = ("hg-one",) if mode == "one" else ("hg-a", "hg-b")
     out = drive("http://gw", "m", 200, seed=3, api_key="hg-demo", behaviour=behaviour, hostile=Hostile(0.2, keys, mode))
     bad, good = [e for e in out if e.hostile], [e for e in out if not e.hostile]
-    assert bad and good and 0.1 < len(bad) / len(out) < 0.3
+    # 4 threads share one budget of turns, so how many turns each chat gets depends on scheduling: 42 to 61
+    # hostile turns of 200 over 100 runs of the conversational "many" case (20 % of chats, each rated always)
+    assert bad and good and 0.1 < len(bad) / len(out) < 0.4
     assert all(chats[e.trace_id][0] in keys and not str(chats[e.trace_id][1]).startswith("sim-user") for e in bad)
     assert all(chats[e.trace_id] == ("hg-demo", chats[e.trace_id][1]) for e in good)
     assert all(str(chats[e.trace_id][1]).startswith("sim-user") for e in good)
