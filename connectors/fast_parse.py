@@ -50,6 +50,7 @@ from connectors.schema import (
     TRACE_SCHEMA_V1,
     UNDECODABLE_RECORD,
     Rejected,
+    correction_refused,
     TraceEvent,
     TsWindow,
     UserHasher,
@@ -365,7 +366,8 @@ def parse_batch(
         hasher: user identifiers in ``metadata`` are replaced by its keyed hash before storage.
         fast: False sends every record through the reference parser (for comparison).
         window: accepted event times; events outside are dead-lettered as ``ts_out_of_range``.
-        max_correction_chars: longer feedback corrections are dead-lettered as ``oversize_correction``.
+        max_correction_chars: longer feedback corrections are dead-lettered as ``oversize_correction`` (and ones
+            holding invisible characters as ``hidden_characters``).
 
     Returns:
         A :class:`ParsedBatch`. Rows equal :func:`~connectors.segments.trace_row` /
@@ -627,8 +629,8 @@ def _feedback_row(event: _Feedback, record: KafkaRecord, limits: _Limits) -> Fee
     if (ts is None and event.ts is not None) or signals is None or (ts is not None and not limits.in_window(ts)):
         return None
     if event.correction is not None:
-        if limits.max_correction_chars is not None and len(event.correction) > limits.max_correction_chars:
-            return None
+        if correction_refused(event.correction, limits.max_correction_chars) is not None:
+            return None  # the reference parser dead-letters it
         signals["correction"] = event.correction
     metadata = _metadata_json(event.metadata, limits.hasher)
     if metadata is None:

@@ -33,6 +33,7 @@ import hmac
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -85,6 +86,7 @@ UNMATCHED_FEEDBACK = "unmatched_feedback"
 INVALID_UNICODE = "invalid_unicode"  # a lone surrogate (\ud800 in JSON) or other text UTF-8 cannot encode
 TS_OUT_OF_RANGE = "ts_out_of_range"
 OVERSIZE_CORRECTION = "oversize_correction"
+HIDDEN_CHARACTERS = "hidden_characters"  # a correction holding invisible format or control characters
 PARSE_ERROR = "parse_error"  # last resort: the parser itself failed on this record (a bug; the record is kept)
 UNDECODABLE_RECORD = "undecodable_record"  # Kafka could not decode the record batch (codec, corruption)
 NESTING_TOO_DEEP = "nesting_too_deep"  # arrays/objects nested past the JSON parser's recursion limit
@@ -569,7 +571,8 @@ def parse_record(
         with one of the reason codes ``empty_value``, ``oversize``,
         ``not_utf8``, ``invalid_json``, ``invalid_unicode``, ``not_an_object``,
         ``unknown_schema``, ``non_finite_reward``, ``schema_violation``,
-        ``oversize_correction``, ``ts_out_of_range``, ``nesting_too_deep``. Never raises on bad input.
+        ``oversize_correction``, ``hidden_characters``, ``ts_out_of_range``, ``nesting_too_deep``. Never raises
+        on bad input.
     """
     if not value:
         return Rejected(EMPTY_VALUE, "record has no value (tombstone or empty); expected a JSON event")
@@ -586,22 +589,51 @@ def parse_record(
             NON_FINITE_REWARD, f"reward is {event.reward!r} (NaN or infinite); rewards must be finite numbers"
         )
     if isinstance(event, FeedbackEvent):
-        too_long = correction_too_long(event.correction, max_correction_chars)
-        if too_long is not None:
-            return too_long
+        refused = correction_refused(event.correction, max_correction_chars)
+        if refused is not None:
+            return refused
     rejected = window.check(event.ts) if window is not None else None
     return rejected or event
 
 
-def correction_too_long(correction: str | None, max_chars: int | None) -> Rejected | None:
-    """The ``oversize_correction`` verdict for a correction above ``max_chars`` characters, else None."""
-    if correction is None or max_chars is None or len(correction) <= max_chars:
-        return None
-    return Rejected(
-        OVERSIZE_CORRECTION,
-        f"correction is {len(correction)} characters, above buffer.max_correction_chars={max_chars}; "
-        "send a shorter correction or raise the limit",
+# Invisible characters a correction may hold: the joiners and direction marks of scripts that need them
+# (Persian, Indic scripts, emoji sequences; Arabic, Hebrew). Every other format character (zero-width space,
+# word joiner, byte-order mark, soft hyphen, bidirectional overrides and isolates, the tag characters of
+# "ASCII smuggling") and every control character but tab and newlines is refused: none of them is part of an
+# answer a user wants taught, and a reader of the row cannot see them.
+CORRECTION_INVISIBLES: Final = frozenset("\u200c\u200d\u200e\u200f\t\n\r")
+
+
+def hidden_characters(text: str) -> list[str]:
+    """The code points of ``text`` that a reader cannot see and a correction may not hold (Unicode categories
+    Cc and Cf outside :data:`CORRECTION_INVISIBLES`), as ``U+XXXX`` in order, each once."""
+    found = dict.fromkeys(
+        f"U+{ord(c):04X}" for c in text if c not in CORRECTION_INVISIBLES and unicodedata.category(c) in ("Cc", "Cf")
     )
+    return list(found)
+
+
+def correction_refused(correction: str | None, max_chars: int | None) -> Rejected | None:
+    """Why a feedback ``correction`` cannot be stored, else None: longer than ``max_chars`` characters
+    (``oversize_correction``), or holding characters no reader sees (``hidden_characters``,
+    :func:`hidden_characters`). The gateway answers the same verdicts with a 400 naming ``correction``."""
+    if correction is None:
+        return None
+    if max_chars is not None and len(correction) > max_chars:
+        return Rejected(
+            OVERSIZE_CORRECTION,
+            f"correction is {len(correction)} characters, above buffer.max_correction_chars={max_chars}; "
+            "send a shorter correction or raise the limit",
+        )
+    hidden = hidden_characters(correction)
+    if hidden:
+        shown = ", ".join(hidden[:8]) + (f" and {len(hidden) - 8} more" if len(hidden) > 8 else "")
+        return Rejected(
+            HIDDEN_CHARACTERS,
+            f"correction holds invisible format or control characters ({shown}); send the answer as a reader "
+            "sees it (zero-width joiners and direction marks are kept)",
+        )
+    return None
 
 
 def _too_deep(why: str) -> Rejected:

@@ -103,7 +103,7 @@ from connectors.gateway.trace import (
     upstream_body,
 )
 from connectors.reward import reward_from_signals
-from connectors.schema import FeedbackEvent, UserHasher
+from connectors.schema import FeedbackEvent, UserHasher, correction_refused
 from connectors.sink import TraceSink
 
 log = logging.getLogger(__name__)
@@ -486,13 +486,9 @@ def create_gateway_app(
             raise RequestRefused(
                 422, f"invalid request: {describe_errors(errors)}", param=error_param(errors)
             ) from None
-        if body.correction is not None and len(body.correction) > correction_cap:
-            raise RequestRefused(
-                400,
-                f"correction is {len(body.correction)} characters, above buffer.max_correction_chars={correction_cap}; "
-                "send a shorter correction",
-                param="correction",
-            )
+        refused = correction_refused(body.correction, correction_cap)  # what ingest would dead-letter
+        if refused is not None:
+            raise RequestRefused(400, refused.detail, param="correction")
         check_finite(body.metadata, "body.metadata")  # as in chat requests: NaN is a 400, never a stored null
         meta_size = len(json.dumps(body.metadata, separators=(",", ":")))
         if meta_size > cfg.max_metadata_bytes:

@@ -170,6 +170,7 @@ BAD = [
     ),
     (s.SCHEMA_VIOLATION, _enc(_trace(60, prompt=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]))),
     (s.OVERSIZE_CORRECTION, _enc(_feedback(40, correction="y" * 65))),
+    (s.HIDDEN_CHARACTERS, _enc(_feedback(44, correction="7\u2060"))),  # a word joiner: "7" to a reader
     (s.INVALID_UNICODE, _enc(_trace(41)).replace(b'"u2"', b'"\\ud800"').replace(b'"u1"', b'"\\ud800"')),
     (s.INVALID_UNICODE, _enc(_feedback(42, metadata={"note": "@"})).replace(b'"@"', b'"a\\udfffb"')),
     (s.INVALID_UNICODE, _enc(_trace(43, prompt="@")).replace(b'"@"', b'"\\ud83d"')),  # half an emoji
@@ -213,6 +214,7 @@ def test_fast_path_and_reference_store_identical_rows_and_dead_letters() -> None
         s.NON_FINITE_REWARD,
         s.SCHEMA_VIOLATION,
         s.OVERSIZE_CORRECTION,
+        s.HIDDEN_CHARACTERS,
         s.INVALID_UNICODE,
     }
     for letter in fast.dead_letters:  # Kafka coordinates and key travel with the dead letter

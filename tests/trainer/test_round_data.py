@@ -13,7 +13,7 @@ import pytest
 
 from trainer.data import feedback_data, prepare_round_data, snapshot_table
 from trainer.errors import DataError
-from trainer.types import Prompt
+from trainer.types import Prompt, correction_text
 
 START = datetime(2026, 3, 1, tzinfo=timezone.utc)
 
@@ -220,3 +220,27 @@ def test_the_reward_models_text_answers_keep_control_tokens_as_characters(tiny_m
         ids = ResidentBase.completion_ids(base, text, None)
         assert not specials & set(ids) and tokenizer.decode(ids) == text
     assert ResidentBase.completion_ids(base, "x", [7, 8]) == [7, 8]  # served ids as served
+
+
+@pytest.mark.parametrize(
+    ("answer", "correction", "said"),
+    [
+        ("7", " 8\n", "8"),
+        ("7", "7 ", None),  # the answer again
+        ("7", "\u200f7\u200e", None),  # the answer again between direction marks: what a reader sees
+        ("7", "7\u200b", None),  # a zero-width space (a row stored before ingest refused it) teaches nothing
+        ("7", "8\u202e", None),  # nor one with a bidirectional override
+        ("7", "\u200c\u200d", None),  # nothing visible
+        # a zero-width non-joiner changes the letters a Persian reader sees: a correction
+        (
+            "\u0645\u06cc\u062e\u0648\u0627\u0645",
+            "\u0645\u06cc\u200c\u062e\u0648\u0627\u0645",
+            "\u0645\u06cc\u200c\u062e\u0648\u0627\u0645",
+        ),
+        ("7", "\u200d", None),  # a joiner alone
+    ],
+)
+def test_a_correction_says_something_only_in_what_a_reader_sees(answer: str, correction: str, said: str | None) -> None:
+    row = _row(0, "3+4?", answer, -1.0, "u1", correction=correction)
+    assert correction_text(row) == said
+    assert (said is None) == (not [p for p in feedback_data([row]).pairs if p.source == "correction"])

@@ -725,6 +725,10 @@ def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
     ("extra", "param", "says"),
     [
         ({"correction": "x" * 4097}, "correction", "buffer.max_correction_chars=4096"),
+        ({"correction": "7\u200b"}, "correction", "U+200B"),  # a zero-width space after the answer
+        ({"correction": "\U000e0069\U000e0067\U000e006e 8"}, "correction", "U+E0069, U+E0067, U+E006E"),  # tags
+        ({"correction": "8\u202e21"}, "correction", "U+202E"),  # a right-to-left override: shows "812", is "821"
+        ({"correction": "8\x00"}, "correction", "U+0000"),
         ({"metadata": {"note": "x" * 17_000}}, "metadata", "gateway.max_metadata_bytes"),
     ],
 )
@@ -736,7 +740,15 @@ def test_feedback_over_the_buffers_limits_is_refused_not_stored_then_dead_letter
     refused = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
 
     assert refused.status_code == 400 and error(refused)["param"] == param and says in error(refused)["message"]
-    assert gw.sink.feedback == []  # was 200 "stored", then an oversize_correction dead letter at ingest
+    assert gw.sink.feedback == []  # was 200 "stored", then a dead letter at ingest
+
+
+def test_a_correction_keeps_the_joiners_and_direction_marks_of_its_script(gw: Gateway) -> None:
+    answer = gw.chat()
+    text = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0645 \u200f\U0001f469\u200d\U0001f4bb\n\t8"  # ZWNJ, RLM, ZWJ
+    vote = {"trace_id": answer.headers[TRACE_HEADER], "thumbs": "down", "correction": text}
+    stored = gw.post("/v1/feedback", vote, gw.keys.client, **{FEEDBACK_HEADER: answer.headers[FEEDBACK_HEADER]})
+    assert stored.status_code == 200 and [e.correction for e in gw.sink.feedback] == [text]
 
 
 @pytest.mark.parametrize(
