@@ -596,20 +596,74 @@ def parse_record(
     return rejected or event
 
 
-# Invisible characters a correction may hold: the joiners and direction marks of scripts that need them
-# (Persian, Indic scripts, emoji sequences; Arabic, Hebrew). Every other format character (zero-width space,
-# word joiner, byte-order mark, soft hyphen, bidirectional overrides and isolates, the tag characters of
-# "ASCII smuggling") and every control character but tab and newlines is refused: none of them is part of an
-# answer a user wants taught, and a reader of the row cannot see them.
-CORRECTION_INVISIBLES: Final = frozenset("\u200c\u200d\u200e\u200f\t\n\r")
+# Code points a reader cannot see: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties:
+# soft hyphen, combining grapheme joiner, Hangul and Mongolian fillers and selectors, zero-width characters,
+# bidirectional controls, invisible operators, variation selectors, the byte-order mark, the tag characters
+# of "ASCII smuggling"), the blank braille cell, and noncharacters. With Cc and Cf (control and format
+# characters) they are what :func:`hidden_characters` refuses, but for the few uses below.
+_IGNORABLE = (
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x2800, 0x2800),
+    (0x3164, 0x3164),
+    (0xFDD0, 0xFDEF),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+)
+_JOINERS = frozenset("\u200c\u200d")  # zero-width non-joiner and joiner: Persian, Indic scripts, emoji sequences
+_DIRECTION_MARKS = frozenset("\u200e\u200f\u061c")  # left-to-right, right-to-left and Arabic letter marks
+_PRESENTATION = frozenset("\ufe0e\ufe0f")  # text and emoji presentation selectors
+
+
+def _ignorable(c: str) -> bool:
+    code = ord(c)
+    if 0x20 <= code < 0x7F:  # printable ASCII: most of any text
+        return False
+    if (code & 0xFFFE) == 0xFFFE:  # U+FFFE, U+FFFF and their copies in every plane: noncharacters
+        return True
+    return unicodedata.category(c) in ("Cc", "Cf") or any(lo <= code <= hi for lo, hi in _IGNORABLE)
 
 
 def hidden_characters(text: str) -> list[str]:
-    """The code points of ``text`` that a reader cannot see and a correction may not hold (Unicode categories
-    Cc and Cf outside :data:`CORRECTION_INVISIBLES`), as ``U+XXXX`` in order, each once."""
-    found = dict.fromkeys(
-        f"U+{ord(c):04X}" for c in text if c not in CORRECTION_INVISIBLES and unicodedata.category(c) in ("Cc", "Cf")
-    )
+    """The characters of ``text`` a reader cannot see and a correction may not hold, as ``U+XXXX`` in order,
+    each once: control characters but tab and newlines, format characters, Unicode's default-ignorable code
+    points, the blank braille cell and noncharacters, except where a script needs them: a joiner
+    (U+200C, U+200D) between two visible non-ASCII characters, a direction mark (U+200E, U+200F, U+061C) in a
+    text with right-to-left letters, one presentation selector (U+FE0E, U+FE0F) right after a visible
+    character. A run of either, or one next to ASCII or at an end, can spell a hidden message."""
+    rtl = any(unicodedata.bidirectional(c) in ("R", "AL") and not _ignorable(c) for c in text)  # RLM is "R"
+
+    def visible(i: int, ascii_ok: bool) -> bool:
+        if not 0 <= i < len(text):
+            return False
+        c = text[i]
+        return not _ignorable(c) and not c.isspace() and (ascii_ok or not c.isascii())
+
+    found: dict[str, None] = {}
+    for i, c in enumerate(text):
+        if c in "\t\n\r" or not _ignorable(c):
+            continue
+        if c in _JOINERS:
+            before = visible(i - 1, False) or (text[i - 1 : i] in _PRESENTATION and visible(i - 2, True))
+            if before and visible(i + 1, False):
+                continue
+        elif c in _DIRECTION_MARKS and rtl:
+            continue
+        elif c in _PRESENTATION and visible(i - 1, True):
+            continue
+        found[f"U+{ord(c):04X}"] = None
     return list(found)
 
 
@@ -630,8 +684,7 @@ def correction_refused(correction: str | None, max_chars: int | None) -> Rejecte
         shown = ", ".join(hidden[:8]) + (f" and {len(hidden) - 8} more" if len(hidden) > 8 else "")
         return Rejected(
             HIDDEN_CHARACTERS,
-            f"correction holds invisible format or control characters ({shown}); send the answer as a reader "
-            "sees it (zero-width joiners and direction marks are kept)",
+            f"correction holds characters a reader cannot see ({shown}); send the answer as a reader sees it",
         )
     return None
 

@@ -140,24 +140,18 @@ CORRECTION_SOURCE = "correction"
 
 
 def correction_text(p: Prompt) -> str | None:
-    """The user's correction of ``p``'s answer when it says something: a string with a visible character, with
-    no character a reader cannot see (:func:`connectors.schema.hidden_characters`: ingest refuses them since
-    2026-12-07, older rows may hold them), that differs from the logged answer other than by surrounding
-    whitespace and direction marks; without that whitespace. None otherwise."""
+    """The user's correction of ``p``'s answer when it says something: a string with a visible character and
+    none a reader cannot see (:func:`connectors.schema.hidden_characters`: ingest refuses them since
+    2026-12-07, older rows may hold them) that differs from the logged answer other than by surrounding
+    whitespace, without that whitespace; None otherwise."""
     correction = p.logged_correction
     if not isinstance(correction, str) or not any(c.isprintable() and not c.isspace() for c in correction):
         return None
     if hidden_characters(correction):
         return None
-    if p.logged_completion is not None and _as_seen(correction) == _as_seen(p.logged_completion):
+    if p.logged_completion is not None and correction.strip() == p.logged_completion.strip():
         return None
     return correction.strip()
-
-
-def _as_seen(text: str) -> str:
-    """``text`` without surrounding whitespace and direction marks (U+200E, U+200F: they order neutral
-    characters, they draw nothing). Joiners stay: in Persian or Indic text they change the letters drawn."""
-    return text.replace("\u200e", "").replace("\u200f", "").strip()
 
 
 @dataclass(frozen=True)

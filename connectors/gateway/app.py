@@ -163,7 +163,9 @@ class FeedbackIn(BaseModel):
         default=None, strict=True, description="The user asked for another answer (true/false only)."
     )
     correction: str | None = Field(
-        default=None, description="The user's corrected answer (size-limited at ingest by buffer.max_correction_chars)."
+        default=None,
+        description="The user's corrected answer: at most buffer.max_correction_chars characters, none that a reader "
+        "cannot see (connectors.schema.hidden_characters).",
     )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form; user ids are hashed.")
 
@@ -233,7 +235,8 @@ def create_gateway_app(
         trusted_metadata: metadata keys a trusted grader may set as labels (default ``buffer.trusted_metadata``).
         reward_spec: feedback -> reward mapping of the ``hourglass_feedback_reward`` histogram.
         max_correction_chars: longest feedback ``correction`` (characters; default ``buffer.max_correction_chars``);
-            a longer one is a 400 here instead of an event that ingest would dead-letter as ``oversize_correction``.
+            a longer one is a 400 here instead of an event that ingest would dead-letter as ``oversize_correction``
+            (as is one holding characters a reader cannot see, ``hidden_characters``).
         upstream_api_key: the gateway's own vLLM key (``serving.api_key``), sent as ``Authorization``.
         timeout_s: upstream read timeout, seconds (default ``gateway.upstream_timeout_s``).
         feedback_timeout_s: how long feedback waits for the broker ack, seconds.
@@ -486,9 +489,16 @@ def create_gateway_app(
             raise RequestRefused(
                 422, f"invalid request: {describe_errors(errors)}", param=error_param(errors)
             ) from None
-        refused = correction_refused(body.correction, correction_cap)  # what ingest would dead-letter
-        if refused is not None:
-            raise RequestRefused(400, refused.detail, param="correction")
+        if body.correction is not None and len(body.correction) > correction_cap:
+            raise RequestRefused(
+                400,
+                f"correction is {len(body.correction)} characters, above buffer.max_correction_chars={correction_cap}; "
+                "send a shorter correction",
+                param="correction",
+            )
+        hidden = correction_refused(body.correction, None)  # what ingest would dead-letter as hidden_characters
+        if hidden is not None:
+            raise RequestRefused(400, hidden.detail, param="correction")
         check_finite(body.metadata, "body.metadata")  # as in chat requests: NaN is a 400, never a stored null
         meta_size = len(json.dumps(body.metadata, separators=(",", ":")))
         if meta_size > cfg.max_metadata_bytes:

@@ -224,3 +224,50 @@ def test_strict_signals_still_take_json_booleans_integers_and_integer_rewards() 
     event = _parse({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t1", "edited": False, "rating": 4, "reward": 1})
     assert isinstance(event, s.FeedbackEvent)
     assert event.signals() == {"reward": 1.0, "rating": 4, "edited": False}
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        ("42", []),
+        ("line one\n\tline two\r\n", []),
+        ("7\u200b", ["U+200B"]),  # zero-width space
+        ("7\u200d", ["U+200D"]),  # a joiner after ASCII joins nothing
+        ("\u200d\u0645", ["U+200D"]),  # nor one at an end
+        ("\u0645\u06cc\u200c\u062e\u0648\u0627\u0645", []),  # Persian: the non-joiner between letters is kept
+        ("\u0915\u094d\u200d\u0937", []),  # Devanagari: a joiner between non-ASCII letters is kept
+        ("\u0645\u200c\u200c\u0645", ["U+200C"]),  # a run of joiners spells bits
+        ("\U0001f469\u200d\U0001f4bb", []),  # an emoji ZWJ sequence
+        ("\U0001f441\ufe0f\u200d\U0001f5e8\ufe0f", []),  # with presentation selectors inside it
+        ("7\ufe0f\u20e3", []),  # a keycap: 7, emoji presentation, enclosing keycap
+        ("\U0001f600\ufe0f\ufe0f", ["U+FE0F"]),  # two selectors in a row
+        ("\U0001f600\ufe01", ["U+FE01"]),  # a selector no emoji uses
+        ("8 \u200f- 3", ["U+200F"]),  # a direction mark without right-to-left letters reorders what is drawn
+        ("\u05e9\u05dc\u05d5\u05dd \u200f8", []),  # in Hebrew text it is what the writer needs
+        ("8\u202e12", ["U+202E"]),  # a right-to-left override
+        ("\U000e0069\U000e0067 8\U000e0069", ["U+E0069", "U+E0067"]),  # tag characters, each named once
+        ("\u3164", ["U+3164"]),  # Hangul filler
+        ("\u2800", ["U+2800"]),  # blank braille cell
+        ("\u2065", ["U+2065"]),  # unassigned but default-ignorable
+        ("8\uffff", ["U+FFFF"]),  # a noncharacter
+        ("\x00\x7f\x85", ["U+0000", "U+007F", "U+0085"]),  # control characters
+        ("\u00ad", ["U+00AD"]),  # soft hyphen
+        ("\uff17 \u00e9 e\u0301 \u2028", []),  # visible: fullwidth 7, accents (precomposed, combining), separator
+    ],
+)
+def test_hidden_characters_are_those_a_reader_cannot_see_but_where_a_script_needs_them(
+    text: str, hidden: list[str]
+) -> None:
+    assert s.hidden_characters(text) == hidden
+
+
+def test_a_correction_of_hidden_characters_is_dead_lettered_with_a_short_reason() -> None:
+    many = "".join(chr(c) for c in range(0xE0000, 0xE1000))  # 4096 distinct hidden characters
+    rejected = s.correction_refused(many, 4096)
+    assert isinstance(rejected, s.Rejected) and rejected.reason == s.HIDDEN_CHARACTERS
+    assert "U+E0000, U+E0001" in rejected.detail and "and 4088 more" in rejected.detail and len(rejected.detail) < 300
+    assert s.correction_refused(many, 4095).reason == s.OVERSIZE_CORRECTION  # type: ignore[union-attr]
+    assert s.correction_refused("8", 4096) is None and s.correction_refused(None, 1) is None
+    feedback = json.dumps({"schema": s.FEEDBACK_SCHEMA, "trace_id": "t", "thumbs": "down", "correction": "7\u2060"})
+    parsed = s.parse_record(feedback.encode(), max_record_bytes=1 << 20, hasher=HASHER, max_correction_chars=64)
+    assert isinstance(parsed, s.Rejected) and parsed.reason == s.HIDDEN_CHARACTERS and "U+2060" in parsed.detail

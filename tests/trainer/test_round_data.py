@@ -227,17 +227,17 @@ def test_the_reward_models_text_answers_keep_control_tokens_as_characters(tiny_m
     [
         ("7", " 8\n", "8"),
         ("7", "7 ", None),  # the answer again
-        ("7", "\u200f7\u200e", None),  # the answer again between direction marks: what a reader sees
-        ("7", "7\u200b", None),  # a zero-width space (a row stored before ingest refused it) teaches nothing
-        ("7", "8\u202e", None),  # nor one with a bidirectional override
-        ("7", "\u200c\u200d", None),  # nothing visible
+        ("7", "7\u200d", None),  # the answer and a joiner (a row stored before ingest refused it) teaches nothing
+        ("7", "7\u200b", None),  # nor with a zero-width space
+        ("7", "8\u202e", None),  # nor a correction with a bidirectional override
+        ("7", "\u3164", None),  # nothing visible: a Hangul filler
         # a zero-width non-joiner changes the letters a Persian reader sees: a correction
         (
             "\u0645\u06cc\u062e\u0648\u0627\u0645",
             "\u0645\u06cc\u200c\u062e\u0648\u0627\u0645",
             "\u0645\u06cc\u200c\u062e\u0648\u0627\u0645",
         ),
-        ("7", "\u200d", None),  # a joiner alone
+        ("7", "\u05e9\u05dc\u05d5\u05dd \u200f8", "\u05e9\u05dc\u05d5\u05dd \u200f8"),  # a mark in Hebrew text
     ],
 )
 def test_a_correction_says_something_only_in_what_a_reader_sees(answer: str, correction: str, said: str | None) -> None:

@@ -729,6 +729,8 @@ def test_feedback_the_broker_did_not_acknowledge_is_503(keys: Keys) -> None:
         ({"correction": "\U000e0069\U000e0067\U000e006e 8"}, "correction", "U+E0069, U+E0067, U+E006E"),  # tags
         ({"correction": "8\u202e21"}, "correction", "U+202E"),  # a right-to-left override: shows "812", is "821"
         ({"correction": "8\x00"}, "correction", "U+0000"),
+        ({"correction": "7\u200d"}, "correction", "U+200D"),  # a joiner after ASCII: "7" to a reader
+        ({"correction": "\U0001f600" + "\ufe01" * 40}, "correction", "U+FE01"),  # a message in variation selectors
         ({"metadata": {"note": "x" * 17_000}}, "metadata", "gateway.max_metadata_bytes"),
     ],
 )
