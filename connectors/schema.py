@@ -627,42 +627,65 @@ _DIRECTION_MARKS = frozenset("\u200e\u200f\u061c")  # left-to-right, right-to-le
 _PRESENTATION = frozenset("\ufe0e\ufe0f")  # text and emoji presentation selectors
 
 
+_IGNORABLE_RE = re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in _IGNORABLE) + "]")
+_KEYCAP_BASES = frozenset("0123456789#*")  # "7\ufe0f\u20e3": a keycap emoji
+
+
 def _ignorable(c: str) -> bool:
-    code = ord(c)
-    if 0x20 <= code < 0x7F:  # printable ASCII: most of any text
+    """Whether ``c`` draws nothing (or is no character): see :data:`_IGNORABLE`."""
+    if " " <= c <= "~":  # printable ASCII: most of any text
         return False
-    if (code & 0xFFFE) == 0xFFFE:  # U+FFFE, U+FFFF and their copies in every plane: noncharacters
+    if (ord(c) & 0xFFFE) == 0xFFFE:  # U+FFFE, U+FFFF and their copies in every plane: noncharacters
         return True
-    return unicodedata.category(c) in ("Cc", "Cf") or any(lo <= code <= hi for lo, hi in _IGNORABLE)
+    return unicodedata.category(c) in ("Cc", "Cf") or _IGNORABLE_RE.match(c) is not None
 
 
 def hidden_characters(text: str) -> list[str]:
     """The characters of ``text`` a reader cannot see and a correction may not hold, as ``U+XXXX`` in order,
-    each once: control characters but tab and newlines, format characters, Unicode's default-ignorable code
-    points, the blank braille cell and noncharacters, except where a script needs them: a joiner
-    (U+200C, U+200D) between two visible non-ASCII characters, a direction mark (U+200E, U+200F, U+061C) in a
-    text with right-to-left letters, one presentation selector (U+FE0E, U+FE0F) right after a visible
-    character. A run of either, or one next to ASCII or at an end, can spell a hidden message."""
+    each once: control characters but tab, newline and a carriage return before a newline; format characters;
+    Unicode's default-ignorable code points, the blank braille cell, the musical null notehead and
+    noncharacters. Allowed where a script needs them, one at a time (never next to another such character):
+
+    - a joiner (U+200C, U+200D) between two visible non-ASCII characters (Persian and Indic words, emoji
+      sequences; after an emoji's presentation selector too);
+    - a direction mark (U+200E, U+200F, U+061C) in a text holding right-to-left letters;
+    - a presentation selector (U+FE0E, U+FE0F) after a visible non-ASCII character, or in a keycap
+      (``0-9 # *``, the selector, U+20E3).
+
+    Anything else of them could spell a hidden message in a text that reads as the answer. What stays: one
+    joiner per gap between non-ASCII characters, one mark per gap in right-to-left text, one selector per
+    non-ASCII character (a bit or so each), and what is visible but alike (look-alike letters, space
+    variants, combining sequences); refused with the rest: the zero-width space some Khmer, Thai, Lao or
+    Myanmar text puts between words, the isolates and embeddings some apps wrap right-to-left text in, soft
+    hyphens, a leading byte-order mark, Mongolian variation selectors, ideographic variation sequences and
+    the flags of subdivisions (tag sequences)."""
     rtl = any(unicodedata.bidirectional(c) in ("R", "AL") and not _ignorable(c) for c in text)  # RLM is "R"
 
-    def visible(i: int, ascii_ok: bool) -> bool:
-        if not 0 <= i < len(text):
-            return False
-        c = text[i]
-        return not _ignorable(c) and not c.isspace() and (ascii_ok or not c.isascii())
+    def at(i: int) -> str:
+        return text[i] if 0 <= i < len(text) else ""
+
+    def visible(i: int, ascii_ok: bool = False) -> bool:
+        c = at(i)
+        return bool(c) and not _ignorable(c) and not c.isspace() and (ascii_ok or not c.isascii())
+
+    def alone(i: int) -> bool:  # no hidden-kind neighbour: no runs
+        return not (at(i - 1) and _ignorable(at(i - 1))) and not (at(i + 1) and _ignorable(at(i + 1)))
 
     found: dict[str, None] = {}
     for i, c in enumerate(text):
-        if c in "\t\n\r" or not _ignorable(c):
+        if c in "\t\n" or (c == "\r" and at(i + 1) == "\n") or not (_ignorable(c) or c in "\r\U0001d159"):
             continue
         if c in _JOINERS:
-            before = visible(i - 1, False) or (text[i - 1 : i] in _PRESENTATION and visible(i - 2, True))
-            if before and visible(i + 1, False):
+            after_selector = at(i - 1) in _PRESENTATION and visible(i - 2)  # an emoji, its selector, the joiner
+            if (visible(i - 1) or after_selector) and visible(i + 1):
                 continue
-        elif c in _DIRECTION_MARKS and rtl:
-            continue
-        elif c in _PRESENTATION and visible(i - 1, True):
-            continue
+        elif c in _DIRECTION_MARKS:
+            if rtl and alone(i):
+                continue
+        elif c in _PRESENTATION:
+            keycap = at(i - 1) in _KEYCAP_BASES and at(i + 1) == "\u20e3"
+            if (visible(i - 1) or keycap) and not (at(i + 1) and _ignorable(at(i + 1)) and at(i + 1) not in _JOINERS):
+                continue
         found[f"U+{ord(c):04X}"] = None
     return list(found)
 

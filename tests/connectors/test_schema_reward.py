@@ -253,6 +253,17 @@ def test_strict_signals_still_take_json_booleans_integers_and_integer_rewards() 
         ("\x00\x7f\x85", ["U+0000", "U+007F", "U+0085"]),  # control characters
         ("\u00ad", ["U+00AD"]),  # soft hyphen
         ("\uff17 \u00e9 e\u0301 \u2028", []),  # visible: fullwidth 7, accents (precomposed, combining), separator
+        ("\u0645\u200d7", ["U+200D"]),  # a joiner before ASCII
+        ("\u0645\u200c \u0645", ["U+200C"]),  # or before a space
+        ("\u05e9 7" + "\u200e\u200f\u061c" * 3, ["U+200E", "U+200F", "U+061C"]),  # a run of marks spells bits
+        ("\u0627\u061c8", []),  # one Arabic letter mark
+        ("T\ufe0eh\ufe0fe 7\ufe0e", ["U+FE0E", "U+FE0F"]),  # selectors after letters draw nothing
+        ("\u2764\ufe0f \u263a\ufe0e", []),  # emoji and text presentation of symbols
+        ("a\rb", ["U+000D"]),  # a lone carriage return: what follows overwrites what went before in a terminal
+        ("7\U0001d159", ["U+1D159"]),  # musical null notehead: drawn blank
+        ("\u034f\u17b4\u180b\u115f\uffa0\ufdd0", ["U+034F", "U+17B4", "U+180B", "U+115F", "U+FFA0", "U+FDD0"]),
+        ("\u8fbb\U000e0100", ["U+E0100"]),  # an ideographic variation sequence: refused (documented)
+        ("\u1781\u17d2\u1798\u17c2\u179a\u200b\u1797\u17b6\u179f\u17b6", ["U+200B"]),  # Khmer's word gap: too
     ],
 )
 def test_hidden_characters_are_those_a_reader_cannot_see_but_where_a_script_needs_them(
