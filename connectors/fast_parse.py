@@ -50,10 +50,10 @@ from connectors.schema import (
     TRACE_SCHEMA_V1,
     UNDECODABLE_RECORD,
     Rejected,
-    correction_refused,
     TraceEvent,
     TsWindow,
     UserHasher,
+    correction_refused,
     finite_or_null,
     parse_record,
 )
