@@ -168,6 +168,28 @@ def test_late_feedback_is_dead_lettered_when_unmatched(
     assert worker.stats().unmatched_feedback == 1
 
 
+def test_a_correction_with_hidden_characters_is_dead_lettered_and_a_clean_one_stored(
+    kafka_cfg: KafkaConfig, buffer_cfg: BufferConfig, run_worker: Callable[..., IngestWorker]
+) -> None:
+    """Through the broker: a correction that reads as "7" but holds a zero-width space and tag characters is
+    dead-lettered as hidden_characters (naming them); the same user's plain correction of the trace is stored."""
+    ensure_topics(kafka_cfg)
+    now = datetime.now(timezone.utc).isoformat()
+
+    def vote(correction: str) -> bytes:
+        event = {"schema": s.FEEDBACK_SCHEMA, "trace_id": "x", "ts": now, "thumbs": "down", "correction": correction}
+        return json.dumps(event).encode()
+
+    _produce(kafka_cfg, [_trace("x")])
+    _produce(kafka_cfg, [vote("7\u200b\U000e0041\U000e0042"), vote("8")], topic=kafka_cfg.feedback_topic)
+    worker = run_worker(kafka_cfg, buffer_cfg)
+    wait_for(lambda: worker.stats().feedback >= 1 and worker.stats().dead_letters >= 1, 60, "1 feedback + 1 letter")
+    letters = DeadLetterStore(buffer_cfg.dead_letter_root).list()
+    assert [d["reason"] for d in letters] == [s.HIDDEN_CHARACTERS]
+    assert "U+200B, U+E0041, U+E0042" in letters[0]["detail"] and letters[0]["topic"] == kafka_cfg.feedback_topic
+    assert worker.stats().feedback == 1 and _stored_ids(buffer_cfg) == ["x"]
+
+
 def test_a_full_disk_is_retried_until_it_clears_and_nothing_is_lost(
     kafka_cfg: KafkaConfig, tmp_path: Path, run_worker: Callable[..., IngestWorker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
