@@ -599,7 +599,7 @@ def parse_record(
 # Code points a reader cannot see: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties:
 # soft hyphen, combining grapheme joiner, Hangul and Mongolian fillers and selectors, zero-width characters,
 # bidirectional controls, invisible operators, variation selectors, the byte-order mark, the tag characters
-# of "ASCII smuggling"), the blank braille cell, and noncharacters. With Cc and Cf (control and format
+# of "ASCII smuggling"), the blank braille cell, the musical null notehead, and noncharacters. With Cc and Cf (control and format
 # characters) they are what :func:`hidden_characters` refuses, but for the few uses below.
 _IGNORABLE = (
     (0x00AD, 0x00AD),
@@ -619,14 +619,13 @@ _IGNORABLE = (
     (0xFFA0, 0xFFA0),
     (0xFFF0, 0xFFF8),
     (0x1BCA0, 0x1BCA3),
+    (0x1D159, 0x1D159),
     (0x1D173, 0x1D17A),
     (0xE0000, 0xE0FFF),
 )
 _JOINERS = frozenset("\u200c\u200d")  # zero-width non-joiner and joiner: Persian, Indic scripts, emoji sequences
 _DIRECTION_MARKS = frozenset("\u200e\u200f\u061c")  # left-to-right, right-to-left and Arabic letter marks
 _PRESENTATION = frozenset("\ufe0e\ufe0f")  # text and emoji presentation selectors
-
-
 _IGNORABLE_RE = re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in _IGNORABLE) + "]")
 _KEYCAP_BASES = frozenset("0123456789#*")  # "7\ufe0f\u20e3": a keycap emoji
 
@@ -641,7 +640,7 @@ def _ignorable(c: str) -> bool:
 
 
 def hidden_characters(text: str) -> list[str]:
-    """The characters of ``text`` a reader cannot see and a correction may not hold, as ``U+XXXX`` in order,
+    """The characters of ``text`` a reader cannot see and a correction may not hold, as ``U+200B``-style names in order,
     each once: control characters but tab, newline and a carriage return before a newline; format characters;
     Unicode's default-ignorable code points, the blank braille cell, the musical null notehead and
     noncharacters. Allowed where a script needs them, one at a time (never next to another such character):
@@ -659,32 +658,33 @@ def hidden_characters(text: str) -> list[str]:
     Myanmar text puts between words, the isolates and embeddings some apps wrap right-to-left text in, soft
     hyphens, a leading byte-order mark, Mongolian variation selectors, ideographic variation sequences and
     the flags of subdivisions (tag sequences)."""
-    rtl = any(unicodedata.bidirectional(c) in ("R", "AL") and not _ignorable(c) for c in text)  # RLM is "R"
+    ignorable = [_ignorable(c) for c in text]  # once per character: the rules below read neighbours
+    rtl = any(unicodedata.bidirectional(c) in ("R", "AL") and not ig for c, ig in zip(text, ignorable))  # RLM is R
 
     def at(i: int) -> str:
         return text[i] if 0 <= i < len(text) else ""
 
-    def visible(i: int, ascii_ok: bool = False) -> bool:
-        c = at(i)
-        return bool(c) and not _ignorable(c) and not c.isspace() and (ascii_ok or not c.isascii())
+    def hidden_kind(i: int) -> bool:
+        return 0 <= i < len(text) and ignorable[i]
 
-    def alone(i: int) -> bool:  # no hidden-kind neighbour: no runs
-        return not (at(i - 1) and _ignorable(at(i - 1))) and not (at(i + 1) and _ignorable(at(i + 1)))
+    def visible(i: int) -> bool:  # a non-ASCII character that draws something
+        c = at(i)
+        return bool(c) and not ignorable[i] and not c.isspace() and not c.isascii()
 
     found: dict[str, None] = {}
     for i, c in enumerate(text):
-        if c in "\t\n" or (c == "\r" and at(i + 1) == "\n") or not (_ignorable(c) or c in "\r\U0001d159"):
+        if not ignorable[i] or c in "\t\n" or (c == "\r" and at(i + 1) == "\n"):
             continue
         if c in _JOINERS:
             after_selector = at(i - 1) in _PRESENTATION and visible(i - 2)  # an emoji, its selector, the joiner
             if (visible(i - 1) or after_selector) and visible(i + 1):
                 continue
         elif c in _DIRECTION_MARKS:
-            if rtl and alone(i):
+            if rtl and not hidden_kind(i - 1) and not hidden_kind(i + 1):  # no runs
                 continue
         elif c in _PRESENTATION:
             keycap = at(i - 1) in _KEYCAP_BASES and at(i + 1) == "\u20e3"
-            if (visible(i - 1) or keycap) and not (at(i + 1) and _ignorable(at(i + 1)) and at(i + 1) not in _JOINERS):
+            if (visible(i - 1) or keycap) and (not hidden_kind(i + 1) or at(i + 1) in _JOINERS):
                 continue
         found[f"U+{ord(c):04X}"] = None
     return list(found)
