@@ -16,7 +16,8 @@ model. A run that fails (exit status not 0) is a row of its own and fails the ta
     python bench/poisoning.py [--rounds 4] [--traffic 192] [--between 96] [--seed 0]
 
 One clean run of the default demo takes about 40 min on the 2-core dev host; the whole benchmark (7 runs)
-several hours. Each run's full output is kept under ``--logs``.
+several hours. Each run's full output is kept under ``--logs``; with ``--reuse-logs`` a run whose log there is
+complete is read instead of run again, and the page is written after every run.
 """
 
 from __future__ import annotations
@@ -213,6 +214,14 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="hostile shares, 0 included")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="hostile key modes to run")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "hourglass-poisoning")
+    parser.add_argument("--variant", default="", help="report section name (default: from the settings)")
+    parser.add_argument(
+        "--reuse-logs",
+        action="store_true",
+        help="a run whose log under --logs has the demo's result line is read, not run again (its wall time and "
+        "load as the demo printed them): resumes a stopped benchmark, or takes the clean run from "
+        "bench/learning.py's log of the same seed copied to demo-0-one.txt",
+    )
     writer.add_arguments(parser)
     args = parser.parse_args()
     recorder = writer.Recorder("poisoning", args)
@@ -221,14 +230,26 @@ def main() -> None:
     for share in args.shares:
         for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
             log = args.logs / f"demo-{share:g}-{mode}.txt"
-            rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
-            results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
+            kept = parse(log.read_text()) if args.reuse_logs and log.exists() else None
+            if kept is not None and kept.total_s is not None:
+                print(f"{log}: kept from an earlier run", flush=True)
+                results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))
+            else:
+                rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
+                results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
             columns, rows, result = table(results)
             print(writer.markdown_table(columns, rows[-1:]), flush=True)
-    columns, rows, result = table(results)
+            _report(recorder, args, columns, rows, result)  # after every run: a stopped benchmark keeps its rows
     print(writer.markdown_table(columns, rows))
+    recorder.close()
+    print(result)
+
+
+def _report(
+    recorder: writer.Recorder, args: argparse.Namespace, columns: list[str], rows: list[list[object]], result: str
+) -> None:
     recorder.write(
-        f"r{args.rounds}-t{args.traffic}-b{args.between}-s{args.seed}",
+        args.variant or f"r{args.rounds}-t{args.traffic}-b{args.between}-s{args.seed}",
         title=f"{args.rounds} rounds, {args.traffic} + {args.between} requests per phase, seed {args.seed}",
         columns=columns,
         rows=rows,
@@ -238,8 +259,6 @@ def main() -> None:
             "worse promotion: a promoted challenger with a lower honest thumbs-up rate than the side it replaced",
         ],
     )
-    recorder.close()
-    print(result)
 
 
 if __name__ == "__main__":

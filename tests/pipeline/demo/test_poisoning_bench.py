@@ -64,3 +64,33 @@ def test_table_ratio_to_clean_and_target() -> None:
     assert "NOT JUDGED" in result and "PASS" not in result
     _, _, result = table([(0.05, "one", 0, good, 60.0, "-")])  # a 5 % run without its clean reference
     assert "NOT JUDGED" in result
+
+
+def test_reuse_logs_reads_finished_runs_and_runs_only_the_missing_ones(tmp_path, monkeypatch, capsys) -> None:
+    """``--reuse-logs``: a log with the demo's result line is read (its wall time and load as printed), a log
+    without one (a run that was stopped) is run again, and the page is written after every run."""
+    from bench import poisoning
+
+    logs, reports = tmp_path / "logs", tmp_path / "reports"
+    logs.mkdir()
+    (logs / "demo-0-one.txt").write_text(SYNTHETIC)
+    (logs / "demo-0.05-one.txt").write_text(CAPTURED.read_text())
+    (logs / "demo-0.05-many.txt").write_text("greedy accuracy after round 1 (hourglass-v1): 0.100\n")  # stopped
+    ran: list[tuple[str, ...]] = []
+
+    def fake_run(args, log: Path, *extra: str, seed=None):
+        ran.append(extra)
+        log.write_text(SYNTHETIC.replace("0.521", "0.480"))
+        return 0, 60.0, "1.0 / 1.0"
+
+    monkeypatch.setattr(poisoning, "run_demo", fake_run)
+    argv = ["poisoning.py", "--shares", "0", "0.05", "--logs", str(logs), "--reuse-logs", "--report-dir", str(reports)]
+    monkeypatch.setattr("sys.argv", [*argv, "--variant", "t"])
+    poisoning.main()
+    assert ran == [("--hostile-share", "0.05", "--hostile-keys", "many")]
+    out = capsys.readouterr().out
+    assert "| 0% | - | 0.521 | 1.00 |" in out and "25.5 min | 3.0 / 2.9 |" in out  # kept: the log's own figures
+    assert "| 5% | one | 0.479 | 0.92 |" in out and "13.1 min | 3.3 / 3.4 |" in out
+    assert "| 5% | many | 0.480 | 0.92 |" in out and "1.0 min | 1.0 / 1.0 |" in out  # run again
+    page = (reports / "poisoning.md").read_text()
+    assert page.count("<!-- bench:t -->") == 1 and "| 5% | many | 0.480 |" in page
