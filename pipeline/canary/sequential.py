@@ -18,7 +18,8 @@ it may be checked after every new feedback event without inflating the error.
 
 Decision, in this order:
 
-1. ``abort`` when ``max_duration_s`` has passed without a decision;
+1. ``abort`` when ``max_duration_s`` has passed without a decision (with the interval of that look, where
+   both sides have ``min_events``: how close it came);
 2. ``continue`` until both sides have at least ``min_events`` events (a floor
    for the variance estimate);
 3. ``abort`` when the upper bound is below 0 (the challenger is worse);
@@ -131,19 +132,28 @@ def decide(
         min_observed_lift: the smallest observed difference (challenger minus champion) a promotion needs
             besides the bound; None: the bound alone.
     """
+    floor = max(min_events, 1)
+    measured = challenger.n >= floor and champion.n >= floor
+    diff = challenger.mean - champion.mean if measured else None
+    hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau) if measured else None
     if max_duration_s is not None and elapsed_s >= max_duration_s:
+        # out of time: aborted whatever the evidence says; the interval, where there is one, shows how close it was
+        where = ""
+        lower = upper = None
+        if diff is not None and hw is not None:
+            lower, upper = diff - hw, diff + hw
+            where = f"; difference {diff:+.3f}, interval [{lower:+.3f}, {upper:+.3f}], margin {margin:g}"
         return Verdict(
             "abort",
             f"no decision within max_duration_s={max_duration_s:g}s "
-            f"({challenger.n} challenger / {champion.n} {control} events)",
-            None,
-            None,
-            None,
+            f"({challenger.n} challenger / {champion.n} {control} events{where})",
+            diff,
+            lower,
+            upper,
             challenger,
             champion,
         )
-    floor = max(min_events, 1)
-    if challenger.n < floor or champion.n < floor:
+    if diff is None or hw is None:
         return Verdict(
             "continue",
             f"waiting for {floor} events per side (challenger {challenger.n}, {control} {champion.n})",
@@ -153,8 +163,6 @@ def decide(
             challenger,
             champion,
         )
-    diff = challenger.mean - champion.mean
-    hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau)
     lower, upper = diff - hw, diff + hw
     if upper < 0:
         reason = (

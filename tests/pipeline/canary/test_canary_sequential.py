@@ -92,12 +92,21 @@ def test_rules_min_feedback_floor_and_max_duration() -> None:
     )  # below the floor
     verdict = decide(_arm(5, 0), base, alpha=ALPHA, margin=MARGIN, min_feedback=50, elapsed_s=61, max_duration_s=60)
     assert verdict.decision == "abort" and "max_duration_s=60" in verdict.reason
+    assert verdict.lower is None and "interval" not in verdict.reason  # below the floor: no interval to show
+    # Out of time with evidence on both sides: still an abort (even a look that would promote), with the interval
+    # of that look in the verdict and its reason, so ops see how close it came.
+    late = decide(_arm(60, 54), base, alpha=ALPHA, margin=MARGIN, min_feedback=50, elapsed_s=61, max_duration_s=60)
+    on_time = decide(_arm(60, 54), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)
+    assert late.decision == "abort" and on_time.decision == "promote"
+    assert (late.lower, late.upper, late.difference) == (on_time.lower, on_time.upper, on_time.difference)
+    assert late.lower is not None and late.upper is not None
+    assert f"interval [{late.lower:+.3f}, {late.upper:+.3f}], margin {MARGIN:g}" in late.reason
     bad = decide(_arm(60, 10), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)
     assert bad.decision == "abort" and bad.upper < 0 and "worse" in bad.reason
 
 
 def test_the_observed_lift_floor_keeps_a_challenger_its_users_rated_lower_out() -> None:
-    """Seed 1 of bench/learning.py: the demo's canary (margin 0.25, alpha 0.2) promoted a challenger at 7.9 %
+    """Seed 1 of bench/learning.py: the demo's canary of then (margin 0.25, alpha 0.2) promoted a challenger at 7.9 %
     thumbs-up against the champion's 10.0 %, within the margin. With min_observed_lift 0 that look goes on."""
     demo = {"alpha": 0.2, "margin": 0.25, "min_feedback": 16, "tau": 0.2}
     challenger, champion = _arm(38, 3), _arm(40, 4)
@@ -111,7 +120,7 @@ def test_the_observed_lift_floor_keeps_a_challenger_its_users_rated_lower_out() 
 def test_with_the_floor_no_promotion_is_of_a_lower_observed_rate_and_equal_ones_still_pass() -> None:
     floor: list[float] = []
     margin_alone: list[float] = []
-    loose = {"margin": 0.25, "alpha": 0.2, "min_feedback": 16}  # the demo's canary: a loose margin
+    loose = {"margin": 0.25, "alpha": 0.2, "min_feedback": 16}  # a loose margin (the demo's until 2026-12-07)
     _simulate(0.10, 0.15, seed=5, runs=300, lift=0.0, promoted_diffs=floor, **loose)
     _simulate(0.10, 0.15, seed=5, runs=300, promoted_diffs=margin_alone, **loose)
     assert floor and all(d >= 0 for d in floor), floor
