@@ -218,9 +218,10 @@ def main() -> None:
     parser.add_argument(
         "--reuse-logs",
         action="store_true",
-        help="a run whose log under --logs has the demo's result line is read, not run again (its wall time and "
-        "load as the demo printed them): resumes a stopped benchmark, or takes the clean run from "
-        "bench/learning.py's log of the same seed copied to demo-0-one.txt",
+        help="a run whose log under --logs has the demo's result line and a final accuracy is read, not run again "
+        "(its wall time and load as the demo printed them): resumes a stopped benchmark, or takes the clean run from "
+        "bench/learning.py's log of the same seed copied to demo-0-one.txt. The log is taken as it is: it must come "
+        "from the same config, rounds, traffic and environment",
     )
     writer.add_arguments(parser)
     args = parser.parse_args()
@@ -230,8 +231,8 @@ def main() -> None:
     for share in args.shares:
         for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
             log = args.logs / f"demo-{share:g}-{mode}.txt"
-            kept = parse(log.read_text()) if args.reuse_logs and log.exists() else None
-            if kept is not None and kept.total_s is not None:
+            kept = parse(log.read_text(errors="replace")) if args.reuse_logs and log.exists() else None
+            if kept is not None and kept.total_s is not None and kept.final is not None:
                 print(f"{log}: kept from an earlier run", flush=True)
                 results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))
             else:

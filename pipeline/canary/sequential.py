@@ -133,27 +133,26 @@ def decide(
             besides the bound; None: the bound alone.
     """
     floor = max(min_events, 1)
-    measured = challenger.n >= floor and champion.n >= floor
-    diff = challenger.mean - champion.mean if measured else None
-    hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau) if measured else None
     if max_duration_s is not None and elapsed_s >= max_duration_s:
         # out of time: aborted whatever the evidence says; the interval, where there is one, shows how close it was
-        where = ""
-        lower = upper = None
-        if diff is not None and hw is not None:
-            lower, upper = diff - hw, diff + hw
-            where = f"; difference {diff:+.3f}, interval [{lower:+.3f}, {upper:+.3f}], margin {margin:g}"
+        last = _interval(challenger, champion, alpha, tau, floor)
+        diff_, lower_, upper_ = last if last is not None else (None, None, None)
+        where = (
+            ""
+            if last is None
+            else f"; difference {last[0]:+.3f}, interval [{last[1]:+.3f}, {last[2]:+.3f}], margin {margin:g}"
+        )
         return Verdict(
             "abort",
             f"no decision within max_duration_s={max_duration_s:g}s "
             f"({challenger.n} challenger / {champion.n} {control} events{where})",
-            diff,
-            lower,
-            upper,
+            diff_,
+            lower_,
+            upper_,
             challenger,
             champion,
         )
-    if diff is None or hw is None:
+    if challenger.n < floor or champion.n < floor:
         return Verdict(
             "continue",
             f"waiting for {floor} events per side (challenger {challenger.n}, {control} {champion.n})",
@@ -163,6 +162,8 @@ def decide(
             challenger,
             champion,
         )
+    diff = challenger.mean - champion.mean
+    hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau)
     lower, upper = diff - hw, diff + hw
     if upper < 0:
         reason = (
@@ -186,3 +187,18 @@ def decide(
         return Verdict("promote", reason, diff, lower, upper, challenger, champion)
     reason = f"undecided: difference {diff:+.3f}, interval [{lower:+.3f}, {upper:+.3f}], margin {margin:g}, need {min_feedback} per side"
     return Verdict("continue", reason, diff, lower, upper, challenger, champion)
+
+
+def _interval(
+    challenger: ArmStats, champion: ArmStats, alpha: float, tau: float, floor: int
+) -> tuple[float, float, float] | None:
+    """(difference, lower, upper) of one look, or None where it has none: a side below ``floor`` events, or
+    statistics :func:`half_width` refuses (a time-out never raises for want of an interval)."""
+    if challenger.n < floor or champion.n < floor:
+        return None
+    try:
+        hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau)
+    except ValueError:
+        return None
+    diff = challenger.mean - champion.mean
+    return diff, diff - hw, diff + hw

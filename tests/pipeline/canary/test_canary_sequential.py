@@ -101,6 +101,9 @@ def test_rules_min_feedback_floor_and_max_duration() -> None:
     assert (late.lower, late.upper, late.difference) == (on_time.lower, on_time.upper, on_time.difference)
     assert late.lower is not None and late.upper is not None
     assert f"interval [{late.lower:+.3f}, {late.upper:+.3f}], margin {MARGIN:g}" in late.reason
+    broken = ArmStats(60, float("nan"), float("nan"))  # statistics half_width refuses: still a plain time-out
+    stalled = decide(broken, base, alpha=ALPHA, margin=MARGIN, min_feedback=50, elapsed_s=61, max_duration_s=60)
+    assert stalled.decision == "abort" and stalled.lower is None and "interval" not in stalled.reason
     bad = decide(_arm(60, 10), base, alpha=ALPHA, margin=MARGIN, min_feedback=50)
     assert bad.decision == "abort" and bad.upper < 0 and "worse" in bad.reason
 

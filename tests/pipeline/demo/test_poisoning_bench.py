@@ -76,6 +76,7 @@ def test_reuse_logs_reads_finished_runs_and_runs_only_the_missing_ones(tmp_path,
     (logs / "demo-0-one.txt").write_text(SYNTHETIC)
     (logs / "demo-0.05-one.txt").write_text(CAPTURED.read_text())
     (logs / "demo-0.05-many.txt").write_text("greedy accuracy after round 1 (hourglass-v1): 0.100\n")  # stopped
+    (logs / "demo-0.1-one.txt").write_bytes(b"\xff\xfe total time 99 s\n")  # not UTF-8, no accuracy: run again
     ran: list[tuple[str, ...]] = []
 
     def fake_run(args, log: Path, *extra: str, seed=None):
@@ -84,10 +85,28 @@ def test_reuse_logs_reads_finished_runs_and_runs_only_the_missing_ones(tmp_path,
         return 0, 60.0, "1.0 / 1.0"
 
     monkeypatch.setattr(poisoning, "run_demo", fake_run)
-    argv = ["poisoning.py", "--shares", "0", "0.05", "--logs", str(logs), "--reuse-logs", "--report-dir", str(reports)]
+    argv = [
+        "poisoning.py",
+        "--shares",
+        "0",
+        "0.05",
+        "0.1",
+        "--modes",
+        "one",
+        "many",
+        "--logs",
+        str(logs),
+        "--reuse-logs",
+        "--report-dir",
+        str(reports),
+    ]
     monkeypatch.setattr("sys.argv", [*argv, "--variant", "t"])
     poisoning.main()
-    assert ran == [("--hostile-share", "0.05", "--hostile-keys", "many")]
+    assert ran == [
+        ("--hostile-share", "0.05", "--hostile-keys", "many"),
+        ("--hostile-share", "0.1", "--hostile-keys", "one"),
+        ("--hostile-share", "0.1", "--hostile-keys", "many"),
+    ]
     out = capsys.readouterr().out
     assert "| 0% | - | 0.521 | 1.00 |" in out and "25.5 min | 3.0 / 2.9 |" in out  # kept: the log's own figures
     assert "| 5% | one | 0.479 | 0.92 |" in out and "13.1 min | 3.3 / 3.4 |" in out
