@@ -237,7 +237,7 @@ def main() -> None:
                 results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))
             else:
                 rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
-                results.append((share, mode, rc, parse(log.read_text()), wall_s, load))
+                results.append((share, mode, rc, parse(log.read_text(errors="replace")), wall_s, load))
             columns, rows, result = table(results)
             print(writer.markdown_table(columns, rows[-1:]), flush=True)
             _report(recorder, args, columns, rows, result)  # after every run: a stopped benchmark keeps its rows

@@ -140,7 +140,7 @@ def decide(
         where = (
             ""
             if last is None
-            else f"; difference {last[0]:+.3f}, interval [{last[1]:+.3f}, {last[2]:+.3f}], margin {margin:g}"
+            else f"; difference {diff_:+.3f}, interval [{lower_:+.3f}, {upper_:+.3f}], margin {margin:g}"
         )
         return Verdict(
             "abort",
