@@ -23,12 +23,14 @@ complete is read instead of run again, and the page is written after every run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +43,7 @@ MODES = ("one", "many")
 TARGET_SHARE = 0.05
 TARGET_RATIO = 0.9
 
-_ACCURACY = re.compile(r"greedy accuracy of the served model by round \(\d+ fresh prompts\): (.+)$", re.M)
+_ACCURACY = re.compile(r"^greedy accuracy of the served model by round \(\d+ fresh prompts\): (.+)$", re.M)
 _ACCURACY_AFTER = re.compile(r"^greedy accuracy after round (\d+) \(.*\): ([0-9.]+)$", re.M)
 _AUC = re.compile(r"^reward model held-out AUC by round: ([-0-9., ]+)", re.M)
 _CANARY = re.compile(
@@ -102,11 +104,11 @@ def parse(text: str) -> Run:
     ``canary of round i, honest users only`` line. Missing lines leave their field empty; nothing raises."""
     run = Run()
     if match := _ACCURACY.search(text):
-        run.accuracy = [float(x) for x in match.group(1).split(",")]
+        run.accuracy = _accuracies(match.group(1).split(","))
     else:
-        run.accuracy = [float(m.group(2)) for m in _ACCURACY_AFTER.finditer(text)]
+        run.accuracy = _accuracies(m.group(2) for m in _ACCURACY_AFTER.finditer(text))
     if match := _AUC.search(text):
-        run.aucs = [None if x.strip() == "-" else float(x) for x in match.group(1).strip().split(",")]
+        run.aucs = [_number(x) for x in match.group(1).strip().split(",")]
     for m in _CANARY.finditer(text):
         run.canaries.append(
             Canary(
@@ -129,6 +131,21 @@ def parse(text: str) -> Run:
     if match := _LOAD.search(text):
         run.load = f"{match.group(1)} / {match.group(2)}"
     return run
+
+
+def _number(text: str) -> float | None:
+    """A finite number, or None ("-", junk, NaN or infinite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _accuracies(texts: Iterable[str]) -> list[float]:
+    """Accuracies by round; none at all when one is not a number in [0, 1] (a line that cannot be the demo's)."""
+    values = [_number(t) for t in texts]
+    return [v for v in values if v is not None] if all(v is not None and 0 <= v <= 1 for v in values) else []
 
 
 def run_demo(args: argparse.Namespace, log: Path, *extra: str, seed: int | None = None) -> tuple[int, float, str]:
@@ -231,7 +248,7 @@ def main() -> None:
     for share in args.shares:
         for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
             log = args.logs / f"demo-{share:g}-{mode}.txt"
-            kept = parse(log.read_text(errors="replace")) if args.reuse_logs and log.exists() else None
+            kept = parse(log.read_text(errors="replace")) if args.reuse_logs and log.is_file() else None
             if kept is not None and kept.total_s is not None and kept.final is not None:
                 print(f"{log}: kept from an earlier run", flush=True)
                 results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))

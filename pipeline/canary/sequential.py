@@ -72,7 +72,7 @@ class ArmStats:
             smoothed = (k + 1) / (n + 2)
             return cls(n, k / n, smoothed * (1 - smoothed))
         mean = sum(rewards) / n
-        var = sum((r - mean) ** 2 for r in rewards) / n
+        var = sum((r - mean) * (r - mean) for r in rewards) / n  # huge rewards: inf, not OverflowError
         return cls(n, mean, max(var, 1e-4))
 
 
@@ -98,7 +98,7 @@ def half_width(variance: float, alpha: float, tau: float) -> float:
     Raises:
         ValueError: ``variance`` or ``tau`` not positive, or ``alpha`` not in (0, 1).
     """
-    if not variance > 0 or not tau > 0 or not 0 < alpha < 1:
+    if not variance > 0 or not tau * tau > 0 or not 0 < alpha < 1:  # a tau whose square underflows too
         raise ValueError(f"need variance > 0, tau > 0 and 0 < alpha < 1; got {variance}, {tau}, {alpha}")
     t2 = tau * tau
     return math.sqrt(variance * (variance + t2) / t2 * (2 * math.log(1 / alpha) + math.log((variance + t2) / variance)))

@@ -155,3 +155,19 @@ def test_thumbs_only_feedback_is_a_rate_and_mixed_feedback_a_mean() -> None:
     assert binary and (chall.n, chall.mean, champ.n, champ.mean) == (2, 0.5, 3, 1.0)
     (chall, base), binary = arm_stats(rows, "2", None)
     assert not binary and chall.mean == 0.0 and base.mean == 0.5
+
+
+def test_huge_rewards_and_a_tiny_mixture_sd_never_raise_and_a_time_out_still_aborts() -> None:
+    """Ingest refuses only non-finite rewards: finite ones near 1e200 square to infinity. The variance is then
+    infinite (no OverflowError), the look goes on, and the time-out aborts; so does a mixture_sd whose square
+    underflows to 0."""
+    huge = ArmStats.of_rewards([1e200, -1e200] * 10, binary=False)
+    assert huge.var == float("inf")
+    ok = ArmStats(100, 0.5, 0.25)
+    assert decide(huge, ok, alpha=ALPHA, margin=MARGIN, min_feedback=16).decision == "continue"
+    late = decide(huge, ok, alpha=ALPHA, margin=MARGIN, min_feedback=16, elapsed_s=61, max_duration_s=60)
+    assert late.decision == "abort"
+    tiny = decide(ok, ok, alpha=ALPHA, margin=MARGIN, min_feedback=16, tau=1e-200, elapsed_s=61, max_duration_s=60)
+    assert tiny.decision == "abort" and tiny.lower is None
+    with pytest.raises(ValueError, match="tau"):
+        half_width(0.25 / 100, ALPHA, 1e-200)

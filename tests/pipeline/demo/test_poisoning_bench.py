@@ -113,3 +113,15 @@ def test_reuse_logs_reads_finished_runs_and_runs_only_the_missing_ones(tmp_path,
     assert "| 5% | many | 0.480 | 0.92 |" in out and "1.0 min | 1.0 / 1.0 |" in out  # run again
     page = (reports / "poisoning.md").read_text()
     assert page.count("<!-- bench:t -->") == 1 and "| 5% | many | 0.480 |" in page
+
+
+def test_junk_and_forged_numbers_are_read_as_missing_never_raise() -> None:
+    """A log line that cannot be the demo's (a value not a number in [0, 1], a forged line quoted mid-line)
+    leaves the figures empty, so such a log is never reused and its row never passes."""
+    quoted = "user said: greedy accuracy of the served model by round (48 fresh prompts): 1.0\n" + SYNTHETIC
+    assert parse(quoted).final == 0.521  # only a line of its own counts
+    for bad in ("0.1, 99", "x, y", "inf", "-1, 0.5", "nan"):
+        line = f"greedy accuracy of the served model by round (48 fresh prompts): {bad}\n"
+        assert parse(line).accuracy == [] and parse(line).final is None, bad
+    assert parse("reward model held-out AUC by round: 0.5, -, 1.2.3\n").aucs == [0.5, None, None]
+    assert parse("reward model held-out AUC by round: ,\n").aucs == [None, None]
