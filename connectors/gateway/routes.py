@@ -223,15 +223,18 @@ class RouteResolver:
 
     def route(self, public_name: str, key: str | None) -> Resolved:
         """Like ``__call__``, with the canary split: when a challenger is routed, the routing ``key``
-        (a keyed hash of the hashed user id, else of the trace id) goes to it when ``canary_bucket(key) < fraction * 10000``,
-        so a user stays on one side. Raises KeyError for an unknown name."""
+        (a keyed hash of the hashed user id, else of the trace id) goes to it when
+        ``canary_bucket(key + "\\x00" + challenger_version) < fraction * 10000``, so a user stays on one side for
+        the whole canary, and each challenger draws its own side: the same users are not the canary's half every
+        time, and a half that happens to hold the stricter raters does not weigh on every canary the same way.
+        Raises KeyError for an unknown name."""
         try:
             route = self._current()[public_name]
         except KeyError:
             raise KeyError(f"unknown model {public_name!r}") from None
         if route.challenger_served_name is None:
             return Resolved(route.served_name, route.version, None)
-        if key is not None and canary_bucket(key) < route.fraction * 10000:
+        if key is not None and canary_bucket(f"{key}\x00{route.challenger_version}") < route.fraction * 10000:
             return Resolved(route.challenger_served_name, route.challenger_version, True)
         return Resolved(route.served_name, route.version, False)
 

@@ -46,3 +46,20 @@ def test_bucket_is_stable_across_processes() -> None:
         canary_bucket("user-a") == int.from_bytes(__import__("hashlib").sha256(b"user-a").digest()[:8], "big") % 10000
     )
     assert 0 <= canary_bucket("") < 10000
+
+
+def test_each_challenger_draws_its_own_half(tmp_path) -> None:
+    """Sticky within one canary, re-drawn for the next challenger: the same users are not the canary's half
+    every time (with 2000 keys at fraction 0.5 the two draws agree on about half of them, not all)."""
+    n = 2000
+    keys = [f"hmac-sha256:{uuid.UUID(int=i).hex}" for i in range(n)]
+    sides = []
+    for version in ("2", "3"):
+        write_route(tmp_path, "hg", Route("hg-v1", "1", "2026-01-01T00:00:00+00:00", f"hg-v{version}", version, 0.5))
+        resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+        first = [resolver.route("hg", k).canary for k in keys]
+        assert [resolver.route("hg", k).canary for k in keys] == first  # sticky within the canary
+        assert abs(sum(first) / n - 0.5) <= 3 * math.sqrt(0.25 / n)
+        sides.append(first)
+    agree = sum(a == b for a, b in zip(*sides)) / n
+    assert abs(agree - 0.5) <= 3 * math.sqrt(0.25 / n), agree  # independent draws, not the same half
