@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import writer  # noqa: E402
-from bench.poisoning import Canary, Run, fmt, parse, run_demo  # noqa: E402
+from bench.poisoning import Canary, Run, checked_log, fmt, read_log, run_demo  # noqa: E402
 
 TARGET_MEDIAN = 0.6
 
@@ -117,18 +117,18 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     results: list[tuple[int, int, Run, float, str]] = []
     for seed in args.seeds:
-        log = args.logs / f"demo-seed{seed}.txt"
+        log = checked_log(args.logs / f"demo-seed{seed}.txt")
         if args.from_logs:
             if not log.exists():
                 continue
-            run = parse(log.read_text())
+            run = read_log(log)
             if run.total_s is None:
                 print(f"seed {seed}: {log} has no result line (still running, or stopped): left out", file=sys.stderr)
                 continue
             rc, wall_s, load = 0, run.total_s, run.load or "-"
         else:
             rc, wall_s, load = run_demo(args, log, *demo_flags, seed=seed)
-            run = parse(log.read_text())
+            run = read_log(log)
         results.append((seed, rc, run, wall_s, load))
         columns, rows, result = table(results)
         print(writer.markdown_table(columns, rows[-1:]), flush=True)

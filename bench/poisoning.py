@@ -43,19 +43,21 @@ MODES = ("one", "many")
 TARGET_SHARE = 0.05
 TARGET_RATIO = 0.9
 
-_ACCURACY = re.compile(r"^greedy accuracy of the served model by round \(\d+ fresh prompts\): (.+)$", re.M)
-_ACCURACY_AFTER = re.compile(r"^greedy accuracy after round (\d+) \(.*\): ([0-9.]+)$", re.M)
-_AUC = re.compile(r"^reward model held-out AUC by round: ([-0-9., ]+)", re.M)
+# ASCII digits only (a Unicode digit is no demo output), counts bounded, every pattern anchored at a line start.
+_N = r"[0-9]{1,9}"
+_ACCURACY = re.compile(r"^greedy accuracy of the served model by round \([0-9]+ fresh prompts\): (.+)$", re.M | re.A)
+_ACCURACY_AFTER = re.compile(r"^greedy accuracy after round ([0-9]+) \(.*\): ([0-9.]+)$", re.M | re.A)
+_AUC = re.compile(r"^reward model held-out AUC by round: ([-0-9., ]+)", re.M | re.A)
 _CANARY = re.compile(
-    r"^canary of round (\d+), honest users only: challenger v(\S+) (\d+)/(\d+) \(.*?\), "
-    r"replaced side (\S+) (\d+)/(\d+) \(.*?\); (PROMOTED|ABORTED|undecided)$",
-    re.M,
+    rf"^canary of round ({_N}), honest users only: challenger v(\S+) ({_N})/({_N}) \(.*?\), "
+    rf"replaced side (\S+) ({_N})/({_N}) \(.*?\); (PROMOTED|ABORTED|undecided)$",
+    re.M | re.A,
 )
-_TOTAL = re.compile(r"^total time (\d+) s", re.M)
-_LIVE = re.compile(r"^last phase / first phase .*rate: ([0-9.]+)x$", re.M)
-_EXPLICIT_ONLY = re.compile(r"explicit-only line \(.*?\): greedy accuracy ([0-9.]+)")
-_FORGETTING = re.compile(r"^regression suite .*; forgetting \(base - champion\) ([-+0-9.]+),", re.M)
-_LOAD = re.compile(r"^total time \d+ s on \d+ CPUs; load average \(1, 5, 15 min\) ([0-9.]+), ([0-9.]+)", re.M)
+_TOTAL = re.compile(rf"^total time ({_N}) s", re.M | re.A)
+_LIVE = re.compile(r"^last phase / first phase .*rate: ([0-9.]+)x$", re.M | re.A)
+_EXPLICIT_ONLY = re.compile(r"^explicit-only line \(.*?\): greedy accuracy ([0-9.]+)", re.M | re.A)
+_FORGETTING = re.compile(r"^regression suite .*; forgetting \(base - champion\) ([-+0-9.]+),", re.M | re.A)
+_LOAD = re.compile(rf"^total time {_N} s on {_N} CPUs; load average \(1, 5, 15 min\) ([0-9.]+), ([0-9.]+)", re.M | re.A)
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,11 @@ def parse(text: str) -> Run:
     accuracy after round i`` lines, from a run that ended early), ``reward model held-out AUC by round`` and each
     ``canary of round i, honest users only`` line. Missing lines leave their field empty; nothing raises."""
     run = Run()
-    if match := _ACCURACY.search(text):
+    if match := _last(_ACCURACY, text):  # the demo prints its scoreboard last: a line before it is not its own
         run.accuracy = _accuracies(match.group(1).split(","))
     else:
         run.accuracy = _accuracies(m.group(2) for m in _ACCURACY_AFTER.finditer(text))
-    if match := _AUC.search(text):
+    if match := _last(_AUC, text):
         run.aucs = [_number(x) for x in match.group(1).strip().split(",")]
     for m in _CANARY.finditer(text):
         run.canaries.append(
@@ -120,17 +122,26 @@ def parse(text: str) -> Run:
                 outcome=m.group(8),
             )
         )
-    if match := _TOTAL.search(text):
-        run.total_s = float(match.group(1))
-    if match := _LIVE.search(text):
-        run.live_ratio = float(match.group(1))
-    if match := _FORGETTING.search(text):
-        run.forgetting = float(match.group(1))
-    if match := _EXPLICIT_ONLY.search(text):
-        run.explicit_only = float(match.group(1))
-    if match := _LOAD.search(text):
-        run.load = f"{match.group(1)} / {match.group(2)}"
+    run.total_s = _number(_group(_last(_TOTAL, text)))
+    run.live_ratio = _number(_group(_last(_LIVE, text)))
+    run.forgetting = _number(_group(_last(_FORGETTING, text)))
+    run.explicit_only = _number(_group(_last(_EXPLICIT_ONLY, text)))
+    if match := _last(_LOAD, text):
+        one, five = _number(match.group(1)), _number(match.group(2))
+        run.load = None if one is None or five is None else f"{match.group(1)} / {match.group(2)}"
     return run
+
+
+def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The last match of ``pattern`` in ``text`` (the demo prints its result lines once, at the end)."""
+    match = None
+    for match in pattern.finditer(text):
+        pass
+    return match
+
+
+def _group(match: re.Match[str] | None) -> str:
+    return "" if match is None else match.group(1)
 
 
 def _number(text: str) -> float | None:
@@ -156,10 +167,23 @@ def run_demo(args: argparse.Namespace, log: Path, *extra: str, seed: int | None 
     cmd += ["--seed", str(args.seed if seed is None else seed), *extra]
     print(f"$ {' '.join(cmd[1:])}  > {log}", flush=True)
     started = time.monotonic()
-    with log.open("w") as out:
+    with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=writer.REPO, check=False).returncode
     one, five, _ = os.getloadavg()
     return rc, time.monotonic() - started, f"{one:.1f} / {five:.1f}"
+
+
+def checked_log(log: Path) -> Path:
+    """``log`` when it is absent or a regular file; else the benchmark stops with a message (a folder, a link or a
+    device in its place would fail half-way, write elsewhere or read forever)."""
+    if log.is_symlink() or (log.exists() and not log.is_file()):
+        sys.exit(f"{log} is not a regular file (a link, a folder or a device): move it away or choose another --logs")
+    return log
+
+
+def read_log(log: Path) -> Run:
+    """The figures of a demo log (:func:`parse`); bytes that are not UTF-8 read as replacement characters."""
+    return parse(log.read_text(errors="replace"))
 
 
 def fmt(value: float | None, spec: str = ".3f") -> str:
@@ -245,19 +269,22 @@ def main() -> None:
     recorder = writer.Recorder("poisoning", args)
     args.logs.mkdir(parents=True, exist_ok=True)
     results: list[tuple[float, str, int, Run, float, str]] = []
-    for share in args.shares:
-        for mode in args.modes if share > 0 else args.modes[:1]:  # the clean run once
-            log = args.logs / f"demo-{share:g}-{mode}.txt"
-            kept = parse(log.read_text(errors="replace")) if args.reuse_logs and log.is_file() else None
-            if kept is not None and kept.total_s is not None and kept.final is not None:
-                print(f"{log}: kept from an earlier run", flush=True)
-                results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))
-            else:
-                rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
-                results.append((share, mode, rc, parse(log.read_text(errors="replace")), wall_s, load))
-            columns, rows, result = table(results)
-            print(writer.markdown_table(columns, rows[-1:]), flush=True)
-            _report(recorder, args, columns, rows, result)  # after every run: a stopped benchmark keeps its rows
+    # the clean run once
+    runs = [(share, mode) for share in args.shares for mode in (args.modes if share > 0 else args.modes[:1])]
+    for share, mode in runs:  # every log path checked before the first run
+        checked_log(args.logs / f"demo-{share:g}-{mode}.txt")
+    for share, mode in runs:
+        log = args.logs / f"demo-{share:g}-{mode}.txt"
+        kept = read_log(log) if args.reuse_logs and log.is_file() else None
+        if kept is not None and kept.total_s is not None and kept.final is not None:
+            print(f"{log}: kept from an earlier run", flush=True)
+            results.append((share, mode, 0, kept, kept.total_s, kept.load or "-"))
+        else:
+            rc, wall_s, load = run_demo(args, log, "--hostile-share", str(share), "--hostile-keys", mode)
+            results.append((share, mode, rc, read_log(log), wall_s, load))
+        columns, rows, result = table(results)
+        print(writer.markdown_table(columns, rows[-1:]), flush=True)
+        _report(recorder, args, columns, rows, result)  # after every run: a stopped benchmark keeps its rows
     print(writer.markdown_table(columns, rows))
     recorder.close()
     print(result)

@@ -126,9 +126,10 @@ class CanaryConfig(Section):
     )
     fraction: float = Field(
         default=0.2,
-        gt=0,
-        lt=1,
-        description="Share of routing keys (keyed hash of the hashed user id, else of the trace id) sent to the challenger.",
+        ge=0.0001,
+        le=0.99,
+        description="Share of routing keys (keyed hash of the hashed user id, else of the trace id) sent to the "
+        "challenger; in steps of 1/10000, and at most 0.99 so that the champion keeps a side to compare with.",
     )
     min_feedback: int = Field(default=30, ge=1, description="Feedback events each side needs before a promotion.")
     margin: float = Field(
@@ -149,7 +150,10 @@ class CanaryConfig(Section):
         "margin (the canary goes on; one still behind at max_duration_s is aborted). None: the margin alone decides.",
     )
     mixture_sd: float = Field(
-        default=0.1, gt=0, description="Standard deviation of the mSPRT normal mixture (effect size it is tuned for)."
+        default=0.1,
+        ge=1e-4,
+        le=1e4,
+        description="Standard deviation of the mSPRT normal mixture (effect size it is tuned for, in reward units).",
     )
     max_duration_s: float = Field(
         default=86400.0, gt=0, description="Abort a canary still undecided after this many seconds."

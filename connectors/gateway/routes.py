@@ -32,7 +32,7 @@ from connectors.errors import ConnectorError
 
 ROUTES_FILE = "routes.json"
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
-_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_SERVED_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 
 
 class RouteRecordError(ConnectorError, ValueError):
@@ -55,8 +55,8 @@ class Route:
 def route_from_dict(entry: object, model: str | None = None) -> Route:
     """One route entry (a JSON object, as in the routes file or on the routes topic) as a ``Route``.
 
-    Checks: ``served_name`` a plain name (letters, digits, ``.``, ``_``, ``-``); ``version`` a string, or
-    null only beside a challenger (a canary against the base: the base keeps the rest of the traffic; the
+    Checks: ``served_name`` and both versions plain names (ASCII letters, digits, ``.``, ``_``, ``-``; the gateway
+    hashes the challenger's version into every routing decision); ``version`` null only beside a challenger (a canary against the base: the base keeps the rest of the traffic; the
     gateway's resolver also requires the served name to be its own base);
     ``updated_at`` a string; the challenger's served name and version both set or both absent;
     ``fraction`` a finite number in [0, 1] (not a boolean). Unknown fields are ignored (a newer writer).
@@ -74,7 +74,7 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
         if value is None and optional:
             return None
         if not isinstance(value, str) or not _SERVED_NAME.match(value) or ".." in value:
-            raise RouteRecordError(f"route field {field!r} must be a plain served name, got {str(value)[:100]!r}")
+            raise RouteRecordError(f"route field {field!r} must be a plain name, got {str(value)[:100]!r}")
         return value
 
     def text(field: str, optional: bool) -> str | None:
@@ -85,8 +85,8 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
             raise RouteRecordError(f"route field {field!r} must be a string, got {str(value)[:100]!r}")
         return value
 
-    served, version = name("served_name", False), text("version", True)
-    challenger, challenger_version = name("challenger_served_name", True), text("challenger_version", True)
+    served, version = name("served_name", False), name("version", True)
+    challenger, challenger_version = name("challenger_served_name", True), name("challenger_version", True)
     fraction = entry.get("fraction", 0.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:  # NaN too
         raise RouteRecordError(f"route field 'fraction' must be a number in [0, 1], got {str(fraction)[:100]!r}")

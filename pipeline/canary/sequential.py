@@ -98,7 +98,7 @@ def half_width(variance: float, alpha: float, tau: float) -> float:
     Raises:
         ValueError: ``variance`` or ``tau`` not positive, or ``alpha`` not in (0, 1).
     """
-    if not variance > 0 or not tau * tau > 0 or not 0 < alpha < 1:  # a tau whose square underflows too
+    if not variance > 0 or not tau > 0 or not tau * tau > 0 or not 0 < alpha < 1:  # a tau whose square underflows too
         raise ValueError(f"need variance > 0, tau > 0 and 0 < alpha < 1; got {variance}, {tau}, {alpha}")
     t2 = tau * tau
     return math.sqrt(variance * (variance + t2) / t2 * (2 * math.log(1 / alpha) + math.log((variance + t2) / variance)))
@@ -193,7 +193,8 @@ def _interval(
     challenger: ArmStats, champion: ArmStats, alpha: float, tau: float, floor: int
 ) -> tuple[float, float, float] | None:
     """(difference, lower, upper) of one look, or None where it has none: a side below ``floor`` events, or
-    statistics :func:`half_width` refuses (a time-out never raises for want of an interval)."""
+    statistics :func:`half_width` refuses or that give no finite interval (a time-out never raises for want of an
+    interval, and never reports a NaN one: the evidence goes to JSON and to MLflow)."""
     if challenger.n < floor or champion.n < floor:
         return None
     try:
@@ -201,4 +202,5 @@ def _interval(
     except ValueError:
         return None
     diff = challenger.mean - champion.mean
-    return diff, diff - hw, diff + hw
+    interval = diff, diff - hw, diff + hw
+    return interval if all(math.isfinite(x) for x in interval) else None

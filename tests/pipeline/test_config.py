@@ -358,3 +358,22 @@ def test_the_max_lora_rank_refusal_names_the_rank_that_fits(tmp_path: Path) -> N
     assert any("32 fits rank 20" in p for p in caught.value.problems), caught.value.problems
     conf.write_text("[serving]\nmax_lora_rank = 32\n")
     assert load_config(conf).serving.max_lora_rank == 32
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("HOURGLASS_SERVING__CANARY__FRACTION", "0.99995"),  # every routing key's bucket: no champion side left
+        ("HOURGLASS_SERVING__CANARY__FRACTION", "0.00001"),  # below one bucket in 10000: no challenger side
+        ("HOURGLASS_SERVING__CANARY__MIXTURE_SD", "1e-200"),  # its square underflows: every look would raise
+        ("HOURGLASS_SERVING__CANARY__MIXTURE_SD", "1e200"),
+    ],
+)
+def test_a_canary_that_could_never_decide_is_refused_at_load(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None)
+    field = variable.removeprefix("HOURGLASS_").lower().replace("__", ".")
+    assert any(p.startswith(f"{field}:") for p in caught.value.problems), caught.value.problems

@@ -32,7 +32,7 @@ def test_the_reference_names_every_section_and_field() -> None:
     for name in HourglassConfig.model_fields:
         assert f"| `{name}` |" in text
     assert "`HOURGLASS_SERVING__CANARY__FRACTION`" in text  # nested sections get their variable
-    assert "| `fraction` | number; > 0, < 1 | `0.2` |" in text  # type, bounds and default from the field
+    assert "| `fraction` | number; >= 0.0001, <= 0.99 | `0.2` |" in text  # type, bounds and default from the field
     assert "| `name` | string | required |" in text  # [[candidates]]: a required field
 
 

@@ -31,6 +31,9 @@ CANARY = {**GOOD, "challenger_served_name": "hg-v3", "challenger_version": "3", 
         ({**GOOD, "served_name": "../../etc/passwd"}, "served_name"),
         ({**GOOD, "served_name": ""}, "served_name"),
         ({**CANARY, "challenger_version": None}, "challenger"),
+        ({**CANARY, "challenger_version": "\ud800"}, "challenger_version"),  # was a UnicodeEncodeError per request
+        ({**CANARY, "challenger_version": "3\n"}, "challenger_version"),
+        ({**GOOD, "served_name": "hg-v2\n"}, "served_name"),
         ([GOOD], "JSON object"),
     ],
 )
@@ -114,3 +117,11 @@ def test_a_huge_key_does_not_make_a_huge_log_line(caplog: pytest.LogCaptureFixtu
         )
     assert REFUSED._value.get() == before + 1 and follower.routes() == {}
     assert caplog.records and all(len(r.getMessage()) < 2000 for r in caplog.records)
+
+
+def test_a_routes_file_with_an_unencodable_challenger_version_keeps_every_request_answered(tmp_path) -> None:
+    """JSON allows a lone surrogate; the resolver hashes the challenger's version into every routing decision,
+    so such an entry is left out (the public name falls back to the base) instead of failing each request."""
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": {**CANARY, "challenger_version": "\ud800"}}))
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    assert resolver.route("hg", "hmac-sha256:ab") == ("base", None, None)

@@ -171,3 +171,19 @@ def test_huge_rewards_and_a_tiny_mixture_sd_never_raise_and_a_time_out_still_abo
     assert tiny.decision == "abort" and tiny.lower is None
     with pytest.raises(ValueError, match="tau"):
         half_width(0.25 / 100, ALPHA, 1e-200)
+
+
+def test_a_negative_mixture_sd_is_refused_and_a_time_out_never_reports_a_nan_interval() -> None:
+    """half_width refuses tau < 0 (its square is positive, so the underflow check alone let it through and a
+    canary promoted on it); a time-out whose interval is not finite reports none (the evidence goes to JSON)."""
+    ok = ArmStats(200, 0.5, 0.25)
+    with pytest.raises(ValueError, match="tau"):
+        half_width(0.01, ALPHA, -0.1)
+    with pytest.raises(ValueError, match="tau"):
+        decide(ok, ok, alpha=ALPHA, margin=0.2, min_feedback=5, tau=-0.1)
+    wide = decide(ok, ok, alpha=ALPHA, margin=MARGIN, min_feedback=5, tau=1e160, elapsed_s=10, max_duration_s=5)
+    assert wide.decision == "abort" and (wide.difference, wide.lower, wide.upper) == (None, None, None)
+    assert "nan" not in wide.reason
+    huge = ArmStats.of_rewards([1e308] * 20, binary=False)
+    late = decide(huge, ok, alpha=ALPHA, margin=MARGIN, min_feedback=5, elapsed_s=10, max_duration_s=5)
+    assert late.decision == "abort" and late.lower is None and "nan" not in late.reason

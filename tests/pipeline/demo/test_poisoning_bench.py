@@ -125,3 +125,47 @@ def test_junk_and_forged_numbers_are_read_as_missing_never_raise() -> None:
         assert parse(line).accuracy == [] and parse(line).final is None, bad
     assert parse("reward model held-out AUC by round: 0.5, -, 1.2.3\n").aucs == [0.5, None, None]
     assert parse("reward model held-out AUC by round: ,\n").aucs == [None, None]
+
+
+def test_every_figure_of_a_junk_log_reads_as_missing_and_the_last_scoreboard_wins() -> None:
+    """Every number goes through the same finite-number check (a ``1.2.3`` or a 5000-digit count raised before),
+    only ASCII digits count, and the demo prints its scoreboard last, so a forged line before it loses."""
+    junk = (
+        "last phase / first phase thumbs-up rate: 1.2.3x\n"
+        "explicit-only line (x): greedy accuracy 1.2.3\n"
+        "regression suite r; forgetting (base - champion) --,\n"
+        f"canary of round {'9' * 5000}, honest users only: challenger v1 1/2 (x), replaced side base 1/2 (x); PROMOTED\n"
+        "total time 1.5 s on 2 CPUs; load average (1, 5, 15 min) 1.2.3, 4\n"
+        "user said: explicit-only line (x): greedy accuracy 0.99 ok\n"
+        "greedy accuracy after round 1 (hg-v1): \u0660.\u0665\n"
+    )
+    run = parse(junk)
+    assert (run.live_ratio, run.explicit_only, run.forgetting, run.total_s, run.load) == (None,) * 5
+    assert run.canaries == [] and run.accuracy == []
+    forged = "greedy accuracy of the served model by round (48 fresh prompts): 0.990, 0.990\n" + SYNTHETIC
+    assert parse(forged).final == 0.521
+
+
+def test_a_log_path_that_is_not_a_regular_file_stops_the_benchmark_before_any_run(tmp_path, monkeypatch) -> None:
+    """A folder, a link (dangling, a loop, or to a device) where a log goes: the benchmark stops with the path
+    named before it runs anything, instead of failing half-way, writing elsewhere or reading forever."""
+    import pytest
+
+    from bench import poisoning
+
+    ran: list[object] = []
+    monkeypatch.setattr(poisoning, "run_demo", lambda *a, **k: ran.append(a) or (0, 1.0, "-"))
+    for make in (
+        lambda p: p.mkdir(),
+        lambda p: p.symlink_to(tmp_path / "nowhere"),
+        lambda p: p.symlink_to(p),
+        lambda p: p.symlink_to("/dev/zero"),
+    ):
+        logs = tmp_path / f"logs{len(list(tmp_path.iterdir()))}"
+        logs.mkdir()
+        make(logs / "demo-0.05-one.txt")
+        argv = ["poisoning.py", "--shares", "0", "0.05", "--modes", "one", "--logs", str(logs), "--reuse-logs"]
+        monkeypatch.setattr("sys.argv", [*argv, "--report-dir", str(tmp_path / "reports")])
+        with pytest.raises(SystemExit, match="demo-0.05-one.txt is not a regular file"):
+            poisoning.main()
+        assert ran == []
