@@ -269,12 +269,12 @@ def main() -> None:
     recorder = writer.Recorder("poisoning", args)
     args.logs.mkdir(parents=True, exist_ok=True)
     results: list[tuple[float, str, int, Run, float, str]] = []
-    # the clean run once
-    runs = [(share, mode) for share in args.shares for mode in (args.modes if share > 0 else args.modes[:1])]
-    for share, mode in runs:  # every log path checked before the first run
-        checked_log(args.logs / f"demo-{share:g}-{mode}.txt")
-    for share, mode in runs:
-        log = args.logs / f"demo-{share:g}-{mode}.txt"
+    runs = [  # the clean run once; every log path checked before the first run
+        (share, mode, checked_log(args.logs / f"demo-{share:g}-{mode}.txt"))
+        for share in args.shares
+        for mode in (args.modes if share > 0 else args.modes[:1])
+    ]
+    for share, mode, log in runs:
         kept = read_log(log) if args.reuse_logs and log.is_file() else None
         if kept is not None and kept.total_s is not None and kept.final is not None:
             print(f"{log}: kept from an earlier run", flush=True)

@@ -56,8 +56,9 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
     """One route entry (a JSON object, as in the routes file or on the routes topic) as a ``Route``.
 
     Checks: ``served_name`` and both versions plain names (ASCII letters, digits, ``.``, ``_``, ``-``; the gateway
-    hashes the challenger's version into every routing decision); ``version`` null only beside a challenger (a canary against the base: the base keeps the rest of the traffic; the
-    gateway's resolver also requires the served name to be its own base);
+    hashes the challenger's version into every routing decision); ``version`` null only beside a challenger (a
+    canary against the base: the base keeps the rest of the traffic; the gateway's resolver also requires the
+    served name to be its own base);
     ``updated_at`` a string; the challenger's served name and version both set or both absent;
     ``fraction`` a finite number in [0, 1] (not a boolean). Unknown fields are ignored (a newer writer).
     With ``model`` (the public name the entry routes), every versioned served name must be

@@ -136,19 +136,19 @@ def decide(
     if max_duration_s is not None and elapsed_s >= max_duration_s:
         # out of time: aborted whatever the evidence says; the interval, where there is one, shows how close it was
         last = _interval(challenger, champion, alpha, tau, floor)
-        diff_, lower_, upper_ = last if last is not None else (None, None, None)
+        last_diff, last_lower, last_upper = last or (None, None, None)
         where = (
             ""
             if last is None
-            else f"; difference {diff_:+.3f}, interval [{lower_:+.3f}, {upper_:+.3f}], margin {margin:g}"
+            else "; difference {:+.3f}, interval [{:+.3f}, {:+.3f}], margin {:g}".format(*last, margin)
         )
         return Verdict(
             "abort",
             f"no decision within max_duration_s={max_duration_s:g}s "
             f"({challenger.n} challenger / {champion.n} {control} events{where})",
-            diff_,
-            lower_,
-            upper_,
+            last_diff,
+            last_lower,
+            last_upper,
             challenger,
             champion,
         )
