@@ -145,7 +145,9 @@ def _group(match: re.Match[str] | None) -> str:
 
 
 def _number(text: str) -> float | None:
-    """A finite number, or None ("-", junk, NaN or infinite)."""
+    """A finite number written in ASCII, or None ("-", junk, a Unicode digit, NaN or infinite)."""
+    if not text.isascii():
+        return None
     try:
         value = float(text)
     except ValueError:

@@ -165,6 +165,9 @@ def decide(
     diff = challenger.mean - champion.mean
     hw = half_width(challenger.var / challenger.n + champion.var / champion.n, alpha, tau)
     lower, upper = diff - hw, diff + hw
+    if not all(math.isfinite(x) for x in (diff, lower, upper)):  # huge rewards: an infinite mean decides nothing
+        reason = f"undecided: no finite interval (challenger mean {challenger.mean:g}, {control} {champion.mean:g})"
+        return Verdict("continue", reason, None, None, None, challenger, champion)
     if upper < 0:
         reason = (
             f"challenger worse: rate {challenger.mean:.3f} vs {control} {champion.mean:.3f}, difference "

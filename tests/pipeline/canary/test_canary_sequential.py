@@ -187,3 +187,13 @@ def test_a_negative_mixture_sd_is_refused_and_a_time_out_never_reports_a_nan_int
     huge = ArmStats.of_rewards([1e308] * 20, binary=False)
     late = decide(huge, ok, alpha=ALPHA, margin=MARGIN, min_feedback=5, elapsed_s=10, max_duration_s=5)
     assert late.decision == "abort" and late.lower is None and "nan" not in late.reason
+
+
+def test_an_infinite_mean_never_promotes() -> None:
+    """Finite rewards near 1e308 can average to infinity: such a look has no finite interval and goes on."""
+    ok = ArmStats(100, 0.5, 0.1)
+    for challenger, champion in ((ArmStats(100, float("inf"), 0.1), ok), (ok, ArmStats(100, float("-inf"), 0.1))):
+        verdict = decide(challenger, champion, alpha=ALPHA, margin=MARGIN, min_feedback=30)
+        assert verdict.decision == "continue" and verdict.lower is None, verdict
+    huge = decide(ArmStats(100, 1e308, 0.1), ArmStats(100, -1e308, 0.1), alpha=ALPHA, margin=MARGIN, min_feedback=30)
+    assert huge.decision == "continue"

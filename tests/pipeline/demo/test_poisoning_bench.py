@@ -142,6 +142,8 @@ def test_every_figure_of_a_junk_log_reads_as_missing_and_the_last_scoreboard_win
     run = parse(junk)
     assert (run.live_ratio, run.explicit_only, run.forgetting, run.total_s, run.load) == (None,) * 5
     assert run.canaries == [] and run.accuracy == []
+    unicode = "greedy accuracy of the served model by round (5 fresh prompts): \u0660.\u0665\n"
+    assert parse(unicode).accuracy == []  # float() reads Unicode digits; the demo never prints them
     forged = "greedy accuracy of the served model by round (48 fresh prompts): 0.990, 0.990\n" + SYNTHETIC
     assert parse(forged).final == 0.521
 
