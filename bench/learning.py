@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import writer  # noqa: E402
-from bench.poisoning import Canary, Run, checked_log, fmt, read_log, run_demo  # noqa: E402
+from bench.poisoning import Canary, Run, checked_log, fmt, logs_dir, read_log, run_demo  # noqa: E402
 
 TARGET_MEDIAN = 0.6
 
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args(argv)
     args.seed = args.seeds[0]
     recorder = writer.Recorder("learning", args)
-    args.logs.mkdir(parents=True, exist_ok=True)
+    logs_dir(args.logs)
     results: list[tuple[int, int, Run, float, str]] = []
     for seed in args.seeds:
         log = checked_log(args.logs / f"demo-seed{seed}.txt")

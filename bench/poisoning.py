@@ -183,6 +183,14 @@ def checked_log(log: Path) -> Path:
     return log
 
 
+def logs_dir(folder: Path) -> Path:
+    """``folder``, created if absent; the benchmark stops with a message when something else holds its name."""
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        sys.exit(f"--logs {folder} is not a folder (a file, a broken link or a device): choose another --logs")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def read_log(log: Path) -> Run:
     """The figures of a demo log (:func:`parse`); bytes that are not UTF-8 read as replacement characters."""
     return parse(log.read_text(errors="replace"))
@@ -269,7 +277,7 @@ def main() -> None:
     writer.add_arguments(parser)
     args = parser.parse_args()
     recorder = writer.Recorder("poisoning", args)
-    args.logs.mkdir(parents=True, exist_ok=True)
+    logs_dir(args.logs)
     results: list[tuple[float, str, int, Run, float, str]] = []
     runs = [  # the clean run once; every log path checked before the first run
         (share, mode, checked_log(args.logs / f"demo-{share:g}-{mode}.txt"))

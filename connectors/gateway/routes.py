@@ -140,13 +140,14 @@ def remove_route(state_dir: str | Path, model: str) -> None:
 
 def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
-    Unknown fields are ignored (a newer writer); an entry that :func:`route_from_dict` refuses is left out."""
+    Unknown fields are ignored (a newer writer); an entry that :func:`route_from_dict` refuses for its model (a
+    versioned served name other than ``<model>-v<version>`` included) is left out."""
     out: dict[str, Route] = {}
     for model, entry in entries.items():
         if not isinstance(entry, dict):
             continue
         try:
-            out[model] = route_from_dict(entry)
+            out[model] = route_from_dict(entry, model)
         except RouteRecordError:
             continue
     return out

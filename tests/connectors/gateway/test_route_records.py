@@ -79,6 +79,23 @@ def test_a_damaged_routes_file_entry_is_left_out_not_raised(tmp_path) -> None:
     assert read_routes(tmp_path) == {}
 
 
+def test_a_routes_file_entry_that_names_another_models_served_name_is_left_out(tmp_path) -> None:
+    """The routes file holds the routes topic's contract: ``hg`` may only route to ``hg-v<version>`` (it used to
+    accept any plain name, so an edited file could send ``hg``'s traffic to another model's adapter)."""
+    (tmp_path / ROUTES_FILE).write_text(
+        json.dumps(
+            {
+                "hg": {**GOOD, "served_name": "hg-oracle-v2"},
+                "hg-oracle": {**CANARY, "served_name": "hg-oracle-v2", "challenger_served_name": "hg-v3"},
+                "kept": {**GOOD, "served_name": "kept-v2"},
+            }
+        )
+    )
+    assert list(read_routes(tmp_path)) == ["kept"]
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    assert resolver("hg") == ("base", None)
+
+
 def test_routes_for_names_this_deployment_does_not_serve_are_ignored() -> None:
     follower = RouteFollower(KafkaConfig())
     follower._apply(b"hg", json.dumps(GOOD).encode())

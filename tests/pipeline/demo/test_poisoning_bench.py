@@ -171,3 +171,39 @@ def test_a_log_path_that_is_not_a_regular_file_stops_the_benchmark_before_any_ru
         with pytest.raises(SystemExit, match="demo-0.05-one.txt is not a regular file"):
             poisoning.main()
         assert ran == []
+
+
+def test_a_logs_folder_that_is_a_file_or_a_broken_link_stops_both_benchmarks_with_its_name(
+    tmp_path, monkeypatch
+) -> None:
+    """``--logs`` naming a file or a dangling link: each benchmark stops with the path named (it used to be a
+    FileExistsError traceback from mkdir); a link to a folder is a folder and is used."""
+    import pytest
+
+    from bench import learning, poisoning
+
+    ran: list[object] = []
+    for module in (poisoning, learning):
+        monkeypatch.setattr(module, "run_demo", lambda *a, **k: ran.append(a) or (0, 1.0, "-"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    broken = tmp_path / "broken"
+    broken.symlink_to(tmp_path / "nowhere")
+    reports = ["--report-dir", str(tmp_path / "reports")]
+    for logs in (a_file, broken):
+        for argv in (
+            ["poisoning.py", "--shares", "0", "--logs", str(logs), *reports],
+            ["learning.py", "--seeds", "0", "--logs", str(logs), *reports],
+        ):
+            monkeypatch.setattr("sys.argv", argv)
+            with pytest.raises(SystemExit, match=f"--logs {logs} is not a folder"):
+                (poisoning if argv[0] == "poisoning.py" else learning).main()
+    assert ran == []
+    assert a_file.read_text() == "not a folder"
+
+    real = tmp_path / "real"
+    real.mkdir()
+    linked = tmp_path / "linked"
+    linked.symlink_to(real, target_is_directory=True)
+    assert poisoning.logs_dir(linked) == linked
+    assert poisoning.logs_dir(tmp_path / "new" / "deeper").is_dir()
