@@ -103,7 +103,8 @@ def parse(text: str) -> Run:
 
     Reads the scoreboard's ``greedy accuracy of the served model by round`` line (else the per-round ``greedy
     accuracy after round i`` lines, from a run that ended early), ``reward model held-out AUC by round`` and each
-    ``canary of round i, honest users only`` line. Missing lines leave their field empty; nothing raises."""
+    ``canary of round i, honest users only`` line (one with more thumbs-up than votes on a side is left out).
+    Missing lines leave their field empty; nothing raises."""
     run = Run()
     if match := _last(_ACCURACY, text):  # the demo prints its scoreboard last: a line before it is not its own
         run.accuracy = _accuracies(match.group(1).split(","))
@@ -112,13 +113,16 @@ def parse(text: str) -> Run:
     if match := _last(_AUC, text):
         run.aucs = [_number(x) for x in match.group(1).strip().split(",")]
     for m in _CANARY.finditer(text):
+        challenger, control = (int(m.group(3)), int(m.group(4))), (int(m.group(6)), int(m.group(7)))
+        if challenger[0] > challenger[1] or control[0] > control[1]:
+            continue  # more thumbs-up than votes: no demo printed it
         run.canaries.append(
             Canary(
                 round=int(m.group(1)),
                 version=m.group(2),
-                challenger=(int(m.group(3)), int(m.group(4))),
+                challenger=challenger,
                 replaced=m.group(5),
-                control=(int(m.group(6)), int(m.group(7))),
+                control=control,
                 outcome=m.group(8),
             )
         )

@@ -148,6 +148,16 @@ def test_every_figure_of_a_junk_log_reads_as_missing_and_the_last_scoreboard_win
     assert parse(forged).final == 0.521
 
 
+def test_a_canary_line_with_more_thumbs_up_than_votes_is_left_out() -> None:
+    """``7/3`` cannot come from the demo (thumbs-up of rated votes); read as it was, a rate above 1 hid a worse
+    promotion (challenger 7/3 "beat" a replaced side at 2/3)."""
+    line = "canary of round 1, honest users only: challenger v2 {c} (x), replaced side v1 {r} (x); PROMOTED\n"
+    assert parse(line.format(c="7/3", r="2/3")).canaries == []
+    assert parse(line.format(c="1/3", r="9/4")).canaries == []
+    (kept,) = parse(line.format(c="1/3", r="2/3")).canaries
+    assert kept.worse and kept.challenger == (1, 3) and kept.control == (2, 3)
+
+
 def test_a_log_path_that_is_not_a_regular_file_stops_the_benchmark_before_any_run(tmp_path, monkeypatch) -> None:
     """A folder, a link (dangling, a loop, or to a device) where a log goes: the benchmark stops with the path
     named before it runs anything, instead of failing half-way, writing elsewhere or reading forever."""
