@@ -74,8 +74,11 @@ class Canary:
     @property
     def worse(self) -> bool:
         """Promoted although the honest users' thumbs-up rate (point estimate) is below the replaced side's;
-        a side without honest votes compares as unknown (not worse)."""
+        a side without honest votes compares as unknown (not worse). A promotion whose line no demo can print
+        (more thumbs-up than votes on a side) counts as worse: a garbled line never passes a run."""
         (up, n), (c_up, c_n) = self.challenger, self.control
+        if self.outcome == "PROMOTED" and (up > n or c_up > c_n):
+            return True
         return self.outcome == "PROMOTED" and n > 0 and c_n > 0 and up / n < c_up / c_n
 
 
@@ -103,8 +106,7 @@ def parse(text: str) -> Run:
 
     Reads the scoreboard's ``greedy accuracy of the served model by round`` line (else the per-round ``greedy
     accuracy after round i`` lines, from a run that ended early), ``reward model held-out AUC by round`` and each
-    ``canary of round i, honest users only`` line (one with more thumbs-up than votes on a side is left out).
-    Missing lines leave their field empty; nothing raises."""
+    ``canary of round i, honest users only`` line. Missing lines leave their field empty; nothing raises."""
     run = Run()
     if match := _last(_ACCURACY, text):  # the demo prints its scoreboard last: a line before it is not its own
         run.accuracy = _accuracies(match.group(1).split(","))
@@ -113,16 +115,13 @@ def parse(text: str) -> Run:
     if match := _last(_AUC, text):
         run.aucs = [_number(x) for x in match.group(1).strip().split(",")]
     for m in _CANARY.finditer(text):
-        challenger, control = (int(m.group(3)), int(m.group(4))), (int(m.group(6)), int(m.group(7)))
-        if challenger[0] > challenger[1] or control[0] > control[1]:
-            continue  # more thumbs-up than votes: no demo printed it
         run.canaries.append(
             Canary(
                 round=int(m.group(1)),
                 version=m.group(2),
-                challenger=challenger,
+                challenger=(int(m.group(3)), int(m.group(4))),
                 replaced=m.group(5),
-                control=control,
+                control=(int(m.group(6)), int(m.group(7))),
                 outcome=m.group(8),
             )
         )
@@ -188,10 +187,15 @@ def checked_log(log: Path) -> Path:
 
 
 def logs_dir(folder: Path) -> Path:
-    """``folder``, created if absent; the benchmark stops with a message when something else holds its name."""
-    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
-        sys.exit(f"--logs {folder} is not a folder (a file, a broken link or a device): choose another --logs")
-    folder.mkdir(parents=True, exist_ok=True)
+    """``folder``, created if absent; the benchmark stops with a message when it is not a folder or cannot be made."""
+    try:
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            sys.exit(
+                f"--logs {folder} is not a folder (a file, a link to none, a fifo or a device): choose another --logs"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file or a broken link above it, no permission, a name too long
+        sys.exit(f"--logs {folder} cannot be created ({err.strerror or err}): choose another --logs")
     return folder
 
 

@@ -33,6 +33,8 @@ from connectors.errors import ConnectorError
 ROUTES_FILE = "routes.json"
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
 _SERVED_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+# A model version as MLflow numbers it: digits only, so `<model>-v<version>` names one model's one version.
+_VERSION = re.compile(r"\A[0-9]{1,18}\Z")
 
 
 class RouteRecordError(ConnectorError, ValueError):
@@ -61,8 +63,9 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
     served name to be its own base);
     ``updated_at`` a string; the challenger's served name and version both set or both absent;
     ``fraction`` a finite number in [0, 1] (not a boolean). Unknown fields are ignored (a newer writer).
-    With ``model`` (the public name the entry routes), every versioned served name must be
-    ``<model>-v<version>``, the routes contract: a record cannot point a model at another name.
+    With ``model`` (the public name the entry routes), every version must be an MLflow version number (ASCII
+    digits) and every versioned served name ``<model>-v<version>``, the routes contract: a record cannot point a
+    model at another model's adapter (with a version such as ``1-v3``, ``hg-v1-v3`` would be model ``hg-v1``'s).
 
     Raises:
         RouteRecordError: the entry breaks one of these rules (the message names the field and value).
@@ -99,6 +102,8 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
         )
     if model is not None:
         for got, ver in ((served, version), (challenger, challenger_version)):
+            if ver is not None and not _VERSION.match(ver):  # "1-v3" would make hg-v1-v3 model hg-v1's version 3
+                raise RouteRecordError(f"route of {model!r} has version {ver!r}; a model version is its MLflow number")
             if got is not None and ver is not None and got != f"{model}-v{ver}":
                 raise RouteRecordError(f"route of {model!r} names {got!r} for version {ver!r}; expected {model}-v{ver}")
     return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
@@ -110,7 +115,7 @@ def read_routes(state_dir: str | Path) -> dict[str, Route]:
     path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return {}
     return routes_from_dicts(data) if isinstance(data, dict) else {}
 

@@ -80,13 +80,21 @@ def test_a_damaged_routes_file_entry_is_left_out_not_raised(tmp_path) -> None:
 
 
 def test_a_routes_file_entry_that_names_another_models_served_name_is_left_out(tmp_path) -> None:
-    """The routes file holds the routes topic's contract: ``hg`` may only route to ``hg-v<version>`` (it used to
-    accept any plain name, so an edited file could send ``hg``'s traffic to another model's adapter)."""
+    """The routes file holds the routes topic's contract: ``hg`` may only route to ``hg-v<number>`` (it used to
+    accept any plain name, so an edited file could send ``hg``'s traffic to another model's adapter; a version
+    such as ``1-v3`` makes ``hg-v1-v3``, version 3 of a model named ``hg-v1``)."""
     (tmp_path / ROUTES_FILE).write_text(
         json.dumps(
             {
                 "hg": {**GOOD, "served_name": "hg-oracle-v2"},
                 "hg-oracle": {**CANARY, "served_name": "hg-oracle-v2", "challenger_served_name": "hg-v3"},
+                "hg-v1": {**GOOD, "served_name": "hg-v1-v3", "version": "1-v3"},
+                "hg-v2": {
+                    **CANARY,
+                    "served_name": "hg-v2-v2",
+                    "challenger_served_name": "hg-v2-v1-v3",
+                    "challenger_version": "1-v3",
+                },
                 "kept": {**GOOD, "served_name": "kept-v2"},
             }
         )
@@ -94,6 +102,19 @@ def test_a_routes_file_entry_that_names_another_models_served_name_is_left_out(t
     assert list(read_routes(tmp_path)) == ["kept"]
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
     assert resolver("hg") == ("base", None)
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": {**GOOD, "served_name": "hg-v1-v3", "version": "1-v3"}}))
+    assert resolver("hg") == ("base", None)
+    with pytest.raises(RouteRecordError, match="MLflow number"):
+        route_from_dict({**GOOD, "served_name": "hg-v1-v3", "version": "1-v3"}, "hg")
+
+
+def test_a_routes_file_nested_too_deep_reads_as_no_routes(tmp_path) -> None:
+    """JSON nested deeper than the parser goes raised RecursionError from ``read_routes``: every request through
+    the gateway, and every route write of the controller, failed until the file was repaired."""
+    for text in ("[" * 200_000 + "]" * 200_000, '{"hg": ' + "[" * 200_000 + "]" * 200_000 + "}"):
+        (tmp_path / ROUTES_FILE).write_text(text)
+        assert read_routes(tmp_path) == {}
+        assert RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)("hg") == ("base", None)
 
 
 def test_routes_for_names_this_deployment_does_not_serve_are_ignored() -> None:

@@ -148,14 +148,17 @@ def test_every_figure_of_a_junk_log_reads_as_missing_and_the_last_scoreboard_win
     assert parse(forged).final == 0.521
 
 
-def test_a_canary_line_with_more_thumbs_up_than_votes_is_left_out() -> None:
-    """``7/3`` cannot come from the demo (thumbs-up of rated votes); read as it was, a rate above 1 hid a worse
-    promotion (challenger 7/3 "beat" a replaced side at 2/3)."""
-    line = "canary of round 1, honest users only: challenger v2 {c} (x), replaced side v1 {r} (x); PROMOTED\n"
-    assert parse(line.format(c="7/3", r="2/3")).canaries == []
-    assert parse(line.format(c="1/3", r="9/4")).canaries == []
-    (kept,) = parse(line.format(c="1/3", r="2/3")).canaries
-    assert kept.worse and kept.challenger == (1, 3) and kept.control == (2, 3)
+def test_a_promoted_canary_with_more_thumbs_up_than_votes_counts_as_worse() -> None:
+    """``7/3`` cannot come from the demo (thumbs-up of rated votes). Read as a rate it was 233 % and "beat" a
+    replaced side at 2/3, hiding a worse promotion; such a promotion now counts as worse, so the run fails."""
+    line = "canary of round 1, honest users only: challenger v2 {c} (x), replaced side v1 {r} (x); {o}\n"
+    for c, r in (("7/3", "2/3"), ("1/3", "9/4"), ("5/0", "0/0")):
+        (canary,) = parse(line.format(c=c, r=r, o="PROMOTED")).canaries
+        assert canary.worse, (c, r)
+        (aborted,) = parse(line.format(c=c, r=r, o="ABORTED")).canaries
+        assert not aborted.worse  # nothing was promoted
+    (fair,) = parse(line.format(c="3/3", r="2/3", o="PROMOTED")).canaries
+    assert not fair.worse and fair.challenger == (3, 3) and fair.control == (2, 3)
 
 
 def test_a_log_path_that_is_not_a_regular_file_stops_the_benchmark_before_any_run(tmp_path, monkeypatch) -> None:
@@ -210,6 +213,12 @@ def test_a_logs_folder_that_is_a_file_or_a_broken_link_stops_both_benchmarks_wit
                 (poisoning if argv[0] == "poisoning.py" else learning).main()
     assert ran == []
     assert a_file.read_text() == "not a folder"
+
+    for above in (a_file, broken):  # the folder's parent is the problem: was a NotADirectory/FileExists traceback
+        with pytest.raises(SystemExit, match=f"--logs {above}/sub cannot be created"):
+            poisoning.logs_dir(above / "sub")
+    with pytest.raises(SystemExit, match="cannot be created"):
+        poisoning.logs_dir(tmp_path / ("x" * 300))  # a name longer than the file system takes
 
     real = tmp_path / "real"
     real.mkdir()
