@@ -77,9 +77,9 @@ class Canary:
         a side without honest votes compares as unknown (not worse). A promotion whose line no demo can print
         (more thumbs-up than votes on a side) counts as worse: a garbled line never passes a run."""
         (up, n), (c_up, c_n) = self.challenger, self.control
-        if self.outcome == "PROMOTED" and (up > n or c_up > c_n):
-            return True
-        return self.outcome == "PROMOTED" and n > 0 and c_n > 0 and up / n < c_up / c_n
+        if self.outcome != "PROMOTED":
+            return False
+        return up > n or c_up > c_n or (n > 0 and c_n > 0 and up / n < c_up / c_n)
 
 
 @dataclass
