@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
@@ -29,6 +30,8 @@ from typing import NamedTuple
 
 from connectors import atomic
 from connectors.errors import ConnectorError
+
+log = logging.getLogger(__name__)
 
 ROUTES_FILE = "routes.json"
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
@@ -109,15 +112,16 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
     return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
 
 
-def read_routes(state_dir: str | Path) -> dict[str, Route]:
+def read_routes(state_dir: str | Path, refused: list[str] | None = None) -> dict[str, Route]:
     """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent or
-    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`)."""
+    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`, and its
+    reason appended to ``refused`` when given)."""
     path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return {}
-    return routes_from_dicts(data) if isinstance(data, dict) else {}
+    return routes_from_dicts(data, refused) if isinstance(data, dict) else {}
 
 
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
@@ -143,18 +147,20 @@ def remove_route(state_dir: str | Path, model: str) -> None:
     _write_all(folder, routes)
 
 
-def routes_from_dicts(entries: dict[str, dict]) -> dict[str, Route]:
+def routes_from_dicts(entries: dict[str, dict], refused: list[str] | None = None) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
     Unknown fields are ignored (a newer writer); an entry that :func:`route_from_dict` refuses for its model (a
-    versioned served name other than ``<model>-v<version>`` included) is left out."""
+    versioned served name other than ``<model>-v<version>`` included) is left out, and the reason appended to
+    ``refused`` when given."""
     out: dict[str, Route] = {}
     for model, entry in entries.items():
-        if not isinstance(entry, dict):
-            continue
         try:
+            if not isinstance(entry, dict):
+                raise RouteRecordError(f"route of {model[:200]!r} is not a JSON object")
             out[model] = route_from_dict(entry, model)
-        except RouteRecordError:
-            continue
+        except RouteRecordError as err:
+            if refused is not None:
+                refused.append(str(err)[:300])
     return out
 
 
@@ -207,20 +213,38 @@ class RouteResolver:
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self._read_at = float("-inf")
+        self._refused: set[str] = set()  # the reasons last warned about, so a bad entry warns once, not per read
 
     def _current(self) -> dict[str, Route]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
-                routes = read_routes(self.state_dir) if self.source is None else routes_from_dicts(self.source())  # type: ignore[arg-type]
+                refused: list[str] = []  # the routes topic's follower already warned about its records
+                routes = (
+                    read_routes(self.state_dir, refused)  # type: ignore[arg-type]
+                    if self.source is None
+                    else routes_from_dicts(self.source())
+                )
                 if self.models is not None:
                     routes = {m: r for m, r in routes.items() if m in self.models}
                 # a base-side route (a canary against the base) may name only this gateway's base
+                refused += [
+                    f"route of {m[:200]!r} names base {r.served_name!r}; this gateway's base is {self.base_served_name!r}"
+                    for m, r in routes.items()
+                    if r.version is None and r.served_name != self.base_served_name
+                ]
                 routes = {
                     m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
                 }
+                self._warn(set(refused))
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
+
+    def _warn(self, refused: set[str]) -> None:
+        """Log each newly refused route entry once (the model it routes then goes to its base or is unknown)."""
+        for why in sorted(refused - self._refused):
+            log.warning("route left out (%s); requests for that model are answered as if it had no route", why)
+        self._refused = refused
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:
         """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed

@@ -163,3 +163,25 @@ def test_a_routes_file_with_an_unencodable_challenger_version_keeps_every_reques
     (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": {**CANARY, "challenger_version": "\ud800"}}))
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
     assert resolver.route("hg", "hmac-sha256:ab") == ("base", None, None)
+
+
+def test_a_refused_routes_file_entry_is_logged_once_with_its_reason(tmp_path, caplog) -> None:
+    """A hand-edited routes file whose entry breaks the contract was left out in silence: the model answered
+    from the base and nothing said why. Now the resolver warns once per refused entry (not once per read)."""
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    bad = {"hg": {**GOOD, "served_name": "other-v2"}, "big": {**GOOD, "served_name": "big-v2"}, "x" * 10_000: 7}
+    (tmp_path / ROUTES_FILE).write_text(json.dumps(bad))
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        for _ in range(5):
+            assert resolver("hg") == ("base", None)
+            assert resolver("big") == ("big-v2", "2")  # the valid entry beside them still routes
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert any("'other-v2'" in m and "expected hg-v2" in m for m in messages)
+    assert any("not a JSON object" in m for m in messages) and all(len(m) < 1000 for m in messages)
+    caplog.clear()
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": {**GOOD, "served_name": "base", "version": None}}))
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        assert resolver("hg") == ("base", None)
+        assert resolver("hg") == ("base", None)
+    assert len(caplog.records) == 1 and "version" in caplog.records[0].getMessage()  # a new reason warns again
