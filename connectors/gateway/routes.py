@@ -32,6 +32,7 @@ from connectors import atomic
 from connectors.errors import ConnectorError
 
 log = logging.getLogger(__name__)
+_WARN_AT_MOST = 20  # refused entries listed per read; a file of thousands of bad entries logs 21 lines, not thousands
 
 ROUTES_FILE = "routes.json"
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
@@ -242,8 +243,11 @@ class RouteResolver:
 
     def _warn(self, refused: set[str]) -> None:
         """Log each newly refused route entry once (the model it routes then goes to its base or is unknown)."""
-        for why in sorted(refused - self._refused):
+        new = sorted(refused - self._refused)
+        for why in new[:_WARN_AT_MOST]:
             log.warning("route left out (%s); requests for that model are answered as if it had no route", why)
+        if len(new) > _WARN_AT_MOST:
+            log.warning("%d more routes left out (not listed)", len(new) - _WARN_AT_MOST)
         self._refused = refused
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:

@@ -185,3 +185,10 @@ def test_a_refused_routes_file_entry_is_logged_once_with_its_reason(tmp_path, ca
         assert resolver("hg") == ("base", None)
         assert resolver("hg") == ("base", None)
     assert len(caplog.records) == 1 and "version" in caplog.records[0].getMessage()  # a new reason warns again
+
+
+def test_a_routes_file_of_many_bad_entries_logs_a_bounded_number_of_lines(tmp_path, caplog) -> None:
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({f"m{i}": 7 for i in range(5000)}))
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        assert RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)("hg") == ("base", None)
+    assert len(caplog.records) == 21 and caplog.records[-1].getMessage() == "4980 more routes left out (not listed)"
