@@ -32,7 +32,10 @@ from connectors import atomic
 from connectors.errors import ConnectorError
 
 log = logging.getLogger(__name__)
-_WARN_AT_MOST = 20  # refused entries listed per read; a file of thousands of bad entries logs 21 lines, not thousands
+# A gateway lists at most this many refused routes per window, however many entries break and however often the
+# file changes: thousands of bad entries, or a file rewritten every second, log a few lines a minute.
+_WARN_AT_MOST = 20
+_WARN_WINDOW_S = 60.0
 
 ROUTES_FILE = "routes.json"
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
@@ -113,16 +116,26 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
     return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
 
 
-def read_routes(state_dir: str | Path, refused: list[str] | None = None) -> dict[str, Route]:
+def read_routes(state_dir: str | Path, refused: dict[str | None, str] | None = None) -> dict[str, Route]:
     """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent or
-    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`, and its
-    reason appended to ``refused`` when given)."""
+    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`). With
+    ``refused``, each reason is recorded there: ``{model: why}``, and under None why a file that exists did not
+    parse as a JSON object."""
     path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
+    except FileNotFoundError:
         return {}
-    return routes_from_dicts(data, refused) if isinstance(data, dict) else {}
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
+        if refused is not None:
+            why = "nested too deep" if isinstance(err, RecursionError) else str(err)[:200]
+            refused[None] = f"routes file {path} unreadable ({why}): no routes"
+        return {}
+    if not isinstance(data, dict):
+        if refused is not None:
+            refused[None] = f"routes file {path} is not a JSON object: no routes"
+        return {}
+    return routes_from_dicts(data, refused)
 
 
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
@@ -148,20 +161,20 @@ def remove_route(state_dir: str | Path, model: str) -> None:
     _write_all(folder, routes)
 
 
-def routes_from_dicts(entries: dict[str, dict], refused: list[str] | None = None) -> dict[str, Route]:
+def routes_from_dicts(entries: dict[str, dict], refused: dict[str | None, str] | None = None) -> dict[str, Route]:
     """``{model: route dict}`` (a JSON object per route, as on the routes topic) as ``{model: Route}``.
     Unknown fields are ignored (a newer writer); an entry that :func:`route_from_dict` refuses for its model (a
-    versioned served name other than ``<model>-v<version>`` included) is left out, and the reason appended to
-    ``refused`` when given."""
+    versioned served name other than ``<model>-v<version>`` included) is left out, and its reason recorded in
+    ``refused`` (``{model: why}``) when given."""
     out: dict[str, Route] = {}
     for model, entry in entries.items():
         try:
             if not isinstance(entry, dict):
-                raise RouteRecordError(f"route of {model[:200]!r} is not a JSON object")
+                raise RouteRecordError("not a JSON object")
             out[model] = route_from_dict(entry, model)
         except RouteRecordError as err:
             if refused is not None:
-                refused.append(str(err)[:300])
+                refused[model] = f"route of {model[:100]!r}: {str(err)[:200]}"
     return out
 
 
@@ -214,12 +227,13 @@ class RouteResolver:
         self._lock = threading.Lock()
         self._routes: dict[str, Route] = {}
         self._read_at = float("-inf")
-        self._refused: set[str] = set()  # the reasons last warned about, so a bad entry warns once, not per read
+        self._warned: set[str] = set()  # reasons listed and still true, so a bad entry warns once, not per read
+        self._window_at, self._window_lines = float("-inf"), 0
 
     def _current(self) -> dict[str, Route]:
         with self._lock:
             if time.monotonic() - self._read_at >= self.ttl_s:
-                refused: list[str] = []  # the routes topic's follower already warned about its records
+                refused: dict[str | None, str] = {}  # the routes topic's follower already warned about its records
                 routes = (
                     read_routes(self.state_dir, refused)  # type: ignore[arg-type]
                     if self.source is None
@@ -227,28 +241,37 @@ class RouteResolver:
                 )
                 if self.models is not None:
                     routes = {m: r for m, r in routes.items() if m in self.models}
+                    refused = {m: why for m, why in refused.items() if m is None or m in self.models}
                 # a base-side route (a canary against the base) may name only this gateway's base
-                refused += [
-                    f"route of {m[:200]!r} names base {r.served_name!r}; this gateway's base is {self.base_served_name!r}"
-                    for m, r in routes.items()
-                    if r.version is None and r.served_name != self.base_served_name
-                ]
+                for m, r in routes.items():
+                    if r.version is None and r.served_name != self.base_served_name:
+                        refused[m] = f"route of {m!r} names base {r.served_name!r}, not {self.base_served_name!r}"
                 routes = {
                     m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
                 }
-                self._warn(set(refused))
+                self._warn(set(refused.values()), unreadable=None in refused)
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
 
-    def _warn(self, refused: set[str]) -> None:
-        """Log each newly refused route entry once (the model it routes then goes to its base or is unknown)."""
-        new = sorted(refused - self._refused)
-        for why in new[:_WARN_AT_MOST]:
-            log.warning("route left out (%s); requests for that model are answered as if it had no route", why)
-        if len(new) > _WARN_AT_MOST:
-            log.warning("%d more routes left out (not listed)", len(new) - _WARN_AT_MOST)
-        self._refused = refused
+    def _warn(self, refused: set[str], *, unreadable: bool) -> None:
+        """Log each newly refused route once (its model then goes to its base, or is unknown), at most
+        ``_WARN_AT_MOST`` lines a window; a reason left unlisted is listed in a later window if still true."""
+        now = time.monotonic()
+        if now - self._window_at >= _WARN_WINDOW_S:
+            self._window_at, self._window_lines = now, 0
+        new = sorted(refused - self._warned)
+        listed = new[: max(0, _WARN_AT_MOST - self._window_lines)]
+        for why in listed:
+            log.warning("route left out: %s; its requests are answered as if it had no route", why)
+        if len(new) > len(listed) and self._window_lines < _WARN_AT_MOST + 1:
+            log.warning(
+                "%d more routes left out; listed within %.0f s if still so", len(new) - len(listed), _WARN_WINDOW_S
+            )
+            listed.append("")  # counts the summary line against the window
+        self._window_lines += len(listed)
+        # an unreadable file forgets nothing: the entries warned about before are still the ones to fix
+        self._warned = (self._warned if unreadable else self._warned & refused) | set(listed) - {""}
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:
         """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed

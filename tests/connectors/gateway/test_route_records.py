@@ -10,6 +10,7 @@ import pytest
 
 from connectors.config import KafkaConfig
 from connectors.gateway.route_feed import REFUSED, RouteFollower
+from connectors.gateway import routes as routes_module
 from connectors.gateway.routes import ROUTES_FILE, RouteRecordError, RouteResolver, read_routes, route_from_dict
 
 GOOD = {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:00:00+00:00"}
@@ -187,8 +188,60 @@ def test_a_refused_routes_file_entry_is_logged_once_with_its_reason(tmp_path, ca
     assert len(caplog.records) == 1 and "version" in caplog.records[0].getMessage()  # a new reason warns again
 
 
-def test_a_routes_file_of_many_bad_entries_logs_a_bounded_number_of_lines(tmp_path, caplog) -> None:
-    (tmp_path / ROUTES_FILE).write_text(json.dumps({f"m{i}": 7 for i in range(5000)}))
+def test_a_routes_file_of_many_bad_entries_logs_a_bounded_number_of_lines(tmp_path, caplog, monkeypatch) -> None:
+    """5,000 bad entries, or a file rewritten with a new bad value before every read, log 21 lines a window;
+    the entries not listed yet are listed in the next window, and an entry listed once is not listed again."""
+    clock = [1000.0]
+    monkeypatch.setattr(routes_module.time, "monotonic", lambda: clock[0])
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({f"m{i:04}": 7 for i in range(25)}))
     with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
-        assert RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)("hg") == ("base", None)
-    assert len(caplog.records) == 21 and caplog.records[-1].getMessage() == "4980 more routes left out (not listed)"
+        for i in range(50):
+            (tmp_path / ROUTES_FILE).write_text(
+                json.dumps({f"m{i:04}": 7 for i in range(25)} | {"hg": {**GOOD, "served_name": f"x{i}-v2"}})
+            )
+            assert resolver("hg") == ("base", None)
+    assert len(caplog.records) == 21 and caplog.records[-1].getMessage().startswith("6 more routes left out")
+    assert "'x0-v2'" in caplog.records[0].getMessage()
+    caplog.clear()
+    clock[0] += 61
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        assert resolver("hg") == ("base", None)
+    listed = sorted(r.getMessage()[len("route left out: route of '") :][:5] for r in caplog.records)
+    assert listed == ["hg': ", "m0019", "m0020", "m0021", "m0022", "m0023", "m0024"], listed
+    assert "'x49-v2'" in caplog.records[0].getMessage()  # hg's latest reason, not the 49 before it
+    caplog.clear()
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({f"m{i}": 7 for i in range(5000)}))
+    clock[0] += 61
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        for _ in range(3):
+            assert resolver("hg") == ("base", None)
+    assert len(caplog.records) == 21 and caplog.records[-1].getMessage().startswith("4980 more routes left out")
+
+
+def test_a_routes_file_that_does_not_parse_is_logged_and_forgets_no_earlier_warning(tmp_path, caplog) -> None:
+    """A hand-edit with a trailing comma dropped every route with nothing logged; a moment of a half-written
+    file then made every bad entry warn again."""
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    good = json.dumps({"big": {**GOOD, "served_name": "big-v2"}, "bad": 7})
+    (tmp_path / ROUTES_FILE).write_text(good)
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        assert resolver("big") == ("big-v2", "2")
+        (tmp_path / ROUTES_FILE).write_text(good[:-1] + ",}")
+        with pytest.raises(KeyError):
+            resolver("big")  # no routes while the file does not parse, as before
+        (tmp_path / ROUTES_FILE).write_text("[1]")
+        assert resolver("hg") == ("base", None)
+        (tmp_path / ROUTES_FILE).write_text(good)
+        assert resolver("big") == ("big-v2", "2")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3, messages  # 'bad' once, the parse error once, the list once; 'bad' not again
+    assert "'bad': not a JSON object" in messages[0]
+    assert "unreadable" in messages[1] and "not a JSON object: no routes" in messages[2]
+
+
+def test_refused_routes_of_models_this_gateway_does_not_serve_are_not_logged(tmp_path, caplog) -> None:
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"other": 7, "hg": {**GOOD, "served_name": "other-v2"}}))
+    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+        assert RouteResolver(tmp_path, "hg", "base", ttl_s=0.0, models={"hg"})("hg") == ("base", None)
+    assert [r.getMessage()[:29] for r in caplog.records] == ["route left out: route of 'hg'"]
