@@ -245,7 +245,7 @@ class RouteResolver:
                 # a base-side route (a canary against the base) may name only this gateway's base
                 for m, r in routes.items():
                     if r.version is None and r.served_name != self.base_served_name:
-                        refused[m] = f"route of {m!r} names base {r.served_name!r}, not {self.base_served_name!r}"
+                        refused[m] = f"route of {m[:100]!r} names base {r.served_name!r}, not {self.base_served_name!r}"
                 routes = {
                     m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
                 }
