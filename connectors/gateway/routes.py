@@ -264,14 +264,14 @@ class RouteResolver:
         listed = new[: max(0, _WARN_AT_MOST - self._window_lines)]
         for why in listed:
             log.warning("route left out: %s; its requests are answered as if it had no route", why)
-        if len(new) > len(listed) and self._window_lines < _WARN_AT_MOST + 1:
+        self._window_lines += len(listed)
+        if len(new) > len(listed) and self._window_lines <= _WARN_AT_MOST:  # one summary line a window
             log.warning(
                 "%d more routes left out; listed within %.0f s if still so", len(new) - len(listed), _WARN_WINDOW_S
             )
-            listed.append("")  # counts the summary line against the window
-        self._window_lines += len(listed)
+            self._window_lines += 1
         # an unreadable file forgets nothing: the entries warned about before are still the ones to fix
-        self._warned = (self._warned if unreadable else self._warned & refused) | set(listed) - {""}
+        self._warned = (self._warned if unreadable else self._warned & refused) | set(listed)
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:
         """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed
