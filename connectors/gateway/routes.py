@@ -129,11 +129,11 @@ def read_routes(state_dir: str | Path, refused: dict[str | None, str] | None = N
     except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
         if refused is not None:
             why = "nested too deep" if isinstance(err, RecursionError) else str(err)[:200]
-            refused[None] = f"routes file {path} unreadable ({why}): no routes"
+            refused[None] = f"routes file {path} unreadable ({why})"
         return {}
     if not isinstance(data, dict):
         if refused is not None:
-            refused[None] = f"routes file {path} is not a JSON object: no routes"
+            refused[None] = f"routes file {path} is not a JSON object"
         return {}
     return routes_from_dicts(data, refused)
 
@@ -183,6 +183,10 @@ def canary_bucket(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 10000
 
 
+def _left_out(why: str) -> str:
+    return f"route left out: {why}; its requests are answered as if it had no route"
+
+
 class Resolved(NamedTuple):
     """Where one request goes: vLLM served name, adapter version (None: base), and whether it is
     a canary request (None when no challenger is routed for that model)."""
@@ -198,7 +202,10 @@ class RouteResolver:
     A public name with a route goes to its versioned served name; the configured
     public name without a route goes to the base (``base_served_name``, version
     None); any other name raises ``KeyError``. The routes are re-read at most every
-    ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``.
+    ``ttl_s`` seconds, so a route flip reaches the gateway within ``ttl_s``. A routes
+    file that exists and does not parse as a JSON object (a hand-edit with a stray
+    comma) changes nothing: the resolver keeps the routes it read last (none before its
+    first good read) and logs why, so a broken file does not send every model to the base.
 
     ``source``: instead of the file, a callable returning ``{model: route dict}``
     (e.g. :meth:`connectors.gateway.route_feed.RouteFollower.routes`, the routes topic).
@@ -225,7 +232,7 @@ class RouteResolver:
         self.ttl_s = ttl_s
         self.models = None if models is None else frozenset(models) | {public_name}
         self._lock = threading.Lock()
-        self._routes: dict[str, Route] = {}
+        self._routes: dict[str, Route] = {public_name: Route(base_served_name, None, "")}  # until the first read
         self._read_at = float("-inf")
         self._warned: set[str] = set()  # reasons listed and still true, so a bad entry warns once, not per read
         self._window_at, self._window_lines = float("-inf"), 0
@@ -239,9 +246,14 @@ class RouteResolver:
                     if self.source is None
                     else routes_from_dicts(self.source())
                 )
+                unreadable = refused.pop(None, None)
+                if unreadable is not None:  # the file exists and does not parse: keep what was read last
+                    self._warn({f"{unreadable}; the gateway keeps the routes it read last"}, unreadable=True)
+                    self._read_at = time.monotonic()
+                    return self._routes
                 if self.models is not None:
                     routes = {m: r for m, r in routes.items() if m in self.models}
-                    refused = {m: why for m, why in refused.items() if m is None or m in self.models}
+                    refused = {m: why for m, why in refused.items() if m in self.models}
                 # a base-side route (a canary against the base) may name only this gateway's base
                 for m, r in routes.items():
                     if r.version is None and r.served_name != self.base_served_name:
@@ -249,21 +261,22 @@ class RouteResolver:
                 routes = {
                     m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
                 }
-                self._warn(set(refused.values()), unreadable=None in refused)
+                self._warn({_left_out(why) for why in refused.values()}, unreadable=False)
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
 
     def _warn(self, refused: set[str], *, unreadable: bool) -> None:
-        """Log each newly refused route once (its model then goes to its base, or is unknown), at most
-        ``_WARN_AT_MOST`` lines a window; a reason left unlisted is listed in a later window if still true."""
+        """Log each new reason once (a refused route: its model then goes to its base, or is unknown; or a routes
+        file that does not parse), at most ``_WARN_AT_MOST`` lines a window; a reason left unlisted is listed in a
+        later window if still true."""
         now = time.monotonic()
         if now - self._window_at >= _WARN_WINDOW_S:
             self._window_at, self._window_lines = now, 0
         new = sorted(refused - self._warned)
         listed = new[: max(0, _WARN_AT_MOST - self._window_lines)]
         for why in listed:
-            log.warning("route left out: %s; its requests are answered as if it had no route", why)
+            log.warning("%s", why)
         self._window_lines += len(listed)
         if len(new) > len(listed) and self._window_lines <= _WARN_AT_MOST:  # one summary line a window
             log.warning(

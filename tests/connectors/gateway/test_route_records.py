@@ -219,25 +219,38 @@ def test_a_routes_file_of_many_bad_entries_logs_a_bounded_number_of_lines(tmp_pa
     assert len(caplog.records) == 21 and caplog.records[-1].getMessage().startswith("4980 more routes left out")
 
 
-def test_a_routes_file_that_does_not_parse_is_logged_and_forgets_no_earlier_warning(tmp_path, caplog) -> None:
-    """A hand-edit with a trailing comma dropped every route with nothing logged; a moment of a half-written
-    file then made every bad entry warn again."""
+def test_a_routes_file_that_does_not_parse_keeps_the_last_routes_and_forgets_no_earlier_warning(
+    tmp_path, caplog
+) -> None:
+    """A hand-edit with a trailing comma sent every model to the base with nothing logged; a moment of a
+    half-written file then made every bad entry warn again."""
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
     good = json.dumps({"big": {**GOOD, "served_name": "big-v2"}, "bad": 7})
     (tmp_path / ROUTES_FILE).write_text(good)
     with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
         assert resolver("big") == ("big-v2", "2")
         (tmp_path / ROUTES_FILE).write_text(good[:-1] + ",}")
-        with pytest.raises(KeyError):
-            resolver("big")  # no routes while the file does not parse, as before
+        for _ in range(3):  # the champion keeps serving while the file does not parse
+            assert resolver("big") == ("big-v2", "2") and resolver("hg") == ("base", None)
         (tmp_path / ROUTES_FILE).write_text("[1]")
-        assert resolver("hg") == ("base", None)
-        (tmp_path / ROUTES_FILE).write_text(good)
-        assert resolver("big") == ("big-v2", "2")
+        assert resolver("big") == ("big-v2", "2") and resolver.names() == ["big", "hg"]
+        (tmp_path / ROUTES_FILE).write_text(json.dumps({"big": {**GOOD, "served_name": "big-v3", "version": "3"}}))
+        assert resolver("big") == ("big-v3", "3")  # the next good read counts again
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3, messages  # 'bad' once, the parse error once, the list once; 'bad' not again
     assert "'bad': not a JSON object" in messages[0]
-    assert "unreadable" in messages[1] and "not a JSON object: no routes" in messages[2]
+    assert "unreadable" in messages[1] and messages[1].endswith("the gateway keeps the routes it read last")
+    assert "is not a JSON object; the gateway keeps the routes it read last" in messages[2]
+
+
+def test_a_gateway_started_beside_a_routes_file_that_does_not_parse_serves_its_model_by_the_base(tmp_path) -> None:
+    (tmp_path / ROUTES_FILE).write_text('{"hg": ')
+    resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
+    assert resolver("hg") == ("base", None) and resolver.names() == ["hg"]
+    with pytest.raises(KeyError):
+        resolver("big")
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": {**GOOD, "served_name": "hg-v2"}}))
+    assert resolver("hg") == ("hg-v2", "2")
 
 
 def test_refused_routes_of_models_this_gateway_does_not_serve_are_not_logged(tmp_path, caplog) -> None:
