@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,8 +37,12 @@ log = logging.getLogger(__name__)
 # file changes: thousands of bad entries, or a file rewritten every second, log a few lines a minute.
 _WARN_AT_MOST = 20
 _WARN_WINDOW_S = 60.0
+# While the routes file does not parse the gateway serves the routes it read last; it says so again this often.
+_UNREADABLE_REMINDER_S = 300.0
 
 ROUTES_FILE = "routes.json"
+# Far above any real deployment's routes (a route is ~250 bytes), far below what would strain a gateway's memory.
+MAX_ROUTES_FILE_BYTES = 16 * 1024 * 1024
 # A vLLM served name: one plain name (the serving config's name rule), never a path.
 _SERVED_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 # A model version as MLflow numbers it: digits only, so `<model>-v<version>` names one model's one version.
@@ -116,33 +121,60 @@ def route_from_dict(entry: object, model: str | None = None) -> Route:
     return Route(served, version, text("updated_at", False), challenger, challenger_version, float(fraction))  # type: ignore[arg-type]
 
 
-def read_routes(state_dir: str | Path, refused: dict[str | None, str] | None = None) -> dict[str, Route]:
-    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent or
-    not a JSON object; an entry that is not a valid route is left out, see :func:`route_from_dict`). With
-    ``refused``, each reason is recorded there: ``{model: why}``, and under None why a file that exists did not
-    parse as a JSON object."""
+def read_routes(
+    state_dir: str | Path, refused: dict[str | None, str] | None = None, *, strict: bool = False
+) -> dict[str, Route]:
+    """The routes file ``<state_dir>/routes.json`` as ``{public model name: Route}`` ({} when absent; an entry
+    that is not a valid route is left out, see :func:`route_from_dict`). A file that exists and does not parse
+    as a JSON object (not a regular file, over ``MAX_ROUTES_FILE_BYTES``, not JSON, not an object) reads as {}
+    too, or raises :class:`RouteRecordError` with ``strict`` (the writers: a route written over a file that
+    did not parse would drop every other model's route). With ``refused``, each reason is recorded there:
+    ``{model: why}``, and under None why a file that exists did not parse as a JSON object."""
     path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
-        data = json.loads(path.read_text())
+        data = _load(path)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
+    except RouteRecordError as err:
+        if strict:
+            raise
         if refused is not None:
-            why = "nested too deep" if isinstance(err, RecursionError) else str(err)[:200]
-            refused[None] = f"routes file {path} unreadable ({why})"
-        return {}
-    if not isinstance(data, dict):
-        if refused is not None:
-            refused[None] = f"routes file {path} is not a JSON object"
+            refused[None] = str(err)
         return {}
     return routes_from_dicts(data, refused)
 
 
+def _load(path: Path) -> dict:
+    """The routes file's JSON object. Raises FileNotFoundError, or RouteRecordError naming why it is not one."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block every reader; a device would never end
+            raise RouteRecordError(f"routes file {path} is not a regular file")
+        with path.open("rb") as f:
+            raw = f.read(MAX_ROUTES_FILE_BYTES + 1)
+        if len(raw) > MAX_ROUTES_FILE_BYTES:
+            raise RouteRecordError(f"routes file {path} is larger than {MAX_ROUTES_FILE_BYTES} bytes")
+        data = json.loads(raw)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
+        why = "nested too deep" if isinstance(err, RecursionError) else str(err)[:200]
+        raise RouteRecordError(f"routes file {path} unreadable ({why})") from None
+    if not isinstance(data, dict):
+        raise RouteRecordError(f"routes file {path} is not a JSON object")
+    return data
+
+
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
-    """Set one model's route; the file is replaced atomically (:func:`connectors.atomic.write_text`)."""
+    """Set one model's route; the file is replaced atomically (:func:`connectors.atomic.write_text`).
+
+    Raises:
+        RouteRecordError: the routes file exists and does not parse (fix or remove it by hand: rewriting it
+            from nothing would drop the other models' routes).
+    """
     folder = Path(os.path.expanduser(str(state_dir)))
     folder.mkdir(parents=True, exist_ok=True)
-    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
+    routes = {name: asdict(r) for name, r in read_routes(folder, strict=True).items()}
     routes[model] = asdict(route)
     _write_all(folder, routes)
 
@@ -155,7 +187,7 @@ def remove_route(state_dir: str | Path, model: str) -> None:
     """Remove one model's route (the gateway then serves the configured public name by the base, as
     before any route existed); nothing happens when it has none. Replaced atomically like :func:`write_route`."""
     folder = Path(os.path.expanduser(str(state_dir)))
-    routes = {name: asdict(r) for name, r in read_routes(folder).items()}
+    routes = {name: asdict(r) for name, r in read_routes(folder, strict=True).items()}
     if routes.pop(model, None) is None:
         return
     _write_all(folder, routes)
@@ -236,6 +268,8 @@ class RouteResolver:
         self._read_at = float("-inf")
         self._warned: set[str] = set()  # reasons listed and still true, so a bad entry warns once, not per read
         self._window_at, self._window_lines = float("-inf"), 0
+        # (since, last logged) while the routes file exists and does not parse; its reads forget no warning
+        self._file_broken: tuple[float, float] | None = None
 
     def _current(self) -> dict[str, Route]:
         with self._lock:
@@ -248,9 +282,12 @@ class RouteResolver:
                 )
                 unreadable = refused.pop(None, None)
                 if unreadable is not None:  # the file exists and does not parse: keep what was read last
-                    self._warn({f"{unreadable}; the gateway keeps the routes it read last"}, unreadable=True)
+                    self._file_unreadable(unreadable)
                     self._read_at = time.monotonic()
                     return self._routes
+                if self._file_broken is not None:
+                    log.info("routes file parses again after %.0f s", time.monotonic() - self._file_broken[0])
+                    self._file_broken = None
                 if self.models is not None:
                     routes = {m: r for m, r in routes.items() if m in self.models}
                     refused = {m: why for m, why in refused.items() if m in self.models}
@@ -261,15 +298,25 @@ class RouteResolver:
                 routes = {
                     m: r for m, r in routes.items() if r.version is not None or r.served_name == self.base_served_name
                 }
-                self._warn({_left_out(why) for why in refused.values()}, unreadable=False)
+                self._warn({_left_out(why) for why in refused.values()})
                 routes.setdefault(self.public_name, Route(self.base_served_name, None, ""))
                 self._routes, self._read_at = routes, time.monotonic()
             return self._routes
 
-    def _warn(self, refused: set[str], *, unreadable: bool) -> None:
-        """Log each new reason once (a refused route: its model then goes to its base, or is unknown; or a routes
-        file that does not parse), at most ``_WARN_AT_MOST`` lines a window; a reason left unlisted is listed in a
-        later window if still true."""
+    def _file_unreadable(self, why: str) -> None:
+        """Log a routes file that does not parse when it breaks, then every ``_UNREADABLE_REMINDER_S`` while it
+        stays so (its error may change on every read: a file being edited in place)."""
+        now = time.monotonic()
+        if self._file_broken is None:
+            self._file_broken = (now, now)
+            log.warning("%s; the gateway keeps the routes it read last until it parses", why)
+        elif now - self._file_broken[1] >= _UNREADABLE_REMINDER_S:
+            self._file_broken = (self._file_broken[0], now)
+            log.warning("%s, for %.0f s; the gateway keeps the routes it read last", why, now - self._file_broken[0])
+
+    def _warn(self, refused: set[str]) -> None:
+        """Log each newly refused route once (its model then goes to its base, or is unknown), at most
+        ``_WARN_AT_MOST`` lines a window; a reason left unlisted is listed in a later window if still true."""
         now = time.monotonic()
         if now - self._window_at >= _WARN_WINDOW_S:
             self._window_at, self._window_lines = now, 0
@@ -283,8 +330,7 @@ class RouteResolver:
                 "%d more routes left out; listed within %.0f s if still so", len(new) - len(listed), _WARN_WINDOW_S
             )
             self._window_lines += 1
-        # an unreadable file forgets nothing: the entries warned about before are still the ones to fix
-        self._warned = (self._warned if unreadable else self._warned & refused) | set(listed)
+        self._warned = (self._warned & refused) | set(listed)
 
     def __call__(self, public_name: str) -> tuple[str, str | None]:
         """The champion's ``(served name, version)``. Raises KeyError for a name that is neither routed

@@ -56,7 +56,7 @@ from prometheus_client import Counter, Histogram
 
 from connectors.errors import ConnectorError
 from connectors.gateway.route_feed import RoutePublisher
-from connectors.gateway.routes import Route, read_routes, write_route
+from connectors.gateway.routes import Route, RouteRecordError, read_routes, write_route
 from connectors.kafka_admin import ensure_routes_topic
 from pipeline.registry.aliases import TAG_PROMOTED_BY, TAG_SERVE_ERROR, champion_version, revert_failed
 from pipeline.config import HourglassConfig
@@ -140,6 +140,7 @@ class ServingController:
         self._failed: dict[tuple[str, str], str | None] = {}  # (model, version) -> promote tag when it failed
         self._route_publisher = RoutePublisher(cfg.kafka) if cfg.serving.routes_source == "kafka" else None
         self._published_routes: dict[str, dict] | None = None  # what the routes topic acknowledged last
+        self._routes_file_error: str | None = None  # why the routes file did not parse, logged once
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -185,7 +186,10 @@ class ServingController:
     def _publish_routes(self) -> bool:
         """With ``serving.routes_source = "kafka"``: publish the routes that changed since the last
         acknowledged publish (all of them on the first pass) to ``kafka.routes_topic``. Returns False while
-        a change is not acknowledged (the next pass retries; drained versions stay loaded meanwhile)."""
+        a change is not acknowledged or while the routes file does not parse (the next pass retries; drained
+        versions stay loaded meanwhile)."""
+        if not self._routes_file_parses():  # publishing {} would send every model to the base on every gateway
+            return False
         if self._route_publisher is None:
             return True
         current = {m: asdict(r) for m, r in read_routes(self.state_dir).items()}
@@ -407,6 +411,26 @@ class ServingController:
             log.warning("%s", err)
             return False
 
+    def _routes_file_parses(self) -> bool:
+        """False (logged, in every model's status) while the routes file does not parse: versions it may still
+        route to stay loaded (the gateways keep the routes they read last)."""
+        try:
+            read_routes(self.state_dir, strict=True)
+        except RouteRecordError as err:
+            self._routes_file_broken(err)
+            return False
+        if self._routes_file_error is not None:
+            log.info("routes file parses again")
+            self._routes_file_error = None
+        return True
+
+    def _routes_file_broken(self, err: RouteRecordError) -> None:
+        if str(err) != self._routes_file_error:  # once, not on every pass
+            log.warning("%s: no route is published and no version unloaded until it parses (fix or remove it)", err)
+            self._routes_file_error = str(err)
+        for model in self.models:
+            self._status[model].last_transient_error = f"{_now()} {err}"
+
     def _unload_drained(self) -> None:
         now = time.monotonic()
         routed = {
@@ -426,9 +450,9 @@ class ServingController:
         """Unload ``<model>-v<N>`` names that are neither routed, draining, nor desired."""
         st = self._status[model]
         keep = {served_name(model, v) for v in (st.serving, st.desired) if v is not None} | set(self._draining)
-        keep |= {
-            n for r in read_routes(self.state_dir).values() for n in (r.challenger_served_name,) if n
-        }  # the canary's
+        keep |= {  # the canary's; a routes file that does not parse raises: it may route to any version
+            n for r in read_routes(self.state_dir, strict=True).values() for n in (r.challenger_served_name,) if n
+        }
         pattern = re.compile(rf"^{re.escape(model)}-v[0-9]+$")
         for replica, names in seen.items():
             for name in names:

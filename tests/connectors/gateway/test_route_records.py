@@ -5,13 +5,24 @@ and a record can only name ``<model>-v<version>``, the served names of the route
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 
 from connectors.config import KafkaConfig
 from connectors.gateway.route_feed import REFUSED, RouteFollower
 from connectors.gateway import routes as routes_module
-from connectors.gateway.routes import ROUTES_FILE, RouteRecordError, RouteResolver, read_routes, route_from_dict
+from connectors.gateway.routes import (
+    ROUTES_FILE,
+    Route,
+    RouteRecordError,
+    RouteResolver,
+    read_routes,
+    remove_route,
+    route_from_dict,
+    write_route,
+)
 
 GOOD = {"served_name": "hg-v2", "version": "2", "updated_at": "2026-01-01T00:00:00+00:00"}
 CANARY = {**GOOD, "challenger_served_name": "hg-v3", "challenger_version": "3", "fraction": 0.5}
@@ -220,27 +231,32 @@ def test_a_routes_file_of_many_bad_entries_logs_a_bounded_number_of_lines(tmp_pa
 
 
 def test_a_routes_file_that_does_not_parse_keeps_the_last_routes_and_forgets_no_earlier_warning(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ) -> None:
     """A hand-edit with a trailing comma sent every model to the base with nothing logged; a moment of a
     half-written file then made every bad entry warn again."""
+    clock = [1000.0]
+    monkeypatch.setattr(routes_module.time, "monotonic", lambda: clock[0])
     resolver = RouteResolver(tmp_path, "hg", "base", ttl_s=0.0)
     good = json.dumps({"big": {**GOOD, "served_name": "big-v2"}, "bad": 7})
     (tmp_path / ROUTES_FILE).write_text(good)
-    with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
+    with caplog.at_level("INFO", logger="connectors.gateway.routes"):
         assert resolver("big") == ("big-v2", "2")
-        (tmp_path / ROUTES_FILE).write_text(good[:-1] + ",}")
-        for _ in range(3):  # the champion keeps serving while the file does not parse
+        for i in range(50):  # edited in place: a new parse error on every read, logged once
+            (tmp_path / ROUTES_FILE).write_text(good[:-1] + "," + " " * i + "}")
             assert resolver("big") == ("big-v2", "2") and resolver("hg") == ("base", None)
         (tmp_path / ROUTES_FILE).write_text("[1]")
         assert resolver("big") == ("big-v2", "2") and resolver.names() == ["big", "hg"]
+        clock[0] += 301  # still broken: said again, with how long
+        assert resolver("big") == ("big-v2", "2")
         (tmp_path / ROUTES_FILE).write_text(json.dumps({"big": {**GOOD, "served_name": "big-v3", "version": "3"}}))
         assert resolver("big") == ("big-v3", "3")  # the next good read counts again
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 3, messages  # 'bad' once, the parse error once, the list once; 'bad' not again
+    assert len(messages) == 4, messages  # 'bad' once, the broken file once and once more, its repair
     assert "'bad': not a JSON object" in messages[0]
-    assert "unreadable" in messages[1] and messages[1].endswith("the gateway keeps the routes it read last")
-    assert "is not a JSON object; the gateway keeps the routes it read last" in messages[2]
+    assert "unreadable" in messages[1] and messages[1].endswith("keeps the routes it read last until it parses")
+    assert "is not a JSON object, for 301 s; the gateway keeps the routes it read last" in messages[2]
+    assert messages[3] == "routes file parses again after 301 s"
 
 
 def test_a_gateway_started_beside_a_routes_file_that_does_not_parse_serves_its_model_by_the_base(tmp_path) -> None:
@@ -258,3 +274,36 @@ def test_refused_routes_of_models_this_gateway_does_not_serve_are_not_logged(tmp
     with caplog.at_level("WARNING", logger="connectors.gateway.routes"):
         assert RouteResolver(tmp_path, "hg", "base", ttl_s=0.0, models={"hg"})("hg") == ("base", None)
     assert [r.getMessage()[:29] for r in caplog.records] == ["route left out: route of 'hg'"]
+
+
+def test_a_routes_file_that_is_not_a_regular_file_or_too_large_reads_as_unparsable_at_once(tmp_path) -> None:
+    """A FIFO at the routes file's path blocked every reader (the gateway's lock held) until someone wrote."""
+    os.mkfifo(tmp_path / ROUTES_FILE)
+    refused: dict = {}
+    reader = threading.Thread(target=lambda: refused.update(x=read_routes(tmp_path, refused)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and refused["x"] == {} and "not a regular file" in refused[None]
+    (tmp_path / ROUTES_FILE).unlink()
+    (tmp_path / ROUTES_FILE).mkdir()
+    assert read_routes(tmp_path, refused) == {} and "not a regular file" in refused[None]
+    (tmp_path / ROUTES_FILE).rmdir()
+    big = json.dumps({"hg": GOOD, "pad": "x" * routes_module.MAX_ROUTES_FILE_BYTES})
+    (tmp_path / ROUTES_FILE).write_text(big)
+    assert read_routes(tmp_path, refused) == {} and "larger than" in refused[None]
+    with pytest.raises(RouteRecordError, match="larger than"):
+        read_routes(tmp_path, strict=True)
+
+
+def test_writing_a_route_over_a_routes_file_that_does_not_parse_is_refused_and_keeps_the_file(tmp_path) -> None:
+    """The writer rebuilt the file from nothing: one stray comma cost every other model its route."""
+    broken = json.dumps({"big": {**GOOD, "served_name": "big-v2"}, "hg": GOOD})[:-1] + ",}"
+    (tmp_path / ROUTES_FILE).write_text(broken)
+    with pytest.raises(RouteRecordError, match="unreadable"):
+        write_route(tmp_path, "hg", Route("hg-v3", "3", "2026-01-02T00:00:00+00:00"))
+    with pytest.raises(RouteRecordError, match="unreadable"):
+        remove_route(tmp_path, "hg")
+    assert (tmp_path / ROUTES_FILE).read_text() == broken
+    (tmp_path / ROUTES_FILE).unlink()
+    write_route(tmp_path, "hg", Route("hg-v3", "3", "2026-01-02T00:00:00+00:00"))  # absent: written afresh
+    assert read_routes(tmp_path) == {"hg": Route("hg-v3", "3", "2026-01-02T00:00:00+00:00")}

@@ -351,3 +351,28 @@ def test_replica_refused_error_from_an_already_loaded_copy_refuses_the_version(s
     assert stack.stage.calls == [(MODEL, "1"), (MODEL, "2")]
     assert stack.champion() == "1"
     assert "no tokens" in stack.reg.tags(MODEL, "2")[TAG_SERVE_ERROR]
+
+
+def test_a_routes_file_that_does_not_parse_is_not_overwritten_and_nothing_is_unloaded(stack: Stack) -> None:
+    """A hand-edit with a stray comma: the controller once rewrote the file from nothing (dropping every other
+    model's route) and unloaded the canary's challenger, which the gateways, keeping their last routes, still
+    send users to."""
+    stack.serve_with_challenger("1", "2")
+    routes = Path(stack.ctrl.state_dir) / "routes.json"
+    broken = routes.read_text().rstrip()[:-1] + ",}"  # one stray comma before the closing brace
+    routes.write_text(broken)
+    stack.promote("3")  # a promotion while the file is broken (the canary of v2 ends with it)
+    stack.forget_calls()
+
+    st = stack.reconcile()
+    stack.reconcile()
+
+    assert routes.read_text() == broken  # not rewritten: the gateways keep serving what it said last
+    assert all(r.ops("unload") == [] for r in stack.replicas)
+    assert all({"hourglass-v1", "hourglass-v2"} <= r.loaded for r in stack.replicas)
+    assert "routes file" in st["last_error"] and "unreadable" in st["last_error"]
+    assert "routes file" in st["last_transient_error"]
+
+    routes.unlink()  # fixed by hand (here: removed); the next pass routes the new champion
+    st = stack.reconcile()
+    assert stack.route().served_name == "hourglass-v3" and st["serving"] == "3"
