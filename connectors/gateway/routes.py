@@ -166,7 +166,8 @@ def _load(path: Path) -> dict:
 
 
 def write_route(state_dir: str | Path, model: str, route: Route) -> None:
-    """Set one model's route; the file is replaced atomically (:func:`connectors.atomic.write_text`).
+    """Set one model's route; the file is replaced atomically (:func:`connectors.atomic.write_text`). The other
+    models' entries are kept as they are, even one a reader refuses (a hand-edit to fix, not this writer's to drop).
 
     Raises:
         RouteRecordError: the routes file exists and does not parse (fix or remove it by hand: rewriting it
@@ -174,23 +175,32 @@ def write_route(state_dir: str | Path, model: str, route: Route) -> None:
     """
     folder = Path(os.path.expanduser(str(state_dir)))
     folder.mkdir(parents=True, exist_ok=True)
-    routes = {name: asdict(r) for name, r in read_routes(folder, strict=True).items()}
-    routes[model] = asdict(route)
-    _write_all(folder, routes)
+    entries = _entries(folder)
+    entries[model] = asdict(route)
+    _write_all(folder, entries)
 
 
-def _write_all(folder: Path, routes: dict[str, dict]) -> None:
-    atomic.write_text(folder / ROUTES_FILE, json.dumps(routes, indent=2))
+def _entries(folder: Path) -> dict:
+    """The routes file's entries as written ({} when absent). Raises RouteRecordError when it does not parse."""
+    try:
+        return _load(folder / ROUTES_FILE)
+    except FileNotFoundError:
+        return {}
+
+
+def _write_all(folder: Path, entries: dict) -> None:
+    atomic.write_text(folder / ROUTES_FILE, json.dumps(entries, indent=2))
 
 
 def remove_route(state_dir: str | Path, model: str) -> None:
     """Remove one model's route (the gateway then serves the configured public name by the base, as
-    before any route existed); nothing happens when it has none. Replaced atomically like :func:`write_route`."""
+    before any route existed); nothing happens when it has none. Replaced atomically like :func:`write_route`,
+    the other models' entries kept as they are."""
     folder = Path(os.path.expanduser(str(state_dir)))
-    routes = {name: asdict(r) for name, r in read_routes(folder, strict=True).items()}
-    if routes.pop(model, None) is None:
+    entries = _entries(folder)
+    if entries.pop(model, None) is None:
         return
-    _write_all(folder, routes)
+    _write_all(folder, entries)
 
 
 def routes_from_dicts(entries: dict[str, dict], refused: dict[str | None, str] | None = None) -> dict[str, Route]:

@@ -307,3 +307,17 @@ def test_writing_a_route_over_a_routes_file_that_does_not_parse_is_refused_and_k
     (tmp_path / ROUTES_FILE).unlink()
     write_route(tmp_path, "hg", Route("hg-v3", "3", "2026-01-02T00:00:00+00:00"))  # absent: written afresh
     assert read_routes(tmp_path) == {"hg": Route("hg-v3", "3", "2026-01-02T00:00:00+00:00")}
+
+
+def test_writing_one_models_route_keeps_another_models_hand_edited_entry_as_it_is(tmp_path) -> None:
+    """The writer re-wrote only the entries a reader accepts: a hand-edited entry of another model (to be fixed
+    by its owner) vanished on the next promotion of this one."""
+    other = {"served_name": "other-v2", "version": "two", "updated_at": "2026-01-01T00:00:00+00:00"}
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"other": other, "hg": GOOD}))
+    write_route(tmp_path, "hg", Route("hg-v3", "3", "2026-01-02T00:00:00+00:00"))
+    written = json.loads((tmp_path / ROUTES_FILE).read_text())
+    assert written["other"] == other and written["hg"]["served_name"] == "hg-v3"
+    refused: dict = {}
+    assert set(read_routes(tmp_path, refused)) == {"hg"} and "'two'" in refused["other"]  # still refused, still there
+    remove_route(tmp_path, "hg")
+    assert json.loads((tmp_path / ROUTES_FILE).read_text()) == {"other": other}
