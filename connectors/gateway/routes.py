@@ -147,15 +147,16 @@ def read_routes(
 def _load(path: Path) -> dict:
     """The routes file's JSON object. Raises FileNotFoundError, or RouteRecordError naming why it is not one."""
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block every reader; a device would never end
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there must not block the reader
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # what was opened, not what the path names by now
+            os.close(fd)
             raise RouteRecordError(f"routes file {path} is not a regular file")
-        with path.open("rb") as f:
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_ROUTES_FILE_BYTES + 1)
         if len(raw) > MAX_ROUTES_FILE_BYTES:
             raise RouteRecordError(f"routes file {path} is larger than {MAX_ROUTES_FILE_BYTES} bytes")
         data = json.loads(raw)
-    except FileNotFoundError:
+    except (FileNotFoundError, RouteRecordError):
         raise
     except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
         why = "nested too deep" if isinstance(err, RecursionError) else str(err)[:200]
@@ -198,8 +199,9 @@ def remove_route(state_dir: str | Path, model: str) -> None:
     the other models' entries kept as they are."""
     folder = Path(os.path.expanduser(str(state_dir)))
     entries = _entries(folder)
-    if entries.pop(model, None) is None:
+    if model not in entries:
         return
+    del entries[model]  # whatever it holds: a null or broken entry of this model goes too
     _write_all(folder, entries)
 
 

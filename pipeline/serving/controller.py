@@ -169,8 +169,11 @@ class ServingController:
 
     def reconcile_once(self) -> dict[str, dict]:
         """One pass over every served model; returns :meth:`status`. Never raises for
-        MLflow or replica outages (they are reported in the status)."""
+        MLflow or replica outages (they are reported in the status). While the routes file does not
+        parse (a hand-edit), the pass changes nothing: no load, route, publish or unload."""
         with self._lock:
+            if self._routes_now() is None:
+                return self.status()
             for model in self.models:
                 try:
                     self._reconcile_model(model)
@@ -179,20 +182,40 @@ class ServingController:
                     log.warning("reconcile %s: %s", model, err)
                     st = self._status[model]
                     st.last_error, st.updated_at = f"{type(err).__name__}: {err}", _now()
-            if self._publish_routes():  # gateways must know the new route before the old version goes
-                self._unload_drained()
+            routes = self._routes_now()  # as the pass left them: one read for the publish and the unloads
+            if routes is not None and self._publish_routes(routes):  # gateways first, then the old version goes
+                self._unload_drained(routes)
         return self.status()
 
-    def _publish_routes(self) -> bool:
+    def _routes_now(self) -> dict[str, Route] | None:
+        """The routes file's routes; None while it exists and does not parse (logged once, in every model's
+        ``last_error``): a route written over it would drop the other models' routes, and the gateways, which
+        keep the routes they read last, may still send users to any version."""
+        try:
+            routes = read_routes(self.state_dir, strict=True)
+        except RouteRecordError as err:
+            reason = f"{err}: nothing is loaded, routed, published or unloaded until it parses (fix or remove it)"
+            if reason != self._routes_file_error:  # once, not on every pass
+                log.warning("%s", reason)
+                self._routes_file_error = reason
+            for st in self._status.values():
+                st.last_error, st.last_error_version, st.updated_at = reason, None, _now()
+            return None
+        if self._routes_file_error is not None:
+            log.info("routes file parses again")
+            for st in self._status.values():
+                if st.last_error == self._routes_file_error:
+                    st.last_error = None
+            self._routes_file_error = None
+        return routes
+
+    def _publish_routes(self, routes: dict[str, Route]) -> bool:
         """With ``serving.routes_source = "kafka"``: publish the routes that changed since the last
         acknowledged publish (all of them on the first pass) to ``kafka.routes_topic``. Returns False while
-        a change is not acknowledged or while the routes file does not parse (the next pass retries; drained
-        versions stay loaded meanwhile)."""
-        if not self._routes_file_parses():  # publishing {} would send every model to the base on every gateway
-            return False
+        a change is not acknowledged (the next pass retries; drained versions stay loaded meanwhile)."""
         if self._route_publisher is None:
             return True
-        current = {m: asdict(r) for m, r in read_routes(self.state_dir).items()}
+        current = {m: asdict(r) for m, r in routes.items()}
         if current == self._published_routes:
             return True
         before = self._published_routes or {}
@@ -295,6 +318,9 @@ class ServingController:
                     self._load_on(model, desired, missing)
                 except _AdapterFailure as err:
                     st.last_error, st.last_error_version = str(err), desired
+                else:
+                    if st.last_error_version == desired:  # an earlier reload of it failed: this one did not
+                        st.last_error, st.last_error_version = None, None
         self._unload_stale(model, seen)
 
     def _load_on(self, model: str, version: str, replicas: list[ReplicaControl], mv=None) -> list[ReplicaControl]:
@@ -411,31 +437,9 @@ class ServingController:
             log.warning("%s", err)
             return False
 
-    def _routes_file_parses(self) -> bool:
-        """False (logged, in every model's status) while the routes file does not parse: versions it may still
-        route to stay loaded (the gateways keep the routes they read last)."""
-        try:
-            read_routes(self.state_dir, strict=True)
-        except RouteRecordError as err:
-            self._routes_file_broken(err)
-            return False
-        if self._routes_file_error is not None:
-            log.info("routes file parses again")
-            self._routes_file_error = None
-        return True
-
-    def _routes_file_broken(self, err: RouteRecordError) -> None:
-        if str(err) != self._routes_file_error:  # once, not on every pass
-            log.warning("%s: no route is published and no version unloaded until it parses (fix or remove it)", err)
-            self._routes_file_error = str(err)
-        for model in self.models:
-            self._status[model].last_transient_error = f"{_now()} {err}"
-
-    def _unload_drained(self) -> None:
+    def _unload_drained(self, routes: dict[str, Route]) -> None:
         now = time.monotonic()
-        routed = {
-            n for r in read_routes(self.state_dir).values() for n in (r.served_name, r.challenger_served_name) if n
-        }
+        routed = {n for r in routes.values() for n in (r.served_name, r.challenger_served_name) if n}
         for name, deadline in list(self._draining.items()):
             if deadline > now:
                 continue
@@ -443,7 +447,11 @@ class ServingController:
                 for replica in self.replicas:
                     self._try_unload(replica, name)
                 if self.cfg.serving.adapter_share_uri is not None:
-                    share_remove(self.cfg.serving.adapter_share_uri, name)
+                    try:
+                        share_remove(self.cfg.serving.adapter_share_uri, name)
+                    except AdapterShareError as err:  # the store's problem: removed on a later pass
+                        log.warning("adapter share: %s not removed yet: %s", name, err)
+                        continue
             del self._draining[name]
 
     def _unload_stale(self, model: str, seen: dict[ReplicaControl, set[str]]) -> None:

@@ -321,3 +321,10 @@ def test_writing_one_models_route_keeps_another_models_hand_edited_entry_as_it_i
     assert set(read_routes(tmp_path, refused)) == {"hg"} and "'two'" in refused["other"]  # still refused, still there
     remove_route(tmp_path, "hg")
     assert json.loads((tmp_path / ROUTES_FILE).read_text()) == {"other": other}
+
+
+def test_removing_a_route_removes_a_null_or_broken_entry_of_that_model(tmp_path) -> None:
+    (tmp_path / ROUTES_FILE).write_text(json.dumps({"hg": None, "big": 7}))
+    remove_route(tmp_path, "hg")
+    remove_route(tmp_path, "big")
+    assert json.loads((tmp_path / ROUTES_FILE).read_text()) == {}

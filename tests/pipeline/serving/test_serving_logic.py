@@ -353,14 +353,20 @@ def test_replica_refused_error_from_an_already_loaded_copy_refuses_the_version(s
     assert "no tokens" in stack.reg.tags(MODEL, "2")[TAG_SERVE_ERROR]
 
 
+def _break_routes(stack: Stack) -> tuple[Path, str]:
+    """A hand-edit with one stray comma before the routes file's closing brace."""
+    routes = Path(stack.ctrl.state_dir) / "routes.json"
+    broken = routes.read_text().rstrip()[:-1] + ",}"
+    routes.write_text(broken)
+    return routes, broken
+
+
 def test_a_routes_file_that_does_not_parse_is_not_overwritten_and_nothing_is_unloaded(stack: Stack) -> None:
     """A hand-edit with a stray comma: the controller once rewrote the file from nothing (dropping every other
     model's route) and unloaded the canary's challenger, which the gateways, keeping their last routes, still
     send users to."""
     stack.serve_with_challenger("1", "2")
-    routes = Path(stack.ctrl.state_dir) / "routes.json"
-    broken = routes.read_text().rstrip()[:-1] + ",}"  # one stray comma before the closing brace
-    routes.write_text(broken)
+    routes, broken = _break_routes(stack)
     stack.promote("3")  # a promotion while the file is broken (the canary of v2 ends with it)
     stack.forget_calls()
 
@@ -368,11 +374,58 @@ def test_a_routes_file_that_does_not_parse_is_not_overwritten_and_nothing_is_unl
     stack.reconcile()
 
     assert routes.read_text() == broken  # not rewritten: the gateways keep serving what it said last
-    assert all(r.ops("unload") == [] for r in stack.replicas)
+    assert all(r.ops("unload") == [] and r.ops("load") == [] for r in stack.replicas)
     assert all({"hourglass-v1", "hourglass-v2"} <= r.loaded for r in stack.replicas)
-    assert "routes file" in st["last_error"] and "unreadable" in st["last_error"]
-    assert "routes file" in st["last_transient_error"]
+    assert "routes file" in st["last_error"] and "unreadable" in st["last_error"] and st["serving"] == "1"
 
     routes.unlink()  # fixed by hand (here: removed); the next pass routes the new champion
     st = stack.reconcile()
-    assert stack.route().served_name == "hourglass-v3" and st["serving"] == "3"
+    assert stack.route().served_name == "hourglass-v3" and st["serving"] == "3" and st["last_error"] is None
+
+
+def test_a_replica_that_fails_while_the_routes_file_does_not_parse_does_not_demote_the_champion(stack: Stack) -> None:
+    """A broken file read as "nothing served": a restarted replica's refused reload then went down the new-version
+    path, and the working champion lost its alias and was tagged as failed."""
+    stack.promote("1")
+    stack.reconcile()
+    routes, broken = _break_routes(stack)
+    stack.replicas[1].restart()
+    stack.replicas[1].fail("load", ReplicaRefusedError("HTTP 400"))
+
+    st = stack.reconcile()
+
+    assert stack.champion() == "1" and TAG_SERVE_ERROR not in stack.reg.get_model_version(MODEL, "1").tags
+    assert st["serving"] == "1" and "routes file" in st["last_error"]
+    routes.write_text(broken.replace(",}", "}"))  # fixed: the replica gets the champion back, the error goes
+    stack.reconcile()
+    st = stack.reconcile()
+    assert "hourglass-v1" in stack.replicas[1].loaded and st["last_error"] is None and stack.champion() == "1"
+
+
+def test_a_routes_file_broken_right_after_its_parse_check_is_not_published_as_no_routes(
+    stack: Stack, monkeypatch
+) -> None:
+    """The publish re-read the file after checking it: a file broken between the two reads was published as
+    "no routes", a removal of every model on every gateway of the routes topic."""
+    from pipeline.serving import controller as controller_module
+
+    sent: list[dict] = []
+    monkeypatch.setattr(controller_module, "ensure_routes_topic", lambda cfg: False)
+    stack.ctrl._route_publisher = type("Publisher", (), {"publish": lambda self, changed: sent.append(changed)})()
+    stack.promote("1")
+    stack.reconcile()
+    assert len(sent) == 1
+    real = controller_module.read_routes
+
+    def read_then_break(state_dir, refused=None, *, strict=False):
+        out = real(state_dir, refused, strict=strict)
+        if strict:  # an editor saves in place right after each parse check
+            _break_routes(stack)
+        return out
+
+    monkeypatch.setattr(controller_module, "read_routes", read_then_break)
+    monkeypatch.setattr(stack.ctrl, "_reconcile_model", lambda model: None)  # the pass's publish step alone
+    monkeypatch.setattr(controller_module, "reconcile_challenger", lambda ctrl, model: None)
+    stack.reconcile()
+    stack.reconcile()
+    assert len(sent) == 1 and sent[0]["hourglass"]["served_name"] == "hourglass-v1", sent  # no removal after it
