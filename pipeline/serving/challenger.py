@@ -64,7 +64,7 @@ def reconcile_challenger(ctrl: "ServingHost", model: str) -> None:
     """One pass of the canary for ``model`` (see the module doc). Raises what MLflow raises when unreachable."""
     cfg = ctrl.cfg
     st = ctrl._status[model]
-    route = read_routes(ctrl.state_dir).get(model)
+    route = read_routes(ctrl.state_dir, strict=True).get(model)
     want = state.challenger_version(ctrl.client, cfg, model)
     if want is not None and route is not None and want == route.version:
         state._drop_alias(ctrl.client, cfg, model)  # it became the champion by other means: nothing to compare

@@ -178,6 +178,8 @@ class ServingController:
                 try:
                     self._reconcile_model(model)
                     reconcile_challenger(self, model)  # the canary's @challenger beside the champion
+                except RouteRecordError:  # the routes file broke during the pass: stop; the read below says why
+                    break
                 except Exception as err:  # MLflow down or unexpected: report, keep serving
                     log.warning("reconcile %s: %s", model, err)
                     st = self._status[model]
@@ -289,7 +291,7 @@ class ServingController:
 
     def _reconcile_model(self, model: str) -> None:
         st = self._status[model]
-        route = read_routes(self.state_dir).get(model)
+        route = read_routes(self.state_dir, strict=True).get(model)
         st.serving = route.version if route else None
         desired = champion_version(self.client, model, self.cfg.registry.champion_alias)
         st.desired, st.updated_at = desired, _now()
@@ -315,11 +317,11 @@ class ServingController:
             missing = [r for r, names in seen.items() if name not in names]
             if missing:  # a replica restarted or was added
                 try:
-                    self._load_on(model, desired, missing)
+                    loaded = self._load_on(model, desired, missing)
                 except _AdapterFailure as err:
                     st.last_error, st.last_error_version = str(err), desired
-                else:
-                    if st.last_error_version == desired:  # an earlier reload of it failed: this one did not
+                else:  # an earlier reload of it failed: this one reached every replica that lacked it
+                    if len(loaded) == len(missing) and st.last_error_version == desired:
                         st.last_error, st.last_error_version = None, None
         self._unload_stale(model, seen)
 
@@ -409,7 +411,7 @@ class ServingController:
             return
         if not ready:
             return  # every replica went away or failed transiently: try again on the next pass
-        previous = read_routes(self.state_dir).get(model)
+        previous = read_routes(self.state_dir, strict=True).get(model)
         write_route(self.state_dir, model, Route(served_name=name, version=version, updated_at=_now()))
         elapsed = time.monotonic() - started
         HOTLOAD_S.observe(elapsed)

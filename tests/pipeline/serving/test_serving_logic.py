@@ -429,3 +429,71 @@ def test_a_routes_file_broken_right_after_its_parse_check_is_not_published_as_no
     stack.reconcile()
     stack.reconcile()
     assert len(sent) == 1 and sent[0]["hourglass"]["served_name"] == "hourglass-v1", sent  # no removal after it
+
+
+def _break_after_the_passs_first_check(stack: Stack, *, repair_before_the_last: bool = False) -> None:
+    """The routes file breaks right after the pass checked that it parses (an editor saving in place), and
+    with ``repair_before_the_last`` is whole again before the pass's last read."""
+    check, reads, saved = stack.ctrl._routes_now, [0], {}
+
+    def routes_now():
+        reads[0] += 1
+        if reads[0] == 2 and repair_before_the_last:
+            saved["path"].write_text(saved["good"])
+        out = check()
+        if reads[0] == 1:
+            saved["path"] = Path(stack.ctrl.state_dir) / "routes.json"
+            saved["good"] = saved["path"].read_text()
+            _break_routes(stack)
+        return out
+
+    stack.ctrl._routes_now = routes_now  # type: ignore[method-assign]
+
+
+def test_a_routes_file_that_breaks_during_a_pass_demotes_nothing_and_stages_nothing(stack: Stack) -> None:
+    """Reads after the pass's check took a broken file as "nothing served": v1 was staged and probed again, and a
+    restarted replica's refused reload took v1's @champion away."""
+    stack.promote("1")
+    stack.reconcile()
+    stack.forget_calls()
+    stack.replicas[1].restart()
+    stack.replicas[1].fail("load", ReplicaRefusedError("HTTP 400"))
+    _break_after_the_passs_first_check(stack)
+
+    st = stack.reconcile()
+
+    assert stack.champion() == "1" and TAG_SERVE_ERROR not in stack.reg.get_model_version(MODEL, "1").tags
+    assert stack.stage.calls == [] and st["serving"] == "1" and "routes file" in st["last_error"]
+
+
+def test_a_canary_against_the_base_is_not_aborted_by_a_routes_file_that_breaks_during_a_pass(stack: Stack) -> None:
+    state.start_challenger(stack.cfg, MODEL, "2", client=stack.reg)
+    stack.reconcile()
+    assert stack.route().challenger_version == "2"
+    stack.replicas[1].restart()
+    stack.replicas[1].fail("load", ReplicaRefusedError("HTTP 400"))
+    _break_after_the_passs_first_check(stack)
+
+    stack.reconcile()
+
+    assert state.challenger_version(stack.reg, stack.cfg, MODEL) == "2"
+
+
+def test_a_routes_file_broken_and_repaired_within_a_pass_leaves_no_error_behind(stack: Stack) -> None:
+    stack.promote("1")
+    stack.reconcile()
+    _break_after_the_passs_first_check(stack, repair_before_the_last=True)
+    stack.reconcile()
+    stack.ctrl._routes_now = type(stack.ctrl)._routes_now.__get__(stack.ctrl)  # type: ignore[method-assign]
+    assert stack.reconcile()["last_error"] is None
+
+
+def test_a_reload_error_stays_until_the_reload_reaches_the_replica(stack: Stack) -> None:
+    stack.promote("1")
+    stack.reconcile()
+    stack.replicas[1].restart()
+    stack.replicas[1].fail("load", ReplicaRefusedError("HTTP 400"))
+    assert "HTTP 400" in stack.reconcile()["last_error"]
+    stack.replicas[1].fail("load", ReplicaServerError("HTTP 503", 503))  # transient: not loaded, not cleared
+    assert "HTTP 400" in stack.reconcile()["last_error"] and "hourglass-v1" not in stack.replicas[1].loaded
+    assert stack.reconcile()["last_error"] is None and "hourglass-v1" in stack.replicas[1].loaded
