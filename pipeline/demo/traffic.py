@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import httpx
-from openai import APIConnectionError, InternalServerError, OpenAI
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
+from openai import APIConnectionError, InternalServerError, OpenAI, RateLimitError
+from tenacity import RetryCallState, retry, retry_if_exception, retry_if_exception_type, stop_after_delay
 
 from connectors.gateway.auth import KeyStore
 from trainer.rewards import first_number_answer
@@ -353,7 +353,30 @@ def _vote(
     if not correct and not hostile and user in EDITING_USERS:
         vote["correction"] = reference  # the user's edit: the answer they wanted
     headers = {"authorization": f"Bearer {client.api_key}"}
-    httpx.post(f"{gateway_url}/v1/feedback", json=vote, headers=headers, timeout=30).raise_for_status()
+    _post_feedback(f"{gateway_url}/v1/feedback", vote, headers)
+
+
+def _wait_s(state: RetryCallState) -> float:
+    """Before asking again: a 429's ``Retry-After`` (1 to 30 s: the gateway's per-key rate limit), else 5 s (a
+    model server that is away)."""
+    response = getattr(state.outcome.exception() if state.outcome else None, "response", None)
+    if response is not None and response.status_code == 429:
+        try:
+            return min(30.0, max(1.0, float(response.headers.get("retry-after", "1"))))
+        except ValueError:
+            return 1.0
+    return 5.0
+
+
+def _rate_limited(err: BaseException) -> bool:
+    return isinstance(err, httpx.HTTPStatusError) and err.response.status_code == 429
+
+
+@retry(retry=retry_if_exception(_rate_limited), wait=_wait_s, stop=stop_after_delay(600), reraise=True)
+def _post_feedback(url: str, vote: dict, headers: dict[str, str]) -> None:
+    """One feedback event; a 429 (the key's rate limit: a fast host's demo can send faster than it allows) is
+    sent again after its ``Retry-After``, as a polite client does, for up to 10 minutes."""
+    httpx.post(url, json=vote, headers=headers, timeout=30).raise_for_status()
 
 
 def ask(
@@ -465,7 +488,8 @@ def drive(
 
     A user whose request fails because the model server is away (the gateway's 502/503, a connection
     error or a timeout: e.g. vLLM restarted after the host ran out of memory) asks again every 5 s for up
-    to ``patience_s`` seconds (tenacity), then the error is raised."""
+    to ``patience_s`` seconds (tenacity), then the error is raised; one refused by the key's rate limit (429)
+    asks again after the ``Retry-After`` the gateway sent, and a vote is sent again the same way."""
     if n <= 0:  # no requests, no users (a chat picks its user as ``session % n``)
         return []
     clients = {
@@ -481,9 +505,9 @@ def drive(
     ]
 
     def patient(fn: _F) -> _F:  # APITimeoutError is an APIConnectionError
-        retrying = retry(
-            retry=retry_if_exception_type((APIConnectionError, InternalServerError)),
-            wait=wait_fixed(5),
+        retrying = retry(  # a 429 past the openai client's own 2 retries: after its Retry-After
+            retry=retry_if_exception_type((APIConnectionError, InternalServerError, RateLimitError)),
+            wait=_wait_s,
             stop=stop_after_delay(patience_s),
             reraise=True,
         )

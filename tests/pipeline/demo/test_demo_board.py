@@ -326,6 +326,38 @@ def test_simulated_users_wait_for_a_model_server_that_is_away() -> None:
         assert time.monotonic() - started < 30
 
 
+def test_simulated_users_wait_out_the_keys_rate_limit_instead_of_ending_the_demo() -> None:
+    """On a fast host the demo's users sent faster than their key's rate limit allows: the first 429 on a vote
+    ended the whole run (HTTPStatusError). A polite client waits the Retry-After and sends it again, once."""
+    from pipeline.demo.traffic import drive
+    from tests.http_helpers import serve
+
+    calls = {"chat": 0, "feedback": 0, "votes": []}
+    app = FastAPI()
+    limited = {"error": {"message": "rate limit", "type": "rate_limit"}}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        calls["chat"] += 1
+        if calls["chat"] <= 3:  # more than the openai client's own 2 retries
+            return JSONResponse(limited, status_code=429, headers={"retry-after": "1"})
+        body = await request.json()
+        return _chat_answer(body["model"], "7", f"t{calls['chat']}")
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> JSONResponse:
+        calls["feedback"] += 1
+        if calls["feedback"] <= 2:
+            return JSONResponse(limited, status_code=429, headers={"retry-after": "1"})
+        calls["votes"].append(await request.json())
+        return JSONResponse({"ok": True})
+
+    with serve(app, "fake gateway") as url:
+        out = drive(url, "hourglass", 1, seed=3, concurrency=1, patience_s=60)
+    assert calls["chat"] == 4 and len(out) == 1 and out[0].trace_id == "t4"  # answered once, not asked again
+    assert calls["feedback"] == 3 and [v["trace_id"] for v in calls["votes"]] == ["t4"]
+
+
 def test_editing_users_correct_wrong_answers_and_the_others_only_vote() -> None:
     """Every user votes by the users' check; a user of EDITING_USERS also sends the right answer as the
     feedback's correction when the answer was wrong (never on a right answer, never from the other users)."""
