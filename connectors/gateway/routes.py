@@ -130,11 +130,8 @@ def read_routes(
     too, or raises :class:`RouteRecordError` with ``strict`` (the writers: a route written over a file that
     did not parse would drop every other model's route). With ``refused``, each reason is recorded there:
     ``{model: why}``, and under None why a file that exists did not parse as a JSON object."""
-    path = Path(os.path.expanduser(str(state_dir))) / ROUTES_FILE
     try:
-        data = _load(path)
-    except FileNotFoundError:
-        return {}
+        data = _entries(Path(os.path.expanduser(str(state_dir))))
     except RouteRecordError as err:
         if strict:
             raise
